@@ -1,0 +1,469 @@
+//! The CPU backend: every rank owns one persistent shared-memory segment, created at startup and
+//! sized for the worst step, which peers map and write into one-sidedly. Each phase writes, then
+//! raises a per-source flag with the step's sequence number; readers wait for the flags of every
+//! source, so no step can read another's data. f32 math; GEMMs through ndarray (matrixmultiply).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ndarray::linalg::general_mat_mul;
+use ndarray::{ArrayView2, ArrayViewMut2};
+
+use crate::model::routing::Router;
+use crate::model::{Ffn, MoeSpec, Placement, RankWeights};
+use crate::shm::{wait_seq, Abort, Shm};
+use crate::step::ring::Ring;
+use crate::step::{Backend, Exchange, Experts, Gating, StepDesc, StepError, StepIo};
+
+const LINE: usize = 64;
+/// Rows per expert GEMM chunk: bounds the scratch whatever the step's skew.
+const CHUNK: usize = 256;
+
+/// Per-rank segment layout, identical on every rank.
+#[derive(Clone, Copy, Debug)]
+pub struct SegmentShape {
+    pub world: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub hidden: usize,
+    /// Most home tokens per rank per step.
+    pub max_home: usize,
+}
+
+#[derive(Clone, Copy)]
+enum Flag {
+    Counts = 0,
+    Dispatch = 1,
+    Combine = 2,
+}
+
+impl SegmentShape {
+    /// Worst-case rows one rank receives: every source sends each of its tokens to at most
+    /// min(k, local experts) of this rank's experts.
+    pub fn recv_rows(&self) -> usize {
+        self.world * self.max_home * self.top_k.min(self.experts / self.world)
+    }
+    fn flag(&self, kind: Flag, src: usize) -> usize {
+        (kind as usize * self.world + src) * LINE
+    }
+    fn counts(&self, src: usize) -> usize {
+        3 * self.world * LINE + src * self.experts * 4
+    }
+    fn meta(&self, row: usize) -> usize {
+        (self.counts(self.world)).next_multiple_of(LINE) + row * 12
+    }
+    fn rows(&self, row: usize) -> usize {
+        self.meta(self.recv_rows()).next_multiple_of(LINE) + row * self.hidden * 4
+    }
+    fn combine(&self, token: usize, k: usize) -> usize {
+        self.rows(self.recv_rows()).next_multiple_of(LINE)
+            + (token * self.top_k + k) * self.hidden * 4
+    }
+    pub fn bytes(&self) -> usize {
+        self.combine(self.max_home, 0).next_multiple_of(LINE)
+    }
+}
+
+pub fn segment_path(dir: &Path, group: &str, rank: usize) -> PathBuf {
+    dir.join(format!("epserve-{group}-rank{rank}"))
+}
+
+pub struct CpuRank {
+    rank: usize,
+    shape: SegmentShape,
+    spec: MoeSpec,
+    weights: RankWeights,
+    placement: Placement,
+    /// Every rank's segment, this rank's own included, by rank.
+    segs: Vec<Shm>,
+    ring: Arc<Ring>,
+    abort: Arc<Abort>,
+    step_timeout: Duration,
+    deadline: Instant,
+    s: Scratch,
+}
+
+/// Host scratch, sized at startup for the worst step and never grown.
+struct Scratch {
+    x: Vec<f32>,
+    ids: Vec<i32>,
+    w: Vec<f32>,
+    logits: Vec<f32>,
+    counts: Vec<u32>,
+    matrix: Vec<u32>,
+    next_row: Vec<usize>,
+    meta: Vec<i32>,
+    rows: Vec<f32>,
+    gu: Vec<f32>,
+    act: Vec<f32>,
+    y: Vec<f32>,
+    out: Vec<f32>,
+    router: Router,
+}
+
+impl CpuRank {
+    /// Creates this rank's segment (zero-filled: every flag starts at step 0).
+    pub fn create_segment(
+        dir: &Path,
+        group: &str,
+        rank: usize,
+        shape: SegmentShape,
+    ) -> std::io::Result<Shm> {
+        Shm::create(&segment_path(dir, group, rank), shape.bytes())
+    }
+
+    /// Maps every peer's segment and builds the rank; `own` came from `create_segment`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attach(
+        dir: &Path,
+        group: &str,
+        rank: usize,
+        own: Shm,
+        shape: SegmentShape,
+        spec: MoeSpec,
+        weights: RankWeights,
+        ring: Arc<Ring>,
+        abort: Arc<Abort>,
+        step_timeout: Duration,
+    ) -> std::io::Result<Self> {
+        let mut own = Some(own);
+        let segs = (0..shape.world)
+            .map(|r| match r == rank {
+                true => Ok(own.take().expect("own segment")),
+                false => Shm::open(&segment_path(dir, group, r), shape.bytes()),
+            })
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let (t, h, k, e) = (shape.max_home, shape.hidden, shape.top_k, shape.experts);
+        let inter = spec.intermediate.max(spec.shared_intermediate);
+        let s = Scratch {
+            x: vec![0.0; t * h],
+            ids: vec![0; t * k],
+            w: vec![0.0; t * k],
+            logits: vec![0.0; t * e],
+            counts: vec![0; e],
+            matrix: vec![0; shape.world * e],
+            next_row: vec![0; e],
+            meta: vec![0; CHUNK * 3],
+            rows: vec![0.0; CHUNK.max(t) * h],
+            gu: vec![0.0; CHUNK.max(t) * 2 * inter],
+            act: vec![0.0; CHUNK.max(t) * inter],
+            y: vec![0.0; CHUNK.max(t) * h],
+            out: vec![0.0; t * h],
+            router: Router::default(),
+        };
+        Ok(Self {
+            rank,
+            placement: Placement::new(spec.num_experts, shape.world)
+                .map_err(|e| std::io::Error::other(e.to_string()))?,
+            shape,
+            spec,
+            weights,
+            segs,
+            ring,
+            abort,
+            step_timeout,
+            deadline: Instant::now(),
+            s,
+        })
+    }
+
+    /// Removes this rank's segment file once every peer has mapped it.
+    pub fn unlink_own(&self) {
+        self.segs[self.rank].unlink();
+    }
+
+    fn wait_all(&self, desc: &StepDesc, kind: Flag, what: &'static str) -> Result<(), StepError> {
+        let own = &self.segs[self.rank];
+        for src in 0..self.shape.world {
+            wait_seq(
+                own.flag(self.shape.flag(kind, src)),
+                desc.step,
+                self.deadline,
+                &self.abort,
+            )
+            .map_err(|source| StepError::Wait {
+                step: desc.step,
+                what,
+                rank: src,
+                source,
+            })?;
+        }
+        Ok(())
+    }
+
+    fn raise(&self, peer: usize, kind: Flag, step: u64) {
+        self.segs[peer]
+            .flag(self.shape.flag(kind, self.rank))
+            .store(step, Ordering::Release);
+    }
+
+    /// First row of each of `dest`'s local experts' blocks in `dest`'s receive buffer, and the
+    /// row where `src`'s tokens for that expert start: expert-major, sources in rank order.
+    fn layout(&self, dest: usize, src: usize, out: &mut [usize]) {
+        let (e, m) = (self.shape.experts, &self.s.matrix);
+        let mut start = 0;
+        for (i, g) in self.placement.experts_of(dest).enumerate() {
+            let before: u32 = (0..src).map(|s| m[s * e + g]).sum();
+            out[i] = start + before as usize;
+            start += (0..self.shape.world)
+                .map(|s| m[s * e + g] as usize)
+                .sum::<usize>();
+        }
+    }
+}
+
+/// `y[m, h] = down(silu(gate x) * up x)` for `x[m, h]`.
+fn ffn_forward(
+    f: &Ffn,
+    x: &[f32],
+    m: usize,
+    h: usize,
+    gu: &mut [f32],
+    act: &mut [f32],
+    y: &mut [f32],
+) {
+    let i = f.inter;
+    let xa = ArrayView2::from_shape((m, h), &x[..m * h]).expect("x shape");
+    let wgu = ArrayView2::from_shape((2 * i, h), &f.gate_up).expect("gate_up shape");
+    let mut gua = ArrayViewMut2::from_shape((m, 2 * i), &mut gu[..m * 2 * i]).expect("gu shape");
+    general_mat_mul(1.0, &xa, &wgu.t(), 0.0, &mut gua);
+    for (row, a) in gu[..m * 2 * i]
+        .chunks_exact(2 * i)
+        .zip(act[..m * i].chunks_exact_mut(i))
+    {
+        let (g, u) = row.split_at(i);
+        for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
+            *a = g / (1.0 + (-g).exp()) * u;
+        }
+    }
+    let aa = ArrayView2::from_shape((m, i), &act[..m * i]).expect("act shape");
+    let wd = ArrayView2::from_shape((h, i), &f.down).expect("down shape");
+    let mut ya = ArrayViewMut2::from_shape((m, h), &mut y[..m * h]).expect("y shape");
+    general_mat_mul(1.0, &aa, &wd.t(), 0.0, &mut ya);
+}
+
+impl StepIo for CpuRank {
+    fn load_home(
+        &mut self,
+        desc: &StepDesc,
+        home: std::ops::Range<usize>,
+    ) -> Result<(), StepError> {
+        self.deadline = Instant::now() + self.step_timeout;
+        let (slot, n, h, k) = (
+            desc.slot as usize,
+            home.len(),
+            self.shape.hidden,
+            self.shape.top_k,
+        );
+        if !self.ring.input_ready(slot, desc.step) || n > self.shape.max_home {
+            return Err(StepError::Invalid {
+                step: desc.step,
+                msg: format!("slot {slot} does not hold this step's input, or {n} home tokens exceed the buffers"),
+            });
+        }
+        self.ring
+            .read_hidden(slot, home.clone(), &mut self.s.x[..n * h]);
+        if desc.client_routing {
+            self.ring
+                .read_routing(slot, home, &mut self.s.ids[..n * k], &mut self.s.w[..n * k]);
+            let e = self.shape.experts as i32;
+            if let Some(bad) = self.s.ids[..n * k]
+                .iter()
+                .find(|&&id| !(0..e).contains(&id))
+            {
+                return Err(StepError::Invalid {
+                    step: desc.step,
+                    msg: format!("expert id {bad} out of range"),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn store_home(
+        &mut self,
+        desc: &StepDesc,
+        home: std::ops::Range<usize>,
+    ) -> Result<(), StepError> {
+        let n = home.len() * self.shape.hidden;
+        self.ring.write_output(
+            desc.slot as usize,
+            self.rank,
+            home,
+            &self.s.out[..n],
+            desc.step,
+        );
+        Ok(())
+    }
+}
+
+impl Gating for CpuRank {
+    fn gate(&mut self, desc: &StepDesc, n: usize) -> Result<(), StepError> {
+        let (h, e, k) = (self.shape.hidden, self.shape.experts, self.shape.top_k);
+        let layer = &self.weights.layers[desc.layer as usize];
+        let s = &mut self.s;
+        let xa = ArrayView2::from_shape((n, h), &s.x[..n * h]).expect("x shape");
+        let ra = ArrayView2::from_shape((e, h), &layer.router).expect("router shape");
+        let mut la =
+            ArrayViewMut2::from_shape((n, e), &mut s.logits[..n * e]).expect("logits shape");
+        general_mat_mul(1.0, &xa, &ra.t(), 0.0, &mut la);
+        for t in 0..n {
+            s.router.route(
+                &self.spec.routing,
+                &s.logits[t * e..(t + 1) * e],
+                layer.bias.as_deref(),
+                &mut s.ids[t * k..(t + 1) * k],
+                &mut s.w[t * k..(t + 1) * k],
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Exchange for CpuRank {
+    /// All-gather of per-expert counts: every rank learns the whole [source, expert] matrix.
+    fn prepare(&mut self, desc: &StepDesc, n: usize) -> Result<(), StepError> {
+        let (e, k) = (self.shape.experts, self.shape.top_k);
+        self.s.counts.fill(0);
+        for &id in &self.s.ids[..n * k] {
+            self.s.counts[id as usize] += 1;
+        }
+        for peer in 0..self.shape.world {
+            self.segs[peer].write(self.shape.counts(self.rank), &self.s.counts);
+            self.raise(peer, Flag::Counts, desc.step);
+        }
+        self.wait_all(desc, Flag::Counts, "routing counts")?;
+        let own = &self.segs[self.rank];
+        own.read(
+            self.shape.counts(0),
+            &mut self.s.matrix[..self.shape.world * e],
+        );
+        Ok(())
+    }
+
+    /// Each (token, k) row goes to its expert's block in the owner's receive buffer.
+    fn dispatch(&mut self, desc: &StepDesc, n: usize) -> Result<(), StepError> {
+        let (h, k, local) = (
+            self.shape.hidden,
+            self.shape.top_k,
+            self.placement.per_rank(),
+        );
+        let mut next = std::mem::take(&mut self.s.next_row);
+        for dest in 0..self.shape.world {
+            self.layout(dest, self.rank, &mut next[dest * local..(dest + 1) * local]);
+        }
+        for t in 0..n {
+            for j in 0..k {
+                let g = self.s.ids[t * k + j] as usize;
+                let dest = self.placement.owner(g);
+                let row = next[g];
+                next[g] += 1;
+                let seg = &self.segs[dest];
+                seg.write(self.shape.rows(row), &self.s.x[t * h..(t + 1) * h]);
+                seg.write(
+                    self.shape.meta(row),
+                    &[self.rank as i32, t as i32, j as i32],
+                );
+            }
+        }
+        self.s.next_row = next;
+        for dest in 0..self.shape.world {
+            self.raise(dest, Flag::Dispatch, desc.step);
+        }
+        self.wait_all(desc, Flag::Dispatch, "dispatched tokens")
+    }
+
+    /// Home side: weighted sum of the k expert outputs each token got back, plus shared experts.
+    fn combine(&mut self, desc: &StepDesc, n: usize) -> Result<(), StepError> {
+        for peer in 0..self.shape.world {
+            self.raise(peer, Flag::Combine, desc.step);
+        }
+        self.wait_all(desc, Flag::Combine, "combined rows")?;
+        let (h, k) = (self.shape.hidden, self.shape.top_k);
+        let own = &self.segs[self.rank];
+        let s = &mut self.s;
+        let row = &mut s.rows[..h];
+        for t in 0..n {
+            let out = &mut s.out[t * h..(t + 1) * h];
+            out.fill(0.0);
+            for j in 0..k {
+                own.read(self.shape.combine(t, j), row);
+                let w = s.w[t * k + j];
+                out.iter_mut()
+                    .zip(row.iter())
+                    .for_each(|(o, &r)| *o += w * r);
+            }
+        }
+        if let Some(shared) = &self.weights.layers[desc.layer as usize].shared {
+            ffn_forward(shared, &s.x, n, h, &mut s.gu, &mut s.act, &mut s.y);
+            s.out[..n * h]
+                .iter_mut()
+                .zip(&s.y[..n * h])
+                .for_each(|(o, &y)| *o += y);
+        }
+        Ok(())
+    }
+}
+
+impl Experts for CpuRank {
+    /// Runs each local expert over its block of received rows, chunk by chunk, and writes each
+    /// output row into its home rank's combine buffer at (token, k).
+    fn compute(&mut self, desc: &StepDesc) -> Result<(), StepError> {
+        let (h, e) = (self.shape.hidden, self.shape.experts);
+        let layer = &self.weights.layers[desc.layer as usize];
+        let own = &self.segs[self.rank];
+        let s = &mut self.s;
+        let mut start = 0;
+        for (i, g) in self.placement.experts_of(self.rank).enumerate() {
+            let total: usize = (0..self.shape.world)
+                .map(|src| s.matrix[src * e + g] as usize)
+                .sum();
+            let mut done = 0;
+            while done < total {
+                let m = CHUNK.min(total - done);
+                let first = start + done;
+                own.read(self.shape.rows(first), &mut s.rows[..m * h]);
+                own.read(self.shape.meta(first), &mut s.meta[..m * 3]);
+                ffn_forward(
+                    &layer.experts[i],
+                    &s.rows,
+                    m,
+                    h,
+                    &mut s.gu,
+                    &mut s.act,
+                    &mut s.y,
+                );
+                for (r, meta) in s.meta[..m * 3].chunks_exact(3).enumerate() {
+                    let (src, t, j) = (meta[0] as usize, meta[1] as usize, meta[2] as usize);
+                    self.segs[src].write(self.shape.combine(t, j), &s.y[r * h..(r + 1) * h]);
+                }
+                done += m;
+            }
+            start += total;
+        }
+        Ok(())
+    }
+}
+
+impl Backend for CpuRank {
+    fn buffers(&self) -> Vec<(&'static str, usize, usize)> {
+        let v = |name, p: *const u8, len| (name, p as usize, len);
+        let s = &self.s;
+        let mut out: Vec<_> = self
+            .segs
+            .iter()
+            .map(|seg| ("exchange_segment", seg.addr(), seg.len()))
+            .collect();
+        out.push(self.ring.buffer());
+        out.extend([
+            v("home_x", s.x.as_ptr().cast(), s.x.capacity()),
+            v("expert_rows", s.rows.as_ptr().cast(), s.rows.capacity()),
+            v("expert_gate_up", s.gu.as_ptr().cast(), s.gu.capacity()),
+            v("expert_out", s.y.as_ptr().cast(), s.y.capacity()),
+            v("home_out", s.out.as_ptr().cast(), s.out.capacity()),
+        ]);
+        out
+    }
+}

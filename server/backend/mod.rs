@@ -1,0 +1,3 @@
+//! Implementations of the step phases.
+
+pub mod cpu;

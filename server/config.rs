@@ -1,0 +1,168 @@
+//! Command-line flags (each also an environment variable), validated at start.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "epserve",
+    version,
+    about = "Expert-parallel serving of MoE layers over gRPC"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run one rank of an EP group (rank 0 is the router and serves gRPC).
+    Serve(ServeArgs),
+    /// Spawn N local ranks of one group and supervise them.
+    Launch(LaunchArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct LaunchArgs {
+    /// Number of local rank processes.
+    #[arg(long, env = "EPSERVE_RANKS", default_value_t = 2)]
+    pub ranks: usize,
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    /// Shared-memory ranks on one host, f32 math.
+    Cpu,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("'{s}': {e} (write e.g. 2s, 500ms)"))
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// `synthetic:NAME` (tiny, tiny-qwen3, tiny-deepseek, qwen3-30b-a3b, mixtral-8x7b, deepseek-v3)
+    /// or a Hugging Face checkpoint directory.
+    #[arg(long, env = "EPSERVE_MODEL", default_value = "synthetic:tiny")]
+    pub model: String,
+    /// Serve only the first N MoE layers.
+    #[arg(long, env = "EPSERVE_LAYERS")]
+    pub layers: Option<usize>,
+    /// Seed of synthetic weights.
+    #[arg(long, env = "EPSERVE_SEED", default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long, env = "EPSERVE_BACKEND", value_enum, default_value = "cpu")]
+    pub backend: BackendKind,
+    /// This rank (else RANK, then LWS_WORKER_INDEX, else 0).
+    #[arg(long)]
+    pub rank: Option<usize>,
+    /// Ranks in the group (else WORLD_SIZE, then LWS_GROUP_SIZE, else 1).
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// Router's rendezvous address HOST:PORT (else MASTER_ADDR:MASTER_PORT, then
+    /// LWS_LEADER_ADDRESS:MASTER_PORT, else 127.0.0.1:29500).
+    #[arg(long, env = "EPSERVE_RENDEZVOUS")]
+    pub rendezvous: Option<String>,
+    /// gRPC address of the router.
+    #[arg(long, env = "EPSERVE_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// Most tokens in one step, all ranks together; sizes every exchange buffer.
+    #[arg(long, env = "EPSERVE_MAX_TOKENS_PER_STEP", default_value_t = 256)]
+    pub max_tokens_per_step: usize,
+    /// Longest a step waits to fill, in microseconds.
+    #[arg(long, env = "EPSERVE_MAX_BATCH_WAIT_US", default_value_t = 200)]
+    pub max_batch_wait_us: u64,
+    /// Requests waiting for a step; beyond it requests are refused with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "EPSERVE_MAX_QUEUED_REQUESTS", default_value_t = 1024)]
+    pub max_queued_requests: usize,
+    /// Largest accepted gRPC message.
+    #[arg(long, env = "EPSERVE_MAX_REQUEST_BYTES", default_value_t = 64 << 20)]
+    pub max_request_bytes: usize,
+    /// Bound on every startup wait (joining, creating and mapping buffers).
+    #[arg(long, env = "EPSERVE_RENDEZVOUS_TIMEOUT", default_value = "120s", value_parser = duration)]
+    pub rendezvous_timeout: Duration,
+    /// Bound on every wait inside a step; past it the group is broken.
+    #[arg(long, env = "EPSERVE_STEP_TIMEOUT", default_value = "10s", value_parser = duration)]
+    pub step_timeout: Duration,
+    /// Directory for the shared-memory segments (a tmpfs).
+    #[arg(long, env = "EPSERVE_SHM_DIR", default_value = "/dev/shm")]
+    pub shm_dir: PathBuf,
+    #[arg(long, env = "EPSERVE_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+/// Where this rank sits in its group.
+#[derive(Clone, Debug)]
+pub struct Member {
+    pub rank: usize,
+    pub world: usize,
+    pub rendezvous: String,
+}
+
+fn env_usize(keys: &[&str]) -> Result<Option<usize>, String> {
+    for k in keys {
+        if let Ok(v) = std::env::var(k) {
+            return v
+                .trim()
+                .parse()
+                .map(Some)
+                .map_err(|_| format!("{k}={v} is not a number"));
+        }
+    }
+    Ok(None)
+}
+
+impl ServeArgs {
+    /// Resolves rank, world size and rendezvous from flags, then torchrun's and LeaderWorkerSet's
+    /// variables, and checks the flags that must be positive.
+    pub fn member(&self) -> Result<Member, String> {
+        let rank = match self.rank {
+            Some(r) => r,
+            None => env_usize(&["RANK", "LWS_WORKER_INDEX"])?.unwrap_or(0),
+        };
+        let world = match self.world_size {
+            Some(w) => w,
+            None => env_usize(&["WORLD_SIZE", "LWS_GROUP_SIZE"])?.unwrap_or(1),
+        };
+        if world == 0 || rank >= world {
+            return Err(format!("rank {rank} is not in a world of size {world}"));
+        }
+        let port = std::env::var("MASTER_PORT").unwrap_or_else(|_| "29500".into());
+        let rendezvous = self
+            .rendezvous
+            .clone()
+            .or_else(|| {
+                std::env::var("MASTER_ADDR")
+                    .ok()
+                    .map(|a| format!("{a}:{port}"))
+            })
+            .or_else(|| {
+                std::env::var("LWS_LEADER_ADDRESS")
+                    .ok()
+                    .map(|a| format!("{a}:{port}"))
+            })
+            .unwrap_or_else(|| format!("127.0.0.1:{port}"));
+        if self.max_tokens_per_step == 0 {
+            return Err("--max-tokens-per-step must be at least 1".into());
+        }
+        if self.max_queued_requests == 0 {
+            return Err("--max-queued-requests must be at least 1".into());
+        }
+        Ok(Member {
+            rank,
+            world,
+            rendezvous,
+        })
+    }
+}

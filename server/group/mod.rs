@@ -1,0 +1,369 @@
+//! The EP group: rendezvous at the router (rank 0), config fingerprint check, and the control
+//! channel that carries step descriptors. Every wait has a deadline and names who is missing.
+
+pub mod wire;
+
+use std::io::ErrorKind;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::step::StepDesc;
+pub use wire::{recv, send};
+
+pub type Fingerprint = Vec<(String, String)>;
+
+/// Control messages, router ↔ rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "msg", rename_all = "snake_case")]
+pub enum Ctl {
+    Hello {
+        rank: usize,
+        world: usize,
+        host: String,
+        fingerprint: Fingerprint,
+    },
+    Welcome {
+        group: String,
+    },
+    Reject {
+        reason: String,
+    },
+    /// The rank's exchange segment exists.
+    Created {
+        rank: usize,
+    },
+    /// Every segment exists: map the peers'.
+    Map,
+    Mapped {
+        rank: usize,
+    },
+    /// Every rank mapped every segment: unlink your files and start.
+    Go,
+    Step(StepDesc),
+    /// Leave the step loop and exit cleanly.
+    Shutdown,
+    Failed {
+        rank: usize,
+        reason: String,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GroupError {
+    #[error("{0}")]
+    Rejected(String),
+    #[error("{0}")]
+    Timeout(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("protocol error: {0}")]
+    Protocol(String),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> GroupError {
+    let what = what.into();
+    move |source| GroupError::Io { what, source }
+}
+
+/// Identifies the host: ranks sharing host memory must agree on it.
+pub fn host_id() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let name = nix::unistd::gethostname()
+        .map(|h| h.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    format!("{name}/{}", boot.trim())
+}
+
+/// The first field where two fingerprints differ: (field, ours, theirs).
+pub fn first_difference(
+    ours: &Fingerprint,
+    theirs: &Fingerprint,
+) -> Option<(String, String, String)> {
+    let get = |fp: &Fingerprint, k: &str| {
+        fp.iter()
+            .find(|(f, _)| f == k)
+            .map_or_else(|| "<missing>".to_string(), |(_, v)| v.clone())
+    };
+    let mut keys: Vec<&String> = ours.iter().map(|(k, _)| k).collect();
+    keys.extend(
+        theirs
+            .iter()
+            .map(|(k, _)| k)
+            .filter(|k| !ours.iter().any(|(o, _)| o == *k)),
+    );
+    keys.into_iter().find_map(|k| {
+        let (a, b) = (get(ours, k), get(theirs, k));
+        (a != b).then(|| (k.clone(), a, b))
+    })
+}
+
+fn remaining(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
+}
+
+/// Router side of the group: one control connection per other rank, index = rank - 1.
+pub struct RouterLink {
+    pub workers: Vec<TcpStream>,
+}
+
+impl RouterLink {
+    /// Accepts every rank, checks its fingerprint against ours, and welcomes the group. On any
+    /// failure every connected rank is told why before the error returns.
+    pub fn accept(
+        listener: &TcpListener,
+        world: usize,
+        fingerprint: &Fingerprint,
+        host: &str,
+        same_host: bool,
+        group: &str,
+        timeout: Duration,
+    ) -> Result<Self, GroupError> {
+        let deadline = Instant::now() + timeout;
+        let mut slots: Vec<Option<TcpStream>> = (1..world).map(|_| None).collect();
+        listener
+            .set_nonblocking(true)
+            .map_err(io("rendezvous listener"))?;
+        let result = (|| {
+            while slots.iter().any(Option::is_none) {
+                let (mut stream, peer) = match listener.accept() {
+                    Ok(s) => s,
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                        if Instant::now() >= deadline {
+                            let missing: Vec<String> = slots
+                                .iter()
+                                .enumerate()
+                                .filter(|(_, s)| s.is_none())
+                                .map(|(i, _)| (i + 1).to_string())
+                                .collect();
+                            return Err(GroupError::Timeout(format!(
+                                "rank(s) {} of world size {world} did not join the rendezvous within {timeout:?}",
+                                missing.join(", ")
+                            )));
+                        }
+                        std::thread::sleep(Duration::from_millis(5));
+                        continue;
+                    }
+                    Err(e) => return Err(io("rendezvous accept")(e)),
+                };
+                stream
+                    .set_nonblocking(false)
+                    .map_err(io("rendezvous socket"))?;
+                stream.set_nodelay(true).map_err(io("rendezvous socket"))?;
+                stream
+                    .set_read_timeout(Some(remaining(deadline)))
+                    .map_err(io("rendezvous socket"))?;
+                let hello = recv(&mut stream).map_err(io(format!("hello from {peer}")))?;
+                let Ctl::Hello {
+                    rank,
+                    world: their_world,
+                    host: their_host,
+                    fingerprint: theirs,
+                } = hello
+                else {
+                    return Err(GroupError::Protocol(format!(
+                        "{peer} sent {hello:?} before hello"
+                    )));
+                };
+                let problem = if their_world != world {
+                    Some(format!("config mismatch: rank {rank} has world_size={their_world}, rank 0 has {world}"))
+                } else if rank == 0 || rank >= world {
+                    Some(format!(
+                        "rank {rank} is out of range for world size {world}"
+                    ))
+                } else if slots[rank - 1].is_some() {
+                    Some(format!("rank {rank} joined twice"))
+                } else if let Some((field, ours, theirs)) = first_difference(fingerprint, &theirs) {
+                    Some(format!(
+                        "config mismatch in '{field}': rank {rank} has {theirs}, rank 0 has {ours}"
+                    ))
+                } else if same_host && their_host != host {
+                    Some(format!(
+                        "rank {rank} runs on host {their_host}, rank 0 on {host}: the cpu backend needs every rank on one host"
+                    ))
+                } else {
+                    None
+                };
+                if let Some(reason) = problem {
+                    let _ = send(
+                        &mut stream,
+                        &Ctl::Reject {
+                            reason: reason.clone(),
+                        },
+                    );
+                    return Err(GroupError::Rejected(reason));
+                }
+                slots[rank - 1] = Some(stream);
+            }
+            Ok(())
+        })();
+        let mut workers: Vec<TcpStream> = slots.into_iter().flatten().collect();
+        if let Err(e) = result {
+            for w in &mut workers {
+                let _ = send(
+                    w,
+                    &Ctl::Reject {
+                        reason: e.to_string(),
+                    },
+                );
+            }
+            return Err(e);
+        }
+        let mut link = Self { workers };
+        link.broadcast(&Ctl::Welcome {
+            group: group.to_string(),
+        })?;
+        Ok(link)
+    }
+
+    pub fn broadcast(&mut self, msg: &Ctl) -> Result<(), GroupError> {
+        for (i, w) in self.workers.iter_mut().enumerate() {
+            send(w, msg).map_err(io(format!("sending to rank {}", i + 1)))?;
+        }
+        Ok(())
+    }
+
+    /// Waits until every rank has sent `expect(rank)`.
+    pub fn gather(
+        &mut self,
+        what: &str,
+        deadline: Instant,
+        expect: impl Fn(usize) -> Ctl,
+    ) -> Result<(), GroupError> {
+        for (i, w) in self.workers.iter_mut().enumerate() {
+            let rank = i + 1;
+            w.set_read_timeout(Some(remaining(deadline)))
+                .map_err(io("control socket"))?;
+            match recv(w) {
+                Ok(m) if m == expect(rank) => {}
+                Ok(Ctl::Failed { reason, .. }) => {
+                    return Err(GroupError::Rejected(format!(
+                        "rank {rank} failed: {reason}"
+                    )))
+                }
+                Ok(m) => {
+                    return Err(GroupError::Protocol(format!(
+                        "rank {rank} sent {m:?}, expected {what}"
+                    )))
+                }
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    return Err(GroupError::Timeout(format!(
+                        "rank {rank} did not report {what} in time"
+                    )))
+                }
+                Err(e) => return Err(io(format!("waiting for {what} from rank {rank}"))(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Tells every rank that startup failed (best effort: the ranks time out otherwise).
+    pub fn reject_all(&mut self, reason: &str) {
+        for w in &mut self.workers {
+            let _ = send(
+                w,
+                &Ctl::Reject {
+                    reason: reason.to_string(),
+                },
+            );
+        }
+    }
+
+    pub fn clear_timeouts(&self) -> Result<(), GroupError> {
+        for w in &self.workers {
+            w.set_read_timeout(None).map_err(io("control socket"))?;
+        }
+        Ok(())
+    }
+}
+
+/// Rank side: connects to the router (retrying until the deadline) and says hello.
+pub fn join(
+    addr: &str,
+    rank: usize,
+    world: usize,
+    fingerprint: &Fingerprint,
+    timeout: Duration,
+) -> Result<(TcpStream, String), GroupError> {
+    let deadline = Instant::now() + timeout;
+    let mut stream = loop {
+        let addrs: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(addr)
+            .map(|a| a.collect())
+            .unwrap_or_default();
+        if let Some(s) = addrs
+            .iter()
+            .find_map(|a| TcpStream::connect_timeout(a, Duration::from_millis(500)).ok())
+        {
+            break s;
+        }
+        if Instant::now() >= deadline {
+            return Err(GroupError::Timeout(format!(
+                "rank {rank}: router (rank 0) at {addr} was not reachable within {timeout:?}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    stream.set_nodelay(true).map_err(io("control socket"))?;
+    send(
+        &mut stream,
+        &Ctl::Hello {
+            rank,
+            world,
+            host: host_id(),
+            fingerprint: fingerprint.clone(),
+        },
+    )
+    .map_err(io("sending hello"))?;
+    match expect(&mut stream, "welcome", deadline)? {
+        Ctl::Welcome { group } => Ok((stream, group)),
+        other => Err(GroupError::Protocol(format!(
+            "expected welcome, got {other:?}"
+        ))),
+    }
+}
+
+/// Rank side: the next message before `deadline`; a `Reject` becomes an error with its reason.
+pub fn expect(stream: &mut TcpStream, what: &str, deadline: Instant) -> Result<Ctl, GroupError> {
+    stream
+        .set_read_timeout(Some(remaining(deadline)))
+        .map_err(io("control socket"))?;
+    match recv(stream) {
+        Ok(Ctl::Reject { reason }) => Err(GroupError::Rejected(reason)),
+        Ok(m) => Ok(m),
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => Err(
+            GroupError::Timeout(format!("no {what} from the router (rank 0) in time")),
+        ),
+        Err(e) => Err(io(format!("waiting for {what} from the router (rank 0)"))(
+            e,
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_difference_names_the_field() {
+        let a = vec![("x".into(), "1".into()), ("y".into(), "2".into())];
+        let mut b = a.clone();
+        assert_eq!(first_difference(&a, &b), None);
+        b[1].1 = "3".into();
+        assert_eq!(
+            first_difference(&a, &b),
+            Some(("y".into(), "2".into(), "3".into()))
+        );
+        b.push(("z".into(), "9".into()));
+        b[1].1 = "2".into();
+        assert_eq!(
+            first_difference(&a, &b),
+            Some(("z".into(), "<missing>".into(), "9".into()))
+        );
+    }
+}

@@ -1,0 +1,114 @@
+//! `epserve launch`: N local rank processes of one group, supervised. Signals are forwarded; if
+//! any rank fails, the others are stopped and the launcher exits non-zero.
+
+use std::process::ExitStatus;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::process::Command;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::mpsc;
+use tracing::{error, info};
+
+use crate::config::LaunchArgs;
+
+/// Grace between SIGTERM and SIGKILL when stopping the group after a failure.
+const KILL_GRACE: Duration = Duration::from_secs(5);
+
+/// The serve flags the user gave `launch`, minus `--ranks`.
+fn passthrough() -> Vec<String> {
+    let mut out = Vec::new();
+    let mut args = std::env::args().skip_while(|a| a != "launch").skip(1);
+    while let Some(a) = args.next() {
+        if a == "--ranks" {
+            args.next();
+        } else if !a.starts_with("--ranks=") {
+            out.push(a);
+        }
+    }
+    out
+}
+
+pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
+    if args.ranks == 0 {
+        bail!("--ranks must be at least 1");
+    }
+    if args.serve.rank.is_some() || args.serve.world_size.is_some() {
+        bail!("launch sets --rank and --world-size itself; pass --ranks");
+    }
+    let rendezvous = match &args.serve.rendezvous {
+        Some(r) => r.clone(),
+        None => {
+            let l = std::net::TcpListener::bind("127.0.0.1:0")
+                .context("finding a free rendezvous port")?;
+            l.local_addr()?.to_string()
+        }
+    };
+    let exe = std::env::current_exe().context("locating the epserve binary")?;
+    let flags = passthrough();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let (exit_tx, mut exit_rx) = mpsc::channel::<(usize, std::io::Result<ExitStatus>)>(args.ranks);
+        let mut pids = Vec::new();
+        for rank in 0..args.ranks {
+            let mut child = Command::new(&exe)
+                .arg("serve")
+                .args(&flags)
+                .args(["--rank", &rank.to_string(), "--world-size", &args.ranks.to_string()])
+                .args(["--rendezvous", &rendezvous])
+                .kill_on_drop(true)
+                .spawn()
+                .with_context(|| format!("spawning rank {rank}"))?;
+            pids.push(child.id().map(|p| Pid::from_raw(p as i32)));
+            let tx = exit_tx.clone();
+            tokio::spawn(async move {
+                let status = child.wait().await;
+                let _ = tx.send((rank, status)).await;
+            });
+        }
+        info!(ranks = args.ranks, %rendezvous, "launched");
+        let signal_all = |pids: &[Option<Pid>], sig: Signal| {
+            for pid in pids.iter().flatten() {
+                let _ = kill(*pid, sig);
+            }
+        };
+        let mut int = signal(SignalKind::interrupt())?;
+        let mut term = signal(SignalKind::terminate())?;
+        let mut failed: Option<String> = None;
+        let mut kill_at: Option<tokio::time::Instant> = None;
+        let mut running = args.ranks;
+        while running > 0 {
+            tokio::select! {
+                _ = int.recv() => signal_all(&pids, Signal::SIGINT),
+                _ = term.recv() => signal_all(&pids, Signal::SIGTERM),
+                Some((rank, status)) = exit_rx.recv() => {
+                    running -= 1;
+                    pids[rank] = None;
+                    let ok = status.as_ref().is_ok_and(ExitStatus::success);
+                    if !ok && failed.is_none() {
+                        let why = match status {
+                            Ok(s) => s.to_string(),
+                            Err(e) => e.to_string(),
+                        };
+                        error!("rank {rank} {why}; stopping the group");
+                        failed = Some(format!("rank {rank} {why}"));
+                        signal_all(&pids, Signal::SIGTERM);
+                        kill_at = Some(tokio::time::Instant::now() + KILL_GRACE);
+                    }
+                }
+                _ = tokio::time::sleep_until(kill_at.unwrap_or_else(tokio::time::Instant::now)), if kill_at.is_some() => {
+                    signal_all(&pids, Signal::SIGKILL);
+                    kill_at = None;
+                }
+            }
+        }
+        match failed {
+            Some(why) => bail!("the group failed: {why}"),
+            None => Ok(()),
+        }
+    })
+}

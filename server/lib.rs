@@ -1,0 +1,18 @@
+//! epserve: Mixture-of-Experts layers served over gRPC with expert parallelism.
+
+pub mod api;
+pub mod backend;
+pub mod config;
+pub mod group;
+pub mod launch;
+pub mod model;
+pub mod rank;
+pub mod router;
+pub mod shm;
+pub mod step;
+
+pub mod proto {
+    tonic::include_proto!("epserve.v1");
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        tonic::include_file_descriptor_set!("epserve_descriptor");
+}

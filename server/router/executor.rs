@@ -1,0 +1,207 @@
+//! The router's step thread: writes each step's input into the ring, sends the descriptor to every
+//! rank, runs its own share, waits for every rank's output and answers the finished requests.
+
+use std::io::ErrorKind;
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+
+use super::Step;
+use crate::group::{recv, Ctl, GroupError, RouterLink};
+use crate::shm::Abort;
+use crate::step::ring::Ring;
+use crate::step::{Backend, Driver, PhaseTimes, StepDesc, StepError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExecutorError {
+    #[error(transparent)]
+    Step(#[from] StepError),
+    #[error(transparent)]
+    Group(#[from] GroupError),
+    #[error("step {step}: rank {rank} did not finish: {reason}")]
+    Output {
+        step: u64,
+        rank: usize,
+        reason: String,
+    },
+}
+
+pub struct Executor<B> {
+    driver: Driver<B>,
+    ring: Arc<Ring>,
+    link: RouterLink,
+    abort: Arc<Abort>,
+    step_timeout: Duration,
+    seq: u64,
+    hidden: usize,
+    top_k: usize,
+}
+
+impl<B: Backend> Executor<B> {
+    pub fn new(
+        driver: Driver<B>,
+        ring: Arc<Ring>,
+        link: RouterLink,
+        abort: Arc<Abort>,
+        step_timeout: Duration,
+        hidden: usize,
+        top_k: usize,
+    ) -> Result<Self, GroupError> {
+        // A rank that reports failure or disconnects breaks the group at once, instead of
+        // leaving the router to find out at the step timeout.
+        for (i, w) in link.workers.iter().enumerate() {
+            let mut r = w.try_clone().map_err(|source| GroupError::Io {
+                what: "control socket".into(),
+                source,
+            })?;
+            let abort = abort.clone();
+            let rank = i + 1;
+            std::thread::Builder::new()
+                .name(format!("ctl-rank{rank}"))
+                .spawn(move || watch_rank(&mut r, rank, &abort))
+                .map_err(|source| GroupError::Io {
+                    what: "spawning a control reader".into(),
+                    source,
+                })?;
+        }
+        Ok(Self {
+            driver,
+            ring,
+            link,
+            abort,
+            step_timeout,
+            seq: 0,
+            hidden,
+            top_k,
+        })
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.driver.backend
+    }
+
+    /// Runs one step through the whole group; on return every rank has stored its output.
+    pub fn run(&mut self, step: &Step) -> Result<PhaseTimes, ExecutorError> {
+        if let Some(reason) = self.abort.reason() {
+            return Err(ExecutorError::Output {
+                step: self.seq + 1,
+                rank: 0,
+                reason,
+            });
+        }
+        self.seq += 1;
+        let slots = self.ring.shape.slots as u64;
+        let slot = (self.seq % slots) as usize;
+        let (h, k) = (self.hidden, self.top_k);
+        let mut row = 0;
+        for seg in &step.segments {
+            let (a, b) = (seg.rows.start, seg.rows.end);
+            self.ring
+                .write_hidden(slot, row, &seg.job.hidden[a * h..b * h]);
+            if let Some((ids, w)) = &seg.job.routing {
+                self.ring
+                    .write_routing(slot, row, &ids[a * k..b * k], &w[a * k..b * k]);
+            }
+            row += seg.rows.len();
+        }
+        self.ring.publish_input(slot, self.seq);
+        let desc = StepDesc {
+            step: self.seq,
+            layer: step.layer as u32,
+            tokens: row as u32,
+            slot: slot as u32,
+            client_routing: step.client_routing,
+        };
+        self.link.broadcast(&Ctl::Step(desc))?;
+        let times = self.driver.run(&desc)?;
+        let deadline = Instant::now() + self.step_timeout;
+        self.ring
+            .wait_outputs(slot, self.seq, deadline, &self.abort)
+            .map_err(|(rank, e)| ExecutorError::Output {
+                step: self.seq,
+                rank,
+                reason: e.to_string(),
+            })?;
+        let mut row = 0;
+        for seg in &step.segments {
+            let n = seg.rows.len();
+            seg.job.deliver(seg.rows.clone(), h, |dst| {
+                self.ring.read_output(slot, row, dst)
+            });
+            row += n;
+        }
+        Ok(times)
+    }
+
+    /// Serves steps until the batcher closes the channel (drain) or a step fails (group broken).
+    /// Either way the other ranks are told to stop.
+    pub fn serve(mut self, mut steps: mpsc::Receiver<Step>) -> Result<(), ExecutorError> {
+        let result = loop {
+            let Some(step) = steps.blocking_recv() else {
+                break Ok(());
+            };
+            match self.run(&step) {
+                Ok(times) => tracing::debug!(tokens = step.tokens(), ?times, "step"),
+                Err(e) => {
+                    let status = tonic::Status::unavailable(format!("EP group broken: {e}"));
+                    step.fail(&status);
+                    self.abort.trigger(e.to_string());
+                    break Err(e);
+                }
+            }
+        };
+        steps.close();
+        while let Ok(step) = steps.try_recv() {
+            step.fail(&tonic::Status::unavailable("EP group broken"));
+        }
+        // A clean drain stops the ranks with exit 0; a broken group makes them fail too.
+        let msg = match self.abort.reason() {
+            None if result.is_ok() => Ctl::Shutdown,
+            reason => Ctl::Failed {
+                rank: 0,
+                reason: reason.unwrap_or_default(),
+            },
+        };
+        let _ = self.link.broadcast(&msg);
+        result
+    }
+
+    /// The readiness step: a few tokens of known data through every rank and phase.
+    pub fn warm_up(&mut self) -> Result<(), ExecutorError> {
+        let tokens = self.ring.shape.world;
+        let hidden: Vec<f32> = (0..tokens * self.hidden)
+            .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
+            .collect();
+        let (job, mut rx) = super::Job::new("warm-up".into(), 0, tokens, hidden, None);
+        let step = Step {
+            layer: 0,
+            client_routing: false,
+            segments: vec![super::Segment {
+                job,
+                rows: 0..tokens,
+            }],
+        };
+        self.run(&step)?;
+        match rx.try_recv() {
+            Ok(Ok(out)) if out.iter().all(|v| v.is_finite()) => Ok(()),
+            _ => Err(ExecutorError::Output {
+                step: self.seq,
+                rank: 0,
+                reason: "warm-up step produced no finite output".into(),
+            }),
+        }
+    }
+}
+
+/// Reads a rank's control connection after startup: the only things a rank sends are failures.
+fn watch_rank(stream: &mut TcpStream, rank: usize, abort: &Abort) {
+    let reason = match recv(stream) {
+        Ok(Ctl::Failed { reason, .. }) => format!("rank {rank} failed: {reason}"),
+        Ok(other) => format!("rank {rank} sent unexpected {other:?}"),
+        Err(e) if e.kind() == ErrorKind::UnexpectedEof => format!("rank {rank} disconnected"),
+        Err(e) => format!("rank {rank} control connection: {e}"),
+    };
+    abort.trigger(reason);
+}

@@ -1,0 +1,156 @@
+//! One step, the same on every rank: load the home slice → gating → prepare → dispatch → expert
+//! compute → combine → store the home slice. The driver knows nothing of CPU or CUDA: backends
+//! implement one trait per phase over buffers they own.
+
+pub mod ring;
+
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// What the router tells every rank about a step (sent over the control channel).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepDesc {
+    /// Monotonic from 1; doubles as the sequence number of every flag the step sets.
+    pub step: u64,
+    /// Index into `MoeSpec::moe_layers`.
+    pub layer: u32,
+    /// Tokens in the whole step (all ranks' home slices together).
+    pub tokens: u32,
+    /// Step-ring slot holding the input and receiving the output.
+    pub slot: u32,
+    /// The ring carries the client's top-k ids and weights: gating is skipped.
+    pub client_routing: bool,
+}
+
+/// The step's tokens `[start, end)` that `rank` owns: an even split, the remainder to low ranks.
+pub fn home_range(tokens: usize, world: usize, rank: usize) -> Range<usize> {
+    let (base, rem) = (tokens / world, tokens % world);
+    let start = rank * base + rank.min(rem);
+    start..start + base + usize::from(rank < rem)
+}
+
+/// Most tokens one rank can own in a step of at most `max_tokens_per_step`.
+pub fn max_home_tokens(max_tokens_per_step: usize, world: usize) -> usize {
+    max_tokens_per_step.div_ceil(world)
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error("step {step}: waiting for {what} from rank {rank}: {source}")]
+    Wait {
+        step: u64,
+        what: &'static str,
+        rank: usize,
+        source: crate::shm::WaitError,
+    },
+    #[error("step {step}: {msg}")]
+    Invalid { step: u64, msg: String },
+}
+
+/// Moves the home slice between the step ring and the backend's buffers.
+pub trait StepIo {
+    fn load_home(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<(), StepError>;
+    fn store_home(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<(), StepError>;
+}
+
+/// Router GEMM and top-k over the home tokens.
+pub trait Gating {
+    fn gate(&mut self, desc: &StepDesc, tokens: usize) -> Result<(), StepError>;
+}
+
+/// The all-to-all: counts and layout, tokens to their experts, results back home.
+pub trait Exchange {
+    fn prepare(&mut self, desc: &StepDesc, tokens: usize) -> Result<(), StepError>;
+    fn dispatch(&mut self, desc: &StepDesc, tokens: usize) -> Result<(), StepError>;
+    fn combine(&mut self, desc: &StepDesc, tokens: usize) -> Result<(), StepError>;
+}
+
+/// SwiGLU FFN of every local expert over its contiguous block of received rows.
+pub trait Experts {
+    fn compute(&mut self, desc: &StepDesc) -> Result<(), StepError>;
+}
+
+pub trait Backend: StepIo + Gating + Exchange + Experts {
+    /// (name, address, bytes) of every persistent buffer, for logs and the no-regrowth check.
+    fn buffers(&self) -> Vec<(&'static str, usize, usize)>;
+}
+
+/// Wall time of each phase of one step on this rank.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PhaseTimes {
+    pub gating: Duration,
+    pub prepare: Duration,
+    pub dispatch: Duration,
+    pub experts: Duration,
+    pub combine: Duration,
+    pub total: Duration,
+}
+
+pub struct Driver<B> {
+    pub backend: B,
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl<B: Backend> Driver<B> {
+    pub fn new(backend: B, rank: usize, world: usize) -> Self {
+        Self {
+            backend,
+            rank,
+            world,
+        }
+    }
+
+    pub fn run(&mut self, desc: &StepDesc) -> Result<PhaseTimes, StepError> {
+        let t0 = Instant::now();
+        let home = home_range(desc.tokens as usize, self.world, self.rank);
+        let n = home.len();
+        let mut times = PhaseTimes::default();
+        let mut lap = Instant::now();
+        let mut mark = |d: &mut Duration| {
+            let now = Instant::now();
+            *d = now - lap;
+            lap = now;
+        };
+        let b = &mut self.backend;
+        b.load_home(desc, home.clone())?;
+        if !desc.client_routing {
+            b.gate(desc, n)?;
+        }
+        mark(&mut times.gating);
+        b.prepare(desc, n)?;
+        mark(&mut times.prepare);
+        b.dispatch(desc, n)?;
+        mark(&mut times.dispatch);
+        b.compute(desc)?;
+        mark(&mut times.experts);
+        b.combine(desc, n)?;
+        b.store_home(desc, home)?;
+        mark(&mut times.combine);
+        times.total = t0.elapsed();
+        Ok(times)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn home_ranges_partition_the_step() {
+        for world in 1..=5 {
+            for tokens in 0..40 {
+                let mut next = 0;
+                for r in 0..world {
+                    let h = home_range(tokens, world, r);
+                    assert_eq!(h.start, next);
+                    assert!(h.len() <= max_home_tokens(tokens.max(1), world));
+                    next = h.end;
+                }
+                assert_eq!(next, tokens);
+            }
+        }
+    }
+}

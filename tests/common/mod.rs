@@ -1,0 +1,236 @@
+//! Test harness: rank groups started the way a user starts them (`epserve launch` / `epserve serve`
+//! on free ports), a gRPC client, and an independent f64 reference of the MoE layer.
+#![allow(dead_code)]
+
+pub mod reference;
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use epserve::proto::moe_service_client::MoeServiceClient;
+use epserve::proto::{DType, ForwardRequest, Tensor};
+use tonic::transport::Channel;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_epserve");
+
+/// A scratch directory for shm segments and checkpoints, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!("epserve-test-{}-{tag}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running process whose stderr is collected line by line.
+pub struct Proc {
+    pub child: Child,
+    pub log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Proc {
+    pub fn spawn(args: &[String]) -> Self {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn epserve");
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let (err, l) = (child.stderr.take().unwrap(), log.clone());
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                l.lock().unwrap().push(line);
+            }
+        });
+        Self { child, log }
+    }
+
+    pub fn log_text(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+
+    /// Waits for a log line containing `needle`; returns the text after it.
+    pub fn wait_for(&mut self, needle: &str, timeout: Duration) -> Result<String, String> {
+        let end = Instant::now() + timeout;
+        loop {
+            if let Some(l) = self.log.lock().unwrap().iter().find(|l| l.contains(needle)) {
+                return Ok(l[l.find(needle).unwrap() + needle.len()..]
+                    .trim()
+                    .to_string());
+            }
+            if let Ok(Some(st)) = self.child.try_wait() {
+                std::thread::sleep(Duration::from_millis(100));
+                return Err(format!(
+                    "exited ({st}) before '{needle}':\n{}",
+                    self.log_text()
+                ));
+            }
+            if Instant::now() > end {
+                return Err(format!(
+                    "no '{needle}' within {timeout:?}:\n{}",
+                    self.log_text()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits for exit; None if still running at the timeout.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let end = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                std::thread::sleep(Duration::from_millis(50));
+                return Some(st);
+            }
+            if Instant::now() > end {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn signal(&self, sig: &str) {
+        Command::new("kill")
+            .args(["-s", sig, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+    }
+
+    /// Child processes (the ranks of a launcher).
+    pub fn children(&self) -> Vec<u32> {
+        let pid = self.child.id();
+        let mut out = Vec::new();
+        if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+            for t in tasks.flatten() {
+                let c = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+                out.extend(c.split_whitespace().filter_map(|x| x.parse::<u32>().ok()));
+            }
+        }
+        out.sort();
+        out
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.signal("TERM");
+            if self.wait_exit(Duration::from_secs(10)).is_none() {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+            }
+        }
+    }
+}
+
+/// A group started with `epserve launch`, serving on a free port.
+pub struct Group {
+    pub proc: Proc,
+    pub addr: String,
+    pub shm: TempDir,
+}
+
+impl Group {
+    pub fn launch(ranks: usize, model: &str, extra: &[&str]) -> Self {
+        let shm = TempDir::new("shm");
+        let mut args: Vec<String> = [
+            "launch",
+            "--ranks",
+            &ranks.to_string(),
+            "--model",
+            model,
+            "--listen",
+            "127.0.0.1:0",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(["--shm-dir".to_string(), shm.0.display().to_string()]);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut proc = Proc::spawn(&args);
+        let addr = proc
+            .wait_for("serving gRPC on", Duration::from_secs(120))
+            .unwrap();
+        Self { proc, addr, shm }
+    }
+
+    pub async fn client(&self) -> MoeServiceClient<Channel> {
+        MoeServiceClient::connect(format!("http://{}", self.addr))
+            .await
+            .unwrap()
+            .max_decoding_message_size(256 << 20)
+            .max_encoding_message_size(256 << 20)
+    }
+}
+
+pub fn f32_tensor(v: &[f32], shape: [usize; 2]) -> Tensor {
+    Tensor {
+        dtype: DType::F32 as i32,
+        shape: shape.iter().map(|&x| x as i64).collect(),
+        data: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+pub fn bf16_tensor(v: &[f32], shape: [usize; 2]) -> Tensor {
+    Tensor {
+        dtype: DType::Bf16 as i32,
+        shape: shape.iter().map(|&x| x as i64).collect(),
+        data: v
+            .iter()
+            .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+            .collect(),
+    }
+}
+
+pub fn i32_tensor(v: &[i32], shape: [usize; 2]) -> Tensor {
+    Tensor {
+        dtype: DType::I32 as i32,
+        shape: shape.iter().map(|&x| x as i64).collect(),
+        data: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+/// Decodes an F32 or BF16 output tensor.
+pub fn decode(t: &Tensor) -> Vec<f32> {
+    match DType::try_from(t.dtype).unwrap() {
+        DType::F32 => t
+            .data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect(),
+        DType::Bf16 => t
+            .data
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        d => panic!("unexpected output dtype {d:?}"),
+    }
+}
+
+pub fn request(id: &str, layer: u32, hidden: Tensor) -> ForwardRequest {
+    ForwardRequest {
+        id: id.into(),
+        layer,
+        hidden_states: Some(hidden),
+        topk_ids: None,
+        topk_weights: None,
+        output_dtype: 0,
+    }
+}

@@ -1,0 +1,218 @@
+//! Outputs of real rank groups against the f64 reference, for every routing kind, 1/2/4 ranks,
+//! n = 1, odd n and n above `--max-tokens-per-step`, f32 and bf16, gating and client routing,
+//! unary and streaming; and the same outputs whatever the world size.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::reference::{compare, RefLayer};
+use common::*;
+use epserve::model::{synthetic, MoeSpec};
+use epserve::proto::{DType, ForwardRequest};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tokio_stream::StreamExt;
+
+const MAX_TOKENS: usize = 16;
+
+struct Sent {
+    x: Vec<f64>,
+    routing: Option<(Vec<usize>, Vec<f64>)>,
+    layer_slot: usize,
+    bf16: bool,
+}
+
+/// Requests covering every combination, with what the reference needs to check them.
+fn requests(spec: &MoeSpec, rng: &mut ChaCha8Rng) -> Vec<(ForwardRequest, Sent)> {
+    let (h, k, e) = (spec.hidden, spec.top_k, spec.num_experts);
+    let mut out = Vec::new();
+    for (slot, &layer) in spec.moe_layers.iter().enumerate() {
+        for n in [1usize, 7, 2 * MAX_TOKENS + 5] {
+            for bf16 in [false, true] {
+                for client in [false, true] {
+                    let mut x: Vec<f32> =
+                        (0..n * h).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                    if bf16 {
+                        x.iter_mut()
+                            .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
+                    }
+                    let id = format!(
+                        "l{layer}-n{n}-{}-{}",
+                        if bf16 { "bf16" } else { "f32" },
+                        if client { "client" } else { "gate" }
+                    );
+                    let tensor = if bf16 {
+                        bf16_tensor(&x, [n, h])
+                    } else {
+                        f32_tensor(&x, [n, h])
+                    };
+                    let mut req = request(&id, layer, tensor);
+                    let routing = client.then(|| {
+                        let mut ids = Vec::new();
+                        let mut w = Vec::new();
+                        for _ in 0..n {
+                            let mut row: Vec<usize> = Vec::new();
+                            while row.len() < k {
+                                let c = rng.random_range(0..e);
+                                if !row.contains(&c) {
+                                    row.push(c);
+                                }
+                            }
+                            ids.extend(row);
+                            w.extend((0..k).map(|_| rng.random_range(0.05f32..1.0)));
+                        }
+                        let ids_i32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+                        req.topk_ids = Some(i32_tensor(&ids_i32, [n, k]));
+                        req.topk_weights = Some(f32_tensor(&w, [n, k]));
+                        (ids, w.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>())
+                    });
+                    out.push((
+                        req,
+                        Sent {
+                            x: x.iter().map(|&v| f64::from(v)).collect(),
+                            routing,
+                            layer_slot: slot,
+                            bf16,
+                        },
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Sends everything once through unary Forward (concurrently) and once through one stream;
+/// checks every output against the reference; returns the f32 outputs by id.
+async fn check_group(
+    group: &Group,
+    spec: &MoeSpec,
+    refs: &[RefLayer],
+    seed: u64,
+) -> HashMap<String, Vec<f32>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let reqs = requests(spec, &mut rng);
+    let mut client = group.client().await;
+    let mut tasks = tokio::task::JoinSet::new();
+    for (r, _) in &reqs {
+        let (mut c, r) = (client.clone(), r.clone());
+        tasks.spawn(async move { c.forward(r).await.map(|x| x.into_inner()) });
+    }
+    let mut unary = HashMap::new();
+    while let Some(r) = tasks.join_next().await {
+        let resp = r.unwrap().expect("forward");
+        unary.insert(resp.id.clone(), resp);
+    }
+    let stream_in = tokio_stream::iter(reqs.iter().map(|(r, _)| r.clone()).collect::<Vec<_>>());
+    let mut stream = client.forward_stream(stream_in).await.unwrap().into_inner();
+    let mut streamed = HashMap::new();
+    while let Some(resp) = stream.next().await {
+        let resp = resp.unwrap();
+        assert!(resp.error.is_none(), "{:?}", resp.error);
+        streamed.insert(resp.id.clone(), resp);
+    }
+    assert_eq!(
+        streamed.len(),
+        reqs.len(),
+        "one streamed answer per request"
+    );
+    let (mut excluded, mut rows) = (0, 0);
+    let mut f32_out = HashMap::new();
+    for (req, sent) in &reqs {
+        for (how, resp) in [("unary", &unary[&req.id]), ("stream", &streamed[&req.id])] {
+            let t = resp.output.as_ref().unwrap();
+            let want_dtype = if sent.bf16 { DType::Bf16 } else { DType::F32 };
+            let n = sent.x.len() / spec.hidden;
+            assert_eq!(
+                (t.dtype, t.shape.clone()),
+                (want_dtype as i32, vec![n as i64, spec.hidden as i64]),
+                "{}",
+                req.id
+            );
+            let out = decode(t);
+            let routing = sent.routing.as_ref().map(|(i, w)| (&i[..], &w[..]));
+            let (err, ex) = compare(spec, &refs[sent.layer_slot], &sent.x, &out, routing);
+            let tol = if sent.bf16 { 2e-2 } else { 1e-5 };
+            assert!(
+                err <= tol,
+                "{} ({how}): max relative error {err:.3e} > {tol:e}",
+                req.id
+            );
+            excluded += ex;
+            rows += n;
+            if !sent.bf16 && how == "unary" {
+                f32_out.insert(req.id.clone(), out);
+            }
+        }
+    }
+    assert!(
+        excluded * 100 <= rows,
+        "{excluded} of {rows} rows were routing near-ties"
+    );
+    f32_out
+}
+
+fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    let m = b.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| (f64::from(x) - f64::from(y)).abs())
+        .fold(0.0, f64::max)
+        / m
+}
+
+async fn preset_across_worlds(preset: &str, seed: u64) {
+    let spec = synthetic::preset(preset).unwrap();
+    let refs: Vec<RefLayer> = spec
+        .moe_layers
+        .iter()
+        .map(|&l| {
+            RefLayer::from_weights(
+                &synthetic::layer(&spec, seed, l, 0..spec.num_experts),
+                spec.hidden,
+            )
+        })
+        .collect();
+    let mut by_world: Vec<(usize, HashMap<String, Vec<f32>>)> = Vec::new();
+    for world in [1, 2, 4] {
+        let group = Group::launch(
+            world,
+            &format!("synthetic:{preset}"),
+            &[
+                "--seed",
+                &seed.to_string(),
+                "--max-tokens-per-step",
+                &MAX_TOKENS.to_string(),
+                "--max-batch-wait-us",
+                "300",
+            ],
+        );
+        by_world.push((world, check_group(&group, &spec, &refs, 1000 + seed).await));
+    }
+    let (_, base) = &by_world[0];
+    for (world, outs) in &by_world[1..] {
+        for (id, out) in outs {
+            let d = rel_diff(out, &base[id]);
+            assert!(
+                d <= 1e-6,
+                "{preset} {id}: {world} ranks differ from 1 rank by {d:.3e}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mixtral_softmax_renormalised() {
+    preset_across_worlds("tiny", 11).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qwen3_softmax_without_renormalisation() {
+    preset_across_worlds("tiny-qwen3", 12).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deepseek_sigmoid_group_limited_with_shared_expert() {
+    preset_across_worlds("tiny-deepseek", 13).await;
+}
