@@ -228,9 +228,6 @@ fn run_router(args: &ServeArgs, p: Prepared) -> anyhow::Result<()> {
         .map_err(|_| anyhow!("the step executor panicked"))?;
     served?;
     executed?;
-    if let Some(reason) = abort.reason() {
-        bail!("the EP group broke: {reason}");
-    }
     info!("drained; exiting");
     Ok(())
 }
@@ -379,6 +376,12 @@ fn run_worker(args: &ServeArgs, p: Prepared) -> anyhow::Result<()> {
         }
     };
     stream.set_read_timeout(None)?;
+    // The router drives the drain: a signalled rank keeps running the router's steps until it is
+    // told to stop or loses the router, so nothing admitted is lost when every pod gets SIGTERM.
+    let signalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(sig, signalled.clone())?;
+    }
     info!(buffers = ?backend.buffers(), "joined the group");
     follow_steps(&mut stream, Driver::new(backend, rank, p.member.world))
 }

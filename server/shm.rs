@@ -230,7 +230,7 @@ mod tests {
         ));
         a.unlink();
         assert!(!path.exists());
-        let r = std::panic::catch_unwind(|| b.read(4090, &mut out));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| b.read(4090, &mut out)));
         assert!(r.is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -3,6 +3,7 @@
 
 use std::io::ErrorKind;
 use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,6 +21,8 @@ pub enum ExecutorError {
     Step(#[from] StepError),
     #[error(transparent)]
     Group(#[from] GroupError),
+    #[error("the EP group broke: {0}")]
+    Broken(String),
     #[error("step {step}: rank {rank} did not finish: {reason}")]
     Output {
         step: u64,
@@ -33,6 +36,8 @@ pub struct Executor<B> {
     ring: Arc<Ring>,
     link: RouterLink,
     abort: Arc<Abort>,
+    /// Set before a deliberate stop, so the ranks' disconnects are not read as failures.
+    closing: Arc<AtomicBool>,
     step_timeout: Duration,
     seq: u64,
     hidden: usize,
@@ -51,16 +56,17 @@ impl<B: Backend> Executor<B> {
     ) -> Result<Self, GroupError> {
         // A rank that reports failure or disconnects breaks the group at once, instead of
         // leaving the router to find out at the step timeout.
+        let closing = Arc::new(AtomicBool::new(false));
         for (i, w) in link.workers.iter().enumerate() {
             let mut r = w.try_clone().map_err(|source| GroupError::Io {
                 what: "control socket".into(),
                 source,
             })?;
-            let abort = abort.clone();
+            let (abort, closing) = (abort.clone(), closing.clone());
             let rank = i + 1;
             std::thread::Builder::new()
                 .name(format!("ctl-rank{rank}"))
-                .spawn(move || watch_rank(&mut r, rank, &abort))
+                .spawn(move || watch_rank(&mut r, rank, &abort, &closing))
                 .map_err(|source| GroupError::Io {
                     what: "spawning a control reader".into(),
                     source,
@@ -71,6 +77,7 @@ impl<B: Backend> Executor<B> {
             ring,
             link,
             abort,
+            closing,
             step_timeout,
             seq: 0,
             hidden,
@@ -157,15 +164,20 @@ impl<B: Backend> Executor<B> {
             step.fail(&tonic::Status::unavailable("EP group broken"));
         }
         // A clean drain stops the ranks with exit 0; a broken group makes them fail too.
-        let msg = match self.abort.reason() {
+        let broken = self.abort.reason();
+        self.closing.store(true, Ordering::Release);
+        let msg = match &broken {
             None if result.is_ok() => Ctl::Shutdown,
             reason => Ctl::Failed {
                 rank: 0,
-                reason: reason.unwrap_or_default(),
+                reason: reason.clone().unwrap_or_default(),
             },
         };
         let _ = self.link.broadcast(&msg);
-        result
+        match (result, broken) {
+            (Ok(()), Some(reason)) => Err(ExecutorError::Broken(reason)),
+            (result, _) => result,
+        }
     }
 
     /// The readiness step: a few tokens of known data through every rank and phase.
@@ -196,12 +208,14 @@ impl<B: Backend> Executor<B> {
 }
 
 /// Reads a rank's control connection after startup: the only things a rank sends are failures.
-fn watch_rank(stream: &mut TcpStream, rank: usize, abort: &Abort) {
+fn watch_rank(stream: &mut TcpStream, rank: usize, abort: &Abort, closing: &AtomicBool) {
     let reason = match recv(stream) {
         Ok(Ctl::Failed { reason, .. }) => format!("rank {rank} failed: {reason}"),
         Ok(other) => format!("rank {rank} sent unexpected {other:?}"),
         Err(e) if e.kind() == ErrorKind::UnexpectedEof => format!("rank {rank} disconnected"),
         Err(e) => format!("rank {rank} control connection: {e}"),
     };
-    abort.trigger(reason);
+    if !closing.load(Ordering::Acquire) {
+        abort.trigger(reason);
+    }
 }

@@ -1,0 +1,306 @@
+//! The service as a client sees it: bad requests, model info, health, reflection, and exchange
+//! buffers that never move or grow.
+
+mod common;
+
+use common::*;
+use epserve::proto::{DType, ForwardRequest, GetModelInfoRequest, Tensor};
+use rand::{Rng, SeedableRng};
+use tokio_stream::StreamExt;
+use tonic::Code;
+
+const H: usize = 64; // synthetic:tiny
+
+fn good(n: usize) -> ForwardRequest {
+    let x: Vec<f32> = (0..n * H)
+        .map(|i| ((i * 7919) % 200) as f32 / 100.0 - 1.0)
+        .collect();
+    request("ok", 0, f32_tensor(&x, [n, H]))
+}
+
+/// Every malformed request the API can get, the message it must name.
+fn bad_requests() -> Vec<(&'static str, ForwardRequest)> {
+    let mut v = Vec::new();
+    let mut r = good(2);
+    r.hidden_states = None;
+    v.push(("hidden_states is required", r));
+    v.push((
+        "hidden size 32 does not match the model's 64",
+        request("x", 0, f32_tensor(&[0.5; 64], [2, 32])),
+    ));
+    let mut t = f32_tensor(&[0.5; 2 * H], [2, H]);
+    t.data.truncate(100);
+    v.push((
+        "100 bytes of data for shape [2, 64] of F32 (expected 512)",
+        request("x", 0, t),
+    ));
+    let mut t = f32_tensor(&[0.5; 2 * H], [2, H]);
+    t.dtype = 42;
+    v.push(("unknown dtype 42", request("x", 0, t)));
+    let mut t = f32_tensor(&[0.5; 2 * H], [2, H]);
+    t.dtype = DType::I32 as i32;
+    v.push(("dtype I32 not accepted", request("x", 0, t)));
+    v.push((
+        "shape [2, 1, 64] must be [n, 64]",
+        request(
+            "x",
+            0,
+            Tensor {
+                shape: vec![2, 1, 64],
+                ..f32_tensor(&[0.5; 2 * H], [2, H])
+            },
+        ),
+    ));
+    v.push(("no tokens", request("x", 0, f32_tensor(&[], [0, H]))));
+    let mut x = vec![0.5f32; 2 * H];
+    x[H + 3] = f32::INFINITY;
+    v.push((
+        "non-finite value at row 1, column 3",
+        request("x", 0, f32_tensor(&x, [2, H])),
+    ));
+    let mut r = good(2);
+    r.layer = 9;
+    v.push((
+        "layer 9 is not an MoE layer of this model (MoE layers: [0, 1])",
+        r,
+    ));
+    let with_routing = |ids: &[i32], shape: [usize; 2]| {
+        let mut r = good(2);
+        r.topk_ids = Some(i32_tensor(ids, shape));
+        r.topk_weights = Some(f32_tensor(&[0.5; 4], [2, 2]));
+        r
+    };
+    v.push((
+        "expert 8 at row 1 is out of range 0..8",
+        with_routing(&[0, 1, 2, 8], [2, 2]),
+    ));
+    v.push((
+        "expert -1 at row 0 is out of range",
+        with_routing(&[-1, 1, 2, 3], [2, 2]),
+    ));
+    v.push((
+        "expert 3 repeated in row 1",
+        with_routing(&[0, 1, 3, 3], [2, 2]),
+    ));
+    v.push((
+        "topk_ids: shape [2, 3] must be [2, 2]",
+        with_routing(&[0, 1, 2, 3, 4, 5], [2, 3]),
+    ));
+    v.push((
+        "topk_ids: shape [1, 2] must be [2, 2]",
+        with_routing(&[0, 1], [1, 2]),
+    ));
+    let mut r = with_routing(&[0, 1, 2, 3], [2, 2]);
+    r.topk_ids = None;
+    v.push(("topk_weights given without topk_ids", r));
+    let mut r = with_routing(&[0, 1, 2, 3], [2, 2]);
+    r.topk_weights = None;
+    v.push(("topk_ids given without topk_weights", r));
+    let mut r = with_routing(&[0, 1, 2, 3], [2, 2]);
+    r.topk_weights = Some(f32_tensor(&[0.5, f32::NAN, 0.5, 0.5], [2, 2]));
+    v.push(("topk_weights: non-finite value at row 0, column 1", r));
+    let mut r = with_routing(&[0, 1, 2, 3], [2, 2]);
+    r.topk_ids.as_mut().unwrap().dtype = DType::F32 as i32;
+    v.push((
+        "topk_ids: dtype F32 not accepted here (accepted: I32, I64)",
+        r,
+    ));
+    let mut r = good(2);
+    r.output_dtype = DType::I64 as i32;
+    v.push(("output_dtype: I64 is not a float dtype", r));
+    let mut r = good(2);
+    r.output_dtype = 77;
+    v.push(("output_dtype: unknown dtype 77", r));
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_are_named_and_the_service_keeps_serving() {
+    let group = Group::launch(2, "synthetic:tiny", &[]);
+    let mut c = group.client().await;
+    let cases = bad_requests();
+    for (want, req) in &cases {
+        let err = c.forward(req.clone()).await.expect_err(want);
+        assert_eq!(err.code(), Code::InvalidArgument, "{want}: {err:?}");
+        assert!(
+            err.message().contains(want),
+            "want '{want}', got '{}'",
+            err.message()
+        );
+        let ok = c
+            .forward(good(3))
+            .await
+            .expect("valid request after a bad one")
+            .into_inner();
+        assert_eq!(ok.output.unwrap().shape, vec![3, H as i64]);
+    }
+    // On a stream, a bad request gets an error item and the others still succeed.
+    let mut items = vec![good(1)];
+    items.extend(cases.iter().map(|(w, r)| ForwardRequest {
+        id: w.to_string(),
+        ..r.clone()
+    }));
+    items.push(ForwardRequest {
+        id: "last".into(),
+        ..good(5)
+    });
+    let mut s = c
+        .forward_stream(tokio_stream::iter(items.clone()))
+        .await
+        .unwrap()
+        .into_inner();
+    let (mut ok, mut failed) = (0, 0);
+    while let Some(item) = s.next().await {
+        let item = item.unwrap();
+        match item.error {
+            Some(e) => {
+                assert_eq!(e.code, Code::InvalidArgument as i32);
+                assert!(e.message.contains(&item.id), "{} vs {}", e.message, item.id);
+                failed += 1;
+            }
+            None => ok += 1,
+        }
+    }
+    assert_eq!((ok, failed), (2, cases.len()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_info_health_and_reflection() {
+    let group = Group::launch(
+        2,
+        "synthetic:tiny-deepseek",
+        &["--max-tokens-per-step", "48"],
+    );
+    let mut c = group.client().await;
+    let info = c
+        .get_model_info(GetModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (
+            info.hidden_size,
+            info.num_experts,
+            info.top_k,
+            info.world_size
+        ),
+        (64, 16, 4, 2)
+    );
+    assert_eq!(info.moe_layers, vec![1, 2]);
+    assert_eq!(
+        (
+            info.routing.as_str(),
+            info.num_shared_experts,
+            info.backend.as_str()
+        ),
+        ("sigmoid_group_topk", 1, "cpu")
+    );
+    assert_eq!(info.max_tokens_per_step, 48);
+    assert_eq!(
+        info.placement
+            .iter()
+            .map(|p| (p.rank, p.first, p.count))
+            .collect::<Vec<_>>(),
+        vec![(0, 0, 8), (1, 8, 8)]
+    );
+    assert!(info.exchange_bytes_per_rank > 0);
+
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", group.addr))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+    for service in ["", "epserve.v1.MoeService"] {
+        let r = health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            r.status,
+            tonic_health::pb::health_check_response::ServingStatus::Serving as i32,
+            "'{service}'"
+        );
+    }
+
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    let mut refl = ServerReflectionClient::new(channel);
+    let req = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut resp = refl
+        .server_reflection_info(tokio_stream::iter(vec![req]))
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(MessageResponse::ListServicesResponse(list)) =
+        resp.next().await.unwrap().unwrap().message_response
+    else {
+        panic!("no service list");
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(
+        names.contains(&"epserve.v1.MoeService".to_string()),
+        "{names:?}"
+    );
+}
+
+/// The shared-memory mappings of a process: (address range, file).
+fn shm_maps(pid: u32) -> Vec<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("epserve-"))
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            format!("{} {}", f[0], f[5])
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exchange_buffers_never_move_or_grow() {
+    let world = 4;
+    let group = Group::launch(world, "synthetic:tiny", &["--max-tokens-per-step", "64"]);
+    let ranks = group.proc.children();
+    assert_eq!(ranks.len(), world);
+    let before: Vec<Vec<String>> = ranks.iter().map(|&p| shm_maps(p)).collect();
+    for maps in &before {
+        // Every rank maps every rank's segment and the step ring, and nothing else of ours.
+        assert_eq!(maps.len(), world + 1, "{maps:?}");
+        assert!(maps
+            .iter()
+            .all(|m| m.ends_with("(deleted)") || m.contains("epserve-")));
+    }
+    // Files are unlinked once mapped: nothing is left in the shm directory.
+    assert_eq!(std::fs::read_dir(&group.shm.0).unwrap().count(), 0);
+    let mut c = group.client().await;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..300 {
+        let n = rng.random_range(1..=200usize);
+        let mut r = good(n);
+        r.layer = (i % 2) as u32;
+        let mut c = c.clone();
+        tasks.spawn(async move {
+            c.forward(r)
+                .await
+                .map(|r| r.into_inner().output.unwrap().shape[0])
+        });
+        if i % 50 == 49 {
+            while let Some(r) = tasks.join_next().await {
+                r.unwrap().unwrap();
+            }
+        }
+    }
+    c.forward(good(1)).await.unwrap();
+    let after: Vec<Vec<String>> = ranks.iter().map(|&p| shm_maps(p)).collect();
+    assert_eq!(before, after, "exchange mappings changed across steps");
+}

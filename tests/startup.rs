@@ -1,0 +1,173 @@
+//! Startup failures: each ends startup on every rank with one clear error line and a non-zero
+//! exit, within the rendezvous timeout.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn serve(rank: usize, world: usize, port: u16, shm: &TempDir, extra: &[&str]) -> Proc {
+    let mut args: Vec<String> = [
+        "serve",
+        "--rank",
+        &rank.to_string(),
+        "--world-size",
+        &world.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend([
+        "--rendezvous".into(),
+        format!("127.0.0.1:{port}"),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+    ]);
+    args.extend(["--shm-dir".into(), shm.0.display().to_string()]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Proc::spawn(&args)
+}
+
+/// Waits for a failing exit by `limit`; asserts exactly one ERROR line, containing `needle`.
+fn fails_with(p: &mut Proc, needle: &str, limit: Duration) {
+    let status = p
+        .wait_exit(limit)
+        .unwrap_or_else(|| panic!("still running after {limit:?}:\n{}", p.log_text()));
+    assert!(!status.success(), "exited 0:\n{}", p.log_text());
+    let log = p.log_text();
+    let errors: Vec<&str> = log.lines().filter(|l| l.contains("ERROR")).collect();
+    assert_eq!(errors.len(), 1, "want one error line:\n{log}");
+    assert!(
+        errors[0].contains(needle),
+        "error line lacks '{needle}': {}",
+        errors[0]
+    );
+}
+
+#[test]
+fn config_mismatch_names_the_field_on_every_rank() {
+    let (shm, port) = (TempDir::new("mismatch"), free_port());
+    let mut r0 = serve(
+        0,
+        2,
+        port,
+        &shm,
+        &["--max-tokens-per-step", "32", "--rendezvous-timeout", "20s"],
+    );
+    let mut r1 = serve(
+        1,
+        2,
+        port,
+        &shm,
+        &["--max-tokens-per-step", "64", "--rendezvous-timeout", "20s"],
+    );
+    let want = "config mismatch in 'max_tokens_per_step': rank 1 has 64, rank 0 has 32";
+    fails_with(&mut r0, want, Duration::from_secs(20));
+    fails_with(&mut r1, want, Duration::from_secs(20));
+    let mut r0 = serve(0, 2, port, &shm, &["--model", "synthetic:tiny-qwen3"]);
+    let mut r1 = serve(1, 2, port, &shm, &["--model", "synthetic:tiny"]);
+    fails_with(
+        &mut r0,
+        "config mismatch in 'model'",
+        Duration::from_secs(20),
+    );
+    fails_with(
+        &mut r1,
+        "config mismatch in 'model'",
+        Duration::from_secs(20),
+    );
+}
+
+#[test]
+fn experts_not_divisible_by_ranks() {
+    let (shm, port) = (TempDir::new("div"), free_port());
+    let mut ranks: Vec<Proc> = (0..3).map(|r| serve(r, 3, port, &shm, &[])).collect();
+    for p in &mut ranks {
+        fails_with(
+            p,
+            "8 experts cannot be split evenly over 3 ranks",
+            Duration::from_secs(20),
+        );
+    }
+    let mut launch = Proc::spawn(&[
+        "launch".into(),
+        "--ranks".into(),
+        "3".into(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+    ]);
+    let status = launch
+        .wait_exit(Duration::from_secs(20))
+        .expect("launch exits");
+    assert!(!status.success());
+    assert!(
+        launch.log_text().contains("cannot be split evenly"),
+        "{}",
+        launch.log_text()
+    );
+}
+
+#[test]
+fn missing_rank_and_missing_router_time_out_by_name() {
+    let (shm, port) = (TempDir::new("missing"), free_port());
+    let t0 = Instant::now();
+    let mut r0 = serve(0, 4, port, &shm, &["--rendezvous-timeout", "2s"]);
+    let mut r1 = serve(1, 4, port, &shm, &["--rendezvous-timeout", "2s"]);
+    let want = "rank(s) 2, 3 of world size 4 did not join the rendezvous within 2s";
+    fails_with(&mut r0, want, Duration::from_secs(15));
+    fails_with(&mut r1, want, Duration::from_secs(15));
+    assert!(
+        t0.elapsed() < Duration::from_secs(12),
+        "took {:?}",
+        t0.elapsed()
+    );
+
+    let mut lonely = serve(1, 2, free_port(), &shm, &["--rendezvous-timeout", "1s"]);
+    fails_with(
+        &mut lonely,
+        "router (rank 0) at 127.0.0.1:",
+        Duration::from_secs(10),
+    );
+    assert!(lonely.log_text().contains("was not reachable within 1s"));
+}
+
+#[test]
+fn unknown_models_list_what_is_supported() {
+    let dir = TempDir::new("llama");
+    std::fs::write(
+        dir.0.join("config.json"),
+        r#"{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2}"#,
+    )
+    .unwrap();
+    let shm = TempDir::new("unknown");
+    let mut p = serve(
+        0,
+        1,
+        free_port(),
+        &shm,
+        &["--model", &dir.0.display().to_string()],
+    );
+    fails_with(
+        &mut p,
+        "unsupported architecture 'llama'",
+        Duration::from_secs(10),
+    );
+    assert!(p.log_text().contains("qwen3_moe"), "{}", p.log_text());
+    let mut p = serve(0, 1, free_port(), &shm, &["--model", "synthetic:nope"]);
+    fails_with(
+        &mut p,
+        "unknown synthetic preset 'nope' (presets: tiny",
+        Duration::from_secs(10),
+    );
+    let mut p = serve(0, 1, free_port(), &shm, &["--model", "/no/such/dir"]);
+    fails_with(&mut p, "expected synthetic:NAME", Duration::from_secs(10));
+}
