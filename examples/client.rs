@@ -9,13 +9,25 @@ use epserve::proto::{DType, ForwardRequest, GetModelInfoRequest, Tensor};
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
-    let addr = args.next().unwrap_or_else(|| "http://127.0.0.1:50051".into());
+    let addr = args
+        .next()
+        .unwrap_or_else(|| "http://127.0.0.1:50051".into());
     let tokens: usize = args.next().map_or(Ok(8), |s| s.parse())?;
     let mut client = MoeServiceClient::connect(addr).await?;
-    let info = client.get_model_info(GetModelInfoRequest {}).await?.into_inner();
+    let info = client
+        .get_model_info(GetModelInfoRequest {})
+        .await?
+        .into_inner();
     println!(
         "model {} ({}): hidden {}, {} experts, top-{}, MoE layers {:?}, {} ranks on {}",
-        info.model, info.architecture, info.hidden_size, info.num_experts, info.top_k, info.moe_layers, info.world_size, info.backend
+        info.model,
+        info.architecture,
+        info.hidden_size,
+        info.num_experts,
+        info.top_k,
+        info.moe_layers,
+        info.world_size,
+        info.backend
     );
     let h = info.hidden_size as usize;
     // A small deterministic pseudo-random input, so the example needs no RNG crate.
@@ -40,9 +52,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         topk_weights: None,
         output_dtype: DType::F32 as i32,
     };
-    let out = client.forward(request).await?.into_inner().output.ok_or("no output")?;
-    let y: Vec<f32> = out.data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let out = client
+        .forward(request)
+        .await?
+        .into_inner()
+        .output
+        .ok_or("no output")?;
+    let y: Vec<f32> = out
+        .data
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
     let norm = y.iter().map(|v| v * v).sum::<f32>().sqrt();
-    println!("output shape {:?}, first values {:?}, L2 norm {norm:.4}", out.shape, &y[..4.min(y.len())]);
+    println!(
+        "output shape {:?}, first values {:?}, L2 norm {norm:.4}",
+        out.shape,
+        &y[..4.min(y.len())]
+    );
     Ok(())
 }
