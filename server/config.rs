@@ -83,9 +83,14 @@ pub struct ServeArgs {
     /// Longest a step waits to fill, in microseconds.
     #[arg(long, env = "EPSERVE_MAX_BATCH_WAIT_US", default_value_t = 200)]
     pub max_batch_wait_us: u64,
-    /// Requests waiting for a step; beyond it requests are refused with RESOURCE_EXHAUSTED.
-    #[arg(long, env = "EPSERVE_MAX_QUEUED_REQUESTS", default_value_t = 1024)]
-    pub max_queued_requests: usize,
+    /// Requests admitted and not yet answered; beyond it requests are refused at once with
+    /// RESOURCE_EXHAUSTED.
+    #[arg(long, env = "EPSERVE_MAX_CONCURRENT_REQUESTS", default_value_t = 1024)]
+    pub max_concurrent_requests: usize,
+    /// Tokens admitted and not yet answered (bounds the memory queued requests hold); beyond it
+    /// requests are refused at once with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "EPSERVE_MAX_QUEUED_TOKENS", default_value_t = 65536)]
+    pub max_queued_tokens: usize,
     /// Largest accepted gRPC message.
     #[arg(long, env = "EPSERVE_MAX_REQUEST_BYTES", default_value_t = 64 << 20)]
     pub max_request_bytes: usize,
@@ -95,6 +100,27 @@ pub struct ServeArgs {
     /// Bound on every wait inside a step; past it the group is broken.
     #[arg(long, env = "EPSERVE_STEP_TIMEOUT", default_value = "10s", value_parser = duration)]
     pub step_timeout: Duration,
+    /// On SIGTERM/SIGINT: longest wait for admitted requests to finish before giving up.
+    #[arg(long, env = "EPSERVE_DRAIN_TIMEOUT", default_value = "30s", value_parser = duration)]
+    pub drain_timeout: Duration,
+    /// After draining or breaking, keep refusing with UNAVAILABLE this long before the gRPC port
+    /// closes (counted inside --drain-timeout's budget by operators: set terminationGracePeriod
+    /// above drain timeout + grace).
+    #[arg(long, env = "EPSERVE_SHUTDOWN_GRACE", default_value = "1s", value_parser = duration)]
+    pub shutdown_grace: Duration,
+    /// An idle router runs an empty step through every rank this often, so a lost or stopped rank
+    /// is found without traffic.
+    #[arg(long, env = "EPSERVE_HEARTBEAT_INTERVAL", default_value = "1s", value_parser = duration)]
+    pub heartbeat_interval: Duration,
+    /// The `liveness` health service turns NOT_SERVING when one step runs longer than this.
+    #[arg(long, env = "EPSERVE_LIVENESS_TIMEOUT", default_value = "3s", value_parser = duration)]
+    pub liveness_timeout: Duration,
+    /// Prometheus `/metrics` address (launch gives rank r this port + r; port 0 picks any).
+    #[arg(long, env = "EPSERVE_METRICS_LISTEN", default_value = "127.0.0.1:9400")]
+    pub metrics_listen: SocketAddr,
+    /// Export a token counter per expert and layer (one series each).
+    #[arg(long, env = "EPSERVE_METRICS_PER_EXPERT")]
+    pub metrics_per_expert: bool,
     /// Directory for the shared-memory segments (a tmpfs).
     #[arg(long, env = "EPSERVE_SHM_DIR", default_value = "/dev/shm")]
     pub shm_dir: PathBuf,
@@ -156,8 +182,13 @@ impl ServeArgs {
         if self.max_tokens_per_step == 0 {
             return Err("--max-tokens-per-step must be at least 1".into());
         }
-        if self.max_queued_requests == 0 {
-            return Err("--max-queued-requests must be at least 1".into());
+        if self.max_concurrent_requests == 0 || self.max_queued_tokens == 0 {
+            return Err(
+                "--max-concurrent-requests and --max-queued-tokens must be at least 1".into(),
+            );
+        }
+        if self.heartbeat_interval.is_zero() || self.step_timeout.is_zero() {
+            return Err("--heartbeat-interval and --step-timeout must be positive".into());
         }
         Ok(Member {
             rank,

@@ -17,18 +17,31 @@ use crate::config::LaunchArgs;
 /// Grace between SIGTERM and SIGKILL when stopping the group after a failure.
 const KILL_GRACE: Duration = Duration::from_secs(5);
 
-/// The serve flags the user gave `launch`, minus `--ranks`.
+/// Flags `launch` sets per rank itself.
+const PER_RANK: &[&str] = &["--ranks", "--metrics-listen"];
+
+/// The serve flags the user gave `launch`, minus the per-rank ones.
 fn passthrough() -> Vec<String> {
     let mut out = Vec::new();
     let mut args = std::env::args().skip_while(|a| a != "launch").skip(1);
     while let Some(a) = args.next() {
-        if a == "--ranks" {
+        if PER_RANK.contains(&a.as_str()) {
             args.next();
-        } else if !a.starts_with("--ranks=") {
+        } else if !PER_RANK.iter().any(|f| a.starts_with(&format!("{f}="))) {
             out.push(a);
         }
     }
     out
+}
+
+/// Rank r's metrics address: the base port plus r (port 0 stays 0: any free port).
+fn metrics_addr(base: std::net::SocketAddr, rank: usize) -> anyhow::Result<std::net::SocketAddr> {
+    let mut a = base;
+    if a.port() != 0 {
+        let port = usize::from(a.port()) + rank;
+        a.set_port(u16::try_from(port).context("--metrics-listen port + rank exceeds 65535")?);
+    }
+    Ok(a)
 }
 
 pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
@@ -60,6 +73,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                 .args(&flags)
                 .args(["--rank", &rank.to_string(), "--world-size", &args.ranks.to_string()])
                 .args(["--rendezvous", &rendezvous])
+                .args(["--metrics-listen", &metrics_addr(args.serve.metrics_listen, rank)?.to_string()])
                 .kill_on_drop(true)
                 .spawn()
                 .with_context(|| format!("spawning rank {rank}"))?;

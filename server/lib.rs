@@ -5,6 +5,7 @@ pub mod backend;
 pub mod config;
 pub mod group;
 pub mod launch;
+pub mod metrics;
 pub mod model;
 pub mod rank;
 pub mod router;

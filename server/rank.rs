@@ -7,17 +7,23 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
-use tokio::sync::mpsc;
-use tracing::{info, warn};
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::sync::{mpsc, Notify};
+use tokio_util::sync::CancellationToken;
+use tonic::server::NamedService;
+use tonic_health::pb::health_server::HealthServer;
+use tonic_health::server::HealthReporter;
+use tonic_health::ServingStatus;
+use tracing::{error, info, warn};
 
-use crate::api::MoeApi;
+use crate::api::{MoeApi, Phase};
 use crate::backend::cpu::{CpuRank, SegmentShape};
 use crate::config::{Member, ServeArgs};
 use crate::group::{self, expect, send, Ctl, Fingerprint, RouterLink};
 use crate::model::{ModelSource, MoeSpec, Placement, RankWeights};
 use crate::proto::moe_service_server::MoeServiceServer;
 use crate::proto::{DType, ExpertRange, ModelInfo};
-use crate::router::{run_batcher, BatchConfig, Executor};
+use crate::router::{run_batcher, Admission, BatchConfig, Executor, Progress};
 use crate::shm::Abort;
 use crate::step::ring::{Ring, RingShape};
 use crate::step::{max_home_tokens, Backend, Driver};
@@ -97,10 +103,11 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let member = args.member().map_err(|e| anyhow!(e))?;
     let rank = member.rank;
     let p = prepare(&args, member).with_context(|| format!("rank {rank}"))?;
+    let metrics = crate::metrics::install()?;
     let r = if rank == 0 {
-        run_router(&args, p)
+        run_router(&args, p, metrics)
     } else {
-        run_worker(&args, p)
+        run_worker(&args, p, metrics)
     };
     r.with_context(|| format!("rank {rank}"))
 }
@@ -121,7 +128,189 @@ fn rendezvous_bind(addr: &str) -> anyhow::Result<SocketAddr> {
         .ok_or_else(|| anyhow!("rendezvous address '{addr}' is not HOST:PORT"))
 }
 
-fn run_router(args: &ServeArgs, p: Prepared) -> anyhow::Result<()> {
+/// The router: gRPC comes up first (NOT_SERVING), the group forms, a warm-up step runs, then it
+/// serves until a signal (drain) or a broken group.
+fn run_router(args: &ServeArgs, p: Prepared, metrics: PrometheusHandle) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(router_main(args, p, metrics))
+}
+
+/// Health services: "" and the MoeService are readiness; "liveness" follows the step loop.
+const LIVENESS: &str = "liveness";
+
+async fn set_ready(health: &HealthReporter, ready: bool) {
+    let status = if ready {
+        ServingStatus::Serving
+    } else {
+        ServingStatus::NotServing
+    };
+    health.set_service_status("", status).await;
+    health
+        .set_service_status(MoeServiceServer::<Arc<MoeApi>>::NAME, status)
+        .await;
+}
+
+async fn router_main(
+    args: &ServeArgs,
+    p: Prepared,
+    metrics: PrometheusHandle,
+) -> anyhow::Result<()> {
+    crate::metrics::serve(args.metrics_listen, metrics, 0).await?;
+    let abort = Arc::new(Abort::default());
+    let admission = Admission::new(args.max_concurrent_requests, args.max_queued_tokens);
+    let wake = Arc::new(Notify::new());
+    let (job_tx, job_rx) = mpsc::channel(args.max_concurrent_requests);
+    let info = model_info(
+        &p.spec,
+        &p.source,
+        &p.placement,
+        args,
+        p.segment.bytes() as u64,
+    );
+    let api = Arc::new(MoeApi::new(
+        Arc::new(p.spec.clone()),
+        info,
+        job_tx,
+        admission.clone(),
+        wake.clone(),
+        abort.clone(),
+    ));
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    set_ready(&health, false).await;
+    health
+        .set_service_status(LIVENESS, ServingStatus::Serving)
+        .await;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding the gRPC address {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    let server_stop = CancellationToken::new();
+    let server = tokio::spawn(serve_grpc(
+        args.max_request_bytes,
+        api.clone(),
+        health_service,
+        listener,
+        server_stop.clone(),
+    ));
+    info!("gRPC listening on {addr}, NOT_SERVING until the group is ready");
+
+    let (setup_args, setup_abort) = (args.clone(), abort.clone());
+    let setup = tokio::task::spawn_blocking(move || form_group(&setup_args, p, setup_abort)).await;
+    let exec = match setup.map_err(anyhow::Error::from).and_then(|r| r) {
+        Ok(e) => e,
+        Err(e) => {
+            server_stop.cancel();
+            let _ = server.await;
+            return Err(e);
+        }
+    };
+    let progress = exec.progress.clone();
+    let (step_tx, step_rx) = mpsc::channel(1);
+    let (handle, heartbeat) = (tokio::runtime::Handle::current(), args.heartbeat_interval);
+    let exec_abort = abort.clone();
+    // One permit: the executor holds at most one step; the next is formed when it is done.
+    let exec_idle = Arc::new(tokio::sync::Semaphore::new(1));
+    let idle = exec_idle.clone();
+    let exec_thread = std::thread::Builder::new()
+        .name("step-executor".into())
+        .spawn(move || {
+            let _guard = AbortOnPanic(exec_abort);
+            exec.serve(step_rx, idle, handle, heartbeat)
+        })?;
+    let batch_stop = CancellationToken::new();
+    let batch = BatchConfig {
+        max_tokens_per_step: args.max_tokens_per_step,
+        max_wait: Duration::from_micros(args.max_batch_wait_us),
+    };
+    let batcher = tokio::spawn(run_batcher(
+        batch,
+        job_rx,
+        step_tx,
+        exec_idle,
+        wake,
+        batch_stop.clone(),
+        abort.clone(),
+    ));
+    api.set_phase(Phase::Serving);
+    set_ready(&health, true).await;
+    info!("serving gRPC on {addr}");
+    let watchdog = tokio::spawn(watch_liveness(
+        health.clone(),
+        progress,
+        args.liveness_timeout,
+    ));
+
+    let stop = wait_for_stop(&abort).await;
+    let drained = match &stop {
+        Stop::Signal(name) => {
+            api.set_phase(Phase::Draining);
+            set_ready(&health, false).await;
+            let (requests, tokens) = admission.held();
+            warn!(
+                requests,
+                tokens, "{name}: draining; new requests are refused"
+            );
+            let done = tokio::time::timeout(args.drain_timeout, admission.drained())
+                .await
+                .is_ok();
+            if !done {
+                let (requests, tokens) = admission.held();
+                abort.trigger(format!(
+                    "drain timeout: {requests} requests ({tokens} tokens) unfinished after {:?}",
+                    args.drain_timeout
+                ));
+            }
+            done
+        }
+        Stop::Broken(reason) => {
+            api.set_phase(Phase::Broken);
+            set_ready(&health, false).await;
+            error!("EP group broken: {reason}; answering every waiting request UNAVAILABLE");
+            false
+        }
+    };
+    batch_stop.cancel();
+    let _ = batcher.await;
+    let executed = tokio::task::spawn_blocking(move || exec_thread.join()).await?;
+    watchdog.abort();
+    health
+        .set_service_status(LIVENESS, ServingStatus::NotServing)
+        .await;
+    // Keep answering UNAVAILABLE (with the reason) a moment before the port closes, so clients
+    // and load balancers see a clean refusal rather than a dropped connection.
+    tokio::time::sleep(args.shutdown_grace).await;
+    server_stop.cancel();
+    server.await??;
+    executed.map_err(|_| anyhow!("the step executor panicked"))??;
+    if let Some(reason) = abort.reason() {
+        bail!("the EP group broke: {reason}");
+    }
+    if drained {
+        info!("drained; exiting");
+    }
+    Ok(())
+}
+
+/// Breaks the group if the thread holding it unwinds, so a bug fails fast instead of hanging.
+struct AbortOnPanic(Arc<Abort>);
+
+impl Drop for AbortOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.trigger("the step executor panicked");
+        }
+    }
+}
+
+/// Joins the group, sets up the exchange buffers and runs the warm-up step (blocking).
+fn form_group(
+    args: &ServeArgs,
+    p: Prepared,
+    abort: Arc<Abort>,
+) -> anyhow::Result<Executor<CpuRank>> {
     let world = p.member.world;
     let bind = rendezvous_bind(&p.member.rendezvous)?;
     let listener =
@@ -143,7 +332,6 @@ fn run_router(args: &ServeArgs, p: Prepared) -> anyhow::Result<()> {
         timeout,
     )?;
     drop(listener);
-    let abort = Arc::new(Abort::default());
     let dir = args.shm_dir.as_path();
     let setup = (|| -> anyhow::Result<(CpuRank, Arc<Ring>)> {
         let deadline = Instant::now() + timeout;
@@ -185,13 +373,20 @@ fn run_router(args: &ServeArgs, p: Prepared) -> anyhow::Result<()> {
         }
     };
     link.clear_timeouts()?;
+    group_info(args, 0, world);
     let buffers = rank.buffers();
-    let exchange_bytes = p.segment.bytes() as u64;
+    let driver = Driver::new(
+        rank,
+        0,
+        world,
+        p.spec.moe_layers.clone(),
+        args.metrics_per_expert,
+    );
     let mut exec = Executor::new(
-        Driver::new(rank, 0, world),
+        driver,
         ring,
         link,
-        abort.clone(),
+        abort,
         args.step_timeout,
         p.spec.hidden,
         p.spec.top_k,
@@ -201,97 +396,126 @@ fn run_router(args: &ServeArgs, p: Prepared) -> anyhow::Result<()> {
         ?buffers,
         "group ready: every rank joined, weights loaded, warm-up step done"
     );
-
-    let spec = Arc::new(p.spec);
-    let info = model_info(&spec, &p.source, &p.placement, args, exchange_bytes);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    let (job_tx, job_rx) = mpsc::channel(args.max_queued_requests);
-    let (step_tx, step_rx) = mpsc::channel(1);
-    let exec_thread = std::thread::Builder::new()
-        .name("step-executor".into())
-        .spawn(move || exec.serve(step_rx))?;
-    let batch = BatchConfig {
-        max_tokens_per_step: args.max_tokens_per_step,
-        max_wait: Duration::from_micros(args.max_batch_wait_us),
-    };
-    let served = runtime.block_on(async {
-        let batcher = tokio::spawn(run_batcher(batch, job_rx, step_tx));
-        let api = Arc::new(MoeApi::new(spec, info, job_tx));
-        let r = serve_grpc(args, api, abort.clone()).await;
-        let _ = batcher.await;
-        r
-    });
-    let executed = exec_thread
-        .join()
-        .map_err(|_| anyhow!("the step executor panicked"))?;
-    served?;
-    executed?;
-    info!("drained; exiting");
-    Ok(())
+    Ok(exec)
 }
 
-async fn serve_grpc(args: &ServeArgs, api: Arc<MoeApi>, abort: Arc<Abort>) -> anyhow::Result<()> {
-    use tonic_health::ServingStatus;
-    let (health, health_service) = tonic_health::server::health_reporter();
+fn group_info(args: &ServeArgs, rank: usize, world: usize) {
+    metrics::gauge!(
+        "epserve_group_info",
+        "backend" => format!("{:?}", args.backend).to_lowercase(),
+        "world_size" => world.to_string(),
+        "ranks_joined" => world.to_string(),
+        "rank" => rank.to_string()
+    )
+    .set(1.0);
+}
+
+/// `liveness` is NOT_SERVING while one step has run longer than `limit` (a stuck rank or router).
+async fn watch_liveness(health: HealthReporter, progress: Arc<Progress>, limit: Duration) {
+    let mut live = true;
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = progress.running_for().is_none_or(|d| d <= limit);
+        if now != live {
+            live = now;
+            let status = if live {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            };
+            if !live {
+                warn!("a step has run longer than {limit:?}: liveness NOT_SERVING");
+            }
+            health.set_service_status(LIVENESS, status).await;
+        }
+    }
+}
+
+/// Serves the gRPC services on `listener` until `stop`, then lets open calls finish (bounded).
+/// The accept loop is ours rather than tonic's transport server, whose built-in grpc-timeout
+/// layer answers an expired deadline with CANCELLED before the service can say DEADLINE_EXCEEDED.
+async fn serve_grpc(
+    max_request_bytes: usize,
+    api: Arc<MoeApi>,
+    health: HealthServer<impl tonic_health::pb::health_server::Health>,
+    listener: tokio::net::TcpListener,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper_util::service::TowerToHyperService;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     let moe = MoeServiceServer::new(api)
-        .max_decoding_message_size(args.max_request_bytes)
-        .max_encoding_message_size(args.max_request_bytes.saturating_mul(2));
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding the gRPC address {}", args.listen))?;
-    let addr = listener.local_addr()?;
-    health.set_serving::<MoeServiceServer<Arc<MoeApi>>>().await;
-    health.set_service_status("", ServingStatus::Serving).await;
-    info!("serving gRPC on {addr}");
-    let stop = async {
-        let reason = wait_for_stop(&abort).await;
-        warn!("{reason}: not serving any more");
-        health
-            .set_not_serving::<MoeServiceServer<Arc<MoeApi>>>()
-            .await;
-        health
-            .set_service_status("", ServingStatus::NotServing)
-            .await;
-    };
-    tonic::transport::Server::builder()
-        .add_service(health_service)
+        .max_decoding_message_size(max_request_bytes)
+        .max_encoding_message_size(max_request_bytes.saturating_mul(2));
+    let routes = tonic::service::Routes::new(health)
         .add_service(reflection)
         .add_service(moe)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            stop,
-        )
-        .await?;
+        .prepare();
+    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (tcp, peer) = match accepted {
+                    Ok(x) => x,
+                    Err(e) => {
+                        warn!("gRPC accept: {e}");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                let _ = tcp.set_nodelay(true);
+                let conn = builder.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(routes.clone()));
+                let conn = graceful.watch(conn.into_owned());
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(%peer, "gRPC connection ended: {e}");
+                    }
+                });
+            }
+            _ = stop.cancelled() => break,
+        }
+    }
+    drop(listener);
+    // Every admitted call is answered by now; this only waits for connections to close.
+    if tokio::time::timeout(Duration::from_secs(5), graceful.shutdown())
+        .await
+        .is_err()
+    {
+        warn!("gRPC connections still open 5s after shutdown; closing");
+    }
     Ok(())
 }
 
+enum Stop {
+    Signal(&'static str),
+    Broken(String),
+}
+
 /// SIGINT, SIGTERM, or the group breaking.
-async fn wait_for_stop(abort: &Abort) -> String {
+async fn wait_for_stop(abort: &Abort) -> Stop {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut int), Ok(mut term)) = (
         signal(SignalKind::interrupt()),
         signal(SignalKind::terminate()),
     ) else {
-        return "cannot install signal handlers".into();
+        return Stop::Broken("cannot install signal handlers".into());
     };
     let broken = async {
         loop {
             if let Some(r) = abort.reason() {
                 return r;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
     tokio::select! {
-        _ = int.recv() => "SIGINT".into(),
-        _ = term.recv() => "SIGTERM".into(),
-        r = broken => format!("EP group broken ({r})"),
+        _ = int.recv() => Stop::Signal("SIGINT"),
+        _ = term.recv() => Stop::Signal("SIGTERM"),
+        r = broken => Stop::Broken(r),
     }
 }
 
@@ -329,8 +553,35 @@ fn model_info(
     }
 }
 
-fn run_worker(args: &ServeArgs, p: Prepared) -> anyhow::Result<()> {
+fn run_worker(args: &ServeArgs, p: Prepared, metrics: PrometheusHandle) -> anyhow::Result<()> {
     let rank = p.member.rank;
+    // Metrics on a small runtime of their own: the step loop stays plain blocking code.
+    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+    let listen = args.metrics_listen;
+    std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build();
+            let r = rt.map_err(anyhow::Error::from).and_then(|rt| {
+                rt.block_on(async {
+                    let r = crate::metrics::serve(listen, metrics, rank).await;
+                    let ok = r.is_ok();
+                    let _ = addr_tx.send(r);
+                    if ok {
+                        std::future::pending::<()>().await;
+                    }
+                    Ok(())
+                })
+            });
+            if let Err(e) = r {
+                error!("metrics endpoint: {e:#}");
+            }
+        })?;
+    addr_rx
+        .recv()
+        .map_err(|_| anyhow!("the metrics thread died"))??;
     let timeout = args.rendezvous_timeout;
     let addr = &p.member.rendezvous;
     let (mut stream, group_id) = group::join(addr, rank, p.member.world, &p.fingerprint, timeout)?;
@@ -375,7 +626,10 @@ fn run_worker(args: &ServeArgs, p: Prepared) -> anyhow::Result<()> {
             return Err(e);
         }
     };
-    stream.set_read_timeout(None)?;
+    // The router sends a step or a heartbeat at least every heartbeat interval plus one step.
+    let silence = args.heartbeat_interval + args.step_timeout + Duration::from_secs(1);
+    stream.set_read_timeout(Some(silence))?;
+    group_info(args, rank, p.member.world);
     // The router drives the drain: a signalled rank keeps running the router's steps until it is
     // told to stop or loses the router, so nothing admitted is lost when every pod gets SIGTERM.
     let signalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -383,7 +637,14 @@ fn run_worker(args: &ServeArgs, p: Prepared) -> anyhow::Result<()> {
         signal_hook::flag::register(sig, signalled.clone())?;
     }
     info!(buffers = ?backend.buffers(), "joined the group");
-    follow_steps(&mut stream, Driver::new(backend, rank, p.member.world))
+    let driver = Driver::new(
+        backend,
+        rank,
+        p.member.world,
+        p.spec.moe_layers.clone(),
+        args.metrics_per_expert,
+    );
+    follow_steps(&mut stream, driver, silence)
 }
 
 fn expect_msg(stream: &mut TcpStream, want: Ctl, deadline: Instant) -> anyhow::Result<()> {
@@ -395,7 +656,11 @@ fn expect_msg(stream: &mut TcpStream, want: Ctl, deadline: Instant) -> anyhow::R
 }
 
 /// Runs each step the router sends, until told to stop.
-fn follow_steps<B: Backend>(stream: &mut TcpStream, mut driver: Driver<B>) -> anyhow::Result<()> {
+fn follow_steps<B: Backend>(
+    stream: &mut TcpStream,
+    mut driver: Driver<B>,
+    silence: Duration,
+) -> anyhow::Result<()> {
     loop {
         match group::recv(stream) {
             Ok(Ctl::Step(desc)) => {
@@ -416,6 +681,14 @@ fn follow_steps<B: Backend>(stream: &mut TcpStream, mut driver: Driver<B>) -> an
             }
             Ok(Ctl::Failed { reason, .. }) => bail!("the EP group stopped: {reason}"),
             Ok(other) => bail!("unexpected control message {other:?}"),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                bail!("the router (rank 0) sent nothing for {silence:?}: it is stuck or gone")
+            }
             Err(e) => bail!("lost the connection to the router (rank 0): {e}"),
         }
     }

@@ -31,6 +31,8 @@ fn serve(rank: usize, world: usize, port: u16, shm: &TempDir, extra: &[&str]) ->
         format!("127.0.0.1:{port}"),
         "--listen".into(),
         "127.0.0.1:0".into(),
+        "--metrics-listen".into(),
+        "127.0.0.1:0".into(),
     ]);
     args.extend(["--shm-dir".into(), shm.0.display().to_string()]);
     args.extend(extra.iter().map(|s| s.to_string()));

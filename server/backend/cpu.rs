@@ -448,6 +448,10 @@ impl Experts for CpuRank {
 }
 
 impl Backend for CpuRank {
+    fn routed(&self) -> &[u32] {
+        &self.s.matrix
+    }
+
     fn buffers(&self) -> Vec<(&'static str, usize, usize)> {
         let v = |name, p: *const u8, len| (name, p as usize, len);
         let s = &self.s;

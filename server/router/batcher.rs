@@ -1,14 +1,17 @@
 //! The batching actor: owns the queue; forms a step when the executor can take one and either the
-//! head request's layer has a full step queued or the head has waited `max_wait`.
+//! head request's layer has a full step queued or the head has waited `max_wait`. Requests whose
+//! client left or whose deadline passed leave the queue without entering a step.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::{Job, Segment, Step};
+use crate::shm::Abort;
 
 #[derive(Clone, Copy, Debug)]
 pub struct BatchConfig {
@@ -24,24 +27,50 @@ struct Queued {
 
 impl Queued {
     fn key(&self) -> (usize, bool) {
-        (self.job.layer, self.job.routing.is_some())
+        (self.job.input.layer, self.job.input.routing.is_some())
     }
     fn left(&self) -> usize {
-        self.job.tokens - self.next_row
+        self.job.input.tokens - self.next_row
+    }
+    /// Not started and past its deadline.
+    fn expired(&self, now: std::time::Instant) -> bool {
+        self.next_row == 0 && self.job.input.deadline.is_some_and(|d| d <= now)
     }
 }
 
-/// Runs until `jobs` is closed and the queue is empty (drain), or until the executor goes away,
-/// in which case every queued and later job is failed with UNAVAILABLE.
+/// Runs until `stop` is cancelled and the queue is empty (drain), or until the executor goes
+/// away (group broken), in which case every queued and later job is failed with UNAVAILABLE.
+/// `wake` is notified when a client leaves, so its queued tokens are freed at once. A step is
+/// formed only when the executor holds none (`ready` has a permit), so waiting work stays in the
+/// queue where deadlines and cancellation reach it.
 pub async fn run_batcher(
     cfg: BatchConfig,
     mut jobs: mpsc::Receiver<Arc<Job>>,
     steps: mpsc::Sender<Step>,
+    exec_idle: Arc<Semaphore>,
+    wake: Arc<Notify>,
+    stop: CancellationToken,
+    broken: Arc<Abort>,
 ) {
     let mut queue: VecDeque<Queued> = VecDeque::new();
-    let mut open = true;
     loop {
-        queue.retain(|q| q.next_row > 0 || !q.job.abandoned());
+        let now = std::time::Instant::now();
+        queue.retain(|q| {
+            if q.expired(now) {
+                metrics::counter!("epserve_rejections_total", "reason" => "deadline_in_queue")
+                    .increment(1);
+                q.job.fail(tonic::Status::deadline_exceeded(
+                    "the deadline passed while the request was queued",
+                ));
+                return false;
+            }
+            // A request already inside a step completes; an untouched one whose client left goes.
+            q.next_row > 0 || !q.job.abandoned()
+        });
+        metrics::gauge!("epserve_queue_requests").set(queue.len() as f64);
+        metrics::gauge!("epserve_queue_tokens")
+            .set(queue.iter().map(Queued::left).sum::<usize>() as f64);
+        let open = !stop.is_cancelled();
         if !open && queue.is_empty() {
             return;
         }
@@ -54,23 +83,37 @@ pub async fn run_batcher(
                 .sum::<usize>()
                 >= cfg.max_tokens_per_step
         });
-        // Draining: nothing more can arrive, so waiting to fill is pointless.
+        // Draining: nothing more arrives, so waiting to fill is pointless.
         let due = head.map(|(_, since)| if open { since + cfg.max_wait } else { since });
         let ready = full || due.is_some_and(|d| d <= Instant::now());
+        let next_deadline = queue
+            .iter()
+            .filter(|q| q.next_row == 0)
+            .filter_map(|q| q.job.input.deadline)
+            .min();
+        let wake_at = [due.filter(|_| !ready), next_deadline.map(Instant::from_std)]
+            .into_iter()
+            .flatten()
+            .min();
         tokio::select! {
             job = jobs.recv(), if open => match job {
                 Some(job) => queue.push_back(Queued { job, next_row: 0, since: Instant::now() }),
-                None => open = false,
+                None => stop.cancel(),
             },
-            permit = steps.reserve(), if ready => match permit {
-                Ok(permit) => permit.send(take_step(&mut queue, cfg.max_tokens_per_step)),
-                Err(_) => break,
+            permit = ready_for_step(&exec_idle, &steps), if ready => match permit {
+                Some(permit) => permit.send(take_step(&mut queue, cfg.max_tokens_per_step)),
+                None => break,
             },
-            _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if !ready && due.is_some() => {}
+            _ = tokio::time::sleep_until(wake_at.unwrap_or_else(Instant::now)), if wake_at.is_some() => {}
+            _ = wake.notified() => {}
+            _ = stop.cancelled(), if open => {}
         }
     }
     // The executor is gone: the group is broken.
-    let status = tonic::Status::unavailable("the EP group has stopped");
+    let why = broken
+        .reason()
+        .unwrap_or_else(|| "the step executor stopped".into());
+    let status = tonic::Status::unavailable(format!("EP group broken: {why}"));
     jobs.close();
     while let Ok(job) = jobs.try_recv() {
         queue.push_back(Queued {
@@ -84,16 +127,30 @@ pub async fn run_batcher(
     }
 }
 
+/// Waits until the executor is idle and the channel has room; None once the executor is gone.
+async fn ready_for_step<'a>(
+    ready: &Semaphore,
+    steps: &'a mpsc::Sender<Step>,
+) -> Option<mpsc::Permit<'a, Step>> {
+    tokio::select! {
+        p = ready.acquire() => p.ok()?.forget(),
+        _ = steps.closed() => return None,
+    }
+    steps.reserve().await.ok()
+}
+
 /// Packs the head request's layer: FIFO, splitting the last request that does not fit.
 fn take_step(queue: &mut VecDeque<Queued>, budget: usize) -> Step {
     let key = queue.front().expect("a ready queue is not empty").key();
     let mut left = budget;
     let mut segments = Vec::new();
+    let now = std::time::Instant::now();
     for q in queue.iter_mut().filter(|q| q.key() == key) {
         if left == 0 {
             break;
         }
         let take = q.left().min(left);
+        q.job.started(now);
         segments.push(Segment {
             job: q.job.clone(),
             rows: q.next_row..q.next_row + take,
@@ -112,17 +169,25 @@ fn take_step(queue: &mut VecDeque<Queued>, budget: usize) -> Step {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::router::JobInput;
 
-    fn job(layer: usize, tokens: usize) -> Arc<Job> {
-        let (j, rx) = Job::new(
-            format!("{layer}/{tokens}"),
+    fn job(
+        layer: usize,
+        tokens: usize,
+        deadline: Option<std::time::Instant>,
+    ) -> (
+        Arc<Job>,
+        tokio::sync::oneshot::Receiver<crate::router::Reply>,
+    ) {
+        let input = JobInput {
+            id: format!("{layer}/{tokens}"),
             layer,
             tokens,
-            vec![0.0; tokens],
-            None,
-        );
-        std::mem::forget(rx);
-        j
+            hidden: vec![0.0; tokens],
+            routing: None,
+            deadline,
+        };
+        Job::new(input, None)
     }
 
     #[tokio::test(start_paused = true)]
@@ -133,28 +198,91 @@ mod tests {
             max_tokens_per_step: 8,
             max_wait: Duration::from_millis(5),
         };
-        let task = tokio::spawn(run_batcher(cfg, jrx, stx));
-        for j in [job(0, 3), job(1, 2), job(0, 11)] {
+        let stop = CancellationToken::new();
+        let ready = Arc::new(Semaphore::new(1));
+        let task = tokio::spawn(run_batcher(
+            cfg,
+            jrx,
+            stx,
+            ready.clone(),
+            Arc::new(Notify::new()),
+            stop.clone(),
+            Arc::new(Abort::default()),
+        ));
+        let mut keep = Vec::new();
+        for (j, rx) in [job(0, 3, None), job(1, 2, None), job(0, 11, None)] {
             jtx.send(j).await.unwrap();
+            keep.push(rx);
         }
         let sizes = |s: &Step| {
             s.segments
                 .iter()
-                .map(|g| (g.job.tokens, g.rows.clone()))
+                .map(|g| (g.job.input.tokens, g.rows.clone()))
                 .collect::<Vec<_>>()
         };
         // Layer 0 has 14 tokens queued: a full step at once, splitting the 11-token request.
         let s = srx.recv().await.unwrap();
         assert_eq!((s.layer, s.tokens()), (0, 8));
         assert_eq!(sizes(&s), vec![(3, 0..3), (11, 0..5)]);
+        // The executor must finish a step before the next one is formed.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(srx.try_recv().is_err());
+        ready.add_permits(1);
         // The rest are not full: they go out once the head has waited max_wait.
         let t0 = Instant::now();
         let s = srx.recv().await.unwrap();
         assert_eq!((s.layer, sizes(&s)), (1, vec![(2, 0..2)]));
         assert!(t0.elapsed() <= Duration::from_millis(5));
+        ready.add_permits(1);
         let s = srx.recv().await.unwrap();
         assert_eq!((s.layer, sizes(&s)), (0, vec![(11, 5..11)]));
-        drop(jtx);
+        stop.cancel();
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn expired_and_abandoned_requests_never_enter_a_step() {
+        let (jtx, jrx) = mpsc::channel(16);
+        let (stx, mut srx) = mpsc::channel(1);
+        let cfg = BatchConfig {
+            max_tokens_per_step: 64,
+            max_wait: Duration::from_millis(20),
+        };
+        let wake = Arc::new(Notify::new());
+        let stop = CancellationToken::new();
+        let ready = Arc::new(Semaphore::new(1));
+        let task = tokio::spawn(run_batcher(
+            cfg,
+            jrx,
+            stx,
+            ready,
+            wake.clone(),
+            stop.clone(),
+            Arc::new(Abort::default()),
+        ));
+        let (late, late_rx) = job(
+            0,
+            4,
+            Some(std::time::Instant::now() + Duration::from_millis(1)),
+        );
+        let (gone, gone_rx) = job(0, 5, None);
+        let (kept, _kept_rx) = job(0, 6, None);
+        for j in [late, gone, kept] {
+            jtx.send(j).await.unwrap();
+        }
+        drop(gone_rx);
+        wake.notify_one();
+        let err = late_rx.await.unwrap().unwrap_err();
+        assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
+        let s = srx.recv().await.unwrap();
+        assert_eq!(
+            s.segments
+                .iter()
+                .map(|g| g.job.input.tokens)
+                .collect::<Vec<_>>(),
+            vec![6]
+        );
+        stop.cancel();
         task.await.unwrap();
     }
 }

@@ -3,7 +3,7 @@
 
 use std::io::ErrorKind;
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,6 +31,45 @@ pub enum ExecutorError {
     },
 }
 
+/// What the liveness watchdog reads: whether a step is running, and since when.
+pub struct Progress {
+    base: Instant,
+    /// Microseconds since `base` when the running step began, plus one; 0 when idle.
+    busy_since: AtomicU64,
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Self {
+            base: Instant::now(),
+            busy_since: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Progress {
+    fn begin(&self) {
+        self.busy_since.store(
+            self.base.elapsed().as_micros() as u64 + 1,
+            Ordering::Release,
+        );
+    }
+    fn end(&self) {
+        self.busy_since.store(0, Ordering::Release);
+    }
+    /// How long the running step has run (None while idle).
+    pub fn running_for(&self) -> Option<Duration> {
+        match self.busy_since.load(Ordering::Acquire) {
+            0 => None,
+            t => Some(
+                self.base
+                    .elapsed()
+                    .saturating_sub(Duration::from_micros(t - 1)),
+            ),
+        }
+    }
+}
+
 pub struct Executor<B> {
     driver: Driver<B>,
     ring: Arc<Ring>,
@@ -42,6 +81,7 @@ pub struct Executor<B> {
     seq: u64,
     hidden: usize,
     top_k: usize,
+    pub progress: Arc<Progress>,
 }
 
 impl<B: Backend> Executor<B> {
@@ -82,6 +122,7 @@ impl<B: Backend> Executor<B> {
             seq: 0,
             hidden,
             top_k,
+            progress: Arc::new(Progress::default()),
         })
     }
 
@@ -91,6 +132,14 @@ impl<B: Backend> Executor<B> {
 
     /// Runs one step through the whole group; on return every rank has stored its output.
     pub fn run(&mut self, step: &Step) -> Result<PhaseTimes, ExecutorError> {
+        self.progress.begin();
+        let r = self.run_inner(step);
+        self.progress.end();
+        r
+    }
+
+    fn run_inner(&mut self, step: &Step) -> Result<PhaseTimes, ExecutorError> {
+        let _span = tracing::debug_span!("step", step = self.seq + 1).entered();
         if let Some(reason) = self.abort.reason() {
             return Err(ExecutorError::Output {
                 step: self.seq + 1,
@@ -99,6 +148,8 @@ impl<B: Backend> Executor<B> {
             });
         }
         self.seq += 1;
+        // One deadline for the whole step, whichever wait it ends up in.
+        let deadline = Instant::now() + self.step_timeout;
         let slots = self.ring.shape.slots as u64;
         let slot = (self.seq % slots) as usize;
         let (h, k) = (self.hidden, self.top_k);
@@ -106,8 +157,8 @@ impl<B: Backend> Executor<B> {
         for seg in &step.segments {
             let (a, b) = (seg.rows.start, seg.rows.end);
             self.ring
-                .write_hidden(slot, row, &seg.job.hidden[a * h..b * h]);
-            if let Some((ids, w)) = &seg.job.routing {
+                .write_hidden(slot, row, &seg.job.input.hidden[a * h..b * h]);
+            if let Some((ids, w)) = &seg.job.input.routing {
                 self.ring
                     .write_routing(slot, row, &ids[a * k..b * k], &w[a * k..b * k]);
             }
@@ -123,7 +174,6 @@ impl<B: Backend> Executor<B> {
         };
         self.link.broadcast(&Ctl::Step(desc))?;
         let times = self.driver.run(&desc)?;
-        let deadline = Instant::now() + self.step_timeout;
         self.ring
             .wait_outputs(slot, self.seq, deadline, &self.abort)
             .map_err(|(rank, e)| ExecutorError::Output {
@@ -143,13 +193,32 @@ impl<B: Backend> Executor<B> {
     }
 
     /// Serves steps until the batcher closes the channel (drain) or a step fails (group broken).
-    /// Either way the other ranks are told to stop.
-    pub fn serve(mut self, mut steps: mpsc::Receiver<Step>) -> Result<(), ExecutorError> {
+    /// When idle for `heartbeat`, runs an empty step through every rank, so a lost or stopped rank
+    /// is found within the step timeout even without traffic. Either way the ranks are told to stop.
+    pub fn serve(
+        mut self,
+        mut steps: mpsc::Receiver<Step>,
+        ready: Arc<tokio::sync::Semaphore>,
+        runtime: tokio::runtime::Handle,
+        heartbeat: Duration,
+    ) -> Result<(), ExecutorError> {
         let result = loop {
-            let Some(step) = steps.blocking_recv() else {
-                break Ok(());
+            let next =
+                runtime.block_on(async { tokio::time::timeout(heartbeat, steps.recv()).await });
+            let step = match next {
+                Ok(Some(step)) => step,
+                Ok(None) => break Ok(()),
+                Err(_) => Step {
+                    layer: 0,
+                    client_routing: false,
+                    segments: Vec::new(),
+                },
             };
-            match self.run(&step) {
+            let result = self.run(&step);
+            if !step.segments.is_empty() {
+                ready.add_permits(1);
+            }
+            match result {
                 Ok(times) => tracing::debug!(tokens = step.tokens(), ?times, "step"),
                 Err(e) => {
                     let status = tonic::Status::unavailable(format!("EP group broken: {e}"));
@@ -160,8 +229,14 @@ impl<B: Backend> Executor<B> {
             }
         };
         steps.close();
+        let why = self
+            .abort
+            .reason()
+            .unwrap_or_else(|| "the step executor stopped".into());
         while let Ok(step) = steps.try_recv() {
-            step.fail(&tonic::Status::unavailable("EP group broken"));
+            step.fail(&tonic::Status::unavailable(format!(
+                "EP group broken: {why}"
+            )));
         }
         // A clean drain stops the ranks with exit 0; a broken group makes them fail too.
         let broken = self.abort.reason();
@@ -186,7 +261,15 @@ impl<B: Backend> Executor<B> {
         let hidden: Vec<f32> = (0..tokens * self.hidden)
             .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
             .collect();
-        let (job, mut rx) = super::Job::new("warm-up".into(), 0, tokens, hidden, None);
+        let input = super::JobInput {
+            id: "warm-up".into(),
+            layer: 0,
+            tokens,
+            hidden,
+            routing: None,
+            deadline: None,
+        };
+        let (job, mut rx) = super::Job::new(input, None);
         let step = Step {
             layer: 0,
             client_routing: false,

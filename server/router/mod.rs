@@ -1,22 +1,25 @@
-//! The router's request path: an actor owning the queue packs requests of one layer into steps of
-//! at most `max_tokens_per_step` tokens (splitting large ones), and the executor thread runs each
-//! step across the group and hands every finished request its output.
+//! The router's request path: admission bounds what is held, an actor owning the queue packs
+//! requests of one layer into steps of at most `max_tokens_per_step` tokens (splitting large ones),
+//! and the executor thread runs each step across the group and answers finished requests.
 
+mod admission;
 mod batcher;
 mod executor;
 
+pub use admission::{Admission, Permit};
 pub use batcher::{run_batcher, BatchConfig};
-pub use executor::{Executor, ExecutorError};
+pub use executor::{Executor, ExecutorError, Progress};
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use tokio::sync::oneshot;
 
 pub type Reply = Result<Vec<f32>, tonic::Status>;
 
-/// One admitted request, validated and converted to f32.
-pub struct Job {
+/// A validated request, converted to f32.
+pub struct JobInput {
     pub id: String,
     /// Index into `MoeSpec::moe_layers`.
     pub layer: usize,
@@ -25,35 +28,39 @@ pub struct Job {
     pub hidden: Vec<f32>,
     /// Client routing: ids and weights, `[tokens, top_k]` each.
     pub routing: Option<(Vec<i32>, Vec<f32>)>,
+    /// The client's deadline (grpc-timeout): past it, a queued request never enters a step.
+    pub deadline: Option<Instant>,
+}
+
+/// One admitted request on its way through the steps.
+pub struct Job {
+    pub input: JobInput,
+    pub admitted: Instant,
     sink: Mutex<Sink>,
+    /// Released when the job is gone from every step and queue.
+    _permit: Option<Permit>,
 }
 
 struct Sink {
     out: Vec<f32>,
     done: usize,
+    first_step: Option<Instant>,
     reply: Option<oneshot::Sender<Reply>>,
 }
 
 impl Job {
-    pub fn new(
-        id: String,
-        layer: usize,
-        tokens: usize,
-        hidden: Vec<f32>,
-        routing: Option<(Vec<i32>, Vec<f32>)>,
-    ) -> (Arc<Self>, oneshot::Receiver<Reply>) {
+    pub fn new(input: JobInput, permit: Option<Permit>) -> (Arc<Self>, oneshot::Receiver<Reply>) {
         let (tx, rx) = oneshot::channel();
         let job = Arc::new(Self {
-            id,
-            layer,
-            tokens,
+            input,
+            admitted: Instant::now(),
             sink: Mutex::new(Sink {
                 out: Vec::new(),
                 done: 0,
+                first_step: None,
                 reply: Some(tx),
             }),
-            hidden,
-            routing,
+            _permit: permit,
         });
         (job, rx)
     }
@@ -62,7 +69,7 @@ impl Job {
         self.sink.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Nobody waits for the answer any more (client gone).
+    /// Nobody waits for the answer any more (client gone, or already answered).
     pub fn abandoned(&self) -> bool {
         self.sink().reply.as_ref().is_none_or(|r| r.is_closed())
     }
@@ -74,15 +81,28 @@ impl Job {
         }
     }
 
-    /// Stores output rows `rows` (read by `fill`); answers once every row is in.
+    fn started(&self, at: Instant) {
+        let mut s = self.sink();
+        if s.first_step.is_none() {
+            s.first_step = Some(at);
+            metrics::histogram!("epserve_request_queue_seconds")
+                .record((at - self.admitted).as_secs_f64());
+        }
+    }
+
+    /// Stores output rows `rows` (written by `fill`); answers once every row is in.
     fn deliver(&self, rows: Range<usize>, hidden: usize, fill: impl FnOnce(&mut [f32])) {
         let mut s = self.sink();
         if s.out.is_empty() {
-            s.out = vec![0.0; self.tokens * hidden];
+            s.out = vec![0.0; self.input.tokens * hidden];
         }
         fill(&mut s.out[rows.start * hidden..rows.end * hidden]);
         s.done += rows.len();
-        if s.done == self.tokens {
+        if s.done == self.input.tokens {
+            if let Some(t) = s.first_step {
+                metrics::histogram!("epserve_request_in_step_seconds")
+                    .record(t.elapsed().as_secs_f64());
+            }
             let out = std::mem::take(&mut s.out);
             if let Some(tx) = s.reply.take() {
                 let _ = tx.send(Ok(out));

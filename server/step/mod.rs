@@ -75,6 +75,8 @@ pub trait Experts {
 pub trait Backend: StepIo + Gating + Exchange + Experts {
     /// (name, address, bytes) of every persistent buffer, for logs and the no-regrowth check.
     fn buffers(&self) -> Vec<(&'static str, usize, usize)>;
+    /// The last step's routing: `[world, experts]` token rows from each source rank per expert.
+    fn routed(&self) -> &[u32];
 }
 
 /// Wall time of each phase of one step on this rank.
@@ -92,14 +94,26 @@ pub struct Driver<B> {
     pub backend: B,
     pub rank: usize,
     pub world: usize,
+    /// The model's own index of each MoE layer (metric labels).
+    pub layer_ids: Vec<u32>,
+    /// Export per-expert token counters (one series per expert and layer).
+    pub per_expert: bool,
 }
 
 impl<B: Backend> Driver<B> {
-    pub fn new(backend: B, rank: usize, world: usize) -> Self {
+    pub fn new(
+        backend: B,
+        rank: usize,
+        world: usize,
+        layer_ids: Vec<u32>,
+        per_expert: bool,
+    ) -> Self {
         Self {
             backend,
             rank,
             world,
+            layer_ids,
+            per_expert,
         }
     }
 
@@ -130,6 +144,20 @@ impl<B: Backend> Driver<B> {
         b.store_home(desc, home)?;
         mark(&mut times.combine);
         times.total = t0.elapsed();
+        crate::metrics::record_step(&crate::metrics::StepRecord {
+            layer: self
+                .layer_ids
+                .get(desc.layer as usize)
+                .copied()
+                .unwrap_or(desc.layer),
+            tokens: desc.tokens as usize,
+            heartbeat: desc.tokens == 0,
+            times: &times,
+            routed: self.backend.routed(),
+            world: self.world,
+            rank: self.rank,
+            per_expert: self.per_expert,
+        });
         Ok(times)
     }
 }

@@ -2,6 +2,7 @@
 //! on free ports), a gRPC client, and an independent f64 reference of the MoE layer.
 #![allow(dead_code)]
 
+pub mod prom;
 pub mod reference;
 
 use std::io::{BufRead, BufReader};
@@ -113,6 +114,20 @@ impl Proc {
             .unwrap();
     }
 
+    /// The child running `--rank r` (a rank of a launcher).
+    pub fn rank_pid(&self, r: usize) -> u32 {
+        *self
+            .children()
+            .iter()
+            .find(|&&pid| {
+                let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                let args: Vec<&[u8]> = cmd.split(|&b| b == 0).collect();
+                args.windows(2)
+                    .any(|w| w[0] == b"--rank" && w[1] == r.to_string().as_bytes())
+            })
+            .unwrap_or_else(|| panic!("no rank {r} among {:?}", self.children()))
+    }
+
     /// Child processes (the ranks of a launcher).
     pub fn children(&self) -> Vec<u32> {
         let pid = self.child.id();
@@ -148,6 +163,31 @@ pub struct Group {
 }
 
 impl Group {
+    /// The `/metrics` address of each of the `n` ranks, by rank, from their startup lines.
+    pub fn metrics_addrs(&self, n: usize) -> Vec<String> {
+        let end = Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut addrs = vec![String::new(); n];
+            for l in self.proc.log.lock().unwrap().iter() {
+                let Some((head, tail)) = l.split_once(" metrics on http://") else {
+                    continue;
+                };
+                let rank: usize = head.rsplit(' ').next().unwrap().parse().unwrap();
+                addrs[rank] = tail
+                    .split_whitespace()
+                    .next()
+                    .unwrap()
+                    .trim_end_matches("/metrics")
+                    .to_string();
+            }
+            if addrs.iter().all(|a| !a.is_empty()) {
+                return addrs;
+            }
+            assert!(Instant::now() < end, "{}", self.proc.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn launch(ranks: usize, model: &str, extra: &[&str]) -> Self {
         let shm = TempDir::new("shm");
         let mut args: Vec<String> = [
@@ -157,6 +197,8 @@ impl Group {
             "--model",
             model,
             "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
             "127.0.0.1:0",
         ]
         .iter()
@@ -178,6 +220,13 @@ impl Group {
             .max_decoding_message_size(256 << 20)
             .max_encoding_message_size(256 << 20)
     }
+}
+
+pub fn kill(pid: u32, sig: &str) {
+    Command::new("kill")
+        .args(["-s", sig, &pid.to_string()])
+        .status()
+        .unwrap();
 }
 
 pub fn f32_tensor(v: &[f32], shape: [usize; 2]) -> Tensor {

@@ -1,0 +1,201 @@
+//! Prometheus metrics: names carry their units, histograms have explicit buckets, and every rank
+//! serves its own `/metrics` so a PodMonitor can scrape all of them.
+
+use std::net::SocketAddr;
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tracing::{debug, info};
+
+const SECONDS: &[f64] = &[
+    25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
+    500e-3, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+const TOKENS: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
+    16384.0, 65536.0,
+];
+
+/// Installs the global recorder; call once per process.
+pub fn install() -> anyhow::Result<PrometheusHandle> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS)?
+        .set_buckets_for_metric(Matcher::Suffix("_tokens".into()), TOKENS)?
+        .install_recorder()?;
+    metrics::describe_counter!(
+        "epserve_requests_total",
+        "Requests answered, by method and gRPC status"
+    );
+    metrics::describe_histogram!(
+        "epserve_request_duration_seconds",
+        "Request latency at the gRPC front"
+    );
+    metrics::describe_histogram!(
+        "epserve_request_queue_seconds",
+        "Time from admission to the request's first step"
+    );
+    metrics::describe_histogram!(
+        "epserve_request_in_step_seconds",
+        "Time from the request's first step to its answer"
+    );
+    metrics::describe_counter!(
+        "epserve_request_tokens_total",
+        "Tokens of requests answered OK"
+    );
+    metrics::describe_counter!("epserve_rejections_total", "Requests refused, by reason");
+    metrics::describe_gauge!("epserve_queue_requests", "Requests waiting for a step");
+    metrics::describe_gauge!("epserve_queue_tokens", "Tokens waiting for a step");
+    metrics::describe_counter!(
+        "epserve_steps_total",
+        "Steps run on this rank (kind: work or heartbeat)"
+    );
+    metrics::describe_histogram!("epserve_step_tokens", "Tokens per step, all ranks together");
+    metrics::describe_counter!(
+        "epserve_step_tokens_total",
+        "Tokens through steps, by layer"
+    );
+    metrics::describe_counter!(
+        "epserve_step_padding_tokens_total",
+        "Padding tokens added to steps (graph buckets)"
+    );
+    metrics::describe_histogram!("epserve_step_duration_seconds", "Whole step on this rank");
+    metrics::describe_histogram!("epserve_step_phase_seconds", "Step phases on this rank");
+    metrics::describe_histogram!(
+        "epserve_rank_received_tokens",
+        "Token rows this rank received per step"
+    );
+    metrics::describe_gauge!(
+        "epserve_expert_balance_ratio",
+        "Last step: mean/max tokens per rank (1 = balanced)"
+    );
+    metrics::describe_gauge!(
+        "epserve_expert_skew_ratio",
+        "Last step: max/mean tokens per expert (1 = balanced)"
+    );
+    metrics::describe_counter!(
+        "epserve_expert_tokens_total",
+        "Token rows per local expert (--metrics-per-expert)"
+    );
+    metrics::describe_gauge!("epserve_group_info", "The EP group this rank belongs to");
+    metrics::describe_gauge!("epserve_build_info", "Build of this binary");
+    gauge!("epserve_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    Ok(handle)
+}
+
+/// Serves `GET /metrics` (Prometheus text) on `addr`; returns the bound address.
+pub async fn serve(
+    addr: SocketAddr,
+    handle: PrometheusHandle,
+    rank: usize,
+) -> anyhow::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("binding the metrics address {addr}: {e}"))?;
+    let bound = listener.local_addr()?;
+    info!("rank {rank} metrics on http://{bound}/metrics");
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                continue;
+            };
+            let handle = handle.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut len = 0;
+                // Read the request head (bounded in size and time); the body is ignored.
+                let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                    while len < buf.len() && !buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
+                        match sock.read(&mut buf[len..]).await {
+                            Ok(0) | Err(_) => return false,
+                            Ok(n) => len += n,
+                        }
+                    }
+                    true
+                })
+                .await;
+                if !matches!(read, Ok(true)) {
+                    return;
+                }
+                let head = String::from_utf8_lossy(&buf[..len]);
+                let (status, body) = if head.starts_with("GET /metrics ") {
+                    ("200 OK", handle.render())
+                } else {
+                    ("404 Not Found", "try /metrics\n".to_string())
+                };
+                let resp = format!(
+                    "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                if let Err(e) = sock.write_all(resp.as_bytes()).await {
+                    debug!("metrics client went away: {e}");
+                }
+            });
+        }
+    });
+    Ok(bound)
+}
+
+/// Per-step figures a rank records after each step.
+pub struct StepRecord<'a> {
+    pub layer: u32,
+    pub tokens: usize,
+    pub heartbeat: bool,
+    pub times: &'a crate::step::PhaseTimes,
+    /// `[world, experts]` token rows routed from each source rank to each expert.
+    pub routed: &'a [u32],
+    pub world: usize,
+    pub rank: usize,
+    pub per_expert: bool,
+}
+
+pub fn record_step(r: &StepRecord) {
+    let kind = if r.heartbeat { "heartbeat" } else { "work" };
+    counter!("epserve_steps_total", "kind" => kind).increment(1);
+    if r.heartbeat {
+        return;
+    }
+    let layer = r.layer.to_string();
+    histogram!("epserve_step_tokens").record(r.tokens as f64);
+    counter!("epserve_step_tokens_total", "layer" => layer.clone()).increment(r.tokens as u64);
+    counter!("epserve_step_padding_tokens_total").increment(0);
+    histogram!("epserve_step_duration_seconds").record(r.times.total.as_secs_f64());
+    for (phase, d) in [
+        ("gating", r.times.gating),
+        ("prepare", r.times.prepare),
+        ("dispatch", r.times.dispatch),
+        ("experts", r.times.experts),
+        ("combine", r.times.combine),
+    ] {
+        histogram!("epserve_step_phase_seconds", "phase" => phase).record(d.as_secs_f64());
+    }
+    let experts = r.routed.len() / r.world.max(1);
+    if experts == 0 {
+        return;
+    }
+    let per_expert: Vec<u64> = (0..experts)
+        .map(|e| {
+            (0..r.world)
+                .map(|s| u64::from(r.routed[s * experts + e]))
+                .sum()
+        })
+        .collect();
+    let local = experts / r.world;
+    let per_rank: Vec<u64> = per_expert.chunks(local).map(|c| c.iter().sum()).collect();
+    histogram!("epserve_rank_received_tokens").record(per_rank[r.rank] as f64);
+    let total: u64 = per_expert.iter().sum();
+    if total > 0 {
+        let max_rank = *per_rank.iter().max().unwrap_or(&1) as f64;
+        let max_expert = *per_expert.iter().max().unwrap_or(&1) as f64;
+        let mean_rank = total as f64 / r.world as f64;
+        let mean_expert = total as f64 / experts as f64;
+        gauge!("epserve_expert_balance_ratio", "layer" => layer.clone()).set(mean_rank / max_rank);
+        gauge!("epserve_expert_skew_ratio", "layer" => layer.clone()).set(max_expert / mean_expert);
+    }
+    if r.per_expert {
+        let first = r.rank * local;
+        for (e, &n) in per_expert.iter().enumerate().skip(first).take(local) {
+            counter!("epserve_expert_tokens_total", "layer" => layer.clone(), "expert" => e.to_string()).increment(n);
+        }
+    }
+}
