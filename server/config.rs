@@ -126,6 +126,9 @@ pub struct ServeArgs {
     pub shm_dir: PathBuf,
     #[arg(long, env = "EPSERVE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// Export traces over OTLP/gRPC to this collector (e.g. http://otel-collector:4317).
+    #[arg(long, env = "EPSERVE_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
 }
 
 /// Where this rank sits in its group.

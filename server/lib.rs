@@ -11,6 +11,7 @@ pub mod rank;
 pub mod router;
 pub mod shm;
 pub mod step;
+pub mod telemetry;
 
 pub mod proto {
     tonic::include_proto!("epserve.v1");

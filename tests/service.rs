@@ -4,6 +4,7 @@
 mod common;
 
 use common::*;
+use epserve::api::catalogue::BAD_INPUT;
 use epserve::proto::{DType, ForwardRequest, GetModelInfoRequest, Tensor};
 use rand::{Rng, SeedableRng};
 use tokio_stream::StreamExt;
@@ -18,49 +19,72 @@ fn good(n: usize) -> ForwardRequest {
     request("ok", 0, f32_tensor(&x, [n, H]))
 }
 
-/// Every malformed request the API can get, the message it must name.
-fn bad_requests() -> Vec<(&'static str, ForwardRequest)> {
+/// Requests for every case of the catalogue: (case, what the message must also say, request).
+fn bad_requests() -> Vec<(&'static str, &'static str, ForwardRequest)> {
     let mut v = Vec::new();
     let mut r = good(2);
     r.hidden_states = None;
-    v.push(("hidden_states is required", r));
+    v.push(("no hidden_states", "", r));
     v.push((
+        "hidden size other than the model's",
         "hidden size 32 does not match the model's 64",
         request("x", 0, f32_tensor(&[0.5; 64], [2, 32])),
     ));
     let mut t = f32_tensor(&[0.5; 2 * H], [2, H]);
     t.data.truncate(100);
     v.push((
+        "bytes not matching shape and dtype",
         "100 bytes of data for shape [2, 64] of F32 (expected 512)",
         request("x", 0, t),
     ));
     let mut t = f32_tensor(&[0.5; 2 * H], [2, H]);
     t.dtype = 42;
-    v.push(("unknown dtype 42", request("x", 0, t)));
+    v.push((
+        "dtype number outside the enum",
+        "unknown dtype 42",
+        request("x", 0, t),
+    ));
     let mut t = f32_tensor(&[0.5; 2 * H], [2, H]);
     t.dtype = DType::I32 as i32;
-    v.push(("dtype I32 not accepted", request("x", 0, t)));
     v.push((
-        "shape [2, 1, 64] must be [n, 64]",
-        request(
-            "x",
-            0,
-            Tensor {
-                shape: vec![2, 1, 64],
-                ..f32_tensor(&[0.5; 2 * H], [2, H])
-            },
-        ),
+        "integer hidden states or weights, float ids",
+        "dtype I32 not accepted",
+        request("x", 0, t),
     ));
-    v.push(("no tokens", request("x", 0, f32_tensor(&[], [0, H]))));
+    let t3 = Tensor {
+        shape: vec![2, 1, 64],
+        ..f32_tensor(&[0.5; 2 * H], [2, H])
+    };
+    v.push((
+        "shape not [n, hidden]",
+        "shape [2, 1, 64] must be [n, 64]",
+        request("x", 0, t3),
+    ));
+    let neg = Tensor {
+        shape: vec![-2, 64],
+        ..f32_tensor(&[0.5; 2 * H], [2, H])
+    };
+    v.push((
+        "shape not [n, hidden]",
+        "shape [-2, 64] must be [n, 64]",
+        request("x", 0, neg),
+    ));
+    v.push((
+        "zero tokens",
+        "no tokens",
+        request("x", 0, f32_tensor(&[], [0, H])),
+    ));
     let mut x = vec![0.5f32; 2 * H];
     x[H + 3] = f32::INFINITY;
     v.push((
+        "NaN or infinity in hidden states or weights",
         "non-finite value at row 1, column 3",
         request("x", 0, f32_tensor(&x, [2, H])),
     ));
     let mut r = good(2);
     r.layer = 9;
     v.push((
+        "layer that is not an MoE layer",
         "layer 9 is not an MoE layer of this model (MoE layers: [0, 1])",
         r,
     ));
@@ -71,73 +95,144 @@ fn bad_requests() -> Vec<(&'static str, ForwardRequest)> {
         r
     };
     v.push((
+        "expert id outside 0..E",
         "expert 8 at row 1 is out of range 0..8",
         with_routing(&[0, 1, 2, 8], [2, 2]),
     ));
     v.push((
+        "expert id outside 0..E",
         "expert -1 at row 0 is out of range",
         with_routing(&[-1, 1, 2, 3], [2, 2]),
     ));
     v.push((
+        "an expert twice in one row",
         "expert 3 repeated in row 1",
         with_routing(&[0, 1, 3, 3], [2, 2]),
     ));
     v.push((
+        "topk_ids or topk_weights not [n, top_k]",
         "topk_ids: shape [2, 3] must be [2, 2]",
         with_routing(&[0, 1, 2, 3, 4, 5], [2, 3]),
     ));
     v.push((
+        "topk_ids or topk_weights not [n, top_k]",
         "topk_ids: shape [1, 2] must be [2, 2]",
         with_routing(&[0, 1], [1, 2]),
     ));
     let mut r = with_routing(&[0, 1, 2, 3], [2, 2]);
+    r.topk_weights = Some(f32_tensor(&[0.5; 6], [2, 3]));
+    v.push((
+        "topk_ids or topk_weights not [n, top_k]",
+        "topk_weights: shape [2, 3] must be [2, 2]",
+        r,
+    ));
+    let mut r = with_routing(&[0, 1, 2, 3], [2, 2]);
     r.topk_ids = None;
-    v.push(("topk_weights given without topk_ids", r));
+    v.push(("topk_weights without topk_ids", "", r));
     let mut r = with_routing(&[0, 1, 2, 3], [2, 2]);
     r.topk_weights = None;
-    v.push(("topk_ids given without topk_weights", r));
+    v.push(("topk_ids without topk_weights", "", r));
     let mut r = with_routing(&[0, 1, 2, 3], [2, 2]);
     r.topk_weights = Some(f32_tensor(&[0.5, f32::NAN, 0.5, 0.5], [2, 2]));
-    v.push(("topk_weights: non-finite value at row 0, column 1", r));
+    v.push((
+        "NaN or infinity in hidden states or weights",
+        "topk_weights: non-finite value at row 0, column 1",
+        r,
+    ));
     let mut r = with_routing(&[0, 1, 2, 3], [2, 2]);
     r.topk_ids.as_mut().unwrap().dtype = DType::F32 as i32;
     v.push((
+        "integer hidden states or weights, float ids",
         "topk_ids: dtype F32 not accepted here (accepted: I32, I64)",
         r,
     ));
     let mut r = good(2);
     r.output_dtype = DType::I64 as i32;
-    v.push(("output_dtype: I64 is not a float dtype", r));
+    v.push((
+        "output_dtype not a float dtype",
+        "output_dtype: I64 is not a float dtype",
+        r,
+    ));
     let mut r = good(2);
     r.output_dtype = 77;
-    v.push(("output_dtype: unknown dtype 77", r));
+    v.push((
+        "dtype number outside the enum",
+        "output_dtype: unknown dtype 77",
+        r,
+    ));
+    v.push((
+        "message over --max-request-bytes",
+        "the limit is: 1048576 bytes",
+        good(5000),
+    ));
+    v.push((
+        "more tokens than --max-queued-tokens",
+        "a request of 1001 tokens exceeds --max-queued-tokens (1000)",
+        good(1001),
+    ));
     v
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_are_named_and_the_service_keeps_serving() {
-    let group = Group::launch(2, "synthetic:tiny", &[]);
+    let group = Group::launch(
+        2,
+        "synthetic:tiny",
+        &[
+            "--max-request-bytes",
+            "1048576",
+            "--max-queued-tokens",
+            "1000",
+        ],
+    );
     let mut c = group.client().await;
     let cases = bad_requests();
-    for (want, req) in &cases {
-        let err = c.forward(req.clone()).await.expect_err(want);
-        assert_eq!(err.code(), Code::InvalidArgument, "{want}: {err:?}");
+    for entry in BAD_INPUT {
+        let mine: Vec<_> = cases
+            .iter()
+            .filter(|(case, _, _)| *case == entry.case)
+            .collect();
         assert!(
-            err.message().contains(want),
-            "want '{want}', got '{}'",
-            err.message()
+            !mine.is_empty(),
+            "no test request for catalogue case '{}'",
+            entry.case
         );
-        let ok = c
-            .forward(good(3))
-            .await
-            .expect("valid request after a bad one")
-            .into_inner();
-        assert_eq!(ok.output.unwrap().shape, vec![3, H as i64]);
+        for (case, detail, req) in mine {
+            let err = c.forward(req.clone()).await.expect_err(case);
+            assert_eq!(err.code(), entry.code, "{case}: {err:?}");
+            for want in [entry.message, detail] {
+                assert!(
+                    err.message().contains(want),
+                    "{case}: want '{want}', got '{}'",
+                    err.message()
+                );
+            }
+            let ok = c
+                .forward(good(3))
+                .await
+                .expect("valid request after a bad one")
+                .into_inner();
+            assert_eq!(ok.output.unwrap().shape, vec![3, H as i64]);
+        }
+    }
+    for (case, _, _) in &cases {
+        assert!(
+            BAD_INPUT.iter().any(|b| b.case == *case),
+            "'{case}' is not in the catalogue"
+        );
     }
     // On a stream, a bad request gets an error item and the others still succeed.
+    let invalid: Vec<_> = cases
+        .iter()
+        .filter(|(case, _, _)| {
+            BAD_INPUT
+                .iter()
+                .any(|b| b.case == *case && b.code == Code::InvalidArgument)
+        })
+        .collect();
     let mut items = vec![good(1)];
-    items.extend(cases.iter().map(|(w, r)| ForwardRequest {
-        id: w.to_string(),
+    items.extend(invalid.iter().map(|(_, d, r)| ForwardRequest {
+        id: d.to_string(),
         ..r.clone()
     }));
     items.push(ForwardRequest {
@@ -161,7 +256,7 @@ async fn bad_requests_are_named_and_the_service_keeps_serving() {
             None => ok += 1,
         }
     }
-    assert_eq!((ok, failed), (2, cases.len()));
+    assert_eq!((ok, failed), (2, invalid.len()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

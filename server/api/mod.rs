@@ -1,5 +1,6 @@
 //! The gRPC front: `epserve.v1.MoeService`, decoding and validating requests into jobs.
 
+pub mod catalogue;
 pub mod tensor;
 
 use std::pin::Pin;
@@ -12,6 +13,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 use tonic::{Code, Request, Response, Status, Streaming};
 use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::model::MoeSpec;
 use crate::proto::moe_service_server::MoeService;
@@ -21,6 +23,7 @@ use crate::proto::{
 };
 use crate::router::{Admission, Job, JobInput};
 use crate::shm::Abort;
+use crate::telemetry::remote_context;
 
 /// Where the service is in its life; requests are only admitted while `Serving`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -255,6 +258,7 @@ impl MoeApi {
         r: ForwardRequest,
         deadline: Option<Instant>,
         method: &'static str,
+        parent: &opentelemetry::Context,
     ) -> Result<ForwardResponse, Status> {
         let t0 = Instant::now();
         let n = r
@@ -265,6 +269,8 @@ impl MoeApi {
             .unwrap_or(0)
             .max(0) as u64;
         let span = tracing::info_span!("request", request_id = %r.id, method);
+        // Without a tracing backend there is nothing to attach to; that is fine.
+        let _ = span.set_parent(parent.clone());
         let result = self.run(r, deadline).instrument(span).await;
         let code = match &result {
             Ok(_) => {
@@ -305,7 +311,8 @@ impl MoeService for Arc<MoeApi> {
         req: Request<ForwardRequest>,
     ) -> Result<Response<ForwardResponse>, Status> {
         let deadline = deadline_of(&req);
-        self.forward_one(req.into_inner(), deadline, "Forward")
+        let parent = remote_context(req.metadata());
+        self.forward_one(req.into_inner(), deadline, "Forward", &parent)
             .await
             .map(Response::new)
     }
@@ -316,8 +323,9 @@ impl MoeService for Arc<MoeApi> {
         &self,
         req: Request<Streaming<ForwardRequest>>,
     ) -> Result<Response<Self::ForwardStreamStream>, Status> {
-        // A stream's deadline bounds every request on it.
+        // A stream's deadline and trace context apply to every request on it.
         let deadline = deadline_of(&req);
+        let parent = remote_context(req.metadata());
         let mut inbound = req.into_inner();
         let (tx, rx) = mpsc::channel(64);
         let api = self.clone();
@@ -326,11 +334,11 @@ impl MoeService for Arc<MoeApi> {
             // ends when the client's half is done and every answer is out. If the client goes
             // away, every pending request is abandoned, which frees its queued tokens.
             while let Ok(Some(r)) = inbound.message().await {
-                let (api, tx) = (api.clone(), tx.clone());
+                let (api, tx, parent) = (api.clone(), tx.clone(), parent.clone());
                 tokio::spawn(async move {
                     let id = r.id.clone();
                     let answer = tokio::select! {
-                        a = api.forward_one(r, deadline, "ForwardStream") => a,
+                        a = api.forward_one(r, deadline, "ForwardStream", &parent) => a,
                         _ = tx.closed() => return,
                     };
                     let resp = answer.unwrap_or_else(|s| ForwardResponse {
@@ -357,6 +365,7 @@ impl MoeService for Arc<MoeApi> {
 
     async fn probe(&self, req: Request<ProbeRequest>) -> Result<Response<ProbeResponse>, Status> {
         let deadline = deadline_of(&req);
+        let parent = remote_context(req.metadata());
         let t0 = Instant::now();
         let h = self.spec.hidden;
         let x: Vec<f32> = (0..h).map(|i| ((i % 13) as f32 - 6.0) / 6.0).collect();
@@ -368,7 +377,7 @@ impl MoeService for Arc<MoeApi> {
             topk_weights: None,
             output_dtype: DType::F32 as i32,
         };
-        let out = self.forward_one(r, deadline, "Probe").await?;
+        let out = self.forward_one(r, deadline, "Probe", &parent).await?;
         let ok = out
             .output
             .is_some_and(|t| tensor::floats(&t, "output", Some(1), h).is_ok());

@@ -139,7 +139,10 @@ impl<B: Backend> Executor<B> {
     }
 
     fn run_inner(&mut self, step: &Step) -> Result<PhaseTimes, ExecutorError> {
-        let _span = tracing::debug_span!("step", step = self.seq + 1).entered();
+        // Heartbeats get no span: one a second would drown the traces.
+        let _span = (!step.segments.is_empty()).then(|| {
+            tracing::info_span!("step", step = self.seq + 1, tokens = step.tokens()).entered()
+        });
         if let Some(reason) = self.abort.reason() {
             return Err(ExecutorError::Output {
                 step: self.seq + 1,

@@ -45,9 +45,14 @@ pub struct Proc {
 
 impl Proc {
     pub fn spawn(args: &[String]) -> Self {
+        Self::spawn_env(args, &[])
+    }
+
+    pub fn spawn_env(args: &[String], env: &[(&str, &str)]) -> Self {
         let mut child = Command::new(BIN)
             .args(args)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -189,6 +194,10 @@ impl Group {
     }
 
     pub fn launch(ranks: usize, model: &str, extra: &[&str]) -> Self {
+        Self::launch_env(ranks, model, extra, &[])
+    }
+
+    pub fn launch_env(ranks: usize, model: &str, extra: &[&str], env: &[(&str, &str)]) -> Self {
         let shm = TempDir::new("shm");
         let mut args: Vec<String> = [
             "launch",
@@ -206,7 +215,7 @@ impl Group {
         .collect();
         args.extend(["--shm-dir".to_string(), shm.0.display().to_string()]);
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut proc = Proc::spawn(&args);
+        let mut proc = Proc::spawn_env(&args, env);
         let addr = proc
             .wait_for("serving gRPC on", Duration::from_secs(120))
             .unwrap();
