@@ -1,0 +1,174 @@
+//! Flags, validated at start.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+
+fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("'{s}': {e} (write e.g. 2s, 500ms)"))
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Api {
+    /// One `Forward` call per request.
+    Unary,
+    /// Requests multiplexed over long-lived `ForwardStream` calls.
+    Stream,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    Bf16,
+    F32,
+}
+
+impl Dtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            Dtype::Bf16 => 2,
+            Dtype::F32 => 4,
+        }
+    }
+}
+
+/// Tokens per request: `N`, `uniform:A-B` or `exp:MEAN` (at least 1).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub enum Tokens {
+    Fixed(usize),
+    Uniform(usize, usize),
+    Exp(f64),
+}
+
+impl FromStr for Tokens {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("'{s}': write N, uniform:A-B or exp:MEAN");
+        if let Some(r) = s.strip_prefix("uniform:") {
+            let (a, b) = r.split_once('-').ok_or_else(bad)?;
+            let (a, b) = (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
+            if a == 0 || a > b {
+                return Err(format!("'{s}': need 1 <= A <= B"));
+            }
+            return Ok(Tokens::Uniform(a, b));
+        }
+        if let Some(m) = s.strip_prefix("exp:") {
+            let m: f64 = m.parse().map_err(|_| bad())?;
+            if m < 1.0 {
+                return Err(format!("'{s}': the mean must be at least 1"));
+            }
+            return Ok(Tokens::Exp(m));
+        }
+        match s.parse() {
+            Ok(n) if n > 0 => Ok(Tokens::Fixed(n)),
+            _ => Err(bad()),
+        }
+    }
+}
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "epserve-loadtest",
+    version,
+    about = "gRPC load generator for epserve"
+)]
+pub struct Args {
+    /// The service to load, HOST:PORT (epserve's router, or an echo service).
+    #[arg(long, env = "LOADTEST_TARGET")]
+    pub target: Option<String>,
+    /// Closed loop: this many clients, each with one request outstanding.
+    #[arg(long, conflicts_with = "rate")]
+    pub concurrency: Option<usize>,
+    /// Open loop: Poisson arrivals at this many requests per second, whatever the latency.
+    #[arg(long)]
+    pub rate: Option<f64>,
+    #[arg(long, value_enum, default_value = "unary")]
+    pub api: Api,
+    /// Tokens per request: N, uniform:A-B or exp:MEAN.
+    #[arg(long, default_value = "16")]
+    pub tokens: Tokens,
+    #[arg(long, value_enum, default_value = "bf16")]
+    pub dtype: Dtype,
+    /// Send random top-k routing with each request (skips the server's gating).
+    #[arg(long)]
+    pub client_routing: bool,
+    /// The model layer to load (default: the first MoE layer).
+    #[arg(long)]
+    pub layer: Option<u32>,
+    /// Requests started in this first stretch are not counted.
+    #[arg(long, default_value = "2s", value_parser = duration)]
+    pub warmup: Duration,
+    /// Measured stretch after the warm-up.
+    #[arg(long, default_value = "10s", value_parser = duration)]
+    pub duration: Duration,
+    /// Per-request deadline (sent as grpc-timeout).
+    #[arg(long, default_value = "30s", value_parser = duration)]
+    pub timeout: Duration,
+    /// HTTP/2 connections to spread the load over.
+    #[arg(long, default_value_t = 4)]
+    pub connections: usize,
+    /// Open loop: most requests outstanding; arrivals past it are counted as `NOT_SENT`.
+    #[arg(long, default_value_t = 100_000)]
+    pub max_in_flight: usize,
+    /// Write the report (or the sweep) as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Step the offered rate up until the service saturates; draws latency against throughput.
+    #[arg(long)]
+    pub sweep: bool,
+    #[arg(long, default_value_t = 50.0)]
+    pub sweep_start: f64,
+    #[arg(long, default_value_t = 1.6)]
+    pub sweep_factor: f64,
+    #[arg(long, default_value_t = 12)]
+    pub sweep_max_steps: usize,
+    /// Where the sweep's SVG goes.
+    #[arg(long, default_value = "sweep.svg")]
+    pub svg: PathBuf,
+    /// Also load a bare echo service (same API and sizes, no compute) in the same run and report
+    /// the target's figures as a ratio of it. Started here unless --echo-target names one.
+    #[arg(long)]
+    pub echo: bool,
+    #[arg(long)]
+    pub echo_target: Option<String>,
+    /// Only run an echo service on this address (for another loadtest to target).
+    #[arg(long)]
+    pub serve_echo: Option<SocketAddr>,
+    /// The echo service's hidden size (with --serve-echo).
+    #[arg(long, default_value_t = 64)]
+    pub echo_hidden: u32,
+    /// The echo service waits this long per request (a deliberately slow server).
+    #[arg(long, default_value = "0ms", value_parser = duration)]
+    pub echo_delay: Duration,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+}
+
+impl Args {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.serve_echo.is_some() {
+            return Ok(());
+        }
+        if self.target.is_none() && !(self.echo && self.echo_target.is_none()) {
+            return Err(
+                "--target is required (or --echo alone, to load only an echo service)".into(),
+            );
+        }
+        if !self.sweep && self.concurrency.is_none() && self.rate.is_none() {
+            return Err(
+                "give --concurrency N (closed loop), --rate R (open loop) or --sweep".into(),
+            );
+        }
+        if self.rate.is_some_and(|r| r.is_nan() || r <= 0.0) || self.concurrency == Some(0) {
+            return Err("--rate and --concurrency must be positive".into());
+        }
+        if self.connections == 0 || self.sweep_factor <= 1.0 {
+            return Err("--connections must be positive and --sweep-factor above 1".into());
+        }
+        Ok(())
+    }
+}

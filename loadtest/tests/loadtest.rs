@@ -1,0 +1,255 @@
+//! The load generator against a real rank group and against a deliberately slowed echo service.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use epserve_loadtest::config::{Api, Dtype, Tokens};
+use epserve_loadtest::echo::{self, Echo};
+use epserve_loadtest::load::{self, Mode, Plan};
+use epserve_loadtest::workload::{Shape, Workload};
+
+/// The epserve binary of this workspace, built if needed.
+fn epserve_bin() -> String {
+    let out = Command::new(env!("CARGO"))
+        .args([
+            "build",
+            "-p",
+            "epserve",
+            "--bin",
+            "epserve",
+            "--message-format",
+            "json",
+        ])
+        .stderr(Stdio::null())
+        .output()
+        .expect("cargo build epserve");
+    assert!(out.status.success(), "building epserve failed");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| {
+            v.get("executable")
+                .and_then(|e| e.as_str())
+                .map(String::from)
+        })
+        .next_back()
+        .expect("the epserve executable")
+}
+
+/// `epserve launch` on free ports; killed on drop.
+struct Group(Child, String, std::path::PathBuf);
+
+impl Group {
+    fn launch(extra: &[&str]) -> Self {
+        let shm = std::env::temp_dir().join(format!(
+            "epserve-loadtest-{}-{}",
+            std::process::id(),
+            extra.len()
+        ));
+        std::fs::create_dir_all(&shm).unwrap();
+        let mut child = Command::new(epserve_bin())
+            .args([
+                "launch",
+                "--ranks",
+                "2",
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
+            ])
+            .args(["--shm-dir", &shm.display().to_string()])
+            .args(extra)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in lines.map_while(Result::ok) {
+                if let Some(a) = l.split("serving gRPC on ").nth(1) {
+                    let _ = tx.send(a.trim().to_string());
+                }
+            }
+        });
+        let addr = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the group serves");
+        Group(child, addr, shm)
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let _ = self.0.wait();
+        let _ = std::fs::remove_dir_all(&self.2);
+    }
+}
+
+fn plan(mode: Mode, api: Api, secs: f64) -> Plan {
+    Plan {
+        mode,
+        api,
+        warmup: Duration::from_millis(200),
+        duration: Duration::from_secs_f64(secs),
+        timeout: Duration::from_secs(10),
+        connections: 2,
+        max_in_flight: 100_000,
+    }
+}
+
+async fn shape(addr: &str) -> Shape {
+    let mut c =
+        epserve::proto::moe_service_client::MoeServiceClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+    let info = c
+        .get_model_info(epserve::proto::GetModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    Shape::from_info(&info, None).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counts_add_up_against_a_rank_group() {
+    // Two requests admitted at a time against eight clients: some are refused, all are counted.
+    let group = Group::launch(&["--max-concurrent-requests", "2"]);
+    let s = shape(&group.1).await;
+    for (api, mode) in [
+        (Api::Unary, Mode::Closed(8)),
+        (Api::Stream, Mode::Closed(8)),
+        (Api::Unary, Mode::Open(400.0)),
+    ] {
+        let w = Workload::new(s.clone(), Tokens::Uniform(1, 40), Dtype::Bf16, true, 3);
+        let r = load::run(&group.1, &plan(mode, api, 1.0), w, 3)
+            .await
+            .unwrap();
+        let total: u64 = r.statuses.values().sum();
+        assert_eq!(
+            r.sent, total,
+            "{api:?} {mode:?}: sent != sum of statuses {:?}",
+            r.statuses
+        );
+        assert_eq!(r.ok, r.statuses["OK"]);
+        assert!(r.ok > 0 && r.latency_ms.p50 > 0.0, "{:?}", r.statuses);
+        assert!(
+            !r.statuses.contains_key("BAD_RESPONSE"),
+            "every answer had the asked shape and dtype"
+        );
+        let other: Vec<_> = r
+            .statuses
+            .keys()
+            .filter(|k| *k != "OK" && *k != "RESOURCE_EXHAUSTED")
+            .collect();
+        assert!(other.is_empty(), "{api:?}: {:?}", r.statuses);
+        if matches!(mode, Mode::Closed(_)) {
+            assert!(
+                r.statuses.get("RESOURCE_EXHAUSTED").copied().unwrap_or(0) > 0,
+                "{api:?}: the admission bound was never hit"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_loop_keeps_its_rate_when_the_server_is_slow() {
+    let delay = Duration::from_millis(200);
+    let addr = echo::spawn("127.0.0.1:0".parse().unwrap(), Echo { hidden: 64, delay })
+        .await
+        .unwrap()
+        .to_string();
+    let s = shape(&addr).await;
+    let (rate, secs) = (100.0, 2.0);
+    let w = Workload::new(s.clone(), Tokens::Fixed(4), Dtype::F32, false, 5);
+    let open = load::run(&addr, &plan(Mode::Open(rate), Api::Unary, secs), w, 5)
+        .await
+        .unwrap();
+    // Poisson arrivals: 200 expected, standard deviation about 14.
+    let expected = rate * secs;
+    assert!(
+        (open.sent as f64 - expected).abs() < 0.25 * expected,
+        "sent {} at {rate}/s for {secs}s",
+        open.sent
+    );
+    assert_eq!(open.ok, open.sent);
+    assert!(
+        open.latency_ms.p50 >= delay.as_secs_f64() * 1000.0,
+        "latency grows: {:?}",
+        open.latency_ms
+    );
+    // A closed loop against the same server falls to clients / delay instead.
+    let w = Workload::new(s, Tokens::Fixed(4), Dtype::F32, false, 5);
+    let closed = load::run(&addr, &plan(Mode::Closed(4), Api::Unary, secs), w, 5)
+        .await
+        .unwrap();
+    assert!(
+        closed.sent_per_s < 0.5 * rate,
+        "closed loop sent {}/s",
+        closed.sent_per_s
+    );
+}
+
+#[test]
+fn the_cli_sweeps_and_writes_svg_and_json() {
+    let dir = std::env::temp_dir().join(format!("epserve-sweep-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (svg, json) = (dir.join("s.svg"), dir.join("s.json"));
+    let out = Command::new(env!("CARGO_BIN_EXE_epserve-loadtest"))
+        .args([
+            "--echo",
+            "--sweep",
+            "--sweep-start",
+            "100",
+            "--sweep-max-steps",
+            "3",
+            "--warmup",
+            "100ms",
+            "--duration",
+            "400ms",
+        ])
+        .args([
+            "--svg",
+            &svg.display().to_string(),
+            "--json",
+            &json.display().to_string(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        s.starts_with("<svg") && s.contains("p99"),
+        "not an SVG with the p99 line"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let points = v["points"].as_array().unwrap();
+    assert!(!points.is_empty());
+    for p in points {
+        let total: u64 = p["statuses"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|x| x.as_u64().unwrap())
+            .sum();
+        assert_eq!(p["sent"].as_u64().unwrap(), total);
+    }
+    let bad = Command::new(env!("CARGO_BIN_EXE_epserve-loadtest"))
+        .args(["--target", "x:1"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        bad.status.code(),
+        Some(2),
+        "missing load shape is a usage error"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
