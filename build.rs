@@ -1,10 +1,90 @@
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // A vendored protoc, so a fresh machine needs nothing but cargo.
     std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?);
-    let out = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
+    let out = PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("epserve_descriptor.bin"))
         .compile_protos(&["proto/epserve.proto"], &["proto"])?;
     println!("cargo:rerun-if-changed=proto/epserve.proto");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        kernels(&out)?;
+    }
+    Ok(())
+}
+
+const HOW: &str = "install the CUDA 13.0 toolchain, e.g. from pip: \
+python3 -m pip install nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88 \
+nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85, then set NVCC=<site-packages>/nvidia/cu13/bin/nvcc \
+(or CUDA_HOME to a CUDA install)";
+
+/// nvcc: `NVCC`, then `CUDA_HOME/bin/nvcc`, then pip's `nvidia/cu13/bin/nvcc` next to the python3
+/// on PATH or in `VIRTUAL_ENV`, then `nvcc` on PATH (as the `cc` crate would find it).
+fn find_nvcc() -> Option<PathBuf> {
+    for var in ["NVCC", "CUDA_HOME", "CUDA_PATH"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    if let Some(p) = std::env::var_os("NVCC") {
+        return Some(PathBuf::from(p));
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(h) = std::env::var_os(var) {
+            let p = Path::new(&h).join("bin/nvcc");
+            if p.exists() {
+                return Some(p);
+            }
+        }
+    }
+    if let Ok(out) = Command::new("python3")
+        .args(["-c", "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], 'cu13', 'bin', 'nvcc'))"])
+        .output()
+    {
+        let p = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if out.status.success() && p.exists() {
+            return Some(p);
+        }
+    }
+    let cc_nvcc = cc::Build::new().cuda(true).get_compiler();
+    let p = cc_nvcc.path().to_path_buf();
+    Command::new(&p)
+        .arg("--version")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|_| p)
+}
+
+/// Compiles `kernels/*.cu` into one fatbin (sm_90a code and compute_90a PTX) for `include_bytes!`.
+fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
+    println!("cargo:rerun-if-changed=kernels");
+    let nvcc = find_nvcc().ok_or_else(|| format!("--features cuda needs nvcc: {HOW}"))?;
+    // CUB and friends live in include/cccl in pip's layout and in include/ in a CUDA install.
+    let include = nvcc
+        .parent()
+        .and_then(Path::parent)
+        .map(|root| root.join("include"));
+    let mut cmd = Command::new(&nvcc);
+    cmd.args(["--fatbin", "-O3", "-std=c++17", "-lineinfo"])
+        .args([
+            "-gencode=arch=compute_90a,code=sm_90a",
+            "-gencode=arch=compute_90a,code=compute_90a",
+        ]);
+    if let Some(inc) = include {
+        cmd.arg("-isystem")
+            .arg(inc.join("cccl"))
+            .arg("-isystem")
+            .arg(&inc);
+    }
+    cmd.arg("-o")
+        .arg(out.join("epserve_kernels.fatbin"))
+        .arg("kernels/epserve.cu");
+    let status = cmd
+        .status()
+        .map_err(|e| format!("running {}: {e}; {HOW}", nvcc.display()))?;
+    if !status.success() {
+        return Err(format!("nvcc failed on kernels/epserve.cu ({status})").into());
+    }
     Ok(())
 }

@@ -36,6 +36,7 @@ pub struct Report {
     pub ok: u64,
     /// Requests started per second (the achieved offered rate).
     pub sent_per_s: f64,
+    /// Throughput: OK answers that arrived inside the window, per second.
     pub requests_per_s: f64,
     pub tokens_per_s: f64,
     pub gb_per_s_out: f64,
@@ -66,8 +67,8 @@ impl Report {
             statuses: p.statuses.clone(),
             ok,
             sent_per_s: sent as f64 / secs,
-            requests_per_s: ok as f64 / secs,
-            tokens_per_s: p.ok_tokens as f64 / secs,
+            requests_per_s: p.completed as f64 / secs,
+            tokens_per_s: p.completed_tokens as f64 / secs,
             gb_per_s_out: p.bytes_out as f64 / secs / 1e9,
             gb_per_s_in: p.bytes_in as f64 / secs / 1e9,
             latency_ms: Latency {

@@ -1,3 +1,5 @@
 //! Implementations of the step phases.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;

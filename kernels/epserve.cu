@@ -1,0 +1,320 @@
+// epserve's CUDA kernels (sm_90a). Every kernel that depends on the step's token count reads it
+// from a device scalar, so one captured graph serves any count up to its bucket; positions are
+// computed with block scans (no atomics), so a replay is bitwise reproducible.
+#include <cuda_bf16.h>
+#include <mma.h>
+#include <cub/block/block_scan.cuh>
+
+using bf16 = __nv_bfloat16;
+
+namespace {
+
+__device__ inline float warp_max(float v) {
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ inline float warp_sum(float v) {
+  for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Largest value, ties to the lower index (the CPU reference's order).
+__device__ inline void warp_argmax(float& v, int& i) {
+  for (int o = 16; o; o >>= 1) {
+    float v2 = __shfl_xor_sync(0xffffffffu, v, o);
+    int i2 = __shfl_xor_sync(0xffffffffu, i, o);
+    if (v2 > v || (v2 == v && i2 < i)) {
+      v = v2;
+      i = i2;
+    }
+  }
+}
+
+// K rounds of argmax over p[0..E) (shared, this warp's), removing each pick.
+__device__ inline void pick_top_k(float* p, int E, int K, int lane, int* ids, float* picked) {
+  for (int k = 0; k < K; k++) {
+    float v = -INFINITY;
+    int i = 0x7fffffff;
+    for (int e = lane; e < E; e += 32) {
+      float x = p[e];
+      if (x > v || (x == v && e < i)) {
+        v = x;
+        i = e;
+      }
+    }
+    warp_argmax(v, i);
+    ids[k] = i;
+    picked[k] = v;
+    __syncwarp();
+    if (lane == (i & 31)) p[i] = -INFINITY;
+    __syncwarp();
+  }
+}
+
+constexpr int kScanThreads = 256;
+constexpr int kTile = 64;
+constexpr int kTileK = 32;
+
+}  // namespace
+
+extern "C" {
+
+// Softmax over E logits, top-k, optional renormalisation (Mixtral, Qwen3-MoE). One warp per
+// token; dynamic shared memory: (blockDim.x / 32) * E floats. Tokens >= *n get ids -1.
+__global__ void topk_softmax(const float* logits, const int* n, int n_cap, int E, int K, int renorm, int* ids,
+                             float* weights) {
+  extern __shared__ float sm[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = blockIdx.x * (blockDim.x / 32) + warp;
+  if (t >= n_cap) return;
+  if (t >= *n) {
+    if (lane < K) {
+      ids[t * K + lane] = -1;
+      weights[t * K + lane] = 0.f;
+    }
+    return;
+  }
+  float* p = sm + warp * E;
+  const float* l = logits + (size_t)t * E;
+  float m = -INFINITY;
+  for (int e = lane; e < E; e += 32) {
+    p[e] = l[e];
+    m = fmaxf(m, p[e]);
+  }
+  m = warp_max(m);
+  float s = 0.f;
+  for (int e = lane; e < E; e += 32) {
+    float x = expf(p[e] - m);
+    p[e] = x;
+    s += x;
+  }
+  s = warp_sum(s);
+  for (int e = lane; e < E; e += 32) p[e] /= s;
+  __syncwarp();
+  int sel[32];
+  float w[32];
+  pick_top_k(p, E, K, lane, sel, w);
+  if (lane == 0) {
+    float tot = 0.f;
+    for (int k = 0; k < K; k++) tot += w[k];
+    for (int k = 0; k < K; k++) {
+      ids[t * K + k] = sel[k];
+      weights[t * K + k] = renorm ? w[k] / tot : w[k];
+    }
+  }
+}
+
+// DeepSeek-V3: sigmoid scores, choice = score + bias, the best topk_group of n_group groups by the
+// sum of their top-2 choices, top-k among those (others score 0.0, as Hugging Face masks), weights
+// from the scores, optional renormalisation (+1e-20), times scaling. n_group <= 32, K <= 32.
+// Dynamic shared memory: (blockDim.x / 32) * (2 * E + 32) floats.
+__global__ void topk_sigmoid_group(const float* logits, const float* bias, const int* n, int n_cap, int E, int K,
+                                   int n_group, int topk_group, int renorm, float scaling, int* ids, float* weights) {
+  extern __shared__ float sm[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = blockIdx.x * (blockDim.x / 32) + warp;
+  if (t >= n_cap) return;
+  if (t >= *n) {
+    if (lane < K) {
+      ids[t * K + lane] = -1;
+      weights[t * K + lane] = 0.f;
+    }
+    return;
+  }
+  float* s = sm + warp * (2 * E + 32);
+  float* c = s + E;
+  float* g = c + E;
+  const float* l = logits + (size_t)t * E;
+  for (int e = lane; e < E; e += 32) {
+    s[e] = 1.f / (1.f + expf(-l[e]));
+    c[e] = s[e] + (bias ? bias[e] : 0.f);
+  }
+  __syncwarp();
+  const int per = E / n_group;
+  if (lane < n_group) {
+    float a = -INFINITY, b = -INFINITY;
+    for (int j = 0; j < per; j++) {
+      float v = c[lane * per + j];
+      if (v > a) {
+        b = a;
+        a = v;
+      } else if (v > b) {
+        b = v;
+      }
+    }
+    g[lane] = a + b;
+  }
+  __syncwarp();
+  unsigned keep = 0;
+  for (int q = 0; q < topk_group; q++) {
+    bool open = lane < n_group && !((keep >> lane) & 1u);
+    float v = open ? g[lane] : -INFINITY;
+    int i = open ? lane : 0x7fffffff;
+    warp_argmax(v, i);
+    keep |= 1u << i;
+  }
+  for (int e = lane; e < E; e += 32)
+    if (!((keep >> (e / per)) & 1u)) c[e] = 0.f;
+  __syncwarp();
+  int sel[32];
+  float w[32];
+  pick_top_k(c, E, K, lane, sel, w);
+  if (lane == 0) {
+    float tot = 0.f;
+    for (int k = 0; k < K; k++) {
+      w[k] = s[sel[k]];
+      tot += w[k];
+    }
+    tot += 1e-20f;
+    for (int k = 0; k < K; k++) {
+      ids[t * K + k] = sel[k];
+      weights[t * K + k] = (renorm ? w[k] / tot : w[k]) * scaling;
+    }
+  }
+}
+
+// counts[e] += rows routed to e (counts zeroed by the caller; addition order does not matter).
+__global__ void count_experts(const int* ids, const int* n, int K, int* counts) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j < *n * K) {
+    const int e = ids[j];
+    if (e >= 0) atomicAdd(&counts[e], 1);
+  }
+}
+
+// offsets[e] = sum of counts[0..e), offsets[E] = total. One block of 256 threads, any E.
+__global__ void exclusive_scan(const int* counts, int E, int* offsets) {
+  using Scan = cub::BlockScan<int, kScanThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  int carry = 0;
+  for (int start = 0; start < E; start += kScanThreads) {
+    const int e = start + threadIdx.x;
+    int v = e < E ? counts[e] : 0, x, agg;
+    Scan(tmp).ExclusiveSum(v, x, agg);
+    if (e < E) offsets[e] = carry + x;
+    carry += agg;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) offsets[E] = carry;
+}
+
+// Expert-major positions, one block (256 threads) per expert: entry j = t*K+k routed to e gets
+// pos_of[j] = offsets[e] + (number of earlier entries routed to e); entry_of is the inverse.
+__global__ void assign_positions(const int* ids, const int* n, int K, const int* offsets, int* pos_of,
+                                 int* entry_of) {
+  using Scan = cub::BlockScan<int, kScanThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  const int e = blockIdx.x, total = *n * K;
+  int base = offsets[e];
+  for (int start = 0; start < total; start += kScanThreads) {
+    const int j = start + threadIdx.x;
+    const int f = (j < total && ids[j] == e) ? 1 : 0;
+    int rank, agg;
+    Scan(tmp).ExclusiveSum(f, rank, agg);
+    if (f) {
+      pos_of[j] = base + rank;
+      entry_of[base + rank] = j;
+    }
+    base += agg;
+    __syncthreads();
+  }
+}
+
+// out[r] = x[entry_of[r] / K] for r < *rows (H a multiple of 8: 16-byte copies). Block per row.
+__global__ void gather_rows(const bf16* x, const int* entry_of, const int* rows, int K, int H, bf16* out) {
+  const int r = blockIdx.x;
+  if (r >= *rows) return;
+  const int4* src = reinterpret_cast<const int4*>(x + (size_t)(entry_of[r] / K) * H);
+  int4* dst = reinterpret_cast<int4*>(out + (size_t)r * H);
+  for (int i = threadIdx.x; i < H / 8; i += blockDim.x) dst[i] = src[i];
+}
+
+// act[r, i] = silu(gu[r, i]) * gu[r, I + i] for r < *rows. Block per row.
+__global__ void swiglu(const bf16* gu, const int* rows, int I, bf16* act) {
+  const int r = blockIdx.x;
+  if (r >= *rows) return;
+  const bf16* g = gu + (size_t)r * 2 * I;
+  for (int i = threadIdx.x; i < I; i += blockDim.x) {
+    const float a = __bfloat162float(g[i]), u = __bfloat162float(g[I + i]);
+    act[(size_t)r * I + i] = __float2bfloat16(a / (1.f + expf(-a)) * u);
+  }
+}
+
+// out[t] = sum_k w[t,k] * y[pos_of[t*K+k]] (+ shared[t]) in f32, for t < *n. Block per token.
+__global__ void combine(const bf16* y, const int* pos_of, const float* w, const int* n, int K, int H,
+                        const bf16* shared, float* out) {
+  const int t = blockIdx.x;
+  if (t >= *n) return;
+  for (int h = threadIdx.x; h < H; h += blockDim.x) {
+    float acc = 0.f;
+    for (int k = 0; k < K; k++) acc += w[t * K + k] * __bfloat162float(y[(size_t)pos_of[t * K + k] * H + h]);
+    if (shared) acc += __bfloat162float(shared[(size_t)t * H + h]);
+    out[(size_t)t * H + h] = acc;
+  }
+}
+
+// Work list of the grouped GEMM: one (expert, first row) per 64-row tile of each expert's block.
+// Single thread (E is small); tiles has room for ceil(rows_cap / 64) + E entries.
+__global__ void build_tiles(const int* offsets, int E, int* tiles, int* n_tiles) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  int n = 0;
+  for (int e = 0; e < E; e++)
+    for (int m = offsets[e]; m < offsets[e + 1]; m += kTile) {
+      tiles[2 * n] = e;
+      tiles[2 * n + 1] = m;
+      n++;
+    }
+  *n_tiles = n;
+}
+
+// Grouped GEMM on tensor cores: for each tile (e, m0), Y[m0:m0+64, n0:n0+64] = X[rows] . W_e^T,
+// W_e [N, Kd] row-major (an nn.Linear weight), bf16 in, f32 accumulate, bf16 out. Rows past the
+// expert's block are not written. N % 64 == 0, Kd % 32 == 0. Grid (N / 64, max tiles); 128 threads.
+__global__ void __launch_bounds__(128) grouped_gemm(const bf16* X, const bf16* W, const int* offsets,
+                                                    const int* tiles, const int* n_tiles, int N, int Kd, bf16* Y) {
+  using namespace nvcuda;
+  if ((int)blockIdx.y >= *n_tiles) return;
+  const int e = tiles[2 * blockIdx.y], m0 = tiles[2 * blockIdx.y + 1];
+  const int m_end = offsets[e + 1], n0 = blockIdx.x * kTile;
+  const bf16* We = W + (size_t)e * N * Kd;
+  constexpr int kLd = kTileK + 8;
+  __shared__ __align__(32) bf16 As[kTile][kLd];
+  __shared__ __align__(32) bf16 Bs[kTile][kLd];
+  __shared__ __align__(32) float Cs[kTile][kTile + 4];
+  const int warp = threadIdx.x / 32;
+  const int wm = (warp / 2) * 32, wn = (warp % 2) * 32;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.f);
+  for (int k0 = 0; k0 < Kd; k0 += kTileK) {
+    // 64 rows x 32 columns = 256 chunks of 8 bf16 per operand; 2 per thread.
+    for (int c = threadIdx.x; c < kTile * kTileK / 8; c += blockDim.x) {
+      const int r = c / (kTileK / 8), col = (c % (kTileK / 8)) * 8;
+      int4 a = make_int4(0, 0, 0, 0);
+      if (m0 + r < m_end) a = *reinterpret_cast<const int4*>(X + (size_t)(m0 + r) * Kd + k0 + col);
+      *reinterpret_cast<int4*>(&As[r][col]) = a;
+      *reinterpret_cast<int4*>(&Bs[r][col]) = *reinterpret_cast<const int4*>(We + (size_t)(n0 + r) * Kd + k0 + col);
+    }
+    __syncthreads();
+    for (int kk = 0; kk < kTileK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a[2];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b[2];
+      for (int i = 0; i < 2; i++) wmma::load_matrix_sync(a[i], &As[wm + 16 * i][kk], kLd);
+      for (int j = 0; j < 2; j++) wmma::load_matrix_sync(b[j], &Bs[wn + 16 * j][kk], kLd);
+      for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 2; j++)
+      wmma::store_matrix_sync(&Cs[wm + 16 * i][wn + 16 * j], acc[i][j], kTile + 4, wmma::mem_row_major);
+  __syncthreads();
+  for (int c = threadIdx.x; c < kTile * kTile; c += blockDim.x) {
+    const int r = c / kTile, col = c % kTile;
+    if (m0 + r < m_end) Y[(size_t)(m0 + r) * N + n0 + col] = __float2bfloat16(Cs[r][col]);
+  }
+}
+
+}  // extern "C"

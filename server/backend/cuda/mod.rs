@@ -1,0 +1,295 @@
+//! The GPU layer (`--features cuda`): one context and compute stream per rank, the kernels
+//! compiled by build.rs and embedded in the binary, and typed launchers for them.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use half::bf16;
+
+/// `kernels/epserve.cu`, compiled for sm_90a (plus compute_90a PTX).
+pub static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/epserve_kernels.fatbin"));
+
+/// Rows per grouped-GEMM tile (the kernel's `kTile`).
+pub const GEMM_TILE: usize = 64;
+
+pub struct Kernels {
+    topk_softmax: CudaFunction,
+    topk_sigmoid_group: CudaFunction,
+    count_experts: CudaFunction,
+    exclusive_scan: CudaFunction,
+    assign_positions: CudaFunction,
+    gather_rows: CudaFunction,
+    swiglu: CudaFunction,
+    combine: CudaFunction,
+    build_tiles: CudaFunction,
+    grouped_gemm: CudaFunction,
+}
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub k: Kernels,
+}
+
+/// Number of CUDA devices (0 when no driver is present).
+pub fn device_count() -> usize {
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
+impl Gpu {
+    pub fn new(ordinal: usize) -> Result<Self, DriverError> {
+        let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: called before the first allocation on this context: cudarc's per-allocation
+        // events would otherwise be recorded into captured graphs. Streams are ordered by hand.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let module = ctx.load_module(Ptx::from_binary(FATBIN.to_vec()))?;
+        let f = |name: &str| module.load_function(name);
+        let k = Kernels {
+            topk_softmax: f("topk_softmax")?,
+            topk_sigmoid_group: f("topk_sigmoid_group")?,
+            count_experts: f("count_experts")?,
+            exclusive_scan: f("exclusive_scan")?,
+            assign_positions: f("assign_positions")?,
+            gather_rows: f("gather_rows")?,
+            swiglu: f("swiglu")?,
+            combine: f("combine")?,
+            build_tiles: f("build_tiles")?,
+            grouped_gemm: f("grouped_gemm")?,
+        };
+        Ok(Self { ctx, stream, k })
+    }
+
+    fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (grid.0.max(1), grid.1.max(1), 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: shared,
+        }
+    }
+
+    /// Softmax top-k for `n_cap` rows of `logits [n_cap, e]`; rows >= *n get ids -1.
+    #[allow(clippy::too_many_arguments)]
+    pub fn topk_softmax(
+        &self,
+        logits: &CudaSlice<f32>,
+        n: &CudaSlice<i32>,
+        n_cap: usize,
+        e: usize,
+        k: usize,
+        renorm: bool,
+        ids: &mut CudaSlice<i32>,
+        weights: &mut CudaSlice<f32>,
+    ) -> Result<(), DriverError> {
+        let warps = 4u32;
+        let cfg = Self::cfg(
+            (n_cap.div_ceil(warps as usize) as u32, 1),
+            32 * warps,
+            warps * e as u32 * 4,
+        );
+        let (n_cap, e, k, renorm) = (n_cap as i32, e as i32, k as i32, i32::from(renorm));
+        let mut b = self.stream.launch_builder(&self.k.topk_softmax);
+        b.arg(logits)
+            .arg(n)
+            .arg(&n_cap)
+            .arg(&e)
+            .arg(&k)
+            .arg(&renorm)
+            .arg(ids)
+            .arg(weights);
+        // SAFETY: argument types and order match the kernel's signature; every buffer holds
+        // n_cap rows (callers size them so); shared memory is sized for the block's warps.
+        unsafe { b.launch(cfg) }.map(drop)
+    }
+
+    /// DeepSeek-V3 group-limited top-k (see the kernel).
+    #[allow(clippy::too_many_arguments)]
+    pub fn topk_sigmoid_group(
+        &self,
+        logits: &CudaSlice<f32>,
+        bias: &CudaSlice<f32>,
+        n: &CudaSlice<i32>,
+        n_cap: usize,
+        e: usize,
+        k: usize,
+        groups: (usize, usize),
+        renorm: bool,
+        scaling: f32,
+        ids: &mut CudaSlice<i32>,
+        weights: &mut CudaSlice<f32>,
+    ) -> Result<(), DriverError> {
+        let warps = 4u32;
+        let cfg = Self::cfg(
+            (n_cap.div_ceil(warps as usize) as u32, 1),
+            32 * warps,
+            warps * (2 * e as u32 + 32) * 4,
+        );
+        let (n_cap, e, k) = (n_cap as i32, e as i32, k as i32);
+        let (ng, tg, renorm) = (groups.0 as i32, groups.1 as i32, i32::from(renorm));
+        let mut b = self.stream.launch_builder(&self.k.topk_sigmoid_group);
+        b.arg(logits)
+            .arg(bias)
+            .arg(n)
+            .arg(&n_cap)
+            .arg(&e)
+            .arg(&k)
+            .arg(&ng)
+            .arg(&tg)
+            .arg(&renorm)
+            .arg(&scaling);
+        b.arg(ids).arg(weights);
+        // SAFETY: as in `topk_softmax`; n_group <= 32 and k <= 32 are checked by the spec.
+        unsafe { b.launch(cfg) }.map(drop)
+    }
+
+    /// counts [e] (zeroed here), offsets [e + 1], and the expert-major position of every entry:
+    /// `pos_of [n_cap * k]` and its inverse `entry_of [n_cap * k]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layout(
+        &self,
+        ids: &CudaSlice<i32>,
+        n: &CudaSlice<i32>,
+        n_cap: usize,
+        k: usize,
+        e: usize,
+        counts: &mut CudaSlice<i32>,
+        offsets: &mut CudaSlice<i32>,
+        pos_of: &mut CudaSlice<i32>,
+        entry_of: &mut CudaSlice<i32>,
+    ) -> Result<(), DriverError> {
+        self.stream.memset_zeros(counts)?;
+        let (ki, ei) = (k as i32, e as i32);
+        let mut b = self.stream.launch_builder(&self.k.count_experts);
+        b.arg(ids).arg(n).arg(&ki).arg(&mut *counts);
+        // SAFETY: ids holds n_cap * k entries, counts e (ids are < e or -1).
+        unsafe { b.launch(Self::cfg(((n_cap * k).div_ceil(256) as u32, 1), 256, 0)) }?;
+        let mut b = self.stream.launch_builder(&self.k.exclusive_scan);
+        b.arg(&*counts).arg(&ei).arg(&mut *offsets);
+        // SAFETY: counts holds e entries, offsets e + 1; the kernel needs exactly 256 threads.
+        unsafe { b.launch(Self::cfg((1, 1), 256, 0)) }?;
+        let mut b = self.stream.launch_builder(&self.k.assign_positions);
+        b.arg(ids)
+            .arg(n)
+            .arg(&ki)
+            .arg(&*offsets)
+            .arg(pos_of)
+            .arg(entry_of);
+        // SAFETY: one 256-thread block per expert, as the kernel's block scan requires.
+        unsafe { b.launch(Self::cfg((e as u32, 1), 256, 0)) }.map(drop)
+    }
+
+    /// `out[r] = x[entry_of[r] / k]` for r < *rows, up to `rows_cap` rows of `h` (h % 8 == 0).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_rows(
+        &self,
+        x: &CudaSlice<bf16>,
+        entry_of: &CudaSlice<i32>,
+        rows: &CudaSlice<i32>,
+        rows_cap: usize,
+        k: usize,
+        h: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), DriverError> {
+        let (k, h32) = (k as i32, h as i32);
+        let mut b = self.stream.launch_builder(&self.k.gather_rows);
+        b.arg(x).arg(entry_of).arg(rows).arg(&k).arg(&h32).arg(out);
+        // SAFETY: out holds rows_cap rows of h; entry_of values index x's rows times k.
+        unsafe { b.launch(Self::cfg((rows_cap as u32, 1), 128, 0)) }.map(drop)
+    }
+
+    pub fn swiglu(
+        &self,
+        gu: &CudaSlice<bf16>,
+        rows: &CudaSlice<i32>,
+        rows_cap: usize,
+        inter: usize,
+        act: &mut CudaSlice<bf16>,
+    ) -> Result<(), DriverError> {
+        let i = inter as i32;
+        let mut b = self.stream.launch_builder(&self.k.swiglu);
+        b.arg(gu).arg(rows).arg(&i).arg(act);
+        // SAFETY: gu holds rows_cap rows of 2 * inter, act rows_cap rows of inter.
+        unsafe { b.launch(Self::cfg((rows_cap as u32, 1), 256, 0)) }.map(drop)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn combine(
+        &self,
+        y: &CudaSlice<bf16>,
+        pos_of: &CudaSlice<i32>,
+        weights: &CudaSlice<f32>,
+        n: &CudaSlice<i32>,
+        n_cap: usize,
+        k: usize,
+        h: usize,
+        shared: Option<&CudaSlice<bf16>>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), DriverError> {
+        let (k, h32) = (k as i32, h as i32);
+        let null: u64 = 0;
+        let mut b = self.stream.launch_builder(&self.k.combine);
+        b.arg(y).arg(pos_of).arg(weights).arg(n).arg(&k).arg(&h32);
+        match shared {
+            Some(s) => b.arg(s),
+            None => b.arg(&null),
+        };
+        b.arg(out);
+        // SAFETY: pos_of indexes y's rows; a null `shared` is a 64-bit zero device pointer.
+        unsafe { b.launch(Self::cfg((n_cap as u32, 1), 256, 0)) }.map(drop)
+    }
+
+    /// `y[rows of e] = x[rows of e] . w_e^T` for every local expert e (`w [e][n][kd]`), over the
+    /// expert-major blocks `offsets [e + 1]`. `tiles` holds 2 * max_tiles ints, `n_tiles` one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_gemm(
+        &self,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        offsets: &CudaSlice<i32>,
+        e: usize,
+        rows_cap: usize,
+        n: usize,
+        kd: usize,
+        tiles: &mut CudaSlice<i32>,
+        n_tiles: &mut CudaSlice<i32>,
+        y: &mut CudaSlice<bf16>,
+    ) -> Result<(), DriverError> {
+        assert!(
+            n % GEMM_TILE == 0 && kd % 32 == 0,
+            "grouped_gemm needs n % 64 == 0 and kd % 32 == 0"
+        );
+        let max_tiles = max_tiles(rows_cap, e);
+        let ei = e as i32;
+        let mut b = self.stream.launch_builder(&self.k.build_tiles);
+        b.arg(offsets).arg(&ei).arg(&mut *tiles).arg(&mut *n_tiles);
+        // SAFETY: tiles has room for max_tiles entries (one per 64 rows of each expert's block).
+        unsafe { b.launch(Self::cfg((1, 1), 32, 0)) }?;
+        let (n32, kd32) = (n as i32, kd as i32);
+        let mut b = self.stream.launch_builder(&self.k.grouped_gemm);
+        b.arg(x)
+            .arg(w)
+            .arg(offsets)
+            .arg(&*tiles)
+            .arg(&*n_tiles)
+            .arg(&n32)
+            .arg(&kd32)
+            .arg(y);
+        // SAFETY: x holds rows_cap rows of kd, y rows_cap rows of n, w e matrices of n x kd.
+        unsafe {
+            b.launch(Self::cfg(
+                ((n / GEMM_TILE) as u32, max_tiles as u32),
+                128,
+                0,
+            ))
+        }
+        .map(drop)
+    }
+}
+
+/// Most tiles the grouped GEMM can have: one per 64 rows, plus a partial tile per expert.
+pub fn max_tiles(rows_cap: usize, experts: usize) -> usize {
+    rows_cap.div_ceil(GEMM_TILE) + experts
+}

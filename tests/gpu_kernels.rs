@@ -1,0 +1,336 @@
+//! Each CUDA kernel against the CPU implementation on random data. They need a GPU, so they are
+//! ignored by default (CI has none): run them with `--ignored` on a GPU machine (see
+//! scripts/gpu-check.sh).
+#![cfg(feature = "cuda")]
+
+use epserve::backend::cuda::{max_tiles, Gpu};
+use epserve::model::routing::Router;
+use epserve::model::Routing;
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn gpu() -> Gpu {
+    Gpu::new(0).expect("a CUDA device (these tests run with --ignored on a GPU machine)")
+}
+
+fn rng(seed: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+fn bf16s(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<bf16> {
+    (0..n)
+        .map(|_| bf16::from_f32(r.random_range(-scale..scale)))
+        .collect()
+}
+
+/// Checks GPU top-k against the CPU backend's router, row by row; rows whose CPU choice has a
+/// near-tie at the boundary may differ in order only.
+fn check_topk(routing: &Routing, e: usize, k: usize, seed: u64) {
+    let g = gpu();
+    let (n_cap, n) = (333usize, 300usize);
+    let mut r = rng(seed);
+    let logits: Vec<f32> = (0..n_cap * e)
+        .map(|_| r.random_range(-3.0f32..3.0))
+        .collect();
+    let bias: Vec<f32> = (0..e).map(|_| r.random_range(-0.1f32..0.1)).collect();
+    let s = &g.stream;
+    let (dl, db, dn) = (
+        s.clone_htod(&logits).unwrap(),
+        s.clone_htod(&bias).unwrap(),
+        s.clone_htod(&[n as i32]).unwrap(),
+    );
+    let mut ids = s.alloc_zeros::<i32>(n_cap * k).unwrap();
+    let mut w = s.alloc_zeros::<f32>(n_cap * k).unwrap();
+    match *routing {
+        Routing::SoftmaxTopK { renormalize } => {
+            g.topk_softmax(&dl, &dn, n_cap, e, k, renormalize, &mut ids, &mut w)
+        }
+        Routing::SigmoidGroupTopK {
+            n_group,
+            topk_group,
+            renormalize,
+            scaling,
+        } => g.topk_sigmoid_group(
+            &dl,
+            &db,
+            &dn,
+            n_cap,
+            e,
+            k,
+            (n_group, topk_group),
+            renormalize,
+            scaling,
+            &mut ids,
+            &mut w,
+        ),
+    }
+    .unwrap();
+    let (ids, w) = (s.clone_dtoh(&ids).unwrap(), s.clone_dtoh(&w).unwrap());
+    let mut router = Router::default();
+    let (mut want_ids, mut want_w) = (vec![0i32; k], vec![0f32; k]);
+    for t in 0..n {
+        let bias = matches!(routing, Routing::SigmoidGroupTopK { .. }).then_some(&bias[..]);
+        router.route(
+            routing,
+            &logits[t * e..(t + 1) * e],
+            bias,
+            &mut want_ids,
+            &mut want_w,
+        );
+        assert_eq!(&ids[t * k..(t + 1) * k], &want_ids[..], "row {t}");
+        for (a, b) in w[t * k..(t + 1) * k].iter().zip(&want_w) {
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                "row {t}: {a} vs {b}"
+            );
+        }
+    }
+    assert!(
+        ids[n * k..].iter().all(|&i| i == -1),
+        "rows past n are marked empty"
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn topk_softmax_matches_the_cpu_router() {
+    check_topk(&Routing::SoftmaxTopK { renormalize: true }, 128, 8, 1);
+    check_topk(&Routing::SoftmaxTopK { renormalize: false }, 8, 2, 2);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn topk_sigmoid_group_matches_the_cpu_router() {
+    let ds = Routing::SigmoidGroupTopK {
+        n_group: 8,
+        topk_group: 4,
+        renormalize: true,
+        scaling: 2.5,
+    };
+    check_topk(&ds, 256, 8, 3);
+    let small = Routing::SigmoidGroupTopK {
+        n_group: 4,
+        topk_group: 2,
+        renormalize: false,
+        scaling: 1.0,
+    };
+    check_topk(&small, 16, 4, 4);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn layout_and_gather_match_a_stable_cpu_sort() {
+    let g = gpu();
+    let s = &g.stream;
+    let (n_cap, n, k, e, h) = (200usize, 173usize, 4usize, 32usize, 64usize);
+    let mut r = rng(5);
+    let mut ids = vec![-1i32; n_cap * k];
+    for t in 0..n {
+        let row = rand::seq::index::sample(&mut r, e, k);
+        for (j, x) in row.into_iter().enumerate() {
+            ids[t * k + j] = x as i32;
+        }
+    }
+    let x = bf16s(&mut r, n_cap * h, 1.0);
+    let (dids, dn, dx) = (
+        s.clone_htod(&ids).unwrap(),
+        s.clone_htod(&[n as i32]).unwrap(),
+        s.clone_htod(&x).unwrap(),
+    );
+    let mut counts = s.alloc_zeros::<i32>(e).unwrap();
+    let mut offsets = s.alloc_zeros::<i32>(e + 1).unwrap();
+    let mut pos_of = s.alloc_zeros::<i32>(n_cap * k).unwrap();
+    let mut entry_of = s.alloc_zeros::<i32>(n_cap * k).unwrap();
+    g.layout(
+        &dids,
+        &dn,
+        n_cap,
+        k,
+        e,
+        &mut counts,
+        &mut offsets,
+        &mut pos_of,
+        &mut entry_of,
+    )
+    .unwrap();
+    let total = s.clone_htod(&[(n * k) as i32]).unwrap();
+    let mut rows = s.alloc_zeros::<bf16>(n_cap * k * h).unwrap();
+    g.gather_rows(&dx, &entry_of, &total, n_cap * k, k, h, &mut rows)
+        .unwrap();
+    let (counts, offsets, pos_of) = (
+        s.clone_dtoh(&counts).unwrap(),
+        s.clone_dtoh(&offsets).unwrap(),
+        s.clone_dtoh(&pos_of).unwrap(),
+    );
+    let rows = s.clone_dtoh(&rows).unwrap();
+    // CPU: a stable sort of the entries by expert.
+    let mut order: Vec<usize> = (0..n * k).collect();
+    order.sort_by_key(|&j| ids[j]);
+    let mut want_counts = vec![0i32; e];
+    ids[..n * k]
+        .iter()
+        .for_each(|&i| want_counts[i as usize] += 1);
+    assert_eq!(counts, want_counts);
+    assert_eq!(offsets[e] as usize, n * k);
+    for (p, &j) in order.iter().enumerate() {
+        assert_eq!(pos_of[j] as usize, p, "entry {j}");
+        assert_eq!(
+            &rows[p * h..(p + 1) * h],
+            &x[(j / k) * h..(j / k + 1) * h],
+            "row {p}"
+        );
+    }
+    let mut acc = 0;
+    for ei in 0..e {
+        assert_eq!(offsets[ei], acc);
+        acc += want_counts[ei];
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn swiglu_and_combine_match_f64() {
+    let g = gpu();
+    let s = &g.stream;
+    let (rows_cap, rows, inter) = (50usize, 41usize, 96usize);
+    let mut r = rng(6);
+    let gu = bf16s(&mut r, rows_cap * 2 * inter, 3.0);
+    let mut act = s.alloc_zeros::<bf16>(rows_cap * inter).unwrap();
+    g.swiglu(
+        &s.clone_htod(&gu).unwrap(),
+        &s.clone_htod(&[rows as i32]).unwrap(),
+        rows_cap,
+        inter,
+        &mut act,
+    )
+    .unwrap();
+    let act = s.clone_dtoh(&act).unwrap();
+    for row in 0..rows {
+        for i in 0..inter {
+            let (a, u) = (
+                gu[row * 2 * inter + i].to_f64(),
+                gu[row * 2 * inter + inter + i].to_f64(),
+            );
+            let want = a / (1.0 + (-a).exp()) * u;
+            let got = act[row * inter + i].to_f64();
+            assert!(
+                (got - want).abs() <= 1e-2 * want.abs().max(0.05),
+                "{row},{i}: {got} vs {want}"
+            );
+        }
+    }
+    assert!(
+        act[rows * inter..].iter().all(|v| v.to_f32() == 0.0),
+        "rows past the count are untouched"
+    );
+
+    let (n_cap, n, k, h) = (30usize, 27usize, 3usize, 64usize);
+    let y = bf16s(&mut r, n_cap * k * h, 1.0);
+    let pos: Vec<i32> = {
+        let mut p: Vec<i32> = (0..(n_cap * k) as i32).collect();
+        p.reverse();
+        p
+    };
+    let w: Vec<f32> = (0..n_cap * k)
+        .map(|_| r.random_range(0.0f32..1.0))
+        .collect();
+    let shared = bf16s(&mut r, n_cap * h, 1.0);
+    let mut out = s.alloc_zeros::<f32>(n_cap * h).unwrap();
+    let (dy, dp, dw, dn, dsh) = (
+        s.clone_htod(&y).unwrap(),
+        s.clone_htod(&pos).unwrap(),
+        s.clone_htod(&w).unwrap(),
+        s.clone_htod(&[n as i32]).unwrap(),
+        s.clone_htod(&shared).unwrap(),
+    );
+    for with_shared in [false, true] {
+        g.combine(
+            &dy,
+            &dp,
+            &dw,
+            &dn,
+            n_cap,
+            k,
+            h,
+            with_shared.then_some(&dsh),
+            &mut out,
+        )
+        .unwrap();
+        let got = s.clone_dtoh(&out).unwrap();
+        for t in 0..n {
+            for c in 0..h {
+                let mut want: f64 = (0..k)
+                    .map(|j| f64::from(w[t * k + j]) * y[pos[t * k + j] as usize * h + c].to_f64())
+                    .sum();
+                if with_shared {
+                    want += shared[t * h + c].to_f64();
+                }
+                assert!(
+                    (f64::from(got[t * h + c]) - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "{t},{c}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn grouped_gemm_matches_f64_per_expert() {
+    let g = gpu();
+    let s = &g.stream;
+    let (e, n, kd) = (6usize, 128usize, 96usize);
+    let mut r = rng(7);
+    // Uneven blocks, one empty, one spanning several tiles and a partial one.
+    let counts = [5usize, 0, 130, 64, 1, 77];
+    let rows: usize = counts.iter().sum();
+    let rows_cap = rows + 20;
+    let mut offsets = vec![0i32];
+    counts
+        .iter()
+        .for_each(|c| offsets.push(offsets.last().unwrap() + *c as i32));
+    let x = bf16s(&mut r, rows_cap * kd, 1.0);
+    let w = bf16s(&mut r, e * n * kd, (3.0f32 / kd as f32).sqrt());
+    let mut tiles = s.alloc_zeros::<i32>(2 * max_tiles(rows_cap, e)).unwrap();
+    let mut n_tiles = s.alloc_zeros::<i32>(1).unwrap();
+    let mut y = s
+        .clone_htod(&vec![bf16::from_f32(7.0); rows_cap * n])
+        .unwrap();
+    let (dx, dw, doff) = (
+        s.clone_htod(&x).unwrap(),
+        s.clone_htod(&w).unwrap(),
+        s.clone_htod(&offsets).unwrap(),
+    );
+    g.grouped_gemm(
+        &dx,
+        &dw,
+        &doff,
+        e,
+        rows_cap,
+        n,
+        kd,
+        &mut tiles,
+        &mut n_tiles,
+        &mut y,
+    )
+    .unwrap();
+    let y = s.clone_dtoh(&y).unwrap();
+    let mut worst = 0f64;
+    for ei in 0..e {
+        for row in offsets[ei] as usize..offsets[ei + 1] as usize {
+            for c in 0..n {
+                let want: f64 = (0..kd)
+                    .map(|q| x[row * kd + q].to_f64() * w[(ei * n + c) * kd + q].to_f64())
+                    .sum();
+                let got = y[row * n + c].to_f64();
+                worst = worst.max((got - want).abs() / want.abs().max(0.1));
+            }
+        }
+    }
+    assert!(worst <= 1e-2, "worst relative error {worst:.3e}");
+    assert!(
+        y[rows * n..].iter().all(|v| v.to_f32() == 7.0),
+        "rows past the last block are not written"
+    );
+}
