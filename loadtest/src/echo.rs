@@ -119,10 +119,15 @@ pub async fn spawn(addr: SocketAddr, echo: Echo) -> anyhow::Result<SocketAddr> {
     let svc = MoeServiceServer::new(echo)
         .max_decoding_message_size(1 << 30)
         .max_encoding_message_size(1 << 30);
+    // Small answers must not wait for Nagle, or the ceiling would be a TCP artefact.
+    let incoming = tokio_stream::StreamExt::map(
+        tokio_stream::wrappers::TcpListenerStream::new(listener),
+        |s| s.and_then(|s| s.set_nodelay(true).map(|_| s)),
+    );
     tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(svc)
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+            .serve_with_incoming(incoming),
     );
     Ok(bound)
 }

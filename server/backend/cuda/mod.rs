@@ -1,6 +1,8 @@
 //! The GPU layer (`--features cuda`): one context and compute stream per rank, the kernels
 //! compiled by build.rs and embedded in the binary, and typed launchers for them.
 
+pub mod nccl;
+
 use std::sync::Arc;
 
 use cudarc::driver::{

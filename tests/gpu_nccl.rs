@@ -1,0 +1,124 @@
+//! NCCL through nccl-sys and the safe `Comm`, one thread per GPU: an all-gather and a grouped
+//! ring send/recv, run eagerly and then captured in a CUDA graph and replayed. Needs 2+ GPUs and
+//! NCCL, so it is ignored by default (run with `--ignored` on a multi-GPU machine).
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaSlice, CudaStream};
+use epserve::backend::cuda::nccl::{Comm, NcclError};
+use epserve::backend::cuda::{device_count, Gpu};
+use half::bf16;
+use nccl_sys::{ncclUniqueId, version_string, Nccl};
+
+const E: usize = 16;
+const ROWS: usize = 37;
+const H: usize = 256;
+
+struct Bufs {
+    counts: CudaSlice<i32>,
+    all: CudaSlice<i32>,
+    tx: CudaSlice<bf16>,
+    rx: CudaSlice<bf16>,
+}
+
+/// One step of what the `nccl` backend does: all-gather counts, exchange rows with peers.
+fn exchange(comm: &Comm, b: &mut Bufs, s: &CudaStream) -> Result<(), NcclError> {
+    comm.all_gather(&b.counts, &mut b.all, E, s)?;
+    let (next, prev) = (
+        (comm.rank + 1) % comm.world,
+        (comm.rank + comm.world - 1) % comm.world,
+    );
+    comm.group(|| {
+        comm.send(&b.tx, ROWS * H, next, s)?;
+        comm.recv(&mut b.rx, ROWS * H, prev, s)
+    })
+}
+
+fn value(rank: usize, i: usize) -> f32 {
+    (rank * 7 + i % 13) as f32 // small integers: exact in bf16
+}
+
+fn check(b: &Bufs, s: &Arc<CudaStream>, rank: usize, world: usize, what: &str) {
+    let all = s.clone_dtoh(&b.all).unwrap();
+    for r in 0..world {
+        for i in 0..E {
+            assert_eq!(
+                all[r * E + i],
+                (r * 100 + i) as i32,
+                "{what}: rank {rank} all_gather[{r}][{i}]"
+            );
+        }
+    }
+    let prev = (rank + world - 1) % world;
+    let rx = s.clone_dtoh(&b.rx).unwrap();
+    for (i, v) in rx.iter().enumerate() {
+        assert_eq!(
+            v.to_f32(),
+            value(prev, i),
+            "{what}: rank {rank} received element {i}"
+        );
+    }
+}
+
+fn rank_main(nccl: Arc<Nccl>, id: ncclUniqueId, world: usize, rank: usize) {
+    let g = Gpu::new(rank).unwrap();
+    g.ctx.bind_to_thread().unwrap();
+    let comm = Comm::init(nccl, &id, world, rank).unwrap();
+    let s = &g.stream;
+    let counts: Vec<i32> = (0..E).map(|i| (rank * 100 + i) as i32).collect();
+    let tx: Vec<bf16> = (0..ROWS * H)
+        .map(|i| bf16::from_f32(value(rank, i)))
+        .collect();
+    let mut b = Bufs {
+        counts: s.clone_htod(&counts).unwrap(),
+        all: s.alloc_zeros(world * E).unwrap(),
+        tx: s.clone_htod(&tx).unwrap(),
+        rx: s.alloc_zeros(ROWS * H).unwrap(),
+    };
+    exchange(&comm, &mut b, s).unwrap();
+    s.synchronize().unwrap();
+    check(&b, s, rank, world, "eager");
+
+    s.memset_zeros(&mut b.all).unwrap();
+    s.memset_zeros(&mut b.rx).unwrap();
+    s.synchronize().unwrap();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    exchange(&comm, &mut b, s).unwrap();
+    let graph = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a captured graph");
+    for replay in 0..3 {
+        graph.launch().unwrap();
+        s.synchronize().unwrap();
+        check(&b, s, rank, world, &format!("graph replay {replay}"));
+        s.memset_zeros(&mut b.rx).unwrap();
+    }
+    drop(graph);
+}
+
+#[test]
+#[ignore = "needs 2+ GPUs and NCCL"]
+fn all_gather_and_ring_exchange_eagerly_and_in_a_graph() {
+    let world = device_count();
+    assert!(world >= 2, "needs at least 2 GPUs, found {world}");
+    let nccl = Arc::new(Nccl::load().unwrap_or_else(|e| panic!("{e}")));
+    eprintln!(
+        "NCCL {} from {}",
+        version_string(nccl.version),
+        nccl.path.display()
+    );
+    let id = Comm::unique_id(&nccl).unwrap();
+    let ranks: Vec<_> = (0..world)
+        .map(|rank| {
+            let nccl = nccl.clone();
+            std::thread::spawn(move || rank_main(nccl, id, world, rank))
+        })
+        .collect();
+    for r in ranks {
+        r.join().expect("a rank failed");
+    }
+}
