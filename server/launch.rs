@@ -7,6 +7,8 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
+use std::process::Stdio;
+
 use tokio::process::Command;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
@@ -34,6 +36,33 @@ fn passthrough() -> Vec<String> {
     out
 }
 
+/// Reads rank 0's stdout until it reports its rendezvous address, then passes the rest through.
+async fn read_rendezvous(
+    out: tokio::process::ChildStdout,
+    timeout: std::time::Duration,
+) -> Option<String> {
+    use tokio::io::{AsyncBufReadExt, BufReader};
+    let mut lines = BufReader::new(out).lines();
+    let found = tokio::time::timeout(timeout, async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if let Some(addr) = line.strip_prefix(crate::rank::RENDEZVOUS_LINE) {
+                return Some(addr.trim().to_string());
+            }
+            println!("{line}");
+        }
+        None
+    })
+    .await
+    .ok()
+    .flatten();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = lines.next_line().await {
+            println!("{line}");
+        }
+    });
+    found
+}
+
 /// Rank r's metrics address: the base port plus r (port 0 stays 0: any free port).
 fn metrics_addr(base: std::net::SocketAddr, rank: usize) -> anyhow::Result<std::net::SocketAddr> {
     let mut a = base;
@@ -51,14 +80,9 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
     if args.serve.rank.is_some() || args.serve.world_size.is_some() {
         bail!("launch sets --rank and --world-size itself; pass --ranks");
     }
-    let rendezvous = match &args.serve.rendezvous {
-        Some(r) => r.clone(),
-        None => {
-            let l = std::net::TcpListener::bind("127.0.0.1:0")
-                .context("finding a free rendezvous port")?;
-            l.local_addr()?.to_string()
-        }
-    };
+    // Without --rendezvous, rank 0 binds port 0 and reports the port it got: no port is ever
+    // picked by one process and bound by another.
+    let mut rendezvous = args.serve.rendezvous.clone();
     let exe = std::env::current_exe().context("locating the epserve binary")?;
     let flags = passthrough();
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -67,23 +91,36 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
     runtime.block_on(async move {
         let (exit_tx, mut exit_rx) = mpsc::channel::<(usize, std::io::Result<ExitStatus>)>(args.ranks);
         let mut pids = Vec::new();
+        let mut spawned = 0;
         for rank in 0..args.ranks {
-            let mut child = Command::new(&exe)
-                .arg("serve")
+            let addr = rendezvous.clone().unwrap_or_else(|| "127.0.0.1:0".into());
+            let mut cmd = Command::new(&exe);
+            cmd.arg("serve")
                 .args(&flags)
                 .args(["--rank", &rank.to_string(), "--world-size", &args.ranks.to_string()])
-                .args(["--rendezvous", &rendezvous])
+                .args(["--rendezvous", &addr])
                 .args(["--metrics-listen", &metrics_addr(args.serve.metrics_listen, rank)?.to_string()])
-                .kill_on_drop(true)
-                .spawn()
-                .with_context(|| format!("spawning rank {rank}"))?;
+                .kill_on_drop(true);
+            if rendezvous.is_none() {
+                cmd.stdout(Stdio::piped());
+            }
+            let mut child = cmd.spawn().with_context(|| format!("spawning rank {rank}"))?;
+            if let Some(out) = child.stdout.take() {
+                rendezvous = read_rendezvous(out, args.serve.rendezvous_timeout).await;
+            }
             pids.push(child.id().map(|p| Pid::from_raw(p as i32)));
             let tx = exit_tx.clone();
             tokio::spawn(async move {
                 let status = child.wait().await;
                 let _ = tx.send((rank, status)).await;
             });
+            spawned += 1;
+            if rendezvous.is_none() {
+                // Rank 0 did not come up; its own error says why, and its exit ends the launch.
+                break;
+            }
         }
+        let rendezvous = rendezvous.unwrap_or_default();
         info!(ranks = args.ranks, %rendezvous, "launched");
         let signal_all = |pids: &[Option<Pid>], sig: Signal| {
             for pid in pids.iter().flatten() {
@@ -94,7 +131,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
         let mut term = signal(SignalKind::terminate())?;
         let mut failed: Option<String> = None;
         let mut kill_at: Option<tokio::time::Instant> = None;
-        let mut running = args.ranks;
+        let mut running = spawned;
         while running > 0 {
             tokio::select! {
                 _ = int.recv() => signal_all(&pids, Signal::SIGINT),

@@ -102,14 +102,35 @@ fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let member = args.member().map_err(|e| anyhow!(e))?;
     let rank = member.rank;
+    // The router binds its rendezvous port before anything slow, so ranks can connect while it
+    // loads; given port 0 it says on stdout which port it got (how `launch` avoids port races).
+    let listener = match rank {
+        0 => Some(bind_rendezvous(&member.rendezvous).context("rank 0")?),
+        _ => None,
+    };
     let p = prepare(&args, member).with_context(|| format!("rank {rank}"))?;
     let metrics = crate::metrics::install()?;
-    let r = if rank == 0 {
-        run_router(&args, p, metrics)
-    } else {
-        run_worker(&args, p, metrics)
+    let r = match listener {
+        Some(l) => run_router(&args, p, metrics, l),
+        None => run_worker(&args, p, metrics),
     };
     r.with_context(|| format!("rank {rank}"))
+}
+
+/// The line rank 0 prints on stdout when it bound rendezvous port 0.
+pub const RENDEZVOUS_LINE: &str = "epserve-rendezvous ";
+
+fn bind_rendezvous(addr: &str) -> anyhow::Result<TcpListener> {
+    let bind = rendezvous_bind(addr)?;
+    let listener =
+        TcpListener::bind(bind).with_context(|| format!("binding the rendezvous port {bind}"))?;
+    if bind.port() == 0 {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{RENDEZVOUS_LINE}{}", listener.local_addr()?)?;
+        out.flush()?;
+    }
+    Ok(listener)
 }
 
 fn ring_path(dir: &Path, group: &str) -> std::path::PathBuf {
@@ -130,11 +151,16 @@ fn rendezvous_bind(addr: &str) -> anyhow::Result<SocketAddr> {
 
 /// The router: gRPC comes up first (NOT_SERVING), the group forms, a warm-up step runs, then it
 /// serves until a signal (drain) or a broken group.
-fn run_router(args: &ServeArgs, p: Prepared, metrics: PrometheusHandle) -> anyhow::Result<()> {
+fn run_router(
+    args: &ServeArgs,
+    p: Prepared,
+    metrics: PrometheusHandle,
+    rendezvous: TcpListener,
+) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(router_main(args, p, metrics))
+    runtime.block_on(router_main(args, p, metrics, rendezvous))
 }
 
 /// Health services: "" and the MoeService are readiness; "liveness" follows the step loop.
@@ -156,6 +182,7 @@ async fn router_main(
     args: &ServeArgs,
     p: Prepared,
     metrics: PrometheusHandle,
+    rendezvous: TcpListener,
 ) -> anyhow::Result<()> {
     crate::metrics::serve(args.metrics_listen, metrics, 0).await?;
     let abort = Arc::new(Abort::default());
@@ -198,7 +225,9 @@ async fn router_main(
     info!("gRPC listening on {addr}, NOT_SERVING until the group is ready");
 
     let (setup_args, setup_abort) = (args.clone(), abort.clone());
-    let setup = tokio::task::spawn_blocking(move || form_group(&setup_args, p, setup_abort)).await;
+    let setup =
+        tokio::task::spawn_blocking(move || form_group(&setup_args, p, rendezvous, setup_abort))
+            .await;
     let exec = match setup.map_err(anyhow::Error::from).and_then(|r| r) {
         Ok(e) => e,
         Err(e) => {
@@ -309,12 +338,11 @@ impl Drop for AbortOnPanic {
 fn form_group(
     args: &ServeArgs,
     p: Prepared,
+    listener: TcpListener,
     abort: Arc<Abort>,
 ) -> anyhow::Result<Executor<CpuRank>> {
     let world = p.member.world;
-    let bind = rendezvous_bind(&p.member.rendezvous)?;
-    let listener =
-        TcpListener::bind(bind).with_context(|| format!("binding the rendezvous port {bind}"))?;
+    let bind = listener.local_addr()?;
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .subsec_nanos();

@@ -257,18 +257,10 @@ async fn raw_forward(addr: &str, r: &ForwardRequest, timeout: &str) -> (i32, Str
     )
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_follows_start_serve_and_drain_and_liveness_follows_a_stopped_rank() {
-    let (shm, port) = (TempDir::new("health"), free_port());
-    let serve = |rank: usize| {
+    let shm = TempDir::new("health");
+    let serve = |rank: usize, rendezvous: &str| {
         let a = [
             "serve",
             "--rank",
@@ -276,7 +268,7 @@ async fn health_follows_start_serve_and_drain_and_liveness_follows_a_stopped_ran
             "--world-size",
             "2",
             "--rendezvous",
-            &format!("127.0.0.1:{port}"),
+            rendezvous,
             "--listen",
             "127.0.0.1:0",
             "--metrics-listen",
@@ -292,7 +284,10 @@ async fn health_follows_start_serve_and_drain_and_liveness_follows_a_stopped_ran
         ];
         Proc::spawn(&a.map(String::from))
     };
-    let mut r0 = serve(0);
+    let mut r0 = serve(0, "127.0.0.1:0");
+    let rendezvous = r0
+        .wait_for("epserve-rendezvous ", Duration::from_secs(30))
+        .unwrap();
     let addr = r0
         .wait_for("gRPC listening on", Duration::from_secs(30))
         .unwrap();
@@ -313,7 +308,7 @@ async fn health_follows_start_serve_and_drain_and_liveness_follows_a_stopped_ran
         c.forward(req("early", 0, 1)).await.unwrap_err().code(),
         Code::Unavailable
     );
-    let mut r1 = serve(1);
+    let mut r1 = serve(1, &rendezvous);
     wait_health(&addr, "", ServingStatus::Serving, Duration::from_secs(30)).await;
     wait_health(
         &addr,

@@ -53,17 +53,22 @@ impl Proc {
             .args(args)
             .env("RUST_LOG", "info")
             .envs(env.iter().copied())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn epserve");
         let log = Arc::new(Mutex::new(Vec::new()));
-        let (err, l) = (child.stderr.take().unwrap(), log.clone());
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                l.lock().unwrap().push(line);
-            }
-        });
+        // stdout carries rank 0's rendezvous address; stderr the logs. Both go to one log.
+        let out: Box<dyn std::io::Read + Send> = Box::new(child.stdout.take().unwrap());
+        let err: Box<dyn std::io::Read + Send> = Box::new(child.stderr.take().unwrap());
+        for stream in [out, err] {
+            let l = log.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    l.lock().unwrap().push(line);
+                }
+            });
+        }
         Self { child, log }
     }
 
@@ -230,6 +235,9 @@ impl Group {
             .max_encoding_message_size(256 << 20)
     }
 }
+
+/// An address where nothing listens (port 1 is privileged and unused).
+pub const NOBODY: &str = "127.0.0.1:1";
 
 pub fn kill(pid: u32, sig: &str) {
     Command::new("kill")
