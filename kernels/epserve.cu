@@ -317,4 +317,107 @@ __global__ void __launch_bounds__(128) grouped_gemm(const bf16* X, const bf16* W
   }
 }
 
+// ---- Expert-parallel data movement (the `nccl` backend's exchange) ----
+// Each rank sends every peer one slot of C rows (C = tokens x min(K, local experts), the most a
+// peer can receive from one source), so transfer sizes are fixed and the exchange is capturable.
+
+// logits[t, e] = x[t] . router[e] in f32, for t < *n. One warp per (token, expert).
+__global__ void router_logits(const float* x, const float* router, const int* n, int E, int H, float* logits) {
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  const int t = warp / E, e = warp % E;
+  if (t >= *n) return;
+  float acc = 0.f;
+  for (int h = lane; h < H; h += 32) acc += x[(size_t)t * H + h] * router[(size_t)e * H + h];
+  acc = warp_sum(acc);
+  if (lane == 0) logits[(size_t)t * E + e] = acc;
+}
+
+__global__ void f32_to_bf16(const float* x, const int* n, int H, bf16* y) {
+  const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < (size_t)*n * H) y[i] = __float2bfloat16(x[i]);
+}
+
+// The expert (and so the peer) of expert-major row r: the last e with offsets[e] <= r.
+__device__ inline int expert_of_row(const int* offsets, int E, int r) {
+  int lo = 0, hi = E - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (offsets[mid] <= r) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// send[peer][slot] = x[token of expert-major row r]: rows for peer p are the block of experts
+// [p*L, (p+1)*L), already contiguous in expert-major order. Block per row r < offsets[E].
+__global__ void pack_slots(const bf16* x, const int* entry_of, const int* offsets, int E, int L, int K, int H, int C,
+                           int rows_cap, bf16* send) {
+  const int r = blockIdx.x;
+  if (r >= rows_cap || r >= offsets[E]) return;
+  const int peer = expert_of_row(offsets, E, r) / L;
+  const int slot = r - offsets[peer * L];
+  const int4* src = reinterpret_cast<const int4*>(x + (size_t)(entry_of[r] / K) * H);
+  int4* dst = reinterpret_cast<int4*>(send + ((size_t)peer * C + slot) * H);
+  for (int i = threadIdx.x; i < H / 8; i += blockDim.x) dst[i] = src[i];
+}
+
+// Receive side, from the all-gathered counts M [W][E]: map[s*C + i] = the expert-major position
+// (local experts, sources in rank order within each expert) of row i of source s's slot, or -1;
+// local_offsets [L+1] for the grouped GEMM; rows = local_offsets[L]. Single block.
+__global__ void recv_map(const int* M, int rank, int W, int E, int L, int C, int* map, int* local_offsets, int* rows) {
+  __shared__ int base[64 * 16];  // [le][s]: expert-major position of source s's first row of le
+  if (threadIdx.x == 0) {
+    int pos = 0;
+    for (int le = 0; le < L; le++) {
+      local_offsets[le] = pos;
+      for (int s = 0; s < W; s++) {
+        base[le * W + s] = pos;
+        pos += M[s * E + rank * L + le];
+      }
+    }
+    local_offsets[L] = pos;
+    *rows = pos;
+  }
+  __syncthreads();
+  for (int q = threadIdx.x; q < W * C; q += blockDim.x) {
+    const int s = q / C, i = q % C;
+    int start = 0, out = -1;
+    for (int le = 0; le < L; le++) {
+      const int c = M[s * E + rank * L + le];
+      if (i < start + c) {
+        out = base[le * W + s] + (i - start);
+        break;
+      }
+      start += c;
+    }
+    map[q] = out;
+  }
+}
+
+// dst[map[q]] = src[q] where map[q] >= 0 (slots -> expert-major). Block per q.
+__global__ void scatter_by_map(const bf16* src, const int* map, int H, bf16* dst) {
+  const int q = blockIdx.x, m = map[q];
+  if (m < 0) return;
+  const int4* a = reinterpret_cast<const int4*>(src + (size_t)q * H);
+  int4* b = reinterpret_cast<int4*>(dst + (size_t)m * H);
+  for (int i = threadIdx.x; i < H / 8; i += blockDim.x) b[i] = a[i];
+}
+
+// dst[q] = src[map[q]] where map[q] >= 0 (expert-major -> slots). Block per q.
+__global__ void gather_by_map(const bf16* src, const int* map, int H, bf16* dst) {
+  const int q = blockIdx.x, m = map[q];
+  if (m < 0) return;
+  const int4* a = reinterpret_cast<const int4*>(src + (size_t)m * H);
+  int4* b = reinterpret_cast<int4*>(dst + (size_t)q * H);
+  for (int i = threadIdx.x; i < H / 8; i += blockDim.x) b[i] = a[i];
+}
+
+// Where entry j = t*K+k's expert output comes back: peer*C + slot, as `pack_slots` sent it.
+__global__ void slot_index(const int* ids, const int* pos_of, const int* offsets, const int* n, int K, int L, int C,
+                           int* idx) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= *n * K) return;
+  const int peer = ids[j] / L;
+  idx[j] = peer * C + (pos_of[j] - offsets[peer * L]);
+}
+
 }  // extern "C"

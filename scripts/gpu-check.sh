@@ -10,7 +10,7 @@ eval "$(scripts/cuda-toolchain.sh)"
 mkdir -p .device/bin
 cargo build --release --locked --features cuda --bin epserve
 cp target/release/epserve .device/bin/
-for t in gpu_kernels gpu_nccl; do
+for t in gpu_kernels gpu_nccl gpu_ep; do
   exe=$(cargo test --release --locked --features cuda --test "$t" --no-run --message-format json 2>/dev/null |
     python3 -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable")][-1])')
   cp "$exe" ".device/bin/$t"

@@ -31,8 +31,8 @@ fn exchange(comm: &Comm, b: &mut Bufs, s: &CudaStream) -> Result<(), NcclError> 
         (comm.rank + comm.world - 1) % comm.world,
     );
     comm.group(|| {
-        comm.send(&b.tx, ROWS * H, next, s)?;
-        comm.recv(&mut b.rx, ROWS * H, prev, s)
+        comm.send(&b.tx, 0, ROWS * H, next, s)?;
+        comm.recv(&mut b.rx, 0, ROWS * H, prev, s)
     })
 }
 

@@ -28,6 +28,13 @@ pub struct Kernels {
     combine: CudaFunction,
     build_tiles: CudaFunction,
     grouped_gemm: CudaFunction,
+    router_logits: CudaFunction,
+    f32_to_bf16: CudaFunction,
+    pack_slots: CudaFunction,
+    recv_map: CudaFunction,
+    scatter_by_map: CudaFunction,
+    gather_by_map: CudaFunction,
+    slot_index: CudaFunction,
 }
 
 pub struct Gpu {
@@ -61,6 +68,13 @@ impl Gpu {
             combine: f("combine")?,
             build_tiles: f("build_tiles")?,
             grouped_gemm: f("grouped_gemm")?,
+            router_logits: f("router_logits")?,
+            f32_to_bf16: f("f32_to_bf16")?,
+            pack_slots: f("pack_slots")?,
+            recv_map: f("recv_map")?,
+            scatter_by_map: f("scatter_by_map")?,
+            gather_by_map: f("gather_by_map")?,
+            slot_index: f("slot_index")?,
         };
         Ok(Self { ctx, stream, k })
     }
@@ -288,6 +302,184 @@ impl Gpu {
             ))
         }
         .map(drop)
+    }
+}
+
+/// The expert-parallel exchange's layout: every rank sends each peer one slot of `slot_rows` rows.
+#[derive(Clone, Copy, Debug)]
+pub struct Slots {
+    pub world: usize,
+    pub rank: usize,
+    pub experts: usize,
+    /// Experts per rank.
+    pub local: usize,
+    pub slot_rows: usize,
+}
+
+impl Gpu {
+    /// `logits [n_cap, e] = x [n_cap, h] . router [e, h]^T` in f32 for rows < *n.
+    #[allow(clippy::too_many_arguments)]
+    pub fn router_logits(
+        &self,
+        x: &CudaSlice<f32>,
+        router: &CudaSlice<f32>,
+        n: &CudaSlice<i32>,
+        n_cap: usize,
+        e: usize,
+        h: usize,
+        logits: &mut CudaSlice<f32>,
+    ) -> Result<(), DriverError> {
+        let (e32, h32) = (e as i32, h as i32);
+        let mut b = self.stream.launch_builder(&self.k.router_logits);
+        b.arg(x).arg(router).arg(n).arg(&e32).arg(&h32).arg(logits);
+        // SAFETY: one warp per (row, expert) of n_cap x e; x holds n_cap rows of h.
+        unsafe { b.launch(Self::cfg(((n_cap * e).div_ceil(8) as u32, 1), 256, 0)) }.map(drop)
+    }
+
+    pub fn f32_to_bf16(
+        &self,
+        x: &CudaSlice<f32>,
+        n: &CudaSlice<i32>,
+        n_cap: usize,
+        h: usize,
+        y: &mut CudaSlice<bf16>,
+    ) -> Result<(), DriverError> {
+        let h32 = h as i32;
+        let mut b = self.stream.launch_builder(&self.k.f32_to_bf16);
+        b.arg(x).arg(n).arg(&h32).arg(y);
+        // SAFETY: both buffers hold n_cap rows of h.
+        unsafe { b.launch(Self::cfg(((n_cap * h).div_ceil(256) as u32, 1), 256, 0)) }.map(drop)
+    }
+
+    /// Packs each expert-major row into its peer's send slot (`send [world][slot_rows][h]`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn pack_slots(
+        &self,
+        x: &CudaSlice<bf16>,
+        entry_of: &CudaSlice<i32>,
+        offsets: &CudaSlice<i32>,
+        s: Slots,
+        k: usize,
+        h: usize,
+        rows_cap: usize,
+        send: &mut CudaSlice<bf16>,
+    ) -> Result<(), DriverError> {
+        let (e, l, k, h32, c, cap) = (
+            s.experts as i32,
+            s.local as i32,
+            k as i32,
+            h as i32,
+            s.slot_rows as i32,
+            rows_cap as i32,
+        );
+        let mut b = self.stream.launch_builder(&self.k.pack_slots);
+        b.arg(x)
+            .arg(entry_of)
+            .arg(offsets)
+            .arg(&e)
+            .arg(&l)
+            .arg(&k)
+            .arg(&h32)
+            .arg(&c)
+            .arg(&cap)
+            .arg(send);
+        // SAFETY: rows < offsets[E] <= rows_cap; slot indices stay below slot_rows by construction
+        // (a peer gets at most min(k, local) rows per token); send holds world slots.
+        unsafe { b.launch(Self::cfg((rows_cap as u32, 1), 128, 0)) }.map(drop)
+    }
+
+    /// From the all-gathered counts `m [world][experts]`: the slot-row -> expert-major map, the
+    /// local experts' offsets `[local + 1]` and the received row count.
+    pub fn recv_map(
+        &self,
+        m: &CudaSlice<i32>,
+        s: Slots,
+        map: &mut CudaSlice<i32>,
+        local_offsets: &mut CudaSlice<i32>,
+        rows: &mut CudaSlice<i32>,
+    ) -> Result<(), DriverError> {
+        assert!(
+            s.local <= 64 && s.world <= 16,
+            "recv_map supports up to 64 local experts and 16 ranks"
+        );
+        let (rank, w, e, l, c) = (
+            s.rank as i32,
+            s.world as i32,
+            s.experts as i32,
+            s.local as i32,
+            s.slot_rows as i32,
+        );
+        let mut b = self.stream.launch_builder(&self.k.recv_map);
+        b.arg(m)
+            .arg(&rank)
+            .arg(&w)
+            .arg(&e)
+            .arg(&l)
+            .arg(&c)
+            .arg(map)
+            .arg(local_offsets)
+            .arg(rows);
+        // SAFETY: map holds world * slot_rows entries, local_offsets local + 1, rows one.
+        unsafe { b.launch(Self::cfg((1, 1), 256, 0)) }.map(drop)
+    }
+
+    /// `dst[map[q]] = src[q]` (slots to expert-major) over `world * slot_rows` rows of `h`.
+    pub fn scatter_by_map(
+        &self,
+        src: &CudaSlice<bf16>,
+        map: &CudaSlice<i32>,
+        rows: usize,
+        h: usize,
+        dst: &mut CudaSlice<bf16>,
+    ) -> Result<(), DriverError> {
+        let h32 = h as i32;
+        let mut b = self.stream.launch_builder(&self.k.scatter_by_map);
+        b.arg(src).arg(map).arg(&h32).arg(dst);
+        // SAFETY: map values index dst's rows (or are -1); src holds `rows` rows.
+        unsafe { b.launch(Self::cfg((rows as u32, 1), 128, 0)) }.map(drop)
+    }
+
+    /// `dst[q] = src[map[q]]` (expert-major back to slots).
+    pub fn gather_by_map(
+        &self,
+        src: &CudaSlice<bf16>,
+        map: &CudaSlice<i32>,
+        rows: usize,
+        h: usize,
+        dst: &mut CudaSlice<bf16>,
+    ) -> Result<(), DriverError> {
+        let h32 = h as i32;
+        let mut b = self.stream.launch_builder(&self.k.gather_by_map);
+        b.arg(src).arg(map).arg(&h32).arg(dst);
+        // SAFETY: as in `scatter_by_map`, the other way round.
+        unsafe { b.launch(Self::cfg((rows as u32, 1), 128, 0)) }.map(drop)
+    }
+
+    /// Where each (token, k)'s expert output returns: `peer * slot_rows + slot`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn slot_index(
+        &self,
+        ids: &CudaSlice<i32>,
+        pos_of: &CudaSlice<i32>,
+        offsets: &CudaSlice<i32>,
+        n: &CudaSlice<i32>,
+        n_cap: usize,
+        k: usize,
+        s: Slots,
+        idx: &mut CudaSlice<i32>,
+    ) -> Result<(), DriverError> {
+        let (k32, l, c) = (k as i32, s.local as i32, s.slot_rows as i32);
+        let mut b = self.stream.launch_builder(&self.k.slot_index);
+        b.arg(ids)
+            .arg(pos_of)
+            .arg(offsets)
+            .arg(n)
+            .arg(&k32)
+            .arg(&l)
+            .arg(&c)
+            .arg(idx);
+        // SAFETY: ids, pos_of and idx hold n_cap * k entries.
+        unsafe { b.launch(Self::cfg(((n_cap * k).div_ceil(256) as u32, 1), 256, 0)) }.map(drop)
     }
 }
 

@@ -132,17 +132,22 @@ impl Comm {
         self.check("ncclAllGather", res)
     }
 
-    /// Sends `count` elements from the start of `buf` to `peer` (inside a group).
+    /// Sends elements `[offset, offset + count)` of `buf` to `peer` (inside a group).
     pub fn send<T: NcclType>(
         &self,
         buf: &CudaSlice<T>,
+        offset: usize,
         count: usize,
         peer: usize,
         stream: &CudaStream,
     ) -> Result<(), NcclError> {
-        assert!(buf.len() >= count && peer < self.world);
+        assert!(
+            offset + count <= buf.len() && peer < self.world,
+            "send out of bounds"
+        );
         let (p, _a) = buf.device_ptr(stream);
-        // SAFETY: `count` elements are in bounds (asserted); the buffer outlives the enqueue.
+        let p = p + (offset * std::mem::size_of::<T>()) as u64;
+        // SAFETY: the range is inside the buffer (asserted); the buffer outlives the enqueue.
         let res = unsafe {
             (self.nccl.send)(
                 p as *const c_void,
@@ -156,16 +161,21 @@ impl Comm {
         self.check("ncclSend", res)
     }
 
-    /// Receives `count` elements from `peer` into the start of `buf` (inside a group).
+    /// Receives `count` elements from `peer` into `buf` at `offset` (inside a group).
     pub fn recv<T: NcclType>(
         &self,
         buf: &mut CudaSlice<T>,
+        offset: usize,
         count: usize,
         peer: usize,
         stream: &CudaStream,
     ) -> Result<(), NcclError> {
-        assert!(buf.len() >= count && peer < self.world);
+        assert!(
+            offset + count <= buf.len() && peer < self.world,
+            "recv out of bounds"
+        );
         let (p, _a) = buf.device_ptr_mut(stream);
+        let p = p + (offset * std::mem::size_of::<T>()) as u64;
         // SAFETY: as in `send`.
         let res = unsafe {
             (self.nccl.recv)(
