@@ -406,6 +406,14 @@ async fn sigterm_under_load_answers_everything_admitted_and_exits_zero() {
         ok += n;
         for (code, msg, _) in errs {
             assert_eq!(code, Code::Unavailable, "{msg}");
+            // A refusal of new work (draining, or the port closed after the grace), never an
+            // admitted request that failed.
+            let new_work =
+                msg.contains("draining") || msg.contains("connect") || msg.contains("transport");
+            assert!(
+                new_work,
+                "an admitted request failed during the drain: {msg}"
+            );
             refused += 1;
         }
     }
