@@ -410,15 +410,7 @@ fn form_group(
         p.spec.moe_layers.clone(),
         args.metrics_per_expert,
     );
-    let mut exec = Executor::new(
-        driver,
-        ring,
-        link,
-        abort,
-        args.step_timeout,
-        p.spec.hidden,
-        p.spec.top_k,
-    )?;
+    let mut exec = Executor::new(driver, ring, link, abort, args.step_timeout)?;
     exec.warm_up().context("warm-up step")?;
     info!(
         ?buffers,

@@ -167,7 +167,7 @@ impl Rank {
     fn step(&mut self) -> Result<(), NcclError> {
         let (g, sl) = (&self.g, self.sl);
         let s: &CudaStream = &g.stream;
-        let (w, c, rcap, local) = (sl.world, sl.slot_rows, sl.world * sl.slot_rows, sl.local);
+        let (c, rcap, local) = (sl.slot_rows, sl.world * sl.slot_rows, sl.local);
         let ok = |r: Result<(), cudarc::driver::DriverError>| r.expect("kernel launch");
         ok(g.router_logits(
             &self.x,
@@ -211,14 +211,8 @@ impl Rank {
             N_CAP * K,
             &mut self.send,
         ));
-        let (send, recv, comm) = (&self.send, &mut self.recv, &self.comm);
-        comm.group(|| {
-            for p in 0..w {
-                comm.send(send, p * c * H, c * H, p, s)?;
-                comm.recv(recv, p * c * H, c * H, p, s)?;
-            }
-            Ok(())
-        })?;
+        self.comm
+            .exchange_slots(&self.send, &mut self.recv, c * H, s)?;
         ok(g.recv_map(
             &self.m,
             sl,
@@ -253,14 +247,8 @@ impl Rank {
             &mut self.y,
         ));
         ok(g.gather_by_map(&self.y, &self.map, rcap, H, &mut self.ret_send));
-        let (send, recv, comm) = (&self.ret_send, &mut self.ret_recv, &self.comm);
-        comm.group(|| {
-            for p in 0..w {
-                comm.send(send, p * c * H, c * H, p, s)?;
-                comm.recv(recv, p * c * H, c * H, p, s)?;
-            }
-            Ok(())
-        })?;
+        self.comm
+            .exchange_slots(&self.ret_send, &mut self.ret_recv, c * H, s)?;
         ok(g.slot_index(
             &self.ids,
             &self.pos_of,

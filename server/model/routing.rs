@@ -18,6 +18,7 @@ pub struct Router {
     choice: Vec<f32>,
     order: Vec<usize>,
     groups: Vec<f32>,
+    keep: Vec<bool>,
 }
 
 impl Router {
@@ -82,10 +83,11 @@ impl Router {
                 }
                 top_k_indices(&self.groups, topk_group, &mut self.order);
                 // Experts outside the chosen groups score 0.0, as in Hugging Face's masked_fill.
-                let mut keep = vec![false; n_group];
-                self.order.iter().for_each(|&g| keep[g] = true);
+                self.keep.clear();
+                self.keep.resize(n_group, false);
+                self.order.iter().for_each(|&g| self.keep[g] = true);
                 for (i, c) in self.choice.iter_mut().enumerate() {
-                    if !keep[i / per_group] {
+                    if !self.keep[i / per_group] {
                         *c = 0.0;
                     }
                 }

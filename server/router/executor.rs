@@ -79,8 +79,6 @@ pub struct Executor<B> {
     closing: Arc<AtomicBool>,
     step_timeout: Duration,
     seq: u64,
-    hidden: usize,
-    top_k: usize,
     pub progress: Arc<Progress>,
 }
 
@@ -91,8 +89,6 @@ impl<B: Backend> Executor<B> {
         link: RouterLink,
         abort: Arc<Abort>,
         step_timeout: Duration,
-        hidden: usize,
-        top_k: usize,
     ) -> Result<Self, GroupError> {
         // A rank that reports failure or disconnects breaks the group at once, instead of
         // leaving the router to find out at the step timeout.
@@ -120,8 +116,6 @@ impl<B: Backend> Executor<B> {
             closing,
             step_timeout,
             seq: 0,
-            hidden,
-            top_k,
             progress: Arc::new(Progress::default()),
         })
     }
@@ -155,7 +149,7 @@ impl<B: Backend> Executor<B> {
         let deadline = Instant::now() + self.step_timeout;
         let slots = self.ring.shape.slots as u64;
         let slot = (self.seq % slots) as usize;
-        let (h, k) = (self.hidden, self.top_k);
+        let (h, k) = (self.ring.shape.hidden, self.ring.shape.top_k);
         let mut row = 0;
         for seg in &step.segments {
             let (a, b) = (seg.rows.start, seg.rows.end);
@@ -261,7 +255,7 @@ impl<B: Backend> Executor<B> {
     /// The readiness step: a few tokens of known data through every rank and phase.
     pub fn warm_up(&mut self) -> Result<(), ExecutorError> {
         let tokens = self.ring.shape.world;
-        let hidden: Vec<f32> = (0..tokens * self.hidden)
+        let hidden: Vec<f32> = (0..tokens * self.ring.shape.hidden)
             .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
             .collect();
         let input = super::JobInput {
