@@ -364,7 +364,7 @@ __global__ void pack_slots(const bf16* x, const int* entry_of, const int* offset
 // (local experts, sources in rank order within each expert) of row i of source s's slot, or -1;
 // local_offsets [L+1] for the grouped GEMM; rows = local_offsets[L]. Single block.
 __global__ void recv_map(const int* M, int rank, int W, int E, int L, int C, int* map, int* local_offsets, int* rows) {
-  __shared__ int base[64 * 16];  // [le][s]: expert-major position of source s's first row of le
+  extern __shared__ int base[];  // [le][s] (L * W = E ints): position of source s's first row of le
   if (threadIdx.x == 0) {
     int pos = 0;
     for (int le = 0; le < L; le++) {
@@ -418,6 +418,27 @@ __global__ void slot_index(const int* ids, const int* pos_of, const int* offsets
   if (j >= *n * K) return;
   const int peer = ids[j] / L;
   idx[j] = peer * C + (pos_of[j] - offsets[peer * L]);
+}
+
+// ---- Benchmark inputs ----
+
+__device__ inline float hash_uniform(unsigned long long seed, size_t i) {
+  unsigned long long z = seed + 0x9E3779B97F4A7C15ull * (i + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return (float)(z >> 40) * (1.f / 16777216.f) * 2.f - 1.f;  // [-1, 1)
+}
+
+// x[i] = scale * U[-1, 1) from (seed, i): random weights and inputs made on the GPU.
+__global__ void fill_uniform_bf16(bf16* x, size_t n, unsigned long long seed, float scale) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    x[i] = __float2bfloat16(scale * hash_uniform(seed, i));
+}
+
+__global__ void fill_uniform_f32(float* x, size_t n, unsigned long long seed, float scale) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    x[i] = scale * hash_uniform(seed, i);
 }
 
 }  // extern "C"

@@ -10,9 +10,9 @@ eval "$(scripts/cuda-toolchain.sh)"
 mkdir -p .device/bin
 cargo build --release --locked --features cuda --bin epserve
 cp target/release/epserve .device/bin/
-for t in gpu_kernels gpu_nccl gpu_ep; do
-  exe=$(cargo test --release --locked --features cuda --test "$t" --no-run --message-format json 2>/dev/null |
-    python3 -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable")][-1])')
+for t in gpu_kernels gpu_nccl gpu_ep gpu_serve; do
+  exe=$(cargo test --release --locked --features cuda --test "$t" --no-run --message-format json |
+    T=$t python3 -c 'import json,os,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable") and j["target"]["name"] == os.environ["T"] and "test" in j["target"]["kind"]][-1])')
   cp "$exe" ".device/bin/$t"
 done
 strip .device/bin/*

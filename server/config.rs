@@ -23,6 +23,34 @@ pub enum Command {
     Serve(ServeArgs),
     /// Spawn N local ranks of one group and supervise them.
     Launch(LaunchArgs),
+    /// Time the GPU step and its phases with CUDA events (needs `--features cuda` and GPUs).
+    Bench(BenchArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Named configs, comma-separated: decode, prefill, small.
+    #[arg(
+        long,
+        env = "EPSERVE_BENCH_CONFIGS",
+        value_delimiter = ',',
+        default_value = "decode,small,prefill"
+    )]
+    pub configs: Vec<String>,
+    /// GPUs (one rank each); default: every visible GPU.
+    #[arg(long)]
+    pub ranks: Option<usize>,
+    /// Timed iterations of each measurement (the median is reported).
+    #[arg(long, default_value_t = 100)]
+    pub iters: usize,
+    /// Untimed iterations first.
+    #[arg(long, default_value_t = 10)]
+    pub warmup: usize,
+    /// Also write the results here as JSON.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    #[arg(long, env = "EPSERVE_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -38,6 +66,16 @@ pub struct LaunchArgs {
 pub enum BackendKind {
     /// Shared-memory ranks on one host, f32 math.
     Cpu,
+    /// One GPU per rank: bf16 experts, NCCL all-gather + send/recv, CUDA graphs.
+    Nccl,
+    /// `nccl` when this binary has CUDA and GPUs and NCCL are found, else `cpu`.
+    Auto,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnOff {
+    On,
+    Off,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,6 +102,17 @@ pub struct ServeArgs {
     pub seed: u64,
     #[arg(long, env = "EPSERVE_BACKEND", value_enum, default_value = "cpu")]
     pub backend: BackendKind,
+    /// GPU of this rank (else LOCAL_RANK, else the rank modulo the visible GPUs).
+    #[arg(long, env = "EPSERVE_DEVICE")]
+    pub device: Option<usize>,
+    /// GPU backends: home tokens per rank of each captured step size, ascending; a step runs in
+    /// the smallest that holds its largest home slice. Default: 8, 16, 32, ... up to the largest
+    /// home slice (--max-tokens-per-step / ranks), which is always added.
+    #[arg(long, env = "EPSERVE_GRAPH_BUCKETS", value_delimiter = ',')]
+    pub graph_buckets: Vec<usize>,
+    /// GPU backends: replay each step as a CUDA graph captured at startup, or run it eagerly.
+    #[arg(long, env = "EPSERVE_CUDA_GRAPHS", value_enum, default_value = "on")]
+    pub cuda_graphs: OnOff,
     /// This rank (else RANK, then LWS_WORKER_INDEX, else 0).
     #[arg(long)]
     pub rank: Option<usize>,
@@ -129,6 +178,25 @@ pub struct ServeArgs {
     /// Export traces over OTLP/gRPC to this collector (e.g. http://otel-collector:4317).
     #[arg(long, env = "EPSERVE_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
+}
+
+/// Home-token buckets of a group: the given ones (validated), else powers of two from 8, ending
+/// at the largest home slice.
+pub fn graph_buckets(given: &[usize], max_home: usize) -> Result<Vec<usize>, String> {
+    if given.contains(&0) || given.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(format!(
+            "--graph-buckets {given:?} must be positive and strictly ascending"
+        ));
+    }
+    let mut out: Vec<usize> = if given.is_empty() {
+        std::iter::successors(Some(8usize), |b| Some(b * 2))
+            .take_while(|&b| b < max_home)
+            .collect()
+    } else {
+        given.iter().copied().filter(|&b| b < max_home).collect()
+    };
+    out.push(max_home);
+    Ok(out)
 }
 
 /// Where this rank sits in its group.
@@ -198,5 +266,20 @@ impl ServeArgs {
             world,
             rendezvous,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::graph_buckets;
+
+    #[test]
+    fn buckets_default_to_powers_of_two_ending_at_the_largest_home_slice() {
+        assert_eq!(graph_buckets(&[], 64).unwrap(), vec![8, 16, 32, 64]);
+        assert_eq!(graph_buckets(&[], 100).unwrap(), vec![8, 16, 32, 64, 100]);
+        assert_eq!(graph_buckets(&[], 5).unwrap(), vec![5]);
+        assert_eq!(graph_buckets(&[4, 48, 512], 100).unwrap(), vec![4, 48, 100]);
+        assert!(graph_buckets(&[16, 8], 100).is_err());
+        assert!(graph_buckets(&[0, 8], 100).is_err());
     }
 }

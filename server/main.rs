@@ -5,21 +5,26 @@ use epserve::config::{Cli, Command};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let (serve, role) = match &cli.command {
-        Command::Serve(a) => (a, "rank"),
-        Command::Launch(a) => (&a.serve, "launcher"),
+    let (format, otlp, role) = match &cli.command {
+        Command::Serve(a) => (a.log_format, a.otlp_endpoint.as_deref(), "rank"),
+        Command::Launch(a) => (
+            a.serve.log_format,
+            a.serve.otlp_endpoint.as_deref(),
+            "launcher",
+        ),
+        Command::Bench(a) => (a.log_format, None, "bench"),
     };
-    let telemetry =
-        match epserve::telemetry::init(serve.log_format, serve.otlp_endpoint.as_deref(), role) {
-            Ok(t) => t,
-            Err(e) => {
-                eprintln!("epserve: cannot set up logging: {e:#}");
-                return ExitCode::FAILURE;
-            }
-        };
+    let telemetry = match epserve::telemetry::init(format, otlp, role) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("epserve: cannot set up logging: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
     let result = match cli.command {
         Command::Serve(args) => epserve::rank::serve(args),
         Command::Launch(args) => epserve::launch::launch(args),
+        Command::Bench(args) => epserve::bench::run(args),
     };
     let code = match result {
         Ok(()) => ExitCode::SUCCESS,

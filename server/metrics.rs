@@ -78,6 +78,14 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         "Token rows per local expert (--metrics-per-expert)"
     );
     metrics::describe_gauge!("epserve_group_info", "The EP group this rank belongs to");
+    metrics::describe_counter!(
+        "epserve_device_allocations_total",
+        "Device allocations by the GPU backend (all made at startup)"
+    );
+    metrics::describe_gauge!(
+        "epserve_device_memory_used_bytes",
+        "Memory in use on this rank's GPU after the last step (whole device)"
+    );
     metrics::describe_gauge!("epserve_build_info", "Build of this binary");
     gauge!("epserve_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     Ok(handle)
@@ -158,15 +166,19 @@ pub fn record_step(r: &StepRecord) {
     let layer = r.layer.to_string();
     histogram!("epserve_step_tokens").record(r.tokens as f64);
     counter!("epserve_step_tokens_total", "layer" => layer.clone()).increment(r.tokens as u64);
-    counter!("epserve_step_padding_tokens_total").increment(0);
+    counter!("epserve_step_padding_tokens_total").increment(r.times.padding as u64);
     histogram!("epserve_step_duration_seconds").record(r.times.total.as_secs_f64());
+    let phases = if r.times.phased { 5 } else { 0 };
     for (phase, d) in [
         ("gating", r.times.gating),
         ("prepare", r.times.prepare),
         ("dispatch", r.times.dispatch),
         ("experts", r.times.experts),
         ("combine", r.times.combine),
-    ] {
+    ]
+    .into_iter()
+    .take(phases)
+    {
         histogram!("epserve_step_phase_seconds", "phase" => phase).record(d.as_secs_f64());
     }
     let experts = r.routed.len() / r.world.max(1);

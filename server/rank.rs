@@ -18,8 +18,9 @@ use tracing::{error, info, warn};
 
 use crate::api::{MoeApi, Phase};
 use crate::backend::cpu::{CpuRank, SegmentShape};
-use crate::config::{Member, ServeArgs};
-use crate::group::{self, expect, send, Ctl, Fingerprint, RouterLink};
+use crate::backend::gpu;
+use crate::config::{graph_buckets, BackendKind, Member, OnOff, ServeArgs};
+use crate::group::{self, expect, send, Ctl, Fingerprint, Joined, RouterLink};
 use crate::model::{ModelSource, MoeSpec, Placement, RankWeights};
 use crate::proto::moe_service_server::MoeServiceServer;
 use crate::proto::{DType, ExpertRange, ModelInfo};
@@ -30,6 +31,12 @@ use crate::step::{max_home_tokens, Backend, Driver};
 
 const RING_SLOTS: usize = 2;
 
+/// Where this rank's weights are before it joins: host memory (cpu) or its GPU (nccl).
+enum Weights {
+    Host(RankWeights),
+    Gpu(Box<gpu::Device>),
+}
+
 /// Everything a rank knows before it talks to the group.
 struct Prepared {
     member: Member,
@@ -37,9 +44,52 @@ struct Prepared {
     spec: MoeSpec,
     placement: Placement,
     fingerprint: Fingerprint,
+    backend: BackendKind,
     segment: SegmentShape,
     ring: RingShape,
-    weights: RankWeights,
+    weights: Weights,
+    /// GPU backends: home-token buckets, ascending.
+    buckets: Vec<usize>,
+    /// Persistent exchange memory per rank (GetModelInfo).
+    exchange_bytes: u64,
+}
+
+/// `auto` becomes `nccl` where the GPU backend can run, else `cpu`, saying why.
+fn resolve_backend(kind: BackendKind) -> anyhow::Result<BackendKind> {
+    match (kind, gpu::available()) {
+        (BackendKind::Cpu, _) => Ok(BackendKind::Cpu),
+        (BackendKind::Nccl | BackendKind::Auto, Ok(what)) => {
+            info!("backend nccl: {what}");
+            Ok(BackendKind::Nccl)
+        }
+        (BackendKind::Nccl, Err(why)) => bail!("--backend nccl cannot run here: {why}"),
+        (BackendKind::Auto, Err(why)) => {
+            info!("--backend auto: using cpu ({why})");
+            Ok(BackendKind::Cpu)
+        }
+    }
+}
+
+/// The GPU of `rank`: --device, else LOCAL_RANK, else the rank modulo the visible GPUs.
+fn device_ordinal(args: &ServeArgs, rank: usize) -> anyhow::Result<usize> {
+    let count = gpu::device_count();
+    let local = match std::env::var("LOCAL_RANK") {
+        Ok(v) => Some(
+            v.trim()
+                .parse::<usize>()
+                .map_err(|_| anyhow!("LOCAL_RANK={v} is not a number"))?,
+        ),
+        Err(_) => None,
+    };
+    let d = args.device.or(local).unwrap_or(rank % count.max(1));
+    if d >= count {
+        bail!("GPU {d} does not exist ({count} visible)");
+    }
+    Ok(d)
+}
+
+fn backend_name(b: BackendKind) -> String {
+    format!("{b:?}").to_lowercase()
 }
 
 fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
@@ -48,12 +98,12 @@ fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
     spec.cap_layers(args.layers);
     spec.validate()?;
     let placement = Placement::new(spec.num_experts, member.world)?;
+    let backend = resolve_backend(args.backend)?;
+    let max_home = max_home_tokens(args.max_tokens_per_step, member.world);
+    let buckets = graph_buckets(&args.graph_buckets, max_home).map_err(|e| anyhow!(e))?;
     let mut fingerprint = vec![
         ("version".to_string(), env!("CARGO_PKG_VERSION").to_string()),
-        (
-            "backend".into(),
-            format!("{:?}", args.backend).to_lowercase(),
-        ),
+        ("backend".into(), backend_name(backend)),
         ("model".into(), source.describe()),
         (
             "max_tokens_per_step".into(),
@@ -61,12 +111,16 @@ fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
         ),
     ];
     fingerprint.extend(spec.fingerprint());
+    if backend == BackendKind::Nccl {
+        fingerprint.push(("graph_buckets".into(), format!("{buckets:?}")));
+        fingerprint.push(("cuda_graphs".into(), format!("{:?}", args.cuda_graphs)));
+    }
     let segment = SegmentShape {
         world: member.world,
         experts: spec.num_experts,
         top_k: spec.top_k,
         hidden: spec.hidden,
-        max_home: max_home_tokens(args.max_tokens_per_step, member.world),
+        max_home,
     };
     let ring = RingShape {
         slots: RING_SLOTS,
@@ -83,19 +137,31 @@ fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
         experts = ?experts,
         layers = spec.moe_layers.len(),
         expert_mib = weights.expert_bytes() >> 20,
-        exchange_mib = segment.bytes() >> 20,
         seconds = t0.elapsed().as_secs_f32(),
         "weights loaded"
     );
+    let (weights, exchange_bytes) = match backend {
+        BackendKind::Nccl => {
+            let ordinal = device_ordinal(args, member.rank)?;
+            let dev =
+                gpu::Device::open(ordinal, &spec, weights, member.world, member.rank, max_home)?;
+            let bytes = dev.buffer_bytes() as u64;
+            (Weights::Gpu(Box::new(dev)), bytes)
+        }
+        _ => (Weights::Host(weights), segment.bytes() as u64),
+    };
     Ok(Prepared {
         member,
         source,
         spec,
         placement,
         fingerprint,
+        backend,
         segment,
         ring,
         weights,
+        buckets,
+        exchange_bytes,
     })
 }
 
@@ -189,13 +255,7 @@ async fn router_main(
     let admission = Admission::new(args.max_concurrent_requests, args.max_queued_tokens);
     let wake = Arc::new(Notify::new());
     let (job_tx, job_rx) = mpsc::channel(args.max_concurrent_requests);
-    let info = model_info(
-        &p.spec,
-        &p.source,
-        &p.placement,
-        args,
-        p.segment.bytes() as u64,
-    );
+    let info = model_info(&p, args);
     let api = Arc::new(MoeApi::new(
         Arc::new(p.spec.clone()),
         info,
@@ -340,7 +400,7 @@ fn form_group(
     p: Prepared,
     listener: TcpListener,
     abort: Arc<Abort>,
-) -> anyhow::Result<Executor<CpuRank>> {
+) -> anyhow::Result<Executor<Box<dyn Backend + Send>>> {
     let world = p.member.world;
     let bind = listener.local_addr()?;
     let nanos = std::time::SystemTime::now()
@@ -348,6 +408,10 @@ fn form_group(
         .subsec_nanos();
     let group_id = format!("{:x}-{nanos:x}", std::process::id());
     let host = group::host_id();
+    let nccl_id = match &p.weights {
+        Weights::Gpu(_) => Some(gpu::new_unique_id()?),
+        Weights::Host(_) => None,
+    };
     info!(world, rendezvous = %bind, group = %group_id, "waiting for ranks");
     let timeout = args.rendezvous_timeout;
     let mut link = RouterLink::accept(
@@ -357,41 +421,67 @@ fn form_group(
         &host,
         true,
         &group_id,
+        nccl_id.clone(),
         timeout,
     )?;
     drop(listener);
     let dir = args.shm_dir.as_path();
-    let setup = (|| -> anyhow::Result<(CpuRank, Arc<Ring>)> {
+    let setup = (|| -> anyhow::Result<(Box<dyn Backend + Send>, Arc<Ring>)> {
         let deadline = Instant::now() + timeout;
-        let own = CpuRank::create_segment(dir, &group_id, 0, p.segment)
-            .with_context(|| format!("creating the exchange segment in {}", dir.display()))?;
         let ring = Arc::new(
             Ring::create(&ring_path(dir, &group_id), p.ring).context("creating the step ring")?,
         );
-        link.gather("its exchange segment", deadline, |r| Ctl::Created {
-            rank: r,
-        })?;
-        link.broadcast(&Ctl::Map)?;
-        let rank = CpuRank::attach(
-            dir,
-            &group_id,
-            0,
-            own,
-            p.segment,
-            p.spec.clone(),
-            p.weights,
-            ring.clone(),
-            abort.clone(),
-            args.step_timeout,
-        )
-        .context("mapping the peers' exchange segments")?;
-        link.gather("mapping every segment", deadline, |r| Ctl::Mapped {
-            rank: r,
-        })?;
+        let backend: Box<dyn Backend + Send> = match p.weights {
+            Weights::Host(weights) => {
+                let own =
+                    CpuRank::create_segment(dir, &group_id, 0, p.segment).with_context(|| {
+                        format!("creating the exchange segment in {}", dir.display())
+                    })?;
+                link.gather("its exchange segment", deadline, |r| Ctl::Created {
+                    rank: r,
+                })?;
+                link.broadcast(&Ctl::Map)?;
+                let rank = CpuRank::attach(
+                    dir,
+                    &group_id,
+                    0,
+                    own,
+                    p.segment,
+                    p.spec.clone(),
+                    weights,
+                    ring.clone(),
+                    abort.clone(),
+                    args.step_timeout,
+                )
+                .context("mapping the peers' exchange segments")?;
+                link.gather("mapping every segment", deadline, |r| Ctl::Mapped {
+                    rank: r,
+                })?;
+                rank.unlink_own();
+                Box::new(rank)
+            }
+            Weights::Gpu(dev) => {
+                link.gather("its GPU and weights", deadline, |r| Ctl::Created {
+                    rank: r,
+                })?;
+                link.broadcast(&Ctl::Map)?;
+                let rank = dev.join(
+                    nccl_id.as_deref().unwrap_or_default(),
+                    ring.clone(),
+                    p.buckets.clone(),
+                    args.cuda_graphs == OnOff::On,
+                    args.step_timeout,
+                    deadline,
+                )?;
+                link.gather("joining NCCL and capturing its steps", deadline, |r| {
+                    Ctl::Mapped { rank: r }
+                })?;
+                rank
+            }
+        };
         link.broadcast(&Ctl::Go)?;
-        rank.unlink_own();
         ring.unlink();
-        Ok((rank, ring))
+        Ok((backend, ring))
     })();
     let (rank, ring) = match setup {
         Ok(x) => x,
@@ -401,7 +491,7 @@ fn form_group(
         }
     };
     link.clear_timeouts()?;
-    group_info(args, 0, world);
+    group_info(p.backend, 0, world);
     let buffers = rank.buffers();
     let driver = Driver::new(
         rank,
@@ -419,10 +509,10 @@ fn form_group(
     Ok(exec)
 }
 
-fn group_info(args: &ServeArgs, rank: usize, world: usize) {
+fn group_info(backend: BackendKind, rank: usize, world: usize) {
     metrics::gauge!(
         "epserve_group_info",
-        "backend" => format!("{:?}", args.backend).to_lowercase(),
+        "backend" => backend_name(backend),
         "world_size" => world.to_string(),
         "ranks_joined" => world.to_string(),
         "rank" => rank.to_string()
@@ -539,13 +629,8 @@ async fn wait_for_stop(abort: &Abort) -> Stop {
     }
 }
 
-fn model_info(
-    spec: &MoeSpec,
-    source: &ModelSource,
-    placement: &Placement,
-    args: &ServeArgs,
-    exchange: u64,
-) -> ModelInfo {
+fn model_info(p: &Prepared, args: &ServeArgs) -> ModelInfo {
+    let (spec, source, placement) = (&p.spec, &p.source, &p.placement);
     ModelInfo {
         model: source.describe(),
         architecture: spec.architecture.clone(),
@@ -559,7 +644,7 @@ fn model_info(
         num_shared_experts: spec.num_shared_experts as u32,
         accepted_dtypes: vec![DType::Bf16 as i32, DType::F16 as i32, DType::F32 as i32],
         world_size: placement.world as u32,
-        backend: format!("{:?}", args.backend).to_lowercase(),
+        backend: backend_name(p.backend),
         max_tokens_per_step: args.max_tokens_per_step as u32,
         placement: (0..placement.world)
             .map(|r| ExpertRange {
@@ -568,7 +653,7 @@ fn model_info(
                 count: placement.per_rank() as u32,
             })
             .collect(),
-        exchange_bytes_per_rank: exchange,
+        exchange_bytes_per_rank: p.exchange_bytes,
         version: env!("CARGO_PKG_VERSION").into(),
     }
 }
@@ -604,33 +689,60 @@ fn run_worker(args: &ServeArgs, p: Prepared, metrics: PrometheusHandle) -> anyho
         .map_err(|_| anyhow!("the metrics thread died"))??;
     let timeout = args.rendezvous_timeout;
     let addr = &p.member.rendezvous;
-    let (mut stream, group_id) = group::join(addr, rank, p.member.world, &p.fingerprint, timeout)?;
+    let Joined {
+        mut stream,
+        group: group_id,
+        nccl_id,
+    } = group::join(addr, rank, p.member.world, &p.fingerprint, timeout)?;
     let deadline = Instant::now() + timeout;
     let dir = args.shm_dir.as_path();
-    let setup = (|| -> anyhow::Result<CpuRank> {
-        let own = CpuRank::create_segment(dir, &group_id, rank, p.segment)
-            .with_context(|| format!("creating the exchange segment in {}", dir.display()))?;
-        send(&mut stream, &Ctl::Created { rank })?;
-        expect_msg(&mut stream, Ctl::Map, deadline)?;
-        let ring = Arc::new(
-            Ring::open(&ring_path(dir, &group_id), p.ring).context("mapping the step ring")?,
-        );
-        let backend = CpuRank::attach(
-            dir,
-            &group_id,
-            rank,
-            own,
-            p.segment,
-            p.spec.clone(),
-            p.weights,
-            ring,
-            Arc::new(Abort::default()),
-            args.step_timeout,
-        )
-        .context("mapping the peers' exchange segments")?;
-        send(&mut stream, &Ctl::Mapped { rank })?;
-        expect_msg(&mut stream, Ctl::Go, deadline)?;
-        backend.unlink_own();
+    let setup = (|| -> anyhow::Result<Box<dyn Backend + Send>> {
+        let open_ring = || -> anyhow::Result<Arc<Ring>> {
+            Ok(Arc::new(
+                Ring::open(&ring_path(dir, &group_id), p.ring).context("mapping the step ring")?,
+            ))
+        };
+        let backend: Box<dyn Backend + Send> = match p.weights {
+            Weights::Host(weights) => {
+                let own = CpuRank::create_segment(dir, &group_id, rank, p.segment).with_context(
+                    || format!("creating the exchange segment in {}", dir.display()),
+                )?;
+                send(&mut stream, &Ctl::Created { rank })?;
+                expect_msg(&mut stream, Ctl::Map, deadline)?;
+                let backend = CpuRank::attach(
+                    dir,
+                    &group_id,
+                    rank,
+                    own,
+                    p.segment,
+                    p.spec.clone(),
+                    weights,
+                    open_ring()?,
+                    Arc::new(Abort::default()),
+                    args.step_timeout,
+                )
+                .context("mapping the peers' exchange segments")?;
+                send(&mut stream, &Ctl::Mapped { rank })?;
+                expect_msg(&mut stream, Ctl::Go, deadline)?;
+                backend.unlink_own();
+                Box::new(backend)
+            }
+            Weights::Gpu(dev) => {
+                send(&mut stream, &Ctl::Created { rank })?;
+                expect_msg(&mut stream, Ctl::Map, deadline)?;
+                let backend = dev.join(
+                    nccl_id.as_deref().unwrap_or_default(),
+                    open_ring()?,
+                    p.buckets.clone(),
+                    args.cuda_graphs == OnOff::On,
+                    args.step_timeout,
+                    deadline,
+                )?;
+                send(&mut stream, &Ctl::Mapped { rank })?;
+                expect_msg(&mut stream, Ctl::Go, deadline)?;
+                backend
+            }
+        };
         Ok(backend)
     })();
     let backend = match setup {
@@ -649,7 +761,7 @@ fn run_worker(args: &ServeArgs, p: Prepared, metrics: PrometheusHandle) -> anyho
     // The router sends a step or a heartbeat at least every heartbeat interval plus one step.
     let silence = args.heartbeat_interval + args.step_timeout + Duration::from_secs(1);
     stream.set_read_timeout(Some(silence))?;
-    group_info(args, rank, p.member.world);
+    group_info(p.backend, rank, p.member.world);
     // The router drives the drain: a signalled rank keeps running the router's steps until it is
     // told to stop or loses the router, so nothing admitted is lost when every pod gets SIGTERM.
     let signalled = Arc::new(std::sync::atomic::AtomicBool::new(false));

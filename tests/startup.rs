@@ -171,3 +171,30 @@ fn unknown_models_list_what_is_supported() {
     let mut p = serve(0, 1, "127.0.0.1:0", &shm, &["--model", "/no/such/dir"]);
     fails_with(&mut p, "expected synthetic:NAME", Duration::from_secs(10));
 }
+
+#[test]
+fn backend_nccl_without_a_gpu_refuses_and_auto_serves_on_cpu() {
+    // Only meaningful where the GPU backend cannot run: the CPU-only CI machines.
+    if epserve::backend::gpu::available().is_ok() {
+        eprintln!("GPU backend available here; nothing to check");
+        return;
+    }
+    let shm = TempDir::new("nogpu");
+    let mut p = serve(0, 1, "127.0.0.1:0", &shm, &["--backend", "nccl"]);
+    fails_with(
+        &mut p,
+        "--backend nccl cannot run here",
+        Duration::from_secs(20),
+    );
+    let g = Group::launch(2, "synthetic:tiny", &["--backend", "auto"]);
+    assert!(g.proc.log_text().contains("--backend auto: using cpu ("));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let info = rt.block_on(async {
+        let mut c = g.client().await;
+        c.get_model_info(epserve::proto::GetModelInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    });
+    assert_eq!(info.backend, "cpu");
+}

@@ -15,7 +15,9 @@ use crate::model::routing::Router;
 use crate::model::{Ffn, MoeSpec, Placement, RankWeights};
 use crate::shm::{wait_seq, Abort, Shm};
 use crate::step::ring::Ring;
-use crate::step::{Backend, Exchange, Experts, Gating, StepDesc, StepError, StepIo};
+use crate::step::{
+    run_phases, Backend, Exchange, Experts, Gating, PhaseTimes, StepDesc, StepError, StepIo,
+};
 
 const LINE: usize = 64;
 /// Rows per expert GEMM chunk: bounds the scratch whatever the step's skew.
@@ -448,6 +450,14 @@ impl Experts for CpuRank {
 }
 
 impl Backend for CpuRank {
+    fn step(
+        &mut self,
+        desc: &StepDesc,
+        home: std::ops::Range<usize>,
+    ) -> Result<PhaseTimes, StepError> {
+        run_phases(self, desc, home)
+    }
+
     fn routed(&self) -> &[u32] {
         &self.s.matrix
     }

@@ -26,6 +26,9 @@ pub enum Ctl {
     },
     Welcome {
         group: String,
+        /// The NCCL unique id of the group's communicator (GPU backends).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nccl_id: Option<Vec<u8>>,
     },
     Reject {
         reason: String,
@@ -116,6 +119,7 @@ pub struct RouterLink {
 impl RouterLink {
     /// Accepts every rank, checks its fingerprint against ours, and welcomes the group. On any
     /// failure every connected rank is told why before the error returns.
+    #[allow(clippy::too_many_arguments)]
     pub fn accept(
         listener: &TcpListener,
         world: usize,
@@ -123,6 +127,7 @@ impl RouterLink {
         host: &str,
         same_host: bool,
         group: &str,
+        nccl_id: Option<Vec<u8>>,
         timeout: Duration,
     ) -> Result<Self, GroupError> {
         let deadline = Instant::now() + timeout;
@@ -218,6 +223,7 @@ impl RouterLink {
         let mut link = Self { workers };
         link.broadcast(&Ctl::Welcome {
             group: group.to_string(),
+            nccl_id,
         })?;
         Ok(link)
     }
@@ -283,6 +289,13 @@ impl RouterLink {
     }
 }
 
+/// What a rank gets from the rendezvous.
+pub struct Joined {
+    pub stream: TcpStream,
+    pub group: String,
+    pub nccl_id: Option<Vec<u8>>,
+}
+
 /// Rank side: connects to the router (retrying until the deadline) and says hello.
 pub fn join(
     addr: &str,
@@ -290,7 +303,7 @@ pub fn join(
     world: usize,
     fingerprint: &Fingerprint,
     timeout: Duration,
-) -> Result<(TcpStream, String), GroupError> {
+) -> Result<Joined, GroupError> {
     let deadline = Instant::now() + timeout;
     let mut stream = loop {
         let addrs: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(addr)
@@ -321,7 +334,11 @@ pub fn join(
     )
     .map_err(io("sending hello"))?;
     match expect(&mut stream, "welcome", deadline)? {
-        Ctl::Welcome { group } => Ok((stream, group)),
+        Ctl::Welcome { group, nccl_id } => Ok(Joined {
+            stream,
+            group,
+            nccl_id,
+        }),
         other => Err(GroupError::Protocol(format!(
             "expected welcome, got {other:?}"
         ))),

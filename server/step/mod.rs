@@ -47,6 +47,8 @@ pub enum StepError {
     },
     #[error("step {step}: {msg}")]
     Invalid { step: u64, msg: String },
+    #[error("step {step}: {msg}")]
+    Device { step: u64, msg: String },
 }
 
 /// Moves the home slice between the step ring and the backend's buffers.
@@ -72,16 +74,34 @@ pub trait Experts {
     fn compute(&mut self, desc: &StepDesc) -> Result<(), StepError>;
 }
 
-pub trait Backend: StepIo + Gating + Exchange + Experts {
+pub trait Backend {
+    /// Runs this rank's share of one step, from the ring's input to the ring's output.
+    fn step(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<PhaseTimes, StepError>;
     /// (name, address, bytes) of every persistent buffer, for logs and the no-regrowth check.
     fn buffers(&self) -> Vec<(&'static str, usize, usize)>;
     /// The last step's routing: `[world, experts]` token rows from each source rank per expert.
     fn routed(&self) -> &[u32];
 }
 
-/// Wall time of each phase of one step on this rank.
+impl<B: Backend + ?Sized> Backend for Box<B> {
+    fn step(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<PhaseTimes, StepError> {
+        (**self).step(desc, home)
+    }
+    fn buffers(&self) -> Vec<(&'static str, usize, usize)> {
+        (**self).buffers()
+    }
+    fn routed(&self) -> &[u32] {
+        (**self).routed()
+    }
+}
+
+/// Wall time of one step on this rank, and of each phase where the backend runs them one by one
+/// on the host (a GPU step is one graph: its phases are timed by `epserve bench`).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PhaseTimes {
+    pub phased: bool,
+    /// Rows the backend computed beyond the step's tokens (bucket padding).
+    pub padding: usize,
     pub gating: Duration,
     pub prepare: Duration,
     pub dispatch: Duration,
@@ -98,6 +118,45 @@ pub struct Driver<B> {
     pub layer_ids: Vec<u32>,
     /// Export per-expert token counters (one series per expert and layer).
     pub per_expert: bool,
+}
+
+/// The phases one by one, each timed on the host: the step of a backend whose phases run there.
+pub fn run_phases<B>(
+    b: &mut B,
+    desc: &StepDesc,
+    home: Range<usize>,
+) -> Result<PhaseTimes, StepError>
+where
+    B: StepIo + Gating + Exchange + Experts,
+{
+    let t0 = Instant::now();
+    let n = home.len();
+    let mut times = PhaseTimes {
+        phased: true,
+        ..PhaseTimes::default()
+    };
+    let mut lap = Instant::now();
+    let mut mark = |d: &mut Duration| {
+        let now = Instant::now();
+        *d = now - lap;
+        lap = now;
+    };
+    b.load_home(desc, home.clone())?;
+    if !desc.client_routing {
+        b.gate(desc, n)?;
+    }
+    mark(&mut times.gating);
+    b.prepare(desc, n)?;
+    mark(&mut times.prepare);
+    b.dispatch(desc, n)?;
+    mark(&mut times.dispatch);
+    b.compute(desc)?;
+    mark(&mut times.experts);
+    b.combine(desc, n)?;
+    b.store_home(desc, home)?;
+    mark(&mut times.combine);
+    times.total = t0.elapsed();
+    Ok(times)
 }
 
 impl<B: Backend> Driver<B> {
@@ -118,32 +177,8 @@ impl<B: Backend> Driver<B> {
     }
 
     pub fn run(&mut self, desc: &StepDesc) -> Result<PhaseTimes, StepError> {
-        let t0 = Instant::now();
         let home = home_range(desc.tokens as usize, self.world, self.rank);
-        let n = home.len();
-        let mut times = PhaseTimes::default();
-        let mut lap = Instant::now();
-        let mut mark = |d: &mut Duration| {
-            let now = Instant::now();
-            *d = now - lap;
-            lap = now;
-        };
-        let b = &mut self.backend;
-        b.load_home(desc, home.clone())?;
-        if !desc.client_routing {
-            b.gate(desc, n)?;
-        }
-        mark(&mut times.gating);
-        b.prepare(desc, n)?;
-        mark(&mut times.prepare);
-        b.dispatch(desc, n)?;
-        mark(&mut times.dispatch);
-        b.compute(desc)?;
-        mark(&mut times.experts);
-        b.combine(desc, n)?;
-        b.store_home(desc, home)?;
-        mark(&mut times.combine);
-        times.total = t0.elapsed();
+        let times = self.backend.step(desc, home)?;
         crate::metrics::record_step(&crate::metrics::StepRecord {
             layer: self
                 .layer_ids

@@ -15,7 +15,10 @@ use epserve::proto::moe_service_client::MoeServiceClient;
 use epserve::proto::{DType, ForwardRequest, Tensor};
 use tonic::transport::Channel;
 
-pub const BIN: &str = env!("CARGO_BIN_EXE_epserve");
+/// The binary under test: `EPSERVE_BIN` (a copy carried to a GPU machine), else cargo's build.
+pub fn bin() -> String {
+    std::env::var("EPSERVE_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_epserve").to_string())
+}
 
 /// A scratch directory for shm segments and checkpoints, removed on drop.
 pub struct TempDir(pub PathBuf);
@@ -49,7 +52,7 @@ impl Proc {
     }
 
     pub fn spawn_env(args: &[String], env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(BIN)
+        let mut child = Command::new(bin())
             .args(args)
             .env("RUST_LOG", "info")
             .envs(env.iter().copied())
@@ -222,7 +225,7 @@ impl Group {
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut proc = Proc::spawn_env(&args, env);
         let addr = proc
-            .wait_for("serving gRPC on", Duration::from_secs(120))
+            .wait_for("serving gRPC on", Duration::from_secs(300))
             .unwrap();
         Self { proc, addr, shm }
     }

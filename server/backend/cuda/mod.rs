@@ -2,6 +2,9 @@
 //! compiled by build.rs and embedded in the binary, and typed launchers for them.
 
 pub mod nccl;
+pub mod rank;
+pub mod setup;
+pub mod step;
 
 use std::sync::Arc;
 
@@ -16,6 +19,8 @@ pub static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/epserve_ker
 
 /// Rows per grouped-GEMM tile (the kernel's `kTile`).
 pub const GEMM_TILE: usize = 64;
+/// `recv_map` keeps an int per expert in 48 KiB of shared memory.
+pub const MAX_EXPERTS: usize = 12 * 1024;
 
 pub struct Kernels {
     topk_softmax: CudaFunction,
@@ -35,6 +40,8 @@ pub struct Kernels {
     scatter_by_map: CudaFunction,
     gather_by_map: CudaFunction,
     slot_index: CudaFunction,
+    fill_uniform_bf16: CudaFunction,
+    fill_uniform_f32: CudaFunction,
 }
 
 pub struct Gpu {
@@ -75,6 +82,8 @@ impl Gpu {
             scatter_by_map: f("scatter_by_map")?,
             gather_by_map: f("gather_by_map")?,
             slot_index: f("slot_index")?,
+            fill_uniform_bf16: f("fill_uniform_bf16")?,
+            fill_uniform_f32: f("fill_uniform_f32")?,
         };
         Ok(Self { ctx, stream, k })
     }
@@ -399,8 +408,8 @@ impl Gpu {
         rows: &mut CudaSlice<i32>,
     ) -> Result<(), DriverError> {
         assert!(
-            s.local <= 64 && s.world <= 16,
-            "recv_map supports up to 64 local experts and 16 ranks"
+            s.experts <= MAX_EXPERTS,
+            "recv_map keeps one int per expert in shared memory (at most {MAX_EXPERTS} experts)"
         );
         let (rank, w, e, l, c) = (
             s.rank as i32,
@@ -419,8 +428,9 @@ impl Gpu {
             .arg(map)
             .arg(local_offsets)
             .arg(rows);
-        // SAFETY: map holds world * slot_rows entries, local_offsets local + 1, rows one.
-        unsafe { b.launch(Self::cfg((1, 1), 256, 0)) }.map(drop)
+        // SAFETY: map holds world * slot_rows entries, local_offsets local + 1, rows one; the
+        // dynamic shared memory holds local * world = experts ints (under 48 KiB, asserted).
+        unsafe { b.launch(Self::cfg((1, 1), 256, (s.experts * 4) as u32)) }.map(drop)
     }
 
     /// `dst[map[q]] = src[q]` (slots to expert-major) over `world * slot_rows` rows of `h`.
@@ -486,4 +496,33 @@ impl Gpu {
 /// Most tiles the grouped GEMM can have: one per 64 rows, plus a partial tile per expert.
 pub fn max_tiles(rows_cap: usize, experts: usize) -> usize {
     rows_cap.div_ceil(GEMM_TILE) + experts
+}
+
+impl Gpu {
+    /// `x[i] = scale * U[-1, 1)` from (seed, i): benchmark weights made on the GPU.
+    pub fn fill_uniform_bf16(
+        &self,
+        x: &mut CudaSlice<bf16>,
+        seed: u64,
+        scale: f32,
+    ) -> Result<(), DriverError> {
+        let n = x.len();
+        let mut b = self.stream.launch_builder(&self.k.fill_uniform_bf16);
+        b.arg(x).arg(&n).arg(&seed).arg(&scale);
+        // SAFETY: a grid-stride loop over the buffer's n elements.
+        unsafe { b.launch(Self::cfg((1024, 1), 256, 0)) }.map(drop)
+    }
+
+    pub fn fill_uniform_f32(
+        &self,
+        x: &mut CudaSlice<f32>,
+        seed: u64,
+        scale: f32,
+    ) -> Result<(), DriverError> {
+        let n = x.len();
+        let mut b = self.stream.launch_builder(&self.k.fill_uniform_f32);
+        b.arg(x).arg(&n).arg(&seed).arg(&scale);
+        // SAFETY: as in `fill_uniform_bf16`.
+        unsafe { b.launch(Self::cfg((1024, 1), 256, 0)) }.map(drop)
+    }
 }

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, what scripts/gpu-check.sh built into
+# .device/bin: the GPU tests, then `epserve bench`. Logs and the bench JSON go to $OUT (or ./out).
+#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests|bench|all]
+set -uo pipefail
+what=${1:-all}
+out=${OUT:-out}
+mkdir -p "$out"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+# NVLink multicast stays off on these machines.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export EPSERVE_BIN=$PWD/.device/bin/epserve
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$out/gpus.txt"
+status=0
+run() {
+  local name=$1; shift
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "   exit $rc after $((SECONDS - t0))s"; tail -n 25 "$out/$name.log"
+  [ $rc -eq 0 ] || status=1
+}
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  run gpu_kernels .device/bin/gpu_kernels --ignored --test-threads 1
+  run gpu_nccl .device/bin/gpu_nccl --ignored --test-threads 1
+  run gpu_ep .device/bin/gpu_ep --ignored --nocapture --test-threads 1
+  run gpu_serve .device/bin/gpu_serve --ignored --nocapture --test-threads 1
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  run bench "$EPSERVE_BIN" bench --configs decode,small,prefill --iters 100 --json "$out/bench.json"
+fi
+exit $status

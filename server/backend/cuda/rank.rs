@@ -1,0 +1,405 @@
+//! The `nccl` backend's rank: a `GpuStep` fed from the host step ring through pinned staging, one
+//! CUDA graph per (layer, bucket, routing source) captured at startup and replayed, and every wait
+//! on the GPU bounded by the step timeout (a lost peer would otherwise hang NCCL forever).
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{
+    result, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    DriverError,
+};
+
+use super::step::{GpuError, GpuStep};
+use crate::step::ring::Ring;
+use crate::step::{max_home_tokens, Backend, PhaseTimes, StepDesc, StepError};
+
+/// Page-locked host memory (the graph's copies need fixed, pinned addresses).
+pub struct Pinned<T> {
+    ptr: *mut T,
+    len: usize,
+}
+
+// SAFETY: plain host memory owned by this value; access is through &self / &mut self only.
+unsafe impl<T: Send> Send for Pinned<T> {}
+
+impl<T: DeviceRepr + Copy + Default> Pinned<T> {
+    /// Allocates `len` elements, set to the default (the context must be current).
+    pub fn new(len: usize) -> Result<Self, DriverError> {
+        let len = len.max(1);
+        // SAFETY: a fresh allocation of len elements; cuMemHostAlloc returns suitably aligned memory.
+        let ptr = unsafe { result::malloc_host(len * std::mem::size_of::<T>(), 0) }? as *mut T;
+        // SAFETY: ptr holds len elements of T, written before any read.
+        unsafe { std::slice::from_raw_parts_mut(ptr, len) }.fill(T::default());
+        Ok(Self { ptr, len })
+    }
+    /// The host data. Only valid to read while no copy into it is in flight: the rank reads it
+    /// after the step's completion event.
+    pub fn as_slice(&self) -> &[T] {
+        // SAFETY: ptr holds len initialised elements for the life of self.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        // SAFETY: as above, borrowed mutably through &mut self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl<T> Drop for Pinned<T> {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemHostAlloc in `new`, freed once.
+        if let Err(e) = unsafe { result::free_host(self.ptr.cast()) } {
+            tracing::warn!("cuMemFreeHost: {e}");
+        }
+    }
+}
+
+/// Host copy `src[..len]` into `dst[off..]` on `stream` (pinned source: capturable).
+fn htod<T: DeviceRepr + Copy + Default>(
+    src: &Pinned<T>,
+    range: Range<usize>,
+    dst: &mut CudaSlice<T>,
+    stream: &CudaStream,
+) -> Result<(), DriverError> {
+    assert!(
+        range.end <= src.len && range.len() <= dst.len(),
+        "htod bounds"
+    );
+    let (d, _sync) = dst.device_ptr_mut(stream);
+    // SAFETY: the ranges are inside both buffers (asserted); the pinned source outlives the copy.
+    unsafe { result::memcpy_htod_async(d, &src.as_slice()[range], stream.cu_stream()) }
+}
+
+fn dtoh<T: DeviceRepr + Copy + Default>(
+    src: &CudaSlice<T>,
+    len: usize,
+    dst: &mut Pinned<T>,
+    stream: &CudaStream,
+) -> Result<(), DriverError> {
+    assert!(len <= src.len() && len <= dst.len, "dtoh bounds");
+    let (s, _sync) = src.device_ptr(stream);
+    // SAFETY: as in `htod`; the host reads `dst` only after the step's completion event.
+    unsafe { result::memcpy_dtoh_async(&mut dst.as_mut_slice()[..len], s, stream.cu_stream()) }
+}
+
+/// Pinned staging of one step's inputs and outputs.
+struct Staging {
+    x: Pinned<f32>,
+    ids: Pinned<i32>,
+    w: Pinned<f32>,
+    /// `[n, 0, n]`: the home count and the shared expert's offsets.
+    n: Pinned<i32>,
+    out: Pinned<f32>,
+    m: Pinned<i32>,
+}
+
+/// Everything a step enqueues, copies included: captured as is, or run eagerly.
+fn enqueue(
+    c: &mut GpuStep,
+    st: &mut Staging,
+    layer: usize,
+    bucket: usize,
+    client: bool,
+) -> Result<(), GpuError> {
+    let s = c.g.stream.clone();
+    let (h, k) = (c.shape.hidden, c.shape.top_k);
+    htod(&st.n, 0..1, &mut c.b.n, &s)?;
+    htod(&st.n, 1..3, &mut c.b.sh_off, &s)?;
+    htod(&st.x, 0..bucket * h, &mut c.b.x, &s)?;
+    if client {
+        htod(&st.ids, 0..bucket * k, &mut c.b.ids, &s)?;
+        htod(&st.w, 0..bucket * k, &mut c.b.w, &s)?;
+    }
+    c.run(layer, bucket, client)?;
+    dtoh(&c.b.out, bucket * h, &mut st.out, &s)?;
+    let m = c.b.m.len();
+    dtoh(&c.b.m, m, &mut st.m, &s)?;
+    Ok(())
+}
+
+/// Waits for `ev` until `deadline`, spinning briefly, then sleeping in short naps.
+fn wait_event(ev: &CudaEvent, deadline: Instant) -> Result<(), String> {
+    let mut polls = 0u32;
+    loop {
+        match ev.try_is_complete() {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) => return Err(format!("the GPU step failed: {e}")),
+        }
+        if Instant::now() >= deadline {
+            return Err("the GPU step did not finish in time (a peer is gone or stuck)".into());
+        }
+        polls += 1;
+        if polls < 2000 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+}
+
+/// A captured step.
+struct Graph(CudaGraph);
+
+// SAFETY: a graph exec may be launched from any thread with its context; the rank owns it and
+// launches it through &mut self, one thread at a time.
+unsafe impl Send for Graph {}
+
+pub struct GpuRank {
+    /// None once poisoned: a failed step leaks the device state rather than free memory a hung
+    /// kernel may still touch (the process is about to exit).
+    core: Option<GpuStep>,
+    /// Dropped only while not poisoned: a copy into it may still be in flight otherwise.
+    st: std::mem::ManuallyDrop<Staging>,
+    ring: Arc<Ring>,
+    /// Home-token capacities, ascending; the last is the largest a step can need.
+    buckets: Vec<usize>,
+    /// `[layer][bucket][client routing]`, when graphs are on.
+    graphs: Vec<Option<Graph>>,
+    done: CudaEvent,
+    routed: Vec<u32>,
+    step_timeout: Duration,
+}
+
+impl GpuRank {
+    /// Warms every bucket up eagerly (NCCL connects on first use, never inside a capture), then
+    /// captures each graph. Every rank calls this in lockstep: the warm-up steps communicate.
+    pub fn new(
+        core: GpuStep,
+        ring: Arc<Ring>,
+        buckets: Vec<usize>,
+        graphs: bool,
+        step_timeout: Duration,
+    ) -> Result<Self, GpuError> {
+        let s = core.shape;
+        let (t, h, k) = (s.max_home, s.hidden, s.top_k);
+        if buckets.last() != Some(&t) || buckets.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(GpuError::Config(format!(
+                "buckets {buckets:?} must ascend to the largest home slice ({t})"
+            )));
+        }
+        core.g.ctx.bind_to_thread()?;
+        let st = Staging {
+            x: Pinned::new(t * h)?,
+            ids: Pinned::new(t * k)?,
+            w: Pinned::new(t * k)?,
+            n: Pinned::new(3)?,
+            out: Pinned::new(t * h)?,
+            m: Pinned::new(s.world * s.experts)?,
+        };
+        let done = core.g.ctx.new_event(None)?;
+        let mut me = Self {
+            routed: vec![0; s.world * s.experts],
+            core: Some(core),
+            st: std::mem::ManuallyDrop::new(st),
+            ring,
+            buckets,
+            graphs: Vec::new(),
+            done,
+            step_timeout,
+        };
+        let layers = me.core().layers.len();
+        for bucket in me.buckets.clone() {
+            me.eager(0, bucket, false)?;
+            me.finish(Instant::now() + Duration::from_secs(60))
+                .map_err(GpuError::Config)?;
+        }
+        if graphs {
+            for layer in 0..layers {
+                for bucket in me.buckets.clone() {
+                    for client in [false, true] {
+                        let g = me.capture(layer, bucket, client)?;
+                        me.graphs.push(Some(Graph(g)));
+                    }
+                }
+            }
+        }
+        Ok(me)
+    }
+
+    fn core(&mut self) -> &mut GpuStep {
+        self.core.as_mut().expect("the GPU rank is poisoned")
+    }
+
+    fn eager(&mut self, layer: usize, bucket: usize, client: bool) -> Result<(), GpuError> {
+        let c = self.core.as_mut().expect("the GPU rank is poisoned");
+        enqueue(c, &mut self.st, layer, bucket, client)
+    }
+
+    fn capture(
+        &mut self,
+        layer: usize,
+        bucket: usize,
+        client: bool,
+    ) -> Result<CudaGraph, GpuError> {
+        let stream: Arc<CudaStream> = self.core().g.stream.clone();
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let r = self.eager(layer, bucket, client);
+        // End the capture whatever happened, so the stream is usable (and the error is ours).
+        let g = stream.end_capture(CUgraphInstantiate_flags(0));
+        r?;
+        let g = g?.ok_or_else(|| GpuError::Config("captured an empty step".into()))?;
+        g.upload()?;
+        Ok(g)
+    }
+
+    fn finish(&mut self, deadline: Instant) -> Result<(), String> {
+        let stream = self.core().g.stream.clone();
+        self.done.record(&stream).map_err(|e| e.to_string())?;
+        wait_event(&self.done, deadline)
+    }
+
+    /// After a failed step: abort the communicator (a hung NCCL kernel would block any other
+    /// teardown) and leak the device state rather than free memory a kernel may still touch
+    /// (the process is about to exit).
+    fn poison(&mut self) {
+        if let Some(c) = self.core.take() {
+            let GpuStep {
+                g, comm, layers, b, ..
+            } = c;
+            comm.abort();
+            std::mem::forget((g, layers, b));
+            self.graphs.drain(..).for_each(std::mem::forget);
+        }
+    }
+
+    pub fn device_bytes(&self) -> usize {
+        self.core
+            .as_ref()
+            .map_or(0, |c| c.b.out.len() * 4 + c.shape.buffer_bytes())
+    }
+
+    fn bucket_of(&self, tokens: usize) -> Option<usize> {
+        let need = max_home_tokens(tokens.max(1), self.ring.shape.world);
+        self.buckets.iter().position(|&b| b >= need)
+    }
+
+    fn run_step(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<usize, StepError> {
+        let deadline = Instant::now() + self.step_timeout;
+        let invalid = |msg: String| StepError::Invalid {
+            step: desc.step,
+            msg,
+        };
+        let (slot, n) = (desc.slot as usize, home.len());
+        let bi = self
+            .bucket_of(desc.tokens as usize)
+            .ok_or_else(|| invalid(format!("{} tokens exceed the buffers", desc.tokens)))?;
+        if !self.ring.input_ready(slot, desc.step) {
+            return Err(invalid(format!(
+                "slot {slot} does not hold this step's input"
+            )));
+        }
+        let c = self.core.as_ref().expect("the GPU rank is poisoned");
+        // The executor thread is not the one that created the context.
+        c.g.ctx
+            .bind_to_thread()
+            .map_err(|e| invalid(format!("binding the CUDA context: {e}")))?;
+        let (h, k, e, layers) = (
+            c.shape.hidden,
+            c.shape.top_k,
+            c.shape.experts,
+            c.layers.len(),
+        );
+        let layer = desc.layer as usize;
+        if layer >= layers {
+            return Err(invalid(format!("layer {layer} is not loaded")));
+        }
+        let st: &mut Staging = &mut self.st;
+        self.ring
+            .read_hidden(slot, home.clone(), &mut st.x.as_mut_slice()[..n * h]);
+        if desc.client_routing {
+            self.ring.read_routing(
+                slot,
+                home,
+                &mut st.ids.as_mut_slice()[..n * k],
+                &mut st.w.as_mut_slice()[..n * k],
+            );
+            if let Some(bad) = st.ids.as_slice()[..n * k]
+                .iter()
+                .find(|&&id| !(0..e as i32).contains(&id))
+            {
+                return Err(invalid(format!("expert id {bad} out of range")));
+            }
+        }
+        st.n.as_mut_slice()
+            .copy_from_slice(&[n as i32, 0, n as i32]);
+        let bucket = self.buckets[bi];
+        let launched = match self.graphs.is_empty() {
+            true => self
+                .eager(layer, bucket, desc.client_routing)
+                .map_err(|e| e.to_string()),
+            false => {
+                let g = (layer * self.buckets.len() + bi) * 2 + usize::from(desc.client_routing);
+                self.graphs[g]
+                    .as_ref()
+                    .expect("captured at startup")
+                    .0
+                    .launch()
+                    .map_err(|e| e.to_string())
+            }
+        };
+        if let Err(msg) = launched.and_then(|_| self.finish(deadline)) {
+            self.poison();
+            return Err(StepError::Device {
+                step: desc.step,
+                msg,
+            });
+        }
+        for (r, &m) in self.routed.iter_mut().zip(self.st.m.as_slice()) {
+            *r = m.max(0) as u32;
+        }
+        // Whole-device use, so an allocation by anyone in the process (NCCL included) shows.
+        if let Ok((free, total)) = result::mem_get_info() {
+            metrics::gauge!("epserve_device_memory_used_bytes").set((total - free) as f64);
+        }
+        Ok(bucket)
+    }
+}
+
+impl Backend for GpuRank {
+    fn step(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<PhaseTimes, StepError> {
+        let t0 = Instant::now();
+        let n = home.len();
+        let bucket = self.run_step(desc, home.clone())?;
+        let h = self.ring.shape.hidden;
+        self.ring.write_output(
+            desc.slot as usize,
+            self.core.as_ref().map_or(0, |c| c.shape.rank),
+            home,
+            &self.st.out.as_slice()[..n * h],
+            desc.step,
+        );
+        let world = self.ring.shape.world;
+        Ok(PhaseTimes {
+            total: t0.elapsed(),
+            padding: (bucket * world).saturating_sub(desc.tokens as usize),
+            ..PhaseTimes::default()
+        })
+    }
+
+    fn routed(&self) -> &[u32] {
+        &self.routed
+    }
+
+    fn buffers(&self) -> Vec<(&'static str, usize, usize)> {
+        let mut v = vec![self.ring.buffer()];
+        if let Some(c) = &self.core {
+            let (p, _s) = c.b.out.device_ptr(&c.g.stream);
+            v.push(("gpu_step_buffers", p as usize, c.shape.buffer_bytes()));
+        }
+        v
+    }
+}
+
+impl Drop for GpuRank {
+    fn drop(&mut self) {
+        // Graphs go before the buffers and communicator they reference.
+        self.graphs.clear();
+        if self.core.is_some() {
+            // SAFETY: dropped once, here; the stream was synchronised by the last step's event.
+            unsafe { std::mem::ManuallyDrop::drop(&mut self.st) };
+        }
+    }
+}

@@ -1,0 +1,160 @@
+//! Bringing a GPU rank up, in the order the rendezvous needs: open the device and upload the
+//! weights (slow, done while the group gathers), then join the communicator and capture the steps
+//! (collective: every rank at once, after the router says so).
+
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context};
+use nccl_sys::{ncclUniqueId, Nccl};
+
+use super::nccl::Comm;
+use super::rank::GpuRank;
+use super::step::{Alloc, DeviceLayer, GpuStep, StepShape};
+use super::Gpu;
+use crate::model::{MoeSpec, RankWeights};
+use crate::step::ring::Ring;
+use crate::step::Backend;
+
+/// NCCL, loaded once and never unloaded: `ncclGetUniqueId` starts a bootstrap thread that runs
+/// library code, so a dlclose after it would pull the code from under that thread.
+pub fn nccl() -> Result<Arc<Nccl>, String> {
+    static NCCL: OnceLock<Result<Arc<Nccl>, String>> = OnceLock::new();
+    NCCL.get_or_init(|| Nccl::load().map(Arc::new).map_err(|e| e.to_string()))
+        .clone()
+}
+
+/// Why the GPU backend cannot run here, if it cannot: no device, or no NCCL.
+pub fn available() -> Result<String, String> {
+    let n = super::device_count();
+    if n == 0 {
+        return Err("no CUDA device is visible".into());
+    }
+    let nccl = nccl()?;
+    Ok(format!(
+        "{n} GPUs, NCCL {} from {}",
+        nccl_sys::version_string(nccl.version),
+        nccl.path.display()
+    ))
+}
+
+pub fn device_count() -> usize {
+    super::device_count()
+}
+
+/// The router's NCCL unique id, handed to every rank in the rendezvous Welcome.
+pub fn new_unique_id() -> anyhow::Result<Vec<u8>> {
+    let nccl = nccl().map_err(|e| anyhow!(e))?;
+    Ok(Comm::unique_id(&nccl)?.as_bytes().to_vec())
+}
+
+/// A GPU with this rank's weights on it, not yet in the group.
+pub struct Device {
+    g: Gpu,
+    alloc: Alloc,
+    layers: Vec<DeviceLayer>,
+    shape: StepShape,
+    spec: MoeSpec,
+    ordinal: usize,
+}
+
+impl Device {
+    pub fn open(
+        ordinal: usize,
+        spec: &MoeSpec,
+        weights: RankWeights,
+        world: usize,
+        rank: usize,
+        max_home: usize,
+    ) -> anyhow::Result<Self> {
+        let shape = StepShape::new(spec, world, rank, max_home);
+        shape.check().map_err(|e| anyhow!(e))?;
+        let g = Gpu::new(ordinal).with_context(|| format!("opening GPU {ordinal}"))?;
+        let mut alloc = Alloc::new(g.stream.clone());
+        let layers = weights
+            .layers
+            .iter()
+            .map(|l| DeviceLayer::upload(&mut alloc, l, spec.num_experts))
+            .collect::<Result<Vec<_>, _>>()
+            .context("uploading the weights")?;
+        g.stream.synchronize()?;
+        tracing::info!(
+            gpu = ordinal,
+            weights_mib = alloc.bytes >> 20,
+            step_buffers_mib = shape.buffer_bytes() >> 20,
+            "weights on the GPU"
+        );
+        Ok(Self {
+            g,
+            alloc,
+            layers,
+            shape,
+            spec: spec.clone(),
+            ordinal,
+        })
+    }
+
+    /// Device bytes of the step buffers `join` will allocate.
+    pub fn buffer_bytes(&self) -> usize {
+        self.shape.buffer_bytes()
+    }
+
+    /// Joins the communicator (bounded by `deadline`: a rank that never arrives would block NCCL
+    /// init forever), allocates the step buffers, warms up and captures every bucket's graphs.
+    pub fn join(
+        mut self,
+        nccl_id: &[u8],
+        ring: Arc<Ring>,
+        buckets: Vec<usize>,
+        graphs: bool,
+        step_timeout: Duration,
+        deadline: Instant,
+    ) -> anyhow::Result<Box<dyn Backend + Send>> {
+        let id: &[u8; 128] = nccl_id
+            .try_into()
+            .map_err(|_| anyhow!("the router sent no NCCL unique id"))?;
+        let id = ncclUniqueId::from_bytes(id);
+        let nccl = nccl().map_err(|e| anyhow!(e))?;
+        let (world, rank) = (self.shape.world, self.shape.rank);
+        let ctx = self.g.ctx.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("nccl-init".into())
+            .spawn(move || {
+                let r = ctx
+                    .bind_to_thread()
+                    .map_err(anyhow::Error::from)
+                    .and_then(|_| Ok(Comm::init(nccl, &id, world, rank)?));
+                let _ = tx.send(r);
+            })?;
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let comm = rx
+            .recv_timeout(wait)
+            .map_err(|_| anyhow!("NCCL init did not complete within {wait:?}: a rank is missing"))?
+            .context("NCCL init")?;
+        self.g.ctx.bind_to_thread()?;
+        let t0 = Instant::now();
+        let core = GpuStep::new(
+            self.g,
+            comm,
+            self.shape,
+            self.spec.routing.clone(),
+            self.layers,
+            &mut self.alloc,
+        )?;
+        let n = buckets.len();
+        let rank_ = GpuRank::new(core, ring, buckets, graphs, step_timeout)?;
+        tracing::info!(
+            gpu = self.ordinal,
+            device_mib = self.alloc.bytes >> 20,
+            graphs = if graphs {
+                n * 2 * self.spec.moe_layers.len()
+            } else {
+                0
+            },
+            seconds = t0.elapsed().as_secs_f32(),
+            "GPU step ready"
+        );
+        Ok(Box::new(rank_))
+    }
+}

@@ -1,0 +1,516 @@
+//! The GPU step: persistent device buffers sized at startup for the largest bucket, and the five
+//! phases enqueued on the rank's stream with no host sync, so a whole step can be captured.
+//! A bucket is a capacity of home tokens per rank; every rank of a step uses the same one, so the
+//! fixed-size slot exchange matches on both ends.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits};
+use half::bf16;
+
+use super::nccl::{Comm, NcclError};
+use super::{max_tiles, Gpu, Slots, GEMM_TILE, MAX_EXPERTS};
+use crate::model::{Ffn, LayerWeights, MoeSpec, Routing};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("CUDA: {0}")]
+    Driver(#[from] DriverError),
+    #[error("NCCL: {0}")]
+    Nccl(#[from] NcclError),
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Device allocations made by this process through `Alloc` (all of them are made at startup).
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+pub fn allocations() -> u64 {
+    ALLOCATIONS.load(Ordering::Relaxed)
+}
+
+/// The only way the GPU backend allocates device memory: counted, and zero-filled.
+pub struct Alloc {
+    stream: Arc<CudaStream>,
+    pub bytes: usize,
+}
+
+impl Alloc {
+    pub fn new(stream: Arc<CudaStream>) -> Self {
+        Self { stream, bytes: 0 }
+    }
+    fn count<T>(&mut self, n: usize) {
+        self.bytes += n * std::mem::size_of::<T>();
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("epserve_device_allocations_total").increment(1);
+    }
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &mut self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, DriverError> {
+        self.count::<T>(n.max(1));
+        self.stream.alloc_zeros(n.max(1))
+    }
+    pub fn upload<T: DeviceRepr>(&mut self, host: &[T]) -> Result<CudaSlice<T>, DriverError> {
+        self.count::<T>(host.len());
+        self.stream.clone_htod(host)
+    }
+}
+
+/// Everything that sizes the step's buffers.
+#[derive(Clone, Copy, Debug)]
+pub struct StepShape {
+    pub world: usize,
+    pub rank: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub hidden: usize,
+    pub inter: usize,
+    /// Intermediate size of the shared expert block (0 = none).
+    pub shared_inter: usize,
+    /// The largest bucket: most home tokens per rank.
+    pub max_home: usize,
+}
+
+impl StepShape {
+    pub fn new(spec: &MoeSpec, world: usize, rank: usize, max_home: usize) -> Self {
+        Self {
+            world,
+            rank,
+            experts: spec.num_experts,
+            top_k: spec.top_k,
+            hidden: spec.hidden,
+            inter: spec.intermediate,
+            shared_inter: spec.shared_intermediate,
+            max_home,
+        }
+    }
+    pub fn local(&self) -> usize {
+        self.experts / self.world
+    }
+    /// Rows one source sends one peer at most: each token reaches at most min(k, local) of a
+    /// peer's experts.
+    pub fn slot_rows(&self, bucket: usize) -> usize {
+        bucket * self.top_k.min(self.local())
+    }
+    pub fn slots(&self, bucket: usize) -> Slots {
+        Slots {
+            world: self.world,
+            rank: self.rank,
+            experts: self.experts,
+            local: self.local(),
+            slot_rows: self.slot_rows(bucket),
+        }
+    }
+    /// Rows of the receive side: one slot from every source.
+    pub fn recv_rows(&self, bucket: usize) -> usize {
+        self.world * self.slot_rows(bucket)
+    }
+
+    /// What the kernels need of the model's shapes, as one readable refusal.
+    pub fn check(&self) -> Result<(), String> {
+        let mut bad = Vec::new();
+        if self.hidden % GEMM_TILE != 0 {
+            bad.push(format!(
+                "hidden size {} is not a multiple of 64",
+                self.hidden
+            ));
+        }
+        for (what, i) in [
+            ("intermediate", self.inter),
+            ("shared intermediate", self.shared_inter),
+        ] {
+            if i % 32 != 0 {
+                bad.push(format!("{what} size {i} is not a multiple of 32"));
+            }
+        }
+        if self.experts > MAX_EXPERTS {
+            bad.push(format!("{} experts (at most {MAX_EXPERTS})", self.experts));
+        }
+        if self.top_k > 32 {
+            bad.push(format!("top-k {} (at most 32)", self.top_k));
+        }
+        if self.experts % self.world != 0 {
+            bad.push(format!(
+                "{} experts do not split over {} ranks",
+                self.experts, self.world
+            ));
+        }
+        match bad.is_empty() {
+            true => Ok(()),
+            false => Err(format!(
+                "the GPU kernels cannot run this model: {}",
+                bad.join("; ")
+            )),
+        }
+    }
+
+    /// Device bytes of the step buffers (weights not included).
+    pub fn buffer_bytes(&self) -> usize {
+        let (t, h, k, e, w) = (
+            self.max_home,
+            self.hidden,
+            self.top_k,
+            self.experts,
+            self.world,
+        );
+        let rows = self.recv_rows(t);
+        let (i, si) = (self.inter, self.shared_inter);
+        let ints = 3 + t * k * 4 + 2 * e + 1 + w * e + rows + self.local() + 3;
+        let tiles = 2 * (max_tiles(rows, self.local()) + max_tiles(t, 1)) + 2;
+        t * h * 4 * 2                       // x, out
+            + t * e * 4 + t * k * 4         // logits, weights
+            + t * h * 2                     // xb
+            + 3 * rows * h * 2              // send, recv, expert rows
+            + rows * 3 * i * 2              // gate/up, act
+            + t * (3 * si + h) * 2          // shared expert
+            + (ints + tiles) * 4
+    }
+}
+
+/// One MoE layer on the device: the router in f32, this rank's experts in bf16.
+pub struct DeviceLayer {
+    router: CudaSlice<f32>,
+    bias: CudaSlice<f32>,
+    /// `[local][2 * inter][hidden]`.
+    w_gu: CudaSlice<bf16>,
+    /// `[local][hidden][inter]`.
+    w_down: CudaSlice<bf16>,
+    shared: Option<(CudaSlice<bf16>, CudaSlice<bf16>)>,
+}
+
+fn to_bf16<'a>(parts: impl Iterator<Item = &'a [f32]>) -> Vec<bf16> {
+    parts.flatten().map(|&v| bf16::from_f32(v)).collect()
+}
+
+impl DeviceLayer {
+    pub fn upload(a: &mut Alloc, l: &LayerWeights, experts: usize) -> Result<Self, DriverError> {
+        let ffn = |a: &mut Alloc, f: &Ffn| -> Result<_, DriverError> {
+            Ok((
+                a.upload(&to_bf16(std::iter::once(&f.gate_up[..])))?,
+                a.upload(&to_bf16(std::iter::once(&f.down[..])))?,
+            ))
+        };
+        Ok(Self {
+            router: a.upload(&l.router)?,
+            bias: match &l.bias {
+                Some(b) => a.upload(b)?,
+                None => a.zeros(experts)?,
+            },
+            w_gu: a.upload(&to_bf16(l.experts.iter().map(|f| &f.gate_up[..])))?,
+            w_down: a.upload(&to_bf16(l.experts.iter().map(|f| &f.down[..])))?,
+            shared: l.shared.as_ref().map(|f| ffn(a, f)).transpose()?,
+        })
+    }
+
+    /// Random weights made on the GPU (for `epserve bench`: timing, not numerics).
+    pub fn random(g: &Gpu, a: &mut Alloc, s: &StepShape, seed: u64) -> Result<Self, DriverError> {
+        let (h, i, l) = (s.hidden, s.inter, s.local());
+        let mut router = a.zeros::<f32>(s.experts * h)?;
+        let mut w_gu = a.zeros::<bf16>(l * 2 * i * h)?;
+        let mut w_down = a.zeros::<bf16>(l * h * i)?;
+        g.fill_uniform_f32(&mut router, seed, (3.0 / h as f32).sqrt())?;
+        g.fill_uniform_bf16(&mut w_gu, seed + 1, (3.0 / h as f32).sqrt())?;
+        g.fill_uniform_bf16(&mut w_down, seed + 2, (3.0 / i as f32).sqrt())?;
+        let shared = match s.shared_inter {
+            0 => None,
+            si => {
+                let mut gu = a.zeros::<bf16>(2 * si * h)?;
+                let mut dn = a.zeros::<bf16>(h * si)?;
+                g.fill_uniform_bf16(&mut gu, seed + 3, (3.0 / h as f32).sqrt())?;
+                g.fill_uniform_bf16(&mut dn, seed + 4, (3.0 / si as f32).sqrt())?;
+                Some((gu, dn))
+            }
+        };
+        Ok(Self {
+            router,
+            bias: a.zeros(s.experts)?,
+            w_gu,
+            w_down,
+            shared,
+        })
+    }
+}
+
+/// The step's persistent device buffers, sized for the largest bucket.
+pub struct Buffers {
+    /// Home tokens `[T, hidden]` in f32 (the router's input) and bf16 (the experts').
+    pub x: CudaSlice<f32>,
+    pub xb: CudaSlice<bf16>,
+    /// This step's home token count (one int), and `[0, n]` for the shared expert's GEMM.
+    pub n: CudaSlice<i32>,
+    pub sh_off: CudaSlice<i32>,
+    logits: CudaSlice<f32>,
+    pub ids: CudaSlice<i32>,
+    pub w: CudaSlice<f32>,
+    counts: CudaSlice<i32>,
+    offsets: CudaSlice<i32>,
+    pos_of: CudaSlice<i32>,
+    entry_of: CudaSlice<i32>,
+    /// All-gathered counts `[world][experts]`.
+    pub m: CudaSlice<i32>,
+    /// Slots out and in; reused by the return exchange.
+    send: CudaSlice<bf16>,
+    recv: CudaSlice<bf16>,
+    map: CudaSlice<i32>,
+    local_off: CudaSlice<i32>,
+    rows: CudaSlice<i32>,
+    /// Expert-major received rows; reused for the expert outputs.
+    xe: CudaSlice<bf16>,
+    gu: CudaSlice<bf16>,
+    act: CudaSlice<bf16>,
+    tiles: CudaSlice<i32>,
+    n_tiles: CudaSlice<i32>,
+    idx: CudaSlice<i32>,
+    /// Shared expert: gate/up, activation, output `[T, hidden]`.
+    sgu: CudaSlice<bf16>,
+    sact: CudaSlice<bf16>,
+    sy: CudaSlice<bf16>,
+    stiles: CudaSlice<i32>,
+    sn_tiles: CudaSlice<i32>,
+    /// Combined home rows `[T, hidden]` in f32.
+    pub out: CudaSlice<f32>,
+}
+
+impl Buffers {
+    fn new(a: &mut Alloc, s: &StepShape) -> Result<Self, DriverError> {
+        let (t, h, k, e, l) = (s.max_home, s.hidden, s.top_k, s.experts, s.local());
+        let rows = s.recv_rows(t);
+        let si = s.shared_inter;
+        Ok(Self {
+            x: a.zeros(t * h)?,
+            xb: a.zeros(t * h)?,
+            n: a.zeros(1)?,
+            sh_off: a.zeros(2)?,
+            logits: a.zeros(t * e)?,
+            ids: a.zeros(t * k)?,
+            w: a.zeros(t * k)?,
+            counts: a.zeros(e)?,
+            offsets: a.zeros(e + 1)?,
+            pos_of: a.zeros(t * k)?,
+            entry_of: a.zeros(t * k)?,
+            m: a.zeros(s.world * e)?,
+            send: a.zeros(rows * h)?,
+            recv: a.zeros(rows * h)?,
+            map: a.zeros(rows)?,
+            local_off: a.zeros(l + 1)?,
+            rows: a.zeros(1)?,
+            xe: a.zeros(rows * h)?,
+            gu: a.zeros(rows * 2 * s.inter)?,
+            act: a.zeros(rows * s.inter)?,
+            tiles: a.zeros(2 * max_tiles(rows, l))?,
+            n_tiles: a.zeros(1)?,
+            idx: a.zeros(t * k)?,
+            sgu: a.zeros(t * 2 * si)?,
+            sact: a.zeros(t * si)?,
+            sy: a.zeros(if si > 0 { t * h } else { 0 })?,
+            stiles: a.zeros(2 * max_tiles(t, 1))?,
+            sn_tiles: a.zeros(1)?,
+            out: a.zeros(t * h)?,
+        })
+    }
+}
+
+/// One rank's step machinery: the GPU, its communicator, weights and buffers.
+pub struct GpuStep {
+    pub g: Gpu,
+    pub comm: Comm,
+    pub shape: StepShape,
+    pub routing: Routing,
+    pub layers: Vec<DeviceLayer>,
+    pub b: Buffers,
+}
+
+impl GpuStep {
+    /// Allocates the buffers; `layers` were uploaded through the same `Alloc`.
+    pub fn new(
+        g: Gpu,
+        comm: Comm,
+        shape: StepShape,
+        routing: Routing,
+        layers: Vec<DeviceLayer>,
+        a: &mut Alloc,
+    ) -> Result<Self, GpuError> {
+        shape.check().map_err(GpuError::Config)?;
+        let b = Buffers::new(a, &shape)?;
+        Ok(Self {
+            g,
+            comm,
+            shape,
+            routing,
+            layers,
+            b,
+        })
+    }
+
+    /// Router logits and top-k over the home tokens.
+    pub fn gate(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
+        let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
+        let (e, k, h) = (s.experts, s.top_k, s.hidden);
+        g.router_logits(&b.x, &l.router, &b.n, bucket, e, h, &mut b.logits)?;
+        match self.routing {
+            Routing::SoftmaxTopK { renormalize } => g.topk_softmax(
+                &b.logits,
+                &b.n,
+                bucket,
+                e,
+                k,
+                renormalize,
+                &mut b.ids,
+                &mut b.w,
+            )?,
+            Routing::SigmoidGroupTopK {
+                n_group,
+                topk_group,
+                renormalize,
+                scaling,
+            } => g.topk_sigmoid_group(
+                &b.logits,
+                &l.bias,
+                &b.n,
+                bucket,
+                e,
+                k,
+                (n_group, topk_group),
+                renormalize,
+                scaling,
+                &mut b.ids,
+                &mut b.w,
+            )?,
+        }
+        Ok(())
+    }
+
+    /// bf16 copy of the tokens, expert-major layout, all-gather of per-expert counts.
+    pub fn prepare(&mut self, bucket: usize) -> Result<(), GpuError> {
+        let (g, b, s) = (&self.g, &mut self.b, &self.shape);
+        let (e, k, h) = (s.experts, s.top_k, s.hidden);
+        g.f32_to_bf16(&b.x, &b.n, bucket, h, &mut b.xb)?;
+        g.layout(
+            &b.ids,
+            &b.n,
+            bucket,
+            k,
+            e,
+            &mut b.counts,
+            &mut b.offsets,
+            &mut b.pos_of,
+            &mut b.entry_of,
+        )?;
+        self.comm.all_gather(&b.counts, &mut b.m, e, &g.stream)?;
+        Ok(())
+    }
+
+    /// Tokens into per-peer slots, one grouped send/recv, received rows into expert-major order.
+    pub fn dispatch(&mut self, bucket: usize) -> Result<(), GpuError> {
+        let (g, b, s) = (&self.g, &mut self.b, &self.shape);
+        let sl = s.slots(bucket);
+        let rows = s.recv_rows(bucket);
+        g.pack_slots(
+            &b.xb,
+            &b.entry_of,
+            &b.offsets,
+            sl,
+            s.top_k,
+            s.hidden,
+            bucket * s.top_k,
+            &mut b.send,
+        )?;
+        self.comm
+            .exchange_slots(&b.send, &mut b.recv, sl.slot_rows * s.hidden, &g.stream)?;
+        g.recv_map(&b.m, sl, &mut b.map, &mut b.local_off, &mut b.rows)?;
+        g.scatter_by_map(&b.recv, &b.map, rows, s.hidden, &mut b.xe)?;
+        Ok(())
+    }
+
+    /// Grouped SwiGLU FFN of every local expert; the output overwrites the expert rows.
+    pub fn experts(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
+        let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
+        let (h, i, local) = (s.hidden, s.inter, s.local());
+        let rows = s.recv_rows(bucket);
+        g.grouped_gemm(
+            &b.xe,
+            &l.w_gu,
+            &b.local_off,
+            local,
+            rows,
+            2 * i,
+            h,
+            &mut b.tiles,
+            &mut b.n_tiles,
+            &mut b.gu,
+        )?;
+        g.swiglu(&b.gu, &b.rows, rows, i, &mut b.act)?;
+        g.grouped_gemm(
+            &b.act,
+            &l.w_down,
+            &b.local_off,
+            local,
+            rows,
+            h,
+            i,
+            &mut b.tiles,
+            &mut b.n_tiles,
+            &mut b.xe,
+        )?;
+        Ok(())
+    }
+
+    /// Expert outputs back to their home ranks, the shared expert, and the weighted sum.
+    pub fn combine(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
+        let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
+        let (h, k) = (s.hidden, s.top_k);
+        let sl = s.slots(bucket);
+        g.gather_by_map(&b.xe, &b.map, s.recv_rows(bucket), h, &mut b.send)?;
+        self.comm
+            .exchange_slots(&b.send, &mut b.recv, sl.slot_rows * h, &g.stream)?;
+        g.slot_index(
+            &b.ids, &b.pos_of, &b.offsets, &b.n, bucket, k, sl, &mut b.idx,
+        )?;
+        if let Some((w_gu, w_down)) = &l.shared {
+            let si = s.shared_inter;
+            g.grouped_gemm(
+                &b.xb,
+                w_gu,
+                &b.sh_off,
+                1,
+                bucket,
+                2 * si,
+                h,
+                &mut b.stiles,
+                &mut b.sn_tiles,
+                &mut b.sgu,
+            )?;
+            g.swiglu(&b.sgu, &b.n, bucket, si, &mut b.sact)?;
+            g.grouped_gemm(
+                &b.sact,
+                w_down,
+                &b.sh_off,
+                1,
+                bucket,
+                h,
+                si,
+                &mut b.stiles,
+                &mut b.sn_tiles,
+                &mut b.sy,
+            )?;
+        }
+        let shared = l.shared.as_ref().map(|_| &b.sy);
+        g.combine(
+            &b.recv, &b.idx, &b.w, &b.n, bucket, k, h, shared, &mut b.out,
+        )?;
+        Ok(())
+    }
+
+    /// The whole step after the inputs are on the device.
+    pub fn run(&mut self, layer: usize, bucket: usize, client: bool) -> Result<(), GpuError> {
+        if !client {
+            self.gate(layer, bucket)?;
+        }
+        self.prepare(bucket)?;
+        self.dispatch(bucket)?;
+        self.experts(layer, bucket)?;
+        self.combine(layer, bucket)
+    }
+}

@@ -1,0 +1,220 @@
+//! The `nccl` backend served end to end, the way users run it (`epserve launch --backend nccl`):
+//! 1,000 random requests of random sizes (some with their own routing) give the CPU backend's
+//! outputs for the same weights, on 1, 2 and 4 GPUs, graphs on and off; replaying one bucket's
+//! graph 100 times gives bitwise-identical outputs; 1,000 steps allocate nothing on the device.
+//! Needs GPUs and NCCL; ignored by default. On a GPU machine with a carried binary:
+//! `EPSERVE_BIN=.device/bin/epserve .device/bin/gpu_serve --ignored --test-threads 1`.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::prom::{scrape, sum};
+use common::{decode, f32_tensor, i32_tensor, request, Group};
+use epserve::backend::cuda::device_count;
+use epserve::proto::ForwardRequest;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const MODEL: &str = "synthetic:qwen3-30b-a3b";
+const HIDDEN: usize = 2048;
+const EXPERTS: usize = 128;
+const TOP_K: usize = 8;
+const REQUESTS: usize = 1000;
+
+/// Seeded random requests: 1..=64 tokens, either layer, one in five with client routing.
+fn requests(seed: u64, count: usize) -> Vec<ForwardRequest> {
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    (0..count)
+        .map(|i| {
+            let n = r.random_range(1..=64usize);
+            let x: Vec<f32> = (0..n * HIDDEN).map(|_| r.random_range(-1.0..1.0)).collect();
+            let mut req = request(
+                &format!("r{i}"),
+                r.random_range(0..2u32),
+                f32_tensor(&x, [n, HIDDEN]),
+            );
+            if r.random_range(0..5) == 0 {
+                let mut ids = Vec::with_capacity(n * TOP_K);
+                let mut w = Vec::with_capacity(n * TOP_K);
+                for _ in 0..n {
+                    let mut chosen = Vec::with_capacity(TOP_K);
+                    while chosen.len() < TOP_K {
+                        let e = r.random_range(0..EXPERTS as i32);
+                        if !chosen.contains(&e) {
+                            chosen.push(e);
+                        }
+                    }
+                    ids.extend(chosen);
+                    w.extend((0..TOP_K).map(|_| r.random_range(0.05f32..1.0)));
+                }
+                req.topk_ids = Some(i32_tensor(&ids, [n, TOP_K]));
+                req.topk_weights = Some(f32_tensor(&w, [n, TOP_K]));
+            }
+            req
+        })
+        .collect()
+}
+
+/// Sends every request, `in_flight` at a time, and returns the outputs in request order.
+fn run_all(g: &Group, reqs: &[ForwardRequest], in_flight: usize) -> Vec<Vec<f32>> {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let client = g.client().await;
+        let gate = Arc::new(tokio::sync::Semaphore::new(in_flight));
+        let mut tasks = Vec::with_capacity(reqs.len());
+        for req in reqs.iter().cloned() {
+            let (mut c, gate) = (client.clone(), gate.clone());
+            tasks.push(tokio::spawn(async move {
+                let _permit = gate.acquire_owned().await.unwrap();
+                let id = req.id.clone();
+                let out = c
+                    .forward(req)
+                    .await
+                    .unwrap_or_else(|s| panic!("request {id}: {s}"));
+                decode(out.into_inner().output.as_ref().unwrap())
+            }));
+        }
+        let mut outs = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            outs.push(t.await.unwrap());
+        }
+        outs
+    })
+}
+
+/// ||out - ref|| / ||ref|| over every request, and the worst single request's.
+fn relative_error(out: &[Vec<f32>], reference: &[Vec<f32>]) -> (f64, f64) {
+    let (mut diff, mut norm, mut worst) = (0f64, 0f64, 0f64);
+    for (o, r) in out.iter().zip(reference) {
+        assert_eq!(o.len(), r.len());
+        let (mut d, mut n) = (0f64, 0f64);
+        for (&a, &b) in o.iter().zip(r) {
+            assert!(a.is_finite(), "non-finite output");
+            d += (f64::from(a) - f64::from(b)).powi(2);
+            n += f64::from(b).powi(2);
+        }
+        worst = worst.max((d / n).sqrt());
+        diff += d;
+        norm += n;
+    }
+    ((diff / norm).sqrt(), worst)
+}
+
+fn launch(ranks: usize, backend: &str, graphs: &str) -> Group {
+    Group::launch(
+        ranks,
+        MODEL,
+        &[
+            "--layers",
+            "2",
+            "--backend",
+            backend,
+            "--cuda-graphs",
+            graphs,
+            "--step-timeout",
+            "60s",
+        ],
+    )
+}
+
+fn gpu_counts() -> Vec<usize> {
+    let n = device_count();
+    assert!(n >= 1, "needs a GPU");
+    [1, 2, 4].into_iter().filter(|&r| r <= n).collect()
+}
+
+#[test]
+#[ignore = "needs GPUs and NCCL"]
+fn nccl_backend_matches_the_cpu_backend() {
+    let reqs = requests(7, REQUESTS);
+    let t0 = Instant::now();
+    let reference = {
+        let g = launch(4, "cpu", "off");
+        run_all(&g, &reqs, 16)
+    };
+    eprintln!(
+        "cpu backend, 4 ranks: {REQUESTS} requests ({} tokens) in {:.1}s",
+        reqs.iter()
+            .map(|r| r.hidden_states.as_ref().unwrap().shape[0])
+            .sum::<i64>(),
+        t0.elapsed().as_secs_f64()
+    );
+    for ranks in gpu_counts() {
+        for graphs in ["on", "off"] {
+            let t0 = Instant::now();
+            let g = launch(ranks, "nccl", graphs);
+            let up = t0.elapsed();
+            let t1 = Instant::now();
+            let out = run_all(&g, &reqs, 16);
+            let (rel, worst) = relative_error(&out, &reference);
+            eprintln!(
+                "nccl, {ranks} GPU(s), graphs {graphs}: up in {:.1}s, {REQUESTS} requests in {:.2}s, ||out-ref||/||ref|| = {rel:.3e} (worst request {worst:.3e})",
+                up.as_secs_f64(),
+                t1.elapsed().as_secs_f64()
+            );
+            assert!(
+                rel <= 1e-2,
+                "{ranks} GPUs, graphs {graphs}: relative error {rel:.3e}"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs GPUs and NCCL"]
+fn graph_replays_are_bitwise_identical_and_steps_allocate_nothing() {
+    let ranks = *gpu_counts().last().unwrap();
+    let g = launch(ranks, "nccl", "on");
+    let metrics = g.metrics_addrs(ranks);
+    let device_state = || -> Vec<(f64, f64)> {
+        metrics
+            .iter()
+            .map(|a| {
+                let s = scrape(a);
+                (
+                    sum(&s, "epserve_device_allocations_total", &[]),
+                    sum(&s, "epserve_device_memory_used_bytes", &[]),
+                )
+            })
+            .collect()
+    };
+    let work_steps = || -> f64 {
+        sum(
+            &scrape(&metrics[0]),
+            "epserve_steps_total",
+            &[("kind", "work")],
+        )
+    };
+    // One at a time: each request is a step of its own, in the same bucket every time.
+    let same = requests(11, 1).pop().unwrap();
+    let replays = run_all(&g, &vec![same; 100], 1);
+    for (i, r) in replays.iter().enumerate() {
+        assert!(
+            r.iter()
+                .zip(&replays[0])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "replay {i} differs from the first"
+        );
+    }
+    let before = device_state();
+    let steps_before = work_steps();
+    assert!(before
+        .iter()
+        .all(|&(allocs, used)| allocs > 0.0 && used > 0.0));
+    let reqs = requests(12, REQUESTS);
+    let t0 = Instant::now();
+    let outs = run_all(&g, &reqs, 1);
+    assert!(outs.iter().flatten().all(|v| v.is_finite()));
+    std::thread::sleep(Duration::from_millis(200));
+    let steps = work_steps() - steps_before;
+    let after = device_state();
+    eprintln!(
+        "{ranks} GPUs: 100 replays bitwise equal; {steps} steps in {:.2}s; per rank (allocations, device bytes used) before {before:?}, after {after:?}",
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(steps >= REQUESTS as f64, "only {steps} steps ran");
+    assert_eq!(before, after, "device allocations changed across the steps");
+}
