@@ -317,6 +317,90 @@ __global__ void __launch_bounds__(128) grouped_gemm(const bf16* X, const bf16* W
   }
 }
 
+// The same grouped GEMM with 64 x 128 output tiles for N % 128 == 0: 8 warps (2 along M, 4 along
+// N, 32 x 32 each), and the next K slice loaded with cp.async while the tensor cores work on this
+// one (two stages), so weight reads overlap the math. Rows past the expert's block are zero-filled
+// on load and not written.
+constexpr int kWideN = 128;
+constexpr int kLdW = kTileK + 8;  // padded row (bf16) of a shared-memory operand tile
+constexpr int kStageA = kTile * kLdW, kStageB = kWideN * kLdW;
+constexpr int kWideSmem = 2 * (kStageA + kStageB) * 2 > kTile * (kWideN + 4) * 4
+                              ? 2 * (kStageA + kStageB) * 2
+                              : kTile * (kWideN + 4) * 4;
+
+__device__ inline void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int bytes = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+}
+
+__global__ void __launch_bounds__(256) grouped_gemm_wide(const bf16* X, const bf16* W, const int* offsets,
+                                                         const int* tiles, const int* n_tiles, int N, int Kd,
+                                                         bf16* Y) {
+  using namespace nvcuda;
+  if ((int)blockIdx.y >= *n_tiles) return;
+  const int e = tiles[2 * blockIdx.y], m0 = tiles[2 * blockIdx.y + 1];
+  const int m_end = offsets[e + 1], n0 = blockIdx.x * kWideN;
+  const bf16* We = W + (size_t)e * N * Kd;
+  __shared__ __align__(128) unsigned char smem[kWideSmem];
+  bf16* As = reinterpret_cast<bf16*>(smem);
+  bf16* Bs = As + 2 * kStageA;
+  const int warp = threadIdx.x / 32;
+  const int wm = (warp / 4) * 32, wn = (warp % 4) * 32;
+  // One stage: A 64 x 32 (256 chunks of 8 bf16, one per thread), B 128 x 32 (two per thread).
+  auto load = [&](int stage, int k0) {
+    {
+      const int r = threadIdx.x / 4, col = (threadIdx.x % 4) * 8;
+      const bool ok = m0 + r < m_end;
+      const bf16* src = X + (size_t)(ok ? m0 + r : m0) * Kd + k0 + col;
+      cp_async16(As + stage * kStageA + r * kLdW + col, src, ok);
+    }
+    for (int c = threadIdx.x; c < kWideN * 4; c += 256) {
+      const int r = c / 4, col = (c % 4) * 8;
+      cp_async16(Bs + stage * kStageB + r * kLdW + col, We + (size_t)(n0 + r) * Kd + k0 + col, true);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 2; j++) wmma::fill_fragment(acc[i][j], 0.f);
+  const int steps = Kd / kTileK;
+  load(0, 0);
+  for (int s = 0; s < steps; s++) {
+    const int cur = s & 1;
+    if (s + 1 < steps) {
+      load(cur ^ 1, (s + 1) * kTileK);
+      asm volatile("cp.async.wait_group 1;\n" ::);
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+    }
+    __syncthreads();
+    const bf16* a_s = As + cur * kStageA;
+    const bf16* b_s = Bs + cur * kStageB;
+    for (int kk = 0; kk < kTileK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a[2];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> b[2];
+      for (int i = 0; i < 2; i++) wmma::load_matrix_sync(a[i], a_s + (wm + 16 * i) * kLdW + kk, kLdW);
+      for (int j = 0; j < 2; j++) wmma::load_matrix_sync(b[j], b_s + (wn + 16 * j) * kLdW + kk, kLdW);
+      for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 2; j++) wmma::mma_sync(acc[i][j], a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();  // the next iteration's load overwrites this stage
+  }
+  float* Cs = reinterpret_cast<float*>(smem);
+  constexpr int kLdC = kWideN + 4;
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 2; j++)
+      wmma::store_matrix_sync(Cs + (wm + 16 * i) * kLdC + wn + 16 * j, acc[i][j], kLdC, wmma::mem_row_major);
+  __syncthreads();
+  for (int c = threadIdx.x; c < kTile * kWideN / 2; c += 256) {
+    const int r = c / (kWideN / 2), col = (c % (kWideN / 2)) * 2;
+    if (m0 + r < m_end)
+      *reinterpret_cast<__nv_bfloat162*>(Y + (size_t)(m0 + r) * N + n0 + col) =
+          __floats2bfloat162_rn(Cs[r * kLdC + col], Cs[r * kLdC + col + 1]);
+  }
+}
+
 // ---- Expert-parallel data movement (the `nccl` backend's exchange) ----
 // Each rank sends every peer one slot of C rows (C = tokens x min(K, local experts), the most a
 // peer can receive from one source), so transfer sizes are fixed and the exchange is capturable.

@@ -19,6 +19,8 @@ pub static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/epserve_ker
 
 /// Rows per grouped-GEMM tile (the kernel's `kTile`).
 pub const GEMM_TILE: usize = 64;
+/// Output columns per tile of the wide grouped GEMM (`kWideN`), used when N is a multiple.
+pub const GEMM_WIDE_N: usize = 128;
 /// `recv_map` keeps an int per expert in 48 KiB of shared memory.
 pub const MAX_EXPERTS: usize = 12 * 1024;
 
@@ -33,6 +35,7 @@ pub struct Kernels {
     combine: CudaFunction,
     build_tiles: CudaFunction,
     grouped_gemm: CudaFunction,
+    grouped_gemm_wide: CudaFunction,
     router_logits: CudaFunction,
     f32_to_bf16: CudaFunction,
     pack_slots: CudaFunction,
@@ -75,6 +78,7 @@ impl Gpu {
             combine: f("combine")?,
             build_tiles: f("build_tiles")?,
             grouped_gemm: f("grouped_gemm")?,
+            grouped_gemm_wide: f("grouped_gemm_wide")?,
             router_logits: f("router_logits")?,
             f32_to_bf16: f("f32_to_bf16")?,
             pack_slots: f("pack_slots")?,
@@ -293,7 +297,12 @@ impl Gpu {
         // SAFETY: tiles has room for max_tiles entries (one per 64 rows of each expert's block).
         unsafe { b.launch(Self::cfg((1, 1), 32, 0)) }?;
         let (n32, kd32) = (n as i32, kd as i32);
-        let mut b = self.stream.launch_builder(&self.k.grouped_gemm);
+        // 64 x 128 tiles with a cp.async pipeline where N allows, else 64 x 64.
+        let (func, width, threads) = match n % GEMM_WIDE_N {
+            0 => (&self.k.grouped_gemm_wide, GEMM_WIDE_N, 256),
+            _ => (&self.k.grouped_gemm, GEMM_TILE, 128),
+        };
+        let mut b = self.stream.launch_builder(func);
         b.arg(x)
             .arg(w)
             .arg(offsets)
@@ -305,8 +314,8 @@ impl Gpu {
         // SAFETY: x holds rows_cap rows of kd, y rows_cap rows of n, w e matrices of n x kd.
         unsafe {
             b.launch(Self::cfg(
-                ((n / GEMM_TILE) as u32, max_tiles as u32),
-                128,
+                ((n / width) as u32, max_tiles as u32),
+                threads,
                 0,
             ))
         }
