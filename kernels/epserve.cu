@@ -416,6 +416,40 @@ __global__ void router_logits(const float* x, const float* router, const int* n,
   if (lane == 0) logits[(size_t)t * E + e] = acc;
 }
 
+// The same as 64 x 64 output tiles, 256 threads of 4 x 4 each, the shared dimension in slices of
+// 16 staged k-major in shared memory (H % 16 == 0): faster for large buckets only.
+constexpr int kRt = 64, kRk = 16;
+__global__ void __launch_bounds__(256) router_logits_tiled(const float* x, const float* router, const int* n, int E, int H,
+                                                     float* logits) {
+  __shared__ float xs[kRk][kRt + 4];
+  __shared__ float rs[kRk][kRt + 4];
+  const int rows = *n, t0 = blockIdx.x * kRt, e0 = blockIdx.y * kRt;
+  if (t0 >= rows) return;
+  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
+  float acc[4][4] = {};
+  for (int k0 = 0; k0 < H; k0 += kRk) {
+    for (int c = threadIdx.x; c < kRt * kRk; c += 256) {
+      const int r = c / kRk, k = c % kRk;
+      xs[k][r] = t0 + r < rows ? x[(size_t)(t0 + r) * H + k0 + k] : 0.f;
+      rs[k][r] = e0 + r < E ? router[(size_t)(e0 + r) * H + k0 + k] : 0.f;
+    }
+    __syncthreads();
+    for (int k = 0; k < kRk; k++) {
+      float a[4], b[4];
+      for (int i = 0; i < 4; i++) a[i] = xs[k][ty * 4 + i];
+      for (int j = 0; j < 4; j++) b[j] = rs[k][tx * 4 + j];
+      for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+  for (int i = 0; i < 4; i++)
+    for (int j = 0; j < 4; j++) {
+      const int t = t0 + ty * 4 + i, e = e0 + tx * 4 + j;
+      if (t < rows && e < E) logits[(size_t)t * E + e] = acc[i][j];
+    }
+}
+
 __global__ void f32_to_bf16(const float* x, const int* n, int H, bf16* y) {
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < (size_t)*n * H) y[i] = __float2bfloat16(x[i]);

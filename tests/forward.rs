@@ -175,7 +175,7 @@ async fn preset_across_worlds(preset: &str, seed: u64) {
         })
         .collect();
     let mut by_world: Vec<(usize, HashMap<String, Vec<f32>>)> = Vec::new();
-    for world in [1, 2, 4] {
+    for world in [1, 2, 4, 8] {
         let group = Group::launch(
             world,
             &format!("synthetic:{preset}"),

@@ -3,7 +3,7 @@
 //! scripts/gpu-check.sh).
 #![cfg(feature = "cuda")]
 
-use epserve::backend::cuda::{max_tiles, Gpu};
+use epserve::backend::cuda::{max_tiles, Gpu, ROUTER_TILED_FROM};
 use epserve::model::routing::Router;
 use epserve::model::Routing;
 use half::bf16;
@@ -339,5 +339,49 @@ fn grouped_gemm_case(n: usize) {
     assert!(
         y[rows * n..].iter().all(|v| v.to_f32() == 7.0),
         "rows past the last block are not written"
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn router_logits_match_f64() {
+    // The warp-per-dot-product kernel, then the tiled one (buckets from ROUTER_TILED_FROM).
+    router_logits_case(70, 130);
+    router_logits_case(ROUTER_TILED_FROM - 30, ROUTER_TILED_FROM + 70);
+}
+
+fn router_logits_case(n: usize, n_cap: usize) {
+    let g = gpu();
+    let s = &g.stream;
+    // Experts not a multiple of the 64-wide tile; rows past n must stay untouched.
+    let (e, h) = (24usize, 272usize);
+    let mut r = rng(9);
+    let x: Vec<f32> = (0..n_cap * h).map(|_| r.random_range(-1.0..1.0)).collect();
+    let w: Vec<f32> = (0..e * h).map(|_| r.random_range(-0.1..0.1)).collect();
+    let mut logits = s.clone_htod(&vec![7.0f32; n_cap * e]).unwrap();
+    let (dx, dw, dn) = (
+        s.clone_htod(&x).unwrap(),
+        s.clone_htod(&w).unwrap(),
+        s.clone_htod(&[n as i32]).unwrap(),
+    );
+    g.router_logits(&dx, &dw, &dn, n_cap, e, h, &mut logits)
+        .unwrap();
+    let got = s.clone_dtoh(&logits).unwrap();
+    let mut worst = 0f64;
+    for t in 0..n {
+        for j in 0..e {
+            let want: f64 = (0..h)
+                .map(|q| f64::from(x[t * h + q]) * f64::from(w[j * h + q]))
+                .sum();
+            worst = worst.max((f64::from(got[t * e + j]) - want).abs());
+        }
+    }
+    assert!(
+        worst <= 1e-4,
+        "n_cap {n_cap}: worst absolute error {worst:.3e}"
+    );
+    assert!(
+        got[n * e..].iter().all(|&v| v == 7.0),
+        "rows past n written"
     );
 }

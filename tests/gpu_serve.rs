@@ -1,6 +1,6 @@
 //! The `nccl` backend served end to end, the way users run it (`epserve launch --backend nccl`):
 //! 1,000 random requests of random sizes (some with their own routing) give the CPU backend's
-//! outputs for the same weights, on 1, 2 and 4 GPUs, graphs on and off; replaying one bucket's
+//! outputs for the same weights, on 1, 2, 4 (and 8) GPUs, graphs on and off; replaying one bucket's
 //! graph 100 times gives bitwise-identical outputs; 1,000 steps allocate nothing on the device.
 //! Needs GPUs and NCCL; ignored by default. On a GPU machine with a carried binary:
 //! `EPSERVE_BIN=.device/bin/epserve .device/bin/gpu_serve --ignored --test-threads 1`.
@@ -123,7 +123,7 @@ fn launch(ranks: usize, backend: &str, graphs: &str) -> Group {
 fn gpu_counts() -> Vec<usize> {
     let n = device_count();
     assert!(n >= 1, "needs a GPU");
-    [1, 2, 4].into_iter().filter(|&r| r <= n).collect()
+    [1, 2, 4, 8].into_iter().filter(|&r| r <= n).collect()
 }
 
 #[test]

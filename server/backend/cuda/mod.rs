@@ -21,6 +21,8 @@ pub static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/epserve_ker
 pub const GEMM_TILE: usize = 64;
 /// Output columns per tile of the wide grouped GEMM (`kWideN`), used when N is a multiple.
 pub const GEMM_WIDE_N: usize = 128;
+/// Buckets of at least this many tokens compute router logits with the tiled kernel.
+pub const ROUTER_TILED_FROM: usize = 2048;
 /// `recv_map` keeps an int per expert in 48 KiB of shared memory.
 pub const MAX_EXPERTS: usize = 12 * 1024;
 
@@ -37,6 +39,7 @@ pub struct Kernels {
     grouped_gemm: CudaFunction,
     grouped_gemm_wide: CudaFunction,
     router_logits: CudaFunction,
+    router_logits_tiled: CudaFunction,
     f32_to_bf16: CudaFunction,
     pack_slots: CudaFunction,
     recv_map: CudaFunction,
@@ -80,6 +83,7 @@ impl Gpu {
             grouped_gemm: f("grouped_gemm")?,
             grouped_gemm_wide: f("grouped_gemm_wide")?,
             router_logits: f("router_logits")?,
+            router_logits_tiled: f("router_logits_tiled")?,
             f32_to_bf16: f("f32_to_bf16")?,
             pack_slots: f("pack_slots")?,
             recv_map: f("recv_map")?,
@@ -348,10 +352,26 @@ impl Gpu {
         logits: &mut CudaSlice<f32>,
     ) -> Result<(), DriverError> {
         let (e32, h32) = (e as i32, h as i32);
-        let mut b = self.stream.launch_builder(&self.k.router_logits);
+        // Measured on H200 (hidden 7168/2048): a warp per dot product wins at 128 and 1024 tokens,
+        // the tiled kernel at 4096 (1.2 ms against 3.5 ms).
+        let tiled = n_cap >= ROUTER_TILED_FROM;
+        let func = match tiled {
+            true => &self.k.router_logits_tiled,
+            false => &self.k.router_logits,
+        };
+        let mut b = self.stream.launch_builder(func);
         b.arg(x).arg(router).arg(n).arg(&e32).arg(&h32).arg(logits);
-        // SAFETY: one warp per (row, expert) of n_cap x e; x holds n_cap rows of h.
-        unsafe { b.launch(Self::cfg(((n_cap * e).div_ceil(8) as u32, 1), 256, 0)) }.map(drop)
+        let cfg = match tiled {
+            true => {
+                assert!(h % 16 == 0, "router_logits needs hidden % 16 == 0");
+                Self::cfg((n_cap.div_ceil(64) as u32, e.div_ceil(64) as u32), 256, 0)
+            }
+            false => Self::cfg(((n_cap * e).div_ceil(8) as u32, 1), 256, 0),
+        };
+        // SAFETY: x holds n_cap rows of h, router e rows of h, logits n_cap rows of e; the warp
+        // kernel covers n_cap x e with one warp each, the tiled one 64 x 64 tiles, both guarding
+        // rows >= *n (and the tiled one experts >= e).
+        unsafe { b.launch(cfg) }.map(drop)
     }
 
     pub fn f32_to_bf16(
