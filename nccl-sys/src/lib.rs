@@ -3,6 +3,8 @@
 //! in the service crate). Building needs no NCCL; `Nccl::load` finds the library at run time.
 #![allow(non_camel_case_types)]
 
+pub mod ep;
+
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -246,6 +248,15 @@ pub fn candidates() -> Vec<PathBuf> {
     if let Some(p) = std::env::var_os("NCCL_LIBRARY") {
         out.push(PathBuf::from(p));
     }
+    out.extend(site_packages_files("nvidia/nccl/lib/libnccl.so.2"));
+    out.push(PathBuf::from("libnccl.so.2"));
+    out
+}
+
+/// `rel` under every Python's site-/dist-packages that has it: the active virtualenv, the user's
+/// ~/.local, /usr/local and /usr, newest Python first.
+pub fn site_packages_files(rel: &str) -> Vec<PathBuf> {
+    let mut out = Vec::new();
     let mut roots: Vec<PathBuf> = Vec::new();
     if let Some(v) = std::env::var_os("VIRTUAL_ENV") {
         roots.push(PathBuf::from(v));
@@ -269,14 +280,13 @@ pub fn candidates() -> Vec<PathBuf> {
         pythons.sort();
         for py in pythons.into_iter().rev() {
             for pkgs in ["site-packages", "dist-packages"] {
-                let lib = py.join(pkgs).join("nvidia/nccl/lib/libnccl.so.2");
+                let lib = py.join(pkgs).join(rel);
                 if lib.exists() {
                     out.push(lib);
                 }
             }
         }
     }
-    out.push(PathBuf::from("libnccl.so.2"));
     out
 }
 
