@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, what scripts/gpu-check.sh built into
 # .device/bin: the GPU tests, then `epserve bench`. Logs and the bench JSON go to $OUT (or ./out).
-#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests|bench|all]
+#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests|ep|bench|all]
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-out}
@@ -20,12 +20,24 @@ run() {
   local rc=$?
   echo "   exit $rc after $((SECONDS - t0))s"; tail -n 25 "$out/$name.log"
   [ $rc -eq 0 ] || status=1
+  return $rc
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
   run gpu_kernels .device/bin/gpu_kernels --ignored --test-threads 1
   run gpu_nccl .device/bin/gpu_nccl --ignored --test-threads 1
   run gpu_ep .device/bin/gpu_ep --ignored --nocapture --test-threads 1
   run gpu_serve .device/bin/gpu_serve --ignored --nocapture --test-threads 1
+fi
+if [ "$what" = ep ] || [ "$what" = all ]; then
+  # NCCL 2.30.7 + NCCL EP, packed here by ../shared/tools/device-nccl230.sh .device (the image
+  # has NCCL 2.28): unpacked and used in a subshell, so the other runs keep the image's NCCL.
+  if [ -f .device/nccl230.tar.xz ]; then
+    mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
+    (source /tmp/nccl230/env.sh && run gpu_nccl_ep timeout 300 .device/bin/gpu_nccl_ep --ignored --nocapture --test-threads 1) || status=1
+    grep -E "^(test |NCCL|[0-9]+ GPUs)" "$out/gpu_nccl_ep.log" || true
+  else
+    echo "== gpu_nccl_ep: skipped (no .device/nccl230.tar.xz)"
+  fi
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   run bench "$EPSERVE_BIN" bench --configs decode,small,prefill --iters 100 --json "$out/bench.json"

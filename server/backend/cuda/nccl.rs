@@ -219,6 +219,11 @@ impl Comm {
         end.map(|_| r)
     }
 
+    /// The raw communicator, for libraries built on it (NCCL EP); valid while `self` lives.
+    pub fn raw(&self) -> ncclComm_t {
+        self.comm
+    }
+
     /// Tears the communicator down without waiting for peers (the group is broken).
     pub fn abort(mut self) {
         if !self.comm.is_null() {

@@ -1,0 +1,250 @@
+//! NCCL EP through nccl-sys's hand-declared ABI, on every GPU of the machine (a thread per GPU):
+//! an HT group, an expert-major handle, then per step UpdateHandle, Dispatch, an identity expert
+//! that scales each received row by its routing weight, and Combine; every token must come back
+//! as x * sum(weights), and the per-expert counters must match the routing. Needs NCCL >= 2.30.4
+//! and libnccl_ep (see scripts/device-run.sh); ignored by default.
+#![cfg(feature = "cuda")]
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use epserve::backend::cuda::nccl::Comm;
+use epserve::backend::cuda::{device_count, Gpu};
+use half::bf16;
+use nccl_sys::ep::*;
+use nccl_sys::{ncclDataType_t, ncclResult_t, ncclUniqueId, Nccl};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const E: usize = 16;
+const K: usize = 4;
+const H: usize = 256;
+const T: usize = 64; // tokens per rank
+
+fn ok(what: &str, r: ncclResult_t) {
+    assert_eq!(r, ncclResult_t::SUCCESS, "{what}: {r}");
+}
+
+fn tensor(ptr: u64, dtype: ncclDataType_t, sizes: &mut [usize]) -> ncclEpTensor_t {
+    let mut t = ncclEpTensor_t::new();
+    t.ndim = sizes.len() as u32;
+    t.datatype = dtype;
+    t.data = ptr as *mut c_void;
+    t.sizes = sizes.as_mut_ptr();
+    t
+}
+
+fn dptr<T>(s: &CudaSlice<T>, st: &CudaStream) -> u64 {
+    s.device_ptr(st).0
+}
+
+fn dptr_mut<T>(s: &mut CudaSlice<T>, st: &CudaStream) -> u64 {
+    s.device_ptr_mut(st).0
+}
+
+/// One rank's tokens and routing (distinct experts per token, positive weights).
+fn routing(rank: usize) -> (Vec<bf16>, Vec<i64>, Vec<f32>) {
+    let mut r = ChaCha8Rng::seed_from_u64(500 + rank as u64);
+    let x = (0..T * H)
+        .map(|_| bf16::from_f32(r.random_range(-1.0..1.0)))
+        .collect();
+    let mut ids = Vec::with_capacity(T * K);
+    for _ in 0..T {
+        let mut chosen: Vec<i64> = Vec::with_capacity(K);
+        while chosen.len() < K {
+            let e = r.random_range(0..E as i64);
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        ids.extend(chosen);
+    }
+    let w = (0..T * K).map(|_| r.random_range(0.1f32..1.0)).collect();
+    (x, ids, w)
+}
+
+fn rank_main(
+    nccl: Arc<Nccl>,
+    ep: Arc<NcclEp>,
+    id: ncclUniqueId,
+    world: usize,
+    rank: usize,
+) -> (Vec<i32>, f64) {
+    let g = Gpu::new(rank).unwrap();
+    g.ctx.bind_to_thread().unwrap();
+    let s = g.stream.clone();
+    let raw = s.cu_stream() as nccl_sys::cudaStream_t;
+    let comm = Comm::init(nccl, &id, world, rank).unwrap();
+    let local = E / world;
+    let recv_cap = world * T * K.min(local);
+
+    let mut cfg = ncclEpGroupConfig_t::new();
+    cfg.algorithm = ncclEpAlgorithm_t::HIGH_THROUGHPUT;
+    cfg.num_experts = E as u32;
+    cfg.max_dispatch_tokens_per_rank = T as u32;
+    cfg.max_recv_tokens_per_rank = recv_cap as u32;
+    cfg.max_token_bytes = (H * 2) as u32;
+    let mut group: ncclEpGroup_t = std::ptr::null_mut();
+    // SAFETY: valid out-pointer, live communicator, a config built by its constructor.
+    ok("ncclEpCreateGroup", unsafe {
+        (ep.create_group)(&mut group, comm.raw(), &cfg)
+    });
+
+    let mut hcfg = ncclEpHandleConfig_t::new();
+    hcfg.dispatch_output_per_expert_alignment = 1;
+    let mut mem_size = 0usize;
+    // SAFETY: live group, valid config and out-pointer.
+    ok("ncclEpHandleMemSize", unsafe {
+        (ep.handle_mem_size)(
+            group,
+            ncclEpLayout_t::EXPERT_MAJOR,
+            &hcfg,
+            &mut mem_size,
+            K as i32,
+        )
+    });
+    let mut handle_mem = s.alloc_zeros::<u8>(mem_size.max(1)).unwrap();
+    let mut hm_sizes = [mem_size];
+    let hm = tensor(
+        dptr_mut(&mut handle_mem, &s),
+        ncclDataType_t::Uint8,
+        &mut hm_sizes,
+    );
+    let mut handle: ncclEpHandle_t = std::ptr::null_mut();
+    // SAFETY: handle_mem holds mem_size bytes and outlives the handle (dropped after it).
+    ok("ncclEpInitHandle", unsafe {
+        (ep.init_handle)(
+            &mut handle,
+            group,
+            ncclEpLayout_t::EXPERT_MAJOR,
+            &hcfg,
+            K as i32,
+            &hm,
+        )
+    });
+
+    let (x, ids, w) = routing(rank);
+    let dx = s.clone_htod(&x).unwrap();
+    let dids = s.clone_htod(&ids).unwrap();
+    let dw = s.clone_htod(&w).unwrap();
+    let mut counters = s.alloc_zeros::<i32>(local).unwrap();
+    let mut recv = s.alloc_zeros::<bf16>(recv_cap * H).unwrap();
+    let mut recv_w = s.alloc_zeros::<f32>(recv_cap).unwrap();
+    let mut out = s.alloc_zeros::<bf16>(T * H).unwrap();
+
+    let (mut ids_sz, mut cnt_sz) = ([T, K], [local]);
+    let t_ids = tensor(dptr(&dids, &s), ncclDataType_t::Int64, &mut ids_sz);
+    let mut t_cnt = tensor(
+        dptr_mut(&mut counters, &s),
+        ncclDataType_t::Int32,
+        &mut cnt_sz,
+    );
+    let mut li = ncclEpLayoutInfo_t::new();
+    li.expert_counters = &mut t_cnt;
+    // SAFETY: descriptors and their size arrays live on this frame through the call.
+    ok("ncclEpUpdateHandle", unsafe {
+        (ep.update_handle)(handle, &t_ids, &li, raw)
+    });
+
+    let (mut x_sz, mut w_sz, mut r_sz, mut rw_sz) = ([T, H], [T, K], [recv_cap, H], [recv_cap]);
+    let mut t_x = tensor(dptr(&dx, &s), ncclDataType_t::Bfloat16, &mut x_sz);
+    let mut t_w = tensor(dptr(&dw, &s), ncclDataType_t::Float32, &mut w_sz);
+    let mut t_r = tensor(dptr_mut(&mut recv, &s), ncclDataType_t::Bfloat16, &mut r_sz);
+    let mut t_rw = tensor(
+        dptr_mut(&mut recv_w, &s),
+        ncclDataType_t::Float32,
+        &mut rw_sz,
+    );
+    let mut din = ncclEpDispatchInputs_t::new();
+    din.tokens = &mut t_x;
+    din.topk_weights = &mut t_w;
+    let mut dout = ncclEpDispatchOutputs_t::new();
+    dout.tokens = &mut t_r;
+    dout.topk_weights = &mut t_rw;
+    let dcfg = ncclEpDispatchConfig_t::new();
+    // SAFETY: as above; recv holds recv_cap rows, the most this rank can receive.
+    ok("ncclEpDispatch", unsafe {
+        (ep.dispatch)(handle, &din, &dout, std::ptr::null(), &dcfg, raw)
+    });
+    s.synchronize().unwrap();
+
+    // The identity expert, weighted on the host: each received row times its routing weight.
+    let cnt = s.clone_dtoh(&counters).unwrap();
+    let rows: usize = cnt.iter().map(|&c| c as usize).sum();
+    let mut rh = s.clone_dtoh(&recv).unwrap();
+    let rw = s.clone_dtoh(&recv_w).unwrap();
+    for r in 0..rows {
+        for v in &mut rh[r * H..(r + 1) * H] {
+            *v = bf16::from_f32(v.to_f32() * rw[r]);
+        }
+    }
+    let scaled = s.clone_htod(&rh).unwrap();
+    let mut c_sz = [recv_cap, H];
+    let mut o_sz = [T, H];
+    let mut t_c = tensor(dptr(&scaled, &s), ncclDataType_t::Bfloat16, &mut c_sz);
+    let mut t_o = tensor(dptr_mut(&mut out, &s), ncclDataType_t::Bfloat16, &mut o_sz);
+    let mut cin = ncclEpCombineInputs_t::new();
+    cin.tokens = &mut t_c;
+    let mut cout = ncclEpCombineOutputs_t::new();
+    cout.tokens = &mut t_o;
+    let ccfg = ncclEpCombineConfig_t::new();
+    // SAFETY: as for dispatch.
+    ok("ncclEpCombine", unsafe {
+        (ep.combine)(handle, &cin, &cout, &ccfg, raw)
+    });
+    s.synchronize().unwrap();
+    let got = s.clone_dtoh(&out).unwrap();
+    let mut worst = 0f64;
+    for t in 0..T {
+        let sw: f32 = w[t * K..(t + 1) * K].iter().sum();
+        for h in 0..H {
+            let want = f64::from(x[t * H + h].to_f32() * sw);
+            let d = (f64::from(got[t * H + h].to_f32()) - want).abs() / want.abs().max(0.25);
+            worst = worst.max(d);
+        }
+    }
+    // SAFETY: the handle, then the group, before the communicator and buffers go.
+    unsafe {
+        ok("ncclEpHandleDestroy", (ep.handle_destroy)(handle));
+        ok("ncclEpGroupDestroy", (ep.group_destroy)(group));
+    }
+    drop(handle_mem);
+    (cnt, worst)
+}
+
+#[test]
+#[ignore = "needs GPUs, NCCL >= 2.30.4 and libnccl_ep"]
+fn ht_expert_major_dispatch_and_combine_round_trip() {
+    let world = device_count();
+    assert!(world >= 2 && E % world == 0, "needs 2+ GPUs dividing {E}");
+    let nccl = Arc::new(Nccl::load().unwrap_or_else(|e| panic!("{e}")));
+    let ep = Arc::new(NcclEp::load().unwrap_or_else(|e| panic!("{e}")));
+    eprintln!(
+        "NCCL {} ({}), NCCL EP {} ({})",
+        nccl_sys::version_string(nccl.version),
+        nccl.path.display(),
+        ep.version,
+        ep.path.display()
+    );
+    let id = Comm::unique_id(&nccl).unwrap();
+    let ranks: Vec<_> = (0..world)
+        .map(|rank| {
+            let (nccl, ep) = (nccl.clone(), ep.clone());
+            std::thread::spawn(move || rank_main(nccl, ep, id, world, rank))
+        })
+        .collect();
+    let outs: Vec<(Vec<i32>, f64)> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+    // Counters: rank r's local experts received every (token, k) routed to them, from all ranks.
+    let mut want = vec![0i32; E];
+    for r in 0..world {
+        for &e in &routing(r).1 {
+            want[e as usize] += 1;
+        }
+    }
+    let got: Vec<i32> = outs.iter().flat_map(|(c, _)| c.clone()).collect();
+    assert_eq!(got, want, "per-expert receive counters");
+    let worst = outs.iter().map(|o| o.1).fold(0.0, f64::max);
+    eprintln!("{world} GPUs: combine(dispatch(x)) worst relative error {worst:.3e}");
+    assert!(worst <= 2e-2, "worst relative error {worst:.3e}");
+}
