@@ -538,6 +538,28 @@ __global__ void slot_index(const int* ids, const int* pos_of, const int* offsets
   idx[j] = peer * C + (pos_of[j] - offsets[peer * L]);
 }
 
+// ---- NCCL EP glue ----
+
+// y[r] *= w[r] for r < *rows (HT combine takes rows already weighted). Block per row.
+__global__ void scale_rows(bf16* y, const float* w, const int* rows, int H) {
+  const int r = blockIdx.x;
+  if (r >= *rows) return;
+  const float s = w[r];
+  for (int h = threadIdx.x; h < H; h += blockDim.x)
+    y[(size_t)r * H + h] = __float2bfloat16(__bfloat162float(y[(size_t)r * H + h]) * s);
+}
+
+// out[t] = x[t] (+ shared[t]) in f32 for t < *n: the combined bf16 rows into the output.
+__global__ void widen_add(const bf16* x, const bf16* shared, const int* n, int H, float* out) {
+  const int t = blockIdx.x;
+  if (t >= *n) return;
+  for (int h = threadIdx.x; h < H; h += blockDim.x) {
+    float v = __bfloat162float(x[(size_t)t * H + h]);
+    if (shared) v += __bfloat162float(shared[(size_t)t * H + h]);
+    out[(size_t)t * H + h] = v;
+  }
+}
+
 // ---- Benchmark inputs ----
 
 __device__ inline float hash_uniform(unsigned long long seed, size_t i) {

@@ -248,3 +248,252 @@ fn ht_expert_major_dispatch_and_combine_round_trip() {
     eprintln!("{world} GPUs: combine(dispatch(x)) worst relative error {worst:.3e}");
     assert!(worst <= 2e-2, "worst relative error {worst:.3e}");
 }
+
+const T_CAP: usize = 64; // tensor rows: a bucket
+const N_REAL: usize = 40; // rows holding tokens; the rest are padding with expert id -1
+
+/// A step's inputs: `N_REAL` tokens then padding rows routed nowhere (id -1, weight 0).
+fn padded_inputs(rank: usize, step: u64) -> (Vec<bf16>, Vec<i32>, Vec<f32>) {
+    let mut r = ChaCha8Rng::seed_from_u64(900 + 10 * step + rank as u64);
+    let x = (0..T_CAP * H)
+        .map(|_| bf16::from_f32(r.random_range(-1.0..1.0)))
+        .collect();
+    let mut ids = vec![-1i32; T_CAP * K];
+    let mut w = vec![0f32; T_CAP * K];
+    for t in 0..N_REAL {
+        let mut chosen: Vec<i32> = Vec::with_capacity(K);
+        while chosen.len() < K {
+            let e = r.random_range(0..E as i32);
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        ids[t * K..(t + 1) * K].copy_from_slice(&chosen);
+        for v in &mut w[t * K..(t + 1) * K] {
+            *v = r.random_range(0.1f32..1.0);
+        }
+    }
+    (x, ids, w)
+}
+
+/// Worst relative error of `got` against x * sum(w) over the real rows.
+fn round_trip_error(x: &[bf16], w: &[f32], got: &[bf16]) -> f64 {
+    let mut worst = 0f64;
+    for t in 0..N_REAL {
+        let sw: f32 = w[t * K..(t + 1) * K].iter().sum();
+        for h in 0..H {
+            let want = f64::from(x[t * H + h].to_f32() * sw);
+            let d = (f64::from(got[t * H + h].to_f32()) - want).abs() / want.abs().max(0.25);
+            worst = worst.max(d);
+        }
+    }
+    worst
+}
+
+/// One rank's step on the device only: UpdateHandle, Dispatch, weight the received rows,
+/// Combine. Returns per-step (counters, worst error) for an eager step and 3 graph replays.
+fn padded_rank(
+    nccl: Arc<Nccl>,
+    ep: Arc<NcclEp>,
+    id: ncclUniqueId,
+    world: usize,
+    rank: usize,
+) -> Vec<(Vec<i32>, f64)> {
+    let g = Gpu::new(rank).unwrap();
+    g.ctx.bind_to_thread().unwrap();
+    let s = g.stream.clone();
+    let raw = s.cu_stream() as nccl_sys::cudaStream_t;
+    let comm = Comm::init(nccl, &id, world, rank).unwrap();
+    let local = E / world;
+    let recv_cap = world * T_CAP * K.min(local);
+    let mut cfg = ncclEpGroupConfig_t::new();
+    cfg.algorithm = ncclEpAlgorithm_t::HIGH_THROUGHPUT;
+    cfg.num_experts = E as u32;
+    cfg.max_dispatch_tokens_per_rank = T_CAP as u32;
+    cfg.max_recv_tokens_per_rank = recv_cap as u32;
+    cfg.max_token_bytes = (H * 2) as u32;
+    let mut group: ncclEpGroup_t = std::ptr::null_mut();
+    // SAFETY: as in `rank_main`.
+    ok("ncclEpCreateGroup", unsafe {
+        (ep.create_group)(&mut group, comm.raw(), &cfg)
+    });
+    let mut hcfg = ncclEpHandleConfig_t::new();
+    hcfg.dispatch_output_per_expert_alignment = 1;
+    let mut mem_size = 0usize;
+    // SAFETY: as in `rank_main`.
+    ok("ncclEpHandleMemSize", unsafe {
+        (ep.handle_mem_size)(
+            group,
+            ncclEpLayout_t::EXPERT_MAJOR,
+            &hcfg,
+            &mut mem_size,
+            K as i32,
+        )
+    });
+    let mut handle_mem = s.alloc_zeros::<u8>(mem_size.max(1)).unwrap();
+    let mut hm_sizes = [mem_size];
+    let hm = tensor(
+        dptr_mut(&mut handle_mem, &s),
+        ncclDataType_t::Uint8,
+        &mut hm_sizes,
+    );
+    let mut handle: ncclEpHandle_t = std::ptr::null_mut();
+    // SAFETY: as in `rank_main`.
+    ok("ncclEpInitHandle", unsafe {
+        (ep.init_handle)(
+            &mut handle,
+            group,
+            ncclEpLayout_t::EXPERT_MAJOR,
+            &hcfg,
+            K as i32,
+            &hm,
+        )
+    });
+    let mut dx = s.alloc_zeros::<bf16>(T_CAP * H).unwrap();
+    let mut dids = s.alloc_zeros::<i32>(T_CAP * K).unwrap();
+    let mut dw = s.alloc_zeros::<f32>(T_CAP * K).unwrap();
+    let mut counters = s.alloc_zeros::<i32>(local).unwrap();
+    let mut total = s.alloc_zeros::<i32>(1).unwrap();
+    let mut recv = s.alloc_zeros::<bf16>(recv_cap * H).unwrap();
+    let mut recv_w = s.alloc_zeros::<f32>(recv_cap).unwrap();
+    let mut out = s.alloc_zeros::<bf16>(T_CAP * H).unwrap();
+    // Descriptors and their extents live for the whole test: a captured graph replays the
+    // pointers they held at capture.
+    let (mut ids_sz, mut cnt_sz, mut tot_sz) = ([T_CAP, K], [local], [1usize]);
+    let (mut x_sz, mut w_sz, mut r_sz, mut rw_sz) =
+        ([T_CAP, H], [T_CAP, K], [recv_cap, H], [recv_cap]);
+    let mut o_sz = [T_CAP, H];
+    let mut c_sz = [recv_cap, H];
+    let t_ids = tensor(dptr(&dids, &s), ncclDataType_t::Int32, &mut ids_sz);
+    let mut t_cnt = tensor(
+        dptr_mut(&mut counters, &s),
+        ncclDataType_t::Int32,
+        &mut cnt_sz,
+    );
+    let mut t_tot = tensor(dptr_mut(&mut total, &s), ncclDataType_t::Int32, &mut tot_sz);
+    let mut t_x = tensor(dptr(&dx, &s), ncclDataType_t::Bfloat16, &mut x_sz);
+    let mut t_w = tensor(dptr(&dw, &s), ncclDataType_t::Float32, &mut w_sz);
+    let mut t_r = tensor(dptr_mut(&mut recv, &s), ncclDataType_t::Bfloat16, &mut r_sz);
+    let mut t_rw = tensor(
+        dptr_mut(&mut recv_w, &s),
+        ncclDataType_t::Float32,
+        &mut rw_sz,
+    );
+    let mut t_c = tensor(dptr(&recv, &s), ncclDataType_t::Bfloat16, &mut c_sz);
+    let mut t_o = tensor(dptr_mut(&mut out, &s), ncclDataType_t::Bfloat16, &mut o_sz);
+    let mut li = ncclEpLayoutInfo_t::new();
+    li.expert_counters = &mut t_cnt;
+    li.recv_total_counter = &mut t_tot;
+    let mut din = ncclEpDispatchInputs_t::new();
+    din.tokens = &mut t_x;
+    din.topk_weights = &mut t_w;
+    let mut dout = ncclEpDispatchOutputs_t::new();
+    dout.tokens = &mut t_r;
+    dout.topk_weights = &mut t_rw;
+    let mut cin = ncclEpCombineInputs_t::new();
+    cin.tokens = &mut t_c;
+    let mut cout = ncclEpCombineOutputs_t::new();
+    cout.tokens = &mut t_o;
+    let (dcfg, ccfg) = (ncclEpDispatchConfig_t::new(), ncclEpCombineConfig_t::new());
+
+    let enqueue = |recv: &mut CudaSlice<bf16>| {
+        // SAFETY: every descriptor above points at live buffers of the sizes it states.
+        unsafe {
+            ok(
+                "ncclEpUpdateHandle",
+                (ep.update_handle)(handle, &t_ids, &li, raw),
+            );
+            ok(
+                "ncclEpDispatch",
+                (ep.dispatch)(handle, &din, &dout, std::ptr::null(), &dcfg, raw),
+            );
+        }
+        g.scale_rows(recv, &recv_w, &total, recv_cap, H).unwrap();
+        // SAFETY: as above.
+        ok("ncclEpCombine", unsafe {
+            (ep.combine)(handle, &cin, &cout, &ccfg, raw)
+        });
+    };
+    let mut results = Vec::new();
+    let load = |step: u64,
+                dx: &mut CudaSlice<bf16>,
+                dids: &mut CudaSlice<i32>,
+                dw: &mut CudaSlice<f32>| {
+        let (x, ids, w) = padded_inputs(rank, step);
+        s.memcpy_htod(&x, dx).unwrap();
+        s.memcpy_htod(&ids, dids).unwrap();
+        s.memcpy_htod(&w, dw).unwrap();
+        (x, w)
+    };
+    let (x, w) = load(0, &mut dx, &mut dids, &mut dw);
+    enqueue(&mut recv);
+    s.synchronize().unwrap();
+    let got = s.clone_dtoh(&out).unwrap();
+    results.push((
+        s.clone_dtoh(&counters).unwrap(),
+        round_trip_error(&x, &w, &got),
+    ));
+
+    s.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .unwrap();
+    enqueue(&mut recv);
+    let graph = s
+        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("a captured step");
+    for step in 1..=3 {
+        let (x, w) = load(step, &mut dx, &mut dids, &mut dw);
+        s.memset_zeros(&mut out).unwrap();
+        graph.launch().unwrap();
+        s.synchronize().unwrap();
+        let got = s.clone_dtoh(&out).unwrap();
+        results.push((
+            s.clone_dtoh(&counters).unwrap(),
+            round_trip_error(&x, &w, &got),
+        ));
+    }
+    drop(graph);
+    // SAFETY: handle, then group, before the communicator and buffers go.
+    unsafe {
+        ok("ncclEpHandleDestroy", (ep.handle_destroy)(handle));
+        ok("ncclEpGroupDestroy", (ep.group_destroy)(group));
+    }
+    results
+}
+
+#[test]
+#[ignore = "needs GPUs, NCCL >= 2.30.4 and libnccl_ep"]
+fn ht_padding_rows_are_ignored_and_captured_steps_replay() {
+    let world = device_count();
+    assert!(world >= 2 && E % world == 0, "needs 2+ GPUs dividing {E}");
+    let nccl = Arc::new(Nccl::load().unwrap_or_else(|e| panic!("{e}")));
+    let ep = Arc::new(NcclEp::load().unwrap_or_else(|e| panic!("{e}")));
+    let id = Comm::unique_id(&nccl).unwrap();
+    let ranks: Vec<_> = (0..world)
+        .map(|rank| {
+            let (nccl, ep) = (nccl.clone(), ep.clone());
+            std::thread::spawn(move || padded_rank(nccl, ep, id, world, rank))
+        })
+        .collect();
+    let outs: Vec<Vec<(Vec<i32>, f64)>> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+    for step in 0..4u64 {
+        let mut want = vec![0i32; E];
+        for r in 0..world {
+            for &e in padded_inputs(r, step).1.iter().filter(|&&e| e >= 0) {
+                want[e as usize] += 1;
+            }
+        }
+        let got: Vec<i32> = outs
+            .iter()
+            .flat_map(|o| o[step as usize].0.clone())
+            .collect();
+        let worst = outs.iter().map(|o| o[step as usize].1).fold(0.0, f64::max);
+        let how = if step == 0 { "eager" } else { "graph replay" };
+        eprintln!("step {step} ({how}): worst relative error {worst:.3e}");
+        assert_eq!(got, want, "step {step}: per-expert receive counters");
+        assert!(
+            worst <= 2e-2,
+            "step {step}: worst relative error {worst:.3e}"
+        );
+    }
+}

@@ -48,6 +48,8 @@ pub struct Kernels {
     slot_index: CudaFunction,
     fill_uniform_bf16: CudaFunction,
     fill_uniform_f32: CudaFunction,
+    scale_rows: CudaFunction,
+    widen_add: CudaFunction,
 }
 
 pub struct Gpu {
@@ -92,6 +94,8 @@ impl Gpu {
             slot_index: f("slot_index")?,
             fill_uniform_bf16: f("fill_uniform_bf16")?,
             fill_uniform_f32: f("fill_uniform_f32")?,
+            scale_rows: f("scale_rows")?,
+            widen_add: f("widen_add")?,
         };
         Ok(Self { ctx, stream, k })
     }
@@ -553,5 +557,45 @@ impl Gpu {
         b.arg(x).arg(&n).arg(&seed).arg(&scale);
         // SAFETY: as in `fill_uniform_bf16`.
         unsafe { b.launch(Self::cfg((1024, 1), 256, 0)) }.map(drop)
+    }
+}
+
+impl Gpu {
+    /// `y[r] *= w[r]` for r < *rows, over `rows_cap` rows of `h`.
+    pub fn scale_rows(
+        &self,
+        y: &mut CudaSlice<bf16>,
+        w: &CudaSlice<f32>,
+        rows: &CudaSlice<i32>,
+        rows_cap: usize,
+        h: usize,
+    ) -> Result<(), DriverError> {
+        let h32 = h as i32;
+        let mut b = self.stream.launch_builder(&self.k.scale_rows);
+        b.arg(y).arg(w).arg(rows).arg(&h32);
+        // SAFETY: y holds rows_cap rows of h, w rows_cap weights; rows past *rows are skipped.
+        unsafe { b.launch(Self::cfg((rows_cap as u32, 1), 256, 0)) }.map(drop)
+    }
+
+    /// `out[t] = x[t] (+ shared[t])` in f32 for t < *n, over `n_cap` rows of `h`.
+    pub fn widen_add(
+        &self,
+        x: &CudaSlice<bf16>,
+        shared: Option<&CudaSlice<bf16>>,
+        n: &CudaSlice<i32>,
+        n_cap: usize,
+        h: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), DriverError> {
+        let (h32, null) = (h as i32, 0u64);
+        let mut b = self.stream.launch_builder(&self.k.widen_add);
+        b.arg(x);
+        match shared {
+            Some(s) => b.arg(s),
+            None => b.arg(&null),
+        };
+        b.arg(n).arg(&h32).arg(out);
+        // SAFETY: x, shared and out hold n_cap rows of h; a null `shared` is a zero pointer.
+        unsafe { b.launch(Self::cfg((n_cap as u32, 1), 256, 0)) }.map(drop)
     }
 }
