@@ -26,7 +26,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   run gpu_kernels .device/bin/gpu_kernels --ignored --test-threads 1
   run gpu_nccl .device/bin/gpu_nccl --ignored --test-threads 1
   run gpu_ep .device/bin/gpu_ep --ignored --nocapture --test-threads 1
-  run gpu_serve .device/bin/gpu_serve --ignored --nocapture --test-threads 1
+  run gpu_serve .device/bin/gpu_serve --ignored --nocapture --test-threads 1 --skip nccl_ep_backend
 fi
 if [ "$what" = ep ] || [ "$what" = all ]; then
   # NCCL 2.30.7 + NCCL EP, packed here by ../shared/tools/device-nccl230.sh .device (the image
@@ -34,6 +34,7 @@ if [ "$what" = ep ] || [ "$what" = all ]; then
   if [ -f .device/nccl230.tar.xz ]; then
     mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
     (source /tmp/nccl230/env.sh && run gpu_nccl_ep timeout 300 .device/bin/gpu_nccl_ep --ignored --nocapture --test-threads 1) || status=1
+    (source /tmp/nccl230/env.sh && run gpu_serve_ep timeout 400 .device/bin/gpu_serve --ignored --nocapture --test-threads 1 nccl_ep_backend) || status=1
     grep -E "^(test |NCCL|[0-9]+ GPUs)" "$out/gpu_nccl_ep.log" || true
   else
     echo "== gpu_nccl_ep: skipped (no .device/nccl230.tar.xz)"

@@ -274,11 +274,12 @@ mod gpu {
             inter: c.inter,
             shared_inter: 0,
             max_home: c.tokens_per_rank,
+            ep_align: 0,
         };
         let routing = Routing::SoftmaxTopK { renormalize: true };
         let mut a = Alloc::new(g.stream.clone());
         let layer = DeviceLayer::random(&g, &mut a, &shape, 7)?;
-        let mut core = GpuStep::new(g, comm, shape, routing, vec![layer], &mut a)?;
+        let mut core = GpuStep::new(g, comm, None, shape, routing, vec![layer], &mut a)?;
         let t = c.tokens_per_rank;
         let s = core.g.stream.clone();
         s.memcpy_htod(&[t as i32], &mut core.b.n)?;

@@ -68,8 +68,23 @@ pub enum BackendKind {
     Cpu,
     /// One GPU per rank: bf16 experts, NCCL all-gather + send/recv, CUDA graphs.
     Nccl,
-    /// `nccl` when this binary has CUDA and GPUs and NCCL are found, else `cpu`.
+    /// As `nccl`, with NVIDIA NCCL EP (high-throughput mode, expert-major) for the exchange;
+    /// needs NCCL >= 2.30.4, libnccl_ep and nvcc.
+    NcclEp,
+    /// `nccl-ep` where its gates pass, else `nccl` where GPUs and NCCL are found, else `cpu`.
     Auto,
+}
+
+impl BackendKind {
+    /// The flag's spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Nccl => "nccl",
+            BackendKind::NcclEp => "nccl-ep",
+            BackendKind::Auto => "auto",
+        }
+    }
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

@@ -30,6 +30,8 @@ use crate::step::ring::{Ring, RingShape};
 use crate::step::{max_home_tokens, Backend, Driver};
 
 const RING_SLOTS: usize = 2;
+/// NCCL EP's per-expert row alignment: the grouped GEMM's tile rows.
+const EP_ALIGN: usize = 64;
 
 /// Where this rank's weights are before it joins: host memory (cpu) or its GPU (nccl).
 enum Weights {
@@ -54,16 +56,34 @@ struct Prepared {
     exchange_bytes: u64,
 }
 
-/// `auto` becomes `nccl` where the GPU backend can run, else `cpu`, saying why.
-fn resolve_backend(kind: BackendKind) -> anyhow::Result<BackendKind> {
-    match (kind, gpu::available()) {
-        (BackendKind::Cpu, _) => Ok(BackendKind::Cpu),
-        (BackendKind::Nccl | BackendKind::Auto, Ok(what)) => {
+/// `auto` becomes `nccl-ep` where its gates pass, else `nccl` where GPUs and NCCL are found,
+/// else `cpu`, saying why; an explicit GPU backend that cannot run refuses with the reason.
+fn resolve_backend(kind: BackendKind, world: usize) -> anyhow::Result<BackendKind> {
+    if kind == BackendKind::Cpu {
+        return Ok(BackendKind::Cpu);
+    }
+    let gpu = gpu::available();
+    let ep = match (kind, &gpu) {
+        (BackendKind::NcclEp | BackendKind::Auto, Ok(_)) => gpu::ep_gates(world),
+        (_, Err(why)) => Err(why.clone()),
+        _ => Err("not asked for".into()),
+    };
+    match (kind, gpu, ep) {
+        (BackendKind::Cpu, _, _) => Ok(BackendKind::Cpu),
+        (BackendKind::NcclEp | BackendKind::Auto, _, Ok(what)) => {
+            info!("backend nccl-ep: {what}");
+            Ok(BackendKind::NcclEp)
+        }
+        (BackendKind::NcclEp, _, Err(why)) => bail!("--backend nccl-ep cannot run here: {why}"),
+        (BackendKind::Nccl | BackendKind::Auto, Ok(what), ep) => {
+            if let (BackendKind::Auto, Err(why)) = (kind, ep) {
+                info!("--backend auto: not nccl-ep ({why})");
+            }
             info!("backend nccl: {what}");
             Ok(BackendKind::Nccl)
         }
-        (BackendKind::Nccl, Err(why)) => bail!("--backend nccl cannot run here: {why}"),
-        (BackendKind::Auto, Err(why)) => {
+        (BackendKind::Nccl, Err(why), _) => bail!("--backend nccl cannot run here: {why}"),
+        (_, Err(why), _) => {
             info!("--backend auto: using cpu ({why})");
             Ok(BackendKind::Cpu)
         }
@@ -89,7 +109,7 @@ fn device_ordinal(args: &ServeArgs, rank: usize) -> anyhow::Result<usize> {
 }
 
 fn backend_name(b: BackendKind) -> String {
-    format!("{b:?}").to_lowercase()
+    b.name().to_string()
 }
 
 fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
@@ -98,7 +118,7 @@ fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
     spec.cap_layers(args.layers);
     spec.validate()?;
     let placement = Placement::new(spec.num_experts, member.world)?;
-    let backend = resolve_backend(args.backend)?;
+    let backend = resolve_backend(args.backend, member.world)?;
     let max_home = max_home_tokens(args.max_tokens_per_step, member.world);
     let buckets = graph_buckets(&args.graph_buckets, max_home).map_err(|e| anyhow!(e))?;
     let mut fingerprint = vec![
@@ -111,7 +131,7 @@ fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
         ),
     ];
     fingerprint.extend(spec.fingerprint());
-    if backend == BackendKind::Nccl {
+    if matches!(backend, BackendKind::Nccl | BackendKind::NcclEp) {
         fingerprint.push(("graph_buckets".into(), format!("{buckets:?}")));
         fingerprint.push(("cuda_graphs".into(), format!("{:?}", args.cuda_graphs)));
     }
@@ -141,10 +161,22 @@ fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
         "weights loaded"
     );
     let (weights, exchange_bytes) = match backend {
-        BackendKind::Nccl => {
+        BackendKind::Nccl | BackendKind::NcclEp => {
             let ordinal = device_ordinal(args, member.rank)?;
-            let dev =
-                gpu::Device::open(ordinal, &spec, weights, member.world, member.rank, max_home)?;
+            // NCCL EP pads each expert's rows to the grouped GEMM's tile.
+            let ep_align = match backend {
+                BackendKind::NcclEp => EP_ALIGN,
+                _ => 0,
+            };
+            let dev = gpu::Device::open(
+                ordinal,
+                &spec,
+                weights,
+                member.world,
+                member.rank,
+                max_home,
+                ep_align,
+            )?;
             let bytes = dev.buffer_bytes() as u64;
             (Weights::Gpu(Box::new(dev)), bytes)
         }

@@ -218,3 +218,88 @@ fn graph_replays_are_bitwise_identical_and_steps_allocate_nothing() {
     assert!(steps >= REQUESTS as f64, "only {steps} steps ran");
     assert_eq!(before, after, "device allocations changed across the steps");
 }
+
+/// Needs NCCL >= 2.30.4 and libnccl_ep (scripts/device-run.sh ep); the image's NCCL alone fails.
+#[test]
+#[ignore = "needs GPUs, NCCL >= 2.30.4 and libnccl_ep"]
+fn nccl_ep_backend_matches_the_nccl_backend() {
+    let world = *gpu_counts().last().unwrap();
+    if let Err(why) = epserve::backend::gpu::ep_gates(world) {
+        panic!(
+            "nccl-ep cannot run here ({why}): run with NCCL 2.30 and NCCL EP (device-run.sh ep)"
+        );
+    }
+    let reqs = requests(21, REQUESTS);
+    let reference = {
+        let g = launch(world, "nccl", "on");
+        run_all(&g, &reqs, 16)
+    };
+    for (ranks, graphs) in [(world, "on"), (world, "off"), (2, "on")] {
+        if ranks > world {
+            continue;
+        }
+        let t0 = Instant::now();
+        let g = launch(ranks, "nccl-ep", graphs);
+        let up = t0.elapsed();
+        let out = run_all(&g, &reqs, 16);
+        let (rel, worst) = relative_error(&out, &reference);
+        eprintln!(
+            "nccl-ep (HT, expert-major), {ranks} GPUs, graphs {graphs}: up in {:.1}s; against nccl on {world}: ||out-ref||/||ref|| = {rel:.3e} (worst request {worst:.3e})",
+            up.as_secs_f64()
+        );
+        assert!(rel <= 1e-2, "{ranks} GPUs, graphs {graphs}: {rel:.3e}");
+    }
+}
+
+/// The image's NCCL (< 2.30.4): `nccl-ep` refuses with its gate's reason; `auto` serves on `nccl`.
+#[test]
+#[ignore = "needs GPUs and an NCCL older than 2.30.4"]
+fn nccl_ep_refuses_on_old_nccl_and_auto_serves_on_nccl() {
+    let nccl = nccl_sys::Nccl::load().unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        nccl.version < 23004,
+        "NCCL {} is new enough for NCCL EP: run with the image's NCCL",
+        nccl_sys::version_string(nccl.version)
+    );
+    let shm = common::TempDir::new("ep-gate");
+    let args: Vec<String> = [
+        "serve",
+        "--backend",
+        "nccl-ep",
+        "--model",
+        "synthetic:tiny",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--rendezvous",
+        "127.0.0.1:0",
+        "--shm-dir",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([shm.0.display().to_string()])
+    .collect();
+    let mut p = common::Proc::spawn(&args);
+    let status = p.wait_exit(Duration::from_secs(60)).expect("exits");
+    assert!(!status.success());
+    let log = p.log_text();
+    assert!(
+        log.contains("--backend nccl-ep cannot run here: NCCL EP needs NCCL >= 2.30.4"),
+        "{log}"
+    );
+    let g = Group::launch(2, "synthetic:tiny", &["--backend", "auto"]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let info = rt.block_on(async {
+        let mut c = g.client().await;
+        c.get_model_info(epserve::proto::GetModelInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    });
+    assert_eq!(info.backend, "nccl");
+    assert!(g
+        .proc
+        .log_text()
+        .contains("--backend auto: not nccl-ep (NCCL EP needs NCCL >= 2.30.4"));
+}

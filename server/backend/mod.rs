@@ -7,7 +7,7 @@ pub mod cuda;
 /// The GPU backend's setup, or, in a build without `--features cuda`, refusals that say so.
 pub mod gpu {
     #[cfg(feature = "cuda")]
-    pub use super::cuda::setup::{available, device_count, new_unique_id, Device};
+    pub use super::cuda::setup::{available, device_count, ep_gates, new_unique_id, Device};
 
     #[cfg(not(feature = "cuda"))]
     pub use nocuda::*;
@@ -29,6 +29,9 @@ pub mod gpu {
         pub fn device_count() -> usize {
             0
         }
+        pub fn ep_gates(_world: usize) -> Result<String, String> {
+            Err(WHY.into())
+        }
         pub fn new_unique_id() -> anyhow::Result<Vec<u8>> {
             anyhow::bail!(WHY)
         }
@@ -44,6 +47,7 @@ pub mod gpu {
                 _world: usize,
                 _rank: usize,
                 _max_home: usize,
+                _ep_align: usize,
             ) -> anyhow::Result<Self> {
                 anyhow::bail!(WHY)
             }

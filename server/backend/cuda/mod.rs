@@ -1,6 +1,7 @@
 //! The GPU layer (`--features cuda`): one context and compute stream per rank, the kernels
 //! compiled by build.rs and embedded in the binary, and typed launchers for them.
 
+pub mod ep;
 pub mod nccl;
 pub mod rank;
 pub mod setup;

@@ -322,6 +322,10 @@ impl GpuRank {
             {
                 return Err(invalid(format!("expert id {bad} out of range")));
             }
+            // The bucket's padding rows are routed nowhere (the top-k kernels do the same).
+            let bucket = self.buckets[bi];
+            st.ids.as_mut_slice()[n * k..bucket * k].fill(-1);
+            st.w.as_mut_slice()[n * k..bucket * k].fill(0.0);
         }
         st.n.as_mut_slice()
             .copy_from_slice(&[n as i32, 0, n as i32]);

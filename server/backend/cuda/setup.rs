@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Context};
 use nccl_sys::{ncclUniqueId, Nccl};
 
+use super::ep::EpExchange;
 use super::nccl::Comm;
 use super::rank::GpuRank;
 use super::step::{Alloc, DeviceLayer, GpuStep, StepShape};
@@ -42,6 +43,11 @@ pub fn device_count() -> usize {
     super::device_count()
 }
 
+/// Why `nccl-ep` cannot run here (after `available`), or what it will run on.
+pub fn ep_gates(world: usize) -> Result<String, String> {
+    super::ep::gates(nccl()?.version, world)
+}
+
 /// The router's NCCL unique id, handed to every rank in the rendezvous Welcome.
 pub fn new_unique_id() -> anyhow::Result<Vec<u8>> {
     let nccl = nccl().map_err(|e| anyhow!(e))?;
@@ -66,8 +72,13 @@ impl Device {
         world: usize,
         rank: usize,
         max_home: usize,
+        ep_align: usize,
     ) -> anyhow::Result<Self> {
-        let shape = StepShape::new(spec, world, rank, max_home);
+        let mut shape = StepShape::new(spec, world, rank, max_home);
+        shape.ep_align = ep_align;
+        if ep_align > 0 {
+            super::ep::validate(&shape, ep_align).map_err(|e| anyhow!(e))?;
+        }
         shape.check().map_err(|e| anyhow!(e))?;
         let g = Gpu::new(ordinal).with_context(|| format!("opening GPU {ordinal}"))?;
         let mut alloc = Alloc::new(g.stream.clone());
@@ -134,9 +145,17 @@ impl Device {
             .context("NCCL init")?;
         self.g.ctx.bind_to_thread()?;
         let t0 = Instant::now();
+        // The NCCL EP group is collective too: every rank makes it here, in the same order.
+        let ep = match self.shape.ep_align {
+            0 => None,
+            a => Some(
+                EpExchange::new(&comm, &self.shape, a, &mut self.alloc).context("NCCL EP group")?,
+            ),
+        };
         let core = GpuStep::new(
             self.g,
             comm,
+            ep,
             self.shape,
             self.spec.routing.clone(),
             self.layers,

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits};
 use half::bf16;
 
+use super::ep::EpExchange;
 use super::nccl::{Comm, NcclError};
 use super::{max_tiles, Gpu, Slots, GEMM_TILE, MAX_EXPERTS};
 use crate::model::{Ffn, LayerWeights, MoeSpec, Routing};
@@ -71,6 +72,8 @@ pub struct StepShape {
     pub shared_inter: usize,
     /// The largest bucket: most home tokens per rank.
     pub max_home: usize,
+    /// NCCL EP exchange with this per-expert row alignment; 0 = the NCCL slot exchange.
+    pub ep_align: usize,
 }
 
 impl StepShape {
@@ -84,6 +87,7 @@ impl StepShape {
             inter: spec.intermediate,
             shared_inter: spec.shared_intermediate,
             max_home,
+            ep_align: 0,
         }
     }
     pub fn local(&self) -> usize {
@@ -103,9 +107,13 @@ impl StepShape {
             slot_rows: self.slot_rows(bucket),
         }
     }
-    /// Rows of the receive side: one slot from every source.
+    /// Rows of the receive side: one slot from every source, or NCCL EP's expert-major
+    /// capacity (the same for every bucket: the group is sized once).
     pub fn recv_rows(&self, bucket: usize) -> usize {
-        self.world * self.slot_rows(bucket)
+        match self.ep_align {
+            0 => self.world * self.slot_rows(bucket),
+            a => super::ep::recv_capacity(self, a),
+        }
     }
 
     /// What the kernels need of the model's shapes, as one readable refusal.
@@ -277,6 +285,8 @@ impl Buffers {
     fn new(a: &mut Alloc, s: &StepShape) -> Result<Self, DriverError> {
         let (t, h, k, e, l) = (s.max_home, s.hidden, s.top_k, s.experts, s.local());
         let rows = s.recv_rows(t);
+        // The slot exchange's buffers; NCCL EP dispatches straight into the expert rows.
+        let slots = if s.ep_align == 0 { rows } else { 0 };
         let si = s.shared_inter;
         Ok(Self {
             x: a.zeros(t * h)?,
@@ -291,9 +301,9 @@ impl Buffers {
             pos_of: a.zeros(t * k)?,
             entry_of: a.zeros(t * k)?,
             m: a.zeros(s.world * e)?,
-            send: a.zeros(rows * h)?,
-            recv: a.zeros(rows * h)?,
-            map: a.zeros(rows)?,
+            send: a.zeros(slots * h)?,
+            recv: a.zeros(slots * h)?,
+            map: a.zeros(slots)?,
             local_off: a.zeros(l + 1)?,
             rows: a.zeros(1)?,
             xe: a.zeros(rows * h)?,
@@ -315,6 +325,8 @@ impl Buffers {
 /// One rank's step machinery: the GPU, its communicator, weights and buffers.
 pub struct GpuStep {
     pub g: Gpu,
+    /// The NCCL EP exchange (declared before `comm`: torn down first).
+    pub ep: Option<EpExchange>,
     pub comm: Comm,
     pub shape: StepShape,
     pub routing: Routing,
@@ -327,6 +339,7 @@ impl GpuStep {
     pub fn new(
         g: Gpu,
         comm: Comm,
+        ep: Option<EpExchange>,
         shape: StepShape,
         routing: Routing,
         layers: Vec<DeviceLayer>,
@@ -336,6 +349,7 @@ impl GpuStep {
         let b = Buffers::new(a, &shape)?;
         Ok(Self {
             g,
+            ep,
             comm,
             shape,
             routing,
@@ -399,12 +413,18 @@ impl GpuStep {
             &mut b.entry_of,
         )?;
         self.comm.all_gather(&b.counts, &mut b.m, e, &g.stream)?;
+        if let Some(ep) = &mut self.ep {
+            ep.update(&b.ids, bucket, k, &mut b.local_off, &mut b.rows, &g.stream)?;
+        }
         Ok(())
     }
 
     /// Tokens into per-peer slots, one grouped send/recv, received rows into expert-major order.
     pub fn dispatch(&mut self, bucket: usize) -> Result<(), GpuError> {
         let (g, b, s) = (&self.g, &mut self.b, &self.shape);
+        if let Some(ep) = &mut self.ep {
+            return ep.dispatch(&b.xb, &b.w, bucket, s.top_k, s.hidden, &mut b.xe, &g.stream);
+        }
         let sl = s.slots(bucket);
         let rows = s.recv_rows(bucket);
         g.pack_slots(
@@ -454,6 +474,10 @@ impl GpuStep {
             &mut b.n_tiles,
             &mut b.xe,
         )?;
+        if let Some(ep) = &self.ep {
+            // HT combine sums rows as they come: weight them here.
+            g.scale_rows(&mut b.xe, ep.recv_weights(), &b.rows, rows, h)?;
+        }
         Ok(())
     }
 
@@ -462,12 +486,17 @@ impl GpuStep {
         let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
         let (h, k) = (s.hidden, s.top_k);
         let sl = s.slots(bucket);
-        g.gather_by_map(&b.xe, &b.map, s.recv_rows(bucket), h, &mut b.send)?;
-        self.comm
-            .exchange_slots(&b.send, &mut b.recv, sl.slot_rows * h, &g.stream)?;
-        g.slot_index(
-            &b.ids, &b.pos_of, &b.offsets, &b.n, bucket, k, sl, &mut b.idx,
-        )?;
+        match &mut self.ep {
+            Some(ep) => ep.combine(&b.xe, bucket, h, &g.stream)?,
+            None => {
+                g.gather_by_map(&b.xe, &b.map, s.recv_rows(bucket), h, &mut b.send)?;
+                self.comm
+                    .exchange_slots(&b.send, &mut b.recv, sl.slot_rows * h, &g.stream)?;
+                g.slot_index(
+                    &b.ids, &b.pos_of, &b.offsets, &b.n, bucket, k, sl, &mut b.idx,
+                )?;
+            }
+        }
         if let Some((w_gu, w_down)) = &l.shared {
             let si = s.shared_inter;
             g.grouped_gemm(
@@ -497,9 +526,12 @@ impl GpuStep {
             )?;
         }
         let shared = l.shared.as_ref().map(|_| &b.sy);
-        g.combine(
-            &b.recv, &b.idx, &b.w, &b.n, bucket, k, h, shared, &mut b.out,
-        )?;
+        match &self.ep {
+            Some(ep) => g.widen_add(&ep.out_b, shared, &b.n, bucket, h, &mut b.out)?,
+            None => g.combine(
+                &b.recv, &b.idx, &b.w, &b.n, bucket, k, h, shared, &mut b.out,
+            )?,
+        }
         Ok(())
     }
 
