@@ -41,6 +41,13 @@ if [ "$what" = ep ] || [ "$what" = all ]; then
   fi
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  run bench "$EPSERVE_BIN" bench --configs decode,small,prefill --iters 100 --json "$out/bench.json"
+  if [ -f .device/nccl230.tar.xz ]; then
+    # Both backends in one run, on NCCL 2.30.7.
+    mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
+    (source /tmp/nccl230/env.sh && run bench "$EPSERVE_BIN" bench --configs decode,small,prefill \
+      --backends nccl,nccl-ep --iters 100 --json "$out/bench.json") || status=1
+  else
+    run bench "$EPSERVE_BIN" bench --configs decode,small,prefill --iters 100 --json "$out/bench.json"
+  fi
 fi
 exit $status

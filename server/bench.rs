@@ -51,7 +51,8 @@ pub struct RankResult {
     pub recv_rows_self: usize,
     /// Rows of this rank's tokens computed on other ranks (what combine brings back).
     pub combine_rows_remote: usize,
-    /// Bytes the fixed-slot exchange moves to or from other ranks, each way.
+    /// Bytes the fixed-slot exchange moves to or from other ranks, each way (0: not known, as
+    /// for NCCL EP).
     pub wire_bytes: usize,
     pub dense_us: f64,
     pub dense_rows: usize,
@@ -60,6 +61,8 @@ pub struct RankResult {
 #[derive(Debug, Serialize)]
 pub struct ConfigResult {
     pub config: BenchConfig,
+    /// `nccl` or `nccl-ep`.
+    pub backend: String,
     pub world: usize,
     pub iters: usize,
     pub ranks: Vec<RankResult>,
@@ -115,7 +118,10 @@ pub fn summarize(c: &BenchConfig, ranks: &[RankResult]) -> Summary {
         combine_us: mean(&|r| r.combine_us),
         dispatch_gbps: mean(&|r| gbps(r.recv_rows_remote as f64 * row, r.dispatch_us)),
         combine_gbps: mean(&|r| gbps(r.combine_rows_remote as f64 * row, r.combine_us)),
-        dispatch_wire_gbps: mean(&|r| gbps(r.wire_bytes as f64, r.dispatch_us)),
+        dispatch_wire_gbps: match ranks.iter().all(|r| r.wire_bytes > 0) {
+            true => mean(&|r| gbps(r.wire_bytes as f64, r.dispatch_us)),
+            false => f64::NAN,
+        },
         expert_tflops: mean(&|r| {
             (r.recv_rows_remote + r.recv_rows_self) as f64 * flops_per_row
                 / (r.experts_us * 1e-6)
@@ -132,13 +138,14 @@ pub fn summarize(c: &BenchConfig, ranks: &[RankResult]) -> Summary {
 
 pub fn table(results: &[ConfigResult]) -> String {
     let mut s = String::from(
-        "| config | ranks | tokens/rank | step µs | gating | prepare | dispatch | experts | combine | dispatch GB/s (payload / wire) | combine GB/s | expert TFLOP/s | expert weights GB/s | dense cuBLAS TFLOP/s | tokens/s/GPU |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| config | backend | ranks | tokens/rank | step µs | gating | prepare | dispatch | experts | combine | dispatch GB/s (payload / wire) | combine GB/s | expert TFLOP/s | expert weights GB/s | dense cuBLAS TFLOP/s | tokens/s/GPU |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in results {
         let m = &r.summary;
         s += &format!(
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} / {:.1} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} |\n",
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} / {} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} |\n",
             r.config.name,
+            r.backend,
             r.world,
             r.config.tokens_per_rank,
             m.step_us,
@@ -148,7 +155,10 @@ pub fn table(results: &[ConfigResult]) -> String {
             m.experts_us,
             m.combine_us,
             m.dispatch_gbps,
-            m.dispatch_wire_gbps,
+            match m.dispatch_wire_gbps.is_finite() {
+                true => format!("{:.1}", m.dispatch_wire_gbps),
+                false => "–".into(),
+            },
             m.combine_gbps,
             m.expert_tflops,
             m.expert_weight_gbps,
@@ -167,6 +177,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     if args.iters == 0 {
         anyhow::bail!("--iters must be at least 1");
+    }
+    if let Some(b) = args
+        .backends
+        .iter()
+        .find(|b| !["nccl", "nccl-ep"].contains(&b.as_str()))
+    {
+        anyhow::bail!("unknown bench backend '{b}' (nccl, nccl-ep)");
     }
     #[cfg(feature = "cuda")]
     {
@@ -197,9 +214,10 @@ mod gpu {
     use nccl_sys::{ncclUniqueId, Nccl};
 
     use super::{median, summarize, BenchConfig, ConfigResult, RankResult};
+    use crate::backend::cuda::ep::EpExchange;
     use crate::backend::cuda::nccl::Comm;
     use crate::backend::cuda::step::{Alloc, DeviceLayer, GpuError, GpuStep, StepShape};
-    use crate::backend::cuda::{device_count, Gpu};
+    use crate::backend::cuda::{device_count, Gpu, GEMM_TILE};
     use crate::config::BenchArgs;
     use crate::model::Routing;
 
@@ -209,8 +227,16 @@ mod gpu {
             anyhow::bail!("{world} ranks asked, {} GPUs visible", device_count());
         }
         let nccl = crate::backend::cuda::setup::nccl().map_err(|e| anyhow::anyhow!(e))?;
+        if args.backends.iter().any(|b| b == "nccl-ep") {
+            crate::backend::cuda::ep::gates(nccl.version, world)
+                .map_err(|why| anyhow::anyhow!("nccl-ep cannot run here: {why}"))?;
+        }
         let mut out = Vec::new();
-        for c in configs {
+        for (c, backend) in configs
+            .iter()
+            .flat_map(|c| args.backends.iter().map(move |b| (c, b.clone())))
+        {
+            let ep = backend == "nccl-ep";
             if c.experts % world != 0 {
                 anyhow::bail!("{}: {} experts over {world} ranks", c.name, c.experts);
             }
@@ -218,7 +244,7 @@ mod gpu {
             let threads: Vec<_> = (0..world)
                 .map(|rank| {
                     let (nccl, c, a) = (nccl.clone(), c.clone(), args.clone());
-                    std::thread::spawn(move || rank_main(nccl, id, world, rank, &c, &a))
+                    std::thread::spawn(move || rank_main(nccl, id, world, rank, &c, &a, ep))
                 })
                 .collect();
             let mut ranks = Vec::new();
@@ -229,9 +255,10 @@ mod gpu {
                 ranks.push(r.with_context(|| format!("config {}", c.name))?);
             }
             let summary = summarize(c, &ranks);
-            tracing::info!(config = %c.name, ?summary, "measured");
+            tracing::info!(config = %c.name, %backend, ?summary, "measured");
             out.push(ConfigResult {
                 config: c.clone(),
+                backend,
                 world,
                 iters: args.iters,
                 ranks,
@@ -261,6 +288,7 @@ mod gpu {
         rank: usize,
         c: &BenchConfig,
         args: &BenchArgs,
+        ep: bool,
     ) -> anyhow::Result<RankResult> {
         let g = Gpu::new(rank)?;
         g.ctx.bind_to_thread()?;
@@ -274,12 +302,17 @@ mod gpu {
             inter: c.inter,
             shared_inter: 0,
             max_home: c.tokens_per_rank,
-            ep_align: 0,
+            // As the service: NCCL EP pads each expert's rows to the GEMM tile.
+            ep_align: if ep { GEMM_TILE } else { 0 },
         };
         let routing = Routing::SoftmaxTopK { renormalize: true };
         let mut a = Alloc::new(g.stream.clone());
         let layer = DeviceLayer::random(&g, &mut a, &shape, 7)?;
-        let mut core = GpuStep::new(g, comm, None, shape, routing, vec![layer], &mut a)?;
+        let exchange = match ep {
+            true => Some(EpExchange::new(&comm, &shape, GEMM_TILE, &mut a)?),
+            false => None,
+        };
+        let mut core = GpuStep::new(g, comm, exchange, shape, routing, vec![layer], &mut a)?;
         let t = c.tokens_per_rank;
         let s = core.g.stream.clone();
         s.memcpy_htod(&[t as i32], &mut core.b.n)?;
@@ -344,7 +377,11 @@ mod gpu {
             .filter(|x| !mine.contains(x))
             .map(|x| m[rank * e + x] as usize)
             .sum();
-        let wire_bytes = (world - 1) * shape.slot_rows(t) * c.hidden * 2;
+        // The slots move their worst case; what NCCL EP moves is its own (not counted: 0).
+        let wire_bytes = match ep {
+            true => 0,
+            false => (world - 1) * shape.slot_rows(t) * c.hidden * 2,
+        };
 
         // Dense cuBLAS: the same FFN FLOPs as one expert over all the rows this rank received.
         let rows: usize = (recv_rows_remote + recv_rows_self).max(1);

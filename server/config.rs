@@ -37,6 +37,14 @@ pub struct BenchArgs {
         default_value = "decode,small,prefill"
     )]
     pub configs: Vec<String>,
+    /// GPU backends to compare in the same run, comma-separated: nccl, nccl-ep.
+    #[arg(
+        long,
+        env = "EPSERVE_BENCH_BACKENDS",
+        value_delimiter = ',',
+        default_value = "nccl"
+    )]
+    pub backends: Vec<String>,
     /// GPUs (one rank each); default: every visible GPU.
     #[arg(long)]
     pub ranks: Option<usize>,
