@@ -257,18 +257,19 @@ impl GpuRank {
     fn poison(&mut self) {
         if let Some(c) = self.core.take() {
             let GpuStep {
-                g, comm, layers, b, ..
+                g,
+                ep,
+                comm,
+                layers,
+                b,
+                ..
             } = c;
+            // NCCL EP's group and handle too: destroying them would wait on the broken group.
+            std::mem::forget(ep);
             comm.abort();
             std::mem::forget((g, layers, b));
             self.graphs.drain(..).for_each(std::mem::forget);
         }
-    }
-
-    pub fn device_bytes(&self) -> usize {
-        self.core
-            .as_ref()
-            .map_or(0, |c| c.b.out.len() * 4 + c.shape.buffer_bytes())
     }
 
     fn bucket_of(&self, tokens: usize) -> Option<usize> {

@@ -164,13 +164,15 @@ impl StepShape {
             self.world,
         );
         let rows = self.recv_rows(t);
+        // Slot send and receive buffers beside the expert rows, or (NCCL EP) the expert rows only.
+        let row_bufs = if self.ep_align == 0 { 3 } else { 1 };
         let (i, si) = (self.inter, self.shared_inter);
         let ints = 3 + t * k * 4 + 2 * e + 1 + w * e + rows + self.local() + 3;
         let tiles = 2 * (max_tiles(rows, self.local()) + max_tiles(t, 1)) + 2;
         t * h * 4 * 2                       // x, out
             + t * e * 4 + t * k * 4         // logits, weights
             + t * h * 2                     // xb
-            + 3 * rows * h * 2              // send, recv, expert rows
+            + row_bufs * rows * h * 2       // send, recv, expert rows
             + rows * 3 * i * 2              // gate/up, act
             + t * (3 * si + h) * 2          // shared expert
             + (ints + tiles) * 4
