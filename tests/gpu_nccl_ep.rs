@@ -5,7 +5,6 @@
 //! and libnccl_ep (see scripts/device-run.sh); ignored by default.
 #![cfg(feature = "cuda")]
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
@@ -26,21 +25,67 @@ fn ok(what: &str, r: ncclResult_t) {
     assert_eq!(r, ncclResult_t::SUCCESS, "{what}: {r}");
 }
 
-fn tensor(ptr: u64, dtype: ncclDataType_t, sizes: &mut [usize]) -> ncclEpTensor_t {
-    let mut t = ncclEpTensor_t::new();
-    t.ndim = sizes.len() as u32;
-    t.datatype = dtype;
-    t.data = ptr as *mut c_void;
-    t.sizes = sizes.as_mut_ptr();
-    t
-}
-
 fn dptr<T>(s: &CudaSlice<T>, st: &CudaStream) -> u64 {
     s.device_ptr(st).0
 }
 
 fn dptr_mut<T>(s: &mut CudaSlice<T>, st: &CudaStream) -> u64 {
     s.device_ptr_mut(st).0
+}
+
+/// An HT group for `tokens` per rank and an expert-major handle over memory it returns (which
+/// must outlive the handle).
+fn open(
+    ep: &NcclEp,
+    comm: &Comm,
+    tokens: usize,
+    recv_cap: usize,
+    s: &Arc<CudaStream>,
+) -> (ncclEpGroup_t, ncclEpHandle_t, CudaSlice<u8>) {
+    let mut cfg = ncclEpGroupConfig_t::new();
+    cfg.algorithm = ncclEpAlgorithm_t::HIGH_THROUGHPUT;
+    cfg.num_experts = E as u32;
+    cfg.max_dispatch_tokens_per_rank = tokens as u32;
+    cfg.max_recv_tokens_per_rank = recv_cap as u32;
+    cfg.max_token_bytes = (H * 2) as u32;
+    let mut group: ncclEpGroup_t = std::ptr::null_mut();
+    // SAFETY: valid out-pointer, live communicator, a config built by its constructor.
+    ok("ncclEpCreateGroup", unsafe {
+        (ep.create_group)(&mut group, comm.raw(), &cfg)
+    });
+    let mut hcfg = ncclEpHandleConfig_t::new();
+    hcfg.dispatch_output_per_expert_alignment = 1;
+    let mut mem_size = 0usize;
+    // SAFETY: live group, valid config and out-pointer.
+    ok("ncclEpHandleMemSize", unsafe {
+        (ep.handle_mem_size)(
+            group,
+            ncclEpLayout_t::EXPERT_MAJOR,
+            &hcfg,
+            &mut mem_size,
+            K as i32,
+        )
+    });
+    let mut handle_mem = s.alloc_zeros::<u8>(mem_size.max(1)).unwrap();
+    let mut hm_sizes = [mem_size];
+    let hm = ncclEpTensor_t::describe(
+        handle_mem.device_ptr_mut(s).0,
+        ncclDataType_t::Uint8,
+        &mut hm_sizes,
+    );
+    let mut handle: ncclEpHandle_t = std::ptr::null_mut();
+    // SAFETY: handle_mem holds mem_size bytes; the caller keeps it past the handle.
+    ok("ncclEpInitHandle", unsafe {
+        (ep.init_handle)(
+            &mut handle,
+            group,
+            ncclEpLayout_t::EXPERT_MAJOR,
+            &hcfg,
+            K as i32,
+            &hm,
+        )
+    });
+    (group, handle, handle_mem)
 }
 
 /// One rank's tokens and routing (distinct experts per token, positive weights).
@@ -79,50 +124,7 @@ fn rank_main(
     let local = E / world;
     let recv_cap = world * T * K.min(local);
 
-    let mut cfg = ncclEpGroupConfig_t::new();
-    cfg.algorithm = ncclEpAlgorithm_t::HIGH_THROUGHPUT;
-    cfg.num_experts = E as u32;
-    cfg.max_dispatch_tokens_per_rank = T as u32;
-    cfg.max_recv_tokens_per_rank = recv_cap as u32;
-    cfg.max_token_bytes = (H * 2) as u32;
-    let mut group: ncclEpGroup_t = std::ptr::null_mut();
-    // SAFETY: valid out-pointer, live communicator, a config built by its constructor.
-    ok("ncclEpCreateGroup", unsafe {
-        (ep.create_group)(&mut group, comm.raw(), &cfg)
-    });
-
-    let mut hcfg = ncclEpHandleConfig_t::new();
-    hcfg.dispatch_output_per_expert_alignment = 1;
-    let mut mem_size = 0usize;
-    // SAFETY: live group, valid config and out-pointer.
-    ok("ncclEpHandleMemSize", unsafe {
-        (ep.handle_mem_size)(
-            group,
-            ncclEpLayout_t::EXPERT_MAJOR,
-            &hcfg,
-            &mut mem_size,
-            K as i32,
-        )
-    });
-    let mut handle_mem = s.alloc_zeros::<u8>(mem_size.max(1)).unwrap();
-    let mut hm_sizes = [mem_size];
-    let hm = tensor(
-        dptr_mut(&mut handle_mem, &s),
-        ncclDataType_t::Uint8,
-        &mut hm_sizes,
-    );
-    let mut handle: ncclEpHandle_t = std::ptr::null_mut();
-    // SAFETY: handle_mem holds mem_size bytes and outlives the handle (dropped after it).
-    ok("ncclEpInitHandle", unsafe {
-        (ep.init_handle)(
-            &mut handle,
-            group,
-            ncclEpLayout_t::EXPERT_MAJOR,
-            &hcfg,
-            K as i32,
-            &hm,
-        )
-    });
+    let (group, handle, handle_mem) = open(&ep, &comm, T, recv_cap, &s);
 
     let (x, ids, w) = routing(rank);
     let dx = s.clone_htod(&x).unwrap();
@@ -134,8 +136,8 @@ fn rank_main(
     let mut out = s.alloc_zeros::<bf16>(T * H).unwrap();
 
     let (mut ids_sz, mut cnt_sz) = ([T, K], [local]);
-    let t_ids = tensor(dptr(&dids, &s), ncclDataType_t::Int64, &mut ids_sz);
-    let mut t_cnt = tensor(
+    let t_ids = ncclEpTensor_t::describe(dptr(&dids, &s), ncclDataType_t::Int64, &mut ids_sz);
+    let mut t_cnt = ncclEpTensor_t::describe(
         dptr_mut(&mut counters, &s),
         ncclDataType_t::Int32,
         &mut cnt_sz,
@@ -148,10 +150,11 @@ fn rank_main(
     });
 
     let (mut x_sz, mut w_sz, mut r_sz, mut rw_sz) = ([T, H], [T, K], [recv_cap, H], [recv_cap]);
-    let mut t_x = tensor(dptr(&dx, &s), ncclDataType_t::Bfloat16, &mut x_sz);
-    let mut t_w = tensor(dptr(&dw, &s), ncclDataType_t::Float32, &mut w_sz);
-    let mut t_r = tensor(dptr_mut(&mut recv, &s), ncclDataType_t::Bfloat16, &mut r_sz);
-    let mut t_rw = tensor(
+    let mut t_x = ncclEpTensor_t::describe(dptr(&dx, &s), ncclDataType_t::Bfloat16, &mut x_sz);
+    let mut t_w = ncclEpTensor_t::describe(dptr(&dw, &s), ncclDataType_t::Float32, &mut w_sz);
+    let mut t_r =
+        ncclEpTensor_t::describe(dptr_mut(&mut recv, &s), ncclDataType_t::Bfloat16, &mut r_sz);
+    let mut t_rw = ncclEpTensor_t::describe(
         dptr_mut(&mut recv_w, &s),
         ncclDataType_t::Float32,
         &mut rw_sz,
@@ -182,8 +185,9 @@ fn rank_main(
     let scaled = s.clone_htod(&rh).unwrap();
     let mut c_sz = [recv_cap, H];
     let mut o_sz = [T, H];
-    let mut t_c = tensor(dptr(&scaled, &s), ncclDataType_t::Bfloat16, &mut c_sz);
-    let mut t_o = tensor(dptr_mut(&mut out, &s), ncclDataType_t::Bfloat16, &mut o_sz);
+    let mut t_c = ncclEpTensor_t::describe(dptr(&scaled, &s), ncclDataType_t::Bfloat16, &mut c_sz);
+    let mut t_o =
+        ncclEpTensor_t::describe(dptr_mut(&mut out, &s), ncclDataType_t::Bfloat16, &mut o_sz);
     let mut cin = ncclEpCombineInputs_t::new();
     cin.tokens = &mut t_c;
     let mut cout = ncclEpCombineOutputs_t::new();
@@ -306,49 +310,7 @@ fn padded_rank(
     let comm = Comm::init(nccl, &id, world, rank).unwrap();
     let local = E / world;
     let recv_cap = world * T_CAP * K.min(local);
-    let mut cfg = ncclEpGroupConfig_t::new();
-    cfg.algorithm = ncclEpAlgorithm_t::HIGH_THROUGHPUT;
-    cfg.num_experts = E as u32;
-    cfg.max_dispatch_tokens_per_rank = T_CAP as u32;
-    cfg.max_recv_tokens_per_rank = recv_cap as u32;
-    cfg.max_token_bytes = (H * 2) as u32;
-    let mut group: ncclEpGroup_t = std::ptr::null_mut();
-    // SAFETY: as in `rank_main`.
-    ok("ncclEpCreateGroup", unsafe {
-        (ep.create_group)(&mut group, comm.raw(), &cfg)
-    });
-    let mut hcfg = ncclEpHandleConfig_t::new();
-    hcfg.dispatch_output_per_expert_alignment = 1;
-    let mut mem_size = 0usize;
-    // SAFETY: as in `rank_main`.
-    ok("ncclEpHandleMemSize", unsafe {
-        (ep.handle_mem_size)(
-            group,
-            ncclEpLayout_t::EXPERT_MAJOR,
-            &hcfg,
-            &mut mem_size,
-            K as i32,
-        )
-    });
-    let mut handle_mem = s.alloc_zeros::<u8>(mem_size.max(1)).unwrap();
-    let mut hm_sizes = [mem_size];
-    let hm = tensor(
-        dptr_mut(&mut handle_mem, &s),
-        ncclDataType_t::Uint8,
-        &mut hm_sizes,
-    );
-    let mut handle: ncclEpHandle_t = std::ptr::null_mut();
-    // SAFETY: as in `rank_main`.
-    ok("ncclEpInitHandle", unsafe {
-        (ep.init_handle)(
-            &mut handle,
-            group,
-            ncclEpLayout_t::EXPERT_MAJOR,
-            &hcfg,
-            K as i32,
-            &hm,
-        )
-    });
+    let (group, handle, _handle_mem) = open(&ep, &comm, T_CAP, recv_cap, &s);
     let mut dx = s.alloc_zeros::<bf16>(T_CAP * H).unwrap();
     let mut dids = s.alloc_zeros::<i32>(T_CAP * K).unwrap();
     let mut dw = s.alloc_zeros::<f32>(T_CAP * K).unwrap();
@@ -364,23 +326,26 @@ fn padded_rank(
         ([T_CAP, H], [T_CAP, K], [recv_cap, H], [recv_cap]);
     let mut o_sz = [T_CAP, H];
     let mut c_sz = [recv_cap, H];
-    let t_ids = tensor(dptr(&dids, &s), ncclDataType_t::Int32, &mut ids_sz);
-    let mut t_cnt = tensor(
+    let t_ids = ncclEpTensor_t::describe(dptr(&dids, &s), ncclDataType_t::Int32, &mut ids_sz);
+    let mut t_cnt = ncclEpTensor_t::describe(
         dptr_mut(&mut counters, &s),
         ncclDataType_t::Int32,
         &mut cnt_sz,
     );
-    let mut t_tot = tensor(dptr_mut(&mut total, &s), ncclDataType_t::Int32, &mut tot_sz);
-    let mut t_x = tensor(dptr(&dx, &s), ncclDataType_t::Bfloat16, &mut x_sz);
-    let mut t_w = tensor(dptr(&dw, &s), ncclDataType_t::Float32, &mut w_sz);
-    let mut t_r = tensor(dptr_mut(&mut recv, &s), ncclDataType_t::Bfloat16, &mut r_sz);
-    let mut t_rw = tensor(
+    let mut t_tot =
+        ncclEpTensor_t::describe(dptr_mut(&mut total, &s), ncclDataType_t::Int32, &mut tot_sz);
+    let mut t_x = ncclEpTensor_t::describe(dptr(&dx, &s), ncclDataType_t::Bfloat16, &mut x_sz);
+    let mut t_w = ncclEpTensor_t::describe(dptr(&dw, &s), ncclDataType_t::Float32, &mut w_sz);
+    let mut t_r =
+        ncclEpTensor_t::describe(dptr_mut(&mut recv, &s), ncclDataType_t::Bfloat16, &mut r_sz);
+    let mut t_rw = ncclEpTensor_t::describe(
         dptr_mut(&mut recv_w, &s),
         ncclDataType_t::Float32,
         &mut rw_sz,
     );
-    let mut t_c = tensor(dptr(&recv, &s), ncclDataType_t::Bfloat16, &mut c_sz);
-    let mut t_o = tensor(dptr_mut(&mut out, &s), ncclDataType_t::Bfloat16, &mut o_sz);
+    let mut t_c = ncclEpTensor_t::describe(dptr(&recv, &s), ncclDataType_t::Bfloat16, &mut c_sz);
+    let mut t_o =
+        ncclEpTensor_t::describe(dptr_mut(&mut out, &s), ncclDataType_t::Bfloat16, &mut o_sz);
     let mut li = ncclEpLayoutInfo_t::new();
     li.expert_counters = &mut t_cnt;
     li.recv_total_counter = &mut t_tot;

@@ -273,6 +273,19 @@ init!(ncclEpDispatchConfig_t, MAGIC);
 init!(ncclEpCombineConfig_t, MAGIC);
 init!(ncclEpCompleteConfig_t, MAGIC);
 
+impl ncclEpTensor_t {
+    /// A descriptor of device memory at `data` with extents `sizes` (caller-owned: they must
+    /// outlive every call that sees the descriptor).
+    pub fn describe(data: u64, datatype: ncclDataType_t, sizes: &mut [usize]) -> Self {
+        let mut t = Self::new();
+        t.ndim = sizes.len() as c_uint;
+        t.datatype = datatype;
+        t.data = data as *mut c_void;
+        t.sizes = sizes.as_mut_ptr();
+        t
+    }
+}
+
 impl ncclEpGroupConfig_t {
     /// `NCCL_EP_GROUP_CONFIG_INIT`: size, magic and the API version set, every knob zero (auto).
     pub fn new() -> Self {
@@ -409,15 +422,8 @@ impl NcclEp {
     /// Loads the first library among `candidates()`. NCCL itself must be loadable by the
     /// dynamic loader (libnccl_ep links it), so load `Nccl` first from the same place.
     pub fn load() -> Result<Self, LoadError> {
-        let mut tried = Vec::new();
-        for path in candidates() {
-            // SAFETY: loading runs the library's initialisers; NCCL EP's only set up its state.
-            match unsafe { libloading::Library::new(&path) } {
-                Ok(lib) => return Self::from_library(lib, path),
-                Err(e) => tried.push((path.display().to_string(), e.to_string())),
-            }
-        }
-        Err(LoadError::NotFound(tried))
+        let (lib, path) = crate::open_first(candidates())?;
+        Self::from_library(lib, path)
     }
 
     fn from_library(lib: libloading::Library, path: PathBuf) -> Result<Self, LoadError> {
@@ -602,6 +608,16 @@ mod tests {
         let t = ncclEpTensor_t::default();
         assert_eq!((t.abi_size(), t.abi_magic()), (48, TENSOR_MAGIC));
         assert!(t.data.is_null() && t.sizes.is_null() && t.ndim == 0);
+    }
+
+    #[test]
+    fn a_described_tensor_keeps_the_service_fields() {
+        let mut sizes = [7usize, 3];
+        let t = ncclEpTensor_t::describe(0x1000, ncclDataType_t::Int32, &mut sizes);
+        assert_eq!((t.abi_size(), t.abi_magic()), (48, TENSOR_MAGIC));
+        assert_eq!((t.ndim, t.data as u64), (2, 0x1000));
+        assert_eq!(t.datatype, ncclDataType_t::Int32);
+        assert_eq!(t.sizes, sizes.as_mut_ptr());
     }
 
     #[test]

@@ -290,6 +290,20 @@ pub fn site_packages_files(rel: &str) -> Vec<PathBuf> {
     out
 }
 
+/// The first of `paths` the dynamic loader opens, or every path tried with why.
+pub(crate) fn open_first(paths: Vec<PathBuf>) -> Result<(libloading::Library, PathBuf), LoadError> {
+    let mut tried = Vec::new();
+    for path in paths {
+        // SAFETY: loading a library runs its initialisers; NCCL's and NCCL EP's only set up
+        // their own state.
+        match unsafe { libloading::Library::new(&path) } {
+            Ok(lib) => return Ok((lib, path)),
+            Err(e) => tried.push((path.display().to_string(), e.to_string())),
+        }
+    }
+    Err(LoadError::NotFound(tried))
+}
+
 macro_rules! sym {
     ($lib:expr, $path:expr, $name:literal) => {
         // SAFETY: the symbol's C signature is the one declared on the field it is stored in
@@ -315,15 +329,8 @@ macro_rules! opt_sym {
 impl Nccl {
     /// Loads the first NCCL among `candidates()` and checks its version.
     pub fn load() -> Result<Self, LoadError> {
-        let mut tried = Vec::new();
-        for path in candidates() {
-            // SAFETY: loading a shared library runs its initialisers; NCCL's are benign.
-            match unsafe { libloading::Library::new(&path) } {
-                Ok(lib) => return Self::from_library(lib, path),
-                Err(e) => tried.push((path.display().to_string(), e.to_string())),
-            }
-        }
-        Err(LoadError::NotFound(tried))
+        let (lib, path) = open_first(candidates())?;
+        Self::from_library(lib, path)
     }
 
     fn from_library(lib: libloading::Library, path: PathBuf) -> Result<Self, LoadError> {

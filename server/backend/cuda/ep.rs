@@ -4,7 +4,6 @@
 //! and combine takes the weighted expert outputs back home. One group and one handle per rank,
 //! made before any capture; every call is capturable (the receive capacity is explicit).
 
-use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{result, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
@@ -163,16 +162,6 @@ unsafe impl Send for Group {}
 // SAFETY: as for `Group`.
 unsafe impl Send for Handle {}
 
-/// A descriptor of `ptr` with extents `sizes` (kept alive by the caller through the call).
-fn tensor(ptr: u64, dtype: ncclDataType_t, sizes: &mut [usize]) -> ncclEpTensor_t {
-    let mut t = ncclEpTensor_t::new();
-    t.ndim = sizes.len() as u32;
-    t.datatype = dtype;
-    t.data = ptr as *mut c_void;
-    t.sizes = sizes.as_mut_ptr();
-    t
-}
-
 /// One rank's NCCL EP state. Field order is teardown order: handle, then group (and both before
 /// the communicator, which `GpuStep` declares after this).
 pub struct EpExchange {
@@ -180,7 +169,6 @@ pub struct EpExchange {
     _group: Group,
     _handle_mem: CudaSlice<u8>,
     ep: Arc<NcclEp>,
-    pub align: usize,
     pub recv_cap: usize,
     /// Padded per-local-expert counts from the last UpdateHandle.
     counters: CudaSlice<i32>,
@@ -232,7 +220,7 @@ impl EpExchange {
         let mut handle_mem = a.zeros::<u8>(mem)?;
         let stream = handle_mem.stream().clone();
         let mut hm_sizes = [mem];
-        let hm = tensor(
+        let hm = ncclEpTensor_t::describe(
             handle_mem.device_ptr_mut(&stream).0,
             ncclDataType_t::Uint8,
             &mut hm_sizes,
@@ -258,7 +246,6 @@ impl EpExchange {
             _group: group,
             _handle_mem: handle_mem,
             ep,
-            align,
             recv_cap,
             counters: a.zeros(s.local())?,
             recv_w: a.zeros(recv_cap)?,
@@ -280,16 +267,17 @@ impl EpExchange {
     ) -> Result<(), super::step::GpuError> {
         let local = self.counters.len();
         let (mut ids_sz, mut cnt_sz, mut off_sz, mut tot_sz) = ([bucket, k], [local], [local], [1]);
-        let t_ids = tensor(ids.device_ptr(stream).0, ncclDataType_t::Int32, &mut ids_sz);
-        let mut t_cnt = tensor(
+        let t_ids =
+            ncclEpTensor_t::describe(ids.device_ptr(stream).0, ncclDataType_t::Int32, &mut ids_sz);
+        let mut t_cnt = ncclEpTensor_t::describe(
             self.counters.device_ptr_mut(stream).0,
             ncclDataType_t::Int32,
             &mut cnt_sz,
         );
         let off = offsets.device_ptr_mut(stream).0;
-        let mut t_off = tensor(off, ncclDataType_t::Int32, &mut off_sz);
+        let mut t_off = ncclEpTensor_t::describe(off, ncclDataType_t::Int32, &mut off_sz);
         let tot = rows.device_ptr_mut(stream).0;
-        let mut t_tot = tensor(tot, ncclDataType_t::Int32, &mut tot_sz);
+        let mut t_tot = ncclEpTensor_t::describe(tot, ncclDataType_t::Int32, &mut tot_sz);
         let mut li = ncclEpLayoutInfo_t::new();
         li.expert_counters = &mut t_cnt;
         li.expert_offsets = &mut t_off;
@@ -323,14 +311,16 @@ impl EpExchange {
             [self.recv_cap, hidden],
             [self.recv_cap],
         );
-        let mut t_x = tensor(x.device_ptr(stream).0, ncclDataType_t::Bfloat16, &mut x_sz);
-        let mut t_w = tensor(w.device_ptr(stream).0, ncclDataType_t::Float32, &mut w_sz);
-        let mut t_r = tensor(
+        let mut t_x =
+            ncclEpTensor_t::describe(x.device_ptr(stream).0, ncclDataType_t::Bfloat16, &mut x_sz);
+        let mut t_w =
+            ncclEpTensor_t::describe(w.device_ptr(stream).0, ncclDataType_t::Float32, &mut w_sz);
+        let mut t_r = ncclEpTensor_t::describe(
             xe.device_ptr_mut(stream).0,
             ncclDataType_t::Bfloat16,
             &mut r_sz,
         );
-        let mut t_rw = tensor(
+        let mut t_rw = ncclEpTensor_t::describe(
             self.recv_w.device_ptr_mut(stream).0,
             ncclDataType_t::Float32,
             &mut rw_sz,
@@ -364,8 +354,9 @@ impl EpExchange {
         stream: &CudaStream,
     ) -> Result<(), super::step::GpuError> {
         let (mut c_sz, mut o_sz) = ([self.recv_cap, hidden], [bucket, hidden]);
-        let mut t_c = tensor(y.device_ptr(stream).0, ncclDataType_t::Bfloat16, &mut c_sz);
-        let mut t_o = tensor(
+        let mut t_c =
+            ncclEpTensor_t::describe(y.device_ptr(stream).0, ncclDataType_t::Bfloat16, &mut c_sz);
+        let mut t_o = ncclEpTensor_t::describe(
             self.out_b.device_ptr_mut(stream).0,
             ncclDataType_t::Bfloat16,
             &mut o_sz,

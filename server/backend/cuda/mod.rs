@@ -198,12 +198,8 @@ impl Gpu {
         pos_of: &mut CudaSlice<i32>,
         entry_of: &mut CudaSlice<i32>,
     ) -> Result<(), DriverError> {
-        self.stream.memset_zeros(counts)?;
+        self.count_experts(ids, n, n_cap, k, counts)?;
         let (ki, ei) = (k as i32, e as i32);
-        let mut b = self.stream.launch_builder(&self.k.count_experts);
-        b.arg(ids).arg(n).arg(&ki).arg(&mut *counts);
-        // SAFETY: ids holds n_cap * k entries, counts e (ids are < e or -1).
-        unsafe { b.launch(Self::cfg(((n_cap * k).div_ceil(256) as u32, 1), 256, 0)) }?;
         let mut b = self.stream.launch_builder(&self.k.exclusive_scan);
         b.arg(&*counts).arg(&ei).arg(&mut *offsets);
         // SAFETY: counts holds e entries, offsets e + 1; the kernel needs exactly 256 threads.
@@ -217,6 +213,23 @@ impl Gpu {
             .arg(entry_of);
         // SAFETY: one 256-thread block per expert, as the kernel's block scan requires.
         unsafe { b.launch(Self::cfg((e as u32, 1), 256, 0)) }.map(drop)
+    }
+
+    /// counts [e] (zeroed here) of the first *n rows of `ids [n_cap, k]` (ids < e, or -1).
+    pub fn count_experts(
+        &self,
+        ids: &CudaSlice<i32>,
+        n: &CudaSlice<i32>,
+        n_cap: usize,
+        k: usize,
+        counts: &mut CudaSlice<i32>,
+    ) -> Result<(), DriverError> {
+        self.stream.memset_zeros(counts)?;
+        let ki = k as i32;
+        let mut b = self.stream.launch_builder(&self.k.count_experts);
+        b.arg(ids).arg(n).arg(&ki).arg(counts);
+        // SAFETY: ids holds n_cap * k entries, counts e (ids are < e or -1).
+        unsafe { b.launch(Self::cfg(((n_cap * k).div_ceil(256) as u32, 1), 256, 0)) }.map(drop)
     }
 
     /// `out[r] = x[entry_of[r] / k]` for r < *rows, up to `rows_cap` rows of `h` (h % 8 == 0).

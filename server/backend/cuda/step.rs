@@ -403,17 +403,21 @@ impl GpuStep {
         let (g, b, s) = (&self.g, &mut self.b, &self.shape);
         let (e, k, h) = (s.experts, s.top_k, s.hidden);
         g.f32_to_bf16(&b.x, &b.n, bucket, h, &mut b.xb)?;
-        g.layout(
-            &b.ids,
-            &b.n,
-            bucket,
-            k,
-            e,
-            &mut b.counts,
-            &mut b.offsets,
-            &mut b.pos_of,
-            &mut b.entry_of,
-        )?;
+        match &mut self.ep {
+            // NCCL EP lays the rows out itself: only the counts, for the routing metrics.
+            Some(_) => g.count_experts(&b.ids, &b.n, bucket, k, &mut b.counts)?,
+            None => g.layout(
+                &b.ids,
+                &b.n,
+                bucket,
+                k,
+                e,
+                &mut b.counts,
+                &mut b.offsets,
+                &mut b.pos_of,
+                &mut b.entry_of,
+            )?,
+        }
         self.comm.all_gather(&b.counts, &mut b.m, e, &g.stream)?;
         if let Some(ep) = &mut self.ep {
             ep.update(&b.ids, bucket, k, &mut b.local_off, &mut b.rows, &g.stream)?;
