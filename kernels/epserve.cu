@@ -254,13 +254,14 @@ __global__ void combine(const bf16* y, const int* pos_of, const float* w, const 
   }
 }
 
-// Work list of the grouped GEMM: one (expert, first row) per 64-row tile of each expert's block.
-// Single thread (E is small); tiles has room for ceil(rows_cap / 64) + E entries.
-__global__ void build_tiles(const int* offsets, int E, int* tiles, int* n_tiles) {
+// Work list of the grouped GEMM: one (expert, first row) per 64-row tile of each expert's block
+// [starts[e], ends[e]) (contiguous blocks pass offsets and offsets + 1). Single thread (E is
+// small); tiles has room for ceil(rows / 64) + E entries.
+__global__ void build_tiles(const int* starts, const int* ends, int E, int* tiles, int* n_tiles) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   int n = 0;
   for (int e = 0; e < E; e++)
-    for (int m = offsets[e]; m < offsets[e + 1]; m += kTile) {
+    for (int m = starts[e]; m < ends[e]; m += kTile) {
       tiles[2 * n] = e;
       tiles[2 * n + 1] = m;
       n++;
@@ -271,12 +272,12 @@ __global__ void build_tiles(const int* offsets, int E, int* tiles, int* n_tiles)
 // Grouped GEMM on tensor cores: for each tile (e, m0), Y[m0:m0+64, n0:n0+64] = X[rows] . W_e^T,
 // W_e [N, Kd] row-major (an nn.Linear weight), bf16 in, f32 accumulate, bf16 out. Rows past the
 // expert's block are not written. N % 64 == 0, Kd % 32 == 0. Grid (N / 64, max tiles); 128 threads.
-__global__ void __launch_bounds__(128) grouped_gemm(const bf16* X, const bf16* W, const int* offsets,
+__global__ void __launch_bounds__(128) grouped_gemm(const bf16* X, const bf16* W, const int* ends,
                                                     const int* tiles, const int* n_tiles, int N, int Kd, bf16* Y) {
   using namespace nvcuda;
   if ((int)blockIdx.y >= *n_tiles) return;
   const int e = tiles[2 * blockIdx.y], m0 = tiles[2 * blockIdx.y + 1];
-  const int m_end = offsets[e + 1], n0 = blockIdx.x * kTile;
+  const int m_end = ends[e], n0 = blockIdx.x * kTile;
   const bf16* We = W + (size_t)e * N * Kd;
   constexpr int kLd = kTileK + 8;
   __shared__ __align__(32) bf16 As[kTile][kLd];
@@ -334,13 +335,13 @@ __device__ inline void cp_async16(void* smem, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
 }
 
-__global__ void __launch_bounds__(256) grouped_gemm_wide(const bf16* X, const bf16* W, const int* offsets,
+__global__ void __launch_bounds__(256) grouped_gemm_wide(const bf16* X, const bf16* W, const int* ends,
                                                          const int* tiles, const int* n_tiles, int N, int Kd,
                                                          bf16* Y) {
   using namespace nvcuda;
   if ((int)blockIdx.y >= *n_tiles) return;
   const int e = tiles[2 * blockIdx.y], m0 = tiles[2 * blockIdx.y + 1];
-  const int m_end = offsets[e + 1], n0 = blockIdx.x * kWideN;
+  const int m_end = ends[e], n0 = blockIdx.x * kWideN;
   const bf16* We = W + (size_t)e * N * Kd;
   __shared__ __align__(128) unsigned char smem[kWideSmem];
   bf16* As = reinterpret_cast<bf16*>(smem);
@@ -547,6 +548,32 @@ __global__ void scale_rows(bf16* y, const float* w, const int* rows, int H) {
   const float s = w[r];
   for (int h = threadIdx.x; h < H; h += blockDim.x)
     y[(size_t)r * H + h] = __float2bfloat16(__bfloat162float(y[(size_t)r * H + h]) * s);
+}
+
+// NCCL EP low-latency expert-major output: local expert e's rows start at e * S, and counts[e] of
+// them are filled. bounds = [starts (L), ends (L)] for the grouped GEMM. Single block.
+__global__ void ll_bounds(const int* counts, int L, int S, int* bounds) {
+  for (int e = threadIdx.x; e < L; e += blockDim.x) {
+    const int c = counts[e];
+    bounds[e] = e * S;
+    bounds[L + e] = e * S + (c < 0 ? 0 : (c > S ? S : c));
+  }
+}
+
+// The SwiGLU activation over the grouped GEMM's tiles only (rows not contiguous, as in the
+// low-latency layout): block per tile, rows [m0, min(m0 + 64, ends[e])).
+__global__ void swiglu_tiles(const bf16* gu, const int* tiles, const int* n_tiles, const int* ends, int I,
+                             bf16* act) {
+  if ((int)blockIdx.x >= *n_tiles) return;
+  const int e = tiles[2 * blockIdx.x], m0 = tiles[2 * blockIdx.x + 1];
+  const int m1 = min(m0 + kTile, ends[e]);
+  for (int r = m0; r < m1; r++) {
+    const bf16* g = gu + (size_t)r * 2 * I;
+    for (int i = threadIdx.x; i < I; i += blockDim.x) {
+      const float a = __bfloat162float(g[i]), u = __bfloat162float(g[I + i]);
+      act[(size_t)r * I + i] = __float2bfloat16(a / (1.f + expf(-a)) * u);
+    }
+  }
 }
 
 // out[t] = x[t] (+ shared[t]) in f32 for t < *n: the combined bf16 rows into the output.

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, what scripts/gpu-check.sh built into
 # .device/bin: the GPU tests, then `epserve bench`. Logs and the bench JSON go to $OUT (or ./out).
-#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests|ep|bench|all]
+#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests] [ep] [bench] | all
 set -uo pipefail
-what=${1:-all}
+what=" ${*:-all} "
+# Parts asked for: any of tests, ep, bench (or all).
+want() { [[ "$what" == *" $1 "* || "$what" == *" all "* ]]; }
 out=${OUT:-out}
 mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -22,30 +24,34 @@ run() {
   [ $rc -eq 0 ] || status=1
   return $rc
 }
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if want tests; then
   run gpu_kernels .device/bin/gpu_kernels --ignored --test-threads 1
   run gpu_nccl .device/bin/gpu_nccl --ignored --test-threads 1
   run gpu_ep .device/bin/gpu_ep --ignored --nocapture --test-threads 1
-  run gpu_serve .device/bin/gpu_serve --ignored --nocapture --test-threads 1 --skip nccl_ep_backend
+  run gpu_serve .device/bin/gpu_serve --ignored --nocapture --test-threads 1 --skip matches_the_nccl_backend
 fi
-if [ "$what" = ep ] || [ "$what" = all ]; then
+if want ep; then
   # NCCL 2.30.7 + NCCL EP, packed here by ../shared/tools/device-nccl230.sh .device (the image
   # has NCCL 2.28): unpacked and used in a subshell, so the other runs keep the image's NCCL.
   if [ -f .device/nccl230.tar.xz ]; then
     mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
-    (source /tmp/nccl230/env.sh && run gpu_nccl_ep timeout 300 .device/bin/gpu_nccl_ep --ignored --nocapture --test-threads 1) || status=1
-    (source /tmp/nccl230/env.sh && run gpu_serve_ep timeout 400 .device/bin/gpu_serve --ignored --nocapture --test-threads 1 nccl_ep_backend) || status=1
-    grep -E "^(test |NCCL|[0-9]+ GPUs)" "$out/gpu_nccl_ep.log" || true
+    # NCCL_DEBUG=WARN: NCCL EP says why it refuses a call only in NCCL's log.
+    (source /tmp/nccl230/env.sh && export NCCL_DEBUG=WARN &&
+      run gpu_nccl_ep timeout 300 .device/bin/gpu_nccl_ep --ignored --nocapture --test-threads 1) || status=1
+    grep -E "^(test |NCCL|[0-9]+ GPUs|LL|step)" "$out/gpu_nccl_ep.log" || true
+    (source /tmp/nccl230/env.sh && export NCCL_DEBUG=WARN &&
+      run gpu_serve_ep timeout 500 .device/bin/gpu_serve --ignored --nocapture --test-threads 1 matches_the_nccl_backend) || status=1
+    grep -E "^(test |nccl-ep)" "$out/gpu_serve_ep.log" || true
   else
     echo "== gpu_nccl_ep: skipped (no .device/nccl230.tar.xz)"
   fi
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if want bench; then
   if [ -f .device/nccl230.tar.xz ]; then
     # Both backends in one run, on NCCL 2.30.7.
     mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
     (source /tmp/nccl230/env.sh && run bench "$EPSERVE_BIN" bench --configs decode,small,prefill \
-      --backends nccl,nccl-ep --iters 100 --json "$out/bench.json") || status=1
+      --backends nccl,nccl-ep --ep-modes ht,ll --zero-copy on,off --iters 100 --json "$out/bench.json") || status=1
   else
     run bench "$EPSERVE_BIN" bench --configs decode,small,prefill --iters 100 --json "$out/bench.json"
   fi

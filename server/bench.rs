@@ -216,10 +216,49 @@ mod gpu {
     use super::{median, summarize, BenchConfig, ConfigResult, RankResult};
     use crate::backend::cuda::ep::EpExchange;
     use crate::backend::cuda::nccl::Comm;
-    use crate::backend::cuda::step::{Alloc, DeviceLayer, GpuError, GpuStep, StepShape};
+    use crate::backend::cuda::step::{Alloc, DeviceLayer, EpShape, GpuError, GpuStep, StepShape};
     use crate::backend::cuda::{device_count, Gpu, GEMM_TILE};
-    use crate::config::BenchArgs;
+    use crate::config::{BenchArgs, EpMode, OnOff};
     use crate::model::Routing;
+
+    /// Each backend of `--backends` as run: `nccl`, and `nccl-ep` once per mode and zero-copy
+    /// setting (auto: LL up to the service's default 128 tokens per rank, else HT).
+    fn variants(args: &BenchArgs, c: &BenchConfig) -> Vec<(String, Option<EpShape>)> {
+        let mut v = Vec::new();
+        for b in &args.backends {
+            if b == "nccl" {
+                v.push((b.clone(), None));
+                continue;
+            }
+            for &mode in &args.ep_modes {
+                for &zc in &args.zero_copy {
+                    let t = c.tokens_per_rank;
+                    if mode == EpMode::Ll && t > args.ep_ll_max_tokens {
+                        tracing::info!(config = %c.name, "LL skipped: {t} tokens per rank > --ep-ll-max-tokens");
+                        continue;
+                    }
+                    let ll = mode == EpMode::Ll || (mode == EpMode::Auto && t <= 128);
+                    // NCCL EP 0.2 has no zero-copy LL in the expert-major layout.
+                    let zero_copy = zc == OnOff::On && !ll;
+                    let label = format!(
+                        "nccl-ep {}{}",
+                        if ll { "LL" } else { "HT" },
+                        if zero_copy { ", zero-copy" } else { "" }
+                    );
+                    let shape = EpShape {
+                        // As the service: HT pads each expert's rows to the GEMM tile.
+                        align: GEMM_TILE,
+                        ll_max: if ll { t } else { 0 },
+                        zero_copy,
+                    };
+                    if !v.iter().any(|(l, _)| *l == label) {
+                        v.push((label, Some(shape)));
+                    }
+                }
+            }
+        }
+        v
+    }
 
     pub fn run(args: &BenchArgs, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigResult>> {
         let world = args.ranks.unwrap_or_else(device_count);
@@ -232,11 +271,10 @@ mod gpu {
                 .map_err(|why| anyhow::anyhow!("nccl-ep cannot run here: {why}"))?;
         }
         let mut out = Vec::new();
-        for (c, backend) in configs
+        for (c, (backend, ep)) in configs
             .iter()
-            .flat_map(|c| args.backends.iter().map(move |b| (c, b.clone())))
+            .flat_map(|c| variants(args, c).into_iter().map(move |v| (c, v)))
         {
-            let ep = backend == "nccl-ep";
             if c.experts % world != 0 {
                 anyhow::bail!("{}: {} experts over {world} ranks", c.name, c.experts);
             }
@@ -288,7 +326,7 @@ mod gpu {
         rank: usize,
         c: &BenchConfig,
         args: &BenchArgs,
-        ep: bool,
+        ep: Option<EpShape>,
     ) -> anyhow::Result<RankResult> {
         let g = Gpu::new(rank)?;
         g.ctx.bind_to_thread()?;
@@ -302,15 +340,14 @@ mod gpu {
             inter: c.inter,
             shared_inter: 0,
             max_home: c.tokens_per_rank,
-            // As the service: NCCL EP pads each expert's rows to the GEMM tile.
-            ep_align: if ep { GEMM_TILE } else { 0 },
+            ep,
         };
         let routing = Routing::SoftmaxTopK { renormalize: true };
         let mut a = Alloc::new(g.stream.clone());
         let layer = DeviceLayer::random(&g, &mut a, &shape, 7)?;
         let exchange = match ep {
-            true => Some(EpExchange::new(&comm, &shape, GEMM_TILE, &mut a)?),
-            false => None,
+            Some(_) => Some(EpExchange::new(&comm, &shape, &mut a)?),
+            None => None,
         };
         let mut core = GpuStep::new(g, comm, exchange, shape, routing, vec![layer], &mut a)?;
         let t = c.tokens_per_rank;
@@ -379,8 +416,8 @@ mod gpu {
             .sum();
         // The slots move their worst case; what NCCL EP moves is its own (not counted: 0).
         let wire_bytes = match ep {
-            true => 0,
-            false => (world - 1) * shape.slot_rows(t) * c.hidden * 2,
+            Some(_) => 0,
+            None => (world - 1) * shape.slot_rows(t) * c.hidden * 2,
         };
 
         // Dense cuBLAS: the same FFN FLOPs as one expert over all the rows this rank received.

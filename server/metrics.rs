@@ -79,6 +79,22 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     );
     metrics::describe_gauge!("epserve_group_info", "The EP group this rank belongs to");
     metrics::describe_counter!(
+        "epserve_ep_steps_total",
+        "nccl-ep steps on this rank, by mode (ll, ht)"
+    );
+    metrics::describe_gauge!(
+        "epserve_ep_recv_rows",
+        "nccl-ep: rows this rank's experts received in the last step (HT: padded), by mode"
+    );
+    metrics::describe_counter!(
+        "epserve_ep_recv_overflow_total",
+        "nccl-ep steps that received past the group's capacity (never, by construction)"
+    );
+    metrics::describe_counter!(
+        "epserve_ep_recv_mismatch_total",
+        "nccl-ep steps whose received rows differ from what the routing sent"
+    );
+    metrics::describe_counter!(
         "epserve_device_allocations_total",
         "Device allocations by the GPU backend (all made at startup)"
     );

@@ -19,7 +19,7 @@ use tracing::{error, info, warn};
 use crate::api::{MoeApi, Phase};
 use crate::backend::cpu::{CpuRank, SegmentShape};
 use crate::backend::gpu;
-use crate::config::{graph_buckets, BackendKind, Member, OnOff, ServeArgs};
+use crate::config::{graph_buckets, BackendKind, EpSettings, Member, OnOff, ServeArgs};
 use crate::group::{self, expect, send, Ctl, Fingerprint, Joined, RouterLink};
 use crate::model::{ModelSource, MoeSpec, Placement, RankWeights};
 use crate::proto::moe_service_server::MoeServiceServer;
@@ -30,8 +30,6 @@ use crate::step::ring::{Ring, RingShape};
 use crate::step::{max_home_tokens, Backend, Driver};
 
 const RING_SLOTS: usize = 2;
-/// NCCL EP's per-expert row alignment: the grouped GEMM's tile rows.
-const EP_ALIGN: usize = 64;
 
 /// Where this rank's weights are before it joins: host memory (cpu) or its GPU (nccl).
 enum Weights {
@@ -135,6 +133,36 @@ fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
         fingerprint.push(("graph_buckets".into(), format!("{buckets:?}")));
         fingerprint.push(("cuda_graphs".into(), format!("{:?}", args.cuda_graphs)));
     }
+    // Every rank must build the same groups (NCCL EP's creation is collective).
+    let ep = match backend {
+        BackendKind::NcclEp => {
+            let (e, note) = EpSettings::resolve(
+                args.ep_mode,
+                args.ep_ll_max_tokens,
+                &buckets,
+                args.zero_copy == OnOff::On,
+                spec.hidden,
+            )
+            .map_err(|e| anyhow!(e))?;
+            if let Some(n) = note {
+                info!("{n}");
+            }
+            Some(e)
+        }
+        _ => None,
+    };
+    if let Some(e) = ep {
+        fingerprint.push(("ep_mode".into(), args.ep_mode.name().into()));
+        fingerprint.push(("ep_ll_max".into(), e.ll_max.to_string()));
+        fingerprint.push(("zero_copy".into(), e.zero_copy.to_string()));
+        info!(
+            mode = args.ep_mode.name(),
+            buckets = e.modes(),
+            ll_up_to_tokens = e.ll_max,
+            zero_copy = e.zero_copy,
+            "nccl-ep"
+        );
+    }
     let segment = SegmentShape {
         world: member.world,
         experts: spec.num_experts,
@@ -163,11 +191,6 @@ fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
     let (weights, exchange_bytes) = match backend {
         BackendKind::Nccl | BackendKind::NcclEp => {
             let ordinal = device_ordinal(args, member.rank)?;
-            // NCCL EP pads each expert's rows to the grouped GEMM's tile.
-            let ep_align = match backend {
-                BackendKind::NcclEp => EP_ALIGN,
-                _ => 0,
-            };
             let dev = gpu::Device::open(
                 ordinal,
                 &spec,
@@ -175,7 +198,7 @@ fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
                 member.world,
                 member.rank,
                 max_home,
-                ep_align,
+                ep,
             )?;
             let bytes = dev.buffer_bytes() as u64;
             (Weights::Gpu(Box::new(dev)), bytes)
@@ -321,7 +344,12 @@ async fn router_main(
         tokio::task::spawn_blocking(move || form_group(&setup_args, p, rendezvous, setup_abort))
             .await;
     let exec = match setup.map_err(anyhow::Error::from).and_then(|r| r) {
-        Ok(e) => e,
+        Ok((e, footprint)) => {
+            if let Some(f) = footprint {
+                api.set_ep_footprint(f);
+            }
+            e
+        }
         Err(e) => {
             server_stop.cancel();
             let _ = server.await;
@@ -426,13 +454,16 @@ impl Drop for AbortOnPanic {
     }
 }
 
-/// Joins the group, sets up the exchange buffers and runs the warm-up step (blocking).
+type GroupExecutor = Executor<Box<dyn Backend + Send>>;
+
+/// Joins the group, sets up the exchange buffers and runs the warm-up step (blocking); also says
+/// what the NCCL EP exchange takes on this GPU (nccl-ep).
 fn form_group(
     args: &ServeArgs,
     p: Prepared,
     listener: TcpListener,
     abort: Arc<Abort>,
-) -> anyhow::Result<Executor<Box<dyn Backend + Send>>> {
+) -> anyhow::Result<(GroupExecutor, Option<crate::proto::NcclEpFootprint>)> {
     let world = p.member.world;
     let bind = listener.local_addr()?;
     let nanos = std::time::SystemTime::now()
@@ -525,6 +556,17 @@ fn form_group(
     link.clear_timeouts()?;
     group_info(p.backend, 0, world);
     let buffers = rank.buffers();
+    let footprint = rank.ep_footprint();
+    if let Some(f) = &footprint {
+        info!(
+            modes = %f.modes,
+            zero_copy = f.zero_copy,
+            group_mib = f.group_bytes >> 20,
+            handle_kib = f.handle_bytes >> 10,
+            expert_rows_mib = f.expert_rows_bytes >> 20,
+            "NCCL EP footprint on this GPU"
+        );
+    }
     let driver = Driver::new(
         rank,
         0,
@@ -538,7 +580,7 @@ fn form_group(
         ?buffers,
         "group ready: every rank joined, weights loaded, warm-up step done"
     );
-    Ok(exec)
+    Ok((exec, footprint))
 }
 
 fn group_info(backend: BackendKind, rank: usize, world: usize) {
@@ -687,6 +729,8 @@ fn model_info(p: &Prepared, args: &ServeArgs) -> ModelInfo {
             .collect(),
         exchange_bytes_per_rank: p.exchange_bytes,
         version: env!("CARGO_PKG_VERSION").into(),
+        // Measured when the group forms (MoeApi::set_ep_footprint).
+        nccl_ep: None,
     }
 }
 

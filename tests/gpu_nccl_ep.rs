@@ -18,7 +18,7 @@ use rand_chacha::ChaCha8Rng;
 
 const E: usize = 16;
 const K: usize = 4;
-const H: usize = 256;
+const H: usize = 512; // NCCL EP's LL kernels need a multiple of 512
 const T: usize = 64; // tokens per rank
 
 fn ok(what: &str, r: ncclResult_t) {
@@ -459,6 +459,230 @@ fn ht_padding_rows_are_ignored_and_captured_steps_replay() {
         assert!(
             worst <= 2e-2,
             "step {step}: worst relative error {worst:.3e}"
+        );
+    }
+}
+
+/// One rank's LL step: an LL group and expert-major handle for `T_CAP` tokens per rank; the
+/// step's `N_REAL` tokens (then padding routed nowhere) dispatched to `[local][world x T_CAP]`
+/// rows (in a registered window when `zero_copy`), an identity expert, and Combine weighing the
+/// rows with the home tokens' weights. Returns (counters, rows found where the layout says,
+/// worst error of x * sum(w)).
+fn ll_rank(
+    nccl: Arc<Nccl>,
+    ep: Arc<NcclEp>,
+    id: ncclUniqueId,
+    world: usize,
+    rank: usize,
+    zero_copy: bool,
+) -> (Vec<i32>, bool, f64) {
+    let g = Gpu::new(rank).unwrap();
+    g.ctx.bind_to_thread().unwrap();
+    let s = g.stream.clone();
+    let raw = s.cu_stream() as nccl_sys::cudaStream_t;
+    let comm = Comm::init(nccl, &id, world, rank).unwrap();
+    let local = E / world;
+    let stride = world * T_CAP;
+    let mut cfg = ncclEpGroupConfig_t::new();
+    cfg.algorithm = ncclEpAlgorithm_t::LOW_LATENCY;
+    cfg.num_experts = E as u32;
+    cfg.max_dispatch_tokens_per_rank = T_CAP as u32;
+    cfg.max_token_bytes = (H * 2) as u32;
+    cfg.num_topk = K as u32;
+    cfg.zero_copy = match zero_copy {
+        true => ncclEpZeroCopyMode_t::ON,
+        false => ncclEpZeroCopyMode_t::OFF,
+    };
+    let mut group: ncclEpGroup_t = std::ptr::null_mut();
+    // SAFETY: valid out-pointer, live communicator, a config built by its constructor.
+    ok("ncclEpCreateGroup (LL)", unsafe {
+        (ep.create_group)(&mut group, comm.raw(), &cfg)
+    });
+    let hcfg = ncclEpHandleConfig_t::new();
+    let mut mem_size = 0usize;
+    // SAFETY: live group, valid config and out-pointer.
+    ok("ncclEpHandleMemSize (LL)", unsafe {
+        (ep.handle_mem_size)(
+            group,
+            ncclEpLayout_t::EXPERT_MAJOR,
+            &hcfg,
+            &mut mem_size,
+            K as i32,
+        )
+    });
+    let mut handle_mem = s.alloc_zeros::<u8>(mem_size.max(1)).unwrap();
+    let mut hm_sizes = [mem_size];
+    let hm = ncclEpTensor_t::describe(
+        dptr_mut(&mut handle_mem, &s),
+        ncclDataType_t::Uint8,
+        &mut hm_sizes,
+    );
+    let mut handle: ncclEpHandle_t = std::ptr::null_mut();
+    // SAFETY: handle_mem holds mem_size bytes and outlives the handle.
+    ok("ncclEpInitHandle (LL)", unsafe {
+        (ep.init_handle)(
+            &mut handle,
+            group,
+            ncclEpLayout_t::EXPERT_MAJOR,
+            &hcfg,
+            K as i32,
+            &hm,
+        )
+    });
+    let (x, ids, w) = padded_inputs(rank, 7);
+    let dx = s.clone_htod(&x).unwrap();
+    let dids = s.clone_htod(&ids).unwrap();
+    let dw = s.clone_htod(&w).unwrap();
+    let mut counters = s.alloc_zeros::<i32>(local).unwrap();
+    let mut out = s.alloc_zeros::<bf16>(T_CAP * H).unwrap();
+    let mut win_rows = zero_copy.then(|| comm.sym_alloc::<bf16>(local * stride * H, &s).unwrap());
+    let mut plain_rows = (!zero_copy).then(|| s.alloc_zeros::<bf16>(local * stride * H).unwrap());
+    let mut r_sz = [local, stride, H];
+    let mut t_r = match (&mut win_rows, &mut plain_rows) {
+        (Some(wr), _) => {
+            ncclEpTensor_t::in_window(wr.window(), 0, ncclDataType_t::Bfloat16, &mut r_sz)
+        }
+        (_, Some(p)) => {
+            ncclEpTensor_t::describe(dptr_mut(p, &s), ncclDataType_t::Bfloat16, &mut r_sz)
+        }
+        _ => unreachable!(),
+    };
+    let (mut ids_sz, mut x_sz, mut w_sz, mut o_sz, mut cnt_sz) =
+        ([T_CAP, K], [T_CAP, H], [T_CAP, K], [T_CAP, H], [local]);
+    let t_ids = ncclEpTensor_t::describe(dptr(&dids, &s), ncclDataType_t::Int32, &mut ids_sz);
+    let mut t_x = ncclEpTensor_t::describe(dptr(&dx, &s), ncclDataType_t::Bfloat16, &mut x_sz);
+    let mut t_w = ncclEpTensor_t::describe(dptr(&dw, &s), ncclDataType_t::Float32, &mut w_sz);
+    let mut t_o =
+        ncclEpTensor_t::describe(dptr_mut(&mut out, &s), ncclDataType_t::Bfloat16, &mut o_sz);
+    let mut t_cnt = ncclEpTensor_t::describe(
+        dptr_mut(&mut counters, &s),
+        ncclDataType_t::Int32,
+        &mut cnt_sz,
+    );
+    let mut li = ncclEpLayoutInfo_t::new();
+    li.expert_counters = &mut t_cnt;
+    let mut din = ncclEpDispatchInputs_t::new();
+    din.tokens = &mut t_x;
+    let mut dout = ncclEpDispatchOutputs_t::new();
+    dout.tokens = &mut t_r;
+    let mut cin = ncclEpCombineInputs_t::new();
+    cin.tokens = &mut t_r;
+    let mut cout = ncclEpCombineOutputs_t::new();
+    cout.tokens = &mut t_o;
+    cout.topk_weights = &mut t_w;
+    let (dcfg, ccfg) = (ncclEpDispatchConfig_t::new(), ncclEpCombineConfig_t::new());
+    // SAFETY: every descriptor points at live buffers of the extents it states, on this frame.
+    ok("ncclEpUpdateHandle (LL)", unsafe {
+        (ep.update_handle)(handle, &t_ids, std::ptr::null(), raw)
+    });
+    // SAFETY: as above.
+    let r = unsafe { (ep.dispatch)(handle, &din, &dout, &li, &dcfg, raw) };
+    if zero_copy {
+        // NCCL EP 0.2: "zero_copy=ON on LL dispatch requires NCCL_EP_LAYOUT_RANK_MAJOR". When a
+        // release takes it, this fails and the service's LL path can use windows too.
+        assert_eq!(
+            r,
+            ncclResult_t::INVALID_ARGUMENT,
+            "zero-copy LL expert-major dispatch"
+        );
+        // SAFETY: handle, then group, then the window, before the communicator.
+        unsafe {
+            ok("ncclEpHandleDestroy", (ep.handle_destroy)(handle));
+            ok("ncclEpGroupDestroy", (ep.group_destroy)(group));
+        }
+        drop((win_rows, plain_rows, handle_mem));
+        return (Vec::new(), true, 0.0);
+    }
+    ok("ncclEpDispatch (LL)", r);
+    s.synchronize().unwrap();
+    let cnt = s.clone_dtoh(&counters).unwrap();
+    let rows = match (&win_rows, &plain_rows) {
+        (Some(wr), _) => s.clone_dtoh(&**wr).unwrap(),
+        (_, Some(p)) => s.clone_dtoh(p).unwrap(),
+        _ => unreachable!(),
+    };
+    // Every source's tokens routed to local expert j, as rows, must fill j's first cnt[j] rows.
+    let mut laid_out = true;
+    for (j, &n) in cnt.iter().enumerate() {
+        let e = (rank * local + j) as i32;
+        let mut want: Vec<Vec<u16>> = Vec::new();
+        for src in 0..world {
+            let (sx, sids, _) = padded_inputs(src, 7);
+            for t in 0..T_CAP {
+                if sids[t * K..(t + 1) * K].contains(&e) {
+                    want.push(sx[t * H..(t + 1) * H].iter().map(|v| v.to_bits()).collect());
+                }
+            }
+        }
+        let base = j * stride;
+        let mut got: Vec<Vec<u16>> = (0..n.max(0) as usize)
+            .map(|r| {
+                rows[(base + r) * H..(base + r + 1) * H]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            })
+            .collect();
+        want.sort();
+        got.sort();
+        laid_out &= want == got;
+    }
+    // SAFETY: as above; Combine applies the weights itself in LL expert-major.
+    ok("ncclEpCombine (LL)", unsafe {
+        (ep.combine)(handle, &cin, &cout, &ccfg, raw)
+    });
+    s.synchronize().unwrap();
+    let worst = round_trip_error(&x, &w, &s.clone_dtoh(&out).unwrap());
+    // SAFETY: handle, then group, then the window, before the communicator.
+    unsafe {
+        ok("ncclEpHandleDestroy", (ep.handle_destroy)(handle));
+        ok("ncclEpGroupDestroy", (ep.group_destroy)(group));
+    }
+    drop((win_rows, plain_rows, handle_mem));
+    (cnt, laid_out, worst)
+}
+
+#[test]
+#[ignore = "needs GPUs, NCCL >= 2.30.4 and libnccl_ep"]
+fn ll_expert_major_layout_and_weighted_combine_and_no_windows() {
+    let world = device_count();
+    assert!(world >= 2 && E % world == 0, "needs 2+ GPUs dividing {E}");
+    let nccl = Arc::new(Nccl::load().unwrap_or_else(|e| panic!("{e}")));
+    let ep = Arc::new(NcclEp::load().unwrap_or_else(|e| panic!("{e}")));
+    let mut want = vec![0i32; E];
+    for r in 0..world {
+        for &e in padded_inputs(r, 7).1.iter().filter(|&&e| e >= 0) {
+            want[e as usize] += 1;
+        }
+    }
+    for zero_copy in [false, true] {
+        let id = Comm::unique_id(&nccl).unwrap();
+        let ranks: Vec<_> = (0..world)
+            .map(|rank| {
+                let (nccl, ep) = (nccl.clone(), ep.clone());
+                std::thread::spawn(move || ll_rank(nccl, ep, id, world, rank, zero_copy))
+            })
+            .collect();
+        let outs: Vec<(Vec<i32>, bool, f64)> =
+            ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        if zero_copy {
+            eprintln!("LL expert-major, zero-copy: refused by this NCCL EP, as expected");
+            continue;
+        }
+        let got: Vec<i32> = outs.iter().flat_map(|o| o.0.clone()).collect();
+        let worst = outs.iter().map(|o| o.2).fold(0.0, f64::max);
+        eprintln!("LL, zero-copy {zero_copy}: worst relative error {worst:.3e}");
+        assert_eq!(
+            got, want,
+            "zero-copy {zero_copy}: per-expert receive counters"
+        );
+        assert!(
+            outs.iter().all(|o| o.1),
+            "zero-copy {zero_copy}: rows not where the expert-major layout puts them"
+        );
+        assert!(
+            worst <= 2e-2,
+            "zero-copy {zero_copy}: worst relative error {worst:.3e}"
         );
     }
 }

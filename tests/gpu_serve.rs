@@ -104,20 +104,22 @@ fn relative_error(out: &[Vec<f32>], reference: &[Vec<f32>]) -> (f64, f64) {
 }
 
 fn launch(ranks: usize, backend: &str, graphs: &str) -> Group {
-    Group::launch(
-        ranks,
-        MODEL,
-        &[
-            "--layers",
-            "2",
-            "--backend",
-            backend,
-            "--cuda-graphs",
-            graphs,
-            "--step-timeout",
-            "60s",
-        ],
-    )
+    launch_with(ranks, backend, graphs, &[])
+}
+
+fn launch_with(ranks: usize, backend: &str, graphs: &str, extra: &[&str]) -> Group {
+    let mut args = vec![
+        "--layers",
+        "2",
+        "--backend",
+        backend,
+        "--cuda-graphs",
+        graphs,
+        "--step-timeout",
+        "60s",
+    ];
+    args.extend_from_slice(extra);
+    Group::launch(ranks, MODEL, &args)
 }
 
 fn gpu_counts() -> Vec<usize> {
@@ -219,10 +221,11 @@ fn graph_replays_are_bitwise_identical_and_steps_allocate_nothing() {
     assert_eq!(before, after, "device allocations changed across the steps");
 }
 
-/// Needs NCCL >= 2.30.4 and libnccl_ep (scripts/device-run.sh ep); the image's NCCL alone fails.
-#[test]
-#[ignore = "needs GPUs, NCCL >= 2.30.4 and libnccl_ep"]
-fn nccl_ep_backend_matches_the_nccl_backend() {
+/// `nccl-ep` in `mode` (plus `extra` flags) with zero-copy on and off and graphs on and off, on
+/// every GPU (and, for `also_two`, once on 2): 1,000 requests each against the `nccl` backend;
+/// every step checked for overflow and for rows the routing did not send (`/metrics`).
+/// Returns the steps each mode ran, over all runs.
+fn ep_mode_matches_nccl(mode: &str, extra: &[&str], also_two: bool) -> (f64, f64) {
     let world = *gpu_counts().last().unwrap();
     if let Err(why) = epserve::backend::gpu::ep_gates(world) {
         panic!(
@@ -234,21 +237,89 @@ fn nccl_ep_backend_matches_the_nccl_backend() {
         let g = launch(world, "nccl", "on");
         run_all(&g, &reqs, 16)
     };
-    for (ranks, graphs) in [(world, "on"), (world, "off"), (2, "on")] {
-        if ranks > world {
-            continue;
+    let mut runs = vec![];
+    for zc in ["on", "off"] {
+        for graphs in ["on", "off"] {
+            runs.push((world, zc, graphs));
         }
+    }
+    if also_two && world > 2 {
+        runs.push((2, "on", "on"));
+    }
+    let (mut ll_steps, mut ht_steps) = (0.0, 0.0);
+    for (ranks, zc, graphs) in runs {
         let t0 = Instant::now();
-        let g = launch(ranks, "nccl-ep", graphs);
+        let mut flags = vec!["--ep-mode", mode, "--zero-copy", zc];
+        flags.extend_from_slice(extra);
+        let g = launch_with(ranks, "nccl-ep", graphs, &flags);
         let up = t0.elapsed();
+        let info = tokio::runtime::Runtime::new().unwrap().block_on(async {
+            let mut c = g.client().await;
+            c.get_model_info(epserve::proto::GetModelInfoRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+        });
+        let fp = info
+            .nccl_ep
+            .expect("GetModelInfo reports the NCCL EP footprint");
+        // NCCL EP 0.2 has no zero-copy LL in the expert-major layout: LL stages.
+        assert_eq!(fp.zero_copy, zc == "on" && mode != "ll", "{fp:?}");
+        assert!(fp.handle_bytes > 0 && fp.expert_rows_bytes > 0, "{fp:?}");
         let out = run_all(&g, &reqs, 16);
         let (rel, worst) = relative_error(&out, &reference);
+        let (mut ll, mut ht) = (0.0, 0.0);
+        for a in g.metrics_addrs(ranks) {
+            let m = scrape(&a);
+            for name in [
+                "epserve_ep_recv_overflow_total",
+                "epserve_ep_recv_mismatch_total",
+            ] {
+                assert!(m.iter().any(|x| x.name == name), "{a}: no {name}");
+                assert_eq!(sum(&m, name, &[]), 0.0, "{a}: {name}");
+            }
+            ll += sum(&m, "epserve_ep_steps_total", &[("mode", "ll")]);
+            ht += sum(&m, "epserve_ep_steps_total", &[("mode", "ht")]);
+        }
         eprintln!(
-            "nccl-ep (HT, expert-major), {ranks} GPUs, graphs {graphs}: up in {:.1}s; against nccl on {world}: ||out-ref||/||ref|| = {rel:.3e} (worst request {worst:.3e})",
-            up.as_secs_f64()
+            "nccl-ep --ep-mode {mode} {extra:?}, zero-copy {zc}, graphs {graphs}, {ranks} GPUs: up in {:.1}s; footprint {} (groups {} MiB, handles {} KiB, expert rows {} MiB); steps LL {ll}, HT {ht} (all ranks); overflow 0, mismatch 0; against nccl on {world}: ||out-ref||/||ref|| = {rel:.3e} (worst request {worst:.3e})",
+            up.as_secs_f64(),
+            fp.modes,
+            fp.group_bytes >> 20,
+            fp.handle_bytes >> 10,
+            fp.expert_rows_bytes >> 20,
         );
-        assert!(rel <= 1e-2, "{ranks} GPUs, graphs {graphs}: {rel:.3e}");
+        assert!(
+            rel <= 1e-2,
+            "{mode}, zero-copy {zc}, graphs {graphs}, {ranks} GPUs: {rel:.3e}"
+        );
+        ll_steps += ll;
+        ht_steps += ht;
     }
+    (ll_steps, ht_steps)
+}
+
+/// Needs NCCL >= 2.30.4 and libnccl_ep (scripts/device-run.sh ep); the image's NCCL alone fails.
+#[test]
+#[ignore = "needs GPUs, NCCL >= 2.30.4 and libnccl_ep"]
+fn nccl_ep_ht_matches_the_nccl_backend() {
+    let (ll, ht) = ep_mode_matches_nccl("ht", &[], false);
+    assert!(ll == 0.0 && ht > 0.0, "steps: LL {ll}, HT {ht}");
+}
+
+#[test]
+#[ignore = "needs GPUs, NCCL >= 2.30.4 and libnccl_ep"]
+fn nccl_ep_ll_matches_the_nccl_backend() {
+    let (ll, ht) = ep_mode_matches_nccl("ll", &[], false);
+    assert!(ll > 0.0 && ht == 0.0, "steps: LL {ll}, HT {ht}");
+}
+
+/// Auto with LL up to 32 tokens per rank: small steps run LL, batched ones HT.
+#[test]
+#[ignore = "needs GPUs, NCCL >= 2.30.4 and libnccl_ep"]
+fn nccl_ep_auto_matches_the_nccl_backend() {
+    let (ll, ht) = ep_mode_matches_nccl("auto", &["--ep-ll-max-tokens", "32"], true);
+    assert!(ll > 0.0 && ht > 0.0, "steps: LL {ll}, HT {ht}");
 }
 
 /// The image's NCCL (< 2.30.4): `nccl-ep` refuses with its gate's reason; `auto` serves on `nccl`.

@@ -284,6 +284,20 @@ impl ncclEpTensor_t {
         t.sizes = sizes.as_mut_ptr();
         t
     }
+
+    /// A descriptor of a registered window from byte `offset` (no data pointer: the library
+    /// resolves the window), with extents `sizes` (caller-owned, as for `describe`).
+    pub fn in_window(
+        win: ncclWindow_t,
+        offset: u64,
+        datatype: ncclDataType_t,
+        sizes: &mut [usize],
+    ) -> Self {
+        let mut t = Self::describe(0, datatype, sizes);
+        t.win_hdl = win;
+        t.win_offset = offset;
+        t
+    }
 }
 
 impl ncclEpGroupConfig_t {
@@ -618,6 +632,16 @@ mod tests {
         assert_eq!((t.ndim, t.data as u64), (2, 0x1000));
         assert_eq!(t.datatype, ncclDataType_t::Int32);
         assert_eq!(t.sizes, sizes.as_mut_ptr());
+    }
+
+    #[test]
+    fn a_window_tensor_names_the_window_not_a_pointer() {
+        let mut sizes = [5usize];
+        let win = 0x2000 as ncclWindow_t;
+        let t = ncclEpTensor_t::in_window(win, 64, ncclDataType_t::Bfloat16, &mut sizes);
+        assert_eq!((t.abi_size(), t.abi_magic()), (48, TENSOR_MAGIC));
+        assert!(t.data.is_null());
+        assert_eq!((t.win_hdl, t.win_offset, t.ndim), (win, 64, 1));
     }
 
     #[test]

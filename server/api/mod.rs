@@ -38,6 +38,8 @@ pub enum Phase {
 pub struct MoeApi {
     spec: Arc<MoeSpec>,
     info: ModelInfo,
+    /// Measured once the group has formed (nccl-ep).
+    ep_footprint: std::sync::OnceLock<crate::proto::NcclEpFootprint>,
     jobs: mpsc::Sender<Arc<Job>>,
     admission: Arc<Admission>,
     phase: AtomicU8,
@@ -89,12 +91,18 @@ impl MoeApi {
         Self {
             spec,
             info,
+            ep_footprint: std::sync::OnceLock::new(),
             jobs,
             admission,
             phase: AtomicU8::new(Phase::Starting as u8),
             wake,
             broken,
         }
+    }
+
+    /// What the NCCL EP exchange takes on the GPU, for GetModelInfo (set once, at startup).
+    pub fn set_ep_footprint(&self, f: crate::proto::NcclEpFootprint) {
+        let _ = self.ep_footprint.set(f);
     }
 
     pub fn set_phase(&self, p: Phase) {
@@ -360,7 +368,9 @@ impl MoeService for Arc<MoeApi> {
         &self,
         _: Request<GetModelInfoRequest>,
     ) -> Result<Response<ModelInfo>, Status> {
-        Ok(Response::new(self.info.clone()))
+        let mut info = self.info.clone();
+        info.nccl_ep = self.ep_footprint.get().cloned();
+        Ok(Response::new(info))
     }
 
     async fn probe(&self, req: Request<ProbeRequest>) -> Result<Response<ProbeResponse>, Status> {

@@ -47,7 +47,7 @@ pub mod gpu {
                 _world: usize,
                 _rank: usize,
                 _max_home: usize,
-                _ep_align: usize,
+                _ep: Option<crate::config::EpSettings>,
             ) -> anyhow::Result<Self> {
                 anyhow::bail!(WHY)
             }

@@ -81,6 +81,10 @@ pub trait Backend {
     fn buffers(&self) -> Vec<(&'static str, usize, usize)>;
     /// The last step's routing: `[world, experts]` token rows from each source rank per expert.
     fn routed(&self) -> &[u32];
+    /// The NCCL EP exchange's footprint on this GPU (the nccl-ep backend only).
+    fn ep_footprint(&self) -> Option<crate::proto::NcclEpFootprint> {
+        None
+    }
 }
 
 impl<B: Backend + ?Sized> Backend for Box<B> {
@@ -92,6 +96,9 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
     fn routed(&self) -> &[u32] {
         (**self).routed()
+    }
+    fn ep_footprint(&self) -> Option<crate::proto::NcclEpFootprint> {
+        (**self).ep_footprint()
     }
 }
 

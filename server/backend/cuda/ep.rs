@@ -1,8 +1,12 @@
-//! The `nccl-ep` exchange: NVIDIA NCCL EP in high-throughput mode with the expert-major layout.
-//! Prepare is `ncclEpUpdateHandle` (it writes each local expert's padded count and offset straight
-//! into the grouped GEMM's offsets), dispatch lands the received rows where the GEMM reads them,
-//! and combine takes the weighted expert outputs back home. One group and one handle per rank,
-//! made before any capture; every call is capturable (the receive capacity is explicit).
+//! The `nccl-ep` exchange: NVIDIA NCCL EP with the expert-major layout, in high-throughput (HT)
+//! or low-latency (LL) mode per bucket, each mode with its own group and handle made before any
+//! capture. Prepare is `ncclEpUpdateHandle` (HT writes each local expert's padded offset straight
+//! into the grouped GEMM's offsets), dispatch lands the received rows where the GEMM reads them
+//! (HT: packed, padded to the GEMM tile; LL: `[local expert][world x tokens]` with a count per
+//! expert), and combine takes the expert outputs back home (HT: weighted by us first; LL: the
+//! library weighs them). With zero-copy on, HT's expert rows are `ncclMemAlloc` memory registered
+//! once as a symmetric window, and the library moves rows straight into and out of it (NCCL EP
+//! 0.2 has no zero-copy for LL's expert-major layout: LL always stages).
 
 use std::sync::{Arc, OnceLock};
 
@@ -11,8 +15,8 @@ use half::bf16;
 use nccl_sys::ep::*;
 use nccl_sys::{ncclDataType_t, ncclResult_t};
 
-use super::nccl::{Comm, NcclError};
-use super::step::{Alloc, StepShape};
+use super::nccl::{Comm, NcclError, SymBuffer};
+use super::step::{Alloc, GpuError, StepShape};
 
 /// NCCL EP needs the device API of NCCL 2.30.4 or newer.
 pub const MIN_NCCL: i32 = 23004;
@@ -91,10 +95,15 @@ pub fn gates(nccl_version: i32, world: usize) -> Result<String, String> {
     ))
 }
 
-/// Rows one rank's expert-major receive buffer needs: every source's tokens to each of its local
-/// experts (at most min(k, local) per token), plus per-expert padding to `align`.
+/// Rows one rank's HT expert-major receive buffer needs: every source's tokens to each of its
+/// local experts (at most min(k, local) per token), plus per-expert padding to `align`.
 pub fn recv_capacity(s: &StepShape, align: usize) -> usize {
     s.world * s.max_home * s.top_k.min(s.local()) + s.local() * (align - 1)
+}
+
+/// Rows of the LL expert-major output `[local][world * ll_max]`: its row-index space.
+pub fn ll_rows(s: &StepShape, ll_max: usize) -> usize {
+    s.local() * s.world * ll_max
 }
 
 /// The shape problems NCCL EP would reject, found first with a clear reason.
@@ -120,6 +129,9 @@ pub fn validate(s: &StepShape, align: usize) -> Result<(), String> {
     }
     if recv_capacity(s, align) < s.max_home {
         bad.push("receive capacity below dispatch capacity".into());
+    }
+    if ll_rows(s, s.max_home) > i32::MAX as usize {
+        bad.push("low-latency receive rows exceed 2^31".into());
     }
     match bad.is_empty() {
         true => Ok(()),
@@ -162,50 +174,127 @@ unsafe impl Send for Group {}
 // SAFETY: as for `Group`.
 unsafe impl Send for Handle {}
 
-/// One rank's NCCL EP state. Field order is teardown order: handle, then group (and both before
-/// the communicator, which `GpuStep` declares after this).
-pub struct EpExchange {
-    handle: Handle,
-    _group: Group,
-    _handle_mem: CudaSlice<u8>,
-    ep: Arc<NcclEp>,
-    pub recv_cap: usize,
-    /// Padded per-local-expert counts from the last UpdateHandle.
-    counters: CudaSlice<i32>,
-    /// The routing weight of each received row.
-    recv_w: CudaSlice<f32>,
-    /// Combined home rows `[T, hidden]` in bf16, before the shared expert is added.
-    pub out_b: CudaSlice<bf16>,
+/// The expert rows: a registered window (zero-copy) or plain device memory.
+pub enum Rows {
+    Window(SymBuffer<bf16>),
+    Plain(CudaSlice<bf16>),
 }
 
-impl EpExchange {
-    /// Creates the group (collective) and the handle; call on every rank together.
-    pub fn new(
+impl Rows {
+    pub fn slice(&self) -> &CudaSlice<bf16> {
+        match self {
+            Rows::Window(w) => w,
+            Rows::Plain(p) => p,
+        }
+    }
+    pub fn slice_mut(&mut self) -> &mut CudaSlice<bf16> {
+        match self {
+            Rows::Window(w) => w,
+            Rows::Plain(p) => p,
+        }
+    }
+    /// A descriptor of the rows with extents `sizes`: the window when there is one.
+    fn tensor(&mut self, sizes: &mut [usize], stream: &CudaStream) -> ncclEpTensor_t {
+        match self {
+            Rows::Window(w) => {
+                ncclEpTensor_t::in_window(w.window(), 0, ncclDataType_t::Bfloat16, sizes)
+            }
+            Rows::Plain(p) => ncclEpTensor_t::describe(
+                p.device_ptr_mut(stream).0,
+                ncclDataType_t::Bfloat16,
+                sizes,
+            ),
+        }
+    }
+}
+
+/// What one mode's group, handle and rows take on the GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Footprint {
+    /// Device memory the group took when created (its symmetric buffers), measured as the
+    /// drop in the device's free memory.
+    pub group_bytes: u64,
+    pub handle_bytes: u64,
+    /// The expert rows (registered as a window with zero-copy on).
+    pub rows_bytes: u64,
+    pub windowed: bool,
+}
+
+/// One mode: its group, handle and expert rows. Field order is teardown order: handle, group,
+/// then the window (deregistered before the communicator, which outlives the exchange).
+pub struct EpPath {
+    handle: Handle,
+    group: Group,
+    _handle_mem: CudaSlice<u8>,
+    rows: Rows,
+    ep: Arc<NcclEp>,
+    pub low_latency: bool,
+    /// HT: receive capacity in rows; LL: rows per local expert (world x tokens).
+    pub cap: usize,
+    /// Tokens per rank the group was sized for.
+    pub tokens: usize,
+    pub footprint: Footprint,
+}
+
+fn free_bytes() -> u64 {
+    result::mem_get_info().map_or(0, |(free, _)| free as u64)
+}
+
+impl EpPath {
+    /// Creates the group (collective) and the handle; every rank calls this in the same order.
+    fn new(
         comm: &Comm,
         s: &StepShape,
+        low_latency: bool,
+        tokens: usize,
         align: usize,
+        zero_copy: bool,
         a: &mut Alloc,
-    ) -> Result<Self, super::step::GpuError> {
-        validate(s, align).map_err(super::step::GpuError::Config)?;
-        let ep = library().map_err(super::step::GpuError::Config)?;
-        let recv_cap = recv_capacity(s, align);
+    ) -> Result<Self, GpuError> {
+        let ep = library().map_err(GpuError::Config)?;
+        let stream = a.stream().clone();
+        // NCCL EP 0.2 refuses zero-copy LL dispatch in the expert-major layout ("requires
+        // NCCL_EP_LAYOUT_RANK_MAJOR"): LL goes through the library's staging.
+        let zero_copy = zero_copy && !low_latency;
+        let (cap, rows_len) = match low_latency {
+            true => (s.world * tokens, ll_rows(s, tokens)),
+            false => {
+                let c = recv_capacity(s, align);
+                (c, c)
+            }
+        };
         let mut cfg = ncclEpGroupConfig_t::new();
-        cfg.algorithm = ncclEpAlgorithm_t::HIGH_THROUGHPUT;
         cfg.num_experts = s.experts as u32;
-        cfg.max_dispatch_tokens_per_rank = s.max_home as u32;
-        cfg.max_recv_tokens_per_rank = recv_cap as u32;
+        cfg.max_dispatch_tokens_per_rank = tokens as u32;
         cfg.max_token_bytes = (s.hidden * 2) as u32;
-        let mut group: ncclEpGroup_t = std::ptr::null_mut();
+        cfg.num_topk = s.top_k as u32;
+        cfg.zero_copy = match zero_copy {
+            true => ncclEpZeroCopyMode_t::ON,
+            false => ncclEpZeroCopyMode_t::OFF,
+        };
+        match low_latency {
+            // LL sizes its receive side itself.
+            true => cfg.algorithm = ncclEpAlgorithm_t::LOW_LATENCY,
+            false => {
+                cfg.algorithm = ncclEpAlgorithm_t::HIGH_THROUGHPUT;
+                cfg.max_recv_tokens_per_rank = cap as u32;
+            }
+        }
+        let before = free_bytes();
+        let mut raw: ncclEpGroup_t = std::ptr::null_mut();
         // SAFETY: valid out-pointer, a live communicator, a config from its constructor.
         check("ncclEpCreateGroup", unsafe {
-            (ep.create_group)(&mut group, comm.raw(), &cfg)
+            (ep.create_group)(&mut raw, comm.raw(), &cfg)
         })?;
         let group = Group {
             ep: ep.clone(),
-            raw: group,
+            raw,
         };
+        let group_bytes = before.saturating_sub(free_bytes());
         let mut hcfg = ncclEpHandleConfig_t::new();
-        hcfg.dispatch_output_per_expert_alignment = align;
+        if !low_latency {
+            hcfg.dispatch_output_per_expert_alignment = align;
+        }
         let mut mem = 0usize;
         // SAFETY: live group, valid config and out-pointer.
         check("ncclEpHandleMemSize", unsafe {
@@ -218,18 +307,18 @@ impl EpExchange {
             )
         })?;
         let mut handle_mem = a.zeros::<u8>(mem)?;
-        let stream = handle_mem.stream().clone();
         let mut hm_sizes = [mem];
         let hm = ncclEpTensor_t::describe(
             handle_mem.device_ptr_mut(&stream).0,
             ncclDataType_t::Uint8,
             &mut hm_sizes,
         );
-        let mut handle: ncclEpHandle_t = std::ptr::null_mut();
+        let mut raw: ncclEpHandle_t = std::ptr::null_mut();
         // SAFETY: handle_mem holds `mem` bytes and lives as long as the handle (same struct).
+        // With LL's automatic buffer size this may allocate, collectively: every rank is here.
         check("ncclEpInitHandle", unsafe {
             (ep.init_handle)(
-                &mut handle,
+                &mut raw,
                 group.raw,
                 ncclEpLayout_t::EXPERT_MAJOR,
                 &hcfg,
@@ -239,23 +328,131 @@ impl EpExchange {
         })?;
         let handle = Handle {
             ep: ep.clone(),
-            raw: handle,
+            raw,
+        };
+        let rows = match zero_copy {
+            true => Rows::Window(comm.sym_alloc::<bf16>(rows_len * s.hidden, &stream)?),
+            false => Rows::Plain(a.zeros::<bf16>(rows_len * s.hidden)?),
+        };
+        let footprint = Footprint {
+            group_bytes,
+            handle_bytes: mem as u64,
+            rows_bytes: (rows_len * s.hidden * 2) as u64,
+            windowed: zero_copy,
         };
         Ok(Self {
             handle,
-            _group: group,
+            group,
             _handle_mem: handle_mem,
+            rows,
             ep,
-            recv_cap,
-            counters: a.zeros(s.local())?,
-            recv_w: a.zeros(recv_cap)?,
+            low_latency,
+            cap,
+            tokens,
+            footprint,
+        })
+    }
+
+    /// The group's raw pointer (for the tests' diagnostics).
+    pub fn group_raw(&self) -> ncclEpGroup_t {
+        self.group.raw
+    }
+
+    pub fn rows(&self) -> &CudaSlice<bf16> {
+        self.rows.slice()
+    }
+    pub fn rows_mut(&mut self) -> &mut CudaSlice<bf16> {
+        self.rows.slice_mut()
+    }
+}
+
+/// One rank's NCCL EP state: a path per mode in use (LL for buckets up to `ll_max`, HT above),
+/// declared before the communicator in `GpuStep` so both go first.
+pub struct EpExchange {
+    pub ll: Option<EpPath>,
+    pub ht: Option<EpPath>,
+    pub ll_max: usize,
+    /// Per-local-expert counts from the last step (HT: padded, from UpdateHandle; LL: received,
+    /// from Dispatch).
+    pub counters: CudaSlice<i32>,
+    /// The HT padded total from the last UpdateHandle.
+    pub total: CudaSlice<i32>,
+    /// LL: the grouped GEMM's row blocks (starts, then ends).
+    pub bounds: CudaSlice<i32>,
+    /// HT: the routing weight of each received row (HT combine wants rows already weighted).
+    pub recv_w: CudaSlice<f32>,
+    /// Combined home rows `[T, hidden]` in bf16, before the shared expert is added.
+    pub out_b: CudaSlice<bf16>,
+}
+
+impl EpExchange {
+    /// Creates the groups (collective: LL first, then HT) and their handles; every rank calls
+    /// this together.
+    pub fn new(comm: &Comm, s: &StepShape, a: &mut Alloc) -> Result<Self, GpuError> {
+        let e =
+            s.ep.ok_or_else(|| GpuError::Config("no NCCL EP settings".into()))?;
+        validate(s, e.align).map_err(GpuError::Config)?;
+        let ll = match e.ll_max {
+            0 => None,
+            t => Some(EpPath::new(comm, s, true, t, e.align, e.zero_copy, a)?),
+        };
+        let ht = match s.max_home > e.ll_max {
+            true => Some(EpPath::new(
+                comm,
+                s,
+                false,
+                s.max_home,
+                e.align,
+                e.zero_copy,
+                a,
+            )?),
+            false => None,
+        };
+        let l = s.local();
+        Ok(Self {
+            recv_w: a.zeros(ht.as_ref().map_or(0, |p| p.cap))?,
+            ll,
+            ht,
+            ll_max: e.ll_max,
+            counters: a.zeros(l)?,
+            total: a.zeros(1)?,
+            bounds: a.zeros(2 * l)?,
             out_b: a.zeros(s.max_home * s.hidden)?,
         })
     }
 
+    /// Whether `bucket` runs low-latency.
+    pub fn is_ll(&self, bucket: usize) -> bool {
+        bucket <= self.ll_max
+    }
+
+    pub fn path(&self, bucket: usize) -> &EpPath {
+        let p = match self.is_ll(bucket) {
+            true => self.ll.as_ref(),
+            false => self.ht.as_ref(),
+        };
+        p.expect("a path for every bucket")
+    }
+
+    fn path_mut(&mut self, bucket: usize) -> &mut EpPath {
+        let p = match self.is_ll(bucket) {
+            true => self.ll.as_mut(),
+            false => self.ht.as_mut(),
+        };
+        p.expect("a path for every bucket")
+    }
+
+    /// Both modes' footprints: (LL, HT).
+    pub fn footprints(&self) -> (Option<Footprint>, Option<Footprint>) {
+        (
+            self.ll.as_ref().map(|p| p.footprint),
+            self.ht.as_ref().map(|p| p.footprint),
+        )
+    }
+
     /// Prepare: routing of `bucket` rows (`ids` rows past the step's tokens are -1) into the
-    /// handle; each local expert's padded offset lands in `offsets[..L]` and the padded total
-    /// in `rows` and `offsets[L]` (the grouped GEMM's block bounds).
+    /// bucket's handle. HT: each local expert's padded offset lands in `offsets[..L]` and the
+    /// padded total in `rows` and `offsets[L]` (the grouped GEMM's block bounds).
     pub fn update(
         &mut self,
         ids: &CudaSlice<i32>,
@@ -264,11 +461,21 @@ impl EpExchange {
         offsets: &mut CudaSlice<i32>,
         rows: &mut CudaSlice<i32>,
         stream: &CudaStream,
-    ) -> Result<(), super::step::GpuError> {
+    ) -> Result<(), GpuError> {
         let local = self.counters.len();
-        let (mut ids_sz, mut cnt_sz, mut off_sz, mut tot_sz) = ([bucket, k], [local], [local], [1]);
+        let mut ids_sz = [bucket, k];
         let t_ids =
             ncclEpTensor_t::describe(ids.device_ptr(stream).0, ncclDataType_t::Int32, &mut ids_sz);
+        let raw = stream.cu_stream() as nccl_sys::cudaStream_t;
+        if self.is_ll(bucket) {
+            let p = self.path_mut(bucket);
+            // SAFETY: the descriptor and its sizes live on this frame through the call; LL
+            // takes no layout info here.
+            return Ok(check("ncclEpUpdateHandle", unsafe {
+                (p.ep.update_handle)(p.handle.raw, &t_ids, std::ptr::null(), raw)
+            })?);
+        }
+        let (mut cnt_sz, mut off_sz, mut tot_sz) = ([local], [local], [1]);
         let mut t_cnt = ncclEpTensor_t::describe(
             self.counters.device_ptr_mut(stream).0,
             ncclDataType_t::Int32,
@@ -282,19 +489,23 @@ impl EpExchange {
         li.expert_counters = &mut t_cnt;
         li.expert_offsets = &mut t_off;
         li.recv_total_counter = &mut t_tot;
-        let raw = stream.cu_stream() as nccl_sys::cudaStream_t;
+        let p = self.path_mut(bucket);
         // SAFETY: every descriptor points at a live buffer of the extents it states, and lives
         // on this frame through the call.
         check("ncclEpUpdateHandle", unsafe {
-            (self.ep.update_handle)(self.handle.raw, &t_ids, &li, raw)
+            (p.ep.update_handle)(p.handle.raw, &t_ids, &li, raw)
         })?;
         // SAFETY: offsets holds local + 1 ints; one int copied from the total to its end.
         unsafe { result::memcpy_dtod_async(off + (local * 4) as u64, tot, 4, stream.cu_stream()) }?;
+        // And once more, for the overflow check after the step.
+        let (t, _s) = self.total.device_ptr_mut(stream);
+        // SAFETY: one int each, both live.
+        unsafe { result::memcpy_dtod_async(t, tot, 4, stream.cu_stream()) }?;
         Ok(())
     }
 
-    /// Dispatch: `bucket` home rows of `x` (with their routing weights) into `xe`, expert-major.
-    #[allow(clippy::too_many_arguments)]
+    /// Dispatch: `bucket` home rows of `x` (HT: with their routing weights) into the bucket's
+    /// expert rows.
     pub fn dispatch(
         &mut self,
         x: &CudaSlice<bf16>,
@@ -302,74 +513,98 @@ impl EpExchange {
         bucket: usize,
         k: usize,
         hidden: usize,
-        xe: &mut CudaSlice<bf16>,
         stream: &CudaStream,
-    ) -> Result<(), super::step::GpuError> {
-        let (mut x_sz, mut w_sz, mut r_sz, mut rw_sz) = (
-            [bucket, hidden],
-            [bucket, k],
-            [self.recv_cap, hidden],
-            [self.recv_cap],
-        );
+    ) -> Result<(), GpuError> {
+        let ll = self.is_ll(bucket);
+        let local = self.counters.len();
+        let (mut x_sz, mut w_sz, mut rw_sz, mut cnt_sz) =
+            ([bucket, hidden], [bucket, k], [0usize], [local]);
         let mut t_x =
             ncclEpTensor_t::describe(x.device_ptr(stream).0, ncclDataType_t::Bfloat16, &mut x_sz);
         let mut t_w =
             ncclEpTensor_t::describe(w.device_ptr(stream).0, ncclDataType_t::Float32, &mut w_sz);
-        let mut t_r = ncclEpTensor_t::describe(
-            xe.device_ptr_mut(stream).0,
-            ncclDataType_t::Bfloat16,
-            &mut r_sz,
+        let mut t_cnt = ncclEpTensor_t::describe(
+            self.counters.device_ptr_mut(stream).0,
+            ncclDataType_t::Int32,
+            &mut cnt_sz,
         );
-        let mut t_rw = ncclEpTensor_t::describe(
-            self.recv_w.device_ptr_mut(stream).0,
-            ncclDataType_t::Float32,
-            &mut rw_sz,
-        );
+        let recv_w = self.recv_w.device_ptr_mut(stream).0;
+        let p = self.path_mut(bucket);
+        let mut r_sz3 = [local, p.cap, hidden];
+        let mut r_sz2 = [p.cap, hidden];
+        rw_sz[0] = p.cap;
+        let mut t_r = match ll {
+            true => p.rows.tensor(&mut r_sz3, stream),
+            false => p.rows.tensor(&mut r_sz2, stream),
+        };
+        let mut t_rw = ncclEpTensor_t::describe(recv_w, ncclDataType_t::Float32, &mut rw_sz);
         let mut din = ncclEpDispatchInputs_t::new();
         din.tokens = &mut t_x;
-        din.topk_weights = &mut t_w;
         let mut dout = ncclEpDispatchOutputs_t::new();
         dout.tokens = &mut t_r;
-        dout.topk_weights = &mut t_rw;
+        let mut li = ncclEpLayoutInfo_t::new();
+        let li_ptr = match ll {
+            // LL expert-major: the per-expert received counts, at dispatch time.
+            true => {
+                li.expert_counters = &mut t_cnt;
+                &li as *const ncclEpLayoutInfo_t
+            }
+            // HT forward: the weights travel with the rows (one per received row).
+            false => {
+                din.topk_weights = &mut t_w;
+                dout.topk_weights = &mut t_rw;
+                std::ptr::null()
+            }
+        };
         let cfg = ncclEpDispatchConfig_t::new();
         let raw = stream.cu_stream() as nccl_sys::cudaStream_t;
-        // SAFETY: as in `update`; xe holds recv_cap rows, the group's receive capacity.
+        // SAFETY: every descriptor points at a live buffer of the extents it states (the rows
+        // hold the group's receive capacity) and lives on this frame through the call.
         check("ncclEpDispatch", unsafe {
-            (self.ep.dispatch)(self.handle.raw, &din, &dout, std::ptr::null(), &cfg, raw)
+            (p.ep.dispatch)(p.handle.raw, &din, &dout, li_ptr, &cfg, raw)
         })?;
         Ok(())
     }
 
-    /// The routing weight of each received row (HT combine wants rows already weighted).
-    pub fn recv_weights(&self) -> &CudaSlice<f32> {
-        &self.recv_w
-    }
-
-    /// Combine: the weighted expert rows in `y` back home, summed, into `out_b`'s `bucket` rows.
+    /// Combine: the expert rows back home, summed, into `out_b`'s `bucket` rows. HT rows are
+    /// weighted already; LL weighs them with the home tokens' `w` as they arrive.
     pub fn combine(
         &mut self,
-        y: &CudaSlice<bf16>,
+        w: &CudaSlice<f32>,
         bucket: usize,
+        k: usize,
         hidden: usize,
         stream: &CudaStream,
-    ) -> Result<(), super::step::GpuError> {
-        let (mut c_sz, mut o_sz) = ([self.recv_cap, hidden], [bucket, hidden]);
-        let mut t_c =
-            ncclEpTensor_t::describe(y.device_ptr(stream).0, ncclDataType_t::Bfloat16, &mut c_sz);
+    ) -> Result<(), GpuError> {
+        let ll = self.is_ll(bucket);
+        let local = self.counters.len();
+        let (mut o_sz, mut w_sz) = ([bucket, hidden], [bucket, k]);
         let mut t_o = ncclEpTensor_t::describe(
             self.out_b.device_ptr_mut(stream).0,
             ncclDataType_t::Bfloat16,
             &mut o_sz,
         );
+        let mut t_w =
+            ncclEpTensor_t::describe(w.device_ptr(stream).0, ncclDataType_t::Float32, &mut w_sz);
+        let p = self.path_mut(bucket);
+        let mut c_sz3 = [local, p.cap, hidden];
+        let mut c_sz2 = [p.cap, hidden];
+        let mut t_c = match ll {
+            true => p.rows.tensor(&mut c_sz3, stream),
+            false => p.rows.tensor(&mut c_sz2, stream),
+        };
         let mut cin = ncclEpCombineInputs_t::new();
         cin.tokens = &mut t_c;
         let mut cout = ncclEpCombineOutputs_t::new();
         cout.tokens = &mut t_o;
+        if ll {
+            cout.topk_weights = &mut t_w;
+        }
         let cfg = ncclEpCombineConfig_t::new();
         let raw = stream.cu_stream() as nccl_sys::cudaStream_t;
-        // SAFETY: as in `update`.
+        // SAFETY: as in `dispatch`.
         check("ncclEpCombine", unsafe {
-            (self.ep.combine)(self.handle.raw, &cin, &cout, &cfg, raw)
+            (p.ep.combine)(p.handle.raw, &cin, &cout, &cfg, raw)
         })?;
         Ok(())
     }
@@ -389,7 +624,7 @@ mod tests {
             inter: 64,
             shared_inter: 0,
             max_home: 64,
-            ep_align: 0,
+            ep: None,
         }
     }
 

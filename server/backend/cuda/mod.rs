@@ -10,7 +10,8 @@ pub mod step;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DriverError, LaunchConfig,
+    PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
@@ -51,6 +52,8 @@ pub struct Kernels {
     fill_uniform_f32: CudaFunction,
     scale_rows: CudaFunction,
     widen_add: CudaFunction,
+    ll_bounds: CudaFunction,
+    swiglu_tiles: CudaFunction,
 }
 
 pub struct Gpu {
@@ -97,6 +100,8 @@ impl Gpu {
             fill_uniform_f32: f("fill_uniform_f32")?,
             scale_rows: f("scale_rows")?,
             widen_add: f("widen_add")?,
+            ll_bounds: f("ll_bounds")?,
+            swiglu_tiles: f("swiglu_tiles")?,
         };
         Ok(Self { ctx, stream, k })
     }
@@ -308,14 +313,80 @@ impl Gpu {
         n_tiles: &mut CudaSlice<i32>,
         y: &mut CudaSlice<bf16>,
     ) -> Result<(), DriverError> {
+        let (starts, ends) = (offsets.slice(..e), offsets.slice(1..=e));
+        self.grouped_gemm_in(
+            x,
+            w,
+            (&starts, &ends),
+            e,
+            rows_cap,
+            n,
+            kd,
+            tiles,
+            n_tiles,
+            y,
+        )
+    }
+
+    /// The grouped GEMM over blocks that need not touch: expert e's rows are
+    /// `[bounds[e], bounds[e + E])` (`bounds [2E]`, as `ll_bounds` writes them), at most
+    /// `rows_cap` rows in all; x and y are indexed by row number, so they span the last block.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_gemm_ranges(
+        &self,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        bounds: &CudaSlice<i32>,
+        e: usize,
+        rows_cap: usize,
+        n: usize,
+        kd: usize,
+        tiles: &mut CudaSlice<i32>,
+        n_tiles: &mut CudaSlice<i32>,
+        y: &mut CudaSlice<bf16>,
+    ) -> Result<(), DriverError> {
+        let (starts, ends) = (bounds.slice(..e), bounds.slice(e..2 * e));
+        self.grouped_gemm_in(
+            x,
+            w,
+            (&starts, &ends),
+            e,
+            rows_cap,
+            n,
+            kd,
+            tiles,
+            n_tiles,
+            y,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_gemm_in(
+        &self,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        (starts, ends): (&CudaView<i32>, &CudaView<i32>),
+        e: usize,
+        rows_cap: usize,
+        n: usize,
+        kd: usize,
+        tiles: &mut CudaSlice<i32>,
+        n_tiles: &mut CudaSlice<i32>,
+        y: &mut CudaSlice<bf16>,
+    ) -> Result<(), DriverError> {
         assert!(
             n % GEMM_TILE == 0 && kd % 32 == 0,
             "grouped_gemm needs n % 64 == 0 and kd % 32 == 0"
         );
         let max_tiles = max_tiles(rows_cap, e);
+        assert!(tiles.len() >= 2 * max_tiles, "grouped_gemm tile list");
         let ei = e as i32;
         let mut b = self.stream.launch_builder(&self.k.build_tiles);
-        b.arg(offsets).arg(&ei).arg(&mut *tiles).arg(&mut *n_tiles);
+        b.arg(starts)
+            .arg(ends)
+            .arg(&ei)
+            .arg(&mut *tiles)
+            .arg(&mut *n_tiles);
         // SAFETY: tiles has room for max_tiles entries (one per 64 rows of each expert's block).
         unsafe { b.launch(Self::cfg((1, 1), 32, 0)) }?;
         let (n32, kd32) = (n as i32, kd as i32);
@@ -327,7 +398,7 @@ impl Gpu {
         let mut b = self.stream.launch_builder(func);
         b.arg(x)
             .arg(w)
-            .arg(offsets)
+            .arg(ends)
             .arg(&*tiles)
             .arg(&*n_tiles)
             .arg(&n32)
@@ -589,6 +660,50 @@ impl Gpu {
         b.arg(y).arg(w).arg(rows).arg(&h32);
         // SAFETY: y holds rows_cap rows of h, w rows_cap weights; rows past *rows are skipped.
         unsafe { b.launch(Self::cfg((rows_cap as u32, 1), 256, 0)) }.map(drop)
+    }
+
+    /// The grouped GEMM's blocks in NCCL EP's low-latency layout: local expert e's `counts[e]`
+    /// rows start at row e * `stride`; `bounds [2L]` gets the starts, then the ends.
+    pub fn ll_bounds(
+        &self,
+        counts: &CudaSlice<i32>,
+        stride: usize,
+        bounds: &mut CudaSlice<i32>,
+    ) -> Result<(), DriverError> {
+        let l = counts.len();
+        assert!(bounds.len() >= 2 * l, "ll_bounds");
+        let (l32, s32) = (l as i32, stride as i32);
+        let mut b = self.stream.launch_builder(&self.k.ll_bounds);
+        b.arg(counts).arg(&l32).arg(&s32).arg(bounds);
+        // SAFETY: counts holds l ints, bounds 2l (asserted).
+        unsafe { b.launch(Self::cfg((1, 1), 256, 0)) }.map(drop)
+    }
+
+    /// SwiGLU over the rows of the tiles the last grouped GEMM built (`max_tiles` of them at
+    /// most), for blocks that need not touch; `ends` as for `grouped_gemm_ranges`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn swiglu_tiles(
+        &self,
+        gu: &CudaSlice<bf16>,
+        tiles: &CudaSlice<i32>,
+        n_tiles: &CudaSlice<i32>,
+        bounds: &CudaSlice<i32>,
+        e: usize,
+        max_tiles: usize,
+        inter: usize,
+        act: &mut CudaSlice<bf16>,
+    ) -> Result<(), DriverError> {
+        let ends = bounds.slice(e..2 * e);
+        let i = inter as i32;
+        let mut b = self.stream.launch_builder(&self.k.swiglu_tiles);
+        b.arg(gu)
+            .arg(tiles)
+            .arg(n_tiles)
+            .arg(&ends)
+            .arg(&i)
+            .arg(act);
+        // SAFETY: the tiles' rows lie inside gu (2 * inter per row) and act (inter per row).
+        unsafe { b.launch(Self::cfg((max_tiles as u32, 1), 256, 0)) }.map(drop)
     }
 
     /// `out[t] = x[t] (+ shared[t])` in f32 for t < *n, over `n_cap` rows of `h`.

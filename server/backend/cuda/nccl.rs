@@ -2,11 +2,15 @@
 //! destroyed on drop, aborted when the group breaks (so no rank spins forever in a collective).
 
 use std::ffi::{c_int, c_void, CStr};
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
-use nccl_sys::{ncclComm_t, ncclDataType_t, ncclResult_t, ncclUniqueId, Nccl};
+use nccl_sys::{ncclComm_t, ncclDataType_t, ncclResult_t, ncclUniqueId, ncclWindow_t, Nccl};
+
+/// `NCCL_WIN_COLL_SYMMETRIC`: every rank registers a buffer of the same size.
+const WIN_COLL_SYMMETRIC: c_int = 0x01;
 
 #[derive(Debug)]
 pub struct NcclError {
@@ -219,6 +223,54 @@ impl Comm {
         end.map(|_| r)
     }
 
+    /// `len` zeroed elements from `ncclMemAlloc`, registered once as a symmetric window
+    /// (collective: every rank allocates the same sizes in the same order, outside any capture).
+    pub fn sym_alloc<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<SymBuffer<T>, NcclError> {
+        let missing = |op| NcclError {
+            op,
+            result: ncclResult_t::INVALID_USAGE,
+            detail: "not in this NCCL (symmetric windows need NCCL >= 2.27)".into(),
+        };
+        let alloc = self.nccl.mem_alloc.ok_or(missing("ncclMemAlloc"))?;
+        let free = self.nccl.mem_free.ok_or(missing("ncclMemFree"))?;
+        let register = (self.nccl.comm_window_register).ok_or(missing("ncclCommWindowRegister"))?;
+        let deregister =
+            (self.nccl.comm_window_deregister).ok_or(missing("ncclCommWindowDeregister"))?;
+        let bytes = len.max(1) * std::mem::size_of::<T>();
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; NCCL allocates `bytes` of device memory on this device.
+        self.check("ncclMemAlloc", unsafe { alloc(&mut ptr, bytes) })?;
+        let mut win: ncclWindow_t = std::ptr::null_mut();
+        // SAFETY: ptr holds `bytes` from ncclMemAlloc; a live communicator; valid out-pointer.
+        let r = unsafe { register(self.comm, ptr, bytes, &mut win, WIN_COLL_SYMMETRIC) };
+        if let Err(e) = self.check("ncclCommWindowRegister", r) {
+            // SAFETY: allocated above, not registered, freed once.
+            unsafe { free(ptr) };
+            return Err(e);
+        }
+        // SAFETY: ptr is a device allocation of len.max(1) elements of T on the stream's context;
+        // the slice is leaked, never freed by cudarc (`SymBuffer::drop` frees it through NCCL).
+        let mut view = unsafe { stream.upgrade_device_ptr::<T>(ptr as u64, len.max(1)) };
+        let zeroed = stream.memset_zeros(&mut view);
+        let me = SymBuffer {
+            free,
+            deregister,
+            comm: self.comm,
+            win,
+            view: ManuallyDrop::new(view),
+        };
+        zeroed.map_err(|e| NcclError {
+            op: "cuMemsetD8Async",
+            result: ncclResult_t::UNHANDLED_CUDA_ERROR,
+            detail: e.to_string(),
+        })?;
+        Ok(me)
+    }
+
     /// The raw communicator, for libraries built on it (NCCL EP); valid while `self` lives.
     pub fn raw(&self) -> ncclComm_t {
         self.comm
@@ -242,6 +294,60 @@ impl Drop for Comm {
             if r != ncclResult_t::SUCCESS {
                 tracing::warn!("ncclCommDestroy: {r}");
             }
+        }
+    }
+}
+
+/// Device memory from `ncclMemAlloc`, registered as a symmetric window of a communicator. It
+/// must be dropped before the communicator (its owner's field order sees to that): deregistering
+/// is collective, like registering.
+pub struct SymBuffer<T> {
+    free: unsafe extern "C" fn(*mut c_void) -> ncclResult_t,
+    deregister: unsafe extern "C" fn(ncclComm_t, ncclWindow_t) -> ncclResult_t,
+    comm: ncclComm_t,
+    win: ncclWindow_t,
+    /// The memory as cudarc sees it, for the kernels; never freed by cudarc.
+    view: ManuallyDrop<CudaSlice<T>>,
+}
+
+// SAFETY: used by the one thread that runs the rank's steps at a time, like the communicator.
+unsafe impl<T> Send for SymBuffer<T> {}
+
+impl<T> SymBuffer<T> {
+    pub fn window(&self) -> ncclWindow_t {
+        self.win
+    }
+    pub fn bytes(&self) -> usize {
+        self.view.len() * std::mem::size_of::<T>()
+    }
+}
+
+impl<T> std::ops::Deref for SymBuffer<T> {
+    type Target = CudaSlice<T>;
+    fn deref(&self) -> &CudaSlice<T> {
+        &self.view
+    }
+}
+
+impl<T> std::ops::DerefMut for SymBuffer<T> {
+    fn deref_mut(&mut self) -> &mut CudaSlice<T> {
+        &mut self.view
+    }
+}
+
+impl<T> Drop for SymBuffer<T> {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here; leaking hands the pointer back without cudarc freeing it.
+        let ptr = unsafe { ManuallyDrop::take(&mut self.view) }.leak();
+        // SAFETY: the window was registered on this (still live) communicator, deregistered once.
+        let r = unsafe { (self.deregister)(self.comm, self.win) };
+        if r != ncclResult_t::SUCCESS {
+            tracing::warn!("ncclCommWindowDeregister: {r}");
+        }
+        // SAFETY: allocated by ncclMemAlloc, no longer registered, freed once.
+        let r = unsafe { (self.free)(ptr as *mut c_void) };
+        if r != ncclResult_t::SUCCESS {
+            tracing::warn!("ncclMemFree: {r}");
         }
     }
 }

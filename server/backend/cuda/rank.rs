@@ -93,6 +93,9 @@ struct Staging {
     n: Pinned<i32>,
     out: Pinned<f32>,
     m: Pinned<i32>,
+    /// NCCL EP's per-local-expert receive counts and HT padded total, for the overflow check.
+    recv: Pinned<i32>,
+    total: Pinned<i32>,
 }
 
 /// Everything a step enqueues, copies included: captured as is, or run eagerly.
@@ -116,6 +119,10 @@ fn enqueue(
     dtoh(&c.b.out, bucket * h, &mut st.out, &s)?;
     let m = c.b.m.len();
     dtoh(&c.b.m, m, &mut st.m, &s)?;
+    if let Some(ep) = &c.ep {
+        dtoh(&ep.counters, ep.counters.len(), &mut st.recv, &s)?;
+        dtoh(&ep.total, 1, &mut st.total, &s)?;
+    }
     Ok(())
 }
 
@@ -188,6 +195,8 @@ impl GpuRank {
             n: Pinned::new(3)?,
             out: Pinned::new(t * h)?,
             m: Pinned::new(s.world * s.experts)?,
+            recv: Pinned::new(s.local())?,
+            total: Pinned::new(1)?,
         };
         let done = core.g.ctx.new_event(None)?;
         let mut me = Self {
@@ -200,6 +209,15 @@ impl GpuRank {
             done,
             step_timeout,
         };
+        if let Some(ep) = &me.core().ep {
+            // Present (at zero) from the start, so a dashboard can alert on any increase.
+            for (mode, on) in [("ll", ep.ll.is_some()), ("ht", ep.ht.is_some())] {
+                if on {
+                    metrics::counter!("epserve_ep_recv_overflow_total", "mode" => mode).absolute(0);
+                    metrics::counter!("epserve_ep_recv_mismatch_total", "mode" => mode).absolute(0);
+                }
+            }
+        }
         let layers = me.core().layers.len();
         for bucket in me.buckets.clone() {
             me.eager(0, bucket, false)?;
@@ -269,6 +287,58 @@ impl GpuRank {
             comm.abort();
             std::mem::forget((g, layers, b));
             self.graphs.drain(..).for_each(std::mem::forget);
+        }
+    }
+
+    /// NCCL EP's receive counts against the routing (the all-gathered counts) and the
+    /// capacity. Overflow is impossible by construction (a group holds its largest bucket's
+    /// worst case); these counters show any step that says otherwise.
+    fn check_receive(&self, step: u64, bucket: usize) {
+        let Some(c) = self.core.as_ref() else { return };
+        let (Some(ep), Some(shape)) = (&c.ep, c.shape.ep) else {
+            return;
+        };
+        let s = &c.shape;
+        let (l, e) = (s.local(), s.experts);
+        let m = self.st.m.as_slice();
+        let routed: Vec<i64> = (0..l)
+            .map(|j| {
+                (0..s.world)
+                    .map(|src| i64::from(m[src * e + s.rank * l + j]))
+                    .sum()
+            })
+            .collect();
+        let counts = &self.st.recv.as_slice()[..l];
+        let cap = ep.path(bucket).cap as i64;
+        let (mode, rows, expected, overflow) = match ep.is_ll(bucket) {
+            true => (
+                "ll",
+                counts.iter().map(|&c| i64::from(c)).sum::<i64>(),
+                routed.iter().sum::<i64>(),
+                counts.iter().any(|&c| i64::from(c) > cap),
+            ),
+            false => {
+                let a = shape.align as i64;
+                let total = i64::from(self.st.total.as_slice()[0]);
+                let padded = routed.iter().map(|&r| (r + a - 1) / a * a).sum();
+                ("ht", total, padded, total > cap)
+            }
+        };
+        metrics::counter!("epserve_ep_steps_total", "mode" => mode).increment(1);
+        metrics::gauge!("epserve_ep_recv_rows", "mode" => mode).set(rows as f64);
+        if overflow {
+            metrics::counter!("epserve_ep_recv_overflow_total", "mode" => mode).increment(1);
+            tracing::error!(step, mode, rows, cap, "NCCL EP received past its capacity");
+        }
+        if rows != expected {
+            metrics::counter!("epserve_ep_recv_mismatch_total", "mode" => mode).increment(1);
+            tracing::error!(
+                step,
+                mode,
+                rows,
+                expected,
+                "NCCL EP received other than the routing sent"
+            );
         }
     }
 
@@ -355,6 +425,7 @@ impl GpuRank {
         for (r, &m) in self.routed.iter_mut().zip(self.st.m.as_slice()) {
             *r = m.max(0) as u32;
         }
+        self.check_receive(desc.step, bucket);
         // Whole-device use, so an allocation by anyone in the process (NCCL included) shows.
         if let Ok((free, total)) = result::mem_get_info() {
             metrics::gauge!("epserve_device_memory_used_bytes").set((total - free) as f64);
@@ -386,6 +457,28 @@ impl Backend for GpuRank {
 
     fn routed(&self) -> &[u32] {
         &self.routed
+    }
+
+    fn ep_footprint(&self) -> Option<crate::proto::NcclEpFootprint> {
+        let c = self.core.as_ref()?;
+        let (ep, shape) = (c.ep.as_ref()?, c.shape.ep?);
+        let (ll, ht) = ep.footprints();
+        let all = [ll, ht];
+        let sum = |f: fn(&super::ep::Footprint) -> u64| all.iter().flatten().map(f).sum();
+        Some(crate::proto::NcclEpFootprint {
+            modes: match (ll.is_some(), ht.is_some()) {
+                (true, true) => "ll+ht",
+                (true, false) => "ll",
+                _ => "ht",
+            }
+            .into(),
+            // Windows in use (NCCL EP 0.2's LL expert-major path has none).
+            zero_copy: shape.zero_copy && all.iter().flatten().any(|f| f.windowed),
+            ll_max_tokens_per_rank: shape.ll_max as u32,
+            group_bytes: sum(|f| f.group_bytes),
+            handle_bytes: sum(|f| f.handle_bytes),
+            expert_rows_bytes: sum(|f| f.rows_bytes),
+        })
     }
 
     fn buffers(&self) -> Vec<(&'static str, usize, usize)> {

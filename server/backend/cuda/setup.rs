@@ -11,8 +11,8 @@ use nccl_sys::{ncclUniqueId, Nccl};
 use super::ep::EpExchange;
 use super::nccl::Comm;
 use super::rank::GpuRank;
-use super::step::{Alloc, DeviceLayer, GpuStep, StepShape};
-use super::Gpu;
+use super::step::{Alloc, DeviceLayer, EpSettings, EpShape, GpuStep, StepShape};
+use super::{Gpu, GEMM_TILE};
 use crate::model::{MoeSpec, RankWeights};
 use crate::step::ring::Ring;
 use crate::step::Backend;
@@ -72,12 +72,17 @@ impl Device {
         world: usize,
         rank: usize,
         max_home: usize,
-        ep_align: usize,
+        ep: Option<EpSettings>,
     ) -> anyhow::Result<Self> {
         let mut shape = StepShape::new(spec, world, rank, max_home);
-        shape.ep_align = ep_align;
-        if ep_align > 0 {
-            super::ep::validate(&shape, ep_align).map_err(|e| anyhow!(e))?;
+        // NCCL EP pads each expert's HT rows to the grouped GEMM's tile.
+        shape.ep = ep.map(|e| EpShape {
+            align: GEMM_TILE,
+            ll_max: e.ll_max,
+            zero_copy: e.zero_copy,
+        });
+        if shape.ep.is_some() {
+            super::ep::validate(&shape, GEMM_TILE).map_err(|e| anyhow!(e))?;
         }
         shape.check().map_err(|e| anyhow!(e))?;
         let g = Gpu::new(ordinal).with_context(|| format!("opening GPU {ordinal}"))?;
@@ -146,11 +151,14 @@ impl Device {
         self.g.ctx.bind_to_thread()?;
         let t0 = Instant::now();
         // The NCCL EP group is collective too: every rank makes it here, in the same order.
-        let ep = match self.shape.ep_align {
-            0 => None,
-            a => Some(
-                EpExchange::new(&comm, &self.shape, a, &mut self.alloc).context("NCCL EP group")?,
-            ),
+        let ep = match self.shape.ep {
+            None => None,
+            Some(_) => {
+                let ep = EpExchange::new(&comm, &self.shape, &mut self.alloc)
+                    .context("NCCL EP group")?;
+                log_footprint(self.ordinal, &ep);
+                Some(ep)
+            }
         };
         let core = GpuStep::new(
             self.g,
@@ -175,5 +183,22 @@ impl Device {
             "GPU step ready"
         );
         Ok(Box::new(rank_))
+    }
+}
+
+fn log_footprint(gpu: usize, ep: &EpExchange) {
+    let (ll, ht) = ep.footprints();
+    for (mode, f) in [("ll", ll), ("ht", ht)] {
+        if let Some(f) = f {
+            tracing::info!(
+                gpu,
+                mode,
+                group_mib = f.group_bytes >> 20,
+                handle_kib = f.handle_bytes >> 10,
+                rows_mib = f.rows_bytes >> 20,
+                window = f.windowed,
+                "NCCL EP footprint"
+            );
+        }
     }
 }

@@ -12,6 +12,7 @@ use half::bf16;
 use super::ep::EpExchange;
 use super::nccl::{Comm, NcclError};
 use super::{max_tiles, Gpu, Slots, GEMM_TILE, MAX_EXPERTS};
+pub use crate::config::EpSettings;
 use crate::model::{Ffn, LayerWeights, MoeSpec, Routing};
 
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +41,9 @@ pub struct Alloc {
 impl Alloc {
     pub fn new(stream: Arc<CudaStream>) -> Self {
         Self { stream, bytes: 0 }
+    }
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
     }
     fn count<T>(&mut self, n: usize) {
         self.bytes += n * std::mem::size_of::<T>();
@@ -72,8 +76,18 @@ pub struct StepShape {
     pub shared_inter: usize,
     /// The largest bucket: most home tokens per rank.
     pub max_home: usize,
-    /// NCCL EP exchange with this per-expert row alignment; 0 = the NCCL slot exchange.
-    pub ep_align: usize,
+    /// The NCCL EP exchange, or (None) the NCCL slot exchange.
+    pub ep: Option<EpShape>,
+}
+
+/// How the NCCL EP exchange is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EpShape {
+    /// HT per-expert row alignment (the grouped GEMM's tile).
+    pub align: usize,
+    /// Buckets up to this many home tokens per rank run low-latency (0: none).
+    pub ll_max: usize,
+    pub zero_copy: bool,
 }
 
 impl StepShape {
@@ -87,7 +101,7 @@ impl StepShape {
             inter: spec.intermediate,
             shared_inter: spec.shared_intermediate,
             max_home,
-            ep_align: 0,
+            ep: None,
         }
     }
     pub fn local(&self) -> usize {
@@ -107,13 +121,35 @@ impl StepShape {
             slot_rows: self.slot_rows(bucket),
         }
     }
-    /// Rows of the receive side: one slot from every source, or NCCL EP's expert-major
-    /// capacity (the same for every bucket: the group is sized once).
+    /// Rows of the receive side: one slot from every source, or NCCL EP's expert-major row
+    /// space for the bucket's mode (the same for every bucket of a mode: a group is sized once).
     pub fn recv_rows(&self, bucket: usize) -> usize {
-        match self.ep_align {
-            0 => self.world * self.slot_rows(bucket),
-            a => super::ep::recv_capacity(self, a),
+        match self.ep {
+            None => self.world * self.slot_rows(bucket),
+            Some(e) if bucket <= e.ll_max => super::ep::ll_rows(self, e.ll_max),
+            Some(e) => super::ep::recv_capacity(self, e.align),
         }
+    }
+
+    /// The largest row space any bucket uses (what the FFN's row buffers must span).
+    pub fn row_space(&self) -> usize {
+        match self.ep {
+            None => self.recv_rows(self.max_home),
+            Some(e) => self.ep_rows(e).0.max(self.ep_rows(e).1),
+        }
+    }
+
+    /// NCCL EP's expert rows: (LL, HT), 0 for a mode no bucket uses.
+    fn ep_rows(&self, e: EpShape) -> (usize, usize) {
+        let ll = match e.ll_max {
+            0 => 0,
+            t => super::ep::ll_rows(self, t),
+        };
+        let ht = match self.max_home > e.ll_max {
+            true => super::ep::recv_capacity(self, e.align),
+            false => 0,
+        };
+        (ll, ht)
     }
 
     /// What the kernels need of the model's shapes, as one readable refusal.
@@ -163,16 +199,20 @@ impl StepShape {
             self.experts,
             self.world,
         );
-        let rows = self.recv_rows(t);
-        // Slot send and receive buffers beside the expert rows, or (NCCL EP) the expert rows only.
-        let row_bufs = if self.ep_align == 0 { 3 } else { 1 };
+        let rows = self.row_space();
+        // Slot send and receive buffers beside the expert rows, or NCCL EP's expert rows (one
+        // buffer per mode in use).
+        let expert_rows = match self.ep {
+            None => 3 * rows,
+            Some(e) => self.ep_rows(e).0 + self.ep_rows(e).1,
+        };
         let (i, si) = (self.inter, self.shared_inter);
         let ints = 3 + t * k * 4 + 2 * e + 1 + w * e + rows + self.local() + 3;
         let tiles = 2 * (max_tiles(rows, self.local()) + max_tiles(t, 1)) + 2;
         t * h * 4 * 2                       // x, out
             + t * e * 4 + t * k * 4         // logits, weights
             + t * h * 2                     // xb
-            + row_bufs * rows * h * 2       // send, recv, expert rows
+            + expert_rows * h * 2           // send, recv, expert rows
             + rows * 3 * i * 2              // gate/up, act
             + t * (3 * si + h) * 2          // shared expert
             + (ints + tiles) * 4
@@ -266,7 +306,7 @@ pub struct Buffers {
     map: CudaSlice<i32>,
     local_off: CudaSlice<i32>,
     rows: CudaSlice<i32>,
-    /// Expert-major received rows; reused for the expert outputs.
+    /// Expert-major received rows; reused for the expert outputs (NCCL EP: in the exchange).
     xe: CudaSlice<bf16>,
     gu: CudaSlice<bf16>,
     act: CudaSlice<bf16>,
@@ -286,9 +326,9 @@ pub struct Buffers {
 impl Buffers {
     fn new(a: &mut Alloc, s: &StepShape) -> Result<Self, DriverError> {
         let (t, h, k, e, l) = (s.max_home, s.hidden, s.top_k, s.experts, s.local());
-        let rows = s.recv_rows(t);
-        // The slot exchange's buffers; NCCL EP dispatches straight into the expert rows.
-        let slots = if s.ep_align == 0 { rows } else { 0 };
+        let rows = s.row_space();
+        // The slot exchange's buffers; NCCL EP dispatches straight into its own expert rows.
+        let slots = if s.ep.is_none() { rows } else { 0 };
         let si = s.shared_inter;
         Ok(Self {
             x: a.zeros(t * h)?,
@@ -308,7 +348,7 @@ impl Buffers {
             map: a.zeros(slots)?,
             local_off: a.zeros(l + 1)?,
             rows: a.zeros(1)?,
-            xe: a.zeros(rows * h)?,
+            xe: a.zeros(slots * h)?,
             gu: a.zeros(rows * 2 * s.inter)?,
             act: a.zeros(rows * s.inter)?,
             tiles: a.zeros(2 * max_tiles(rows, l))?,
@@ -429,7 +469,7 @@ impl GpuStep {
     pub fn dispatch(&mut self, bucket: usize) -> Result<(), GpuError> {
         let (g, b, s) = (&self.g, &mut self.b, &self.shape);
         if let Some(ep) = &mut self.ep {
-            return ep.dispatch(&b.xb, &b.w, bucket, s.top_k, s.hidden, &mut b.xe, &g.stream);
+            return ep.dispatch(&b.xb, &b.w, bucket, s.top_k, s.hidden, &g.stream);
         }
         let sl = s.slots(bucket);
         let rows = s.recv_rows(bucket);
@@ -452,38 +492,95 @@ impl GpuStep {
 
     /// Grouped SwiGLU FFN of every local expert; the output overwrites the expert rows.
     pub fn experts(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
-        let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
+        let (g, s, l) = (&self.g, &self.shape, &self.layers[layer]);
         let (h, i, local) = (s.hidden, s.inter, s.local());
         let rows = s.recv_rows(bucket);
-        g.grouped_gemm(
-            &b.xe,
-            &l.w_gu,
-            &b.local_off,
-            local,
-            rows,
-            2 * i,
-            h,
-            &mut b.tiles,
-            &mut b.n_tiles,
-            &mut b.gu,
-        )?;
-        g.swiglu(&b.gu, &b.rows, rows, i, &mut b.act)?;
-        g.grouped_gemm(
-            &b.act,
-            &l.w_down,
-            &b.local_off,
-            local,
-            rows,
-            h,
-            i,
-            &mut b.tiles,
-            &mut b.n_tiles,
-            &mut b.xe,
-        )?;
-        if let Some(ep) = &self.ep {
-            // HT combine sums rows as they come: weight them here.
-            g.scale_rows(&mut b.xe, ep.recv_weights(), &b.rows, rows, h)?;
+        let Buffers {
+            xe,
+            gu,
+            act,
+            tiles,
+            n_tiles,
+            local_off,
+            rows: n_rows,
+            ..
+        } = &mut self.b;
+        let Some(ep) = &mut self.ep else {
+            return contiguous_ffn(
+                g,
+                l,
+                (local_off, n_rows),
+                rows,
+                local,
+                s,
+                (tiles, n_tiles),
+                (gu, act),
+                xe,
+            );
+        };
+        if ep.is_ll(bucket) {
+            // LL rows: expert e's `counters[e]` rows start at e x (world x tokens).
+            let EpExchange {
+                ll,
+                counters,
+                bounds,
+                ll_max,
+                ..
+            } = ep;
+            let p = ll.as_mut().expect("an LL path for LL buckets");
+            g.ll_bounds(counters, p.cap, bounds)?;
+            let valid = s.world * *ll_max * s.top_k.min(local);
+            g.grouped_gemm_ranges(
+                p.rows(),
+                &l.w_gu,
+                bounds,
+                local,
+                valid,
+                2 * i,
+                h,
+                tiles,
+                n_tiles,
+                gu,
+            )?;
+            g.swiglu_tiles(
+                gu,
+                tiles,
+                n_tiles,
+                bounds,
+                local,
+                max_tiles(valid, local),
+                i,
+                act,
+            )?;
+            g.grouped_gemm_ranges(
+                act,
+                &l.w_down,
+                bounds,
+                local,
+                valid,
+                h,
+                i,
+                tiles,
+                n_tiles,
+                p.rows_mut(),
+            )?;
+            return Ok(());
         }
+        let EpExchange { ht, recv_w, .. } = ep;
+        let p = ht.as_mut().expect("an HT path for HT buckets");
+        contiguous_ffn(
+            g,
+            l,
+            (local_off, n_rows),
+            rows,
+            local,
+            s,
+            (tiles, n_tiles),
+            (gu, act),
+            p.rows_mut(),
+        )?;
+        // HT combine sums rows as they come: weight them here.
+        g.scale_rows(p.rows_mut(), recv_w, n_rows, rows, h)?;
         Ok(())
     }
 
@@ -493,7 +590,7 @@ impl GpuStep {
         let (h, k) = (s.hidden, s.top_k);
         let sl = s.slots(bucket);
         match &mut self.ep {
-            Some(ep) => ep.combine(&b.xe, bucket, h, &g.stream)?,
+            Some(ep) => ep.combine(&b.w, bucket, k, h, &g.stream)?,
             None => {
                 g.gather_by_map(&b.xe, &b.map, s.recv_rows(bucket), h, &mut b.send)?;
                 self.comm
@@ -551,4 +648,38 @@ impl GpuStep {
         self.experts(layer, bucket)?;
         self.combine(layer, bucket)
     }
+}
+
+/// The FFN over packed, contiguous expert blocks (`offsets`, `rows` on the device), in place on
+/// `xe`: gate/up, SwiGLU, down.
+#[allow(clippy::too_many_arguments)]
+fn contiguous_ffn(
+    g: &Gpu,
+    l: &DeviceLayer,
+    (offsets, n_rows): (&CudaSlice<i32>, &CudaSlice<i32>),
+    rows: usize,
+    local: usize,
+    s: &StepShape,
+    (tiles, n_tiles): (&mut CudaSlice<i32>, &mut CudaSlice<i32>),
+    (gu, act): (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
+    xe: &mut CudaSlice<bf16>,
+) -> Result<(), GpuError> {
+    let (h, i) = (s.hidden, s.inter);
+    g.grouped_gemm(
+        xe,
+        &l.w_gu,
+        offsets,
+        local,
+        rows,
+        2 * i,
+        h,
+        tiles,
+        n_tiles,
+        gu,
+    )?;
+    g.swiglu(gu, n_rows, rows, i, act)?;
+    g.grouped_gemm(
+        act, &l.w_down, offsets, local, rows, h, i, tiles, n_tiles, xe,
+    )?;
+    Ok(())
 }
