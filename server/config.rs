@@ -86,7 +86,7 @@ pub enum BackendKind {
     Cpu,
     /// One GPU per rank: bf16 experts, NCCL all-gather + send/recv, CUDA graphs.
     Nccl,
-    /// As `nccl`, with NVIDIA NCCL EP (high-throughput mode, expert-major) for the exchange;
+    /// As `nccl`, with NVIDIA NCCL EP (HT and LL kernels, see --ep-mode) for the exchange;
     /// needs NCCL >= 2.30.4, libnccl_ep and nvcc.
     NcclEp,
     /// `nccl-ep` where its gates pass, else `nccl` where GPUs and NCCL are found, else `cpu`.

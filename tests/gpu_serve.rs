@@ -2,6 +2,8 @@
 //! 1,000 random requests of random sizes (some with their own routing) give the CPU backend's
 //! outputs for the same weights, on 1, 2, 4 (and 8) GPUs, graphs on and off; replaying one bucket's
 //! graph 100 times gives bitwise-identical outputs; 1,000 steps allocate nothing on the device.
+//! `nccl-ep` in each mode, zero-copy on and off, graphs on and off, gives the `nccl` backend's
+//! outputs (needs NCCL >= 2.30.4 and libnccl_ep: scripts/device-run.sh ep).
 //! Needs GPUs and NCCL; ignored by default. On a GPU machine with a carried binary:
 //! `EPSERVE_BIN=.device/bin/epserve .device/bin/gpu_serve --ignored --test-threads 1`.
 #![cfg(feature = "cuda")]
