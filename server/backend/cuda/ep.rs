@@ -224,7 +224,7 @@ pub struct Footprint {
 /// then the window (deregistered before the communicator, which outlives the exchange).
 pub struct EpPath {
     handle: Handle,
-    group: Group,
+    _group: Group,
     _handle_mem: CudaSlice<u8>,
     rows: Rows,
     ep: Arc<NcclEp>,
@@ -342,7 +342,7 @@ impl EpPath {
         };
         Ok(Self {
             handle,
-            group,
+            _group: group,
             _handle_mem: handle_mem,
             rows,
             ep,
@@ -351,11 +351,6 @@ impl EpPath {
             tokens,
             footprint,
         })
-    }
-
-    /// The group's raw pointer (for the tests' diagnostics).
-    pub fn group_raw(&self) -> ncclEpGroup_t {
-        self.group.raw
     }
 
     pub fn rows(&self) -> &CudaSlice<bf16> {

@@ -12,7 +12,6 @@ use half::bf16;
 use super::ep::EpExchange;
 use super::nccl::{Comm, NcclError};
 use super::{max_tiles, Gpu, Slots, GEMM_TILE, MAX_EXPERTS};
-pub use crate::config::EpSettings;
 use crate::model::{Ffn, LayerWeights, MoeSpec, Routing};
 
 #[derive(Debug, thiserror::Error)]
