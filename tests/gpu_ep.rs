@@ -13,7 +13,7 @@ use common::reference::{token, RefFfn, RefLayer, TIE_MARGIN};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream};
 use epserve::backend::cuda::nccl::{Comm, NcclError};
-use epserve::backend::cuda::{device_count, max_tiles, Gpu, Slots};
+use epserve::backend::cuda::{device_count, max_tiles, Blocks, Gpu, Slots};
 use epserve::model::{MoeSpec, Routing};
 use half::bf16;
 use nccl_sys::{ncclUniqueId, Nccl};
@@ -224,7 +224,7 @@ impl Rank {
         ok(g.grouped_gemm(
             &self.xe,
             &self.w_gu,
-            &self.local_off,
+            Blocks::Offsets(&self.local_off),
             local,
             rcap,
             2 * I,
@@ -237,7 +237,7 @@ impl Rank {
         ok(g.grouped_gemm(
             &self.act,
             &self.w_down,
-            &self.local_off,
+            Blocks::Offsets(&self.local_off),
             local,
             rcap,
             H,

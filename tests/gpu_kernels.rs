@@ -3,7 +3,7 @@
 //! scripts/gpu-check.sh).
 #![cfg(feature = "cuda")]
 
-use epserve::backend::cuda::{max_tiles, Gpu, ROUTER_TILED_FROM};
+use epserve::backend::cuda::{max_tiles, Blocks, Gpu, ROUTER_TILED_FROM};
 use epserve::model::routing::Router;
 use epserve::model::Routing;
 use half::bf16;
@@ -312,7 +312,7 @@ fn grouped_gemm_case(n: usize) {
     g.grouped_gemm(
         &dx,
         &dw,
-        &doff,
+        Blocks::Offsets(&doff),
         e,
         rows_cap,
         n,

@@ -48,20 +48,32 @@ fn open(
     cfg.max_dispatch_tokens_per_rank = tokens as u32;
     cfg.max_recv_tokens_per_rank = recv_cap as u32;
     cfg.max_token_bytes = (H * 2) as u32;
+    let mut hcfg = ncclEpHandleConfig_t::new();
+    hcfg.dispatch_output_per_expert_alignment = 1;
+    open_with(ep, comm, &cfg, &hcfg, s)
+}
+
+/// A group of `cfg` and an expert-major handle of `hcfg` over memory it returns (which must
+/// outlive the handle).
+fn open_with(
+    ep: &NcclEp,
+    comm: &Comm,
+    cfg: &ncclEpGroupConfig_t,
+    hcfg: &ncclEpHandleConfig_t,
+    s: &Arc<CudaStream>,
+) -> (ncclEpGroup_t, ncclEpHandle_t, CudaSlice<u8>) {
     let mut group: ncclEpGroup_t = std::ptr::null_mut();
     // SAFETY: valid out-pointer, live communicator, a config built by its constructor.
     ok("ncclEpCreateGroup", unsafe {
-        (ep.create_group)(&mut group, comm.raw(), &cfg)
+        (ep.create_group)(&mut group, comm.raw(), cfg)
     });
-    let mut hcfg = ncclEpHandleConfig_t::new();
-    hcfg.dispatch_output_per_expert_alignment = 1;
     let mut mem_size = 0usize;
     // SAFETY: live group, valid config and out-pointer.
     ok("ncclEpHandleMemSize", unsafe {
         (ep.handle_mem_size)(
             group,
             ncclEpLayout_t::EXPERT_MAJOR,
-            &hcfg,
+            hcfg,
             &mut mem_size,
             K as i32,
         )
@@ -80,7 +92,7 @@ fn open(
             &mut handle,
             group,
             ncclEpLayout_t::EXPERT_MAJOR,
-            &hcfg,
+            hcfg,
             K as i32,
             &hm,
         )
@@ -493,42 +505,7 @@ fn ll_rank(
         true => ncclEpZeroCopyMode_t::ON,
         false => ncclEpZeroCopyMode_t::OFF,
     };
-    let mut group: ncclEpGroup_t = std::ptr::null_mut();
-    // SAFETY: valid out-pointer, live communicator, a config built by its constructor.
-    ok("ncclEpCreateGroup (LL)", unsafe {
-        (ep.create_group)(&mut group, comm.raw(), &cfg)
-    });
-    let hcfg = ncclEpHandleConfig_t::new();
-    let mut mem_size = 0usize;
-    // SAFETY: live group, valid config and out-pointer.
-    ok("ncclEpHandleMemSize (LL)", unsafe {
-        (ep.handle_mem_size)(
-            group,
-            ncclEpLayout_t::EXPERT_MAJOR,
-            &hcfg,
-            &mut mem_size,
-            K as i32,
-        )
-    });
-    let mut handle_mem = s.alloc_zeros::<u8>(mem_size.max(1)).unwrap();
-    let mut hm_sizes = [mem_size];
-    let hm = ncclEpTensor_t::describe(
-        dptr_mut(&mut handle_mem, &s),
-        ncclDataType_t::Uint8,
-        &mut hm_sizes,
-    );
-    let mut handle: ncclEpHandle_t = std::ptr::null_mut();
-    // SAFETY: handle_mem holds mem_size bytes and outlives the handle.
-    ok("ncclEpInitHandle (LL)", unsafe {
-        (ep.init_handle)(
-            &mut handle,
-            group,
-            ncclEpLayout_t::EXPERT_MAJOR,
-            &hcfg,
-            K as i32,
-            &hm,
-        )
-    });
+    let (group, handle, handle_mem) = open_with(&ep, &comm, &cfg, &ncclEpHandleConfig_t::new(), &s);
     let (x, ids, w) = padded_inputs(rank, 7);
     let dx = s.clone_htod(&x).unwrap();
     let dids = s.clone_htod(&ids).unwrap();

@@ -297,75 +297,14 @@ impl Gpu {
         unsafe { b.launch(Self::cfg((n_cap as u32, 1), 256, 0)) }.map(drop)
     }
 
-    /// `y[rows of e] = x[rows of e] . w_e^T` for every local expert e (`w [e][n][kd]`), over the
-    /// expert-major blocks `offsets [e + 1]`. `tiles` holds 2 * max_tiles ints, `n_tiles` one.
+    /// `y[rows of e] = x[rows of e] . w_e^T` for every local expert e (`w [e][n][kd]`), over
+    /// `blocks` of at most `rows_cap` rows in all. `tiles` holds 2 * max_tiles ints, `n_tiles` one.
     #[allow(clippy::too_many_arguments)]
     pub fn grouped_gemm(
         &self,
         x: &CudaSlice<bf16>,
         w: &CudaSlice<bf16>,
-        offsets: &CudaSlice<i32>,
-        e: usize,
-        rows_cap: usize,
-        n: usize,
-        kd: usize,
-        tiles: &mut CudaSlice<i32>,
-        n_tiles: &mut CudaSlice<i32>,
-        y: &mut CudaSlice<bf16>,
-    ) -> Result<(), DriverError> {
-        let (starts, ends) = (offsets.slice(..e), offsets.slice(1..=e));
-        self.grouped_gemm_in(
-            x,
-            w,
-            (&starts, &ends),
-            e,
-            rows_cap,
-            n,
-            kd,
-            tiles,
-            n_tiles,
-            y,
-        )
-    }
-
-    /// The grouped GEMM over blocks that need not touch: expert e's rows are
-    /// `[bounds[e], bounds[e + E])` (`bounds [2E]`, as `ll_bounds` writes them), at most
-    /// `rows_cap` rows in all; x and y are indexed by row number, so they span the last block.
-    #[allow(clippy::too_many_arguments)]
-    pub fn grouped_gemm_ranges(
-        &self,
-        x: &CudaSlice<bf16>,
-        w: &CudaSlice<bf16>,
-        bounds: &CudaSlice<i32>,
-        e: usize,
-        rows_cap: usize,
-        n: usize,
-        kd: usize,
-        tiles: &mut CudaSlice<i32>,
-        n_tiles: &mut CudaSlice<i32>,
-        y: &mut CudaSlice<bf16>,
-    ) -> Result<(), DriverError> {
-        let (starts, ends) = (bounds.slice(..e), bounds.slice(e..2 * e));
-        self.grouped_gemm_in(
-            x,
-            w,
-            (&starts, &ends),
-            e,
-            rows_cap,
-            n,
-            kd,
-            tiles,
-            n_tiles,
-            y,
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn grouped_gemm_in(
-        &self,
-        x: &CudaSlice<bf16>,
-        w: &CudaSlice<bf16>,
-        (starts, ends): (&CudaView<i32>, &CudaView<i32>),
+        blocks: Blocks,
         e: usize,
         rows_cap: usize,
         n: usize,
@@ -378,12 +317,13 @@ impl Gpu {
             n % GEMM_TILE == 0 && kd % 32 == 0,
             "grouped_gemm needs n % 64 == 0 and kd % 32 == 0"
         );
+        let (starts, ends) = blocks.starts_ends(e);
         let max_tiles = max_tiles(rows_cap, e);
         assert!(tiles.len() >= 2 * max_tiles, "grouped_gemm tile list");
         let ei = e as i32;
         let mut b = self.stream.launch_builder(&self.k.build_tiles);
-        b.arg(starts)
-            .arg(ends)
+        b.arg(&starts)
+            .arg(&ends)
             .arg(&ei)
             .arg(&mut *tiles)
             .arg(&mut *n_tiles);
@@ -398,7 +338,7 @@ impl Gpu {
         let mut b = self.stream.launch_builder(func);
         b.arg(x)
             .arg(w)
-            .arg(ends)
+            .arg(&ends)
             .arg(&*tiles)
             .arg(&*n_tiles)
             .arg(&n32)
@@ -413,6 +353,25 @@ impl Gpu {
             ))
         }
         .map(drop)
+    }
+}
+
+/// Where each expert's rows are, for the grouped GEMM.
+#[derive(Clone, Copy)]
+pub enum Blocks<'a> {
+    /// Packed, contiguous blocks: expert e's rows are `[offsets[e], offsets[e + 1])`.
+    Offsets(&'a CudaSlice<i32>),
+    /// Blocks that need not touch (NCCL EP's LL layout): `[bounds[e], bounds[E + e])`, as
+    /// `ll_bounds` writes them; x and y are indexed by row number, so they span the last block.
+    Bounds(&'a CudaSlice<i32>),
+}
+
+impl<'a> Blocks<'a> {
+    fn starts_ends(self, e: usize) -> (CudaView<'a, i32>, CudaView<'a, i32>) {
+        match self {
+            Blocks::Offsets(o) => (o.slice(..e), o.slice(1..=e)),
+            Blocks::Bounds(b) => (b.slice(..e), b.slice(e..2 * e)),
+        }
     }
 }
 

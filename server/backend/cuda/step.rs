@@ -11,7 +11,7 @@ use half::bf16;
 
 use super::ep::EpExchange;
 use super::nccl::{Comm, NcclError};
-use super::{max_tiles, Gpu, Slots, GEMM_TILE, MAX_EXPERTS};
+use super::{max_tiles, Blocks, Gpu, Slots, GEMM_TILE, MAX_EXPERTS};
 use crate::model::{Ffn, LayerWeights, MoeSpec, Routing};
 
 #[derive(Debug, thiserror::Error)]
@@ -529,10 +529,10 @@ impl GpuStep {
             let p = ll.as_mut().expect("an LL path for LL buckets");
             g.ll_bounds(counters, p.cap, bounds)?;
             let valid = s.world * *ll_max * s.top_k.min(local);
-            g.grouped_gemm_ranges(
+            g.grouped_gemm(
                 p.rows(),
                 &l.w_gu,
-                bounds,
+                Blocks::Bounds(bounds),
                 local,
                 valid,
                 2 * i,
@@ -551,10 +551,10 @@ impl GpuStep {
                 i,
                 act,
             )?;
-            g.grouped_gemm_ranges(
+            g.grouped_gemm(
                 act,
                 &l.w_down,
-                bounds,
+                Blocks::Bounds(bounds),
                 local,
                 valid,
                 h,
@@ -604,7 +604,7 @@ impl GpuStep {
             g.grouped_gemm(
                 &b.xb,
                 w_gu,
-                &b.sh_off,
+                Blocks::Offsets(&b.sh_off),
                 1,
                 bucket,
                 2 * si,
@@ -617,7 +617,7 @@ impl GpuStep {
             g.grouped_gemm(
                 &b.sact,
                 w_down,
-                &b.sh_off,
+                Blocks::Offsets(&b.sh_off),
                 1,
                 bucket,
                 h,
@@ -667,7 +667,7 @@ fn contiguous_ffn(
     g.grouped_gemm(
         xe,
         &l.w_gu,
-        offsets,
+        Blocks::Offsets(offsets),
         local,
         rows,
         2 * i,
@@ -678,7 +678,16 @@ fn contiguous_ffn(
     )?;
     g.swiglu(gu, n_rows, rows, i, act)?;
     g.grouped_gemm(
-        act, &l.w_down, offsets, local, rows, h, i, tiles, n_tiles, xe,
+        act,
+        &l.w_down,
+        Blocks::Offsets(offsets),
+        local,
+        rows,
+        h,
+        i,
+        tiles,
+        n_tiles,
+        xe,
     )?;
     Ok(())
 }
