@@ -317,9 +317,6 @@ impl<T> SymBuffer<T> {
     pub fn window(&self) -> ncclWindow_t {
         self.win
     }
-    pub fn bytes(&self) -> usize {
-        self.view.len() * std::mem::size_of::<T>()
-    }
 }
 
 impl<T> std::ops::Deref for SymBuffer<T> {
