@@ -188,11 +188,16 @@ impl EpSettings {
 
     /// "ll", "ht" or "ll+ht" (the modes the buckets use).
     pub fn modes(&self) -> &'static str {
-        match (self.ll_max > 0, self.ht) {
-            (true, true) => "ll+ht",
-            (true, false) => "ll",
-            _ => "ht",
-        }
+        ep_modes(self.ll_max > 0, self.ht)
+    }
+}
+
+/// The name of a set of NCCL EP modes in use: "ll", "ht" or "ll+ht".
+pub fn ep_modes(ll: bool, ht: bool) -> &'static str {
+    match (ll, ht) {
+        (true, true) => "ll+ht",
+        (true, false) => "ll",
+        _ => "ht",
     }
 }
 

@@ -556,17 +556,8 @@ fn form_group(
     link.clear_timeouts()?;
     group_info(p.backend, 0, world);
     let buffers = rank.buffers();
+    // Logged per mode by every rank as its groups were made.
     let footprint = rank.ep_footprint();
-    if let Some(f) = &footprint {
-        info!(
-            modes = %f.modes,
-            zero_copy = f.zero_copy,
-            group_mib = f.group_bytes >> 20,
-            handle_kib = f.handle_bytes >> 10,
-            expert_rows_mib = f.expert_rows_bytes >> 20,
-            "NCCL EP footprint on this GPU"
-        );
-    }
     let driver = Driver::new(
         rank,
         0,

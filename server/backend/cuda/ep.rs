@@ -228,7 +228,6 @@ pub struct EpPath {
     _handle_mem: CudaSlice<u8>,
     rows: Rows,
     ep: Arc<NcclEp>,
-    pub low_latency: bool,
     /// HT: receive capacity in rows; LL: rows per local expert (world x tokens).
     pub cap: usize,
     /// Tokens per rank the group was sized for.
@@ -346,7 +345,6 @@ impl EpPath {
             _handle_mem: handle_mem,
             rows,
             ep,
-            low_latency,
             cap,
             tokens,
             footprint,
@@ -366,12 +364,9 @@ impl EpPath {
 pub struct EpExchange {
     pub ll: Option<EpPath>,
     pub ht: Option<EpPath>,
-    pub ll_max: usize,
     /// Per-local-expert counts from the last step (HT: padded, from UpdateHandle; LL: received,
     /// from Dispatch).
     pub counters: CudaSlice<i32>,
-    /// The HT padded total from the last UpdateHandle.
-    pub total: CudaSlice<i32>,
     /// LL: the grouped GEMM's row blocks (starts, then ends).
     pub bounds: CudaSlice<i32>,
     /// HT: the routing weight of each received row (HT combine wants rows already weighted).
@@ -408,17 +403,20 @@ impl EpExchange {
             recv_w: a.zeros(ht.as_ref().map_or(0, |p| p.cap))?,
             ll,
             ht,
-            ll_max: e.ll_max,
             counters: a.zeros(l)?,
-            total: a.zeros(1)?,
             bounds: a.zeros(2 * l)?,
             out_b: a.zeros(s.max_home * s.hidden)?,
         })
     }
 
+    /// The largest bucket that runs low-latency (0: none).
+    pub fn ll_max(&self) -> usize {
+        self.ll.as_ref().map_or(0, |p| p.tokens)
+    }
+
     /// Whether `bucket` runs low-latency.
     pub fn is_ll(&self, bucket: usize) -> bool {
-        bucket <= self.ll_max
+        bucket <= self.ll_max()
     }
 
     pub fn path(&self, bucket: usize) -> &EpPath {
@@ -492,10 +490,6 @@ impl EpExchange {
         })?;
         // SAFETY: offsets holds local + 1 ints; one int copied from the total to its end.
         unsafe { result::memcpy_dtod_async(off + (local * 4) as u64, tot, 4, stream.cu_stream()) }?;
-        // And once more, for the overflow check after the step.
-        let (t, _s) = self.total.device_ptr_mut(stream);
-        // SAFETY: one int each, both live.
-        unsafe { result::memcpy_dtod_async(t, tot, 4, stream.cu_stream()) }?;
         Ok(())
     }
 

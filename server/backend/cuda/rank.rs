@@ -121,7 +121,7 @@ fn enqueue(
     dtoh(&c.b.m, m, &mut st.m, &s)?;
     if let Some(ep) = &c.ep {
         dtoh(&ep.counters, ep.counters.len(), &mut st.recv, &s)?;
-        dtoh(&ep.total, 1, &mut st.total, &s)?;
+        dtoh(&c.b.rows, 1, &mut st.total, &s)?;
     }
     Ok(())
 }
@@ -300,27 +300,25 @@ impl GpuRank {
         };
         let s = &c.shape;
         let (l, e) = (s.local(), s.experts);
-        let m = self.st.m.as_slice();
-        let routed: Vec<i64> = (0..l)
-            .map(|j| {
-                (0..s.world)
-                    .map(|src| i64::from(m[src * e + s.rank * l + j]))
-                    .sum()
-            })
-            .collect();
+        // Rows each local expert was sent, over every source (this step's all-gathered counts).
+        let routed = (0..l).map(|j| {
+            (0..s.world)
+                .map(|src| i64::from(self.routed[src * e + s.rank * l + j]))
+                .sum::<i64>()
+        });
         let counts = &self.st.recv.as_slice()[..l];
         let cap = ep.path(bucket).cap as i64;
         let (mode, rows, expected, overflow) = match ep.is_ll(bucket) {
             true => (
                 "ll",
                 counts.iter().map(|&c| i64::from(c)).sum::<i64>(),
-                routed.iter().sum::<i64>(),
+                routed.sum::<i64>(),
                 counts.iter().any(|&c| i64::from(c) > cap),
             ),
             false => {
                 let a = shape.align as i64;
                 let total = i64::from(self.st.total.as_slice()[0]);
-                let padded = routed.iter().map(|&r| (r + a - 1) / a * a).sum();
+                let padded = routed.map(|r| (r + a - 1) / a * a).sum();
                 ("ht", total, padded, total > cap)
             }
         };
@@ -466,12 +464,7 @@ impl Backend for GpuRank {
         let all = [ll, ht];
         let sum = |f: fn(&super::ep::Footprint) -> u64| all.iter().flatten().map(f).sum();
         Some(crate::proto::NcclEpFootprint {
-            modes: match (ll.is_some(), ht.is_some()) {
-                (true, true) => "ll+ht",
-                (true, false) => "ll",
-                _ => "ht",
-            }
-            .into(),
+            modes: crate::config::ep_modes(ll.is_some(), ht.is_some()).into(),
             // Windows in use (NCCL EP 0.2's LL expert-major path has none).
             zero_copy: shape.zero_copy && all.iter().flatten().any(|f| f.windowed),
             ll_max_tokens_per_rank: shape.ll_max as u32,

@@ -304,7 +304,8 @@ pub struct Buffers {
     recv: CudaSlice<bf16>,
     map: CudaSlice<i32>,
     local_off: CudaSlice<i32>,
-    rows: CudaSlice<i32>,
+    /// Rows the experts received this step (NCCL EP HT: the padded total).
+    pub rows: CudaSlice<i32>,
     /// Expert-major received rows; reused for the expert outputs (NCCL EP: in the exchange).
     xe: CudaSlice<bf16>,
     gu: CudaSlice<bf16>,
@@ -523,12 +524,11 @@ impl GpuStep {
                 ll,
                 counters,
                 bounds,
-                ll_max,
                 ..
             } = ep;
             let p = ll.as_mut().expect("an LL path for LL buckets");
             g.ll_bounds(counters, p.cap, bounds)?;
-            let valid = s.world * *ll_max * s.top_k.min(local);
+            let valid = s.world * p.tokens * s.top_k.min(local);
             g.grouped_gemm(
                 p.rows(),
                 &l.w_gu,
