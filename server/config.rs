@@ -276,6 +276,18 @@ pub struct ServeArgs {
     /// Largest accepted gRPC message.
     #[arg(long, env = "EPSERVE_MAX_REQUEST_BYTES", default_value_t = 64 << 20)]
     pub max_request_bytes: usize,
+    /// Requests of one ForwardStream in progress or answered but not yet taken by the client;
+    /// past it the stream is not read (HTTP/2 flow control holds the client's sends).
+    #[arg(long, env = "EPSERVE_MAX_STREAM_IN_FLIGHT", default_value_t = 64)]
+    pub max_stream_in_flight: usize,
+    /// Address the router's rendezvous listener binds (default: the rendezvous host's own
+    /// address as it resolves; e.g. 0.0.0.0:29500 to accept on every interface).
+    #[arg(long, env = "EPSERVE_RENDEZVOUS_BIND")]
+    pub rendezvous_bind: Option<SocketAddr>,
+    /// Shared secret every rank must present when it joins (e.g. from a Kubernetes Secret);
+    /// without it any process that reaches the rendezvous port may join.
+    #[arg(long, env = "EPSERVE_GROUP_TOKEN", hide_env_values = true)]
+    pub group_token: Option<String>,
     /// Bound on every startup wait (joining, creating and mapping buffers).
     #[arg(long, env = "EPSERVE_RENDEZVOUS_TIMEOUT", default_value = "120s", value_parser = duration)]
     pub rendezvous_timeout: Duration,
@@ -386,9 +398,13 @@ impl ServeArgs {
         if self.max_tokens_per_step == 0 {
             return Err("--max-tokens-per-step must be at least 1".into());
         }
-        if self.max_concurrent_requests == 0 || self.max_queued_tokens == 0 {
+        if self.max_concurrent_requests == 0
+            || self.max_queued_tokens == 0
+            || self.max_stream_in_flight == 0
+        {
             return Err(
-                "--max-concurrent-requests and --max-queued-tokens must be at least 1".into(),
+                "--max-concurrent-requests, --max-queued-tokens and --max-stream-in-flight must be at least 1"
+                    .into(),
             );
         }
         if self.heartbeat_interval.is_zero() || self.step_timeout.is_zero() {

@@ -13,6 +13,7 @@ pub mod router;
 pub mod shm;
 pub mod step;
 pub mod telemetry;
+pub mod watchdog;
 
 pub mod proto {
     tonic::include_proto!("epserve.v1");

@@ -24,12 +24,16 @@ use crate::group::{self, expect, send, Ctl, Fingerprint, Joined, RouterLink};
 use crate::model::{ModelSource, MoeSpec, Placement, RankWeights};
 use crate::proto::moe_service_server::MoeServiceServer;
 use crate::proto::{DType, ExpertRange, ModelInfo};
-use crate::router::{run_batcher, Admission, BatchConfig, Executor, Progress};
+use crate::router::{run_batcher, Admission, BatchConfig, Executor};
 use crate::shm::Abort;
 use crate::step::ring::{Ring, RingShape};
-use crate::step::{max_home_tokens, Backend, Driver};
+use crate::step::{max_home_tokens, Backend, Driver, StepError};
+use crate::watchdog::{self, Progress, SetupDeadline, STUCK_GRACE};
 
 const RING_SLOTS: usize = 2;
+
+/// What a GPU rank does after NCCL init that takes no deadline of its own.
+const GPU_SETUP: &str = "joining NCCL, creating the NCCL EP groups and capturing the step graphs";
 
 /// Where this rank's weights are before it joins: host memory (cpu) or its GPU (nccl).
 enum Weights {
@@ -123,6 +127,7 @@ fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
         ("version".to_string(), env!("CARGO_PKG_VERSION").to_string()),
         ("backend".into(), backend_name(backend)),
         ("model".into(), source.describe()),
+        ("weights".into(), source.identity()?),
         (
             "max_tokens_per_step".into(),
             args.max_tokens_per_step.to_string(),
@@ -226,7 +231,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // The router binds its rendezvous port before anything slow, so ranks can connect while it
     // loads; given port 0 it says on stdout which port it got (how `launch` avoids port races).
     let listener = match rank {
-        0 => Some(bind_rendezvous(&member.rendezvous).context("rank 0")?),
+        0 => Some(bind_rendezvous(&member.rendezvous, args.rendezvous_bind).context("rank 0")?),
         _ => None,
     };
     let p = prepare(&args, member).with_context(|| format!("rank {rank}"))?;
@@ -241,8 +246,11 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
 /// The line rank 0 prints on stdout when it bound rendezvous port 0.
 pub const RENDEZVOUS_LINE: &str = "epserve-rendezvous ";
 
-fn bind_rendezvous(addr: &str) -> anyhow::Result<TcpListener> {
-    let bind = rendezvous_bind(addr)?;
+fn bind_rendezvous(addr: &str, given: Option<SocketAddr>) -> anyhow::Result<TcpListener> {
+    let bind = match given {
+        Some(a) => a,
+        None => rendezvous_bind(addr)?,
+    };
     let listener =
         TcpListener::bind(bind).with_context(|| format!("binding the rendezvous port {bind}"))?;
     if bind.port() == 0 {
@@ -258,16 +266,19 @@ fn ring_path(dir: &Path, group: &str) -> std::path::PathBuf {
     dir.join(format!("epserve-{group}-ring"))
 }
 
-/// The rendezvous listener binds the rendezvous address's IP, or every interface for a name.
+/// The rendezvous listener binds the address the rendezvous name resolves to (its first IPv4
+/// one where there is one): ranks reach the router there, and nothing else is opened.
 fn rendezvous_bind(addr: &str) -> anyhow::Result<SocketAddr> {
-    if let Ok(a) = addr.parse::<SocketAddr>() {
-        return Ok(a);
-    }
-    let port = addr
-        .rsplit_once(':')
-        .and_then(|(_, p)| p.parse::<u16>().ok());
-    port.map(|p| SocketAddr::from(([0, 0, 0, 0], p)))
-        .ok_or_else(|| anyhow!("rendezvous address '{addr}' is not HOST:PORT"))
+    use std::net::ToSocketAddrs;
+    let all: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .with_context(|| format!("rendezvous address '{addr}' is not HOST:PORT that resolves"))?
+        .collect();
+    all.iter()
+        .find(|a| a.is_ipv4())
+        .or(all.first())
+        .copied()
+        .ok_or_else(|| anyhow!("rendezvous address '{addr}' resolves to no address"))
 }
 
 /// The router: gRPC comes up first (NOT_SERVING), the group forms, a warm-up step runs, then it
@@ -318,6 +329,7 @@ async fn router_main(
         admission.clone(),
         wake.clone(),
         abort.clone(),
+        args.max_stream_in_flight,
     ));
 
     let (health, health_service) = tonic_health::server::health_reporter();
@@ -388,9 +400,17 @@ async fn router_main(
     info!("serving gRPC on {addr}");
     let watchdog = tokio::spawn(watch_liveness(
         health.clone(),
-        progress,
+        progress.clone(),
         args.liveness_timeout,
     ));
+    // A step past --step-timeout whose own waits did not end it (a device call that never
+    // returns) breaks the group from here: every waiting request is answered at once.
+    let (stuck_abort, limit) = (abort.clone(), args.step_timeout);
+    watchdog::watch_steps(progress, limit, move |d| {
+        stuck_abort.trigger(format!(
+            "a step has run {d:.1?}, past --step-timeout {limit:?}: a rank or its GPU is stuck"
+        ))
+    })?;
 
     let stop = wait_for_stop(&abort).await;
     let drained = match &stop {
@@ -423,7 +443,9 @@ async fn router_main(
     };
     batch_stop.cancel();
     let _ = batcher.await;
-    let executed = tokio::task::spawn_blocking(move || exec_thread.join()).await?;
+    // The executor ends within a step unless a device call under it never returns.
+    let joined = tokio::task::spawn_blocking(move || exec_thread.join());
+    let executed = tokio::time::timeout(args.step_timeout + STUCK_GRACE, joined).await;
     watchdog.abort();
     health
         .set_service_status(LIVENESS, ServingStatus::NotServing)
@@ -431,9 +453,16 @@ async fn router_main(
     // Keep answering UNAVAILABLE (with the reason) a moment before the port closes, so clients
     // and load balancers see a clean refusal rather than a dropped connection.
     tokio::time::sleep(args.shutdown_grace).await;
+    let Ok(executed) = executed else {
+        let why = abort.reason().unwrap_or_default();
+        watchdog::exit_now(
+            1,
+            &format!("the step executor is stuck in a device call ({why})"),
+        );
+    };
     server_stop.cancel();
     server.await??;
-    executed.map_err(|_| anyhow!("the step executor panicked"))??;
+    executed?.map_err(|_| anyhow!("the step executor panicked"))??;
     if let Some(reason) = abort.reason() {
         bail!("the EP group broke: {reason}");
     }
@@ -477,18 +506,22 @@ fn form_group(
     };
     info!(world, rendezvous = %bind, group = %group_id, "waiting for ranks");
     let timeout = args.rendezvous_timeout;
-    let mut link = RouterLink::accept(
-        &listener,
+    let want = group::Expect {
         world,
-        &p.fingerprint,
-        &host,
-        true,
-        &group_id,
-        nccl_id.clone(),
-        timeout,
-    )?;
+        fingerprint: &p.fingerprint,
+        host: &host,
+        same_host: true,
+        token: args.group_token.as_deref().unwrap_or_default(),
+    };
+    let mut link = RouterLink::accept(&listener, &want, &group_id, nccl_id.clone(), timeout)?;
     drop(listener);
-    let dir = args.shm_dir.as_path();
+    let dir = crate::shm::private_dir(&args.shm_dir)
+        .with_context(|| format!("the segment directory under {}", args.shm_dir.display()))?;
+    let swept = crate::shm::sweep_stale(&dir);
+    if swept > 0 {
+        info!("removed {swept} segment(s) of groups whose router is gone");
+    }
+    let dir = dir.as_path();
     let setup = (|| -> anyhow::Result<(Box<dyn Backend + Send>, Arc<Ring>)> {
         let deadline = Instant::now() + timeout;
         let ring = Arc::new(
@@ -528,6 +561,7 @@ fn form_group(
                     rank: r,
                 })?;
                 link.broadcast(&Ctl::Map)?;
+                let _bound = SetupDeadline::new(GPU_SETUP, deadline);
                 let rank = dev.join(
                     nccl_id.as_deref().unwrap_or_default(),
                     ring.clone(),
@@ -564,6 +598,7 @@ fn form_group(
         world,
         p.spec.moe_layers.clone(),
         args.metrics_per_expert,
+        p.ring,
     );
     let mut exec = Executor::new(driver, ring, link, abort, args.step_timeout)?;
     exec.warm_up().context("warm-up step")?;
@@ -760,9 +795,18 @@ fn run_worker(args: &ServeArgs, p: Prepared, metrics: PrometheusHandle) -> anyho
         mut stream,
         group: group_id,
         nccl_id,
-    } = group::join(addr, rank, p.member.world, &p.fingerprint, timeout)?;
+    } = group::join(
+        addr,
+        rank,
+        p.member.world,
+        &p.fingerprint,
+        args.group_token.as_deref().unwrap_or_default(),
+        timeout,
+    )?;
     let deadline = Instant::now() + timeout;
-    let dir = args.shm_dir.as_path();
+    let dir = crate::shm::private_dir(&args.shm_dir)
+        .with_context(|| format!("the segment directory under {}", args.shm_dir.display()))?;
+    let dir = dir.as_path();
     let setup = (|| -> anyhow::Result<Box<dyn Backend + Send>> {
         let open_ring = || -> anyhow::Result<Arc<Ring>> {
             Ok(Arc::new(
@@ -797,6 +841,7 @@ fn run_worker(args: &ServeArgs, p: Prepared, metrics: PrometheusHandle) -> anyho
             Weights::Gpu(dev) => {
                 send(&mut stream, &Ctl::Created { rank })?;
                 expect_msg(&mut stream, Ctl::Map, deadline)?;
+                let _bound = SetupDeadline::new(GPU_SETUP, deadline);
                 let backend = dev.join(
                     nccl_id.as_deref().unwrap_or_default(),
                     open_ring()?,
@@ -842,8 +887,9 @@ fn run_worker(args: &ServeArgs, p: Prepared, metrics: PrometheusHandle) -> anyho
         p.member.world,
         p.spec.moe_layers.clone(),
         args.metrics_per_expert,
+        p.ring,
     );
-    follow_steps(&mut stream, driver, silence)
+    follow_steps(&mut stream, driver, silence, args.step_timeout)
 }
 
 fn expect_msg(stream: &mut TcpStream, want: Ctl, deadline: Instant) -> anyhow::Result<()> {
@@ -854,23 +900,41 @@ fn expect_msg(stream: &mut TcpStream, want: Ctl, deadline: Instant) -> anyhow::R
     Ok(())
 }
 
-/// Runs each step the router sends, until told to stop.
+/// Runs each step the router sends, until told to stop. A step that outlives --step-timeout
+/// (a device call that never returns) ends the process from the watchdog: nothing here could.
 fn follow_steps<B: Backend>(
     stream: &mut TcpStream,
     mut driver: Driver<B>,
     silence: Duration,
+    step_timeout: Duration,
 ) -> anyhow::Result<()> {
+    let progress = Arc::new(Progress::default());
+    let mut report = stream.try_clone()?;
+    let rank = driver.rank;
+    watchdog::watch_steps(progress.clone(), step_timeout, move |d| {
+        let reason = format!("a step has run {d:.1?}, past --step-timeout {step_timeout:?}");
+        let _ = send(
+            &mut report,
+            &Ctl::Failed {
+                rank,
+                reason: reason.clone(),
+            },
+        );
+        watchdog::exit_now(1, &reason);
+    })?;
     loop {
         match group::recv(stream) {
             Ok(Ctl::Step(desc)) => {
-                if let Err(e) = driver.run(&desc) {
-                    let _ = send(
-                        stream,
-                        &Ctl::Failed {
-                            rank: driver.rank,
-                            reason: e.to_string(),
-                        },
-                    );
+                progress.begin();
+                let r = driver.run(&desc);
+                progress.end();
+                if let Err(e) = r {
+                    let reason = e.to_string();
+                    let msg = match e {
+                        StepError::Corrupt { .. } => Ctl::Corrupt { rank, reason },
+                        _ => Ctl::Failed { rank, reason },
+                    };
+                    let _ = send(stream, &msg);
                     return Err(e.into());
                 }
             }

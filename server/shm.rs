@@ -21,12 +21,15 @@ pub struct Shm {
 }
 
 impl Shm {
-    /// Creates a new zero-filled segment; fails if the file exists.
+    /// Creates a new zero-filled segment, readable and writable by this user only; fails if the
+    /// file exists.
     pub fn create(path: &Path, len: usize) -> std::io::Result<Self> {
+        use std::os::unix::fs::OpenOptionsExt;
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
+            .mode(0o600)
             .open(path)?;
         file.set_len(len as u64)?;
         Self::map(file, path, true)
@@ -131,20 +134,81 @@ impl Drop for Shm {
     }
 }
 
-/// Why a group-wide wait ended early: set once by whoever sees the group break first.
+/// This user's directory for segments under `shm_dir`: created 0700, and refused if it exists
+/// with another owner or wider permissions (another user could then read or plant segments).
+pub fn private_dir(shm_dir: &Path) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let uid = nix::unistd::getuid().as_raw();
+    let dir = shm_dir.join(format!("epserve-{uid}"));
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    let meta = std::fs::symlink_metadata(&dir)?;
+    if !meta.is_dir() || meta.uid() != uid || meta.permissions().mode() & 0o077 != 0 {
+        return Err(std::io::Error::other(format!(
+            "{} must be a directory of user {uid} with mode 0700 (it is {:o}, owner {})",
+            dir.display(),
+            meta.permissions().mode() & 0o7777,
+            meta.uid()
+        )));
+    }
+    Ok(dir)
+}
+
+/// Removes the segments of groups whose router is gone (a rank killed between creating and
+/// unlinking its files leaves them behind). A segment's name starts `epserve-<router pid in
+/// hex>-`; a live process of that pid keeps its files. Returns how many were removed.
+pub fn sweep_stale(dir: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("epserve-"))
+            .and_then(|n| n.split_once('-'))
+            .and_then(|(pid, _)| u32::from_str_radix(pid, 16).ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() && std::fs::remove_file(e.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// Why a group-wide wait ended early: set once by whoever sees the group break first. Sync
+/// waiters poll `reason`; async ones await `broken`.
 #[derive(Default)]
 pub struct Abort {
     set: AtomicBool,
     reason: Mutex<Option<String>>,
+    /// The step's output cannot be trusted (not merely lost): its requests get INTERNAL.
+    corrupt: AtomicBool,
+    token: tokio_util::sync::CancellationToken,
 }
 
 impl Abort {
     pub fn trigger(&self, reason: impl Into<String>) {
+        self.set_first(reason.into(), false);
+    }
+    /// Breaks the group because a step computed something wrong (the first cause wins).
+    pub fn trigger_corrupt(&self, reason: impl Into<String>) {
+        self.set_first(reason.into(), true);
+    }
+    fn set_first(&self, reason: String, corrupt: bool) {
         let mut r = self.reason.lock().unwrap_or_else(|e| e.into_inner());
         if r.is_none() {
-            *r = Some(reason.into());
+            *r = Some(reason);
+            self.corrupt.store(corrupt, Ordering::Release);
         }
         self.set.store(true, Ordering::Release);
+        self.token.cancel();
     }
     pub fn reason(&self) -> Option<String> {
         if !self.set.load(Ordering::Acquire) {
@@ -154,6 +218,15 @@ impl Abort {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+    /// The group broke because a step's output was wrong, not because a rank was lost.
+    pub fn corrupt(&self) -> bool {
+        self.corrupt.load(Ordering::Acquire)
+    }
+    /// Resolves once the group is broken, with the reason.
+    pub async fn broken(&self) -> String {
+        self.token.cancelled().await;
+        self.reason().unwrap_or_default()
     }
 }
 
@@ -233,5 +306,34 @@ mod tests {
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| b.read(4090, &mut out)));
         assert!(r.is_err());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn segments_are_private_and_stale_ones_are_swept() {
+        use std::os::unix::fs::PermissionsExt;
+        let base = std::env::temp_dir().join(format!("epserve-shm-priv-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(&base).unwrap();
+        let dir = private_dir(&base).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir), 0o700);
+        assert_eq!(private_dir(&base).unwrap(), dir);
+        let live = dir.join(format!("epserve-{:x}-1-rank0", std::process::id()));
+        let seg = Shm::create(&live, 64).unwrap();
+        assert_eq!(mode(&live), 0o600);
+        // A pid that cannot exist (above the kernel's limit): its group is gone.
+        let dead = dir.join("epserve-7fffffff-2-ring");
+        std::fs::write(&dead, b"x").unwrap();
+        let other = dir.join("not-ours");
+        std::fs::write(&other, b"x").unwrap();
+        assert_eq!(sweep_stale(&dir), 1);
+        assert!(live.exists() && other.exists() && !dead.exists());
+        drop(seg);
+        assert!(!live.exists());
+        // Opened up to others: refused, not used.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let e = private_dir(&base).unwrap_err().to_string();
+        assert!(e.contains("mode 0700"), "{e}");
+        std::fs::remove_dir_all(&base).unwrap();
     }
 }

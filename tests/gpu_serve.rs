@@ -4,6 +4,9 @@
 //! graph 100 times gives bitwise-identical outputs; 1,000 steps allocate nothing on the device.
 //! `nccl-ep` in each mode, zero-copy on and off, graphs on and off, gives the `nccl` backend's
 //! outputs (needs NCCL >= 2.30.4 and libnccl_ep: scripts/device-run.sh ep).
+//! Outputs of both GPU backends are checked per request and per token against the f64 reference
+//! (`tests/common/reference.rs`, near-ties excepted). A fault drill stops or kills a non-router
+//! rank under load and times the answers and the group's exit.
 //! Needs GPUs and NCCL; ignored by default. On a GPU machine with a carried binary:
 //! `EPSERVE_BIN=.device/bin/epserve .device/bin/gpu_serve --ignored --test-threads 1`.
 #![cfg(feature = "cuda")]
@@ -14,8 +17,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::prom::{scrape, sum};
-use common::{decode, f32_tensor, i32_tensor, request, Group};
+use common::reference::{token, RefLayer};
+use common::{decode, f32_tensor, i32_tensor, kill, request, Group};
 use epserve::backend::cuda::device_count;
+use epserve::model::{synthetic, MoeSpec};
 use epserve::proto::ForwardRequest;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -105,6 +110,123 @@ fn relative_error(out: &[Vec<f32>], reference: &[Vec<f32>]) -> (f64, f64) {
     ((diff / norm).sqrt(), worst)
 }
 
+/// Requests checked against the f64 reference in each run (the reference costs ~75 MFLOP a
+/// token in f64; the first `F64_REQUESTS` of the 1,000 keep it to seconds on the GPU host).
+const F64_REQUESTS: usize = 200;
+/// Largest error of one token: max |out - ref| over max |ref| of that token (bf16 experts).
+const TOKEN_TOL: f64 = 3e-2;
+/// Routing margins below this are near-ties the GPU may break the other way (bf16 activations).
+const GPU_TIE_MARGIN: f64 = 1e-3;
+
+/// The f64 reference layers of the test model (seed 0, every expert).
+fn reference_layers() -> (MoeSpec, Vec<RefLayer>) {
+    let mut spec = synthetic::preset(MODEL.trim_start_matches("synthetic:")).unwrap();
+    spec.cap_layers(Some(2));
+    let layers = spec
+        .moe_layers
+        .iter()
+        .map(|&l| {
+            RefLayer::from_weights(
+                &synthetic::layer(&spec, 0, l, 0..spec.num_experts),
+                spec.hidden,
+            )
+        })
+        .collect();
+    (spec, layers)
+}
+
+/// Every token of the first `F64_REQUESTS` requests against the f64 reference: asserts each
+/// token's error (near-ties excepted, and at most 2% of tokens may be); returns (worst token,
+/// worst request's ||out - ref|| / ||ref||, tokens checked, near-ties).
+fn check_f64(
+    what: &str,
+    spec: &MoeSpec,
+    layers: &[RefLayer],
+    reqs: &[ForwardRequest],
+    outs: &[Vec<f32>],
+) -> (f64, f64, usize, usize) {
+    let (h, k) = (spec.hidden, spec.top_k);
+    let per_request: Vec<(f64, f64, usize, usize)> = std::thread::scope(|scope| {
+        let tasks: Vec<_> = reqs
+            .iter()
+            .zip(outs)
+            .take(F64_REQUESTS)
+            .map(|(r, out)| {
+                scope.spawn(move || {
+                    let x: Vec<f64> = decode(r.hidden_states.as_ref().unwrap())
+                        .into_iter()
+                        .map(f64::from)
+                        .collect();
+                    let routing = r.topk_ids.as_ref().map(|ids| {
+                        let ids: Vec<usize> = ids
+                            .data
+                            .chunks_exact(4)
+                            .map(|b| i32::from_le_bytes(b.try_into().unwrap()) as usize)
+                            .collect();
+                        let w: Vec<f64> = decode(r.topk_weights.as_ref().unwrap())
+                            .into_iter()
+                            .map(f64::from)
+                            .collect();
+                        (ids, w)
+                    });
+                    let layer = &layers[spec.layer_slot(r.layer).unwrap()];
+                    let (mut worst, mut d2, mut n2, mut ties) = (0f64, 0f64, 0f64, 0);
+                    let n = x.len() / h;
+                    for t in 0..n {
+                        let rt = routing
+                            .as_ref()
+                            .map(|(i, w)| (&i[t * k..(t + 1) * k], &w[t * k..(t + 1) * k]));
+                        let (want, margin) = token(spec, layer, &x[t * h..(t + 1) * h], rt);
+                        if margin < GPU_TIE_MARGIN {
+                            ties += 1;
+                            continue;
+                        }
+                        let got = &out[t * h..(t + 1) * h];
+                        assert!(
+                            got.iter().all(|v| v.is_finite()),
+                            "{what} {}: token {t} not finite",
+                            r.id
+                        );
+                        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+                        let err = got
+                            .iter()
+                            .zip(&want)
+                            .fold(0f64, |m, (&o, w)| m.max((f64::from(o) - w).abs()))
+                            / scale;
+                        assert!(
+                            err <= TOKEN_TOL,
+                            "{what} request {} token {t}: error {err:.3e} > {TOKEN_TOL:.0e}",
+                            r.id
+                        );
+                        worst = worst.max(err);
+                        for (&o, w) in got.iter().zip(&want) {
+                            d2 += (f64::from(o) - w).powi(2);
+                            n2 += w * w;
+                        }
+                    }
+                    let rel = if n2 > 0.0 { (d2 / n2).sqrt() } else { 0.0 };
+                    (worst, rel, n - ties, ties)
+                })
+            })
+            .collect();
+        tasks.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    let fold = per_request.iter().fold((0f64, 0f64, 0, 0), |a, r| {
+        (a.0.max(r.0), a.1.max(r.1), a.2 + r.2, a.3 + r.3)
+    });
+    assert!(
+        fold.3 * 50 <= fold.2 + fold.3,
+        "{what}: {} of {} tokens are near-ties",
+        fold.3,
+        fold.2 + fold.3
+    );
+    eprintln!(
+        "{what}: against f64, {} tokens of {} requests: worst token {:.3e}, worst request {:.3e}, {} near-ties skipped",
+        fold.2, F64_REQUESTS, fold.0, fold.1, fold.3
+    );
+    fold
+}
+
 fn launch(ranks: usize, backend: &str, graphs: &str) -> Group {
     launch_with(ranks, backend, graphs, &[])
 }
@@ -134,6 +256,7 @@ fn gpu_counts() -> Vec<usize> {
 #[ignore = "needs GPUs and NCCL"]
 fn nccl_backend_matches_the_cpu_backend() {
     let reqs = requests(7, REQUESTS);
+    let (spec, layers) = reference_layers();
     let t0 = Instant::now();
     let reference = {
         let g = launch(4, "cpu", "off");
@@ -153,6 +276,8 @@ fn nccl_backend_matches_the_cpu_backend() {
             let up = t0.elapsed();
             let t1 = Instant::now();
             let out = run_all(&g, &reqs, 16);
+            let what = format!("nccl, {ranks} GPU(s), graphs {graphs}");
+            check_f64(&what, &spec, &layers, &reqs, &out);
             let (rel, worst) = relative_error(&out, &reference);
             eprintln!(
                 "nccl, {ranks} GPU(s), graphs {graphs}: up in {:.1}s, {REQUESTS} requests in {:.2}s, ||out-ref||/||ref|| = {rel:.3e} (worst request {worst:.3e})",
@@ -235,6 +360,7 @@ fn ep_mode_matches_nccl(mode: &str, extra: &[&str], also_two: bool) -> (f64, f64
         );
     }
     let reqs = requests(21, REQUESTS);
+    let (spec, layers) = reference_layers();
     let reference = {
         let g = launch(world, "nccl", "on");
         run_all(&g, &reqs, 16)
@@ -269,6 +395,9 @@ fn ep_mode_matches_nccl(mode: &str, extra: &[&str], also_two: bool) -> (f64, f64
         assert_eq!(fp.zero_copy, zc == "on" && mode != "ll", "{fp:?}");
         assert!(fp.handle_bytes > 0 && fp.expert_rows_bytes > 0, "{fp:?}");
         let out = run_all(&g, &reqs, 16);
+        let what =
+            format!("nccl-ep {mode} {extra:?}, zero-copy {zc}, graphs {graphs}, {ranks} GPUs");
+        check_f64(&what, &spec, &layers, &reqs, &out);
         let (rel, worst) = relative_error(&out, &reference);
         let (mut ll, mut ht) = (0.0, 0.0);
         for a in g.metrics_addrs(ranks) {
@@ -375,4 +504,104 @@ fn nccl_ep_refuses_on_old_nccl_and_auto_serves_on_nccl() {
         .proc
         .log_text()
         .contains("--backend auto: not nccl-ep (NCCL EP needs NCCL >= 2.30.4"));
+}
+
+/// Under load from 32 clients, stops (`STOP`) or kills (`KILL`) rank 2: every client is answered
+/// within --step-timeout + 1 s, with UNAVAILABLE naming the broken group, and the group exits
+/// non-zero. Prints the time to the first answer and to the group's exit.
+fn fault_drill(backend: &str, sig: &str, extra: &[&str]) {
+    let world = *gpu_counts().last().unwrap();
+    assert!(world >= 3, "the drill stops rank 2: needs 3 GPUs or more");
+    let step_timeout = Duration::from_secs(5);
+    let mut args = vec![
+        "--layers",
+        "1",
+        "--backend",
+        backend,
+        "--step-timeout",
+        "5s",
+        "--heartbeat-interval",
+        "500ms",
+    ];
+    args.extend_from_slice(extra);
+    let mut g = Group::launch(world, MODEL, &args);
+    let victim = g.proc.rank_pid(2);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (first, last, codes, fault) = rt.block_on(async {
+        let client = g.client().await;
+        let reqs: Vec<ForwardRequest> = requests(31, 64)
+            .into_iter()
+            .map(|r| ForwardRequest { layer: 0, ..r })
+            .collect();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut tasks = tokio::task::JoinSet::new();
+        for i in 0..32 {
+            let (mut c, reqs, stop) = (client.clone(), reqs.clone(), stop.clone());
+            tasks.spawn(async move {
+                let mut j = i;
+                loop {
+                    let mut r = tonic::Request::new(reqs[j % reqs.len()].clone());
+                    r.set_timeout(Duration::from_secs(30));
+                    let sent = Instant::now();
+                    match c.forward(r).await {
+                        Ok(_) if !stop.load(std::sync::atomic::Ordering::Relaxed) => j += 32,
+                        Ok(_) => return (tonic::Code::Ok, String::new(), sent, Instant::now()),
+                        Err(s) => return (s.code(), s.message().to_string(), sent, Instant::now()),
+                    }
+                }
+            });
+        }
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let at = Instant::now();
+        kill(victim, sig);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (mut first, mut last) = (Duration::MAX, Duration::ZERO);
+        let mut codes = std::collections::BTreeMap::<String, usize>::new();
+        while let Some(r) = tasks.join_next().await {
+            let (code, msg, sent, done) = r.unwrap();
+            *codes.entry(format!("{code:?}")).or_default() += 1;
+            if code == tonic::Code::Ok {
+                continue;
+            }
+            let since = done.saturating_duration_since(at);
+            first = first.min(since);
+            last = last.max(since);
+            // A request sent as the router's port closed sees the closed connection.
+            let closed = msg.contains("transport") || msg.contains("connect");
+            assert!(
+                code == tonic::Code::Unavailable || closed,
+                "{backend} {sig}: {code:?} {msg}"
+            );
+            assert!(
+                done.saturating_duration_since(sent.max(at))
+                    <= step_timeout + Duration::from_secs(1),
+                "{backend} {sig}: answered {since:?} after the fault: {msg}"
+            );
+        }
+        (first, last, codes, at)
+    });
+    let status = g
+        .proc
+        .wait_exit(Duration::from_secs(60))
+        .expect("the group exits");
+    let exit = fault.elapsed();
+    assert!(!status.success(), "{backend} {sig}: the group exited 0");
+    eprintln!(
+        "fault drill {backend} {extra:?}, {sig} rank 2 of {world} under 32 clients, --step-timeout 5s: answers {codes:?}; first error {first:.2?}, last {last:.2?} after the fault; group exited ({status}) {exit:.1?} after it"
+    );
+}
+
+#[test]
+#[ignore = "needs 3+ GPUs and NCCL"]
+fn nccl_fault_drill_stop_and_kill_a_rank() {
+    fault_drill("nccl", "STOP", &[]);
+    fault_drill("nccl", "KILL", &[]);
+}
+
+/// Needs NCCL >= 2.30.4 and libnccl_ep (scripts/device-run.sh ep).
+#[test]
+#[ignore = "needs 3+ GPUs, NCCL >= 2.30.4 and libnccl_ep"]
+fn nccl_ep_fault_drill_stop_and_kill_a_rank() {
+    fault_drill("nccl-ep", "STOP", &[]);
+    fault_drill("nccl-ep", "KILL", &[]);
 }

@@ -7,6 +7,7 @@ use common::*;
 use epserve::api::catalogue::BAD_INPUT;
 use epserve::proto::{DType, ForwardRequest, GetModelInfoRequest, Tensor};
 use rand::{Rng, SeedableRng};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use tokio_stream::StreamExt;
 use tonic::Code;
 
@@ -374,8 +375,21 @@ async fn exchange_buffers_never_move_or_grow() {
             .iter()
             .all(|m| m.ends_with("(deleted)") || m.contains("epserve-")));
     }
-    // Files are unlinked once mapped: nothing is left in the shm directory.
-    assert_eq!(std::fs::read_dir(&group.shm.0).unwrap().count(), 0);
+    // Segments live in this user's private directory (0700) and are unlinked once mapped:
+    // nothing is left in it.
+    let uid = std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap();
+    let private = group.shm.0.join(format!("epserve-{uid}"));
+    let entries: Vec<_> = std::fs::read_dir(&group.shm.0)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    assert_eq!(entries, vec![private.clone()]);
+    assert_eq!(
+        std::fs::metadata(&private).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+    assert_eq!(std::fs::read_dir(&private).unwrap().count(), 0);
     let mut c = group.client().await;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
     let mut tasks = tokio::task::JoinSet::new();

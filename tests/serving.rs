@@ -11,6 +11,7 @@ use common::*;
 use epserve::proto::moe_service_client::MoeServiceClient;
 use epserve::proto::{ForwardRequest, ProbeRequest};
 use tokio::task::JoinSet;
+use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -599,4 +600,118 @@ async fn metrics_of_every_rank_parse_and_add_up() {
         ) - before_expert[e];
         assert_eq!(got, *want, "expert {e}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_timeout_past_eight_digits_is_refused_not_a_panic() {
+    let group = Group::launch(2, "synthetic:tiny", &[]);
+    for bad in ["123456789S", "S", "12x", "-5m", "10"] {
+        let (status, message) = raw_forward(&group.addr, &req("t", 0, 2), bad).await;
+        assert_eq!(status, Code::InvalidArgument as i32, "{bad}: {message}");
+        assert!(message.contains("grpc-timeout"), "{bad}: {message}");
+    }
+    // Eight digits of hours is valid (and far off): served.
+    let (status, message) = raw_forward(&group.addr, &req("t", 0, 2), "99999999H").await;
+    assert_eq!(status, 0, "{message}");
+    group
+        .client()
+        .await
+        .forward(req("after", 0, 3))
+        .await
+        .unwrap();
+}
+
+/// A ForwardStream client that sends 1M tokens and never reads: the stream stops being read once
+/// its in-flight answers wait for the client (HTTP/2 flow control holds the sends), the router's
+/// memory stays within the queue bound, and once the client reads, every answer comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_is_not_read_is_held_by_flow_control_not_router_memory() {
+    let (n, in_flight, max_tokens) = (256usize, 16usize, 4096usize);
+    let total_tokens = 1usize << 20;
+    let group = Group::launch(
+        2,
+        "synthetic:tiny",
+        &[
+            "--max-stream-in-flight",
+            &in_flight.to_string(),
+            "--max-queued-tokens",
+            &max_tokens.to_string(),
+        ],
+    );
+    let router = group.proc.rank_pid(0);
+    let mut c = group.client().await;
+    let one = req("x", 0, n);
+    let want = decode(
+        &c.forward(one.clone())
+            .await
+            .unwrap()
+            .into_inner()
+            .output
+            .unwrap(),
+    );
+    let base = rss(router);
+    let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = sent.clone();
+    let requests = tokio_stream::iter(0..total_tokens / n).map(move |i| {
+        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        ForwardRequest {
+            id: i.to_string(),
+            ..one.clone()
+        }
+    });
+    let mut answers = c.forward_stream(requests).await.unwrap().into_inner();
+    let mut peak = base;
+    for _ in 0..60 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        peak = peak.max(rss(router));
+    }
+    let taken = sent.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        taken < total_tokens / n / 4,
+        "{taken} requests were taken from a client that reads nothing"
+    );
+    // The queue's bound (f32 in and out), the stream's in-flight answers encoded, HTTP/2 windows
+    // and a fixed allowance.
+    let request_bytes = (n * H * 4) as u64;
+    let bound = (max_tokens * H * 8) as u64 + in_flight as u64 * request_bytes * 2 + (24 << 20);
+    let grew = peak.saturating_sub(base);
+    assert!(grew < bound, "router grew {grew} B; bound {bound} B");
+    // Now read: the stream serves on, every answer right.
+    for i in 0..200 {
+        let a = answers
+            .next()
+            .await
+            .unwrap_or_else(|| panic!("stream ended after {i} answers"))
+            .unwrap();
+        assert!(a.error.is_none(), "{:?}", a.error);
+        let got = decode(&a.output.unwrap());
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst <= 1e-5, "answer {} differs by {worst}", a.id);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_message_that_cannot_be_decoded_ends_the_stream_with_its_status() {
+    let group = Group::launch(2, "synthetic:tiny", &["--max-request-bytes", "65536"]);
+    let mut c = group.client().await;
+    let items = vec![req("small", 0, 4), req("huge", 0, 1024), req("never", 0, 4)];
+    let mut s = c
+        .forward_stream(tokio_stream::iter(items))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = s.next().await.unwrap().unwrap();
+    assert_eq!((first.id.as_str(), first.error), ("small", None));
+    let end = s.next().await.unwrap().unwrap_err();
+    assert_eq!(end.code(), Code::OutOfRange, "{end:?}");
+    assert!(
+        end.message().contains("message length too large"),
+        "{end:?}"
+    );
+    assert!(s.next().await.is_none());
+    c.forward(req("after", 0, 3)).await.unwrap();
 }

@@ -198,3 +198,52 @@ fn backend_nccl_without_a_gpu_refuses_and_auto_serves_on_cpu() {
     });
     assert_eq!(info.backend, "cpu");
 }
+
+#[test]
+fn strays_at_the_rendezvous_are_closed_and_the_group_forms() {
+    use std::io::Write;
+    use std::net::TcpStream;
+    let shm = TempDir::new("strays");
+    let token = ["--group-token", "s3cret", "--rendezvous-timeout", "60s"];
+    // A host name binds the address it resolves to, not every interface.
+    let mut r0 = serve(0, 2, "localhost:0", &shm, &token);
+    let addr = r0
+        .wait_for("epserve-rendezvous ", Duration::from_secs(20))
+        .unwrap();
+    assert!(addr.starts_with("127.0.0.1:"), "bound {addr}");
+    // Before any rank: a connection that says nothing, one that sends garbage, an HTTP probe,
+    // and a rank with the wrong token.
+    let silent = TcpStream::connect(&addr).unwrap();
+    let mut garbage = TcpStream::connect(&addr).unwrap();
+    garbage.write_all(b"\x00\x00\x00\x05hello").unwrap();
+    let mut http = TcpStream::connect(&addr).unwrap();
+    http.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut intruder = serve(1, 2, &addr, &shm, &["--group-token", "guess"]);
+    fails_with(
+        &mut intruder,
+        "wrong or missing group token",
+        Duration::from_secs(20),
+    );
+    // The token from the environment, as from a Kubernetes Secret.
+    let mut args = vec![
+        "serve",
+        "--rank",
+        "1",
+        "--world-size",
+        "2",
+        "--rendezvous",
+        &addr,
+    ];
+    let dir = shm.0.display().to_string();
+    args.extend(["--metrics-listen", "127.0.0.1:0", "--shm-dir", &dir]);
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    let _r1 = Proc::spawn_env(&args, &[("EPSERVE_GROUP_TOKEN", "s3cret")]);
+    r0.wait_for("serving gRPC on", Duration::from_secs(60))
+        .unwrap();
+    let log = r0.log_text();
+    for want in ["no hello", "wrong or missing --group-token"] {
+        assert!(log.contains(want), "router log lacks '{want}':\n{log}");
+    }
+    drop(silent);
+}

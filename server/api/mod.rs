@@ -8,9 +8,9 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::Stream;
+use tokio_stream::{Stream, StreamExt};
 use tonic::{Code, Request, Response, Status, Streaming};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -21,7 +21,7 @@ use crate::proto::{
     self, DType, ForwardRequest, ForwardResponse, GetModelInfoRequest, ModelInfo, ProbeRequest,
     ProbeResponse,
 };
-use crate::router::{Admission, Job, JobInput};
+use crate::router::{Admission, Job, JobInput, Permit};
 use crate::shm::Abort;
 use crate::telemetry::remote_context;
 
@@ -47,6 +47,9 @@ pub struct MoeApi {
     wake: Arc<Notify>,
     /// Why the group broke, once it has.
     broken: Arc<Abort>,
+    /// Most requests of one ForwardStream answered or in progress but not yet taken by the
+    /// transport (--max-stream-in-flight).
+    stream_in_flight: usize,
 }
 
 /// Notifies the batcher when a request's handler ends, whether answered or cancelled.
@@ -58,20 +61,32 @@ impl Drop for WakeOnDrop {
     }
 }
 
-/// The `grpc-timeout` header: digits and a unit (H, M, S, m, u, n).
-pub fn grpc_timeout(meta: &tonic::metadata::MetadataMap) -> Option<Duration> {
-    let v = meta.get("grpc-timeout")?.to_str().ok()?;
-    let (num, unit) = v.split_at(v.len().checked_sub(1)?);
-    let n: u64 = num.parse().ok()?;
-    Some(match unit {
-        "H" => Duration::from_secs(n.saturating_mul(3600)),
-        "M" => Duration::from_secs(n.saturating_mul(60)),
+/// The `grpc-timeout` header as the gRPC spec writes it: 1 to 8 digits and a unit (H, M, S, m,
+/// u, n). Anything else is refused rather than guessed at.
+pub fn grpc_timeout(meta: &tonic::metadata::MetadataMap) -> Result<Option<Duration>, Status> {
+    let Some(v) = meta.get("grpc-timeout") else {
+        return Ok(None);
+    };
+    let bad = || {
+        Status::invalid_argument(format!(
+            "grpc-timeout {v:?} is not 1 to 8 digits followed by H, M, S, m, u or n"
+        ))
+    };
+    let v = v.to_str().map_err(|_| bad())?;
+    let (num, unit) = v.split_at(v.len().checked_sub(1).ok_or_else(bad)?);
+    if num.is_empty() || num.len() > 8 || !num.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    Ok(Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
         "S" => Duration::from_secs(n),
         "m" => Duration::from_millis(n),
         "u" => Duration::from_micros(n),
         "n" => Duration::from_nanos(n),
-        _ => return None,
-    })
+        _ => return Err(bad()),
+    }))
 }
 
 fn rejected(reason: &'static str, status: Status) -> Status {
@@ -87,8 +102,10 @@ impl MoeApi {
         admission: Arc<Admission>,
         wake: Arc<Notify>,
         broken: Arc<Abort>,
+        stream_in_flight: usize,
     ) -> Self {
         Self {
+            stream_in_flight: stream_in_flight.max(1),
             spec,
             info,
             ep_footprint: std::sync::OnceLock::new(),
@@ -205,12 +222,13 @@ impl MoeApi {
         }
     }
 
-    /// Admits, queues and waits for one request, within its deadline.
+    /// Admits, queues and waits for one request, within its deadline. The admission permit
+    /// comes back with the answer, for the caller to hold until the response is written.
     async fn run(
         &self,
         r: ForwardRequest,
         deadline: Option<Instant>,
-    ) -> Result<ForwardResponse, Status> {
+    ) -> Result<(ForwardResponse, Option<Permit>), Status> {
         self.check_serving()?;
         let out_dtype = Self::out_dtype(&r).map_err(|s| rejected("invalid_argument", s))?;
         let input = self
@@ -230,7 +248,7 @@ impl MoeApi {
         // Drain may have begun between the first check and admission; the permit counts either way.
         self.check_serving()?;
         let (job, reply) = Job::new(input, Some(permit));
-        self.jobs.try_send(job).map_err(|e| match e {
+        self.jobs.try_send(job.clone()).map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => rejected(
                 "queue_full",
                 Status::resource_exhausted("the request queue is full"),
@@ -241,23 +259,95 @@ impl MoeApi {
             ),
         })?;
         let _wake = WakeOnDrop(self.wake.clone());
-        let answer = match deadline {
-            Some(d) => tokio::time::timeout_at(d.into(), reply)
-                .await
-                .map_err(|_| {
+        let wait = async {
+            match deadline {
+                Some(d) => tokio::time::timeout_at(d.into(), reply).await.map_err(|_| {
                     Status::deadline_exceeded(
                         "the deadline passed while the request was in the service",
                     )
-                })?,
-            None => reply.await,
+                }),
+                None => Ok(reply.await),
+            }
+        };
+        // A broken group answers at once, wherever the request is: the step holding it may be
+        // stuck on a device that will never finish.
+        let answer = tokio::select! {
+            biased;
+            a = wait => a?,
+            why = self.broken.broken() => return Err(self.broken_status(&job, &why)),
         };
         let out = answer
             .map_err(|_| Status::unavailable("the request was dropped: the EP group stopped"))??;
-        Ok(ForwardResponse {
+        let resp = ForwardResponse {
             id,
             output: Some(tensor::encode(&out, n, self.spec.hidden, out_dtype)),
             error: None,
-        })
+        };
+        Ok((resp, job.take_permit()))
+    }
+
+    /// A request's status once the group broke: INTERNAL if a step that held it computed
+    /// something wrong, else UNAVAILABLE.
+    fn broken_status(&self, job: &Job, why: &str) -> Status {
+        if self.broken.corrupt() && job.in_step() {
+            Status::internal(format!(
+                "the step holding this request produced a wrong result; the EP group is broken: {why}"
+            ))
+        } else {
+            Status::unavailable(format!("the EP group is broken: {why}"))
+        }
+    }
+
+    /// Reads one ForwardStream: each request runs on its own task, so answers go out in
+    /// completion order. A request is read only when the stream has a free in-flight slot. The
+    /// stream ends when the client's half is done and every answer is out, or, after the answers
+    /// in progress, with the status of a message that could not be decoded. If the client goes
+    /// away, pending requests are abandoned, which frees their queued tokens.
+    async fn read_stream(
+        self: Arc<Self>,
+        mut inbound: Streaming<ForwardRequest>,
+        tx: mpsc::Sender<Result<(ForwardResponse, Held), Status>>,
+        cap: usize,
+        deadline: Option<Instant>,
+        parent: opentelemetry::Context,
+    ) {
+        let slots = Arc::new(Semaphore::new(cap));
+        let mut tasks = tokio::task::JoinSet::new();
+        let end = loop {
+            let next = async {
+                let slot = slots.clone().acquire_owned().await;
+                (slot, inbound.message().await)
+            };
+            let (slot, msg) = tokio::select! {
+                x = next => x,
+                _ = tx.closed() => return,
+            };
+            let Ok(slot) = slot else { return };
+            let r = match msg {
+                Ok(Some(r)) => r,
+                Ok(None) => break None,
+                Err(status) => break Some(status),
+            };
+            let (api, tx, parent) = (self.clone(), tx.clone(), parent.clone());
+            tasks.spawn(async move {
+                let id = r.id.clone();
+                let answer = tokio::select! {
+                    a = api.forward_one(r, deadline, "ForwardStream", &parent) => a,
+                    _ = tx.closed() => return,
+                };
+                let item = match answer {
+                    Ok((resp, permit)) => (resp, (slot, permit)),
+                    Err(s) => (error_response(id, &s), (slot, None)),
+                };
+                let _ = tx.send(Ok(item)).await;
+            });
+            while tasks.try_join_next().is_some() {}
+        };
+        while tasks.join_next().await.is_some() {}
+        if let Some(status) = end {
+            tracing::debug!("ForwardStream ended by a bad message: {status}");
+            let _ = tx.send(Err(status)).await;
+        }
     }
 
     /// `run` with the request's span and metrics.
@@ -267,7 +357,7 @@ impl MoeApi {
         deadline: Option<Instant>,
         method: &'static str,
         parent: &opentelemetry::Context,
-    ) -> Result<ForwardResponse, Status> {
+    ) -> Result<(ForwardResponse, Option<Permit>), Status> {
         let t0 = Instant::now();
         let n = r
             .hidden_states
@@ -294,6 +384,17 @@ impl MoeApi {
     }
 }
 
+fn error_response(id: String, s: &Status) -> ForwardResponse {
+    ForwardResponse {
+        id,
+        output: None,
+        error: Some(proto::Error {
+            code: s.code() as i32,
+            message: s.message().to_string(),
+        }),
+    }
+}
+
 fn code_name(c: Code) -> &'static str {
     match c {
         Code::Ok => "OK",
@@ -302,13 +403,21 @@ fn code_name(c: Code) -> &'static str {
         Code::Unavailable => "UNAVAILABLE",
         Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
         Code::Cancelled => "CANCELLED",
+        Code::Internal => "INTERNAL",
+        Code::OutOfRange => "OUT_OF_RANGE",
         _ => "OTHER",
     }
 }
 
-fn deadline_of<T>(req: &Request<T>) -> Option<Instant> {
-    grpc_timeout(req.metadata()).map(|d| Instant::now() + d)
+/// When the call's deadline passes; None without one (or one too far off to represent).
+fn deadline_of<T>(req: &Request<T>) -> Result<Option<Instant>, Status> {
+    let d = grpc_timeout(req.metadata()).map_err(|s| rejected("invalid_argument", s))?;
+    Ok(d.and_then(|d| Instant::now().checked_add(d)))
 }
+
+/// What a stream holds for one answer until the transport takes it: the stream's in-flight slot
+/// and the request's admission permit.
+type Held = (OwnedSemaphorePermit, Option<Permit>);
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<ForwardResponse, Status>> + Send>>;
 
@@ -318,11 +427,11 @@ impl MoeService for Arc<MoeApi> {
         &self,
         req: Request<ForwardRequest>,
     ) -> Result<Response<ForwardResponse>, Status> {
-        let deadline = deadline_of(&req);
+        let deadline = deadline_of(&req)?;
         let parent = remote_context(req.metadata());
         self.forward_one(req.into_inner(), deadline, "Forward", &parent)
             .await
-            .map(Response::new)
+            .map(|(resp, _permit)| Response::new(resp))
     }
 
     type ForwardStreamStream = ResponseStream;
@@ -332,36 +441,16 @@ impl MoeService for Arc<MoeApi> {
         req: Request<Streaming<ForwardRequest>>,
     ) -> Result<Response<Self::ForwardStreamStream>, Status> {
         // A stream's deadline and trace context apply to every request on it.
-        let deadline = deadline_of(&req);
+        let deadline = deadline_of(&req)?;
         let parent = remote_context(req.metadata());
-        let mut inbound = req.into_inner();
-        let (tx, rx) = mpsc::channel(64);
-        let api = self.clone();
-        tokio::spawn(async move {
-            // Each request runs on its own task so answers go out in completion order; the stream
-            // ends when the client's half is done and every answer is out. If the client goes
-            // away, every pending request is abandoned, which frees its queued tokens.
-            while let Ok(Some(r)) = inbound.message().await {
-                let (api, tx, parent) = (api.clone(), tx.clone(), parent.clone());
-                tokio::spawn(async move {
-                    let id = r.id.clone();
-                    let answer = tokio::select! {
-                        a = api.forward_one(r, deadline, "ForwardStream", &parent) => a,
-                        _ = tx.closed() => return,
-                    };
-                    let resp = answer.unwrap_or_else(|s| ForwardResponse {
-                        id,
-                        output: None,
-                        error: Some(proto::Error {
-                            code: s.code() as i32,
-                            message: s.message().to_string(),
-                        }),
-                    });
-                    let _ = tx.send(Ok(resp)).await;
-                });
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let inbound = req.into_inner();
+        let cap = self.stream_in_flight;
+        let (tx, rx) = mpsc::channel::<Result<(ForwardResponse, Held), Status>>(cap);
+        tokio::spawn(self.clone().read_stream(inbound, tx, cap, deadline, parent));
+        // An answer's slot and permit go when the transport takes it (HTTP/2 flow control holds
+        // the rest back), so a client that does not read stops being read, within its budget.
+        let out = ReceiverStream::new(rx).map(|a| a.map(|(resp, _held)| resp));
+        Ok(Response::new(Box::pin(out)))
     }
 
     async fn get_model_info(
@@ -374,7 +463,7 @@ impl MoeService for Arc<MoeApi> {
     }
 
     async fn probe(&self, req: Request<ProbeRequest>) -> Result<Response<ProbeResponse>, Status> {
-        let deadline = deadline_of(&req);
+        let deadline = deadline_of(&req)?;
         let parent = remote_context(req.metadata());
         let t0 = Instant::now();
         let h = self.spec.hidden;
@@ -387,7 +476,7 @@ impl MoeService for Arc<MoeApi> {
             topk_weights: None,
             output_dtype: DType::F32 as i32,
         };
-        let out = self.forward_one(r, deadline, "Probe", &parent).await?;
+        let (out, _permit) = self.forward_one(r, deadline, "Probe", &parent).await?;
         let ok = out
             .output
             .is_some_and(|t| tensor::floats(&t, "output", Some(1), h).is_ok());
@@ -398,5 +487,140 @@ impl MoeService for Arc<MoeApi> {
             seconds: t0.elapsed().as_secs_f64(),
             world_size: self.info.world_size,
         }))
+    }
+}
+
+/// The request decode and validate path under random input (a fixed seed and budget, so CI runs
+/// the same cases every time): no input panics, every refusal is INVALID_ARGUMENT with a
+/// message, and everything accepted is consistent with the model.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use prost::Message;
+    use rand::{Rng, SeedableRng};
+
+    fn api() -> MoeApi {
+        let spec = Arc::new(crate::model::synthetic::preset("tiny").unwrap());
+        let (jobs, _rx) = mpsc::channel(1);
+        MoeApi::new(
+            spec,
+            ModelInfo::default(),
+            jobs,
+            Admission::new(1, 1),
+            Arc::new(Notify::new()),
+            Arc::new(Abort::default()),
+            1,
+        )
+    }
+
+    fn pick<T: Copy>(rng: &mut impl Rng, from: &[T]) -> T {
+        from[rng.random_range(0..from.len())]
+    }
+
+    /// A tensor near the valid ones: dtypes in and out of the enum, shapes of any rank and sign,
+    /// data of the right length or not, values finite or not.
+    fn tensor(rng: &mut impl Rng, cols: usize, valid: &[i32]) -> proto::Tensor {
+        if rng.random_bool(0.6) {
+            // A valid tensor, perhaps with one byte changed.
+            let dtype = pick(rng, valid);
+            let n = rng.random_range(1..4usize);
+            let data = match dtype {
+                1 => (0..n * cols)
+                    .flat_map(|_| half::bf16::from_f32(rng.random::<f32>()).to_le_bytes())
+                    .collect(),
+                2 => (0..n * cols)
+                    .flat_map(|_| half::f16::from_f32(rng.random::<f32>()).to_le_bytes())
+                    .collect(),
+                3 => (0..n * cols)
+                    .flat_map(|_| rng.random::<f32>().to_le_bytes())
+                    .collect(),
+                // Expert ids: a row of distinct ids, mostly in range.
+                4 => (0..n)
+                    .flat_map(|_| (0..cols as i32).map(|e| e * 3 % 9))
+                    .flat_map(i32::to_le_bytes)
+                    .collect(),
+                _ => (0..n * cols)
+                    .flat_map(|i| (i as i64 % 8).to_le_bytes())
+                    .collect(),
+            };
+            let mut t = proto::Tensor {
+                dtype,
+                shape: vec![n as i64, cols as i64],
+                data,
+            };
+            if rng.random_bool(0.3) && !t.data.is_empty() {
+                let at = rng.random_range(0..t.data.len());
+                t.data[at] = rng.random();
+            }
+            return t;
+        }
+        let dtype = pick(rng, &[0, 1, 2, 3, 4, 5, 6, -1, 99, i32::MAX]);
+        let n = pick(rng, &[0i64, 1, 2, 7, -1, i64::MAX, 1 << 40]);
+        let c = pick(rng, &[cols as i64, cols as i64 - 1, 0, -3, i64::MIN]);
+        let shape = match rng.random_range(0..5) {
+            0 => vec![],
+            1 => vec![n],
+            2 => vec![n, c, 1],
+            _ => vec![n, c],
+        };
+        let elem = pick(rng, &[1usize, 2, 4, 8]);
+        let rows = usize::try_from(n).unwrap_or(0).min(8);
+        let len = rows * cols.max(1) * elem;
+        let len = rng.random_range(0..len + 9);
+        let data: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+        proto::Tensor { dtype, shape, data }
+    }
+
+    #[test]
+    fn no_request_panics_and_every_refusal_is_invalid_argument() {
+        let api = api();
+        let (h, k) = (api.spec.hidden, api.spec.top_k);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed);
+        let mut accepted = 0;
+        for i in 0..20_000 {
+            let mut r = if i % 4 == 0 {
+                // Raw bytes on the wire: decoding must fail cleanly or give some request.
+                let len = rng.random_range(0..64);
+                let bytes: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+                match ForwardRequest::decode(bytes.as_slice()) {
+                    Ok(r) => r,
+                    Err(_) => continue,
+                }
+            } else {
+                ForwardRequest::default()
+            };
+            r.layer = pick(&mut rng, &[0, 0, 1, 2, u32::MAX]);
+            r.output_dtype = pick(&mut rng, &[0, 0, 1, 3, 4, 77]);
+            if rng.random_bool(0.9) {
+                r.hidden_states = Some(tensor(&mut rng, h, &[1, 2, 3]));
+            }
+            if rng.random_bool(0.3) {
+                r.topk_ids = Some(tensor(&mut rng, k, &[4, 5]));
+                r.topk_weights = Some(tensor(&mut rng, k, &[1, 2, 3]));
+            }
+            if rng.random_bool(0.1) {
+                r.topk_ids = None;
+            }
+            let out = MoeApi::out_dtype(&r);
+            match out.and_then(|_| api.validate(r.clone(), None)) {
+                Err(s) => {
+                    assert_eq!(s.code(), Code::InvalidArgument, "{r:?}: {s:?}");
+                    assert!(!s.message().is_empty());
+                }
+                Ok(input) => {
+                    accepted += 1;
+                    assert_eq!(input.hidden.len(), input.tokens * h);
+                    assert!(input.hidden.iter().all(|v| v.is_finite()));
+                    if let Some((ids, w)) = &input.routing {
+                        assert_eq!((ids.len(), w.len()), (input.tokens * k, input.tokens * k));
+                        assert!(ids
+                            .iter()
+                            .all(|&e| (0..api.spec.num_experts as i32).contains(&e)));
+                    }
+                }
+            }
+        }
+        // The generator reaches the valid region too, so the checks past the first run.
+        assert!(accepted > 100, "only {accepted} requests were valid");
     }
 }

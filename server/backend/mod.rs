@@ -4,6 +4,52 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+use crate::model::{MoeSpec, Routing};
+
+/// What the GPU routing kernels hold in registers per warp (kernels/*.cu: `int sel[32]`, one group
+/// score per lane): a model past these runs on the cpu backend only.
+pub const GPU_MAX_TOP_K: usize = 32;
+pub const GPU_MAX_GROUPS: usize = 32;
+
+/// Refuses, before anything starts, a model the GPU kernels cannot route.
+pub fn check_gpu_limits(spec: &MoeSpec) -> Result<(), String> {
+    if spec.top_k > GPU_MAX_TOP_K {
+        return Err(format!(
+            "top_k {} exceeds the GPU routing kernels' {GPU_MAX_TOP_K}",
+            spec.top_k
+        ));
+    }
+    if let Routing::SigmoidGroupTopK { n_group, .. } = spec.routing {
+        if n_group > GPU_MAX_GROUPS {
+            return Err(format!(
+                "n_group {n_group} exceeds the GPU routing kernel's {GPU_MAX_GROUPS}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_limits_refuse_what_the_kernels_cannot_route() {
+        let mut spec = crate::model::synthetic::preset("tiny-deepseek").unwrap();
+        assert_eq!(check_gpu_limits(&spec), Ok(()));
+        spec.routing = Routing::SigmoidGroupTopK {
+            n_group: 64,
+            topk_group: 2,
+            renormalize: true,
+            scaling: 1.0,
+        };
+        assert!(check_gpu_limits(&spec).unwrap_err().contains("n_group 64"));
+        spec.routing = Routing::SoftmaxTopK { renormalize: true };
+        spec.top_k = 33;
+        assert!(check_gpu_limits(&spec).unwrap_err().contains("top_k 33"));
+    }
+}
+
 /// The GPU backend's setup, or, in a build without `--features cuda`, refusals that say so.
 pub mod gpu {
     #[cfg(feature = "cuda")]

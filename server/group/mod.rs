@@ -23,6 +23,9 @@ pub enum Ctl {
         world: usize,
         host: String,
         fingerprint: Fingerprint,
+        /// --group-token, when the group has one.
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        token: String,
     },
     Welcome {
         group: String,
@@ -48,6 +51,11 @@ pub enum Ctl {
     /// Leave the step loop and exit cleanly.
     Shutdown,
     Failed {
+        rank: usize,
+        reason: String,
+    },
+    /// A step on this rank computed something wrong (its output was not stored).
+    Corrupt {
         rank: usize,
         reason: String,
     },
@@ -111,100 +119,117 @@ fn remaining(deadline: Instant) -> Duration {
         .max(Duration::from_millis(1))
 }
 
+/// How long a new rendezvous connection has to say hello before it is dropped.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections whose hello is still awaited; more are closed at once (a flood cannot exhaust
+/// threads).
+const MAX_PENDING_HELLOS: usize = 64;
+
+/// What the router checks every joining rank against.
+pub struct Expect<'a> {
+    pub world: usize,
+    pub fingerprint: &'a Fingerprint,
+    pub host: &'a str,
+    /// The cpu backend's ranks share host memory.
+    pub same_host: bool,
+    /// --group-token ("" for none).
+    pub token: &'a str,
+}
+
+/// Compares secrets in time that does not depend on where they differ.
+fn same_secret(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let diff = a
+        .iter()
+        .zip(b)
+        .fold(a.len() ^ b.len(), |d, (x, y)| d | usize::from(x ^ y));
+    diff == 0
+}
+
+/// A connection's first message, read on a thread of its own.
+type Hello = (TcpStream, SocketAddr, std::io::Result<Ctl>);
+
+fn read_hello(mut stream: TcpStream, peer: SocketAddr, limit: Duration) -> Hello {
+    let hello = stream
+        .set_nonblocking(false)
+        .and_then(|()| stream.set_nodelay(true))
+        .and_then(|()| stream.set_read_timeout(Some(limit)))
+        .and_then(|()| recv(&mut stream));
+    (stream, peer, hello)
+}
+
 /// Router side of the group: one control connection per other rank, index = rank - 1.
 pub struct RouterLink {
     pub workers: Vec<TcpStream>,
 }
 
 impl RouterLink {
-    /// Accepts every rank, checks its fingerprint against ours, and welcomes the group. On any
-    /// failure every connected rank is told why before the error returns.
-    #[allow(clippy::too_many_arguments)]
+    /// Accepts every rank, checks its fingerprint against ours, and welcomes the group. A
+    /// connection that says nothing, sends garbage or presents the wrong token is logged and
+    /// closed, and accepting goes on; a rank that joins with a different config fails the group,
+    /// and every connected rank is told why before the error returns.
     pub fn accept(
         listener: &TcpListener,
-        world: usize,
-        fingerprint: &Fingerprint,
-        host: &str,
-        same_host: bool,
+        want: &Expect,
         group: &str,
         nccl_id: Option<Vec<u8>>,
         timeout: Duration,
     ) -> Result<Self, GroupError> {
+        let world = want.world;
         let deadline = Instant::now() + timeout;
         let mut slots: Vec<Option<TcpStream>> = (1..world).map(|_| None).collect();
         listener
             .set_nonblocking(true)
             .map_err(io("rendezvous listener"))?;
+        let (hello_tx, hello_rx) = std::sync::mpsc::channel::<Hello>();
+        let pending = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let result = (|| {
             while slots.iter().any(Option::is_none) {
-                let (mut stream, peer) = match listener.accept() {
-                    Ok(s) => s,
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                        if Instant::now() >= deadline {
-                            let missing: Vec<String> = slots
-                                .iter()
-                                .enumerate()
-                                .filter(|(_, s)| s.is_none())
-                                .map(|(i, _)| (i + 1).to_string())
-                                .collect();
-                            return Err(GroupError::Timeout(format!(
-                                "rank(s) {} of world size {world} did not join the rendezvous within {timeout:?}",
-                                missing.join(", ")
-                            )));
+                match listener.accept() {
+                    Ok((stream, peer)) => {
+                        use std::sync::atomic::Ordering::AcqRel;
+                        if pending.fetch_add(1, AcqRel) >= MAX_PENDING_HELLOS {
+                            pending.fetch_sub(1, AcqRel);
+                            tracing::warn!(%peer, "rendezvous: too many connections without a hello; closing");
+                            continue;
                         }
-                        std::thread::sleep(Duration::from_millis(5));
+                        let (tx, left) = (hello_tx.clone(), pending.clone());
+                        let limit = HELLO_TIMEOUT.min(remaining(deadline));
+                        let spawned = std::thread::Builder::new()
+                            .name("rendezvous-hello".into())
+                            .spawn(move || {
+                                let _ = tx.send(read_hello(stream, peer, limit));
+                                left.fetch_sub(1, AcqRel);
+                            });
+                        if let Err(e) = spawned {
+                            pending.fetch_sub(1, AcqRel);
+                            tracing::warn!(%peer, "rendezvous: cannot read its hello: {e}");
+                        }
                         continue;
                     }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {}
                     Err(e) => return Err(io("rendezvous accept")(e)),
-                };
-                stream
-                    .set_nonblocking(false)
-                    .map_err(io("rendezvous socket"))?;
-                stream.set_nodelay(true).map_err(io("rendezvous socket"))?;
-                stream
-                    .set_read_timeout(Some(remaining(deadline)))
-                    .map_err(io("rendezvous socket"))?;
-                let hello = recv(&mut stream).map_err(io(format!("hello from {peer}")))?;
-                let Ctl::Hello {
-                    rank,
-                    world: their_world,
-                    host: their_host,
-                    fingerprint: theirs,
-                } = hello
-                else {
-                    return Err(GroupError::Protocol(format!(
-                        "{peer} sent {hello:?} before hello"
-                    )));
-                };
-                let problem = if their_world != world {
-                    Some(format!("config mismatch: rank {rank} has world_size={their_world}, rank 0 has {world}"))
-                } else if rank == 0 || rank >= world {
-                    Some(format!(
-                        "rank {rank} is out of range for world size {world}"
-                    ))
-                } else if slots[rank - 1].is_some() {
-                    Some(format!("rank {rank} joined twice"))
-                } else if let Some((field, ours, theirs)) = first_difference(fingerprint, &theirs) {
-                    Some(format!(
-                        "config mismatch in '{field}': rank {rank} has {theirs}, rank 0 has {ours}"
-                    ))
-                } else if same_host && their_host != host {
-                    Some(format!(
-                        "rank {rank} runs on host {their_host}, rank 0 on {host}: the cpu backend needs every rank on one host"
-                    ))
-                } else {
-                    None
-                };
-                if let Some(reason) = problem {
-                    let _ = send(
-                        &mut stream,
-                        &Ctl::Reject {
-                            reason: reason.clone(),
-                        },
-                    );
-                    return Err(GroupError::Rejected(reason));
                 }
-                slots[rank - 1] = Some(stream);
+                match hello_rx.recv_timeout(Duration::from_millis(5)) {
+                    Ok((stream, peer, hello)) => {
+                        if let Some((rank, stream)) = admit(stream, peer, hello, want, &slots)? {
+                            slots[rank - 1] = Some(stream);
+                        }
+                    }
+                    Err(_) if Instant::now() >= deadline => {
+                        let missing: Vec<String> = slots
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, s)| s.is_none())
+                            .map(|(i, _)| (i + 1).to_string())
+                            .collect();
+                        return Err(GroupError::Timeout(format!(
+                            "rank(s) {} of world size {world} did not join the rendezvous within {timeout:?}",
+                            missing.join(", ")
+                        )));
+                    }
+                    Err(_) => {}
+                }
             }
             Ok(())
         })();
@@ -289,6 +314,100 @@ impl RouterLink {
     }
 }
 
+/// One connection's hello: Some((rank, stream)) for a rank of ours, None for a stray (logged and
+/// closed), an error for a rank whose config differs (it is told why; the group fails).
+fn admit(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    hello: std::io::Result<Ctl>,
+    want: &Expect,
+    slots: &[Option<TcpStream>],
+) -> Result<Option<(usize, TcpStream)>, GroupError> {
+    let (rank, world, host, theirs, token) = match hello {
+        Ok(Ctl::Hello {
+            rank,
+            world,
+            host,
+            fingerprint,
+            token,
+        }) => (rank, world, host, fingerprint, token),
+        Ok(other) => {
+            tracing::warn!(%peer, "rendezvous: {} before hello; closing", ctl_name(&other));
+            return Ok(None);
+        }
+        Err(e) => {
+            tracing::warn!(%peer, "rendezvous: no hello ({e}); closing");
+            return Ok(None);
+        }
+    };
+    if !same_secret(&token, want.token) {
+        tracing::warn!(%peer, rank, "rendezvous: wrong or missing --group-token; closing");
+        let _ = send(
+            &mut stream,
+            &Ctl::Reject {
+                reason: "wrong or missing group token (--group-token)".into(),
+            },
+        );
+        return Ok(None);
+    }
+    let w = want.world;
+    let problem = if world != w {
+        Some(format!(
+            "config mismatch: rank {rank} has world_size={world}, rank 0 has {w}"
+        ))
+    } else if rank == 0 || rank >= w {
+        Some(format!("rank {rank} is out of range for world size {w}"))
+    } else if slots[rank - 1].is_some() {
+        Some(format!("rank {rank} joined twice"))
+    } else if let Some((field, ours, theirs)) = first_difference(want.fingerprint, &theirs) {
+        Some(format!(
+            "config mismatch in '{field}': rank {rank} has {theirs}, rank 0 has {ours}"
+        ))
+    } else if want.same_host && host != want.host {
+        Some(format!(
+            "rank {rank} runs on host {host}, rank 0 on {}: the cpu backend needs every rank on one host",
+            want.host
+        ))
+    } else {
+        None
+    };
+    if let Some(reason) = problem {
+        let _ = send(
+            &mut stream,
+            &Ctl::Reject {
+                reason: reason.clone(),
+            },
+        );
+        return Err(GroupError::Rejected(reason));
+    }
+    stream
+        .set_read_timeout(None)
+        .map_err(io("rendezvous socket"))?;
+    Ok(Some((rank, stream)))
+}
+
+/// A message's kind, for logs (a stray's payload is not echoed).
+fn ctl_name(m: &Ctl) -> &'static str {
+    match m {
+        Ctl::Hello { .. } => "hello",
+        Ctl::Welcome { .. } => "welcome",
+        Ctl::Reject { .. } => "reject",
+        Ctl::Created { .. } => "created",
+        Ctl::Map => "map",
+        Ctl::Mapped { .. } => "mapped",
+        Ctl::Go => "go",
+        Ctl::Step(_) => "step",
+        Ctl::Shutdown => "shutdown",
+        Ctl::Failed { .. } => "failed",
+        Ctl::Corrupt { .. } => "corrupt",
+    }
+}
+
+/// A group id as the router makes it (hex and dashes): it names files under --shm-dir.
+pub fn valid_group_id(g: &str) -> bool {
+    (1..=64).contains(&g.len()) && g.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')
+}
+
 /// What a rank gets from the rendezvous.
 pub struct Joined {
     pub stream: TcpStream,
@@ -302,6 +421,7 @@ pub fn join(
     rank: usize,
     world: usize,
     fingerprint: &Fingerprint,
+    token: &str,
     timeout: Duration,
 ) -> Result<Joined, GroupError> {
     let deadline = Instant::now() + timeout;
@@ -330,10 +450,14 @@ pub fn join(
             world,
             host: host_id(),
             fingerprint: fingerprint.clone(),
+            token: token.to_string(),
         },
     )
     .map_err(io("sending hello"))?;
     match expect(&mut stream, "welcome", deadline)? {
+        Ctl::Welcome { group, .. } if !valid_group_id(&group) => Err(GroupError::Protocol(
+            format!("the router sent group id {group:?}, which is not hex"),
+        )),
         Ctl::Welcome { group, nccl_id } => Ok(Joined {
             stream,
             group,

@@ -20,33 +20,100 @@ fn invalid(msg: impl Into<String>) -> ModelError {
     ModelError::Invalid(msg.into())
 }
 
-struct Cfg<'a>(&'a Value);
+/// config.json as one transformers config class reads it: its keys, the aliases of its
+/// `attribute_map` (either name may be saved), and its defaults for absent keys.
+struct Cfg<'a> {
+    v: &'a serde_json::Map<String, Value>,
+    /// (alias, key) pairs: one setting under two names.
+    aliases: &'static [(&'static str, &'static str)],
+}
+
+fn wrong(key: &str, v: &Value, want: &str) -> ModelError {
+    invalid(format!("config.json: '{key}' is {v}, expected {want}"))
+}
 
 impl Cfg<'_> {
-    fn usize(&self, key: &str) -> Result<usize, ModelError> {
-        self.0
-            .get(key)
-            .and_then(Value::as_u64)
-            .map(|v| v as usize)
-            .ok_or_else(|| invalid(format!("config.json: missing or non-integer '{key}'")))
+    /// The value of `key` or of its alias; both present and different is an error.
+    fn get(&self, key: &str) -> Result<Option<&Value>, ModelError> {
+        let mut found = self.v.get(key).map(|v| (key, v));
+        for &(alias, canon) in self.aliases {
+            let other = match key {
+                k if k == canon => alias,
+                k if k == alias => canon,
+                _ => continue,
+            };
+            let Some(v) = self.v.get(other) else { continue };
+            match found {
+                Some((k, f)) if f != v => {
+                    return Err(invalid(format!(
+                        "config.json: '{k}' = {f} and '{other}' = {v} name one setting and disagree"
+                    )))
+                }
+                Some(_) => {}
+                None => found = Some((other, v)),
+            }
+        }
+        Ok(found.map(|(_, v)| v))
     }
-    fn usize_or(&self, key: &str, default: usize) -> Result<usize, ModelError> {
-        match self.0.get(key) {
-            None | Some(Value::Null) => Ok(default),
-            Some(_) => self.usize(key),
+    /// A non-negative integer; `default` when absent (None: required).
+    fn usize(&self, key: &str, default: Option<usize>) -> Result<usize, ModelError> {
+        match self.get(key)? {
+            None => default.ok_or_else(|| invalid(format!("config.json: '{key}' is missing"))),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| usize::try_from(x).ok())
+                .ok_or_else(|| wrong(key, v, "a non-negative integer")),
         }
     }
-    fn bool_or(&self, key: &str, default: bool) -> bool {
-        self.0.get(key).and_then(Value::as_bool).unwrap_or(default)
+    fn bool(&self, key: &str, default: bool) -> Result<bool, ModelError> {
+        match self.get(key)? {
+            None => Ok(default),
+            Some(v) => v.as_bool().ok_or_else(|| wrong(key, v, "true or false")),
+        }
     }
-    fn f32_or(&self, key: &str, default: f32) -> f32 {
-        self.0
-            .get(key)
-            .and_then(Value::as_f64)
-            .map_or(default, |v| v as f32)
+    fn f32(&self, key: &str, default: f32) -> Result<f32, ModelError> {
+        match self.get(key)? {
+            None => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .filter(|x| x.is_finite())
+                .map(|x| x as f32)
+                .ok_or_else(|| wrong(key, v, "a number")),
+        }
     }
-    fn str_or<'b>(&'b self, key: &str, default: &'b str) -> &'b str {
-        self.0.get(key).and_then(Value::as_str).unwrap_or(default)
+    fn str(&self, key: &str, default: &'static str) -> Result<String, ModelError> {
+        match self.get(key)? {
+            None => Ok(default.to_string()),
+            Some(v) => v
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| wrong(key, v, "a string")),
+        }
+    }
+    /// A list of layer indices; null or absent is empty (as transformers' `mlp_only_layers`).
+    fn layers(&self, key: &str) -> Result<Vec<u32>, ModelError> {
+        match self.get(key)? {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(v) => v
+                .as_array()
+                .and_then(|a| {
+                    a.iter()
+                        .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
+                        .collect::<Option<Vec<u32>>>()
+                })
+                .ok_or_else(|| wrong(key, v, "a list of layer indices")),
+        }
+    }
+    /// One of `allowed` (the first is the default); anything else is refused by name.
+    fn one_of(&self, key: &str, allowed: &[&'static str], what: &str) -> Result<(), ModelError> {
+        let v = self.str(key, allowed[0])?;
+        if allowed.contains(&v.as_str()) {
+            return Ok(());
+        }
+        Err(ModelError::Unsupported(format!(
+            "config.json: {key} '{v}' is not supported ({what}: {})",
+            allowed.join(", ")
+        )))
     }
 }
 
@@ -57,7 +124,38 @@ pub struct Fp8Blocks {
     cols: usize,
 }
 
-/// Reads `dir/config.json` into a spec.
+/// `quantization_config`: none, or FP8 with a block size (as DeepSeek-V3 ships).
+fn quantization(v: &serde_json::Map<String, Value>) -> Result<Option<Fp8Blocks>, ModelError> {
+    let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) else {
+        return Ok(None);
+    };
+    let q = q
+        .as_object()
+        .ok_or_else(|| wrong("quantization_config", q, "an object"))?;
+    let c = Cfg { v: q, aliases: &[] };
+    c.one_of("quant_method", &["fp8"], "supported quantisation")?;
+    c.one_of("fmt", &["e4m3"], "supported FP8 formats")?;
+    let block = q.get("weight_block_size");
+    let pair = block
+        .and_then(Value::as_array)
+        .filter(|a| a.len() == 2)
+        .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)))
+        .filter(|&(r, c)| r > 0 && c > 0);
+    match pair {
+        Some((r, c)) => Ok(Some(Fp8Blocks {
+            rows: r as usize,
+            cols: c as usize,
+        })),
+        None => Err(wrong(
+            "quantization_config.weight_block_size",
+            block.unwrap_or(&Value::Null),
+            "two positive integers",
+        )),
+    }
+}
+
+/// Reads `dir/config.json` into a spec, as transformers' config class of its `model_type` would:
+/// absent keys take that class's defaults; a wrong type or an unsupported setting is an error.
 pub fn load_spec(dir: &Path) -> Result<(MoeSpec, Option<Fp8Blocks>), ModelError> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
@@ -66,71 +164,71 @@ pub fn load_spec(dir: &Path) -> Result<(MoeSpec, Option<Fp8Blocks>), ModelError>
     })?;
     let v: Value =
         serde_json::from_str(&text).map_err(|e| invalid(format!("{}: {e}", path.display())))?;
-    let c = Cfg(&v);
-    let model_type = c.str_or("model_type", "");
-    let hidden = c.usize("hidden_size")?;
-    let layers = c.usize("num_hidden_layers")? as u32;
-    let spec = match model_type {
+    let v = v
+        .as_object()
+        .ok_or_else(|| invalid(format!("{}: not a JSON object", path.display())))?;
+    let model_type = Cfg { v, aliases: &[] }.str("model_type", "")?;
+    // transformers' attribute_map of each class (MixtralConfig, Qwen3MoeConfig, DeepseekV3Config).
+    let aliases: &'static [(&str, &str)] = match model_type.as_str() {
+        "mixtral" | "qwen3_moe" => &[("num_experts", "num_local_experts")],
+        "deepseek_v3" => &[("num_local_experts", "n_routed_experts")],
+        _ => &[],
+    };
+    let c = Cfg { v, aliases };
+    c.one_of("hidden_act", &["silu", "swish"], "experts are SwiGLU")?;
+    let spec = match model_type.as_str() {
         "mixtral" => MoeSpec {
             architecture: "mixtral".into(),
-            hidden,
-            intermediate: c.usize("intermediate_size")?,
-            num_experts: c.usize("num_local_experts")?,
-            top_k: c.usize("num_experts_per_tok")?,
-            moe_layers: (0..layers).collect(),
+            hidden: c.usize("hidden_size", Some(4096))?,
+            intermediate: c.usize("intermediate_size", Some(14336))?,
+            num_experts: c.usize("num_local_experts", Some(8))?,
+            top_k: c.usize("num_experts_per_tok", Some(2))?,
+            moe_layers: (0..c.usize("num_hidden_layers", Some(32))? as u32).collect(),
             routing: Routing::SoftmaxTopK { renormalize: true },
             shared_intermediate: 0,
             num_shared_experts: 0,
         },
         "qwen3_moe" => {
-            let step = c.usize_or("decoder_sparse_step", 1)?.max(1) as u32;
-            let dense: Vec<u32> = v
-                .get("mlp_only_layers")
-                .and_then(Value::as_array)
-                .map(|a| {
-                    a.iter()
-                        .filter_map(|x| x.as_u64().map(|x| x as u32))
-                        .collect()
-                })
-                .unwrap_or_default();
+            let layers = c.usize("num_hidden_layers", Some(24))? as u32;
+            let step = c.usize("decoder_sparse_step", Some(1))?.max(1) as u32;
+            let dense = c.layers("mlp_only_layers")?;
             MoeSpec {
                 architecture: "qwen3_moe".into(),
-                hidden,
-                intermediate: c.usize("moe_intermediate_size")?,
-                num_experts: c.usize("num_experts")?,
-                top_k: c.usize("num_experts_per_tok")?,
+                hidden: c.usize("hidden_size", Some(2048))?,
+                intermediate: c.usize("moe_intermediate_size", Some(768))?,
+                num_experts: c.usize("num_experts", Some(128))?,
+                top_k: c.usize("num_experts_per_tok", Some(8))?,
                 moe_layers: (0..layers)
                     .filter(|i| !dense.contains(i) && (i + 1) % step == 0)
                     .collect(),
                 routing: Routing::SoftmaxTopK {
-                    renormalize: c.bool_or("norm_topk_prob", false),
+                    renormalize: c.bool("norm_topk_prob", false)?,
                 },
                 shared_intermediate: 0,
                 num_shared_experts: 0,
             }
         }
         "deepseek_v3" => {
-            if c.str_or("scoring_func", "sigmoid") != "sigmoid" {
-                return Err(ModelError::Unsupported(
-                    "deepseek_v3 with scoring_func other than sigmoid".into(),
-                ));
-            }
-            let first_dense = c.usize_or("first_k_dense_replace", 0)? as u32;
-            let freq = c.usize_or("moe_layer_freq", 1)?.max(1) as u32;
-            let inter = c.usize("moe_intermediate_size")?;
-            let shared = c.usize_or("n_shared_experts", 0)?;
+            // DeepSeek's own config.json names these; transformers' modeling always runs them.
+            c.one_of("scoring_func", &["sigmoid"], "supported scoring functions")?;
+            c.one_of("topk_method", &["noaux_tc"], "supported top-k methods")?;
+            let layers = c.usize("num_hidden_layers", Some(61))? as u32;
+            let first_dense = c.usize("first_k_dense_replace", Some(3))? as u32;
+            let freq = c.usize("moe_layer_freq", Some(1))?.max(1) as u32;
+            let inter = c.usize("moe_intermediate_size", Some(2048))?;
+            let shared = c.usize("n_shared_experts", Some(1))?;
             MoeSpec {
                 architecture: "deepseek_v3".into(),
-                hidden,
+                hidden: c.usize("hidden_size", Some(7168))?,
                 intermediate: inter,
-                num_experts: c.usize("n_routed_experts")?,
-                top_k: c.usize("num_experts_per_tok")?,
+                num_experts: c.usize("n_routed_experts", Some(256))?,
+                top_k: c.usize("num_experts_per_tok", Some(8))?,
                 moe_layers: (first_dense..layers).filter(|i| i % freq == 0).collect(),
                 routing: Routing::SigmoidGroupTopK {
-                    n_group: c.usize_or("n_group", 1)?,
-                    topk_group: c.usize_or("topk_group", 1)?,
-                    renormalize: c.bool_or("norm_topk_prob", true),
-                    scaling: c.f32_or("routed_scaling_factor", 1.0),
+                    n_group: c.usize("n_group", Some(8))?,
+                    topk_group: c.usize("topk_group", Some(4))?,
+                    renormalize: c.bool("norm_topk_prob", true)?,
+                    scaling: c.f32("routed_scaling_factor", 2.5)?,
                 },
                 shared_intermediate: shared * inter,
                 num_shared_experts: shared,
@@ -145,14 +243,57 @@ pub fn load_spec(dir: &Path) -> Result<(MoeSpec, Option<Fp8Blocks>), ModelError>
         }
     };
     spec.validate()?;
-    let fp8 = v.get("quantization_config").and_then(|q| {
-        let block = q.get("weight_block_size")?.as_array()?;
-        Some(Fp8Blocks {
-            rows: block.first()?.as_u64()? as usize,
-            cols: block.get(1)?.as_u64()? as usize,
-        })
-    });
-    Ok((spec, fp8))
+    Ok((spec, quantization(v)?))
+}
+
+/// A cheap identity of a checkpoint: config.json, the index and every safetensors file's name,
+/// size and header (tensor names, shapes, dtypes, offsets), hashed. Weights differing only in
+/// values inside equal headers are not told apart; reading them all would cost minutes.
+pub fn identity(dir: &Path) -> Result<String, ModelError> {
+    use std::io::Read;
+    let io = |path: &Path| {
+        let path = path.display().to_string();
+        move |source| ModelError::Io { path, source }
+    };
+    let mut h = Fnv::default();
+    for name in ["config.json", INDEX] {
+        if let Ok(bytes) = std::fs::read(dir.join(name)) {
+            h.add(name.as_bytes());
+            h.add(&bytes);
+        }
+    }
+    for path in safetensors_files(dir)? {
+        let mut f = std::fs::File::open(&path).map_err(io(&path))?;
+        let len = f.metadata().map_err(io(&path))?.len();
+        let mut n = [0u8; 8];
+        f.read_exact(&mut n).map_err(io(&path))?;
+        let n = u64::from_le_bytes(n)
+            .min(len.saturating_sub(8))
+            .min(100 << 20);
+        let mut header = vec![0u8; n as usize];
+        f.read_exact(&mut header).map_err(io(&path))?;
+        h.add(path.file_name().unwrap_or_default().as_encoded_bytes());
+        h.add(&len.to_le_bytes());
+        h.add(&header);
+    }
+    Ok(format!("{:016x}", h.0))
+}
+
+/// FNV-1a, 64 bit: the same on every rank and build.
+struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv {
+    fn add(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
 }
 
 enum Part {
@@ -200,39 +341,119 @@ struct Checkpoint {
     fp8: Option<Fp8Blocks>,
 }
 
+/// transformers' index of a sharded checkpoint: which file holds which tensor.
+const INDEX: &str = "model.safetensors.index.json";
+
+/// The checkpoint's safetensors files, sorted: those the index names when there is one, else
+/// every `*.safetensors` in the directory.
+fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
+    let bad = |msg: String| ModelError::Checkpoint {
+        path: dir.join(INDEX).display().to_string(),
+        msg,
+    };
+    let mut files: Vec<PathBuf> = match index_map(dir)? {
+        Some(map) => {
+            let mut names: Vec<&str> = map.values().map(String::as_str).collect();
+            names.sort_unstable();
+            names.dedup();
+            names
+                .into_iter()
+                .map(|n| match Path::new(n).file_name() {
+                    // A bare file name: nothing outside the checkpoint directory is read.
+                    Some(f) if f == n => Ok(dir.join(n)),
+                    _ => Err(bad(format!("'{n}' is not a file name in the checkpoint"))),
+                })
+                .collect::<Result<_, _>>()?
+        }
+        None => std::fs::read_dir(dir)
+            .map_err(|source| ModelError::Io {
+                path: dir.display().to_string(),
+                source,
+            })?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect(),
+    };
+    files.sort();
+    if files.is_empty() {
+        return Err(ModelError::Checkpoint {
+            path: dir.display().to_string(),
+            msg: "no *.safetensors files".into(),
+        });
+    }
+    Ok(files)
+}
+
+/// The index's `weight_map` (tensor name → file name), when the checkpoint has an index.
+fn index_map(dir: &Path) -> Result<Option<HashMap<String, String>>, ModelError> {
+    let path = dir.join(INDEX);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(ModelError::Io {
+                path: path.display().to_string(),
+                source,
+            })
+        }
+    };
+    #[derive(serde::Deserialize)]
+    struct Index {
+        weight_map: HashMap<String, String>,
+    }
+    let index: Index = serde_json::from_str(&text).map_err(|e| ModelError::Checkpoint {
+        path: path.display().to_string(),
+        msg: format!("not a safetensors index ({e})"),
+    })?;
+    Ok(Some(index.weight_map))
+}
+
 impl Checkpoint {
     fn open(dir: &Path, fp8: Option<Fp8Blocks>) -> Result<Self, ModelError> {
         let io = |path: &Path| {
             let path = path.display().to_string();
             move |source| ModelError::Io { path, source }
         };
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(io(dir))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            return Err(ModelError::Checkpoint {
-                path: dir.display().to_string(),
-                msg: "no *.safetensors files".into(),
-            });
-        }
+        let files = safetensors_files(dir)?;
+        let listed = index_map(dir)?;
         let mut maps = Vec::new();
-        let mut index = HashMap::new();
+        let mut index: HashMap<String, usize> = HashMap::new();
         for path in files {
             let file = std::fs::File::open(&path).map_err(io(&path))?;
             // SAFETY: the checkpoint is read-only input; the map lives only while loading, and a
             // file truncated underneath us is the operator's error (it would fault, not corrupt).
             let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io(&path))?;
-            let st = SafeTensors::deserialize(&map).map_err(|e| ModelError::Checkpoint {
+            let err = |msg: String| ModelError::Checkpoint {
                 path: path.display().to_string(),
-                msg: e.to_string(),
-            })?;
+                msg,
+            };
+            let st = SafeTensors::deserialize(&map).map_err(|e| err(e.to_string()))?;
+            let file_name = path.file_name().unwrap_or_default().to_string_lossy();
             for name in st.names() {
+                // With an index, a file's tensor that the index places elsewhere is not ours.
+                if listed
+                    .as_ref()
+                    .is_some_and(|m| m.get(name).is_none_or(|f| *f != file_name))
+                {
+                    continue;
+                }
+                if let Some(&other) = index.get(name) {
+                    return Err(err(format!(
+                        "tensor '{name}' is also in {}: which one to load is ambiguous",
+                        maps_path(&maps, other)
+                    )));
+                }
                 index.insert(name.to_string(), maps.len());
             }
             maps.push((path, map));
+        }
+        if let Some(m) = &listed {
+            if let Some((name, file)) = m.iter().find(|(n, _)| !index.contains_key(*n)) {
+                return Err(ModelError::Checkpoint {
+                    path: dir.join(INDEX).display().to_string(),
+                    msg: format!("tensor '{name}' is listed in {file}, which does not hold it"),
+                });
+            }
         }
         Ok(Self { maps, index, fp8 })
     }
@@ -310,6 +531,10 @@ impl Checkpoint {
     }
 }
 
+fn maps_path(maps: &[(PathBuf, memmap2::Mmap)], i: usize) -> String {
+    maps[i].0.display().to_string()
+}
+
 /// OCP FP8 E4M3FN (no infinities; 0x7F/0xFF are NaN).
 pub fn fp8_e4m3(b: u8) -> f32 {
     let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
@@ -369,7 +594,218 @@ pub fn load_weights(
 
 #[cfg(test)]
 mod tests {
-    use super::fp8_e4m3;
+    use super::*;
+
+    /// A fresh directory holding `config` as config.json.
+    fn dir_with(tag: &str, config: &Value) -> PathBuf {
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let d = std::env::temp_dir().join(format!("epserve-hf-{}-{tag}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("config.json"), config.to_string()).unwrap();
+        d
+    }
+
+    fn spec(config: Value) -> Result<MoeSpec, ModelError> {
+        let d = dir_with("cfg", &config);
+        let r = load_spec(&d).map(|(s, _)| s);
+        std::fs::remove_dir_all(&d).unwrap();
+        r
+    }
+
+    fn err(config: Value) -> String {
+        spec(config).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn absent_keys_take_the_transformers_class_defaults() {
+        let m = spec(serde_json::json!({"model_type": "mixtral"})).unwrap();
+        assert_eq!(
+            (
+                m.hidden,
+                m.intermediate,
+                m.num_experts,
+                m.top_k,
+                m.moe_layers.len()
+            ),
+            (4096, 14336, 8, 2, 32)
+        );
+        let q =
+            spec(serde_json::json!({"model_type": "qwen3_moe", "mlp_only_layers": null})).unwrap();
+        assert_eq!(
+            (
+                q.hidden,
+                q.intermediate,
+                q.num_experts,
+                q.top_k,
+                q.moe_layers.len()
+            ),
+            (2048, 768, 128, 8, 24)
+        );
+        assert_eq!(q.routing, Routing::SoftmaxTopK { renormalize: false });
+        let d = spec(serde_json::json!({"model_type": "deepseek_v3"})).unwrap();
+        assert_eq!(
+            (
+                d.hidden,
+                d.intermediate,
+                d.num_experts,
+                d.top_k,
+                d.num_shared_experts
+            ),
+            (7168, 2048, 256, 8, 1)
+        );
+        assert_eq!(d.moe_layers, (3..61).collect::<Vec<u32>>());
+        assert_eq!(
+            d.routing,
+            Routing::SigmoidGroupTopK {
+                n_group: 8,
+                topk_group: 4,
+                renormalize: true,
+                scaling: 2.5
+            }
+        );
+    }
+
+    #[test]
+    fn attribute_map_aliases_are_read_and_must_agree() {
+        let small = |t: &str, key: &str| {
+            serde_json::json!({"model_type": t, "hidden_size": 64, key: 16, "num_experts_per_tok": 2,
+                "num_hidden_layers": 2, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 0})
+        };
+        // Qwen3MoeConfig saves its expert count as num_local_experts.
+        assert_eq!(
+            spec(small("qwen3_moe", "num_local_experts"))
+                .unwrap()
+                .num_experts,
+            16
+        );
+        assert_eq!(
+            spec(small("mixtral", "num_experts")).unwrap().num_experts,
+            16
+        );
+        assert_eq!(
+            spec(small("deepseek_v3", "num_local_experts"))
+                .unwrap()
+                .num_experts,
+            16
+        );
+        let mut both = small("deepseek_v3", "num_local_experts");
+        both["n_routed_experts"] = 32.into();
+        let e = err(both);
+        assert!(e.contains("name one setting and disagree"), "{e}");
+    }
+
+    #[test]
+    fn wrong_types_and_unsupported_settings_are_refused_by_name() {
+        let cases = [
+            (
+                serde_json::json!({"model_type": "mixtral", "hidden_size": "4096"}),
+                "'hidden_size' is \"4096\", expected a non-negative integer",
+            ),
+            (
+                serde_json::json!({"model_type": "mixtral", "num_local_experts": 8.5}),
+                "'num_local_experts' is 8.5",
+            ),
+            (
+                serde_json::json!({"model_type": "qwen3_moe", "norm_topk_prob": 1}),
+                "'norm_topk_prob' is 1, expected true or false",
+            ),
+            (
+                serde_json::json!({"model_type": "qwen3_moe", "mlp_only_layers": "0"}),
+                "expected a list of layer indices",
+            ),
+            (
+                serde_json::json!({"model_type": "deepseek_v3", "routed_scaling_factor": "2.5"}),
+                "'routed_scaling_factor' is \"2.5\", expected a number",
+            ),
+            (
+                serde_json::json!({"model_type": "deepseek_v3", "n_group": null}),
+                "'n_group' is null",
+            ),
+            (
+                serde_json::json!({"model_type": "mixtral", "hidden_act": "gelu"}),
+                "hidden_act 'gelu' is not supported",
+            ),
+            (
+                serde_json::json!({"model_type": "deepseek_v3", "topk_method": "greedy"}),
+                "topk_method 'greedy' is not supported",
+            ),
+            (
+                serde_json::json!({"model_type": "deepseek_v3", "scoring_func": "softmax"}),
+                "scoring_func 'softmax' is not supported",
+            ),
+            (
+                serde_json::json!({"model_type": "mixtral", "quantization_config": {"quant_method": "gptq"}}),
+                "quant_method 'gptq' is not supported",
+            ),
+            (
+                serde_json::json!({"model_type": "mixtral", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}}),
+                "weight_block_size",
+            ),
+            (serde_json::json!({"model_type": 3}), "'model_type' is 3"),
+        ];
+        for (config, want) in cases {
+            let e = err(config.clone());
+            assert!(e.contains(want), "{config}: '{e}' lacks '{want}'");
+        }
+        // The defaults DeepSeek ships are accepted.
+        let ok = serde_json::json!({"model_type": "deepseek_v3", "hidden_act": "silu",
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+            "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}});
+        spec(ok).unwrap();
+    }
+
+    fn write_tensors(path: &Path, names: &[&str]) {
+        let data = vec![0u8; 8];
+        let views: Vec<(String, safetensors::tensor::TensorView)> = names
+            .iter()
+            .map(|n| {
+                let v = safetensors::tensor::TensorView::new(Dtype::F32, vec![2], &data).unwrap();
+                (n.to_string(), v)
+            })
+            .collect();
+        std::fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn the_index_is_honoured_and_a_tensor_in_two_files_is_refused() {
+        let d = dir_with("index", &serde_json::json!({}));
+        write_tensors(&d.join("a.safetensors"), &["x", "y"]);
+        write_tensors(&d.join("b.safetensors"), &["y", "z"]);
+        let e = Checkpoint::open(&d, None).err().unwrap().to_string();
+        assert!(e.contains("tensor 'y' is also in"), "{e}");
+        // The index says where each tensor is: b's copy of y is not read; a file it does not
+        // name (an old shard left beside) is not read at all.
+        write_tensors(&d.join("old.safetensors"), &["x", "z"]);
+        let index = |map: Value| {
+            std::fs::write(
+                d.join(INDEX),
+                serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
+            )
+            .unwrap();
+        };
+        index(
+            serde_json::json!({"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors"}),
+        );
+        let c = Checkpoint::open(&d, None).unwrap();
+        assert_eq!(c.maps.len(), 2);
+        assert_eq!(c.maps[c.index["y"]].0, d.join("a.safetensors"));
+        assert_eq!(c.maps[c.index["z"]].0, d.join("b.safetensors"));
+        // The identity follows the files: a changed index changes it.
+        let before = identity(&d).unwrap();
+        index(
+            serde_json::json!({"x": "a.safetensors", "y": "a.safetensors", "z": "old.safetensors"}),
+        );
+        assert_ne!(identity(&d).unwrap(), before);
+        index(serde_json::json!({"x": "a.safetensors", "w": "b.safetensors"}));
+        let e = Checkpoint::open(&d, None).err().unwrap().to_string();
+        assert!(e.contains("tensor 'w' is listed in b.safetensors"), "{e}");
+        index(serde_json::json!({"x": "../a.safetensors"}));
+        let e = Checkpoint::open(&d, None).err().unwrap().to_string();
+        assert!(e.contains("not a file name in the checkpoint"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+    }
 
     #[test]
     fn fp8_e4m3_known_values() {

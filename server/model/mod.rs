@@ -277,6 +277,15 @@ impl ModelSource {
         }
     }
 
+    /// What identifies the weights for the rendezvous fingerprint: ranks that load different
+    /// files under the same path must not form a group. Synthetic weights are their seed.
+    pub fn identity(&self) -> Result<String, ModelError> {
+        match self {
+            ModelSource::Synthetic { .. } => Ok(self.describe()),
+            ModelSource::HuggingFace(dir) => hf::identity(dir),
+        }
+    }
+
     /// The spec, before `--layers` capping.
     pub fn spec(&self) -> Result<MoeSpec, ModelError> {
         match self {

@@ -39,7 +39,7 @@ impl Queued {
 }
 
 /// Runs until `stop` is cancelled and the queue is empty (drain), or until the executor goes
-/// away (group broken), in which case every queued and later job is failed with UNAVAILABLE.
+/// away or the group breaks, in which case every queued and later job is failed with UNAVAILABLE.
 /// `wake` is notified when a client leaves, so its queued tokens are freed at once. A step is
 /// formed only when the executor holds none (`ready` has a permit), so waiting work stays in the
 /// queue where deadlines and cancellation reach it.
@@ -107,9 +107,11 @@ pub async fn run_batcher(
             _ = tokio::time::sleep_until(wake_at.unwrap_or_else(Instant::now)), if wake_at.is_some() => {}
             _ = wake.notified() => {}
             _ = stop.cancelled(), if open => {}
+            // The executor may be stuck in the step that broke the group: do not wait for it.
+            _ = broken.broken() => break,
         }
     }
-    // The executor is gone: the group is broken.
+    // The executor is gone or the group is broken.
     let why = broken
         .reason()
         .unwrap_or_else(|| "the step executor stopped".into());

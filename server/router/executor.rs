@@ -3,7 +3,7 @@
 
 use std::io::ErrorKind;
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,6 +14,7 @@ use crate::group::{recv, Ctl, GroupError, RouterLink};
 use crate::shm::Abort;
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver, PhaseTimes, StepDesc, StepError};
+use crate::watchdog::Progress;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExecutorError {
@@ -29,45 +30,6 @@ pub enum ExecutorError {
         rank: usize,
         reason: String,
     },
-}
-
-/// What the liveness watchdog reads: whether a step is running, and since when.
-pub struct Progress {
-    base: Instant,
-    /// Microseconds since `base` when the running step began, plus one; 0 when idle.
-    busy_since: AtomicU64,
-}
-
-impl Default for Progress {
-    fn default() -> Self {
-        Self {
-            base: Instant::now(),
-            busy_since: AtomicU64::new(0),
-        }
-    }
-}
-
-impl Progress {
-    fn begin(&self) {
-        self.busy_since.store(
-            self.base.elapsed().as_micros() as u64 + 1,
-            Ordering::Release,
-        );
-    }
-    fn end(&self) {
-        self.busy_since.store(0, Ordering::Release);
-    }
-    /// How long the running step has run (None while idle).
-    pub fn running_for(&self) -> Option<Duration> {
-        match self.busy_since.load(Ordering::Acquire) {
-            0 => None,
-            t => Some(
-                self.base
-                    .elapsed()
-                    .saturating_sub(Duration::from_micros(t - 1)),
-            ),
-        }
-    }
 }
 
 pub struct Executor<B> {
@@ -218,9 +180,15 @@ impl<B: Backend> Executor<B> {
             match result {
                 Ok(times) => tracing::debug!(tokens = step.tokens(), ?times, "step"),
                 Err(e) => {
-                    let status = tonic::Status::unavailable(format!("EP group broken: {e}"));
+                    // A wrong result fails its requests INTERNAL; a lost rank, UNAVAILABLE.
+                    let status = if matches!(e, ExecutorError::Step(StepError::Corrupt { .. })) {
+                        self.abort.trigger_corrupt(e.to_string());
+                        tonic::Status::internal(format!("EP group broken: {e}"))
+                    } else {
+                        self.abort.trigger(e.to_string());
+                        tonic::Status::unavailable(format!("EP group broken: {e}"))
+                    };
                     step.fail(&status);
-                    self.abort.trigger(e.to_string());
                     break Err(e);
                 }
             }
@@ -291,6 +259,12 @@ impl<B: Backend> Executor<B> {
 fn watch_rank(stream: &mut TcpStream, rank: usize, abort: &Abort, closing: &AtomicBool) {
     let reason = match recv(stream) {
         Ok(Ctl::Failed { reason, .. }) => format!("rank {rank} failed: {reason}"),
+        Ok(Ctl::Corrupt { reason, .. }) => {
+            if !closing.load(Ordering::Acquire) {
+                abort.trigger_corrupt(format!("rank {rank}: {reason}"));
+            }
+            return;
+        }
         Ok(other) => format!("rank {rank} sent unexpected {other:?}"),
         Err(e) if e.kind() == ErrorKind::UnexpectedEof => format!("rank {rank} disconnected"),
         Err(e) => format!("rank {rank} control connection: {e}"),

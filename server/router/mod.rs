@@ -8,7 +8,7 @@ mod executor;
 
 pub use admission::{Admission, Permit};
 pub use batcher::{run_batcher, BatchConfig};
-pub use executor::{Executor, ExecutorError, Progress};
+pub use executor::{Executor, ExecutorError};
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -37,8 +37,9 @@ pub struct Job {
     pub input: JobInput,
     pub admitted: Instant,
     sink: Mutex<Sink>,
-    /// Released when the job is gone from every step and queue.
-    _permit: Option<Permit>,
+    /// Released when the job is gone from every step and queue, or, once answered, when its
+    /// handler has handed the response to the transport (`take_permit`).
+    permit: Mutex<Option<Permit>>,
 }
 
 struct Sink {
@@ -60,13 +61,23 @@ impl Job {
                 first_step: None,
                 reply: Some(tx),
             }),
-            _permit: permit,
+            permit: Mutex::new(permit),
         });
         (job, rx)
     }
 
     fn sink(&self) -> std::sync::MutexGuard<'_, Sink> {
         self.sink.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The admission permit, for the handler to hold until its response is written.
+    pub fn take_permit(&self) -> Option<Permit> {
+        self.permit.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    /// Some of its rows have entered a step.
+    pub fn in_step(&self) -> bool {
+        self.sink().first_step.is_some()
     }
 
     /// Nobody waits for the answer any more (client gone, or already answered).

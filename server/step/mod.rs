@@ -49,6 +49,10 @@ pub enum StepError {
     Invalid { step: u64, msg: String },
     #[error("step {step}: {msg}")]
     Device { step: u64, msg: String },
+    /// The step ran but its output cannot be trusted (e.g. NCCL EP received other than the
+    /// routing sent): its requests fail INTERNAL and the group breaks.
+    #[error("step {step}: {msg}")]
+    Corrupt { step: u64, msg: String },
 }
 
 /// Moves the home slice between the step ring and the backend's buffers.
@@ -125,6 +129,8 @@ pub struct Driver<B> {
     pub layer_ids: Vec<u32>,
     /// Export per-expert token counters (one series per expert and layer).
     pub per_expert: bool,
+    /// The ring's slots and tokens: a descriptor must fit them.
+    ring: ring::RingShape,
 }
 
 /// The phases one by one, each timed on the host: the step of a backend whose phases run there.
@@ -173,6 +179,7 @@ impl<B: Backend> Driver<B> {
         world: usize,
         layer_ids: Vec<u32>,
         per_expert: bool,
+        ring: ring::RingShape,
     ) -> Self {
         Self {
             backend,
@@ -180,10 +187,36 @@ impl<B: Backend> Driver<B> {
             world,
             layer_ids,
             per_expert,
+            ring,
         }
     }
 
+    /// A descriptor came over the network: every index in it is checked before use.
+    fn check(&self, desc: &StepDesc) -> Result<(), StepError> {
+        let msg = if desc.layer as usize >= self.layer_ids.len() {
+            format!(
+                "layer index {} of {} layers",
+                desc.layer,
+                self.layer_ids.len()
+            )
+        } else if desc.slot as usize >= self.ring.slots {
+            format!("ring slot {} of {}", desc.slot, self.ring.slots)
+        } else if desc.tokens as usize > self.ring.max_tokens {
+            format!(
+                "{} tokens, more than a step holds ({})",
+                desc.tokens, self.ring.max_tokens
+            )
+        } else {
+            return Ok(());
+        };
+        Err(StepError::Invalid {
+            step: desc.step,
+            msg: format!("bad step descriptor: {msg}"),
+        })
+    }
+
     pub fn run(&mut self, desc: &StepDesc) -> Result<PhaseTimes, StepError> {
+        self.check(desc)?;
         let home = home_range(desc.tokens as usize, self.world, self.rank);
         let times = self.backend.step(desc, home)?;
         crate::metrics::record_step(&crate::metrics::StepRecord {

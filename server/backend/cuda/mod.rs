@@ -184,7 +184,8 @@ impl Gpu {
             .arg(&renorm)
             .arg(&scaling);
         b.arg(ids).arg(weights);
-        // SAFETY: as in `topk_softmax`; n_group <= 32 and k <= 32 are checked by the spec.
+        // SAFETY: as in `topk_softmax`; n_group <= 32 and k <= 32: `Device::open` refuses any other
+        // model (backend::check_gpu_limits).
         unsafe { b.launch(cfg) }.map(drop)
     }
 

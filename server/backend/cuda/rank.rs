@@ -292,11 +292,13 @@ impl GpuRank {
 
     /// NCCL EP's receive counts against the routing (the all-gathered counts) and the
     /// capacity. Overflow is impossible by construction (a group holds its largest bucket's
-    /// worst case); these counters show any step that says otherwise.
-    fn check_receive(&self, step: u64, bucket: usize) {
-        let Some(c) = self.core.as_ref() else { return };
+    /// worst case); a step that says otherwise is counted and its output is not delivered.
+    fn check_receive(&self, step: u64, bucket: usize) -> Result<(), StepError> {
+        let Some(c) = self.core.as_ref() else {
+            return Ok(());
+        };
         let (Some(ep), Some(shape)) = (&c.ep, c.shape.ep) else {
-            return;
+            return Ok(());
         };
         let s = &c.shape;
         let (l, e) = (s.local(), s.experts);
@@ -324,20 +326,23 @@ impl GpuRank {
         };
         metrics::counter!("epserve_ep_steps_total", "mode" => mode).increment(1);
         metrics::gauge!("epserve_ep_recv_rows", "mode" => mode).set(rows as f64);
+        let corrupt = |msg: String| {
+            tracing::error!(step, mode, "{msg}");
+            Err(StepError::Corrupt { step, msg })
+        };
         if overflow {
             metrics::counter!("epserve_ep_recv_overflow_total", "mode" => mode).increment(1);
-            tracing::error!(step, mode, rows, cap, "NCCL EP received past its capacity");
+            return corrupt(format!(
+                "NCCL EP ({mode}) received past its capacity: {rows} rows, capacity {cap}"
+            ));
         }
         if rows != expected {
             metrics::counter!("epserve_ep_recv_mismatch_total", "mode" => mode).increment(1);
-            tracing::error!(
-                step,
-                mode,
-                rows,
-                expected,
-                "NCCL EP received other than the routing sent"
-            );
+            return corrupt(format!(
+                "NCCL EP ({mode}) received {rows} rows where the routing sent {expected}"
+            ));
         }
+        Ok(())
     }
 
     fn bucket_of(&self, tokens: usize) -> Option<usize> {
@@ -423,7 +428,7 @@ impl GpuRank {
         for (r, &m) in self.routed.iter_mut().zip(self.st.m.as_slice()) {
             *r = m.max(0) as u32;
         }
-        self.check_receive(desc.step, bucket);
+        self.check_receive(desc.step, bucket)?;
         // Whole-device use, so an allocation by anyone in the process (NCCL included) shows.
         if let Ok((free, total)) = result::mem_get_info() {
             metrics::gauge!("epserve_device_memory_used_bytes").set((total - free) as f64);

@@ -75,6 +75,7 @@ impl Device {
         max_home: usize,
         ep: Option<EpSettings>,
     ) -> anyhow::Result<Self> {
+        crate::backend::check_gpu_limits(spec).map_err(|e| anyhow!(e))?;
         let mut shape = StepShape::new(spec, world, rank, max_home);
         // NCCL EP pads each expert's HT rows to the grouped GEMM's tile.
         shape.ep = ep.map(|e| EpShape {
