@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, what scripts/gpu-check.sh built into
 # .device/bin: the GPU tests, then `epserve bench`. Logs and the bench JSON go to $OUT (or ./out).
-#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests] [ep] [bench] | all
+#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests] [ep] [drill] [bench] | all
 set -uo pipefail
 what=" ${*:-all} "
-# Parts asked for: any of tests, ep, bench (or all).
+# Parts asked for: any of tests, ep, drill, bench (or all).
 want() { [[ "$what" == *" $1 "* || "$what" == *" all "* ]]; }
 out=${OUT:-out}
 mkdir -p "$out"
@@ -28,7 +28,18 @@ if want tests; then
   run gpu_kernels .device/bin/gpu_kernels --ignored --test-threads 1
   run gpu_nccl .device/bin/gpu_nccl --ignored --test-threads 1
   run gpu_ep .device/bin/gpu_ep --ignored --nocapture --test-threads 1
-  run gpu_serve .device/bin/gpu_serve --ignored --nocapture --test-threads 1 --skip matches_the_nccl_backend
+  run gpu_serve .device/bin/gpu_serve --ignored --nocapture --test-threads 1 --skip matches_the_nccl_backend --skip fault_drill
+fi
+if want drill; then
+  # A rank stopped and killed under load, on both GPU backends (nccl-ep on the carried NCCL 2.30).
+  run drill_nccl timeout 300 .device/bin/gpu_serve --ignored --nocapture --test-threads 1 nccl_fault_drill
+  grep -E "^(test |fault drill)" "$out/drill_nccl.log" || true
+  if [ -f .device/nccl230.tar.xz ]; then
+    mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
+    (source /tmp/nccl230/env.sh &&
+      run drill_nccl_ep timeout 300 .device/bin/gpu_serve --ignored --nocapture --test-threads 1 nccl_ep_fault_drill) || status=1
+    grep -E "^(test |fault drill)" "$out/drill_nccl_ep.log" || true
+  fi
 fi
 if want ep; then
   # NCCL 2.30.7 + NCCL EP, packed here by ../shared/tools/device-nccl230.sh .device (the image

@@ -32,6 +32,9 @@ use crate::watchdog::{self, Progress, SetupDeadline, STUCK_GRACE};
 
 const RING_SLOTS: usize = 2;
 
+/// How long a broken router waits for its step executor before exiting without it.
+const BROKEN_JOIN: Duration = Duration::from_secs(2);
+
 /// What a GPU rank does after NCCL init that takes no deadline of its own.
 const GPU_SETUP: &str = "joining NCCL, creating the NCCL EP groups and capturing the step graphs";
 
@@ -443,9 +446,14 @@ async fn router_main(
     };
     batch_stop.cancel();
     let _ = batcher.await;
-    // The executor ends within a step unless a device call under it never returns.
+    // The executor ends within a step unless a device call under it never returns; once the
+    // group is broken its clients are answered, so there is no step worth a long wait.
     let joined = tokio::task::spawn_blocking(move || exec_thread.join());
-    let executed = tokio::time::timeout(args.step_timeout + STUCK_GRACE, joined).await;
+    let bound = match abort.reason() {
+        Some(_) => BROKEN_JOIN,
+        None => args.step_timeout + STUCK_GRACE,
+    };
+    let executed = tokio::time::timeout(bound, joined).await;
     watchdog.abort();
     health
         .set_service_status(LIVENESS, ServingStatus::NotServing)

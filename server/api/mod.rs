@@ -513,6 +513,46 @@ mod fuzz {
         )
     }
 
+    /// A broken group answers every waiting request at once, whatever holds it: INTERNAL for one
+    /// inside the step whose output was wrong, UNAVAILABLE for one still queued.
+    #[tokio::test]
+    async fn a_broken_group_answers_waiting_requests_by_where_they_are() {
+        let spec = Arc::new(crate::model::synthetic::preset("tiny").unwrap());
+        let (jobs, mut rx) = mpsc::channel(4);
+        let abort = Arc::new(Abort::default());
+        let api = Arc::new(MoeApi::new(
+            spec.clone(),
+            ModelInfo::default(),
+            jobs,
+            Admission::new(4, 64),
+            Arc::new(Notify::new()),
+            abort.clone(),
+            1,
+        ));
+        api.set_phase(Phase::Serving);
+        let x = vec![0.5f32; spec.hidden];
+        let req = |id: &str| ForwardRequest {
+            id: id.into(),
+            layer: spec.moe_layers[0],
+            hidden_states: Some(tensor::encode(&x, 1, spec.hidden, DType::F32)),
+            ..Default::default()
+        };
+        let (a, b) = (api.clone(), api.clone());
+        let (ra, rb) = (req("in-step"), req("queued"));
+        let in_step = tokio::spawn(async move { a.run(ra, None).await.map(drop) });
+        let queued = tokio::spawn(async move { b.run(rb, None).await.map(drop) });
+        let (j1, j2) = (rx.recv().await.unwrap(), rx.recv().await.unwrap());
+        let stepped = if j1.input.id == "in-step" { &j1 } else { &j2 };
+        stepped.started(Instant::now());
+        abort.trigger_corrupt("NCCL EP received 9 rows where the routing sent 8");
+        let e = in_step.await.unwrap().unwrap_err();
+        assert_eq!(e.code(), Code::Internal, "{e:?}");
+        assert!(e.message().contains("routing sent 8"), "{e:?}");
+        let e = queued.await.unwrap().unwrap_err();
+        assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+        assert!(e.message().contains("routing sent 8"), "{e:?}");
+    }
+
     fn pick<T: Copy>(rng: &mut impl Rng, from: &[T]) -> T {
         from[rng.random_range(0..from.len())]
     }

@@ -92,7 +92,7 @@ impl Job {
         }
     }
 
-    fn started(&self, at: Instant) {
+    pub(crate) fn started(&self, at: Instant) {
         let mut s = self.sink();
         if s.first_step.is_none() {
             s.first_step = Some(at);

@@ -241,6 +241,58 @@ impl<B: Backend> Driver<B> {
 mod tests {
     use super::*;
 
+    /// Counts the steps it is asked to run.
+    struct Count(usize);
+
+    impl Backend for Count {
+        fn step(&mut self, _: &StepDesc, _: Range<usize>) -> Result<PhaseTimes, StepError> {
+            self.0 += 1;
+            Ok(PhaseTimes::default())
+        }
+        fn buffers(&self) -> Vec<(&'static str, usize, usize)> {
+            Vec::new()
+        }
+        fn routed(&self) -> &[u32] {
+            &[]
+        }
+    }
+
+    #[test]
+    fn a_descriptor_out_of_range_is_refused_before_the_backend_sees_it() {
+        let ring = ring::RingShape {
+            slots: 2,
+            world: 2,
+            max_tokens: 64,
+            hidden: 8,
+            top_k: 2,
+        };
+        let mut d = Driver::new(Count(0), 1, 2, vec![3, 5], false, ring);
+        let ok = StepDesc {
+            step: 1,
+            layer: 1,
+            tokens: 64,
+            slot: 1,
+            client_routing: false,
+        };
+        d.run(&ok).unwrap();
+        for (bad, want) in [
+            (StepDesc { layer: 2, ..ok }, "layer index 2 of 2"),
+            (StepDesc { slot: 2, ..ok }, "ring slot 2 of 2"),
+            (StepDesc { tokens: 65, ..ok }, "65 tokens"),
+            (
+                StepDesc {
+                    layer: u32::MAX,
+                    ..ok
+                },
+                "layer index",
+            ),
+        ] {
+            let e = d.run(&bad).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+        assert_eq!(d.backend.0, 1);
+    }
+
     #[test]
     fn home_ranges_partition_the_step() {
         for world in 1..=5 {
