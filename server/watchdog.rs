@@ -53,7 +53,7 @@ impl Progress {
 
 /// How long past --step-timeout a step may go before its rank stops waiting for it: the step's own
 /// bounded waits normally end it at the timeout; this catches the ones that cannot end.
-pub const STUCK_GRACE: Duration = Duration::from_millis(500);
+pub const STUCK_GRACE: Duration = Duration::from_millis(250);
 
 /// Ends the process at once with `code`, running no destructors or exit handlers (a thread may be
 /// stuck in a driver call that teardown would wait on). The kernel then reclaims the devices, as
