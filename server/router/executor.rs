@@ -257,19 +257,18 @@ impl<B: Backend> Executor<B> {
 
 /// Reads a rank's control connection after startup: the only things a rank sends are failures.
 fn watch_rank(stream: &mut TcpStream, rank: usize, abort: &Abort, closing: &AtomicBool) {
-    let reason = match recv(stream) {
-        Ok(Ctl::Failed { reason, .. }) => format!("rank {rank} failed: {reason}"),
-        Ok(Ctl::Corrupt { reason, .. }) => {
-            if !closing.load(Ordering::Acquire) {
-                abort.trigger_corrupt(format!("rank {rank}: {reason}"));
-            }
-            return;
+    let (reason, corrupt) = match recv(stream) {
+        Ok(Ctl::Failed { reason, .. }) => (format!("rank {rank} failed: {reason}"), false),
+        Ok(Ctl::Corrupt { reason, .. }) => (format!("rank {rank}: {reason}"), true),
+        Ok(other) => (format!("rank {rank} sent unexpected {other:?}"), false),
+        Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
+            (format!("rank {rank} disconnected"), false)
         }
-        Ok(other) => format!("rank {rank} sent unexpected {other:?}"),
-        Err(e) if e.kind() == ErrorKind::UnexpectedEof => format!("rank {rank} disconnected"),
-        Err(e) => format!("rank {rank} control connection: {e}"),
+        Err(e) => (format!("rank {rank} control connection: {e}"), false),
     };
-    if !closing.load(Ordering::Acquire) {
-        abort.trigger(reason);
+    match (closing.load(Ordering::Acquire), corrupt) {
+        (true, _) => {}
+        (false, true) => abort.trigger_corrupt(reason),
+        (false, false) => abort.trigger(reason),
     }
 }
