@@ -262,7 +262,7 @@ pub fn identity(dir: &Path) -> Result<String, ModelError> {
             h.add(&bytes);
         }
     }
-    for path in safetensors_files(dir)? {
+    for path in safetensors_files(dir, index_map(dir)?.as_ref())? {
         let mut f = std::fs::File::open(&path).map_err(io(&path))?;
         let len = f.metadata().map_err(io(&path))?.len();
         let mut n = [0u8; 8];
@@ -344,14 +344,17 @@ struct Checkpoint {
 /// transformers' index of a sharded checkpoint: which file holds which tensor.
 const INDEX: &str = "model.safetensors.index.json";
 
-/// The checkpoint's safetensors files, sorted: those the index names when there is one, else
-/// every `*.safetensors` in the directory.
-fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
+/// The checkpoint's safetensors files, sorted: those the index (`index_map`) names when there is
+/// one, else every `*.safetensors` in the directory.
+fn safetensors_files(
+    dir: &Path,
+    index: Option<&HashMap<String, String>>,
+) -> Result<Vec<PathBuf>, ModelError> {
     let bad = |msg: String| ModelError::Checkpoint {
         path: dir.join(INDEX).display().to_string(),
         msg,
     };
-    let mut files: Vec<PathBuf> = match index_map(dir)? {
+    let mut files: Vec<PathBuf> = match index {
         Some(map) => {
             let mut names: Vec<&str> = map.values().map(String::as_str).collect();
             names.sort_unstable();
@@ -414,8 +417,8 @@ impl Checkpoint {
             let path = path.display().to_string();
             move |source| ModelError::Io { path, source }
         };
-        let files = safetensors_files(dir)?;
         let listed = index_map(dir)?;
+        let files = safetensors_files(dir, listed.as_ref())?;
         let mut maps = Vec::new();
         let mut index: HashMap<String, usize> = HashMap::new();
         for path in files {
