@@ -1,0 +1,342 @@
+"""Checks deploy/ (run by deploy/check.sh, which installs the tools): lint, render every shape,
+validate the rendered objects, test the alerts, lint the Dockerfile, then run the cpu-2 shape's
+own command and env with the release binary, probe the health services its manifests name the way
+kubelet does, scrape every metrics port it declares, and check that every epserve_* metric the
+dashboard and the alerts name is exported. Last, it breaks copies of the manifests the three ways
+CI must catch (an unserved probe service, an unexported metric, a GPU limit that is not --ranks)
+and asserts each is caught."""
+
+import copy
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import grpc
+import jsonschema
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+DEPLOY = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(DEPLOY)
+SHAPES = ["overlays/cpu-2", "overlays/h200-4", "overlays/h200-8", "lws"]
+CORE = {"StatefulSet", "Service", "PodDisruptionBudget", "ConfigMap"}
+SCHEMAS = {
+    "PodMonitor": "podmonitor.json",
+    "PrometheusRule": "prometheusrule.json",
+    "LeaderWorkerSet": "leaderworkerset.json",
+}
+# Exported by the GPU backends only (a CPU scrape cannot show them): each must be named in the
+# GPU backend's source instead.
+GPU_ONLY = {
+    "epserve_ep_recv_overflow_total",
+    "epserve_ep_recv_mismatch_total",
+    "epserve_device_memory_used_bytes",
+}
+GRPC_PORT = 50051
+
+
+class Failed(Exception):
+    pass
+
+
+def run(cmd, **kw):
+    r = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if r.returncode != 0:
+        raise Failed(f"{' '.join(cmd)}:\n{r.stdout}{r.stderr}")
+    return r.stdout
+
+
+def render(deploy, shape):
+    out = run(["kubectl", "kustomize", os.path.join(deploy, "k8s", shape)])
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def pod_spec(obj):
+    if obj["kind"] == "StatefulSet":
+        return obj["spec"]["template"]["spec"]
+    return obj["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]
+
+
+def group(docs):
+    (g,) = [d for d in docs if d["kind"] in ("StatefulSet", "LeaderWorkerSet")]
+    return g
+
+
+def env_of(container):
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def check_objects(shape, docs, tmp):
+    """Strict schema validation: core objects against Kubernetes' own, the rest against ours."""
+    files = []
+    for i, d in enumerate(docs):
+        if d["kind"] in CORE:
+            files.append(d)
+        elif d["kind"] in SCHEMAS:
+            with open(os.path.join(DEPLOY, "schemas", SCHEMAS[d["kind"]])) as f:
+                jsonschema.validate(d, json.load(f))
+        else:
+            raise Failed(f"{shape}: no schema for kind {d['kind']}")
+        if d["kind"] == "LeaderWorkerSet":
+            tmpl = d["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+            files.append({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "lws-leader", **tmpl.get("metadata", {})}, "spec": tmpl["spec"]})
+    paths = []
+    for i, d in enumerate(files):
+        p = os.path.join(tmp, f"{shape.replace('/', '-')}-{i}.yaml")
+        with open(p, "w") as f:
+            yaml.safe_dump(d, f)
+        paths.append(p)
+    run(["kubernetes-validate", "--strict", "--quiet", *paths])
+
+
+def check_shape(shape, docs):
+    """Ranks, metrics ports, scrape endpoints and GPUs agree; probes are gRPC on the service port."""
+    g = group(docs)
+    spec = pod_spec(g)
+    (c,) = spec["containers"]
+    env = env_of(c)
+    ranks = int(env["EPSERVE_RANKS"])
+    want = {f"metrics-{r}": 9400 + r for r in range(ranks)}
+    have = {p["name"]: p["containerPort"] for p in c["ports"] if p["name"].startswith("metrics-")}
+    if have != want:
+        raise Failed(f"{shape}: --ranks {ranks} but metrics ports {sorted(have.items())}")
+    (pm,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    scraped = sorted(e["port"] for e in pm["spec"]["podMetricsEndpoints"])
+    if scraped != sorted(want):
+        raise Failed(f"{shape}: --ranks {ranks} but the PodMonitor scrapes {scraped}")
+    gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+    backend = env.get("EPSERVE_BACKEND", "cpu")
+    if backend == "cpu":
+        if gpus is not None:
+            raise Failed(f"{shape}: the cpu backend asks for {gpus} GPUs")
+    elif int(gpus or 0) != ranks:
+        raise Failed(f"{shape}: --ranks {ranks} but nvidia.com/gpu is {gpus} (one GPU per rank)")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        p = c.get(probe, {}).get("grpc")
+        if p is None or p["port"] != GRPC_PORT:
+            raise Failed(f"{shape}: {probe} is not a gRPC probe on {GRPC_PORT}")
+    if env.get("EPSERVE_LISTEN", "").split(":")[0] != "0.0.0.0":
+        raise Failed(f"{shape}: gRPC must listen on 0.0.0.0 for the kubelet's probes")
+    secs = lambda v: float(v.rstrip("s"))
+    grace = secs(env.get("EPSERVE_DRAIN_TIMEOUT", "30s")) + secs(env.get("EPSERVE_SHUTDOWN_GRACE", "1s"))
+    if spec.get("terminationGracePeriodSeconds", 30) <= grace:
+        raise Failed(f"{shape}: terminationGracePeriodSeconds must exceed drain + shutdown grace ({grace}s)")
+    shm = [v for v in spec["volumes"] if v["name"] == "shm"]
+    if not shm or shm[0].get("emptyDir", {}).get("medium") != "Memory":
+        raise Failed(f"{shape}: /dev/shm must be an emptyDir of medium Memory")
+
+
+def probe_services(docs):
+    (c,) = pod_spec(group(docs))["containers"]
+    return {p: c[p]["grpc"].get("service", "") for p in ("startupProbe", "readinessProbe", "livenessProbe")}
+
+
+def named_metrics(deploy):
+    """Every epserve_* series the dashboard and the alerts use, histogram suffixes removed."""
+    with open(os.path.join(deploy, "monitoring", "dashboard.json")) as f:
+        dash = json.load(f)
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    exprs += [v.get("query", "") for v in dash.get("templating", {}).get("list", [])]
+    with open(os.path.join(deploy, "monitoring", "prometheusrule.yaml")) as f:
+        rules = yaml.safe_load(f)
+    exprs += [r["expr"] for g in rules["spec"]["groups"] for r in g["rules"]]
+    names = set()
+    for e in exprs:
+        for m in re.findall(r"\bepserve_[a-z0-9_]+", e):
+            names.add(re.sub(r"_(bucket|sum|count)$", "", m))
+    return names
+
+
+def check_metrics(deploy, exported):
+    missing = []
+    for m in sorted(named_metrics(deploy)):
+        if m in exported:
+            continue
+        if m in GPU_ONLY and gpu_source_names(m):
+            continue
+        missing.append(m)
+    if missing:
+        raise Failed(f"the dashboard or alerts name metrics the binary does not export: {missing}")
+
+
+def gpu_source_names(metric):
+    src = os.path.join(ROOT, "server", "backend", "cuda")
+    return any(f'"{metric}"' in open(os.path.join(src, f)).read() for f in os.listdir(src))
+
+
+def check_rules(deploy, tmp):
+    with open(os.path.join(deploy, "monitoring", "prometheusrule.yaml")) as f:
+        spec = yaml.safe_load(f)["spec"]
+    with open(os.path.join(tmp, "rules.yaml"), "w") as f:
+        yaml.safe_dump(spec, f)
+    shutil.copy(os.path.join(deploy, "monitoring", "rules.test.yaml"), tmp)
+    run(["promtool", "check", "rules", os.path.join(tmp, "rules.yaml")])
+    run(["promtool", "test", "rules", os.path.join(tmp, "rules.test.yaml")])
+
+
+class Smoke:
+    """The cpu-2 shape's container, run here with its own args and env (the shm directory in a
+    temporary folder), until stopped."""
+
+    def __init__(self, docs, tmp):
+        (c,) = pod_spec(group(docs))["containers"]
+        env = {k: v for k, v in env_of(c).items() if v is not None}
+        env["EPSERVE_SHM_DIR"] = os.path.join(tmp, "shm")
+        os.makedirs(env["EPSERVE_SHM_DIR"])
+        self.ranks = int(env["EPSERVE_RANKS"])
+        binary = os.environ.get("EPSERVE_BIN", os.path.join(ROOT, "target", "release", "epserve"))
+        self.log = open(os.path.join(tmp, "smoke.log"), "w+")
+        self.proc = subprocess.Popen([binary, *c["args"]], env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}")
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def status(self, service):
+        """What the kubelet's gRPC probe sees: SERVING, NOT_SERVING, or the error's code."""
+        try:
+            r = self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+        except grpc.RpcError as e:
+            return e.code().name
+
+    def wait_serving(self, service, within=120):
+        end = time.time() + within
+        while time.time() < end:
+            if self.proc.poll() is not None:
+                raise Failed(f"the service exited ({self.proc.returncode}):\n{self.text()}")
+            if self.status(service) == "SERVING":
+                return
+            time.sleep(0.2)
+        raise Failed(f"health service {service!r} never SERVING:\n{self.text()}")
+
+    def bad_request(self):
+        """A Forward for a layer the model lacks (field 2 = 999): refused, and counted."""
+        forward = self.channel.unary_unary("/epserve.v1.MoeService/Forward")
+        try:
+            forward(b"\x10\xe7\x07", timeout=5)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                return
+            raise Failed(f"a bad request got {e.code().name}: {e.details()}")
+        raise Failed("a request for layer 999 was answered")
+
+    def exported(self):
+        names = set()
+        for r in range(self.ranks):
+            with urllib.request.urlopen(f"http://127.0.0.1:{9400 + r}/metrics", timeout=5) as resp:
+                body = resp.read().decode()
+            for line in body.splitlines():
+                if line and not line.startswith("#"):
+                    names.add(re.sub(r"_(bucket|sum|count)$", "", re.split(r"[{ ]", line)[0]))
+        return names
+
+    def text(self):
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def stop(self):
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def check_probes(shape, docs, smoke):
+    for probe, service in probe_services(docs).items():
+        st = smoke.status(service)
+        if st not in ("SERVING", "NOT_SERVING"):
+            raise Failed(f"{shape}: {probe} asks for health service {service!r}, which the binary does not serve ({st})")
+
+
+def expect_failure(what, fn):
+    try:
+        fn()
+    except Failed as e:
+        print(f"  self-test: {what}: caught ({str(e).splitlines()[0][:120]})")
+        return
+    raise Failed(f"self-test: {what} was not caught")
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="epserve-deploy-")
+    step = lambda s: print(f"== deploy: {s}", flush=True)
+    step("yamllint")
+    run(["yamllint", "--strict", "-c", os.path.join(DEPLOY, ".yamllint"), DEPLOY])
+    step("render and validate " + ", ".join(SHAPES))
+    rendered = {s: render(DEPLOY, s) for s in SHAPES}
+    for s, docs in rendered.items():
+        check_objects(s, docs, tmp)
+        check_shape(s, docs)
+    lws, h4 = pod_spec(group(rendered["lws"])), pod_spec(group(rendered["overlays/h200-4"]))
+    if lws != h4:
+        raise Failed("the LeaderWorkerSet's pod spec differs from the h200-4 overlay's")
+    step("promtool check rules, test rules")
+    check_rules(DEPLOY, tmp)
+    step("hadolint")
+    run(["hadolint", os.path.join(DEPLOY, "docker", "Dockerfile")])
+    step("smoke: the cpu-2 shape's command and env, probed and scraped")
+    smoke = Smoke(rendered["overlays/cpu-2"], tmp)
+    try:
+        for service in probe_services(rendered["overlays/cpu-2"]).values():
+            smoke.wait_serving(service)
+        for s, docs in rendered.items():
+            check_probes(s, docs, smoke)
+        client = os.environ.get("EPSERVE_CLIENT", os.path.join(ROOT, "target", "release", "examples", "client"))
+        run([client, f"http://127.0.0.1:{GRPC_PORT}", "16"])
+        smoke.bad_request()
+        exported = smoke.exported()
+        check_metrics(DEPLOY, exported)
+        print(f"  {len(named_metrics(DEPLOY))} metrics named by the dashboard and alerts; {len(exported)} exported")
+
+        step("self-test: each break is caught")
+        bad = os.path.join(tmp, "bad")
+        shutil.copytree(DEPLOY, bad)
+
+        def unserved_probe():
+            docs = copy.deepcopy(rendered["overlays/cpu-2"])
+            pod_spec(group(docs))["containers"][0]["readinessProbe"]["grpc"]["service"] = "epserve.v1.NoSuchService"
+            check_probes("cpu-2 (broken)", docs, smoke)
+
+        def unexported_metric():
+            path = os.path.join(bad, "monitoring", "dashboard.json")
+            with open(path) as f:
+                d = json.load(f)
+            d["panels"][0]["targets"][0]["expr"] = "rate(epserve_no_such_metric_total[5m])"
+            with open(path, "w") as f:
+                json.dump(d, f)
+            check_metrics(bad, exported)
+
+        def gpu_limit_not_ranks():
+            path = os.path.join(bad, "k8s", "overlays", "h200-4", "group.yaml")
+            with open(path) as f:
+                text = f.read()
+            with open(path, "w") as f:
+                f.write(text.replace("nvidia.com/gpu: 4", "nvidia.com/gpu: 3"))
+            check_shape("h200-4 (broken)", render(bad, "overlays/h200-4"))
+
+        expect_failure("a probe names a health service the binary does not serve", unserved_probe)
+        expect_failure("the dashboard names a metric the binary does not export", unexported_metric)
+        expect_failure("the GPU limit and --ranks disagree", gpu_limit_not_ranks)
+    finally:
+        smoke.stop()
+    shutil.rmtree(tmp, ignore_errors=True)
+    print("deploy: 1 passed, 0 failed")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Failed as e:
+        print(f"deploy check failed: {e}", file=sys.stderr)
+        print("deploy: 0 passed, 1 failed")
+        sys.exit(1)
