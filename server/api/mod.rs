@@ -307,11 +307,10 @@ impl MoeApi {
         self: Arc<Self>,
         mut inbound: Streaming<ForwardRequest>,
         tx: mpsc::Sender<Result<(ForwardResponse, Held), Status>>,
-        cap: usize,
         deadline: Option<Instant>,
         parent: opentelemetry::Context,
     ) {
-        let slots = Arc::new(Semaphore::new(cap));
+        let slots = Arc::new(Semaphore::new(self.stream_in_flight));
         let mut tasks = tokio::task::JoinSet::new();
         let end = loop {
             let next = async {
@@ -444,9 +443,8 @@ impl MoeService for Arc<MoeApi> {
         let deadline = deadline_of(&req)?;
         let parent = remote_context(req.metadata());
         let inbound = req.into_inner();
-        let cap = self.stream_in_flight;
-        let (tx, rx) = mpsc::channel::<Result<(ForwardResponse, Held), Status>>(cap);
-        tokio::spawn(self.clone().read_stream(inbound, tx, cap, deadline, parent));
+        let (tx, rx) = mpsc::channel(self.stream_in_flight);
+        tokio::spawn(self.clone().read_stream(inbound, tx, deadline, parent));
         // An answer's slot and permit go when the transport takes it (HTTP/2 flow control holds
         // the rest back), so a client that does not read stops being read, within its budget.
         let out = ReceiverStream::new(rx).map(|a| a.map(|(resp, _held)| resp));
