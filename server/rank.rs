@@ -265,6 +265,12 @@ fn bind_rendezvous(addr: &str, given: Option<SocketAddr>) -> anyhow::Result<TcpL
     Ok(listener)
 }
 
+/// This user's private directory for the group's segments under --shm-dir.
+fn segment_dir(args: &ServeArgs) -> anyhow::Result<std::path::PathBuf> {
+    crate::shm::private_dir(&args.shm_dir)
+        .with_context(|| format!("the segment directory under {}", args.shm_dir.display()))
+}
+
 fn ring_path(dir: &Path, group: &str) -> std::path::PathBuf {
     dir.join(format!("epserve-{group}-ring"))
 }
@@ -523,8 +529,7 @@ fn form_group(
     };
     let mut link = RouterLink::accept(&listener, &want, &group_id, nccl_id.clone(), timeout)?;
     drop(listener);
-    let dir = crate::shm::private_dir(&args.shm_dir)
-        .with_context(|| format!("the segment directory under {}", args.shm_dir.display()))?;
+    let dir = segment_dir(args)?;
     let swept = crate::shm::sweep_stale(&dir);
     if swept > 0 {
         info!("removed {swept} segment(s) of groups whose router is gone");
@@ -812,8 +817,7 @@ fn run_worker(args: &ServeArgs, p: Prepared, metrics: PrometheusHandle) -> anyho
         timeout,
     )?;
     let deadline = Instant::now() + timeout;
-    let dir = crate::shm::private_dir(&args.shm_dir)
-        .with_context(|| format!("the segment directory under {}", args.shm_dir.display()))?;
+    let dir = segment_dir(args)?;
     let dir = dir.as_path();
     let setup = (|| -> anyhow::Result<Box<dyn Backend + Send>> {
         let open_ring = || -> anyhow::Result<Arc<Ring>> {
