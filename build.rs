@@ -8,7 +8,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("epserve_descriptor.bin"))
         .compile_protos(&["proto/epserve.proto"], &["proto"])?;
+    tonic_prost_build::configure()
+        .file_descriptor_set_path(out.join("inference_descriptor.bin"))
+        .bytes(".inference.ModelInferRequest.raw_input_contents")
+        .bytes(".inference.ModelInferResponse.raw_output_contents")
+        .compile_protos(&["proto/inference.proto"], &["proto"])?;
     println!("cargo:rerun-if-changed=proto/epserve.proto");
+    println!("cargo:rerun-if-changed=proto/inference.proto");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         kernels(&out)?;
     }

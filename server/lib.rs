@@ -5,6 +5,7 @@ pub mod backend;
 pub mod bench;
 pub mod config;
 pub mod group;
+pub mod infer;
 pub mod launch;
 pub mod metrics;
 pub mod model;
@@ -19,4 +20,11 @@ pub mod proto {
     tonic::include_proto!("epserve.v1");
     pub const FILE_DESCRIPTOR_SET: &[u8] =
         tonic::include_file_descriptor_set!("epserve_descriptor");
+}
+
+/// KServe v2 / Open Inference Protocol messages (`proto/inference.proto`).
+pub mod inference {
+    tonic::include_proto!("inference");
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        tonic::include_file_descriptor_set!("inference_descriptor");
 }

@@ -16,11 +16,14 @@ use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 use tracing::{error, info, warn};
 
-use crate::api::{MoeApi, Phase};
+use crate::api::kserve::KserveApi;
+use crate::api::MoeApi;
 use crate::backend::cpu::{CpuRank, SegmentShape};
 use crate::backend::gpu;
 use crate::config::{graph_buckets, BackendKind, EpSettings, Member, OnOff, ServeArgs};
 use crate::group::{self, expect, send, Ctl, Fingerprint, Joined, RouterLink};
+use crate::infer::{Infer, Phase};
+use crate::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
 use crate::model::{ModelSource, MoeSpec, Placement, RankWeights};
 use crate::proto::moe_service_server::MoeServiceServer;
 use crate::proto::{DType, ExpertRange, ModelInfo};
@@ -304,7 +307,8 @@ fn run_router(
     runtime.block_on(router_main(args, p, metrics, rendezvous))
 }
 
-/// Health services: "" and the MoeService are readiness; "liveness" follows the step loop.
+/// Health services: "" and each protocol's service are readiness; "liveness" follows the step
+/// loop.
 const LIVENESS: &str = "liveness";
 
 async fn set_ready(health: &HealthReporter, ready: bool) {
@@ -316,6 +320,9 @@ async fn set_ready(health: &HealthReporter, ready: bool) {
     health.set_service_status("", status).await;
     health
         .set_service_status(MoeServiceServer::<Arc<MoeApi>>::NAME, status)
+        .await;
+    health
+        .set_service_status(GrpcInferenceServiceServer::<Arc<KserveApi>>::NAME, status)
         .await;
 }
 
@@ -331,15 +338,15 @@ async fn router_main(
     let wake = Arc::new(Notify::new());
     let (job_tx, job_rx) = mpsc::channel(args.max_concurrent_requests);
     let info = model_info(&p, args);
-    let api = Arc::new(MoeApi::new(
+    let infer = Arc::new(Infer::new(
         Arc::new(p.spec.clone()),
-        info,
         job_tx,
         admission.clone(),
         wake.clone(),
         abort.clone(),
-        args.max_stream_in_flight,
     ));
+    let api = Arc::new(MoeApi::new(infer.clone(), info, args.max_stream_in_flight));
+    let kserve = Arc::new(KserveApi::new(infer.clone(), args.max_stream_in_flight));
 
     let (health, health_service) = tonic_health::server::health_reporter();
     set_ready(&health, false).await;
@@ -354,6 +361,7 @@ async fn router_main(
     let server = tokio::spawn(serve_grpc(
         args.max_request_bytes,
         api.clone(),
+        kserve,
         health_service,
         listener,
         server_stop.clone(),
@@ -404,11 +412,12 @@ async fn router_main(
         batch_stop.clone(),
         abort.clone(),
     ));
-    api.set_phase(Phase::Serving);
+    infer.set_phase(Phase::Serving);
     set_ready(&health, true).await;
     info!("serving gRPC on {addr}");
     let watchdog = tokio::spawn(watch_liveness(
         health.clone(),
+        infer.clone(),
         progress.clone(),
         args.liveness_timeout,
     ));
@@ -424,7 +433,7 @@ async fn router_main(
     let stop = wait_for_stop(&abort).await;
     let drained = match &stop {
         Stop::Signal(name) => {
-            api.set_phase(Phase::Draining);
+            infer.set_phase(Phase::Draining);
             set_ready(&health, false).await;
             let (requests, tokens) = admission.held();
             warn!(
@@ -444,7 +453,7 @@ async fn router_main(
             done
         }
         Stop::Broken(reason) => {
-            api.set_phase(Phase::Broken);
+            infer.set_phase(Phase::Broken);
             set_ready(&health, false).await;
             error!("EP group broken: {reason}; answering every waiting request UNAVAILABLE");
             false
@@ -461,6 +470,7 @@ async fn router_main(
     };
     let executed = tokio::time::timeout(bound, joined).await;
     watchdog.abort();
+    infer.set_live(false);
     health
         .set_service_status(LIVENESS, ServingStatus::NotServing)
         .await;
@@ -634,7 +644,12 @@ fn group_info(backend: BackendKind, rank: usize, world: usize) {
 }
 
 /// `liveness` is NOT_SERVING while one step has run longer than `limit` (a stuck rank or router).
-async fn watch_liveness(health: HealthReporter, progress: Arc<Progress>, limit: Duration) {
+async fn watch_liveness(
+    health: HealthReporter,
+    infer: Arc<Infer>,
+    progress: Arc<Progress>,
+    limit: Duration,
+) {
     let mut live = true;
     loop {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -649,6 +664,7 @@ async fn watch_liveness(health: HealthReporter, progress: Arc<Progress>, limit: 
             if !live {
                 warn!("a step has run longer than {limit:?}: liveness NOT_SERVING");
             }
+            infer.set_live(live);
             health.set_service_status(LIVENESS, status).await;
         }
     }
@@ -660,6 +676,7 @@ async fn watch_liveness(health: HealthReporter, progress: Arc<Progress>, limit: 
 async fn serve_grpc(
     max_request_bytes: usize,
     api: Arc<MoeApi>,
+    kserve: Arc<KserveApi>,
     health: HealthServer<impl tonic_health::pb::health_server::Health>,
     listener: tokio::net::TcpListener,
     stop: CancellationToken,
@@ -668,14 +685,19 @@ async fn serve_grpc(
     use hyper_util::service::TowerToHyperService;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(crate::inference::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     let moe = MoeServiceServer::new(api)
         .max_decoding_message_size(max_request_bytes)
         .max_encoding_message_size(max_request_bytes.saturating_mul(2));
+    let kserve = GrpcInferenceServiceServer::new(kserve)
+        .max_decoding_message_size(max_request_bytes)
+        .max_encoding_message_size(max_request_bytes.saturating_mul(2));
     let routes = tonic::service::Routes::new(health)
         .add_service(reflection)
         .add_service(moe)
+        .add_service(kserve)
         .prepare();
     let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();

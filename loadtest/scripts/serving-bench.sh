@@ -7,9 +7,14 @@ cd "$(dirname "$0")/../.."
 out=${1:-docs/serving}
 repeats=${REPEATS:-3}
 mkdir -p "$out"
-cargo build --release --quiet --bin epserve -p epserve
-cargo build --release --quiet -p epserve-loadtest
-bin=target/release
+# BIN=dir: binaries built elsewhere (a machine without cargo, e.g. the GPU host's many cores).
+if [ -n "${BIN:-}" ]; then
+  bin=$BIN
+else
+  cargo build --release --quiet --bin epserve -p epserve
+  cargo build --release --quiet -p epserve-loadtest
+  bin=target/release
+fi
 lt=$bin/epserve-loadtest
 
 run_group() { # name model ranks extra-serve-flags -- loadtest flags

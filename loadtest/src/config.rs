@@ -18,6 +18,10 @@ pub enum Api {
     Unary,
     /// Requests multiplexed over long-lived `ForwardStream` calls.
     Stream,
+    /// One KServe v2 `ModelInfer` call per request (model `layer-<L>`).
+    Kserve,
+    /// Requests multiplexed over long-lived KServe v2 `ModelStreamInfer` calls.
+    KserveStream,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -135,6 +139,10 @@ pub struct Args {
     pub echo: bool,
     #[arg(long)]
     pub echo_target: Option<String>,
+    /// Also run the same load over this API on the same target, right after, and report the
+    /// first as a ratio of it (e.g. `--api kserve --compare-api unary`).
+    #[arg(long, value_enum, conflicts_with_all = ["echo", "echo_target", "sweep"])]
+    pub compare_api: Option<Api>,
     /// Only run an echo service on this address (for another loadtest to target).
     #[arg(long)]
     pub serve_echo: Option<SocketAddr>,

@@ -7,19 +7,26 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use epserve::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+use epserve::inference::infer_parameter::ParameterChoice;
+use epserve::inference::model_infer_request::InferInputTensor;
+use epserve::inference::{
+    InferParameter, ModelInferRequest, ModelInferResponse, ModelStreamInferResponse,
+};
 use epserve::proto::moe_service_client::MoeServiceClient;
-use epserve::proto::{ForwardRequest, ForwardResponse};
+use epserve::proto::{DType, ForwardRequest, ForwardResponse};
 use hdrhistogram::Histogram;
 use rand::{Rng, SeedableRng};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 use tonic::Code;
 
 use crate::config::Api;
 use crate::report::Report;
-use crate::workload::Workload;
+use crate::workload::{Out, Workload};
 
 #[derive(Clone, Copy, Debug)]
 pub enum Mode {
@@ -133,30 +140,96 @@ impl Recorder {
     }
 }
 
-/// Requests outstanding on one stream, by id.
-type Pending = Arc<Mutex<HashMap<String, oneshot::Sender<Result<ForwardResponse, String>>>>>;
+fn v1_out(r: &ForwardResponse) -> Option<Out> {
+    r.output.as_ref().map(Out::of)
+}
 
-/// One long-lived `ForwardStream` call.
-struct StreamLane {
-    tx: mpsc::Sender<ForwardRequest>,
+fn kserve_out(r: &ModelInferResponse) -> Option<Out> {
+    let (t, raw) = (r.outputs.first()?, r.raw_output_contents.first()?);
+    let dtype = match t.datatype.as_str() {
+        "BF16" => DType::Bf16,
+        "FP16" => DType::F16,
+        "FP32" => DType::F32,
+        _ => DType::DtypeUnspecified,
+    };
+    Some(Out {
+        dtype: dtype as i32,
+        shape: t.shape.clone(),
+        bytes: raw.len(),
+    })
+}
+
+/// An answer: its status name and, when OK, its output.
+type Answer = (String, Option<Out>);
+
+/// The same request as KServe v2 asks it (the tensors' bytes move, not copied).
+fn kserve_request(r: ForwardRequest, model: &str) -> ModelInferRequest {
+    let datatype = |d: i32| match DType::try_from(d) {
+        Ok(DType::Bf16) => "BF16",
+        Ok(DType::F16) => "FP16",
+        Ok(DType::I32) => "INT32",
+        Ok(DType::I64) => "INT64",
+        _ => "FP32",
+    };
+    let mut out = ModelInferRequest {
+        model_name: model.to_string(),
+        id: r.id,
+        ..Default::default()
+    };
+    let named = [
+        ("hidden_states", r.hidden_states),
+        ("topk_ids", r.topk_ids),
+        ("topk_weights", r.topk_weights),
+    ];
+    for (name, t) in named {
+        if let Some(t) = t {
+            out.inputs.push(InferInputTensor {
+                name: name.into(),
+                datatype: datatype(t.dtype).into(),
+                shape: t.shape,
+                ..Default::default()
+            });
+            out.raw_input_contents.push(t.data.into());
+        }
+    }
+    if r.output_dtype != 0 {
+        out.parameters.insert(
+            "output_datatype".into(),
+            InferParameter {
+                parameter_choice: Some(ParameterChoice::StringParam(
+                    datatype(r.output_dtype).into(),
+                )),
+            },
+        );
+    }
+    out
+}
+
+/// Requests outstanding on one stream, by id.
+type Pending = Arc<Mutex<HashMap<String, oneshot::Sender<Answer>>>>;
+
+/// One long-lived stream call (`ForwardStream` or `ModelStreamInfer`).
+struct StreamLane<Req> {
+    tx: mpsc::Sender<Req>,
     pending: Pending,
 }
 
-impl StreamLane {
-    async fn open(client: &mut MoeServiceClient<Channel>) -> anyhow::Result<Self> {
-        let (tx, rx) = mpsc::channel::<ForwardRequest>(1024);
-        let mut inbound = client
-            .forward_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await?
-            .into_inner();
+impl<Req: Send + 'static> StreamLane<Req> {
+    /// Opens a lane whose answers come from `inbound`, each mapped by `answer` to (id, answer).
+    fn open<Resp: Send + 'static>(
+        tx: mpsc::Sender<Req>,
+        mut inbound: tonic::Streaming<Resp>,
+        answer: fn(Resp) -> (String, Answer),
+    ) -> Self {
         let pending: Pending = Arc::default();
         let p = pending.clone();
         tokio::spawn(async move {
             let end = loop {
                 match inbound.message().await {
                     Ok(Some(resp)) => {
-                        if let Some(waiter) = p.lock().unwrap().remove(&resp.id) {
-                            let _ = waiter.send(Ok(resp));
+                        let (id, a) = answer(resp);
+                        if let Some(waiter) = p.lock().unwrap().remove(&id) {
+                            let _ = waiter.send(a);
                         }
                     }
                     Ok(None) => break "NO_RESPONSE".to_string(),
@@ -164,79 +237,144 @@ impl StreamLane {
                 }
             };
             for (_, waiter) in p.lock().unwrap().drain() {
-                let _ = waiter.send(Err(end.clone()));
+                let _ = waiter.send((end.clone(), None));
             }
         });
-        Ok(Self { tx, pending })
+        Self { tx, pending }
     }
+
+    async fn issue(&self, id: String, request: Req, timeout: Duration) -> Answer {
+        let (tx, rx) = oneshot::channel();
+        self.pending.lock().unwrap().insert(id.clone(), tx);
+        if self.tx.send(request).await.is_err() {
+            self.pending.lock().unwrap().remove(&id);
+            return ("NO_RESPONSE".into(), None);
+        }
+        match tokio::time::timeout(timeout, rx).await {
+            Err(_) => {
+                self.pending.lock().unwrap().remove(&id);
+                ("DEADLINE_EXCEEDED".into(), None)
+            }
+            Ok(Err(_)) => ("NO_RESPONSE".into(), None),
+            Ok(Ok(a)) => a,
+        }
+    }
+}
+
+fn v1_answer(resp: ForwardResponse) -> (String, Answer) {
+    let a = match &resp.error {
+        Some(e) => (code_name(Code::from_i32(e.code)).into(), None),
+        None => ("OK".into(), v1_out(&resp)),
+    };
+    (resp.id, a)
+}
+
+/// A KServe stream error is `CODE: message`.
+fn kserve_answer(resp: ModelStreamInferResponse) -> (String, Answer) {
+    let r = resp.infer_response.unwrap_or_default();
+    let a = if resp.error_message.is_empty() {
+        ("OK".into(), kserve_out(&r))
+    } else {
+        let code = resp.error_message.split(':').next().unwrap_or("ERROR");
+        (code.to_string(), None)
+    };
+    (r.id, a)
 }
 
 /// Where requests go: a pool of connections, and for streams one lane per connection.
 struct Target {
-    clients: Vec<MoeServiceClient<Channel>>,
-    lanes: Vec<StreamLane>,
+    v1: Vec<MoeServiceClient<Channel>>,
+    kserve: Vec<GrpcInferenceServiceClient<Channel>>,
+    v1_lanes: Vec<StreamLane<ForwardRequest>>,
+    kserve_lanes: Vec<StreamLane<ModelInferRequest>>,
+    api: Api,
+    /// The KServe model of the workload's layer.
+    model: String,
     next: AtomicUsize,
     timeout: Duration,
 }
 
 impl Target {
-    async fn connect(addr: &str, plan: &Plan) -> anyhow::Result<Self> {
-        let mut clients = Vec::new();
+    async fn connect(addr: &str, plan: &Plan, layer: u32) -> anyhow::Result<Self> {
+        let (mut v1, mut kserve) = (Vec::new(), Vec::new());
         for _ in 0..plan.connections {
             let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
                 .connect()
                 .await?;
-            clients.push(
-                MoeServiceClient::new(ch)
+            v1.push(
+                MoeServiceClient::new(ch.clone())
+                    .max_decoding_message_size(1 << 30)
+                    .max_encoding_message_size(1 << 30),
+            );
+            kserve.push(
+                GrpcInferenceServiceClient::new(ch)
                     .max_decoding_message_size(1 << 30)
                     .max_encoding_message_size(1 << 30),
             );
         }
-        let mut lanes = Vec::new();
-        if plan.api == Api::Stream {
-            for c in &mut clients {
-                lanes.push(StreamLane::open(c).await?);
+        let (mut v1_lanes, mut kserve_lanes) = (Vec::new(), Vec::new());
+        match plan.api {
+            Api::Stream => {
+                for c in &mut v1 {
+                    let (tx, rx) = mpsc::channel(1024);
+                    let inbound = c.forward_stream(ReceiverStream::new(rx)).await?;
+                    v1_lanes.push(StreamLane::open(tx, inbound.into_inner(), v1_answer));
+                }
             }
+            Api::KserveStream => {
+                for c in &mut kserve {
+                    let (tx, rx) = mpsc::channel(1024);
+                    let inbound = c.model_stream_infer(ReceiverStream::new(rx)).await?;
+                    kserve_lanes.push(StreamLane::open(tx, inbound.into_inner(), kserve_answer));
+                }
+            }
+            Api::Unary | Api::Kserve => {}
         }
         Ok(Self {
-            clients,
-            lanes,
+            v1,
+            kserve,
+            v1_lanes,
+            kserve_lanes,
+            api: plan.api,
+            model: format!("layer-{layer}"),
             next: AtomicUsize::new(0),
             timeout: plan.timeout,
         })
     }
 
-    /// Sends one request; returns its status name and the response.
-    async fn issue(&self, request: ForwardRequest) -> (String, Option<ForwardResponse>) {
+    /// Sends one request; returns its status name and output.
+    async fn issue(&self, request: ForwardRequest) -> Answer {
         let i = self.next.fetch_add(1, Ordering::Relaxed);
-        if self.lanes.is_empty() {
-            let mut c = self.clients[i % self.clients.len()].clone();
-            let mut req = tonic::Request::new(request);
-            req.set_timeout(self.timeout);
-            return match c.forward(req).await {
-                Ok(r) => ("OK".into(), Some(r.into_inner())),
-                Err(s) => (status_name(&s), None),
-            };
-        }
-        let lane = &self.lanes[i % self.lanes.len()];
-        let (tx, rx) = oneshot::channel();
-        let id = request.id.clone();
-        lane.pending.lock().unwrap().insert(id.clone(), tx);
-        if lane.tx.send(request).await.is_err() {
-            lane.pending.lock().unwrap().remove(&id);
-            return ("NO_RESPONSE".into(), None);
-        }
-        match tokio::time::timeout(self.timeout, rx).await {
-            Err(_) => {
-                lane.pending.lock().unwrap().remove(&id);
-                ("DEADLINE_EXCEEDED".into(), None)
+        let timeout = self.timeout;
+        match self.api {
+            Api::Unary => {
+                let mut c = self.v1[i % self.v1.len()].clone();
+                let mut req = tonic::Request::new(request);
+                req.set_timeout(timeout);
+                match c.forward(req).await {
+                    Ok(r) => ("OK".into(), v1_out(r.get_ref())),
+                    Err(s) => (status_name(&s), None),
+                }
             }
-            Ok(Err(_)) => ("NO_RESPONSE".into(), None),
-            Ok(Ok(Err(status))) => (status, None),
-            Ok(Ok(Ok(resp))) => match &resp.error {
-                Some(e) => (code_name(Code::from_i32(e.code)).into(), None),
-                None => ("OK".into(), Some(resp)),
-            },
+            Api::Kserve => {
+                let mut c = self.kserve[i % self.kserve.len()].clone();
+                let mut req = tonic::Request::new(kserve_request(request, &self.model));
+                req.set_timeout(timeout);
+                match c.model_infer(req).await {
+                    Ok(r) => ("OK".into(), kserve_out(r.get_ref())),
+                    Err(s) => (status_name(&s), None),
+                }
+            }
+            Api::Stream => {
+                let lane = &self.v1_lanes[i % self.v1_lanes.len()];
+                lane.issue(request.id.clone(), request, timeout).await
+            }
+            Api::KserveStream => {
+                let lane = &self.kserve_lanes[i % self.kserve_lanes.len()];
+                let id = request.id.clone();
+                lane.issue(id, kserve_request(request, &self.model), timeout)
+                    .await
+            }
         }
     }
 }
@@ -246,24 +384,21 @@ async fn one(target: &Target, workload: &Mutex<Workload>, rec: &Recorder, id: u6
     let item = workload.lock().unwrap().next(id.to_string());
     let started = Instant::now();
     rec.sent(started, item.bytes_out);
-    let (status, resp) = target.issue(item.request).await;
-    let (status, bytes_in) = match resp {
-        Some(r) => match workload
-            .lock()
-            .unwrap()
-            .check(item.tokens, r.output.as_ref())
-        {
+    let (status, out) = target.issue(item.request).await;
+    let (status, bytes_in) = match out {
+        Some(o) if status == "OK" => match workload.lock().unwrap().check(item.tokens, &o) {
             Ok(b) => (status, b),
             Err(_) => ("BAD_RESPONSE".into(), 0),
         },
-        None => (status, 0),
+        None if status == "OK" => ("BAD_RESPONSE".into(), 0),
+        _ => (status, 0),
     };
     rec.done(started, &status, item.tokens, bytes_in);
 }
 
 /// Runs the plan against `addr` and reports on the measured window.
 pub async fn run(addr: &str, plan: &Plan, workload: Workload, seed: u64) -> anyhow::Result<Report> {
-    let target = Arc::new(Target::connect(addr, plan).await?);
+    let target = Arc::new(Target::connect(addr, plan, workload.shape().layer).await?);
     let workload = Arc::new(Mutex::new(workload));
     let start = Instant::now();
     let (warm_end, end) = (start + plan.warmup, start + plan.warmup + plan.duration);

@@ -3,7 +3,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use epserve::proto::moe_service_client::MoeServiceClient;
 use epserve::proto::GetModelInfoRequest;
-use epserve_loadtest::config::Args;
+use epserve_loadtest::config::{Api, Args};
 use epserve_loadtest::echo::{self, Echo};
 use epserve_loadtest::load::{self, Mode, Plan};
 use epserve_loadtest::report::{Comparison, Report};
@@ -17,9 +17,19 @@ async fn shape_of(addr: &str, args: &Args) -> anyhow::Result<Shape> {
 }
 
 async fn run_once(addr: &str, args: &Args, mode: Mode, shape: &Shape) -> anyhow::Result<Report> {
+    run_api(addr, args, args.api, mode, shape).await
+}
+
+async fn run_api(
+    addr: &str,
+    args: &Args,
+    api: Api,
+    mode: Mode,
+    shape: &Shape,
+) -> anyhow::Result<Report> {
     let plan = Plan {
         mode,
-        api: args.api,
+        api,
         warmup: args.warmup,
         duration: args.duration,
         timeout: args.timeout,
@@ -113,6 +123,12 @@ async fn main_async(args: Args) -> anyhow::Result<()> {
         _ => unreachable!("validated"),
     };
     let report = run_once(&target, &args, mode, &shape).await?;
+    if let Some(other) = args.compare_api {
+        let base = run_api(&target, &args, other, mode, &shape).await?;
+        let cmp = Comparison::versus(report, base, format!("{other:?}"));
+        print!("{}", cmp.table());
+        return write_json(&args, &cmp);
+    }
     match echo_addr
         .filter(|e| Some(e) != args.target.as_ref())
         .filter(|_| args.target.is_some())

@@ -123,6 +123,8 @@ impl Report {
 #[derive(Debug, Serialize)]
 pub struct Comparison {
     pub service: Report,
+    /// What the service is compared with: "echo", or the other API (--compare-api).
+    pub versus: String,
     pub echo: Report,
     pub requests_per_s_ratio: f64,
     pub p50_latency_ratio: f64,
@@ -131,8 +133,13 @@ pub struct Comparison {
 
 impl Comparison {
     pub fn new(service: Report, echo: Report) -> Self {
+        Self::versus(service, echo, "echo".into())
+    }
+
+    pub fn versus(service: Report, echo: Report, versus: String) -> Self {
         let div = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
         Self {
+            versus,
             requests_per_s_ratio: div(service.requests_per_s, echo.requests_per_s),
             p50_latency_ratio: div(service.latency_ms.p50, echo.latency_ms.p50),
             p99_latency_ratio: div(service.latency_ms.p99, echo.latency_ms.p99),
@@ -142,9 +149,11 @@ impl Comparison {
     }
     pub fn table(&self) -> String {
         format!(
-            "{}\n{}\nservice / echo: throughput {:.3}x, p50 latency {:.2}x, p99 latency {:.2}x\n",
+            "{}\n{}\n{:?} / {}: throughput {:.3}x, p50 latency {:.2}x, p99 latency {:.2}x\n",
             self.service.table(),
             self.echo.table(),
+            self.service.api,
+            self.versus,
             self.requests_per_s_ratio,
             self.p50_latency_ratio,
             self.p99_latency_ratio

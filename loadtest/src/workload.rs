@@ -6,6 +6,23 @@ use rand::{Rng, SeedableRng};
 
 use crate::config::{Dtype, Tokens};
 
+/// What a client checks of an answer: dtype (epserve.v1's enum), shape, and data bytes.
+pub struct Out {
+    pub dtype: i32,
+    pub shape: Vec<i64>,
+    pub bytes: usize,
+}
+
+impl Out {
+    pub fn of(t: &Tensor) -> Self {
+        Self {
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            bytes: t.data.len(),
+        }
+    }
+}
+
 /// What the target serves, as far as the load needs to know.
 #[derive(Clone, Debug)]
 pub struct Shape {
@@ -147,26 +164,23 @@ impl Workload {
         }
     }
 
-    /// Checks a response's output against what was asked for.
-    pub fn check(&self, tokens: usize, out: Option<&Tensor>) -> Result<usize, String> {
-        let t = out.ok_or("no output tensor")?;
+    /// Checks a response's output against what was asked for; returns its bytes.
+    pub fn check(&self, tokens: usize, out: &Out) -> Result<usize, String> {
         let want = match self.dtype {
             Dtype::Bf16 => DType::Bf16,
             Dtype::F32 => DType::F32,
         } as i32;
         let shape = vec![tokens as i64, self.shape.hidden as i64];
-        if t.dtype != want
-            || t.shape != shape
-            || t.data.len() != tokens * self.shape.hidden * self.dtype.bytes()
+        if out.dtype != want
+            || out.shape != shape
+            || out.bytes != tokens * self.shape.hidden * self.dtype.bytes()
         {
             return Err(format!(
                 "output {:?} {:?} ({} bytes), expected {want} {shape:?}",
-                t.dtype,
-                t.shape,
-                t.data.len()
+                out.dtype, out.shape, out.bytes
             ));
         }
-        Ok(t.data.len())
+        Ok(out.bytes)
     }
 }
 
@@ -197,18 +211,18 @@ mod tests {
                 );
                 assert!(a != b && (0..4).contains(&a) && (0..4).contains(&b));
             }
-            assert!(w
-                .check(item.tokens, item.request.hidden_states.as_ref())
-                .is_ok());
+            assert!(w.check(item.tokens, &Out::of(h)).is_ok());
             let mut wrong = h.clone();
             wrong.shape[0] += 1;
-            assert!(w.check(item.tokens, Some(&wrong)).is_err());
+            assert!(w.check(item.tokens, &Out::of(&wrong)).is_err());
             let f32_out = Tensor {
                 dtype: DType::F32 as i32,
                 ..h.clone()
             };
-            assert!(w.check(item.tokens, Some(&f32_out)).is_err());
-            assert!(w.check(item.tokens, None).is_err());
+            assert!(w.check(item.tokens, &Out::of(&f32_out)).is_err());
+            let mut short = h.clone();
+            short.data.pop();
+            assert!(w.check(item.tokens, &Out::of(&short)).is_err());
         }
     }
 

@@ -1,11 +1,42 @@
-//! Every malformed request the service can receive, and what it answers. The README's table is
-//! this list (a test keeps them in step), and `tests/service.rs` sends each case.
+//! Every malformed request the service can receive, and what it answers, on each protocol. The
+//! README's table is this list (a test keeps them in step); `tests/service.rs` sends each
+//! epserve.v1 case and `tests/kserve.rs` each KServe v2 case.
 
 use tonic::Code;
+
+/// Which protocols a case can arise on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum On {
+    Both,
+    /// epserve.v1 (`Forward`, `ForwardStream`) only.
+    V1,
+    /// KServe v2 (`ModelInfer`, `ModelStreamInfer`) only.
+    Kserve,
+}
+
+impl On {
+    /// How the README's table names it.
+    pub fn label(self) -> &'static str {
+        match self {
+            On::Both => "both",
+            On::V1 => "epserve.v1",
+            On::Kserve => "KServe v2",
+        }
+    }
+
+    pub fn v1(self) -> bool {
+        self != On::Kserve
+    }
+
+    pub fn kserve(self) -> bool {
+        self != On::V1
+    }
+}
 
 pub struct BadInput {
     /// A short name for the case (tests key their requests by it).
     pub case: &'static str,
+    pub on: On,
     pub code: Code,
     /// A fragment every answer to this case contains.
     pub message: &'static str,
@@ -14,7 +45,17 @@ pub struct BadInput {
 const fn bad(case: &'static str, message: &'static str) -> BadInput {
     BadInput {
         case,
+        on: On::Both,
         code: Code::InvalidArgument,
+        message,
+    }
+}
+
+const fn only(on: On, code: Code, case: &'static str, message: &'static str) -> BadInput {
+    BadInput {
+        case,
+        on,
+        code,
         message,
     }
 }
@@ -31,7 +72,12 @@ pub const BAD_INPUT: &[BadInput] = &[
         "bytes not matching shape and dtype",
         "bytes of data for shape",
     ),
-    bad("dtype number outside the enum", "unknown dtype"),
+    only(
+        On::V1,
+        Code::InvalidArgument,
+        "dtype number outside the enum",
+        "unknown dtype",
+    ),
     bad(
         "integer hidden states or weights, float ids",
         "not accepted here",
@@ -40,7 +86,9 @@ pub const BAD_INPUT: &[BadInput] = &[
         "NaN or infinity in hidden states or weights",
         "non-finite value at row",
     ),
-    bad(
+    only(
+        On::V1,
+        Code::InvalidArgument,
         "layer that is not an MoE layer",
         "is not an MoE layer of this model",
     ),
@@ -56,16 +104,91 @@ pub const BAD_INPUT: &[BadInput] = &[
         "topk_ids given without topk_weights",
     ),
     bad("output_dtype not a float dtype", "is not a float dtype"),
-    BadInput {
-        case: "message over --max-request-bytes",
-        code: Code::OutOfRange,
-        message: "decoded message length too large",
-    },
-    BadInput {
-        case: "more tokens than --max-queued-tokens",
-        code: Code::ResourceExhausted,
-        message: "exceeds --max-queued-tokens",
-    },
+    only(
+        On::Both,
+        Code::OutOfRange,
+        "message over --max-request-bytes",
+        "decoded message length too large",
+    ),
+    only(
+        On::Both,
+        Code::ResourceExhausted,
+        "more tokens than --max-queued-tokens",
+        "exceeds --max-queued-tokens",
+    ),
+    only(On::Kserve, Code::NotFound, "unknown model", "unknown model"),
+    only(
+        On::Kserve,
+        Code::NotFound,
+        "model version other than 1",
+        "has no version",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "datatype string outside the protocol",
+        "unknown datatype",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "input other than hidden_states, topk_ids, topk_weights",
+        "unknown input",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "an input twice",
+        "given twice",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "output other than output",
+        "unknown output",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "raw_input_contents not one per input",
+        "entries for",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "data both in contents and raw_input_contents",
+        "data given both in contents and in raw_input_contents",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "an input without data",
+        "no data (neither contents nor raw_input_contents)",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "typed contents in another field than the datatype's",
+        "which is empty",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "BF16 or FP16 data in contents",
+        "goes in raw_input_contents",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "parameter not understood (request, input or output)",
+        "is not supported",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "output_datatype or timeout of the wrong type",
+        "is not valid here",
+    ),
 ];
 
 #[cfg(test)]
@@ -90,6 +213,12 @@ mod tests {
                 row.contains(&upper),
                 "README row for '{}' lacks {upper}",
                 b.case
+            );
+            assert!(
+                row.contains(&format!("| {} |", b.on.label())),
+                "README row for '{}' lacks '{}'",
+                b.case,
+                b.on.label()
             );
         }
     }

@@ -5,7 +5,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use tokio::sync::Notify;
-use tonic::Status;
+
+use super::Failure;
 
 pub struct Admission {
     max_requests: usize,
@@ -56,15 +57,15 @@ impl Admission {
     }
 
     /// Takes room for one request of `tokens`; the error says which bound was hit.
-    pub fn try_admit(self: &Arc<Self>, tokens: usize) -> Result<Permit, (&'static str, Status)> {
+    pub fn try_admit(self: &Arc<Self>, tokens: usize) -> Result<Permit, Failure> {
         if tokens > self.max_tokens {
-            return Err((
-                "request_too_large",
-                Status::resource_exhausted(format!(
+            return Err(Failure::Exhausted {
+                reason: "request_too_large",
+                message: format!(
                     "a request of {tokens} tokens exceeds --max-queued-tokens ({})",
                     self.max_tokens
-                )),
-            ));
+                ),
+            });
         }
         let r = self.requests.fetch_add(1, Ordering::AcqRel);
         let t = self.tokens.fetch_add(tokens, Ordering::AcqRel);
@@ -73,22 +74,22 @@ impl Admission {
             tokens,
         };
         if r >= self.max_requests {
-            return Err((
-                "max_concurrent_requests",
-                Status::resource_exhausted(format!(
+            return Err(Failure::Exhausted {
+                reason: "max_concurrent_requests",
+                message: format!(
                     "too many requests in flight (--max-concurrent-requests {})",
                     self.max_requests
-                )),
-            ));
+                ),
+            });
         }
         if t + tokens > self.max_tokens {
-            return Err((
-                "max_queued_tokens",
-                Status::resource_exhausted(format!(
+            return Err(Failure::Exhausted {
+                reason: "max_queued_tokens",
+                message: format!(
                     "the queue holds {t} tokens; {tokens} more exceed --max-queued-tokens ({})",
                     self.max_tokens
-                )),
-            ));
+                ),
+            });
         }
         Ok(permit)
     }
@@ -113,10 +114,13 @@ mod tests {
     fn bounds_hold_and_permits_release() {
         let a = Admission::new(2, 10);
         let p1 = a.try_admit(6).unwrap();
-        assert_eq!(a.try_admit(5).unwrap_err().0, "max_queued_tokens");
-        assert_eq!(a.try_admit(11).unwrap_err().0, "request_too_large");
+        assert_eq!(a.try_admit(5).unwrap_err().reason(), "max_queued_tokens");
+        assert_eq!(a.try_admit(11).unwrap_err().reason(), "request_too_large");
         let p2 = a.try_admit(4).unwrap();
-        assert_eq!(a.try_admit(0).unwrap_err().0, "max_concurrent_requests");
+        assert_eq!(
+            a.try_admit(0).unwrap_err().reason(),
+            "max_concurrent_requests"
+        );
         assert_eq!(a.held(), (2, 10));
         drop((p1, p2));
         assert_eq!(a.held(), (0, 0));

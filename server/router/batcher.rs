@@ -10,7 +10,7 @@ use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::{Job, Segment, Step};
+use super::{Failure, Job, Segment, Step};
 use crate::shm::Abort;
 
 #[derive(Clone, Copy, Debug)]
@@ -59,8 +59,8 @@ pub async fn run_batcher(
             if q.expired(now) {
                 metrics::counter!("epserve_rejections_total", "reason" => "deadline_in_queue")
                     .increment(1);
-                q.job.fail(tonic::Status::deadline_exceeded(
-                    "the deadline passed while the request was queued",
+                q.job.fail(Failure::Deadline(
+                    "the deadline passed while the request was queued".into(),
                 ));
                 return false;
             }
@@ -115,7 +115,7 @@ pub async fn run_batcher(
     let why = broken
         .reason()
         .unwrap_or_else(|| "the step executor stopped".into());
-    let status = tonic::Status::unavailable(format!("EP group broken: {why}"));
+    let status = Failure::unavailable("broken", format!("EP group broken: {why}"));
     jobs.close();
     while let Ok(job) = jobs.try_recv() {
         queue.push_back(Queued {
@@ -275,7 +275,7 @@ mod tests {
         drop(gone_rx);
         wake.notify_one();
         let err = late_rx.await.unwrap().unwrap_err();
-        assert_eq!(err.code(), tonic::Code::DeadlineExceeded);
+        assert!(matches!(err, Failure::Deadline(_)), "{err:?}");
         let s = srx.recv().await.unwrap();
         assert_eq!(
             s.segments

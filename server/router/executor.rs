@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
 
-use super::Step;
+use super::{Failure, Step};
 use crate::group::{recv, Ctl, GroupError, RouterLink};
 use crate::shm::Abort;
 use crate::step::ring::Ring;
@@ -183,10 +183,10 @@ impl<B: Backend> Executor<B> {
                     // A wrong result fails its requests INTERNAL; a lost rank, UNAVAILABLE.
                     let status = if matches!(e, ExecutorError::Step(StepError::Corrupt { .. })) {
                         self.abort.trigger_corrupt(e.to_string());
-                        tonic::Status::internal(format!("EP group broken: {e}"))
+                        Failure::Wrong(format!("EP group broken: {e}"))
                     } else {
                         self.abort.trigger(e.to_string());
-                        tonic::Status::unavailable(format!("EP group broken: {e}"))
+                        Failure::unavailable("broken", format!("EP group broken: {e}"))
                     };
                     step.fail(&status);
                     break Err(e);
@@ -199,9 +199,10 @@ impl<B: Backend> Executor<B> {
             .reason()
             .unwrap_or_else(|| "the step executor stopped".into());
         while let Ok(step) = steps.try_recv() {
-            step.fail(&tonic::Status::unavailable(format!(
-                "EP group broken: {why}"
-            )));
+            step.fail(&Failure::unavailable(
+                "broken",
+                format!("EP group broken: {why}"),
+            ));
         }
         // A clean drain stops the ranks with exit 0; a broken group makes them fail too.
         let broken = self.abort.reason();

@@ -5,10 +5,12 @@
 mod admission;
 mod batcher;
 mod executor;
+mod failure;
 
 pub use admission::{Admission, Permit};
 pub use batcher::{run_batcher, BatchConfig};
 pub use executor::{Executor, ExecutorError};
+pub use failure::Failure;
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -16,7 +18,7 @@ use std::time::Instant;
 
 use tokio::sync::oneshot;
 
-pub type Reply = Result<Vec<f32>, tonic::Status>;
+pub type Reply = Result<Vec<f32>, Failure>;
 
 /// A validated request, converted to f32.
 pub struct JobInput {
@@ -86,9 +88,9 @@ impl Job {
     }
 
     /// Answers with an error unless already answered.
-    pub fn fail(&self, status: tonic::Status) {
+    pub fn fail(&self, why: Failure) {
         if let Some(tx) = self.sink().reply.take() {
-            let _ = tx.send(Err(status));
+            let _ = tx.send(Err(why));
         }
     }
 
@@ -139,9 +141,9 @@ impl Step {
     pub fn tokens(&self) -> usize {
         self.segments.iter().map(|s| s.rows.len()).sum()
     }
-    pub fn fail(&self, status: &tonic::Status) {
+    pub fn fail(&self, why: &Failure) {
         for s in &self.segments {
-            s.job.fail(status.clone());
+            s.job.fail(why.clone());
         }
     }
 }

@@ -1,0 +1,462 @@
+//! `epserve.v1.MoeService`: its messages into the request entry and back.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tonic::{Code, Request, Response, Status, Streaming};
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+use super::stream::{self, ResponseStream};
+use super::{deadline_of, record, status};
+use crate::infer::tensor::{self, Dtype, View, FLOATS, IDS};
+use crate::infer::{rejected, Infer, Request as Entry};
+use crate::proto::moe_service_server::MoeService;
+use crate::proto::{
+    self, DType, ForwardRequest, ForwardResponse, GetModelInfoRequest, ModelInfo, ProbeRequest,
+    ProbeResponse,
+};
+use crate::router::{Failure, JobInput, Permit};
+use crate::telemetry::remote_context;
+
+pub struct MoeApi {
+    infer: Arc<Infer>,
+    info: ModelInfo,
+    /// Measured once the group has formed (nccl-ep).
+    ep_footprint: std::sync::OnceLock<crate::proto::NcclEpFootprint>,
+    /// Most requests of one ForwardStream answered or in progress but not yet taken by the
+    /// transport (--max-stream-in-flight).
+    stream_in_flight: usize,
+}
+
+/// epserve.v1's dtype names, for messages.
+fn name(d: Dtype) -> &'static str {
+    wire(d).as_str_name()
+}
+
+fn wire(d: Dtype) -> DType {
+    match d {
+        Dtype::Bf16 => DType::Bf16,
+        Dtype::F16 => DType::F16,
+        Dtype::F32 => DType::F32,
+        Dtype::I32 => DType::I32,
+        Dtype::I64 => DType::I64,
+    }
+}
+
+/// The dtype field as the entry's dtype; unknown numbers are refused by name.
+fn dtype(raw: i32, what: &str, accepted: &[Dtype]) -> Result<Dtype, Failure> {
+    match DType::try_from(raw) {
+        Ok(DType::Bf16) => Ok(Dtype::Bf16),
+        Ok(DType::F16) => Ok(Dtype::F16),
+        Ok(DType::F32) => Ok(Dtype::F32),
+        Ok(DType::I32) => Ok(Dtype::I32),
+        Ok(DType::I64) => Ok(Dtype::I64),
+        Ok(DType::DtypeUnspecified) => Err(tensor::not_accepted(
+            what,
+            DType::DtypeUnspecified.as_str_name(),
+            accepted,
+            name,
+        )),
+        Err(_) => Err(Failure::invalid(format!("{what}: unknown dtype {raw}"))),
+    }
+}
+
+fn view<'a>(t: &'a proto::Tensor, what: &str, accepted: &[Dtype]) -> Result<View<'a>, Failure> {
+    Ok(View {
+        dtype: dtype(t.dtype, what, accepted)?,
+        shape: &t.shape,
+        data: &t.data,
+    })
+}
+
+/// `[rows, cols]` f32 values as a tensor of `d`.
+pub fn encode(values: &[f32], rows: usize, cols: usize, d: Dtype) -> proto::Tensor {
+    proto::Tensor {
+        dtype: wire(d) as i32,
+        shape: vec![rows as i64, cols as i64],
+        data: tensor::encode(values, d),
+    }
+}
+
+impl MoeApi {
+    pub fn new(infer: Arc<Infer>, info: ModelInfo, stream_in_flight: usize) -> Self {
+        Self {
+            infer,
+            info,
+            ep_footprint: std::sync::OnceLock::new(),
+            stream_in_flight: stream_in_flight.max(1),
+        }
+    }
+
+    /// What the NCCL EP exchange takes on the GPU, for GetModelInfo (set once, at startup).
+    pub fn set_ep_footprint(&self, f: crate::proto::NcclEpFootprint) {
+        let _ = self.ep_footprint.set(f);
+    }
+
+    /// The output dtype: `output_dtype`, or the input's when unspecified.
+    fn out_dtype(r: &ForwardRequest) -> Result<Dtype, Failure> {
+        if r.output_dtype == DType::DtypeUnspecified as i32 {
+            let input = r
+                .hidden_states
+                .as_ref()
+                .map_or(DType::F32 as i32, |t| t.dtype);
+            return dtype(input, "hidden_states", FLOATS);
+        }
+        match dtype(r.output_dtype, "output_dtype", FLOATS)? {
+            d if d.is_float() => Ok(d),
+            d => Err(Failure::invalid(format!(
+                "output_dtype: {} is not a float dtype",
+                name(d)
+            ))),
+        }
+    }
+
+    /// The request as the entry takes it, checked and in f32.
+    fn job_input(
+        &self,
+        r: &ForwardRequest,
+        deadline: Option<Instant>,
+    ) -> Result<JobInput, Failure> {
+        let views = || -> Result<_, Failure> {
+            let hidden = r
+                .hidden_states
+                .as_ref()
+                .map(|t| view(t, "hidden_states", FLOATS))
+                .transpose()?;
+            let ids = r
+                .topk_ids
+                .as_ref()
+                .map(|t| view(t, "topk_ids", IDS))
+                .transpose()?;
+            let w = r
+                .topk_weights
+                .as_ref()
+                .map(|t| view(t, "topk_weights", FLOATS))
+                .transpose()?;
+            Ok((hidden, ids, w))
+        };
+        let (hidden, topk_ids, topk_weights) =
+            views().map_err(|f| rejected("invalid_argument", f))?;
+        self.infer.validate(Entry {
+            id: r.id.clone(),
+            layer: r.layer,
+            hidden,
+            topk_ids,
+            topk_weights,
+            deadline,
+            names: name,
+        })
+    }
+
+    /// Checks, admits, queues and waits for one request. The admission permit comes back with
+    /// the answer, for the caller to hold until the response is written.
+    async fn run(
+        &self,
+        r: ForwardRequest,
+        deadline: Option<Instant>,
+    ) -> Result<(ForwardResponse, Option<Permit>), Failure> {
+        let out_dtype = Self::out_dtype(&r).map_err(|f| rejected("invalid_argument", f))?;
+        let input = self.job_input(&r, deadline)?;
+        // The request's bytes are not needed past here; only its f32 rows wait in the queue.
+        drop(r);
+        let id = input.id.clone();
+        let a = self.infer.submit(input).await?;
+        let resp = ForwardResponse {
+            id,
+            output: Some(encode(
+                &a.output,
+                a.tokens,
+                self.infer.spec().hidden,
+                out_dtype,
+            )),
+            error: None,
+        };
+        Ok((resp, a.permit))
+    }
+
+    /// `run` with the request's span and metrics.
+    async fn forward_one(
+        &self,
+        r: ForwardRequest,
+        deadline: Option<Instant>,
+        method: &'static str,
+        parent: &opentelemetry::Context,
+    ) -> Result<(ForwardResponse, Option<Permit>), Status> {
+        let t0 = Instant::now();
+        let n = r
+            .hidden_states
+            .as_ref()
+            .and_then(|t| t.shape.first())
+            .copied()
+            .unwrap_or(0)
+            .max(0) as u64;
+        let span = tracing::info_span!("request", request_id = %r.id, method);
+        // Without a tracing backend there is nothing to attach to; that is fine.
+        let _ = span.set_parent(parent.clone());
+        let result = self.run(r, deadline).instrument(span).await.map_err(status);
+        record(
+            method,
+            result.as_ref().map_or_else(|s| s.code(), |_| Code::Ok),
+            n,
+            t0,
+        );
+        result
+    }
+}
+
+fn error_response(id: String, s: &Status) -> ForwardResponse {
+    ForwardResponse {
+        id,
+        output: None,
+        error: Some(proto::Error {
+            code: s.code() as i32,
+            message: s.message().to_string(),
+        }),
+    }
+}
+
+#[tonic::async_trait]
+impl MoeService for Arc<MoeApi> {
+    async fn forward(
+        &self,
+        req: Request<ForwardRequest>,
+    ) -> Result<Response<ForwardResponse>, Status> {
+        let deadline = deadline_of(&req)?;
+        let parent = remote_context(req.metadata());
+        self.forward_one(req.into_inner(), deadline, "Forward", &parent)
+            .await
+            .map(|(resp, _permit)| Response::new(resp))
+    }
+
+    type ForwardStreamStream = ResponseStream<ForwardResponse>;
+
+    async fn forward_stream(
+        &self,
+        req: Request<Streaming<ForwardRequest>>,
+    ) -> Result<Response<Self::ForwardStreamStream>, Status> {
+        // A stream's deadline and trace context apply to every request on it.
+        let deadline = deadline_of(&req)?;
+        let parent = remote_context(req.metadata());
+        let api = self.clone();
+        let out = stream::serve(req.into_inner(), self.stream_in_flight, move |r| {
+            let (api, parent) = (api.clone(), parent.clone());
+            async move {
+                let id = r.id.clone();
+                match api.forward_one(r, deadline, "ForwardStream", &parent).await {
+                    Ok(answer) => answer,
+                    Err(s) => (error_response(id, &s), None),
+                }
+            }
+        });
+        Ok(Response::new(out))
+    }
+
+    async fn get_model_info(
+        &self,
+        _: Request<GetModelInfoRequest>,
+    ) -> Result<Response<ModelInfo>, Status> {
+        let mut info = self.info.clone();
+        info.nccl_ep = self.ep_footprint.get().cloned();
+        Ok(Response::new(info))
+    }
+
+    async fn probe(&self, req: Request<ProbeRequest>) -> Result<Response<ProbeResponse>, Status> {
+        let deadline = deadline_of(&req)?;
+        let parent = remote_context(req.metadata());
+        let t0 = Instant::now();
+        let spec = self.infer.spec();
+        let h = spec.hidden;
+        let x: Vec<f32> = (0..h).map(|i| ((i % 13) as f32 - 6.0) / 6.0).collect();
+        let r = ForwardRequest {
+            id: "probe".into(),
+            layer: spec.moe_layers[0],
+            hidden_states: Some(encode(&x, 1, h, Dtype::F32)),
+            topk_ids: None,
+            topk_weights: None,
+            output_dtype: DType::F32 as i32,
+        };
+        let (out, _permit) = self.forward_one(r, deadline, "Probe", &parent).await?;
+        let finite = out.output.is_some_and(|t| {
+            view(&t, "output", FLOATS)
+                .and_then(|v| tensor::floats(&v, "output", Some(1), h, name))
+                .is_ok()
+        });
+        if !finite {
+            return Err(Status::internal("the probe step produced no finite output"));
+        }
+        Ok(Response::new(ProbeResponse {
+            seconds: t0.elapsed().as_secs_f64(),
+            world_size: self.info.world_size,
+        }))
+    }
+}
+
+/// The request decode and validate path under random input (a fixed seed and budget, so CI runs
+/// the same cases every time): no input panics, every refusal is INVALID_ARGUMENT with a
+/// message, and everything accepted is consistent with the model.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use crate::infer::Phase;
+    use crate::router::Admission;
+    use crate::shm::Abort;
+    use prost::Message;
+    use rand::{Rng, SeedableRng};
+    use tokio::sync::{mpsc, Notify};
+
+    fn infer(jobs: mpsc::Sender<Arc<crate::router::Job>>, abort: Arc<Abort>) -> Arc<Infer> {
+        let spec = Arc::new(crate::model::synthetic::preset("tiny").unwrap());
+        let adm = Admission::new(4, 64);
+        Arc::new(Infer::new(spec, jobs, adm, Arc::new(Notify::new()), abort))
+    }
+
+    fn api() -> MoeApi {
+        let (jobs, _rx) = mpsc::channel(1);
+        MoeApi::new(infer(jobs, Arc::default()), ModelInfo::default(), 1)
+    }
+
+    /// A broken group answers every waiting request at once, whatever holds it: INTERNAL for one
+    /// inside the step whose output was wrong, UNAVAILABLE for one still queued.
+    #[tokio::test]
+    async fn a_broken_group_answers_waiting_requests_by_where_they_are() {
+        let (jobs, mut rx) = mpsc::channel(4);
+        let abort = Arc::new(Abort::default());
+        let infer = infer(jobs, abort.clone());
+        infer.set_phase(Phase::Serving);
+        let api = Arc::new(MoeApi::new(infer.clone(), ModelInfo::default(), 1));
+        let spec = infer.spec();
+        let x = vec![0.5f32; spec.hidden];
+        let req = |id: &str| ForwardRequest {
+            id: id.into(),
+            layer: spec.moe_layers[0],
+            hidden_states: Some(encode(&x, 1, spec.hidden, Dtype::F32)),
+            ..Default::default()
+        };
+        let (a, b) = (api.clone(), api.clone());
+        let (ra, rb) = (req("in-step"), req("queued"));
+        let in_step = tokio::spawn(async move { a.run(ra, None).await.map(drop) });
+        let queued = tokio::spawn(async move { b.run(rb, None).await.map(drop) });
+        let (j1, j2) = (rx.recv().await.unwrap(), rx.recv().await.unwrap());
+        let stepped = if j1.input.id == "in-step" { &j1 } else { &j2 };
+        stepped.started(Instant::now());
+        abort.trigger_corrupt("NCCL EP received 9 rows where the routing sent 8");
+        let e = status(in_step.await.unwrap().unwrap_err());
+        assert_eq!(e.code(), Code::Internal, "{e:?}");
+        assert!(e.message().contains("routing sent 8"), "{e:?}");
+        let e = status(queued.await.unwrap().unwrap_err());
+        assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+        assert!(e.message().contains("routing sent 8"), "{e:?}");
+    }
+
+    fn pick<T: Copy>(rng: &mut impl Rng, from: &[T]) -> T {
+        from[rng.random_range(0..from.len())]
+    }
+
+    /// A tensor near the valid ones: dtypes in and out of the enum, shapes of any rank and sign,
+    /// data of the right length or not, values finite or not.
+    fn tensor(rng: &mut impl Rng, cols: usize, valid: &[i32]) -> proto::Tensor {
+        if rng.random_bool(0.6) {
+            // A valid tensor, perhaps with one byte changed.
+            let dtype = pick(rng, valid);
+            let n = rng.random_range(1..4usize);
+            let data = match dtype {
+                1 => (0..n * cols)
+                    .flat_map(|_| half::bf16::from_f32(rng.random::<f32>()).to_le_bytes())
+                    .collect(),
+                2 => (0..n * cols)
+                    .flat_map(|_| half::f16::from_f32(rng.random::<f32>()).to_le_bytes())
+                    .collect(),
+                3 => (0..n * cols)
+                    .flat_map(|_| rng.random::<f32>().to_le_bytes())
+                    .collect(),
+                // Expert ids: a row of distinct ids, mostly in range.
+                4 => (0..n)
+                    .flat_map(|_| (0..cols as i32).map(|e| e * 3 % 9))
+                    .flat_map(i32::to_le_bytes)
+                    .collect(),
+                _ => (0..n * cols)
+                    .flat_map(|i| (i as i64 % 8).to_le_bytes())
+                    .collect(),
+            };
+            let mut t = proto::Tensor {
+                dtype,
+                shape: vec![n as i64, cols as i64],
+                data,
+            };
+            if rng.random_bool(0.3) && !t.data.is_empty() {
+                let at = rng.random_range(0..t.data.len());
+                t.data[at] = rng.random();
+            }
+            return t;
+        }
+        let dtype = pick(rng, &[0, 1, 2, 3, 4, 5, 6, -1, 99, i32::MAX]);
+        let n = pick(rng, &[0i64, 1, 2, 7, -1, i64::MAX, 1 << 40]);
+        let c = pick(rng, &[cols as i64, cols as i64 - 1, 0, -3, i64::MIN]);
+        let shape = match rng.random_range(0..5) {
+            0 => vec![],
+            1 => vec![n],
+            2 => vec![n, c, 1],
+            _ => vec![n, c],
+        };
+        let elem = pick(rng, &[1usize, 2, 4, 8]);
+        let rows = usize::try_from(n).unwrap_or(0).min(8);
+        let len = rows * cols.max(1) * elem;
+        let len = rng.random_range(0..len + 9);
+        let data: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+        proto::Tensor { dtype, shape, data }
+    }
+
+    #[test]
+    fn no_request_panics_and_every_refusal_is_invalid_argument() {
+        let api = api();
+        let (h, k) = (api.infer.spec().hidden, api.infer.spec().top_k);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed);
+        let mut accepted = 0;
+        for i in 0..20_000 {
+            let mut r = if i % 4 == 0 {
+                // Raw bytes on the wire: decoding must fail cleanly or give some request.
+                let len = rng.random_range(0..64);
+                let bytes: Vec<u8> = (0..len).map(|_| rng.random()).collect();
+                match ForwardRequest::decode(bytes.as_slice()) {
+                    Ok(r) => r,
+                    Err(_) => continue,
+                }
+            } else {
+                ForwardRequest::default()
+            };
+            r.layer = pick(&mut rng, &[0, 0, 1, 2, u32::MAX]);
+            r.output_dtype = pick(&mut rng, &[0, 0, 1, 3, 4, 77]);
+            if rng.random_bool(0.9) {
+                r.hidden_states = Some(tensor(&mut rng, h, &[1, 2, 3]));
+            }
+            if rng.random_bool(0.3) {
+                r.topk_ids = Some(tensor(&mut rng, k, &[4, 5]));
+                r.topk_weights = Some(tensor(&mut rng, k, &[1, 2, 3]));
+            }
+            if rng.random_bool(0.1) {
+                r.topk_ids = None;
+            }
+            let out = MoeApi::out_dtype(&r);
+            match out.and_then(|_| api.job_input(&r, None)).map_err(status) {
+                Err(s) => {
+                    assert_eq!(s.code(), Code::InvalidArgument, "{r:?}: {s:?}");
+                    assert!(!s.message().is_empty());
+                }
+                Ok(input) => {
+                    accepted += 1;
+                    assert_eq!(input.hidden.len(), input.tokens * h);
+                    assert!(input.hidden.iter().all(|v| v.is_finite()));
+                    if let Some((ids, w)) = &input.routing {
+                        assert_eq!((ids.len(), w.len()), (input.tokens * k, input.tokens * k));
+                        assert!(ids
+                            .iter()
+                            .all(|&e| (0..api.infer.spec().num_experts as i32).contains(&e)));
+                    }
+                }
+            }
+        }
+        // The generator reaches the valid region too, so the checks past the first run.
+        assert!(accepted > 100, "only {accepted} requests were valid");
+    }
+}

@@ -1,0 +1,943 @@
+//! KServe v2 / the Open Inference Protocol as a client sees it, through the generated stubs:
+//! metadata, readiness through start, stall and drain, inference equal to Forward and to the f64
+//! reference per token, client routing, every bad-input case of the catalogue, and streaming.
+//! (`tests/tritonclient/` runs the stock Python Triton client against the same surface in CI.)
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::reference::{token, RefLayer, TIE_MARGIN};
+use common::*;
+use epserve::api::catalogue::BAD_INPUT;
+use epserve::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+use epserve::inference::infer_parameter::ParameterChoice;
+use epserve::inference::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
+use epserve::inference::{
+    InferParameter, InferTensorContents, ModelInferRequest, ModelInferResponse,
+    ModelMetadataRequest, ModelReadyRequest, ServerLiveRequest, ServerMetadataRequest,
+    ServerReadyRequest,
+};
+use epserve::model::synthetic;
+use epserve::proto::{DType, ForwardRequest};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+use tonic::Code;
+
+type Client = GrpcInferenceServiceClient<Channel>;
+
+const H: usize = 64; // synthetic:tiny
+const K: usize = 2;
+const E: usize = 8;
+
+async fn client(addr: &str) -> Client {
+    GrpcInferenceServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+        .max_decoding_message_size(256 << 20)
+        .max_encoding_message_size(256 << 20)
+}
+
+fn le_f32(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn le_bf16(v: &[f32]) -> Vec<u8> {
+    v.iter()
+        .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+        .collect()
+}
+
+fn input(name: &str, datatype: &str, shape: &[i64]) -> InferInputTensor {
+    InferInputTensor {
+        name: name.into(),
+        datatype: datatype.into(),
+        shape: shape.to_vec(),
+        ..Default::default()
+    }
+}
+
+/// A request whose inputs all carry raw data.
+fn raw_request(
+    model: &str,
+    id: &str,
+    inputs: Vec<(InferInputTensor, Vec<u8>)>,
+) -> ModelInferRequest {
+    let (inputs, raw): (Vec<_>, Vec<_>) = inputs.into_iter().unzip();
+    ModelInferRequest {
+        model_name: model.into(),
+        id: id.into(),
+        inputs,
+        raw_input_contents: raw.into_iter().map(Into::into).collect(),
+        ..Default::default()
+    }
+}
+
+fn hidden(n: usize, x: &[f32]) -> (InferInputTensor, Vec<u8>) {
+    (
+        input("hidden_states", "FP32", &[n as i64, H as i64]),
+        le_f32(x),
+    )
+}
+
+fn good(n: usize) -> ModelInferRequest {
+    let x: Vec<f32> = (0..n * H)
+        .map(|i| ((i * 7919) % 200) as f32 / 100.0 - 1.0)
+        .collect();
+    raw_request("layer-0", "ok", vec![hidden(n, &x)])
+}
+
+fn output_f32(r: &ModelInferResponse) -> Vec<f32> {
+    assert_eq!(r.outputs.len(), 1);
+    assert_eq!(r.raw_output_contents.len(), 1);
+    let o = &r.outputs[0];
+    assert_eq!(o.name, "output");
+    let raw = &r.raw_output_contents[0];
+    let v: Vec<f32> = match o.datatype.as_str() {
+        "FP32" => raw
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect(),
+        "BF16" => raw
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        d => panic!("unexpected output datatype {d}"),
+    };
+    assert_eq!(o.shape, vec![(v.len() / H) as i64, H as i64]);
+    v
+}
+
+fn string_param(s: &str) -> InferParameter {
+    InferParameter {
+        parameter_choice: Some(ParameterChoice::StringParam(s.into())),
+    }
+}
+
+/// Max |a - b| / max |b| of one token's row.
+fn row_error(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
+    let err = a.iter().zip(b).fold(0f64, |m, (&x, &y)| {
+        m.max((f64::from(x) - f64::from(y)).abs())
+    });
+    if scale > 0.0 {
+        err / scale
+    } else {
+        err
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_and_inference_equal_forward_and_the_reference_per_token() {
+    let group = Group::launch(2, "synthetic:tiny", &["--max-tokens-per-step", "16"]);
+    let mut c = client(&group.addr).await;
+    let mut v1 = group.client().await;
+    assert!(
+        c.server_live(ServerLiveRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .live
+    );
+    assert!(
+        c.server_ready(ServerReadyRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .ready
+    );
+    let meta = c
+        .server_metadata(ServerMetadataRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(meta.name, "epserve");
+    assert_eq!(meta.version, env!("CARGO_PKG_VERSION"));
+
+    let spec = synthetic::preset("tiny").unwrap();
+    assert_eq!((spec.hidden, spec.top_k, spec.num_experts), (H, K, E));
+    for &layer in &spec.moe_layers {
+        let name = format!("layer-{layer}");
+        for version in ["", "1"] {
+            let ready = c
+                .model_ready(ModelReadyRequest {
+                    name: name.clone(),
+                    version: version.into(),
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            assert!(ready.ready, "{name} v{version:?}");
+            let m = c
+                .model_metadata(ModelMetadataRequest {
+                    name: name.clone(),
+                    version: version.into(),
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(
+                (m.name.as_str(), m.versions.as_slice()),
+                (name.as_str(), &["1".to_string()][..])
+            );
+            assert_eq!(m.platform, "epserve");
+            let shapes: Vec<(String, String, Vec<i64>)> = m
+                .inputs
+                .iter()
+                .chain(&m.outputs)
+                .map(|t| (t.name.clone(), t.datatype.clone(), t.shape.clone()))
+                .collect();
+            let want = [
+                ("hidden_states", "FP32", H),
+                ("topk_ids", "INT32", K),
+                ("topk_weights", "FP32", K),
+                ("output", "FP32", H),
+            ];
+            let want: Vec<(String, String, Vec<i64>)> = want
+                .iter()
+                .map(|(n, d, c)| (n.to_string(), d.to_string(), vec![-1, *c as i64]))
+                .collect();
+            assert_eq!(shapes, want);
+        }
+    }
+    for (name, version) in [("layer-7", ""), ("nope", "1"), ("layer-0", "2")] {
+        let r = ModelReadyRequest {
+            name: name.into(),
+            version: version.into(),
+        };
+        assert!(
+            !c.model_ready(r).await.unwrap().into_inner().ready,
+            "{name}"
+        );
+        let e = c
+            .model_metadata(ModelMetadataRequest {
+                name: name.into(),
+                version: version.into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::NotFound, "{name} {version}: {e:?}");
+    }
+
+    // Inference: the same random input through KServe v2 and Forward, every token compared with
+    // Forward (same f32 backend: <= 1e-6) and with the f64 reference.
+    let refs: Vec<RefLayer> = spec
+        .moe_layers
+        .iter()
+        .map(|&l| RefLayer::from_weights(&synthetic::layer(&spec, 0, l, 0..E), H))
+        .collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(15);
+    let (mut tokens, mut ties) = (0, 0);
+    for (slot, &layer) in spec.moe_layers.iter().enumerate() {
+        for n in [1usize, 5, 37] {
+            for form in [
+                "fp32-raw",
+                "fp32-contents",
+                "bf16-raw",
+                "routing-i32",
+                "routing-i64",
+                "bf16-out",
+            ] {
+                let mut x: Vec<f32> = (0..n * H).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+                let bf16_in = form == "bf16-raw";
+                if bf16_in {
+                    x.iter_mut()
+                        .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
+                }
+                let id = format!("l{layer}-n{n}-{form}");
+                let shape = [n as i64, H as i64];
+                let mut k = ModelInferRequest {
+                    model_name: format!("layer-{layer}"),
+                    model_version: if n == 5 { "1".into() } else { String::new() },
+                    id: id.clone(),
+                    ..Default::default()
+                };
+                let mut f = ForwardRequest {
+                    id: id.clone(),
+                    layer,
+                    ..Default::default()
+                };
+                let mut raw: Vec<Vec<u8>> = Vec::new();
+                if form == "fp32-contents" {
+                    let mut t = input("hidden_states", "FP32", &shape);
+                    t.contents = Some(InferTensorContents {
+                        fp32_contents: x.clone(),
+                        ..Default::default()
+                    });
+                    k.inputs.push(t);
+                } else if bf16_in {
+                    k.inputs.push(input("hidden_states", "BF16", &shape));
+                    raw.push(le_bf16(&x));
+                } else {
+                    k.inputs.push(input("hidden_states", "FP32", &shape));
+                    raw.push(le_f32(&x));
+                }
+                f.hidden_states = Some(if bf16_in {
+                    bf16_tensor(&x, [n, H])
+                } else {
+                    f32_tensor(&x, [n, H])
+                });
+                let mut routing = None;
+                if form.starts_with("routing") {
+                    let mut ids = Vec::new();
+                    for _ in 0..n {
+                        ids.extend(
+                            rand::seq::index::sample(&mut rng, E, K)
+                                .into_iter()
+                                .map(|e| e as i32),
+                        );
+                    }
+                    let w: Vec<f32> = (0..n * K).map(|_| rng.random_range(0.05f32..1.0)).collect();
+                    let kshape = [n as i64, K as i64];
+                    if form == "routing-i32" {
+                        // Raw data is all or nothing: every input carries it.
+                        k.inputs.push(input("topk_ids", "INT32", &kshape));
+                        raw.push(ids.iter().flat_map(|v| v.to_le_bytes()).collect());
+                        k.inputs.push(input("topk_weights", "FP32", &kshape));
+                        raw.push(le_f32(&w));
+                    } else {
+                        // Typed contents for every input, hidden states included.
+                        k.inputs[0].contents = Some(InferTensorContents {
+                            fp32_contents: x.clone(),
+                            ..Default::default()
+                        });
+                        raw.clear();
+                        let mut t = input("topk_ids", "INT64", &kshape);
+                        t.contents = Some(InferTensorContents {
+                            int64_contents: ids.iter().map(|&v| i64::from(v)).collect(),
+                            ..Default::default()
+                        });
+                        k.inputs.push(t);
+                        let mut t = input("topk_weights", "FP32", &kshape);
+                        t.contents = Some(InferTensorContents {
+                            fp32_contents: w.clone(),
+                            ..Default::default()
+                        });
+                        k.inputs.push(t);
+                    }
+                    f.topk_ids = Some(i32_tensor(&ids, [n, K]));
+                    f.topk_weights = Some(f32_tensor(&w, [n, K]));
+                    routing = Some((
+                        ids.iter().map(|&v| v as usize).collect::<Vec<_>>(),
+                        w.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>(),
+                    ));
+                }
+                if form == "bf16-out" {
+                    k.parameters
+                        .insert("output_datatype".into(), string_param("BF16"));
+                    f.output_dtype = DType::Bf16 as i32;
+                    k.outputs.push(InferRequestedOutputTensor {
+                        name: "output".into(),
+                        parameters: HashMap::new(),
+                    });
+                }
+                k.raw_input_contents = raw.into_iter().map(Into::into).collect();
+                let got = c
+                    .model_infer(k)
+                    .await
+                    .unwrap_or_else(|e| panic!("{id}: {e:?}"))
+                    .into_inner();
+                assert_eq!(
+                    (
+                        got.id.as_str(),
+                        got.model_name.as_str(),
+                        got.model_version.as_str()
+                    ),
+                    (id.as_str(), format!("layer-{layer}").as_str(), "1")
+                );
+                let want_dt = if bf16_in || form == "bf16-out" {
+                    "BF16"
+                } else {
+                    "FP32"
+                };
+                assert_eq!(got.outputs[0].datatype, want_dt, "{id}");
+                let out = output_f32(&got);
+                let fwd = decode(&v1.forward(f).await.unwrap().into_inner().output.unwrap());
+                let xf: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
+                let tol = if want_dt == "BF16" { 2e-2 } else { 1e-5 };
+                for t in 0..n {
+                    let row = t * H..(t + 1) * H;
+                    let e = row_error(&out[row.clone()], &fwd[row.clone()]);
+                    assert!(e <= 1e-6, "{id} token {t}: KServe vs Forward {e:.3e}");
+                    let r = routing.as_ref().map(|(i, w): &(Vec<usize>, Vec<f64>)| {
+                        (&i[t * K..(t + 1) * K], &w[t * K..(t + 1) * K])
+                    });
+                    let (want, margin) = token(&spec, &refs[slot], &xf[row.clone()], r);
+                    tokens += 1;
+                    if margin < TIE_MARGIN {
+                        ties += 1;
+                        continue;
+                    }
+                    let want: Vec<f32> = want.iter().map(|&v| v as f32).collect();
+                    let e = row_error(&out[row], &want);
+                    assert!(
+                        e <= tol,
+                        "{id} token {t}: vs f64 reference {e:.3e} > {tol:e}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(
+        ties * 10 <= tokens,
+        "{ties} of {tokens} tokens were near-ties"
+    );
+}
+
+/// Requests for every KServe v2 case of the catalogue: (case, what the message must also say,
+/// request).
+fn bad_requests() -> Vec<(&'static str, &'static str, ModelInferRequest)> {
+    let x = vec![0.5f32; 2 * H];
+    let with = |f: &dyn Fn(&mut ModelInferRequest)| {
+        let mut r = good(2);
+        f(&mut r);
+        r
+    };
+    let routed = |ids: &[i32], ishape: [i64; 2], w: &[f32], wshape: [i64; 2]| {
+        raw_request(
+            "layer-0",
+            "x",
+            vec![
+                hidden(2, &x),
+                (
+                    input("topk_ids", "INT32", &ishape),
+                    ids.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                ),
+                (input("topk_weights", "FP32", &wshape), le_f32(w)),
+            ],
+        )
+    };
+    let mut v = vec![
+        ("no hidden_states", "", raw_request("layer-0", "x", vec![])),
+        (
+            "hidden size other than the model's",
+            "hidden size 32 does not match the model's 64",
+            raw_request(
+                "layer-0",
+                "x",
+                vec![(input("hidden_states", "FP32", &[2, 32]), le_f32(&x[..64]))],
+            ),
+        ),
+        (
+            "shape not [n, hidden]",
+            "shape [2, 1, 64] must be [n, 64]",
+            raw_request(
+                "layer-0",
+                "x",
+                vec![(input("hidden_states", "FP32", &[2, 1, 64]), le_f32(&x))],
+            ),
+        ),
+        (
+            "shape not [n, hidden]",
+            "shape [-2, 64] must be [n, 64]",
+            raw_request(
+                "layer-0",
+                "x",
+                vec![(input("hidden_states", "FP32", &[-2, 64]), le_f32(&x))],
+            ),
+        ),
+        (
+            "zero tokens",
+            "no tokens",
+            raw_request(
+                "layer-0",
+                "x",
+                vec![(input("hidden_states", "FP32", &[0, 64]), vec![])],
+            ),
+        ),
+        (
+            "bytes not matching shape and dtype",
+            "100 bytes of data for shape [2, 64] of FP32 (expected 512)",
+            raw_request(
+                "layer-0",
+                "x",
+                vec![(input("hidden_states", "FP32", &[2, 64]), vec![0; 100])],
+            ),
+        ),
+        (
+            "integer hidden states or weights, float ids",
+            "hidden_states: dtype INT32 not accepted here (accepted: BF16, FP16, FP32)",
+            raw_request(
+                "layer-0",
+                "x",
+                vec![(input("hidden_states", "INT32", &[2, 64]), le_f32(&x))],
+            ),
+        ),
+        (
+            "integer hidden states or weights, float ids",
+            "dtype FP64 not accepted here",
+            raw_request(
+                "layer-0",
+                "x",
+                vec![(input("hidden_states", "FP64", &[2, 64]), vec![0; 1024])],
+            ),
+        ),
+        (
+            "integer hidden states or weights, float ids",
+            "topk_ids: dtype FP32 not accepted here (accepted: INT32, INT64)",
+            {
+                let mut r = routed(&[0, 1, 2, 3], [2, 2], &[0.5; 4], [2, 2]);
+                r.inputs[1].datatype = "FP32".into();
+                r
+            },
+        ),
+        (
+            "NaN or infinity in hidden states or weights",
+            "non-finite value at row 1, column 3",
+            {
+                let mut y = x.clone();
+                y[H + 3] = f32::NAN;
+                raw_request("layer-0", "x", vec![hidden(2, &y)])
+            },
+        ),
+        (
+            "NaN or infinity in hidden states or weights",
+            "topk_weights: non-finite value at row 0, column 1",
+            routed(
+                &[0, 1, 2, 3],
+                [2, 2],
+                &[0.5, f32::INFINITY, 0.5, 0.5],
+                [2, 2],
+            ),
+        ),
+        (
+            "expert id outside 0..E",
+            "expert 8 at row 1 is out of range 0..8",
+            routed(&[0, 1, 2, 8], [2, 2], &[0.5; 4], [2, 2]),
+        ),
+        (
+            "an expert twice in one row",
+            "expert 3 repeated in row 1",
+            routed(&[0, 1, 3, 3], [2, 2], &[0.5; 4], [2, 2]),
+        ),
+        (
+            "topk_ids or topk_weights not [n, top_k]",
+            "topk_ids: shape [1, 2] must be [2, 2]",
+            routed(&[0, 1], [1, 2], &[0.5; 4], [2, 2]),
+        ),
+        (
+            "topk_ids or topk_weights not [n, top_k]",
+            "topk_weights: shape [2, 3] must be [2, 2]",
+            routed(&[0, 1, 2, 3], [2, 2], &[0.5; 6], [2, 3]),
+        ),
+        ("topk_weights without topk_ids", "", {
+            let mut r = routed(&[0, 1, 2, 3], [2, 2], &[0.5; 4], [2, 2]);
+            r.inputs.remove(1);
+            r.raw_input_contents.remove(1);
+            r
+        }),
+        ("topk_ids without topk_weights", "", {
+            let mut r = routed(&[0, 1, 2, 3], [2, 2], &[0.5; 4], [2, 2]);
+            r.inputs.remove(2);
+            r.raw_input_contents.remove(2);
+            r
+        }),
+        (
+            "output_dtype not a float dtype",
+            "output_datatype: INT64 is not a float dtype",
+            with(&|r| {
+                r.parameters
+                    .insert("output_datatype".into(), string_param("INT64"));
+            }),
+        ),
+        (
+            "message over --max-request-bytes",
+            "the limit is: 1048576 bytes",
+            good(5000),
+        ),
+        (
+            "more tokens than --max-queued-tokens",
+            "a request of 1001 tokens exceeds --max-queued-tokens (1000)",
+            good(1001),
+        ),
+        (
+            "unknown model",
+            "unknown model \"layer-9\" (models: layer-0, layer-1)",
+            with(&|r| r.model_name = "layer-9".into()),
+        ),
+        (
+            "model version other than 1",
+            "model \"layer-0\" has no version \"2\" (versions: 1)",
+            with(&|r| r.model_version = "2".into()),
+        ),
+        (
+            "datatype string outside the protocol",
+            "hidden_states: unknown datatype \"float32\"",
+            with(&|r| r.inputs[0].datatype = "float32".into()),
+        ),
+        (
+            "input other than hidden_states, topk_ids, topk_weights",
+            "unknown input \"INPUT0\"",
+            with(&|r| r.inputs[0].name = "INPUT0".into()),
+        ),
+        (
+            "an input twice",
+            "input \"hidden_states\" given twice",
+            with(&|r| {
+                r.inputs.push(r.inputs[0].clone());
+                r.raw_input_contents.push(r.raw_input_contents[0].clone());
+            }),
+        ),
+        (
+            "output other than output",
+            "unknown output \"OUTPUT0\" (outputs: output)",
+            with(&|r| {
+                r.outputs.push(InferRequestedOutputTensor {
+                    name: "OUTPUT0".into(),
+                    parameters: HashMap::new(),
+                })
+            }),
+        ),
+        (
+            "raw_input_contents not one per input",
+            "raw_input_contents has 2 entries for 1 inputs",
+            with(&|r| r.raw_input_contents.push(r.raw_input_contents[0].clone())),
+        ),
+        (
+            "data both in contents and raw_input_contents",
+            "hidden_states: data given both in contents and in raw_input_contents",
+            with(&|r| {
+                r.inputs[0].contents = Some(InferTensorContents {
+                    fp32_contents: vec![0.5; 2 * H],
+                    ..Default::default()
+                })
+            }),
+        ),
+        (
+            "an input without data",
+            "hidden_states: no data",
+            with(&|r| r.raw_input_contents.clear()),
+        ),
+        (
+            "typed contents in another field than the datatype's",
+            "hidden_states: FP32 data belongs in contents.fp32_contents, which is empty",
+            with(&|r| {
+                r.raw_input_contents.clear();
+                r.inputs[0].contents = Some(InferTensorContents {
+                    int_contents: vec![1; 2 * H],
+                    ..Default::default()
+                });
+            }),
+        ),
+        (
+            "BF16 or FP16 data in contents",
+            "hidden_states: FP16 data goes in raw_input_contents",
+            with(&|r| {
+                r.raw_input_contents.clear();
+                r.inputs[0].datatype = "FP16".into();
+                r.inputs[0].contents = Some(InferTensorContents {
+                    fp32_contents: vec![0.5; 2 * H],
+                    ..Default::default()
+                });
+            }),
+        ),
+        (
+            "parameter not understood (request, input or output)",
+            "parameter \"sequence_id\" is not supported (supported: output_datatype, timeout)",
+            with(&|r| {
+                r.parameters.insert(
+                    "sequence_id".into(),
+                    InferParameter {
+                        parameter_choice: Some(ParameterChoice::Int64Param(7)),
+                    },
+                );
+            }),
+        ),
+        (
+            "parameter not understood (request, input or output)",
+            "hidden_states: parameter \"shared_memory_region\" is not supported",
+            with(&|r| {
+                r.inputs[0]
+                    .parameters
+                    .insert("shared_memory_region".into(), string_param("r0"));
+            }),
+        ),
+        (
+            "parameter not understood (request, input or output)",
+            "output output: parameter \"classification\" is not supported",
+            with(&|r| {
+                let mut parameters = HashMap::new();
+                parameters.insert(
+                    "classification".into(),
+                    InferParameter {
+                        parameter_choice: Some(ParameterChoice::Int64Param(3)),
+                    },
+                );
+                r.outputs.push(InferRequestedOutputTensor {
+                    name: "output".into(),
+                    parameters,
+                });
+            }),
+        ),
+        (
+            "output_datatype or timeout of the wrong type",
+            "parameter \"timeout\": a string value is not valid here",
+            with(&|r| {
+                r.parameters.insert("timeout".into(), string_param("5s"));
+            }),
+        ),
+    ];
+    for (_, _, r) in &mut v {
+        r.id = "bad".into();
+    }
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_are_named_and_the_service_keeps_serving() {
+    let group = Group::launch(
+        2,
+        "synthetic:tiny",
+        &[
+            "--max-request-bytes",
+            "1048576",
+            "--max-queued-tokens",
+            "1000",
+        ],
+    );
+    let mut c = client(&group.addr).await;
+    let cases = bad_requests();
+    for entry in BAD_INPUT.iter().filter(|b| b.on.kserve()) {
+        let mine: Vec<_> = cases
+            .iter()
+            .filter(|(case, _, _)| *case == entry.case)
+            .collect();
+        assert!(
+            !mine.is_empty(),
+            "no KServe request for catalogue case '{}'",
+            entry.case
+        );
+        for (case, detail, req) in mine {
+            let err = c.model_infer(req.clone()).await.expect_err(case);
+            assert_eq!(err.code(), entry.code, "{case}: {err:?}");
+            for want in [entry.message, detail] {
+                assert!(
+                    err.message().contains(want),
+                    "{case}: want '{want}', got '{}'",
+                    err.message()
+                );
+            }
+            let ok = c
+                .model_infer(good(3))
+                .await
+                .expect("valid request after a bad one");
+            assert_eq!(output_f32(&ok.into_inner()).len(), 3 * H);
+        }
+    }
+    for (case, _, _) in &cases {
+        assert!(
+            BAD_INPUT.iter().any(|b| b.case == *case && b.on.kserve()),
+            "'{case}' is not a KServe case of the catalogue"
+        );
+    }
+    // A deadline from Triton's `timeout` parameter (µs), as from grpc-timeout.
+    let mut late = good(2);
+    late.parameters.insert(
+        "timeout".into(),
+        InferParameter {
+            parameter_choice: Some(ParameterChoice::Int64Param(0)),
+        },
+    );
+    let e = c.model_infer(late).await.unwrap_err();
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+
+    // On a stream every request is answered with its id, errors in error_message (with their
+    // code), and the stream carries on.
+    let small: Vec<_> = cases
+        .iter()
+        .filter(|(case, _, _)| !case.starts_with("message over"))
+        .enumerate()
+        .map(|(i, (case, d, r))| (format!("bad-{i}"), *case, *d, r))
+        .collect();
+    let mut items = vec![ModelInferRequest {
+        id: "first".into(),
+        ..good(1)
+    }];
+    items.extend(small.iter().map(|(id, _, _, r)| ModelInferRequest {
+        id: id.clone(),
+        ..(*r).clone()
+    }));
+    items.push(ModelInferRequest {
+        id: "last".into(),
+        ..good(5)
+    });
+    let mut s = c
+        .model_stream_infer(tokio_stream::iter(items.clone()))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut seen = HashMap::new();
+    while let Some(item) = s.next().await {
+        let item = item.unwrap();
+        let resp = item
+            .infer_response
+            .expect("every answer carries the request's id");
+        assert!(seen
+            .insert(resp.id.clone(), (item.error_message, resp))
+            .is_none());
+    }
+    assert_eq!(seen.len(), items.len());
+    for id in ["first", "last"] {
+        let (err, resp) = &seen[id];
+        assert!(err.is_empty(), "{id}: {err}");
+        assert!(!output_f32(resp).is_empty());
+    }
+    for (id, case, detail, _) in &small {
+        let (err, resp) = &seen[id.as_str()];
+        let entry = BAD_INPUT.iter().find(|b| b.case == *case).unwrap();
+        let code = code_name(entry.code);
+        assert!(
+            err.starts_with(&format!("{code}: ")),
+            "{id} ({case}): {err}"
+        );
+        for want in [entry.message, detail] {
+            assert!(
+                err.contains(want),
+                "{id} ({case}): want '{want}', got '{err}'"
+            );
+        }
+        assert!(resp.outputs.is_empty() && resp.raw_output_contents.is_empty());
+    }
+}
+
+/// `InvalidArgument` → `INVALID_ARGUMENT`.
+fn code_name(c: Code) -> String {
+    let mut out = String::new();
+    for (i, ch) in format!("{c:?}").chars().enumerate() {
+        if ch.is_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(ch.to_ascii_uppercase());
+    }
+    out
+}
+
+async fn ready(c: &mut Client) -> (bool, bool, bool) {
+    let live = c
+        .server_live(ServerLiveRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .live;
+    let server = c
+        .server_ready(ServerReadyRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .ready;
+    let model = c
+        .model_ready(ModelReadyRequest {
+            name: "layer-0".into(),
+            version: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .ready;
+    (live, server, model)
+}
+
+async fn until(c: &mut Client, want: (bool, bool, bool), within: Duration) {
+    let end = std::time::Instant::now() + within;
+    loop {
+        let now = ready(c).await;
+        if now == want {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "(live, ready, model ready) {now:?}, want {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// ServerLive follows liveness; ServerReady and ModelReady follow readiness: not ready while the
+/// group forms or drains, and inference is refused UNAVAILABLE then, while an admitted request
+/// is still answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_follows_start_stall_and_drain() {
+    let shm = TempDir::new("kserve-health");
+    let serve = |rank: usize, rendezvous: &str| {
+        let a = [
+            "serve",
+            "--rank",
+            &rank.to_string(),
+            "--world-size",
+            "2",
+            "--rendezvous",
+            rendezvous,
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--shm-dir",
+            &shm.0.display().to_string(),
+            "--heartbeat-interval",
+            "200ms",
+            "--liveness-timeout",
+            "500ms",
+            "--rendezvous-timeout",
+            "60s",
+        ];
+        Proc::spawn(&a.map(String::from))
+    };
+    let mut r0 = serve(0, "127.0.0.1:0");
+    let rendezvous = r0
+        .wait_for("epserve-rendezvous ", Duration::from_secs(30))
+        .unwrap();
+    let addr = r0
+        .wait_for("gRPC listening on", Duration::from_secs(30))
+        .unwrap();
+    let addr = addr.split(',').next().unwrap().to_string();
+    let mut c = client(&addr).await;
+    assert_eq!(ready(&mut c).await, (true, false, false));
+    let e = c.model_infer(good(1)).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert!(e.message().contains("starting"), "{e:?}");
+
+    let mut r1 = serve(1, &rendezvous);
+    until(&mut c, (true, true, true), Duration::from_secs(30)).await;
+    c.model_infer(good(2)).await.unwrap();
+
+    // A stopped rank stalls the heartbeat step: not live, and back once it runs.
+    let worker = r1.child.id();
+    kill(worker, "STOP");
+    until(&mut c, (false, true, true), Duration::from_secs(5)).await;
+    // Drain: a request inside the stalled step, then SIGTERM to both ranks.
+    let mut inside = c.clone();
+    let admitted = tokio::spawn(async move { inside.model_infer(good(3)).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    r0.signal("TERM");
+    kill(worker, "TERM");
+    until(&mut c, (false, false, false), Duration::from_secs(5)).await;
+    let e = c.model_infer(good(1)).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert!(e.message().contains("draining"), "{e:?}");
+    let mut s = c
+        .model_stream_infer(tokio_stream::iter(vec![good(1)]))
+        .await
+        .unwrap()
+        .into_inner();
+    let item = s.next().await.unwrap().unwrap();
+    assert!(
+        item.error_message.starts_with("UNAVAILABLE: draining"),
+        "{}",
+        item.error_message
+    );
+    kill(worker, "CONT");
+    let answered = admitted
+        .await
+        .unwrap()
+        .expect("an admitted request is answered during the drain");
+    assert_eq!(output_f32(&answered.into_inner()).len(), 3 * H);
+    for p in [&mut r0, &mut r1] {
+        let st = p
+            .wait_exit(Duration::from_secs(10))
+            .expect("exits after the drain");
+        assert!(st.success(), "{st}: {}", p.log_text());
+    }
+}

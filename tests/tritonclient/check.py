@@ -1,0 +1,221 @@
+"""The stock `tritonclient.grpc.InferenceServerClient` against `epserve launch`, with no glue:
+liveness and readiness, metadata of every layer-<L>, FP32 and BF16 inference equal to epserve.v1
+Forward on random data (per token), client routing, streaming, and the statuses of bad requests,
+after each of which the service keeps serving. Usage: check.py path/to/epserve
+"""
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import grpc
+import ml_dtypes
+import numpy as np
+import tritonclient.grpc as triton
+from grpc_tools import protoc
+from tritonclient.utils import InferenceServerException
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+passed = 0
+
+
+def check(cond, what):
+    global passed
+    if not cond:
+        raise AssertionError(what)
+    passed += 1
+
+
+def epserve_v1():
+    """epserve.v1 stubs, compiled from proto/ into a temporary directory."""
+    out = tempfile.mkdtemp(prefix="epserve-v1-")
+    rc = protoc.main(["protoc", f"-I{ROOT}/proto", f"--python_out={out}",
+                      f"--grpc_python_out={out}", f"{ROOT}/proto/epserve.proto"])
+    assert rc == 0, "protoc failed"
+    sys.path.insert(0, out)
+    import epserve_pb2
+    import epserve_pb2_grpc
+    return epserve_pb2, epserve_pb2_grpc
+
+
+def launch(binary, shm):
+    args = [binary, "launch", "--ranks", "2", "--listen", "127.0.0.1:0",
+            "--metrics-listen", "127.0.0.1:0", "--shm-dir", shm,
+            "--max-request-bytes", "1048576", "--max-queued-tokens", "1000"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
+    end = time.time() + 120
+    while time.time() < end:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            check(proc.poll() is None, "epserve exited before serving")
+            continue
+        m = re.search(r"serving gRPC on (\S+)", line)
+        if m:
+            return proc, m.group(1)
+    raise AssertionError("epserve did not come up")
+
+
+def row_errors(a, b):
+    """Max |a - b| / max |b| of each token's row."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.maximum(np.abs(b).max(axis=1), 1e-30)
+    return np.abs(a - b).max(axis=1) / scale
+
+
+def main(binary):
+    pb, pb_grpc = epserve_v1()
+    shm = tempfile.mkdtemp(prefix="epserve-shm-")
+    proc, addr = launch(binary, shm)
+    try:
+        run(addr, pb, pb_grpc)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=30)
+    check(rc == 0, f"epserve exited {rc} after SIGINT")
+    print(f"tritonclient: {passed} checks passed, 0 failed")
+
+
+def run(addr, pb, pb_grpc):
+    c = triton.InferenceServerClient(addr)
+    v1 = pb_grpc.MoeServiceStub(grpc.insecure_channel(addr))
+    info = v1.GetModelInfo(pb.GetModelInfoRequest())
+    H, K, E = info.hidden_size, info.top_k, info.num_experts
+
+    check(c.is_server_live(), "server live")
+    check(c.is_server_ready(), "server ready")
+    meta = c.get_server_metadata()
+    check(meta.name == "epserve" and meta.version == info.version, f"server metadata {meta}")
+    for layer in info.moe_layers:
+        name = f"layer-{layer}"
+        check(c.is_model_ready(name) and c.is_model_ready(name, "1"), f"{name} ready")
+        m = c.get_model_metadata(name)
+        got = [(t.name, t.datatype, list(t.shape)) for t in list(m.inputs) + list(m.outputs)]
+        want = [("hidden_states", "FP32", [-1, H]), ("topk_ids", "INT32", [-1, K]),
+                ("topk_weights", "FP32", [-1, K]), ("output", "FP32", [-1, H])]
+        check(m.name == name and list(m.versions) == ["1"] and got == want, f"{name}: {m}")
+    check(not c.is_model_ready("layer-999"), "an unknown model is not ready")
+
+    def forward(layer, x, dtype, ids=None, w=None):
+        t = pb.Tensor(dtype=dtype, shape=list(x.shape), data=x.tobytes())
+        r = pb.ForwardRequest(id="f", layer=layer, hidden_states=t)
+        if ids is not None:
+            r.topk_ids.CopyFrom(pb.Tensor(dtype=pb.I32, shape=list(ids.shape), data=ids.tobytes()))
+            r.topk_weights.CopyFrom(pb.Tensor(dtype=pb.F32, shape=list(w.shape), data=w.tobytes()))
+        out = v1.Forward(r).output
+        np_dtype = np.float32 if out.dtype == pb.F32 else ml_dtypes.bfloat16
+        return np.frombuffer(out.data, np_dtype).reshape(list(out.shape)).astype(np.float32)
+
+    rng = np.random.default_rng(15)
+    for layer in info.moe_layers:
+        model = f"layer-{layer}"
+        for n in (1, 7, 300):
+            x = rng.uniform(-1, 1, (n, H)).astype(np.float32)
+            # FP32: equal to Forward per token (the same f32 backend).
+            i = triton.InferInput("hidden_states", [n, H], "FP32")
+            i.set_data_from_numpy(x)
+            r = c.infer(model, [i], request_id=f"{model}-{n}-fp32",
+                        outputs=[triton.InferRequestedOutput("output")])
+            out = r.as_numpy("output")
+            check(r.get_response().id == f"{model}-{n}-fp32", "the id comes back")
+            check(out.dtype == np.float32 and out.shape == (n, H), f"fp32 output {out.shape}")
+            err = row_errors(out, forward(layer, x, pb.F32))
+            check(err.max() <= 1e-6, f"{model} n={n} FP32 vs Forward: worst token {err.max():.3e}")
+            # BF16 in and out, as Triton sends it: equal to Forward within one bf16 rounding.
+            xb = x.astype(ml_dtypes.bfloat16)
+            i = triton.InferInput("hidden_states", [n, H], "BF16")
+            i.set_data_from_numpy(xb)
+            out = c.infer(model, [i]).as_numpy("output")
+            check(out.dtype == ml_dtypes.bfloat16, f"bf16 output dtype {out.dtype}")
+            err = row_errors(out.astype(np.float32), forward(layer, xb, pb.BF16))
+            check(err.max() <= 2 ** -8, f"{model} n={n} BF16 vs Forward: worst token {err.max():.3e}")
+            # Client routing skips gating.
+            ids = np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)
+            w = rng.uniform(0.05, 1, (n, K)).astype(np.float32)
+            inputs = [triton.InferInput("hidden_states", [n, H], "FP32"),
+                      triton.InferInput("topk_ids", [n, K], "INT32"),
+                      triton.InferInput("topk_weights", [n, K], "FP32")]
+            for t, v in zip(inputs, (x, ids, w)):
+                t.set_data_from_numpy(v)
+            out = c.infer(model, inputs).as_numpy("output")
+            err = row_errors(out, forward(layer, x, pb.F32, ids, w))
+            check(err.max() <= 1e-6, f"{model} n={n} routed vs Forward: worst token {err.max():.3e}")
+
+    def good():
+        i = triton.InferInput("hidden_states", [2, H], "FP32")
+        i.set_data_from_numpy(rng.uniform(-1, 1, (2, H)).astype(np.float32))
+        return i
+
+    def refused(code, fragment, model, inputs, **kw):
+        try:
+            c.infer(model, inputs, **kw)
+        except InferenceServerException as e:
+            check(e.status() == f"StatusCode.{code}", f"{fragment}: {e.status()} {e.message()}")
+            check(fragment in e.message(), f"want '{fragment}' in '{e.message()}'")
+        else:
+            raise AssertionError(f"{fragment}: accepted")
+        check(c.infer("layer-0", [good()]).as_numpy("output").shape == (2, H),
+              "a valid request after a bad one")
+
+    model = f"layer-{info.moe_layers[0]}"
+    bad = triton.InferInput("hidden_states", [2, H + 1], "FP32")
+    bad.set_data_from_numpy(np.zeros((2, H + 1), np.float32))
+    refused("INVALID_ARGUMENT", f"does not match the model's {H}", model, [bad])
+    flat = triton.InferInput("hidden_states", [2 * H], "FP32")
+    flat.set_data_from_numpy(np.zeros(2 * H, np.float32))
+    refused("INVALID_ARGUMENT", f"must be [n, {H}]", model, [flat])
+    nan = triton.InferInput("hidden_states", [1, H], "FP32")
+    nan.set_data_from_numpy(np.full((1, H), np.nan, np.float32))
+    refused("INVALID_ARGUMENT", "non-finite value at row 0, column 0", model, [nan])
+    refused("NOT_FOUND", "unknown model", "layer-999", [good()])
+    refused("NOT_FOUND", "has no version", model, [good()], model_version="7")
+    refused("INVALID_ARGUMENT", "unknown output", model, [good()],
+            outputs=[triton.InferRequestedOutput("logits")])
+    refused("INVALID_ARGUMENT", "is not supported", model, [good()], priority=3)
+    big = triton.InferInput("hidden_states", [1001, H], "FP32")
+    big.set_data_from_numpy(np.zeros((1001, H), np.float32))
+    refused("RESOURCE_EXHAUSTED", "exceeds --max-queued-tokens", model, [big])
+
+    # Streaming: every request answered with its id, a bad one with its error, and the stream
+    # carries on.
+    results = queue.Queue()
+    c.start_stream(callback=lambda result, error: results.put((result, error)))
+    sent = {}
+    for k in range(6):
+        rid = f"s{k}"
+        if k == 3:
+            c.async_stream_infer(model, [bad], request_id=rid)
+            sent[rid] = None
+        else:
+            x = rng.uniform(-1, 1, (k + 1, H)).astype(np.float32)
+            i = triton.InferInput("hidden_states", [k + 1, H], "FP32")
+            i.set_data_from_numpy(x)
+            c.async_stream_infer(model, [i], request_id=rid)
+            sent[rid] = x
+    ok = errors = 0
+    for _ in sent:
+        result, error = results.get(timeout=30)
+        if error is not None:
+            check("INVALID_ARGUMENT" in error.message() and "does not match" in error.message(),
+                  f"stream error: {error.message()}")
+            errors += 1
+            continue
+        rid = result.get_response().id
+        err = row_errors(result.as_numpy("output"), forward(0 + info.moe_layers[0], sent[rid], pb.F32))
+        check(err.max() <= 1e-6, f"stream {rid}: worst token {err.max():.3e}")
+        ok += 1
+    c.stop_stream()
+    check((ok, errors) == (5, 1), f"stream answers {ok} ok, {errors} errors")
+    check(c.is_server_ready(), "still ready after everything")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
