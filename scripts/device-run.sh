@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, what scripts/gpu-check.sh built into
 # .device/bin: the GPU tests, then `epserve bench`. Logs and the bench JSON go to $OUT (or ./out).
-#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests] [ep] [drill] [bench] | all
+#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests] [ep] [drill] [bench] [serve] | all
+# `serve` loads `epserve launch` (nccl-ep, the deepseek-v3 layer) with .device/bin/epserve-loadtest
+# and its bare echo in the same run, for each binary in SERVE_BINS (default: the one built).
 set -uo pipefail
 what=" ${*:-all} "
 # Parts asked for: any of tests, ep, drill, bench (or all).
@@ -66,5 +68,37 @@ if want bench; then
   else
     run bench "$EPSERVE_BIN" bench --configs decode,small,prefill --iters 100 --json "$out/bench.json"
   fi
+fi
+if want serve; then
+  mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
+  # shellcheck disable=SC1091
+  source /tmp/nccl230/env.sh
+  metric() { curl -s "$1" | awk -v m="$2" '$1 == m {print $2}'; }
+  for bin in ${SERVE_BINS:-$EPSERVE_BIN}; do
+    name=$(basename "$bin")
+    shm=$(mktemp -d)
+    "$bin" launch --ranks 4 --backend nccl-ep --model synthetic:deepseek-v3 --layers 1 \
+      --max-tokens-per-step 4096 --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --shm-dir "$shm" \
+      >"$out/serve-$name.log" 2>&1 &
+    pid=$!
+    addr=""
+    for _ in $(seq 1 900); do
+      addr=$(sed -n 's/.*serving gRPC on \([0-9.:]*\).*/\1/p' "$out/serve-$name.log" | head -1)
+      [ -n "$addr" ] && break; sleep 0.2
+    done
+    if [ -z "$addr" ]; then tail -20 "$out/serve-$name.log"; kill $pid; status=1; continue; fi
+    m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$out/serve-$name.log" | head -1)
+    for cfg in "64 128" "16 2048"; do
+      set -- $cfg
+      s0=$(metric "$m0" epserve_step_duration_seconds_sum); t0=$(date +%s.%N)
+      .device/bin/epserve-loadtest --target "$addr" --echo --concurrency "$1" --tokens "$2" --dtype bf16 \
+        --warmup 2s --duration 8s --json "$out/serve-$name-c$1-t$2.json" >"$out/serve-$name-c$1-t$2.txt" 2>&1
+      s1=$(metric "$m0" epserve_step_duration_seconds_sum); t1=$(date +%s.%N)
+      echo "== serve $name c$1 t$2 (router step seconds $s0 -> $s1 over $(python3 -c "print(round($t1 - $t0, 1))") s of wall; the service part is 10 s of it)"
+      cat "$out/serve-$name-c$1-t$2.txt"
+    done
+    kill -TERM $pid; wait $pid
+    rm -rf "$shm"
+  done
 fi
 exit $status

@@ -31,7 +31,7 @@ use crate::router::{run_batcher, Admission, BatchConfig, Executor};
 use crate::shm::Abort;
 use crate::step::ring::{Ring, RingShape};
 use crate::step::{max_home_tokens, Backend, Driver, StepError};
-use crate::watchdog::{self, Progress, SetupDeadline, STUCK_GRACE};
+use crate::watchdog::{self, AbortOnPanic, Progress, SetupDeadline, STUCK_GRACE};
 
 const RING_SLOTS: usize = 2;
 
@@ -389,25 +389,26 @@ async fn router_main(
     let (step_tx, step_rx) = mpsc::channel(1);
     let (handle, heartbeat) = (tokio::runtime::Handle::current(), args.heartbeat_interval);
     let exec_abort = abort.clone();
-    // One permit: the executor holds at most one step; the next is formed when it is done.
-    let exec_idle = Arc::new(tokio::sync::Semaphore::new(1));
-    let idle = exec_idle.clone();
+    // One permit per ring slot: a step holds one from when it is formed until it is delivered.
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(RING_SLOTS));
+    let permits = in_flight.clone();
     let exec_thread = std::thread::Builder::new()
         .name("step-executor".into())
         .spawn(move || {
-            let _guard = AbortOnPanic(exec_abort);
-            exec.serve(step_rx, idle, handle, heartbeat)
+            let _guard = AbortOnPanic(exec_abort, "the step executor panicked");
+            exec.serve(step_rx, permits, handle, heartbeat)
         })?;
     let batch_stop = CancellationToken::new();
     let batch = BatchConfig {
         max_tokens_per_step: args.max_tokens_per_step,
         max_wait: Duration::from_micros(args.max_batch_wait_us),
+        depth: RING_SLOTS,
     };
     let batcher = tokio::spawn(run_batcher(
         batch,
         job_rx,
         step_tx,
-        exec_idle,
+        in_flight,
         wake,
         batch_stop.clone(),
         abort.clone(),
@@ -494,17 +495,6 @@ async fn router_main(
         info!("drained; exiting");
     }
     Ok(())
-}
-
-/// Breaks the group if the thread holding it unwinds, so a bug fails fast instead of hanging.
-struct AbortOnPanic(Arc<Abort>);
-
-impl Drop for AbortOnPanic {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.trigger("the step executor panicked");
-        }
-    }
 }
 
 type GroupExecutor = Executor<Box<dyn Backend + Send>>;

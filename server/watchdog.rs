@@ -55,6 +55,18 @@ impl Progress {
 /// bounded waits normally end it at the timeout; this catches the ones that cannot end.
 pub const STUCK_GRACE: Duration = Duration::from_millis(250);
 
+/// Breaks the group with the given reason if the thread holding it unwinds, so a bug fails fast
+/// instead of leaving clients waiting.
+pub struct AbortOnPanic(pub std::sync::Arc<crate::shm::Abort>, pub &'static str);
+
+impl Drop for AbortOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.trigger(self.1);
+        }
+    }
+}
+
 /// Ends the process at once with `code`, running no destructors or exit handlers (a thread may be
 /// stuck in a driver call that teardown would wait on). The kernel then reclaims the devices, as
 /// for `kill -9`.

@@ -456,10 +456,12 @@ async fn rank_loss(rank: usize, sig: &str) {
         );
         if rank == 0 {
             // No server is left to answer: what the client sees is its library's report of the
-            // dropped connection (tonic: UNAVAILABLE, or CANCELLED / UNKNOWN "transport error"
-            // for a connection closed mid-call), and promptly.
-            let transport =
-                code == Code::Unavailable || msg.contains("transport") || msg.contains("canceled");
+            // dropped connection (tonic: UNAVAILABLE, or CANCELLED / UNKNOWN "transport error",
+            // or an h2 error reading the body of a response cut off mid-way), and promptly.
+            let transport = code == Code::Unavailable
+                || msg.contains("transport")
+                || msg.contains("canceled")
+                || msg.contains("error reading a body from connection");
             assert!(transport, "{sig} router: {code:?} {msg}");
             continue;
         }

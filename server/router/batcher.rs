@@ -1,6 +1,8 @@
-//! The batching actor: owns the queue; forms a step when the executor can take one and either the
-//! head request's layer has a full step queued or the head has waited `max_wait`. Requests whose
-//! client left or whose deadline passed leave the queue without entering a step.
+//! The batching actor: owns the queue; forms a step when the head request's layer has a full step
+//! queued and the pipeline has room (up to `depth` steps packed, running or being delivered), or
+//! when the head has waited `max_wait` and the pipeline is empty. A partial step is not formed
+//! behind a running one: it would leave for the ranks no sooner, and waiting lets it fill. Requests
+//! whose client left or whose deadline passed leave the queue without entering a step.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -17,6 +19,8 @@ use crate::shm::Abort;
 pub struct BatchConfig {
     pub max_tokens_per_step: usize,
     pub max_wait: Duration,
+    /// Steps in flight at most: the pipeline's permits.
+    pub depth: usize,
 }
 
 struct Queued {
@@ -40,14 +44,15 @@ impl Queued {
 
 /// Runs until `stop` is cancelled and the queue is empty (drain), or until the executor goes
 /// away or the group breaks, in which case every queued and later job is failed with UNAVAILABLE.
-/// `wake` is notified when a client leaves, so its queued tokens are freed at once. A step is
-/// formed only when the executor holds none (`ready` has a permit), so waiting work stays in the
-/// queue where deadlines and cancellation reach it.
+/// `wake` is notified when a client leaves, so its queued tokens are freed at once. A step takes
+/// one of `in_flight`'s `cfg.depth` permits (the executor returns it once the step is delivered),
+/// so waiting work stays in the queue, where deadlines and cancellation reach it, until the
+/// pipeline can take it.
 pub async fn run_batcher(
     cfg: BatchConfig,
     mut jobs: mpsc::Receiver<Arc<Job>>,
     steps: mpsc::Sender<Step>,
-    exec_idle: Arc<Semaphore>,
+    in_flight: Arc<Semaphore>,
     wake: Arc<Notify>,
     stop: CancellationToken,
     broken: Arc<Abort>,
@@ -100,7 +105,8 @@ pub async fn run_batcher(
                 Some(job) => queue.push_back(Queued { job, next_row: 0, since: Instant::now() }),
                 None => stop.cancel(),
             },
-            permit = ready_for_step(&exec_idle, &steps), if ready => match permit {
+            // A full step may queue behind a running one; a partial one waits for an empty pipeline.
+            permit = ready_for_step(&in_flight, if full { 1 } else { cfg.depth }, &steps), if ready => match permit {
                 Some(permit) => permit.send(take_step(&mut queue, cfg.max_tokens_per_step)),
                 None => break,
             },
@@ -129,16 +135,24 @@ pub async fn run_batcher(
     }
 }
 
-/// Waits until the executor is idle and the channel has room; None once the executor is gone.
+/// Waits until the channel has room and `need` of the pipeline's permits are free, then keeps
+/// one permit for the step; None once the executor is gone. Cancel-safe (the batcher's select
+/// drops it whenever another branch wins): nothing is kept until both waits are over.
 async fn ready_for_step<'a>(
-    ready: &Semaphore,
+    in_flight: &Semaphore,
+    need: usize,
     steps: &'a mpsc::Sender<Step>,
 ) -> Option<mpsc::Permit<'a, Step>> {
-    tokio::select! {
-        p = ready.acquire() => p.ok()?.forget(),
+    let need = u32::try_from(need.max(1)).unwrap_or(1);
+    let send = steps.reserve().await.ok()?;
+    let permits = tokio::select! {
+        p = in_flight.acquire_many(need) => p.ok()?,
         _ = steps.closed() => return None,
-    }
-    steps.reserve().await.ok()
+    };
+    permits.forget();
+    in_flight.add_permits(need as usize - 1);
+    metrics::gauge!("epserve_steps_in_flight").increment(1.0);
+    Some(send)
 }
 
 /// Packs the head request's layer: FIFO, splitting the last request that does not fit.
@@ -199,6 +213,7 @@ mod tests {
         let cfg = BatchConfig {
             max_tokens_per_step: 8,
             max_wait: Duration::from_millis(5),
+            depth: 1,
         };
         let stop = CancellationToken::new();
         let ready = Arc::new(Semaphore::new(1));
@@ -242,6 +257,109 @@ mod tests {
         task.await.unwrap();
     }
 
+    /// With two steps in flight: a full step forms behind a running one, a partial one only once
+    /// the pipeline is empty (it could leave no sooner, and waiting lets it fill).
+    #[tokio::test(start_paused = true)]
+    async fn full_steps_pipeline_and_partial_steps_wait_for_an_empty_pipeline() {
+        let (jtx, jrx) = mpsc::channel(16);
+        let (stx, mut srx) = mpsc::channel(4);
+        let cfg = BatchConfig {
+            max_tokens_per_step: 4,
+            max_wait: Duration::from_millis(1),
+            depth: 2,
+        };
+        let stop = CancellationToken::new();
+        let in_flight = Arc::new(Semaphore::new(2));
+        let task = tokio::spawn(run_batcher(
+            cfg,
+            jrx,
+            stx,
+            in_flight.clone(),
+            Arc::new(Notify::new()),
+            stop.clone(),
+            Arc::new(Abort::default()),
+        ));
+        let mut keep = Vec::new();
+        for (j, rx) in [
+            job(0, 4, None),
+            job(0, 4, None),
+            job(0, 4, None),
+            job(0, 1, None),
+        ] {
+            jtx.send(j).await.unwrap();
+            keep.push(rx);
+        }
+        // Two full steps at once; the third waits for a permit.
+        for _ in 0..2 {
+            assert_eq!(srx.recv().await.unwrap().tokens(), 4);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(srx.try_recv().is_err());
+        in_flight.add_permits(1);
+        assert_eq!(srx.recv().await.unwrap().tokens(), 4);
+        // The 1-token rest is due, but a step is still in flight (and one was just formed).
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(srx.try_recv().is_err());
+        in_flight.add_permits(1);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(srx.try_recv().is_err(), "one step is still in flight");
+        in_flight.add_permits(1);
+        assert_eq!(srx.recv().await.unwrap().tokens(), 1);
+        stop.cancel();
+        task.await.unwrap();
+    }
+
+    /// A step waiting for room in the channel is cancelled by every arriving job; no permit may
+    /// leak, or a partial step (which needs them all) would never form.
+    #[tokio::test(start_paused = true)]
+    async fn waiting_for_the_channel_loses_no_permit() {
+        let (jtx, jrx) = mpsc::channel(64);
+        let (stx, mut srx) = mpsc::channel(1);
+        let cfg = BatchConfig {
+            max_tokens_per_step: 4,
+            max_wait: Duration::from_millis(1),
+            depth: 2,
+        };
+        let stop = CancellationToken::new();
+        let in_flight = Arc::new(Semaphore::new(2));
+        let task = tokio::spawn(run_batcher(
+            cfg,
+            jrx,
+            stx,
+            in_flight.clone(),
+            Arc::new(Notify::new()),
+            stop.clone(),
+            Arc::new(Abort::default()),
+        ));
+        let mut keep = Vec::new();
+        // Two full steps: the first fills the channel, the second waits for room...
+        for (j, rx) in [job(0, 4, None), job(0, 4, None)] {
+            jtx.send(j).await.unwrap();
+            keep.push(rx);
+        }
+        // ...while jobs of another layer keep arriving, each cancelling that wait.
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_micros(100)).await;
+            let (j, rx) = job(1, 1, None);
+            jtx.send(j).await.unwrap();
+            keep.push(rx);
+        }
+        for _ in 0..2 {
+            let s = tokio::time::timeout(Duration::from_secs(1), srx.recv()).await;
+            assert_eq!(s.expect("a full step forms").unwrap().tokens(), 4);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(in_flight.available_permits(), 0);
+        // Both steps delivered: the partial layer-1 step needs both permits back, and gets them.
+        in_flight.add_permits(2);
+        let s = tokio::time::timeout(Duration::from_secs(1), srx.recv()).await;
+        assert_eq!(s.expect("no permit leaked").unwrap().layer, 1);
+        stop.cancel();
+        in_flight.add_permits(8);
+        while srx.recv().await.is_some() {}
+        task.await.unwrap();
+    }
+
     #[tokio::test]
     async fn expired_and_abandoned_requests_never_enter_a_step() {
         let (jtx, jrx) = mpsc::channel(16);
@@ -249,6 +367,7 @@ mod tests {
         let cfg = BatchConfig {
             max_tokens_per_step: 64,
             max_wait: Duration::from_millis(20),
+            depth: 1,
         };
         let wake = Arc::new(Notify::new());
         let stop = CancellationToken::new();

@@ -1,10 +1,14 @@
-//! The router's step thread: writes each step's input into the ring, sends the descriptor to every
-//! rank, runs its own share, waits for every rank's output and answers the finished requests.
+//! The router's step pipeline. Up to one step per ring slot is in flight: a packer thread writes a
+//! step's input into a free slot, the executor thread publishes it, sends the descriptor to every
+//! rank, runs its own share and waits for every rank's output, and a delivery thread reads the
+//! outputs and answers the finished requests, then frees the slot. So while the ranks run step N,
+//! step N+1 is being packed and step N-1's answers delivered. Steps run in order, one at a time.
 
 use std::io::ErrorKind;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::mpsc::RecvTimeoutError;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
@@ -14,7 +18,7 @@ use crate::group::{recv, Ctl, GroupError, RouterLink};
 use crate::shm::Abort;
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver, PhaseTimes, StepDesc, StepError};
-use crate::watchdog::Progress;
+use crate::watchdog::{AbortOnPanic, Progress};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExecutorError {
@@ -86,15 +90,16 @@ impl<B: Backend> Executor<B> {
         &self.driver.backend
     }
 
-    /// Runs one step through the whole group; on return every rank has stored its output.
-    pub fn run(&mut self, step: &Step) -> Result<PhaseTimes, ExecutorError> {
+    /// Runs one step through the whole group in `slot` (packed already); on return every rank has
+    /// stored its output there.
+    fn run(&mut self, step: &Step, slot: usize) -> Result<PhaseTimes, ExecutorError> {
         self.progress.begin();
-        let r = self.run_inner(step);
+        let r = self.run_inner(step, slot);
         self.progress.end();
         r
     }
 
-    fn run_inner(&mut self, step: &Step) -> Result<PhaseTimes, ExecutorError> {
+    fn run_inner(&mut self, step: &Step, slot: usize) -> Result<PhaseTimes, ExecutorError> {
         // Heartbeats get no span: one a second would drown the traces.
         let _span = (!step.segments.is_empty()).then(|| {
             tracing::info_span!("step", step = self.seq + 1, tokens = step.tokens()).entered()
@@ -109,25 +114,11 @@ impl<B: Backend> Executor<B> {
         self.seq += 1;
         // One deadline for the whole step, whichever wait it ends up in.
         let deadline = Instant::now() + self.step_timeout;
-        let slots = self.ring.shape.slots as u64;
-        let slot = (self.seq % slots) as usize;
-        let (h, k) = (self.ring.shape.hidden, self.ring.shape.top_k);
-        let mut row = 0;
-        for seg in &step.segments {
-            let (a, b) = (seg.rows.start, seg.rows.end);
-            self.ring
-                .write_hidden(slot, row, &seg.job.input.hidden[a * h..b * h]);
-            if let Some((ids, w)) = &seg.job.input.routing {
-                self.ring
-                    .write_routing(slot, row, &ids[a * k..b * k], &w[a * k..b * k]);
-            }
-            row += seg.rows.len();
-        }
         self.ring.publish_input(slot, self.seq);
         let desc = StepDesc {
             step: self.seq,
             layer: step.layer as u32,
-            tokens: row as u32,
+            tokens: step.tokens() as u32,
             slot: slot as u32,
             client_routing: step.client_routing,
         };
@@ -140,69 +131,91 @@ impl<B: Backend> Executor<B> {
                 rank,
                 reason: e.to_string(),
             })?;
-        let mut row = 0;
-        for seg in &step.segments {
-            let n = seg.rows.len();
-            seg.job.deliver(seg.rows.clone(), h, |dst| {
-                self.ring.read_output(slot, row, dst)
-            });
-            row += n;
-        }
         Ok(times)
     }
 
     /// Serves steps until the batcher closes the channel (drain) or a step fails (group broken).
-    /// When idle for `heartbeat`, runs an empty step through every rank, so a lost or stopped rank
-    /// is found within the step timeout even without traffic. Either way the ranks are told to stop.
+    /// `in_flight` holds one permit per ring slot: the batcher takes one per step, and it comes
+    /// back once the step is delivered. When idle for `heartbeat`, runs an empty step through
+    /// every rank, so a lost or stopped rank is found within the step timeout even without
+    /// traffic. Either way the ranks are told to stop.
     pub fn serve(
         mut self,
-        mut steps: mpsc::Receiver<Step>,
-        ready: Arc<tokio::sync::Semaphore>,
+        steps: mpsc::Receiver<Step>,
+        in_flight: Arc<tokio::sync::Semaphore>,
         runtime: tokio::runtime::Handle,
         heartbeat: Duration,
     ) -> Result<(), ExecutorError> {
+        let free = Arc::new(Slots::new(self.ring.shape.slots));
+        let depth = self.ring.shape.slots;
+        let (packed_tx, packed) = std::sync::mpsc::sync_channel::<(Step, usize)>(depth);
+        let (done, done_rx) = std::sync::mpsc::sync_channel::<(Step, usize)>(depth);
+        let packer = {
+            let (ring, free, abort) = (self.ring.clone(), free.clone(), self.abort.clone());
+            std::thread::Builder::new()
+                .name("step-pack".into())
+                .spawn(move || pack_steps(steps, packed_tx, &ring, &free, &runtime, &abort))
+                .map_err(|e| ExecutorError::Broken(format!("spawning the packer: {e}")))?
+        };
+        let delivery = {
+            let (ring, free, permits) = (self.ring.clone(), free.clone(), in_flight.clone());
+            let guard = AbortOnPanic(self.abort.clone(), "the step delivery panicked");
+            std::thread::Builder::new()
+                .name("step-deliver".into())
+                .spawn(move || {
+                    let _guard = guard;
+                    deliver_steps(done_rx, &ring, &free, &permits)
+                })
+                .map_err(|e| ExecutorError::Broken(format!("spawning the delivery: {e}")))?
+        };
         let result = loop {
-            let next =
-                runtime.block_on(async { tokio::time::timeout(heartbeat, steps.recv()).await });
-            let step = match next {
-                Ok(Some(step)) => step,
-                Ok(None) => break Ok(()),
-                Err(_) => Step {
-                    layer: 0,
-                    client_routing: false,
-                    segments: Vec::new(),
-                },
-            };
-            let result = self.run(&step);
-            if !step.segments.is_empty() {
-                ready.add_permits(1);
-            }
-            match result {
-                Ok(times) => tracing::debug!(tokens = step.tokens(), ?times, "step"),
-                Err(e) => {
-                    // A wrong result fails its requests INTERNAL; a lost rank, UNAVAILABLE.
-                    let status = if matches!(e, ExecutorError::Step(StepError::Corrupt { .. })) {
-                        self.abort.trigger_corrupt(e.to_string());
-                        Failure::Wrong(format!("EP group broken: {e}"))
-                    } else {
-                        self.abort.trigger(e.to_string());
-                        Failure::unavailable("broken", format!("EP group broken: {e}"))
+            let (step, slot) = match packed.recv_timeout(heartbeat) {
+                Ok(x) => x,
+                Err(RecvTimeoutError::Disconnected) => break Ok(()),
+                Err(RecvTimeoutError::Timeout) => {
+                    // Idle: an empty step, if no step is on its way (it would find the rank).
+                    let Ok(permit) = in_flight.try_acquire() else {
+                        continue;
                     };
-                    step.fail(&status);
+                    let slot = free.take();
+                    let empty = Step {
+                        layer: 0,
+                        client_routing: false,
+                        segments: Vec::new(),
+                    };
+                    let r = self.run(&empty, slot);
+                    free.put(slot);
+                    drop(permit);
+                    match r {
+                        Ok(_) => continue,
+                        Err(e) => break Err(self.broke(e, &empty)),
+                    }
+                }
+            };
+            match self.run(&step, slot) {
+                Ok(times) => {
+                    tracing::debug!(tokens = step.tokens(), ?times, "step");
+                    // The delivery thread only ends after this loop, so the send cannot fail.
+                    let _ = done.send((step, slot));
+                }
+                Err(e) => {
+                    let e = self.broke(e, &step);
+                    free.put(slot);
+                    in_flight.add_permits(1);
+                    metrics::gauge!("epserve_steps_in_flight").decrement(1.0);
                     break Err(e);
                 }
             }
         };
-        steps.close();
-        let why = self
-            .abort
-            .reason()
-            .unwrap_or_else(|| "the step executor stopped".into());
-        while let Ok(step) = steps.try_recv() {
-            step.fail(&Failure::unavailable(
-                "broken",
-                format!("EP group broken: {why}"),
-            ));
+        // Steps packed behind a failed one never run; the packer fails the rest of the queue.
+        while let Ok((step, _)) = packed.try_recv() {
+            fail_step(&step, &self.abort);
+        }
+        drop(packed);
+        drop(done);
+        let _ = delivery.join();
+        if result.is_ok() {
+            let _ = packer.join();
         }
         // A clean drain stops the ranks with exit 0; a broken group makes them fail too.
         let broken = self.abort.reason();
@@ -219,6 +232,20 @@ impl<B: Backend> Executor<B> {
             (Ok(()), Some(reason)) => Err(ExecutorError::Broken(reason)),
             (result, _) => result,
         }
+    }
+
+    /// Breaks the group for a failed step and fails its requests: INTERNAL for a wrong result,
+    /// UNAVAILABLE for a lost rank.
+    fn broke(&self, e: ExecutorError, step: &Step) -> ExecutorError {
+        let why = if matches!(e, ExecutorError::Step(StepError::Corrupt { .. })) {
+            self.abort.trigger_corrupt(e.to_string());
+            Failure::Wrong(format!("EP group broken: {e}"))
+        } else {
+            self.abort.trigger(e.to_string());
+            Failure::unavailable("broken", format!("EP group broken: {e}"))
+        };
+        step.fail(&why);
+        e
     }
 
     /// The readiness step: a few tokens of known data through every rank and phase.
@@ -244,7 +271,9 @@ impl<B: Backend> Executor<B> {
                 rows: 0..tokens,
             }],
         };
-        self.run(&step)?;
+        pack(&self.ring, &step, 0);
+        self.run(&step, 0)?;
+        deliver(&self.ring, &step, 0);
         match rx.try_recv() {
             Ok(Ok(out)) if out.iter().all(|v| v.is_finite()) => Ok(()),
             _ => Err(ExecutorError::Output {
@@ -253,6 +282,101 @@ impl<B: Backend> Executor<B> {
                 reason: "warm-up step produced no finite output".into(),
             }),
         }
+    }
+}
+
+/// The ring slots not held by a step in flight. A step holds an `in_flight` permit before it
+/// takes a slot and gives the slot back before the permit, so a permit holder always finds one.
+struct Slots(Mutex<Vec<usize>>);
+
+impl Slots {
+    fn new(n: usize) -> Self {
+        Self(Mutex::new((0..n).rev().collect()))
+    }
+
+    fn take(&self) -> usize {
+        let mut free = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        free.pop()
+            .expect("a step holding a permit finds a free slot")
+    }
+
+    fn put(&self, slot: usize) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(slot);
+    }
+}
+
+/// Writes a step's input rows into `slot`.
+fn pack(ring: &Ring, step: &Step, slot: usize) {
+    let (h, k) = (ring.shape.hidden, ring.shape.top_k);
+    let mut row = 0;
+    for seg in &step.segments {
+        let (a, b) = (seg.rows.start, seg.rows.end);
+        ring.write_hidden(slot, row, &seg.job.input.hidden[a * h..b * h]);
+        if let Some((ids, w)) = &seg.job.input.routing {
+            ring.write_routing(slot, row, &ids[a * k..b * k], &w[a * k..b * k]);
+        }
+        row += seg.rows.len();
+    }
+}
+
+/// Hands a finished step's output rows in `slot` to its requests.
+fn deliver(ring: &Ring, step: &Step, slot: usize) {
+    let h = ring.shape.hidden;
+    let mut row = 0;
+    for seg in &step.segments {
+        seg.job
+            .deliver(seg.rows.clone(), h, |dst| ring.read_output(slot, row, dst));
+        row += seg.rows.len();
+    }
+}
+
+/// The packer: each step from the batcher into a free slot, on to the executor. When the
+/// executor is gone (the group broke), the step in hand and every later one fail.
+fn pack_steps(
+    mut steps: mpsc::Receiver<Step>,
+    packed: std::sync::mpsc::SyncSender<(Step, usize)>,
+    ring: &Ring,
+    free: &Slots,
+    runtime: &tokio::runtime::Handle,
+    abort: &Arc<Abort>,
+) {
+    let _guard = AbortOnPanic(abort.clone(), "the step packer panicked");
+    while let Some(step) = runtime.block_on(steps.recv()) {
+        let slot = free.take();
+        pack(ring, &step, slot);
+        if let Err(std::sync::mpsc::SendError((step, _))) = packed.send((step, slot)) {
+            fail_step(&step, abort);
+            break;
+        }
+    }
+    steps.close();
+    while let Ok(step) = steps.try_recv() {
+        fail_step(&step, abort);
+    }
+}
+
+fn fail_step(step: &Step, abort: &Abort) {
+    let why = abort
+        .reason()
+        .unwrap_or_else(|| "the step executor stopped".into());
+    step.fail(&Failure::unavailable(
+        "broken",
+        format!("EP group broken: {why}"),
+    ));
+}
+
+/// The delivery thread: answers each finished step's requests, then frees its slot and permit.
+fn deliver_steps(
+    done: std::sync::mpsc::Receiver<(Step, usize)>,
+    ring: &Ring,
+    free: &Slots,
+    in_flight: &tokio::sync::Semaphore,
+) {
+    for (step, slot) in done {
+        deliver(ring, &step, slot);
+        free.put(slot);
+        in_flight.add_permits(1);
+        metrics::gauge!("epserve_steps_in_flight").decrement(1.0);
     }
 }
 
