@@ -46,6 +46,10 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     metrics::describe_counter!("epserve_rejections_total", "Requests refused, by reason");
     metrics::describe_gauge!("epserve_queue_requests", "Requests waiting for a step");
     metrics::describe_gauge!("epserve_queue_tokens", "Tokens waiting for a step");
+    metrics::describe_gauge!(
+        "epserve_steps_in_flight",
+        "Steps formed and not yet delivered (packed, running or being answered), router only"
+    );
     metrics::describe_counter!(
         "epserve_steps_total",
         "Steps run on this rank (kind: work or heartbeat)"

@@ -391,6 +391,7 @@ async fn router_main(
     let exec_abort = abort.clone();
     // One permit per ring slot: a step holds one from when it is formed until it is delivered.
     let in_flight = Arc::new(tokio::sync::Semaphore::new(RING_SLOTS));
+    metrics::gauge!("epserve_steps_in_flight").set(0.0);
     let permits = in_flight.clone();
     let exec_thread = std::thread::Builder::new()
         .name("step-executor".into())
