@@ -861,30 +861,7 @@ async fn until(c: &mut Client, want: (bool, bool, bool), within: Duration) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_follows_start_stall_and_drain() {
     let shm = TempDir::new("kserve-health");
-    let serve = |rank: usize, rendezvous: &str| {
-        let a = [
-            "serve",
-            "--rank",
-            &rank.to_string(),
-            "--world-size",
-            "2",
-            "--rendezvous",
-            rendezvous,
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--shm-dir",
-            &shm.0.display().to_string(),
-            "--heartbeat-interval",
-            "200ms",
-            "--liveness-timeout",
-            "500ms",
-            "--rendezvous-timeout",
-            "60s",
-        ];
-        Proc::spawn(&a.map(String::from))
-    };
+    let serve = |rank: usize, rendezvous: &str| serve(rank, 2, rendezvous, &shm, FAST_LIVENESS);
     let mut r0 = serve(0, "127.0.0.1:0");
     let rendezvous = r0
         .wait_for("epserve-rendezvous ", Duration::from_secs(30))

@@ -7,30 +7,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-fn serve(rank: usize, world: usize, rendezvous: &str, shm: &TempDir, extra: &[&str]) -> Proc {
-    let mut args: Vec<String> = [
-        "serve",
-        "--rank",
-        &rank.to_string(),
-        "--world-size",
-        &world.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend([
-        "--rendezvous".into(),
-        rendezvous.to_string(),
-        "--listen".into(),
-        "127.0.0.1:0".into(),
-        "--metrics-listen".into(),
-        "127.0.0.1:0".into(),
-    ]);
-    args.extend(["--shm-dir".into(), shm.0.display().to_string()]);
-    args.extend(extra.iter().map(|s| s.to_string()));
-    Proc::spawn(&args)
-}
-
 /// Waits for a failing exit by `limit`; asserts exactly one ERROR line, containing `needle`.
 fn fails_with(p: &mut Proc, needle: &str, limit: Duration) {
     let status = p

@@ -7,12 +7,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tonic::{Code, Request, Response, Status, Streaming};
-use tracing::Instrument;
-use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tonic::{Request, Response, Status, Streaming};
 
 use super::stream::{self, ResponseStream};
-use super::{code_name, deadline_of, record, status};
+use super::{code_name, status, Call};
 use crate::infer::tensor::{self, Dtype, View, FLOATS, IDS};
 use crate::infer::{rejected, Infer, Request as Entry};
 use crate::inference::grpc_inference_service_server::GrpcInferenceService;
@@ -27,7 +25,6 @@ use crate::inference::{
     ServerReadyRequest, ServerReadyResponse,
 };
 use crate::router::{Failure, Permit};
-use crate::telemetry::remote_context;
 
 /// Every model's one version; an empty version asks for it.
 pub const VERSION: &str = "1";
@@ -347,11 +344,9 @@ impl KserveApi {
     async fn infer_one(
         &self,
         r: ModelInferRequest,
-        deadline: Option<Instant>,
+        call: &Call,
         method: &'static str,
-        parent: &opentelemetry::Context,
     ) -> Result<(ModelInferResponse, Option<Permit>), Status> {
-        let t0 = Instant::now();
         let n = r
             .inputs
             .iter()
@@ -360,17 +355,9 @@ impl KserveApi {
             .copied()
             .unwrap_or(0)
             .max(0) as u64;
-        let span =
-            tracing::info_span!("request", request_id = %r.id, method, model = %r.model_name);
-        let _ = span.set_parent(parent.clone());
-        let result = self.run(r, deadline).instrument(span).await.map_err(status);
-        record(
-            method,
-            result.as_ref().map_or_else(|s| s.code(), |_| Code::Ok),
-            n,
-            t0,
-        );
-        result
+        let id = r.id.clone();
+        call.observe(method, &id, n, self.run(r, call.deadline))
+            .await
     }
 
     fn tensor_metadata(&self) -> (Vec<TensorMetadata>, Vec<TensorMetadata>) {
@@ -468,9 +455,8 @@ impl GrpcInferenceService for Arc<KserveApi> {
         &self,
         req: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
-        let deadline = deadline_of(&req)?;
-        let parent = remote_context(req.metadata());
-        self.infer_one(req.into_inner(), deadline, "ModelInfer", &parent)
+        let call = Call::of(&req)?;
+        self.infer_one(req.into_inner(), &call, "ModelInfer")
             .await
             .map(|(resp, _permit)| Response::new(resp))
     }
@@ -481,12 +467,10 @@ impl GrpcInferenceService for Arc<KserveApi> {
         &self,
         req: Request<Streaming<ModelInferRequest>>,
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
-        // A stream's deadline and trace context apply to every request on it.
-        let deadline = deadline_of(&req)?;
-        let parent = remote_context(req.metadata());
+        let call = Call::of(&req)?;
         let api = self.clone();
         let out = stream::serve(req.into_inner(), self.stream_in_flight, move |r| {
-            let (api, parent) = (api.clone(), parent.clone());
+            let (api, call) = (api.clone(), call.clone());
             async move {
                 let head = ModelInferRequest {
                     model_name: r.model_name.clone(),
@@ -494,10 +478,7 @@ impl GrpcInferenceService for Arc<KserveApi> {
                     id: r.id.clone(),
                     ..Default::default()
                 };
-                match api
-                    .infer_one(r, deadline, "ModelStreamInfer", &parent)
-                    .await
-                {
+                match api.infer_one(r, &call, "ModelStreamInfer").await {
                     Ok((resp, permit)) => (
                         ModelStreamInferResponse {
                             error_message: String::new(),
@@ -524,6 +505,7 @@ mod fuzz {
     use prost::Message;
     use rand::{Rng, SeedableRng};
     use tokio::sync::{mpsc, Notify};
+    use tonic::Code;
 
     fn pick<T: Clone>(rng: &mut impl Rng, from: &[T]) -> T {
         from[rng.random_range(0..from.len())].clone()

@@ -7,9 +7,12 @@ pub mod kserve;
 pub mod moe;
 mod stream;
 
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use tonic::{Code, Request, Status};
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use crate::router::Failure;
 
@@ -55,12 +58,47 @@ pub fn grpc_timeout(meta: &tonic::metadata::MetadataMap) -> Result<Option<Durati
     }))
 }
 
-/// When the call's deadline passes; None without one (or one too far off to represent).
-fn deadline_of<T>(req: &Request<T>) -> Result<Option<Instant>, Status> {
-    let d = grpc_timeout(req.metadata()).inspect_err(|_| {
-        metrics::counter!("epserve_rejections_total", "reason" => "invalid_argument").increment(1);
-    })?;
-    Ok(d.and_then(|d| Instant::now().checked_add(d)))
+/// What a call gives every request on it (one, or all of a stream's): the deadline from
+/// `grpc-timeout` (None without one, or one too far off to represent) and the trace context.
+#[derive(Clone)]
+struct Call {
+    deadline: Option<Instant>,
+    parent: opentelemetry::Context,
+}
+
+impl Call {
+    fn of<T>(req: &Request<T>) -> Result<Self, Status> {
+        let d = grpc_timeout(req.metadata()).inspect_err(|_| {
+            metrics::counter!("epserve_rejections_total", "reason" => "invalid_argument")
+                .increment(1);
+        })?;
+        Ok(Self {
+            deadline: d.and_then(|d| Instant::now().checked_add(d)),
+            parent: crate::telemetry::remote_context(req.metadata()),
+        })
+    }
+
+    /// Runs one request's `work` in its span and counts it: status, duration, tokens if answered.
+    async fn observe<T>(
+        &self,
+        method: &'static str,
+        id: &str,
+        tokens: u64,
+        work: impl Future<Output = Result<T, Failure>>,
+    ) -> Result<T, Status> {
+        let t0 = Instant::now();
+        let span = tracing::info_span!("request", request_id = %id, method);
+        // Without a tracing backend there is nothing to attach to; that is fine.
+        let _ = span.set_parent(self.parent.clone());
+        let result = work.instrument(span).await.map_err(status);
+        record(
+            method,
+            result.as_ref().map_or_else(|s| s.code(), |_| Code::Ok),
+            tokens,
+            t0,
+        );
+        result
+    }
 }
 
 /// Counts one finished request of `method`: its status, and its tokens when answered.

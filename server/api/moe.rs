@@ -3,12 +3,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use tonic::{Code, Request, Response, Status, Streaming};
-use tracing::Instrument;
-use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tonic::{Request, Response, Status, Streaming};
 
 use super::stream::{self, ResponseStream};
-use super::{deadline_of, record, status};
+use super::Call;
 use crate::infer::tensor::{self, Dtype, View, FLOATS, IDS};
 use crate::infer::{rejected, Infer, Request as Entry};
 use crate::proto::moe_service_server::MoeService;
@@ -17,7 +15,6 @@ use crate::proto::{
     ProbeResponse,
 };
 use crate::router::{Failure, JobInput, Permit};
-use crate::telemetry::remote_context;
 
 pub struct MoeApi {
     infer: Arc<Infer>,
@@ -179,11 +176,9 @@ impl MoeApi {
     async fn forward_one(
         &self,
         r: ForwardRequest,
-        deadline: Option<Instant>,
+        call: &Call,
         method: &'static str,
-        parent: &opentelemetry::Context,
     ) -> Result<(ForwardResponse, Option<Permit>), Status> {
-        let t0 = Instant::now();
         let n = r
             .hidden_states
             .as_ref()
@@ -191,17 +186,9 @@ impl MoeApi {
             .copied()
             .unwrap_or(0)
             .max(0) as u64;
-        let span = tracing::info_span!("request", request_id = %r.id, method);
-        // Without a tracing backend there is nothing to attach to; that is fine.
-        let _ = span.set_parent(parent.clone());
-        let result = self.run(r, deadline).instrument(span).await.map_err(status);
-        record(
-            method,
-            result.as_ref().map_or_else(|s| s.code(), |_| Code::Ok),
-            n,
-            t0,
-        );
-        result
+        let id = r.id.clone();
+        call.observe(method, &id, n, self.run(r, call.deadline))
+            .await
     }
 }
 
@@ -222,9 +209,8 @@ impl MoeService for Arc<MoeApi> {
         &self,
         req: Request<ForwardRequest>,
     ) -> Result<Response<ForwardResponse>, Status> {
-        let deadline = deadline_of(&req)?;
-        let parent = remote_context(req.metadata());
-        self.forward_one(req.into_inner(), deadline, "Forward", &parent)
+        let call = Call::of(&req)?;
+        self.forward_one(req.into_inner(), &call, "Forward")
             .await
             .map(|(resp, _permit)| Response::new(resp))
     }
@@ -235,15 +221,13 @@ impl MoeService for Arc<MoeApi> {
         &self,
         req: Request<Streaming<ForwardRequest>>,
     ) -> Result<Response<Self::ForwardStreamStream>, Status> {
-        // A stream's deadline and trace context apply to every request on it.
-        let deadline = deadline_of(&req)?;
-        let parent = remote_context(req.metadata());
+        let call = Call::of(&req)?;
         let api = self.clone();
         let out = stream::serve(req.into_inner(), self.stream_in_flight, move |r| {
-            let (api, parent) = (api.clone(), parent.clone());
+            let (api, call) = (api.clone(), call.clone());
             async move {
                 let id = r.id.clone();
-                match api.forward_one(r, deadline, "ForwardStream", &parent).await {
+                match api.forward_one(r, &call, "ForwardStream").await {
                     Ok(answer) => answer,
                     Err(s) => (error_response(id, &s), None),
                 }
@@ -262,8 +246,7 @@ impl MoeService for Arc<MoeApi> {
     }
 
     async fn probe(&self, req: Request<ProbeRequest>) -> Result<Response<ProbeResponse>, Status> {
-        let deadline = deadline_of(&req)?;
-        let parent = remote_context(req.metadata());
+        let call = Call::of(&req)?;
         let t0 = Instant::now();
         let spec = self.infer.spec();
         let h = spec.hidden;
@@ -276,7 +259,7 @@ impl MoeService for Arc<MoeApi> {
             topk_weights: None,
             output_dtype: DType::F32 as i32,
         };
-        let (out, _permit) = self.forward_one(r, deadline, "Probe", &parent).await?;
+        let (out, _permit) = self.forward_one(r, &call, "Probe").await?;
         let finite = out.output.is_some_and(|t| {
             view(&t, "output", FLOATS)
                 .and_then(|v| tensor::floats(&v, "output", Some(1), h, name))
@@ -298,12 +281,14 @@ impl MoeService for Arc<MoeApi> {
 #[cfg(test)]
 mod fuzz {
     use super::*;
+    use crate::api::status;
     use crate::infer::Phase;
     use crate::router::Admission;
     use crate::shm::Abort;
     use prost::Message;
     use rand::{Rng, SeedableRng};
     use tokio::sync::{mpsc, Notify};
+    use tonic::Code;
 
     fn infer(jobs: mpsc::Sender<Arc<crate::router::Job>>, abort: Arc<Abort>) -> Arc<Infer> {
         let spec = Arc::new(crate::model::synthetic::preset("tiny").unwrap());

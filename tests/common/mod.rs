@@ -168,6 +168,40 @@ impl Drop for Proc {
     }
 }
 
+/// `epserve serve` as rank `rank` of `world`, on free ports, with `extra` flags.
+pub fn serve(rank: usize, world: usize, rendezvous: &str, shm: &TempDir, extra: &[&str]) -> Proc {
+    let mut args: Vec<String> = [
+        "serve",
+        "--rank",
+        &rank.to_string(),
+        "--world-size",
+        &world.to_string(),
+        "--rendezvous",
+        rendezvous,
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--shm-dir",
+        &shm.0.display().to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    Proc::spawn(&args)
+}
+
+/// Flags for lifecycle tests: a stopped rank shows within half a second.
+pub const FAST_LIVENESS: &[&str] = &[
+    "--heartbeat-interval",
+    "200ms",
+    "--liveness-timeout",
+    "500ms",
+    "--rendezvous-timeout",
+    "60s",
+];
+
 /// A group started with `epserve launch`, serving on a free port.
 pub struct Group {
     pub proc: Proc,
