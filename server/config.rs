@@ -276,6 +276,8 @@ pub struct ServeArgs {
     /// Largest accepted gRPC message.
     #[arg(long, env = "EPSERVE_MAX_REQUEST_BYTES", default_value_t = 64 << 20)]
     pub max_request_bytes: usize,
+    #[command(flatten)]
+    pub http2: crate::transport::Http2,
     /// Requests of one ForwardStream in progress or answered but not yet taken by the client;
     /// past it the stream is not read (HTTP/2 flow control holds the client's sends).
     #[arg(long, env = "EPSERVE_MAX_STREAM_IN_FLIGHT", default_value_t = 64)]

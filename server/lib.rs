@@ -14,6 +14,7 @@ pub mod router;
 pub mod shm;
 pub mod step;
 pub mod telemetry;
+pub mod transport;
 pub mod watchdog;
 
 pub mod proto {

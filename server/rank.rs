@@ -359,6 +359,7 @@ async fn router_main(
     let addr = listener.local_addr()?;
     let server_stop = CancellationToken::new();
     let server = tokio::spawn(serve_grpc(
+        args.http2.clone(),
         args.max_request_bytes,
         api.clone(),
         kserve,
@@ -665,6 +666,7 @@ async fn watch_liveness(
 /// The accept loop is ours rather than tonic's transport server, whose built-in grpc-timeout
 /// layer answers an expired deadline with CANCELLED before the service can say DEADLINE_EXCEEDED.
 async fn serve_grpc(
+    http2: crate::transport::Http2,
     max_request_bytes: usize,
     api: Arc<MoeApi>,
     kserve: Arc<KserveApi>,
@@ -690,7 +692,8 @@ async fn serve_grpc(
         .add_service(moe)
         .add_service(kserve)
         .prepare();
-    let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    http2.serve(&mut builder);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     loop {
         tokio::select! {

@@ -81,6 +81,10 @@ impl FromStr for Tokens {
     about = "gRPC load generator for epserve"
 )]
 pub struct Args {
+    /// HTTP/2 settings of the client and of the echo started here (epserve's own flags; give the
+    /// service the same ones).
+    #[command(flatten)]
+    pub http2: epserve::transport::Http2,
     /// The service to load, HOST:PORT (epserve's router, or an echo service).
     #[arg(long, env = "LOADTEST_TARGET")]
     pub target: Option<String>,

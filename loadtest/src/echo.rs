@@ -113,7 +113,11 @@ impl MoeService for Echo {
 }
 
 /// Starts an echo service on `addr` in the background; returns where it listens.
-pub async fn spawn(addr: SocketAddr, echo: Echo) -> anyhow::Result<SocketAddr> {
+pub async fn spawn(
+    addr: SocketAddr,
+    echo: Echo,
+    http2: &epserve::transport::Http2,
+) -> anyhow::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
     let svc = MoeServiceServer::new(echo)
@@ -125,7 +129,8 @@ pub async fn spawn(addr: SocketAddr, echo: Echo) -> anyhow::Result<SocketAddr> {
         |s| s.and_then(|s| s.set_nodelay(true).map(|_| s)),
     );
     tokio::spawn(
-        tonic::transport::Server::builder()
+        http2
+            .tonic_server(tonic::transport::Server::builder())
             .add_service(svc)
             .serve_with_incoming(incoming),
     );

@@ -36,6 +36,7 @@ pub enum Mode {
 
 #[derive(Clone, Debug)]
 pub struct Plan {
+    pub http2: epserve::transport::Http2,
     pub mode: Mode,
     pub api: Api,
     pub warmup: Duration,
@@ -298,9 +299,8 @@ impl Target {
     async fn connect(addr: &str, plan: &Plan, layer: u32) -> anyhow::Result<Self> {
         let (mut v1, mut kserve) = (Vec::new(), Vec::new());
         for _ in 0..plan.connections {
-            let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
-                .connect()
-                .await?;
+            let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?;
+            let ch = plan.http2.endpoint(ch).connect().await?;
             v1.push(
                 MoeServiceClient::new(ch.clone())
                     .max_decoding_message_size(1 << 30)

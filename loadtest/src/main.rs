@@ -28,6 +28,7 @@ async fn run_api(
     shape: &Shape,
 ) -> anyhow::Result<Report> {
     let plan = Plan {
+        http2: args.http2.clone(),
         mode,
         api,
         warmup: args.warmup,
@@ -61,6 +62,7 @@ async fn main_async(args: Args) -> anyhow::Result<()> {
                 hidden: args.echo_hidden,
                 delay: args.echo_delay,
             },
+            &args.http2,
         )
         .await?;
         eprintln!(
@@ -82,7 +84,11 @@ async fn main_async(args: Args) -> anyhow::Result<()> {
                 hidden,
                 delay: args.echo_delay,
             };
-            Some(echo::spawn("127.0.0.1:0".parse()?, echo).await?.to_string())
+            Some(
+                echo::spawn("127.0.0.1:0".parse()?, echo, &args.http2)
+                    .await?
+                    .to_string(),
+            )
         }
         (None, false) => None,
     };

@@ -91,6 +91,7 @@ impl Drop for Group {
 
 fn plan(mode: Mode, api: Api, secs: f64) -> Plan {
     Plan {
+        http2: Default::default(),
         mode,
         api,
         warmup: Duration::from_millis(200),
@@ -158,10 +159,14 @@ async fn counts_add_up_against_a_rank_group() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn open_loop_keeps_its_rate_when_the_server_is_slow() {
     let delay = Duration::from_millis(200);
-    let addr = echo::spawn("127.0.0.1:0".parse().unwrap(), Echo { hidden: 64, delay })
-        .await
-        .unwrap()
-        .to_string();
+    let addr = echo::spawn(
+        "127.0.0.1:0".parse().unwrap(),
+        Echo { hidden: 64, delay },
+        &Default::default(),
+    )
+    .await
+    .unwrap()
+    .to_string();
     let s = shape(&addr).await;
     let (rate, secs) = (100.0, 2.0);
     let w = Workload::new(s.clone(), Tokens::Fixed(4), Dtype::F32, false, 5);

@@ -1,0 +1,107 @@
+//! HTTP/2 settings of the gRPC port. The service takes them as flags, and the loadtest's echo
+//! service and client take the same flags, so a service/echo ratio compares like with like.
+//! hyper's defaults (1 MiB windows, 16 KiB frames) cap a connection well below what MB-sized
+//! tensors need; the defaults here are sized for them and cost small requests nothing.
+
+use std::time::Duration;
+
+use clap::Args;
+
+use crate::config::OnOff;
+
+fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("'{s}': {e} (write e.g. 30s, 0s)"))
+}
+
+/// The flow-control and framing settings both ends of a connection apply.
+#[derive(Args, Debug, Clone)]
+pub struct Http2 {
+    /// Receive window of each stream, in bytes (how much of one message may be in flight
+    /// unacknowledged).
+    #[arg(long, env = "EPSERVE_HTTP2_STREAM_WINDOW", default_value_t = 8 << 20,
+          value_parser = clap::value_parser!(u32).range(65_535..=2_147_483_647))]
+    pub http2_stream_window: u32,
+    /// Receive window of each connection, in bytes (all its streams together).
+    #[arg(long, env = "EPSERVE_HTTP2_CONNECTION_WINDOW", default_value_t = 64 << 20,
+          value_parser = clap::value_parser!(u32).range(65_535..=2_147_483_647))]
+    pub http2_connection_window: u32,
+    /// Size the windows from the measured bandwidth-delay product instead (replaces the two
+    /// above).
+    #[arg(
+        long,
+        env = "EPSERVE_HTTP2_ADAPTIVE_WINDOW",
+        value_enum,
+        default_value = "off"
+    )]
+    pub http2_adaptive_window: OnOff,
+    /// Largest frame this end accepts, in bytes (16 KiB to 16 MiB - 1).
+    #[arg(long, env = "EPSERVE_HTTP2_MAX_FRAME_SIZE", default_value_t = 1 << 20,
+          value_parser = clap::value_parser!(u32).range(16_384..=16_777_215))]
+    pub http2_max_frame_size: u32,
+    /// PING a connection this often, to find a dead peer behind a silent network; 0s: never.
+    #[arg(long, env = "EPSERVE_HTTP2_KEEPALIVE_INTERVAL", default_value = "30s", value_parser = duration)]
+    pub http2_keepalive_interval: Duration,
+    /// Close a connection whose PING is not answered within this.
+    #[arg(long, env = "EPSERVE_HTTP2_KEEPALIVE_TIMEOUT", default_value = "10s", value_parser = duration)]
+    pub http2_keepalive_timeout: Duration,
+}
+
+impl Default for Http2 {
+    /// The flags' defaults (and any EPSERVE_HTTP2_* variables set).
+    fn default() -> Self {
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            http2: Http2,
+        }
+        <Flags as clap::Parser>::parse_from(["epserve"]).http2
+    }
+}
+
+impl Http2 {
+    fn adaptive(&self) -> bool {
+        self.http2_adaptive_window == OnOff::On
+    }
+
+    fn keepalive(&self) -> Option<Duration> {
+        (!self.http2_keepalive_interval.is_zero()).then_some(self.http2_keepalive_interval)
+    }
+
+    /// The service's own accept loop (hyper).
+    pub fn serve<E>(&self, b: &mut hyper_util::server::conn::auto::Builder<E>) {
+        let mut h2 = b.http2();
+        h2.initial_stream_window_size(self.http2_stream_window)
+            .initial_connection_window_size(self.http2_connection_window)
+            .adaptive_window(self.adaptive())
+            .max_frame_size(self.http2_max_frame_size)
+            .keep_alive_interval(self.keepalive())
+            .keep_alive_timeout(self.http2_keepalive_timeout)
+            .timer(hyper_util::rt::TokioTimer::new());
+    }
+
+    /// A tonic server (the loadtest's echo).
+    pub fn tonic_server(&self, b: tonic::transport::Server) -> tonic::transport::Server {
+        b.initial_stream_window_size(self.http2_stream_window)
+            .initial_connection_window_size(self.http2_connection_window)
+            .http2_adaptive_window(Some(self.adaptive()))
+            .max_frame_size(self.http2_max_frame_size)
+            .http2_keepalive_interval(self.keepalive())
+            .http2_keepalive_timeout(Some(self.http2_keepalive_timeout))
+            .tcp_nodelay(true)
+    }
+
+    /// A client connection (the loadtest).
+    pub fn endpoint(&self, e: tonic::transport::Endpoint) -> tonic::transport::Endpoint {
+        let e = e
+            .initial_stream_window_size(self.http2_stream_window)
+            .initial_connection_window_size(self.http2_connection_window)
+            .http2_adaptive_window(self.adaptive())
+            .max_frame_size(self.http2_max_frame_size)
+            .keep_alive_timeout(self.http2_keepalive_timeout)
+            .tcp_nodelay(true);
+        match self.keepalive() {
+            Some(d) => e.http2_keep_alive_interval(d),
+            None => e,
+        }
+    }
+}
