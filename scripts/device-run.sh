@@ -74,12 +74,18 @@ if want serve; then
   # shellcheck disable=SC1091
   source /tmp/nccl230/env.sh
   metric() { curl -s "$1" | awk -v m="$2" '$1 == m {print $2}'; }
+  # Each binary with the default HTTP/2 settings, and with SERVE_HYPER=1 also with hyper's own
+  # (1 MiB windows, 16 KiB frames) on the service and the loadtest alike.
+  variants=("default:")
+  [ -n "${SERVE_HYPER:-}" ] && variants+=("hyper:--http2-stream-window 1048576 --http2-connection-window 1048576 --http2-max-frame-size 16384")
   for bin in ${SERVE_BINS:-$EPSERVE_BIN}; do
-    name=$(basename "$bin")
+   for variant in "${variants[@]}"; do
+    vname=${variant%%:*}; read -r -a h2 <<<"${variant#*:}"
+    name=$(basename "$bin")-$vname
     shm=$(mktemp -d)
     "$bin" launch --ranks 4 --backend nccl-ep --model synthetic:deepseek-v3 --layers 1 \
       --max-tokens-per-step 4096 --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --shm-dir "$shm" \
-      >"$out/serve-$name.log" 2>&1 &
+      "${h2[@]}" >"$out/serve-$name.log" 2>&1 &
     pid=$!
     addr=""
     for _ in $(seq 1 900); do
@@ -92,13 +98,14 @@ if want serve; then
       set -- $cfg
       s0=$(metric "$m0" epserve_step_duration_seconds_sum); t0=$(date +%s.%N)
       .device/bin/epserve-loadtest --target "$addr" --echo --concurrency "$1" --tokens "$2" --dtype bf16 \
-        --warmup 2s --duration 8s --json "$out/serve-$name-c$1-t$2.json" >"$out/serve-$name-c$1-t$2.txt" 2>&1
+        --warmup 2s --duration 8s "${h2[@]}" --json "$out/serve-$name-c$1-t$2.json" >"$out/serve-$name-c$1-t$2.txt" 2>&1
       s1=$(metric "$m0" epserve_step_duration_seconds_sum); t1=$(date +%s.%N)
       echo "== serve $name c$1 t$2 (router step seconds $s0 -> $s1 over $(python3 -c "print(round($t1 - $t0, 1))") s of wall; the service part is 10 s of it)"
       cat "$out/serve-$name-c$1-t$2.txt"
     done
     kill -TERM $pid; wait $pid
     rm -rf "$shm"
+   done
   done
 fi
 exit $status
