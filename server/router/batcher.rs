@@ -206,26 +206,55 @@ mod tests {
         Job::new(input, None)
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn packs_by_layer_splits_large_requests_and_waits_at_most_max_wait() {
-        let (jtx, jrx) = mpsc::channel(16);
-        let (stx, mut srx) = mpsc::channel(1);
+    /// A batcher on its own task, with `cfg.depth` pipeline permits and room for `steps` steps.
+    struct Harness {
+        jobs: mpsc::Sender<Arc<Job>>,
+        steps: mpsc::Receiver<Step>,
+        in_flight: Arc<Semaphore>,
+        wake: Arc<Notify>,
+        stop: CancellationToken,
+        task: tokio::task::JoinHandle<()>,
+    }
+
+    fn harness(
+        max_tokens_per_step: usize,
+        max_wait_ms: u64,
+        depth: usize,
+        steps: usize,
+    ) -> Harness {
+        let (jobs, jrx) = mpsc::channel(64);
+        let (stx, steps) = mpsc::channel(steps);
         let cfg = BatchConfig {
-            max_tokens_per_step: 8,
-            max_wait: Duration::from_millis(5),
-            depth: 1,
+            max_tokens_per_step,
+            max_wait: Duration::from_millis(max_wait_ms),
+            depth,
         };
-        let stop = CancellationToken::new();
-        let ready = Arc::new(Semaphore::new(1));
+        let in_flight = Arc::new(Semaphore::new(depth));
+        let (wake, stop) = (Arc::new(Notify::new()), CancellationToken::new());
         let task = tokio::spawn(run_batcher(
             cfg,
             jrx,
             stx,
-            ready.clone(),
-            Arc::new(Notify::new()),
+            in_flight.clone(),
+            wake.clone(),
             stop.clone(),
             Arc::new(Abort::default()),
         ));
+        Harness {
+            jobs,
+            steps,
+            in_flight,
+            wake,
+            stop,
+            task,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn packs_by_layer_splits_large_requests_and_waits_at_most_max_wait() {
+        let h = harness(8, 5, 1, 1);
+        let (jtx, mut srx, stop, task) = (h.jobs, h.steps, h.stop, h.task);
+        let ready = h.in_flight;
         let mut keep = Vec::new();
         for (j, rx) in [job(0, 3, None), job(1, 2, None), job(0, 11, None)] {
             jtx.send(j).await.unwrap();
@@ -261,24 +290,9 @@ mod tests {
     /// the pipeline is empty (it could leave no sooner, and waiting lets it fill).
     #[tokio::test(start_paused = true)]
     async fn full_steps_pipeline_and_partial_steps_wait_for_an_empty_pipeline() {
-        let (jtx, jrx) = mpsc::channel(16);
-        let (stx, mut srx) = mpsc::channel(4);
-        let cfg = BatchConfig {
-            max_tokens_per_step: 4,
-            max_wait: Duration::from_millis(1),
-            depth: 2,
-        };
-        let stop = CancellationToken::new();
-        let in_flight = Arc::new(Semaphore::new(2));
-        let task = tokio::spawn(run_batcher(
-            cfg,
-            jrx,
-            stx,
-            in_flight.clone(),
-            Arc::new(Notify::new()),
-            stop.clone(),
-            Arc::new(Abort::default()),
-        ));
+        let h = harness(4, 1, 2, 4);
+        let (jtx, mut srx, stop, task) = (h.jobs, h.steps, h.stop, h.task);
+        let in_flight = h.in_flight;
         let mut keep = Vec::new();
         for (j, rx) in [
             job(0, 4, None),
@@ -313,24 +327,9 @@ mod tests {
     /// leak, or a partial step (which needs them all) would never form.
     #[tokio::test(start_paused = true)]
     async fn waiting_for_the_channel_loses_no_permit() {
-        let (jtx, jrx) = mpsc::channel(64);
-        let (stx, mut srx) = mpsc::channel(1);
-        let cfg = BatchConfig {
-            max_tokens_per_step: 4,
-            max_wait: Duration::from_millis(1),
-            depth: 2,
-        };
-        let stop = CancellationToken::new();
-        let in_flight = Arc::new(Semaphore::new(2));
-        let task = tokio::spawn(run_batcher(
-            cfg,
-            jrx,
-            stx,
-            in_flight.clone(),
-            Arc::new(Notify::new()),
-            stop.clone(),
-            Arc::new(Abort::default()),
-        ));
+        let h = harness(4, 1, 2, 1);
+        let (jtx, mut srx, stop, task) = (h.jobs, h.steps, h.stop, h.task);
+        let in_flight = h.in_flight;
         let mut keep = Vec::new();
         // Two full steps: the first fills the channel, the second waits for room...
         for (j, rx) in [job(0, 4, None), job(0, 4, None)] {
@@ -362,25 +361,9 @@ mod tests {
 
     #[tokio::test]
     async fn expired_and_abandoned_requests_never_enter_a_step() {
-        let (jtx, jrx) = mpsc::channel(16);
-        let (stx, mut srx) = mpsc::channel(1);
-        let cfg = BatchConfig {
-            max_tokens_per_step: 64,
-            max_wait: Duration::from_millis(20),
-            depth: 1,
-        };
-        let wake = Arc::new(Notify::new());
-        let stop = CancellationToken::new();
-        let ready = Arc::new(Semaphore::new(1));
-        let task = tokio::spawn(run_batcher(
-            cfg,
-            jrx,
-            stx,
-            ready,
-            wake.clone(),
-            stop.clone(),
-            Arc::new(Abort::default()),
-        ));
+        let h = harness(64, 20, 1, 1);
+        let (jtx, mut srx, stop, task) = (h.jobs, h.steps, h.stop, h.task);
+        let wake = h.wake;
         let (late, late_rx) = job(
             0,
             4,

@@ -129,14 +129,14 @@ def run(addr, pb, pb_grpc):
             check(out.dtype == np.float32 and out.shape == (n, H), f"fp32 output {out.shape}")
             err = row_errors(out, forward(layer, x, pb.F32))
             check(err.max() <= 1e-6, f"{model} n={n} FP32 vs Forward: worst token {err.max():.3e}")
-            # BF16 in and out, as Triton sends it: equal to Forward within one bf16 rounding.
+            # BF16 in and out, as Triton sends it: equal to Forward (the same rows, rounded alike).
             xb = x.astype(ml_dtypes.bfloat16)
             i = triton.InferInput("hidden_states", [n, H], "BF16")
             i.set_data_from_numpy(xb)
             out = c.infer(model, [i]).as_numpy("output")
             check(out.dtype == ml_dtypes.bfloat16, f"bf16 output dtype {out.dtype}")
             err = row_errors(out.astype(np.float32), forward(layer, xb, pb.BF16))
-            check(err.max() <= 2 ** -8, f"{model} n={n} BF16 vs Forward: worst token {err.max():.3e}")
+            check(err.max() <= 1e-6, f"{model} n={n} BF16 vs Forward: worst token {err.max():.3e}")
             # Client routing skips gating.
             ids = np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)
             w = rng.uniform(0.05, 1, (n, K)).astype(np.float32)
