@@ -173,7 +173,8 @@ impl<B: Backend> Executor<B> {
                 Ok(x) => x,
                 Err(RecvTimeoutError::Disconnected) => break Ok(()),
                 Err(RecvTimeoutError::Timeout) => {
-                    // Idle: an empty step, if no step is on its way (it would find the rank).
+                    // Idle: an empty step through every rank finds a lost one, unless a step is
+                    // on its way (that one will).
                     let Ok(permit) = in_flight.try_acquire() else {
                         continue;
                     };
