@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tonic::{Request, Response, Status, Streaming};
 
 use super::stream::{self, ResponseStream};
-use super::{code_name, status, Call};
+use super::{code_name, status, Call, Done};
 use crate::infer::tensor::{self, Dtype, View, FLOATS, IDS};
 use crate::infer::{rejected, Infer, Request as Entry};
 use crate::inference::grpc_inference_service_server::GrpcInferenceService;
@@ -313,7 +313,7 @@ impl KserveApi {
         &self,
         mut r: ModelInferRequest,
         deadline: Option<Instant>,
-    ) -> Result<(ModelInferResponse, Option<Permit>), Failure> {
+    ) -> Result<Done<ModelInferResponse>, Failure> {
         let layer = self
             .layer(&r.model_name, &r.model_version)
             .map_err(|f| rejected("not_found", f))?;
@@ -337,7 +337,11 @@ impl KserveApi {
             }],
             raw_output_contents: vec![tensor::encode(&a.output, out_dtype).into()],
         };
-        Ok((resp, a.permit))
+        Ok(Done {
+            resp,
+            permit: a.permit,
+            tokens: a.tokens,
+        })
     }
 
     /// `run` with the request's span and metrics.
@@ -347,17 +351,8 @@ impl KserveApi {
         call: &Call,
         method: &'static str,
     ) -> Result<(ModelInferResponse, Option<Permit>), Status> {
-        let n = r
-            .inputs
-            .iter()
-            .find(|t| t.name == HIDDEN)
-            .and_then(|t| t.shape.first())
-            .copied()
-            .unwrap_or(0)
-            .max(0) as u64;
         let id = r.id.clone();
-        call.observe(method, &id, n, self.run(r, call.deadline))
-            .await
+        call.observe(method, &id, self.run(r, call.deadline)).await
     }
 
     fn tensor_metadata(&self) -> (Vec<TensorMetadata>, Vec<TensorMetadata>) {

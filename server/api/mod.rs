@@ -14,7 +14,7 @@ use tonic::{Code, Request, Status};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use crate::router::Failure;
+use crate::router::{Failure, Permit};
 
 pub use moe::MoeApi;
 
@@ -79,26 +79,32 @@ impl Call {
     }
 
     /// Runs one request's `work` in its span and counts it: status, duration, tokens if answered.
-    async fn observe<T>(
+    async fn observe<R>(
         &self,
         method: &'static str,
         id: &str,
-        tokens: u64,
-        work: impl Future<Output = Result<T, Failure>>,
-    ) -> Result<T, Status> {
+        work: impl Future<Output = Result<Done<R>, Failure>>,
+    ) -> Result<(R, Option<Permit>), Status> {
         let t0 = Instant::now();
         let span = tracing::info_span!("request", request_id = %id, method);
         // Without a tracing backend there is nothing to attach to; that is fine.
         let _ = span.set_parent(self.parent.clone());
         let result = work.instrument(span).await.map_err(status);
-        record(
-            method,
-            result.as_ref().map_or_else(|s| s.code(), |_| Code::Ok),
-            tokens,
-            t0,
-        );
-        result
+        let (code, tokens) = match &result {
+            Ok(d) => (Code::Ok, d.tokens as u64),
+            Err(s) => (s.code(), 0),
+        };
+        record(method, code, tokens, t0);
+        result.map(|d| (d.resp, d.permit))
     }
+}
+
+/// An answered request: its response, the admission permit to hold until the response is
+/// written, and its token count (for the metrics).
+struct Done<R> {
+    resp: R,
+    permit: Option<Permit>,
+    tokens: usize,
 }
 
 /// Counts one finished request of `method`: its status, and its tokens when answered.

@@ -6,7 +6,7 @@ use std::time::Instant;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::stream::{self, ResponseStream};
-use super::Call;
+use super::{Call, Done};
 use crate::infer::tensor::{self, Dtype, View, FLOATS, IDS};
 use crate::infer::{rejected, Infer, Request as Entry};
 use crate::proto::moe_service_server::MoeService;
@@ -152,7 +152,7 @@ impl MoeApi {
         &self,
         r: ForwardRequest,
         deadline: Option<Instant>,
-    ) -> Result<(ForwardResponse, Option<Permit>), Failure> {
+    ) -> Result<Done<ForwardResponse>, Failure> {
         let out_dtype = Self::out_dtype(&r).map_err(|f| rejected("invalid_argument", f))?;
         let input = self.job_input(&r, deadline)?;
         // The request's bytes are not needed past here; only its f32 rows wait in the queue.
@@ -169,7 +169,11 @@ impl MoeApi {
             )),
             error: None,
         };
-        Ok((resp, a.permit))
+        Ok(Done {
+            resp,
+            permit: a.permit,
+            tokens: a.tokens,
+        })
     }
 
     /// `run` with the request's span and metrics.
@@ -179,16 +183,8 @@ impl MoeApi {
         call: &Call,
         method: &'static str,
     ) -> Result<(ForwardResponse, Option<Permit>), Status> {
-        let n = r
-            .hidden_states
-            .as_ref()
-            .and_then(|t| t.shape.first())
-            .copied()
-            .unwrap_or(0)
-            .max(0) as u64;
         let id = r.id.clone();
-        call.observe(method, &id, n, self.run(r, call.deadline))
-            .await
+        call.observe(method, &id, self.run(r, call.deadline)).await
     }
 }
 
