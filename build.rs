@@ -7,6 +7,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("epserve_descriptor.bin"))
+        // Tensor bytes are shared with the request's buffer, not copied out of it.
+        .bytes(".epserve.v1.Tensor.data")
         .compile_protos(&["proto/epserve.proto"], &["proto"])?;
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("inference_descriptor.bin"))

@@ -2,6 +2,7 @@
 // from a device scalar, so one captured graph serves any count up to its bucket; positions are
 // computed with block scans (no atomics), so a replay is bitwise reproducible.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <mma.h>
 #include <cub/block/block_scan.cuh>
 
@@ -454,6 +455,27 @@ __global__ void __launch_bounds__(256) router_logits_tiled(const float* x, const
 __global__ void f32_to_bf16(const float* x, const int* n, int H, bf16* y) {
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < (size_t)*n * H) y[i] = __float2bfloat16(x[i]);
+}
+
+// x[i] = float(src[i]) for the first n rows of H: the home rows as the client sent them, copied
+// straight from the host ring (bf16, or f16 when f16 != 0). Launched with n known on the host.
+__global__ void widen_rows(const unsigned short* src, int f16, int n, int H, float* x) {
+  const size_t total = (size_t)n * H;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const unsigned short v = src[i];
+    x[i] = f16 ? __half2float(__ushort_as_half(v)) : __uint_as_float((unsigned)v << 16);
+  }
+}
+
+// out[i] = x[i] rounded to nearest even as bf16 (or f16 when f16 != 0): the output rows in the
+// dtype the client asked for, for the copy straight into the host ring.
+__global__ void narrow_rows(const float* x, int f16, int n, int H, unsigned short* out) {
+  const size_t total = (size_t)n * H;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+       i += (size_t)gridDim.x * blockDim.x) {
+    out[i] = f16 ? __half_as_ushort(__float2half_rn(x[i])) : __bfloat16_as_ushort(__float2bfloat16_rn(x[i]));
+  }
 }
 
 // The expert (and so the peer) of expert-major row r: the last e with offsets[e] <= r.

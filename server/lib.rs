@@ -4,6 +4,7 @@ pub mod api;
 pub mod backend;
 pub mod bench;
 pub mod config;
+pub mod dtype;
 pub mod group;
 pub mod infer;
 pub mod launch;

@@ -43,6 +43,14 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         "epserve_request_tokens_total",
         "Tokens of requests answered OK"
     );
+    metrics::describe_counter!(
+        "epserve_ingress_bytes_total",
+        "Hidden-state bytes of requests queued, in their wire dtype"
+    );
+    metrics::describe_counter!(
+        "epserve_egress_bytes_total",
+        "Output bytes of requests answered, in their wire dtype"
+    );
     metrics::describe_counter!("epserve_rejections_total", "Requests refused, by reason");
     metrics::describe_gauge!("epserve_queue_requests", "Requests waiting for a step");
     metrics::describe_gauge!("epserve_queue_tokens", "Tokens waiting for a step");

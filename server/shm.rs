@@ -12,6 +12,7 @@ pub trait Pod: Copy + 'static {}
 impl Pod for f32 {}
 impl Pod for i32 {}
 impl Pod for u32 {}
+impl Pod for u8 {}
 
 pub struct Shm {
     map: memmap2::MmapRaw,

@@ -6,7 +6,9 @@
 //! outputs (needs NCCL >= 2.30.4 and libnccl_ep: scripts/device-run.sh ep).
 //! Outputs of both GPU backends are checked per request and per token against the f64 reference
 //! (`tests/common/reference.rs`, near-ties excepted). A fault drill stops or kills a non-router
-//! rank under load and times the answers and the group's exit.
+//! rank under load and times the answers and the group's exit. BF16 and F16 rows, copied from the
+//! host ring as they came and converted on the GPU, give the F32 rows' outputs, in every output
+//! dtype.
 //! Needs GPUs and NCCL; ignored by default. On a GPU machine with a carried binary:
 //! `EPSERVE_BIN=.device/bin/epserve .device/bin/gpu_serve --ignored --test-threads 1`.
 #![cfg(feature = "cuda")]
@@ -18,10 +20,10 @@ use std::time::{Duration, Instant};
 
 use common::prom::{scrape, sum};
 use common::reference::{token, RefLayer, TIE_MARGIN};
-use common::{decode, f32_tensor, i32_tensor, kill, request, Group};
+use common::{bf16_tensor, decode, f16_tensor, f32_tensor, i32_tensor, kill, request, Group};
 use epserve::backend::cuda::device_count;
 use epserve::model::{synthetic, MoeSpec};
-use epserve::proto::ForwardRequest;
+use epserve::proto::{DType, ForwardRequest};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -346,6 +348,83 @@ fn graph_replays_are_bitwise_identical_and_steps_allocate_nothing() {
     );
     assert!(steps >= REQUESTS as f64, "only {steps} steps ran");
     assert_eq!(before, after, "device allocations changed across the steps");
+}
+
+/// Rows in BF16 and F16 go from the ring to the GPU as they came and are widened there; outputs
+/// in BF16 and F16 are narrowed there. Each (input, output) pair, all in flight together (so steps
+/// of different dtypes interleave), gives per token the F32 path's output for the same values:
+/// within 1e-5 for F32 outputs, within the output dtype's rounding otherwise.
+#[test]
+#[ignore = "needs GPUs and NCCL"]
+fn wire_dtypes_convert_on_the_gpu_and_match_f32_rows() {
+    let ranks = *gpu_counts().last().unwrap();
+    let g = launch(ranks, "nccl", "on");
+    let base = requests(21, 120);
+    let pairs = [
+        (DType::Bf16, DType::Bf16),
+        (DType::Bf16, DType::F32),
+        (DType::F16, DType::F16),
+        (DType::F16, DType::F32),
+        (DType::F32, DType::Bf16),
+        (DType::F32, DType::F16),
+    ];
+    // (f32 request of the rounded values, the same values in the wire dtype) per pair and request.
+    let mut f32_reqs = Vec::new();
+    let mut wire_reqs = Vec::new();
+    for (p, &(din, dout)) in pairs.iter().enumerate() {
+        for r in &base {
+            let x = decode(r.hidden_states.as_ref().unwrap());
+            let n = x.len() / HIDDEN;
+            let round = |v: f32| match din {
+                DType::Bf16 => half::bf16::from_f32(v).to_f32(),
+                DType::F16 => half::f16::from_f32(v).to_f32(),
+                _ => v,
+            };
+            let x: Vec<f32> = x.into_iter().map(round).collect();
+            let mut f = r.clone();
+            f.id = format!("{}-f32-{p}", r.id);
+            f.hidden_states = Some(f32_tensor(&x, [n, HIDDEN]));
+            f.output_dtype = DType::F32 as i32;
+            let mut w = f.clone();
+            w.id = format!("{}-wire-{p}", r.id);
+            w.hidden_states = Some(match din {
+                DType::Bf16 => bf16_tensor(&x, [n, HIDDEN]),
+                DType::F16 => f16_tensor(&x, [n, HIDDEN]),
+                _ => f32_tensor(&x, [n, HIDDEN]),
+            });
+            w.output_dtype = dout as i32;
+            f32_reqs.push(f);
+            wire_reqs.push(w);
+        }
+    }
+    let all: Vec<ForwardRequest> = f32_reqs.iter().chain(&wire_reqs).cloned().collect();
+    let outs = run_all(&g, &all, 32);
+    let (want, got) = outs.split_at(f32_reqs.len());
+    for (i, (w, o)) in want.iter().zip(got).enumerate() {
+        let (din, dout) = pairs[i / base.len()];
+        // Relative rounding of one output value in its dtype (half an ulp), and slack for f32.
+        let eps = match dout {
+            DType::Bf16 => 2f64.powi(-8),
+            DType::F16 => 2f64.powi(-11),
+            _ => 0.0,
+        };
+        assert_eq!(w.len(), o.len());
+        for (t, (wt, ot)) in w.chunks(HIDDEN).zip(o.chunks(HIDDEN)).enumerate() {
+            let scale = wt.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
+            for (&a, &b) in wt.iter().zip(ot) {
+                let (a, b) = (f64::from(a), f64::from(b));
+                assert!(
+                    (a - b).abs() <= a.abs() * eps + 1e-5 * scale,
+                    "{din:?} in, {dout:?} out, request {}, token {t}: {b} where the f32 rows give {a}",
+                    wire_reqs[i].id
+                );
+            }
+        }
+    }
+    eprintln!(
+        "{ranks} GPUs: {} requests in 6 (input, output) dtype pairs match their f32 rows per token",
+        wire_reqs.len()
+    );
 }
 
 /// `nccl-ep` in `mode` (plus `extra` flags) with zero-copy on and off and graphs on and off, on

@@ -38,7 +38,7 @@ impl Echo {
             let data = if out == t.dtype {
                 t.data
             } else {
-                vec![0; t.data.len() / bytes(t.dtype) * bytes(out)]
+                vec![0; t.data.len() / bytes(t.dtype) * bytes(out)].into()
             };
             Tensor {
                 dtype: out,

@@ -190,7 +190,7 @@ fn kserve_request(r: ForwardRequest, model: &str) -> ModelInferRequest {
                 shape: t.shape,
                 ..Default::default()
             });
-            out.raw_input_contents.push(t.data.into());
+            out.raw_input_contents.push(t.data);
         }
     }
     if r.output_dtype != 0 {

@@ -59,7 +59,8 @@ pub struct Workload {
     client_routing: bool,
     rng: StdRng,
     /// Random values, already encoded; requests copy a window of it.
-    pool: Vec<u8>,
+    /// Pre-built payload bytes; each request shares a slice of them instead of copying.
+    pool: tonic::codegen::Bytes,
 }
 
 /// A request and the sizes the report counts.
@@ -81,7 +82,7 @@ impl Workload {
     ) -> Self {
         let mut rng = StdRng::seed_from_u64(seed);
         let n = POOL_TOKENS * shape.hidden;
-        let pool = match dtype {
+        let pool: Vec<u8> = match dtype {
             Dtype::F32 => (0..n)
                 .flat_map(|_| rng.random_range(-1.0f32..1.0).to_le_bytes())
                 .collect(),
@@ -95,7 +96,7 @@ impl Workload {
             dtype,
             client_routing,
             rng,
-            pool,
+            pool: pool.into(),
         }
     }
 
@@ -123,7 +124,7 @@ impl Workload {
         let hidden = Tensor {
             dtype: dtype as i32,
             shape: vec![n as i64, h as i64],
-            data: self.pool[start..start + n * row].to_vec(),
+            data: self.pool.slice(start..start + n * row),
         };
         let mut request = ForwardRequest {
             id,
@@ -148,12 +149,20 @@ impl Workload {
             request.topk_ids = Some(Tensor {
                 dtype: DType::I32 as i32,
                 shape: shape.clone(),
-                data: ids.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                data: ids
+                    .iter()
+                    .flat_map(|x| x.to_le_bytes())
+                    .collect::<Vec<u8>>()
+                    .into(),
             });
             request.topk_weights = Some(Tensor {
                 dtype: DType::F32 as i32,
                 shape,
-                data: w.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                data: w
+                    .iter()
+                    .flat_map(|x| x.to_le_bytes())
+                    .collect::<Vec<u8>>()
+                    .into(),
             });
             bytes_out += n * k * 8;
         }
@@ -221,7 +230,7 @@ mod tests {
             };
             assert!(w.check(item.tokens, &Out::of(&f32_out)).is_err());
             let mut short = h.clone();
-            short.data.pop();
+            short.data.truncate(short.data.len() - 1);
             assert!(w.check(item.tokens, &Out::of(&short)).is_err());
         }
     }

@@ -2,11 +2,11 @@
 //! client's API: one model per MoE layer, `layer-<L>` version "1", over the same request entry
 //! as epserve.v1, so admission, deadlines, batching and numerics are the same.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::stream::{self, ResponseStream};
@@ -86,18 +86,15 @@ fn param_name(p: &InferParameter) -> &'static str {
     }
 }
 
-/// An input's data as little-endian bytes: its raw entry, or its typed contents.
-fn input_bytes<'a>(
-    t: &'a InferInputTensor,
-    d: Dtype,
-    raw: Option<&'a [u8]>,
-) -> Result<Cow<'a, [u8]>, Failure> {
+/// An input's data as little-endian bytes: its raw entry (shared, not copied), or its typed
+/// contents.
+fn input_bytes(t: &InferInputTensor, d: Dtype, raw: Option<&Bytes>) -> Result<Bytes, Failure> {
     let what = &t.name;
     match (raw, &t.contents) {
         (Some(_), Some(_)) => Err(Failure::invalid(format!(
             "{what}: data given both in contents and in raw_input_contents"
         ))),
-        (Some(raw), None) => Ok(Cow::Borrowed(raw)),
+        (Some(raw), None) => Ok(raw.clone()),
         (None, None) => Err(Failure::invalid(format!(
             "{what}: no data (neither contents nor raw_input_contents)"
         ))),
@@ -133,7 +130,7 @@ fn input_bytes<'a>(
                 Dtype::I32 => "int_contents",
                 _ => "int64_contents",
             };
-            typed.map(Cow::Owned).ok_or_else(|| {
+            typed.map(Bytes::from).ok_or_else(|| {
                 Failure::invalid(format!(
                     "{what}: {} data belongs in contents.{field}, which is empty",
                     name(d)
@@ -144,7 +141,7 @@ fn input_bytes<'a>(
 }
 
 /// The three inputs by slot (hidden_states, topk_ids, topk_weights): dtype, shape and bytes.
-type Found<'a> = [Option<(Dtype, &'a [i64], Cow<'a, [u8]>)>; 3];
+type Found<'a> = [Option<(Dtype, &'a [i64], Bytes)>; 3];
 
 /// Refuses parameters this server does not act on, rather than ignoring what a client asked.
 fn no_parameters(what: &str, p: &HashMap<String, InferParameter>) -> Result<(), Failure> {
@@ -227,7 +224,8 @@ impl KserveApi {
         Ok(layer)
     }
 
-    /// The request's inputs, checked against the model and in f32, and its output datatype.
+    /// The request's inputs, checked against the model (the hidden states stay the client's
+    /// bytes), and its output datatype.
     fn decode(
         &self,
         r: &ModelInferRequest,
@@ -240,7 +238,7 @@ impl KserveApi {
             found[i].as_ref().map(|(dtype, shape, data)| View {
                 dtype: *dtype,
                 shape,
-                data,
+                data: data.clone(),
             })
         };
         let input = self.infer.validate(Entry {
@@ -249,6 +247,7 @@ impl KserveApi {
             hidden: view(0),
             topk_ids: view(1),
             topk_weights: view(2),
+            output: out,
             deadline,
             names: name,
         })?;
@@ -296,7 +295,7 @@ impl KserveApi {
             if !INPUTS[slot].1.contains(&d) {
                 return Err(tensor::not_accepted(&t.name, name(d), INPUTS[slot].1, name));
             }
-            let data = input_bytes(t, d, raw.get(i).map(|b| &b[..]))?;
+            let data = input_bytes(t, d, raw.get(i))?;
             found[slot] = Some((d, &t.shape, data));
         }
         let out = match (out, &found[0]) {
@@ -319,7 +318,7 @@ impl KserveApi {
             .map_err(|f| rejected("not_found", f))?;
         let (input, out_dtype) = self.decode(&r, layer, deadline)?;
         let (id, model) = (std::mem::take(&mut r.id), std::mem::take(&mut r.model_name));
-        // The request's bytes are not needed past here; only its f32 rows wait in the queue.
+        // Only the hidden states' bytes wait in the queue, shared with the request's buffer.
         drop(r);
         let a = self.infer.submit(input).await?;
         let hidden = self.infer.spec().hidden;
@@ -335,7 +334,7 @@ impl KserveApi {
                 parameters: HashMap::new(),
                 contents: None,
             }],
-            raw_output_contents: vec![tensor::encode(&a.output, out_dtype).into()],
+            raw_output_contents: vec![a.output],
         };
         Ok(Done {
             resp,
@@ -655,8 +654,12 @@ mod fuzz {
                 Ok((input, out)) => {
                     accepted += 1;
                     assert!(out.is_float());
-                    assert_eq!(input.hidden.len(), input.tokens * h);
-                    assert!(input.hidden.iter().all(|v| v.is_finite()));
+                    let x = &input.hidden;
+                    assert_eq!(x.data.len(), input.tokens * h * x.dtype.bytes());
+                    let mut wide = vec![0f32; input.tokens * h];
+                    crate::dtype::to_f32(x.dtype, &x.data, &mut wide);
+                    assert!(wide.iter().all(|v| v.is_finite()));
+                    assert_eq!(input.output, out);
                     if let Some((ids, w)) = &input.routing {
                         assert_eq!((ids.len(), w.len()), (input.tokens * k, input.tokens * k));
                         assert!(ids

@@ -63,16 +63,16 @@ fn view<'a>(t: &'a proto::Tensor, what: &str, accepted: &[Dtype]) -> Result<View
     Ok(View {
         dtype: dtype(t.dtype, what, accepted)?,
         shape: &t.shape,
-        data: &t.data,
+        data: t.data.clone(),
     })
 }
 
-/// `[rows, cols]` f32 values as a tensor of `d`.
-pub fn encode(values: &[f32], rows: usize, cols: usize, d: Dtype) -> proto::Tensor {
+/// `[rows, cols]` rows, already little-endian `d`, as a tensor.
+pub fn tensor(data: bytes::Bytes, rows: usize, cols: usize, d: Dtype) -> proto::Tensor {
     proto::Tensor {
         dtype: wire(d) as i32,
         shape: vec![rows as i64, cols as i64],
-        data: tensor::encode(values, d),
+        data,
     }
 }
 
@@ -109,10 +109,11 @@ impl MoeApi {
         }
     }
 
-    /// The request as the entry takes it, checked and in f32.
+    /// The request as the entry takes it, checked; its hidden states stay the client's bytes.
     fn job_input(
         &self,
         r: &ForwardRequest,
+        output: Dtype,
         deadline: Option<Instant>,
     ) -> Result<JobInput, Failure> {
         let views = || -> Result<_, Failure> {
@@ -141,6 +142,7 @@ impl MoeApi {
             hidden,
             topk_ids,
             topk_weights,
+            output,
             deadline,
             names: name,
         })
@@ -154,15 +156,15 @@ impl MoeApi {
         deadline: Option<Instant>,
     ) -> Result<Done<ForwardResponse>, Failure> {
         let out_dtype = Self::out_dtype(&r).map_err(|f| rejected("invalid_argument", f))?;
-        let input = self.job_input(&r, deadline)?;
-        // The request's bytes are not needed past here; only its f32 rows wait in the queue.
+        let input = self.job_input(&r, out_dtype, deadline)?;
+        // Only the hidden states' bytes wait in the queue, shared with the request's buffer.
         drop(r);
         let id = input.id.clone();
         let a = self.infer.submit(input).await?;
         let resp = ForwardResponse {
             id,
-            output: Some(encode(
-                &a.output,
+            output: Some(tensor(
+                a.output,
                 a.tokens,
                 self.infer.spec().hidden,
                 out_dtype,
@@ -250,7 +252,12 @@ impl MoeService for Arc<MoeApi> {
         let r = ForwardRequest {
             id: "probe".into(),
             layer: spec.moe_layers[0],
-            hidden_states: Some(encode(&x, 1, h, Dtype::F32)),
+            hidden_states: Some(tensor(
+                tensor::encode(&x, Dtype::F32).into(),
+                1,
+                h,
+                Dtype::F32,
+            )),
             topk_ids: None,
             topk_weights: None,
             output_dtype: DType::F32 as i32,
@@ -311,7 +318,12 @@ mod fuzz {
         let req = |id: &str| ForwardRequest {
             id: id.into(),
             layer: spec.moe_layers[0],
-            hidden_states: Some(encode(&x, 1, spec.hidden, Dtype::F32)),
+            hidden_states: Some(super::tensor(
+                tensor::encode(&x, Dtype::F32).into(),
+                1,
+                spec.hidden,
+                Dtype::F32,
+            )),
             ..Default::default()
         };
         let (a, b) = (api.clone(), api.clone());
@@ -341,7 +353,7 @@ mod fuzz {
             // A valid tensor, perhaps with one byte changed.
             let dtype = pick(rng, valid);
             let n = rng.random_range(1..4usize);
-            let data = match dtype {
+            let mut data: Vec<u8> = match dtype {
                 1 => (0..n * cols)
                     .flat_map(|_| half::bf16::from_f32(rng.random::<f32>()).to_le_bytes())
                     .collect(),
@@ -360,16 +372,15 @@ mod fuzz {
                     .flat_map(|i| (i as i64 % 8).to_le_bytes())
                     .collect(),
             };
-            let mut t = proto::Tensor {
+            if rng.random_bool(0.3) && !data.is_empty() {
+                let at = rng.random_range(0..data.len());
+                data[at] = rng.random();
+            }
+            return proto::Tensor {
                 dtype,
                 shape: vec![n as i64, cols as i64],
-                data,
+                data: data.into(),
             };
-            if rng.random_bool(0.3) && !t.data.is_empty() {
-                let at = rng.random_range(0..t.data.len());
-                t.data[at] = rng.random();
-            }
-            return t;
         }
         let dtype = pick(rng, &[0, 1, 2, 3, 4, 5, 6, -1, 99, i32::MAX]);
         let n = pick(rng, &[0i64, 1, 2, 7, -1, i64::MAX, 1 << 40]);
@@ -385,7 +396,11 @@ mod fuzz {
         let len = rows * cols.max(1) * elem;
         let len = rng.random_range(0..len + 9);
         let data: Vec<u8> = (0..len).map(|_| rng.random()).collect();
-        proto::Tensor { dtype, shape, data }
+        proto::Tensor {
+            dtype,
+            shape,
+            data: data.into(),
+        }
     }
 
     #[test]
@@ -419,15 +434,19 @@ mod fuzz {
                 r.topk_ids = None;
             }
             let out = MoeApi::out_dtype(&r);
-            match out.and_then(|_| api.job_input(&r, None)).map_err(status) {
+            match out.and_then(|o| api.job_input(&r, o, None)).map_err(status) {
                 Err(s) => {
                     assert_eq!(s.code(), Code::InvalidArgument, "{r:?}: {s:?}");
                     assert!(!s.message().is_empty());
                 }
                 Ok(input) => {
                     accepted += 1;
-                    assert_eq!(input.hidden.len(), input.tokens * h);
-                    assert!(input.hidden.iter().all(|v| v.is_finite()));
+                    let x = &input.hidden;
+                    assert_eq!(x.data.len(), input.tokens * h * x.dtype.bytes());
+                    let mut wide = vec![0f32; input.tokens * h];
+                    crate::dtype::to_f32(x.dtype, &x.data, &mut wide);
+                    assert!(wide.iter().all(|v| v.is_finite()));
+                    assert!(input.output.is_float());
                     if let Some((ids, w)) = &input.routing {
                         assert_eq!((ids.len(), w.len()), (input.tokens * k, input.tokens * k));
                         assert!(ids

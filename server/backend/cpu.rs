@@ -102,6 +102,9 @@ struct Scratch {
     act: Vec<f32>,
     y: Vec<f32>,
     out: Vec<f32>,
+    /// The home rows as the ring carries them (any wire dtype), before widening or after
+    /// narrowing.
+    wire: Vec<u8>,
     router: Router,
 }
 
@@ -153,6 +156,7 @@ impl CpuRank {
             act: vec![0.0; CHUNK.max(t) * inter],
             y: vec![0.0; CHUNK.max(t) * h],
             out: vec![0.0; t * h],
+            wire: vec![0; t * h * 4],
             router: Router::default(),
         };
         Ok(Self {
@@ -265,8 +269,10 @@ impl StepIo for CpuRank {
                 msg: format!("slot {slot} does not hold this step's input, or {n} home tokens exceed the buffers"),
             });
         }
-        self.ring
-            .read_hidden(slot, home.clone(), &mut self.s.x[..n * h]);
+        // The one conversion of the input: the wire dtype, widened to f32 here.
+        let wire = &mut self.s.wire[..n * h * desc.input.bytes()];
+        self.ring.read_hidden(slot, home.clone(), desc.input, wire);
+        crate::dtype::to_f32(desc.input, wire, &mut self.s.x[..n * h]);
         if desc.client_routing {
             self.ring
                 .read_routing(slot, home, &mut self.s.ids[..n * k], &mut self.s.w[..n * k]);
@@ -290,11 +296,14 @@ impl StepIo for CpuRank {
         home: std::ops::Range<usize>,
     ) -> Result<(), StepError> {
         let n = home.len() * self.shape.hidden;
+        let wire = &mut self.s.wire[..n * desc.output.bytes()];
+        crate::dtype::from_f32(desc.output, &self.s.out[..n], wire);
         self.ring.write_output(
             desc.slot as usize,
             self.rank,
             home,
-            &self.s.out[..n],
+            desc.output,
+            wire,
             desc.step,
         );
         Ok(())

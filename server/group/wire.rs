@@ -44,6 +44,8 @@ mod tests {
             tokens: 33,
             slot: 1,
             client_routing: true,
+            input: crate::dtype::Dtype::F16,
+            output: crate::dtype::Dtype::Bf16,
         });
         let mut buf = Vec::new();
         send(&mut buf, &msg).unwrap();

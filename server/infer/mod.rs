@@ -9,12 +9,13 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
 use tokio::sync::{mpsc, Notify};
 
 use crate::model::MoeSpec;
 use crate::router::{Admission, Failure, Job, JobInput, Permit};
 use crate::shm::Abort;
-use tensor::{Names, View};
+use tensor::{Dtype, Names, View};
 
 /// Where the service is in its life; requests are only admitted while `Serving`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,15 +35,17 @@ pub struct Request<'a> {
     pub hidden: Option<View<'a>>,
     pub topk_ids: Option<View<'a>>,
     pub topk_weights: Option<View<'a>>,
+    /// The dtype the output leaves in.
+    pub output: Dtype,
     pub deadline: Option<Instant>,
     /// How the protocol spells dtypes, for messages.
     pub names: Names,
 }
 
-/// A finished request: `[tokens, hidden]` f32 rows, and the admission permit for the caller to
-/// hold until its response is written.
+/// A finished request: `[tokens, hidden]` rows in the output dtype, and the admission permit for
+/// the caller to hold until its response is written.
 pub struct Answer {
-    pub output: Vec<f32>,
+    pub output: Bytes,
     pub tokens: usize,
     pub permit: Option<Permit>,
 }
@@ -146,7 +149,8 @@ impl Infer {
         }
     }
 
-    /// Checks a request against the model and converts it to f32 rows. Refusals are counted.
+    /// Checks a request against the model; its hidden states stay the client's bytes. Refusals
+    /// are counted.
     pub fn validate(&self, r: Request) -> Result<JobInput, Failure> {
         self.check_rows(r)
             .map_err(|f| rejected("invalid_argument", f))
@@ -169,7 +173,13 @@ impl Infer {
                 hs.shape[1], spec.hidden
             )));
         }
-        let (hidden, n) = tensor::floats(&hs, "hidden_states", None, spec.hidden, r.names)?;
+        let (hidden, n) = tensor::rows(hs, "hidden_states", spec.hidden, r.names)?;
+        if !r.output.is_float() {
+            return Err(Failure::invalid(format!(
+                "output dtype {} is not a float dtype",
+                (r.names)(r.output)
+            )));
+        }
         let routing = match (r.topk_ids, r.topk_weights) {
             (None, None) => None,
             (None, Some(_)) => return Err(Failure::invalid("topk_weights given without topk_ids")),
@@ -185,6 +195,7 @@ impl Infer {
             layer,
             tokens: n,
             hidden,
+            output: r.output,
             routing,
             deadline: r.deadline,
         })
@@ -202,6 +213,7 @@ impl Infer {
             ));
         }
         let tokens = input.tokens;
+        let ingress = input.hidden.data.len();
         let permit = self
             .admission
             .try_admit(tokens)
@@ -222,6 +234,9 @@ impl Infer {
                 Failure::unavailable("broken", "the service is not accepting requests"),
             ),
         })?;
+        // Hidden-state bytes as they crossed the wire: in for each queued request, out for each
+        // answered one.
+        metrics::counter!("epserve_ingress_bytes_total").increment(ingress as u64);
         let _wake = WakeOnDrop(self.wake.clone());
         let wait = async {
             match deadline {
@@ -242,6 +257,7 @@ impl Infer {
         let output = answer.map_err(|_| {
             Failure::unavailable("dropped", "the request was dropped: the EP group stopped")
         })??;
+        metrics::counter!("epserve_egress_bytes_total").increment(output.len() as u64);
         Ok(Answer {
             output,
             tokens,

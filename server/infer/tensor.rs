@@ -1,44 +1,21 @@
 //! Tensor checks and conversions shared by every protocol: a protocol hands over a view of what
 //! the client sent (its bytes untouched) and gets f32 rows or a message naming the problem.
 
-use crate::router::Failure;
+use bytes::Bytes;
 
-/// The element types a request may carry.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Dtype {
-    Bf16,
-    F16,
-    F32,
-    I32,
-    I64,
-}
+use crate::router::{Failure, Rows};
 
-impl Dtype {
-    pub fn bytes(self) -> usize {
-        match self {
-            Self::Bf16 | Self::F16 => 2,
-            Self::F32 | Self::I32 => 4,
-            Self::I64 => 8,
-        }
-    }
-
-    pub fn is_float(self) -> bool {
-        FLOATS.contains(&self)
-    }
-}
-
-pub const FLOATS: &[Dtype] = &[Dtype::Bf16, Dtype::F16, Dtype::F32];
-pub const IDS: &[Dtype] = &[Dtype::I32, Dtype::I64];
+pub use crate::dtype::{encode, Dtype, FLOATS, IDS};
 
 /// How the client's protocol spells a dtype, so messages use the names the client sent.
 pub type Names = fn(Dtype) -> &'static str;
 
-/// One tensor as a client sent it: row-major, little-endian.
-#[derive(Clone, Copy, Debug)]
+/// One tensor as a client sent it: row-major, little-endian, its bytes shared, not copied.
+#[derive(Clone, Debug)]
 pub struct View<'a> {
     pub dtype: Dtype,
     pub shape: &'a [i64],
-    pub data: &'a [u8],
+    pub data: Bytes,
 }
 
 fn bad(msg: String) -> Failure {
@@ -106,23 +83,8 @@ pub fn floats(
     names: Names,
 ) -> Result<(Vec<f32>, usize), Failure> {
     let n = check_2d(t, what, rows, cols, FLOATS, names)?;
-    let v: Vec<f32> = match t.dtype {
-        Dtype::F32 => t
-            .data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::Bf16 => t
-            .data
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        _ => t
-            .data
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-    };
+    let mut v = vec![0f32; n * cols];
+    crate::dtype::to_f32(t.dtype, &t.data, &mut v);
     if let Some(i) = v.iter().position(|x| !x.is_finite()) {
         return Err(bad(format!(
             "{what}: non-finite value at row {}, column {}",
@@ -131,6 +93,26 @@ pub fn floats(
         )));
     }
     Ok((v, n))
+}
+
+/// A float tensor `[n, cols]` kept as the client's bytes, rejecting non-finite values; returns
+/// (rows, n). Nothing is converted: the ranks widen it once, where they compute.
+pub fn rows(t: View, what: &str, cols: usize, names: Names) -> Result<(Rows, usize), Failure> {
+    let n = check_2d(&t, what, None, cols, FLOATS, names)?;
+    if let Some(i) = crate::dtype::first_non_finite(t.dtype, &t.data) {
+        return Err(bad(format!(
+            "{what}: non-finite value at row {}, column {}",
+            i / cols,
+            i % cols
+        )));
+    }
+    Ok((
+        Rows {
+            dtype: t.dtype,
+            data: t.data,
+        },
+        n,
+    ))
 }
 
 /// Expert ids `[rows, k]` (I32 or I64): each in `0..experts` and distinct within its row.
@@ -170,21 +152,6 @@ pub fn expert_ids(
     Ok(raw.into_iter().map(|x| x as i32).collect())
 }
 
-/// f32 values as little-endian bytes of `d` (a float dtype).
-pub fn encode(values: &[f32], d: Dtype) -> Vec<u8> {
-    match d {
-        Dtype::Bf16 => values
-            .iter()
-            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        Dtype::F16 => values
-            .iter()
-            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
-            .collect(),
-        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,8 +166,12 @@ mod tests {
         }
     }
 
-    fn v<'a>(dtype: Dtype, shape: &'a [i64], data: &'a [u8]) -> View<'a> {
-        View { dtype, shape, data }
+    fn v<'a>(dtype: Dtype, shape: &'a [i64], data: &[u8]) -> View<'a> {
+        View {
+            dtype,
+            shape,
+            data: Bytes::copy_from_slice(data),
+        }
     }
 
     #[test]
@@ -240,6 +211,19 @@ mod tests {
             err(floats(&v(Dtype::F32, &[1, 2], &nan), "x", None, 2, name))
                 .contains("row 0, column 1")
         );
+        // Hidden rows keep the client's bytes, and their checks name the same problems.
+        for d in FLOATS {
+            let enc = encode(&[1.0, 2.0, 3.0, f32::INFINITY, 5.0, 6.0], *d);
+            let e = rows(v(*d, &[3, 2], &enc), "h", 2, name).unwrap_err();
+            assert!(e.to_string().contains("row 1, column 1"), "{e}");
+            let ok = encode(&vals, *d);
+            let (r, n) = rows(v(*d, &[2, 2], &ok), "h", 2, name).unwrap();
+            assert_eq!((r.dtype, &r.data[..], n), (*d, &ok[..], 2));
+        }
+        assert!(rows(v(Dtype::Bf16, &[2, 2], &z[..6]), "h", 2, name)
+            .unwrap_err()
+            .to_string()
+            .contains("6 bytes"));
         let ids = |x: &[i64]| x.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let ok = ids(&[3, 1]);
         assert_eq!(

@@ -13,6 +13,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{Failure, Job, Segment, Step};
+use crate::dtype::Dtype;
 use crate::shm::Abort;
 
 #[derive(Clone, Copy, Debug)]
@@ -30,8 +31,10 @@ struct Queued {
 }
 
 impl Queued {
-    fn key(&self) -> (usize, bool) {
-        (self.job.input.layer, self.job.input.routing.is_some())
+    /// Requests share a step when they share all of this: the ring carries one layout per step.
+    fn key(&self) -> (usize, bool, Dtype, Dtype) {
+        let i = &self.job.input;
+        (i.layer, i.routing.is_some(), i.hidden.dtype, i.output)
     }
     fn left(&self) -> usize {
         self.job.input.tokens - self.next_row
@@ -178,6 +181,8 @@ fn take_step(queue: &mut VecDeque<Queued>, budget: usize) -> Step {
     Step {
         layer: key.0,
         client_routing: key.1,
+        input: key.2,
+        output: key.3,
         segments,
     }
 }
@@ -199,7 +204,11 @@ mod tests {
             id: format!("{layer}/{tokens}"),
             layer,
             tokens,
-            hidden: vec![0.0; tokens],
+            hidden: crate::router::Rows {
+                dtype: Dtype::Bf16,
+                data: bytes::Bytes::new(),
+            },
+            output: Dtype::Bf16,
             routing: None,
             deadline,
         };

@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 use super::{Failure, Step};
+use crate::dtype::Dtype;
 use crate::group::{recv, Ctl, GroupError, RouterLink};
 use crate::shm::Abort;
 use crate::step::ring::Ring;
@@ -121,6 +122,8 @@ impl<B: Backend> Executor<B> {
             tokens: step.tokens() as u32,
             slot: slot as u32,
             client_routing: step.client_routing,
+            input: step.input,
+            output: step.output,
         };
         self.link.broadcast(&Ctl::Step(desc))?;
         let times = self.driver.run(&desc)?;
@@ -182,6 +185,8 @@ impl<B: Backend> Executor<B> {
                     let empty = Step {
                         layer: 0,
                         client_routing: false,
+                        input: Dtype::F32,
+                        output: Dtype::F32,
                         segments: Vec::new(),
                     };
                     let r = self.run(&empty, slot);
@@ -259,7 +264,11 @@ impl<B: Backend> Executor<B> {
             id: "warm-up".into(),
             layer: 0,
             tokens,
-            hidden,
+            hidden: super::Rows {
+                dtype: Dtype::F32,
+                data: crate::dtype::encode(&hidden, Dtype::F32).into(),
+            },
+            output: Dtype::F32,
             routing: None,
             deadline: None,
         };
@@ -267,16 +276,19 @@ impl<B: Backend> Executor<B> {
         let step = Step {
             layer: 0,
             client_routing: false,
+            input: Dtype::F32,
+            output: Dtype::F32,
             segments: vec![super::Segment {
                 job,
                 rows: 0..tokens,
             }],
         };
-        pack(&self.ring, &step, 0);
+        pack(&self.ring, &step, 0, 1);
         self.run(&step, 0)?;
-        deliver(&self.ring, &step, 0);
+        deliver(&self.ring, &step, 0, 1);
+        let finite = |out: &[u8]| crate::dtype::first_non_finite(Dtype::F32, out).is_none();
         match rx.try_recv() {
-            Ok(Ok(out)) if out.iter().all(|v| v.is_finite()) => Ok(()),
+            Ok(Ok(out)) if finite(&out) => Ok(()),
             _ => Err(ExecutorError::Output {
                 step: self.seq,
                 rank: 0,
@@ -306,28 +318,91 @@ impl Slots {
     }
 }
 
-/// Writes a step's input rows into `slot`.
-fn pack(ring: &Ring, step: &Step, slot: usize) {
+/// Below this many bytes a step's rows are copied on one thread: starting more costs more than
+/// it saves.
+const SPLIT_BYTES: usize = 4 << 20;
+/// Rows are handed to the copy threads in pieces of about this size.
+const PIECE_BYTES: usize = 1 << 20;
+
+/// Threads that copy one large step's rows between the requests and the ring: memory bandwidth,
+/// not one core's copy rate, bounds what a step of MB requests costs the router.
+pub fn copy_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+}
+
+/// Runs `f` on every item, on up to `threads` threads when `bytes` is large.
+fn copy_all<T: Send>(threads: usize, bytes: usize, items: Vec<T>, f: impl Fn(T) + Sync) {
+    let threads = if bytes < SPLIT_BYTES {
+        1
+    } else {
+        threads.min(items.len())
+    };
+    if threads <= 1 {
+        items.into_iter().for_each(f);
+        return;
+    }
+    let queue = Mutex::new(items.into_iter());
+    let next = || queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+    let work = || {
+        while let Some(item) = next() {
+            f(item);
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 1..threads {
+            s.spawn(work);
+        }
+        work();
+    });
+}
+
+/// Writes a step's input rows into `slot`, straight from the requests' bytes.
+fn pack(ring: &Ring, step: &Step, slot: usize, threads: usize) {
     let (h, k) = (ring.shape.hidden, ring.shape.top_k);
+    let row_bytes = h * step.input.bytes();
+    let per = (PIECE_BYTES / row_bytes).max(1);
+    let mut pieces: Vec<(usize, &[u8])> = Vec::new();
     let mut row = 0;
     for seg in &step.segments {
         let (a, b) = (seg.rows.start, seg.rows.end);
-        ring.write_hidden(slot, row, &seg.job.input.hidden[a * h..b * h]);
+        let data = &seg.job.input.hidden.data[a * row_bytes..b * row_bytes];
+        for (i, piece) in data.chunks(per * row_bytes).enumerate() {
+            pieces.push((row + i * per, piece));
+        }
         if let Some((ids, w)) = &seg.job.input.routing {
             ring.write_routing(slot, row, &ids[a * k..b * k], &w[a * k..b * k]);
         }
         row += seg.rows.len();
     }
+    copy_all(threads, row * row_bytes, pieces, |(r, src)| {
+        ring.write_hidden(slot, r, step.input, src)
+    });
 }
 
-/// Hands a finished step's output rows in `slot` to its requests.
-fn deliver(ring: &Ring, step: &Step, slot: usize) {
-    let h = ring.shape.hidden;
+/// Hands a finished step's output rows in `slot` to its requests, in their output dtype.
+fn deliver(ring: &Ring, step: &Step, slot: usize, threads: usize) {
+    let row_bytes = ring.shape.hidden * step.output.bytes();
+    let per = (PIECE_BYTES / row_bytes).max(1);
+    // A request has one segment per step: its buffer is filled outside its lock, then put back.
+    let mut outs: Vec<Vec<u8>> = step
+        .segments
+        .iter()
+        .map(|s| s.job.take_out(row_bytes))
+        .collect();
+    let mut pieces: Vec<(usize, &mut [u8])> = Vec::new();
     let mut row = 0;
-    for seg in &step.segments {
-        seg.job
-            .deliver(seg.rows.clone(), h, |dst| ring.read_output(slot, row, dst));
+    for (seg, out) in step.segments.iter().zip(outs.iter_mut()) {
+        let dst = &mut out[seg.rows.start * row_bytes..seg.rows.end * row_bytes];
+        for (i, piece) in dst.chunks_mut(per * row_bytes).enumerate() {
+            pieces.push((row + i * per, piece));
+        }
         row += seg.rows.len();
+    }
+    copy_all(threads, row * row_bytes, pieces, |(r, dst)| {
+        ring.read_output(slot, r, step.output, dst)
+    });
+    for (seg, out) in step.segments.iter().zip(outs) {
+        seg.job.put_out(out, seg.rows.len());
     }
 }
 
@@ -342,9 +417,10 @@ fn pack_steps(
     abort: &Arc<Abort>,
 ) {
     let _guard = AbortOnPanic(abort.clone(), "the step packer panicked");
+    let threads = copy_threads();
     while let Some(step) = runtime.block_on(steps.recv()) {
         let slot = free.take();
-        pack(ring, &step, slot);
+        pack(ring, &step, slot, threads);
         if let Err(std::sync::mpsc::SendError((step, _))) = packed.send((step, slot)) {
             fail_step(&step, abort);
             break;
@@ -373,8 +449,9 @@ fn deliver_steps(
     free: &Slots,
     in_flight: &tokio::sync::Semaphore,
 ) {
+    let threads = copy_threads();
     for (step, slot) in done {
-        deliver(ring, &step, slot);
+        deliver(ring, &step, slot, threads);
         free.put(slot);
         in_flight.add_permits(1);
         metrics::gauge!("epserve_steps_in_flight").decrement(1.0);

@@ -16,18 +16,31 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use bytes::Bytes;
 use tokio::sync::oneshot;
 
-pub type Reply = Result<Vec<f32>, Failure>;
+use crate::dtype::Dtype;
 
-/// A validated request, converted to f32.
+/// The output rows `[tokens, hidden]` in the request's output dtype, or why there are none.
+pub type Reply = Result<Bytes, Failure>;
+
+/// Rows of floats as the client sent them: `[tokens, hidden]`, little-endian `dtype`.
+#[derive(Clone, Debug)]
+pub struct Rows {
+    pub dtype: Dtype,
+    pub data: Bytes,
+}
+
+/// A validated request: its hidden states still the client's bytes.
 pub struct JobInput {
     pub id: String,
     /// Index into `MoeSpec::moe_layers`.
     pub layer: usize,
     pub tokens: usize,
     /// `[tokens, hidden]`.
-    pub hidden: Vec<f32>,
+    pub hidden: Rows,
+    /// The dtype its output rows leave in.
+    pub output: Dtype,
     /// Client routing: ids and weights, `[tokens, top_k]` each.
     pub routing: Option<(Vec<i32>, Vec<f32>)>,
     /// The client's deadline (grpc-timeout): past it, a queued request never enters a step.
@@ -45,7 +58,8 @@ pub struct Job {
 }
 
 struct Sink {
-    out: Vec<f32>,
+    /// `[tokens, hidden]` in the output dtype, allocated with the first rows delivered.
+    out: Vec<u8>,
     done: usize,
     first_step: Option<Instant>,
     reply: Option<oneshot::Sender<Reply>>,
@@ -103,20 +117,26 @@ impl Job {
         }
     }
 
-    /// Stores output rows `rows` (written by `fill`); answers once every row is in.
-    fn deliver(&self, rows: Range<usize>, hidden: usize, fill: impl FnOnce(&mut [f32])) {
+    /// The output buffer, taken out to be filled by `Delivery::run`; allocated on first use.
+    fn take_out(&self, row_bytes: usize) -> Vec<u8> {
         let mut s = self.sink();
         if s.out.is_empty() {
-            s.out = vec![0.0; self.input.tokens * hidden];
+            s.out = vec![0; self.input.tokens * row_bytes];
         }
-        fill(&mut s.out[rows.start * hidden..rows.end * hidden]);
-        s.done += rows.len();
+        std::mem::take(&mut s.out)
+    }
+
+    /// Puts the buffer back with `rows` more filled in; answers once every row is in.
+    fn put_out(&self, out: Vec<u8>, rows: usize) {
+        let mut s = self.sink();
+        s.out = out;
+        s.done += rows;
         if s.done == self.input.tokens {
             if let Some(t) = s.first_step {
                 metrics::histogram!("epserve_request_in_step_seconds")
                     .record(t.elapsed().as_secs_f64());
             }
-            let out = std::mem::take(&mut s.out);
+            let out = Bytes::from(std::mem::take(&mut s.out));
             if let Some(tx) = s.reply.take() {
                 let _ = tx.send(Ok(out));
             }
@@ -134,6 +154,9 @@ pub struct Segment {
 pub struct Step {
     pub layer: usize,
     pub client_routing: bool,
+    /// Every request in a step shares its input and output dtypes: the ring carries them as is.
+    pub input: Dtype,
+    pub output: Dtype,
     pub segments: Vec<Segment>,
 }
 

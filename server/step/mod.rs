@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::dtype::Dtype;
+
 /// What the router tells every rank about a step (sent over the control channel).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepDesc {
@@ -22,6 +24,10 @@ pub struct StepDesc {
     pub slot: u32,
     /// The ring carries the client's top-k ids and weights: gating is skipped.
     pub client_routing: bool,
+    /// The dtype of the step's input rows in the ring, as the clients sent them.
+    pub input: Dtype,
+    /// The dtype the ranks write the output rows in, as the clients asked for them.
+    pub output: Dtype,
 }
 
 /// The step's tokens `[start, end)` that `rank` owns: an even split, the remainder to low ranks.
@@ -201,6 +207,8 @@ impl<B: Backend> Driver<B> {
             )
         } else if desc.slot as usize >= self.ring.slots {
             format!("ring slot {} of {}", desc.slot, self.ring.slots)
+        } else if !desc.input.is_float() || !desc.output.is_float() {
+            format!("rows of {:?} in, {:?} out", desc.input, desc.output)
         } else if desc.tokens as usize > self.ring.max_tokens {
             format!(
                 "{} tokens, more than a step holds ({})",
@@ -273,12 +281,21 @@ mod tests {
             tokens: 64,
             slot: 1,
             client_routing: false,
+            input: Dtype::Bf16,
+            output: Dtype::F32,
         };
         d.run(&ok).unwrap();
         for (bad, want) in [
             (StepDesc { layer: 2, ..ok }, "layer index 2 of 2"),
             (StepDesc { slot: 2, ..ok }, "ring slot 2 of 2"),
             (StepDesc { tokens: 65, ..ok }, "65 tokens"),
+            (
+                StepDesc {
+                    input: Dtype::I64,
+                    ..ok
+                },
+                "rows of I64 in",
+            ),
             (
                 StepDesc {
                     layer: u32::MAX,

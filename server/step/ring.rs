@@ -1,11 +1,13 @@
 //! The step ring: host shared memory owned by the router, mapped by every rank of the host. The
 //! router writes a step's input into a slot; each rank reads its home slice and writes its combined
-//! slice back, then raises its output flag for the step.
+//! slice back, then raises its output flag for the step. Hidden rows travel in the step's wire
+//! dtypes (`StepDesc::input`, `StepDesc::output`); a slot has room for f32, the widest.
 
 use std::ops::Range;
 use std::path::Path;
 use std::time::Instant;
 
+use crate::dtype::Dtype;
 use crate::shm::{wait_seq, Abort, Shm, WaitError};
 
 const LINE: usize = 64;
@@ -33,8 +35,8 @@ impl RingShape {
     fn slot_base(&self, slot: usize) -> usize {
         self.flags_bytes() + slot * self.slot_bytes().next_multiple_of(LINE)
     }
-    fn hidden_off(&self, slot: usize, row: usize) -> usize {
-        self.slot_base(slot) + row * self.hidden * 4
+    fn hidden_off(&self, slot: usize, row: usize, d: Dtype) -> usize {
+        self.slot_base(slot) + row * self.hidden * d.bytes()
     }
     fn ids_off(&self, slot: usize, row: usize) -> usize {
         self.slot_base(slot) + (self.max_tokens * self.hidden + row * self.top_k) * 4
@@ -42,9 +44,10 @@ impl RingShape {
     fn weights_off(&self, slot: usize, row: usize) -> usize {
         self.slot_base(slot) + (self.max_tokens * (self.hidden + self.top_k) + row * self.top_k) * 4
     }
-    fn out_off(&self, slot: usize, row: usize) -> usize {
+    fn out_off(&self, slot: usize, row: usize, d: Dtype) -> usize {
         self.slot_base(slot)
-            + (self.max_tokens * (self.hidden + 2 * self.top_k) + row * self.hidden) * 4
+            + self.max_tokens * (self.hidden + 2 * self.top_k) * 4
+            + row * self.hidden * d.bytes()
     }
     fn in_flag(&self, slot: usize) -> usize {
         slot * (1 + self.world) * LINE
@@ -79,9 +82,10 @@ impl Ring {
         ("step_ring", self.shm.addr(), self.shm.len())
     }
 
-    /// Router: rows `[row, row + n)` of a step's input.
-    pub fn write_hidden(&self, slot: usize, row: usize, data: &[f32]) {
-        self.shm.write(self.shape.hidden_off(slot, row), data);
+    /// Router: input rows from `row` on, in `d`. Disjoint rows may be written from several
+    /// threads at once.
+    pub fn write_hidden(&self, slot: usize, row: usize, d: Dtype, data: &[u8]) {
+        self.shm.write(self.shape.hidden_off(slot, row, d), data);
     }
     pub fn write_routing(&self, slot: usize, row: usize, ids: &[i32], weights: &[f32]) {
         self.shm.write(self.shape.ids_off(slot, row), ids);
@@ -102,22 +106,61 @@ impl Ring {
             .load(std::sync::atomic::Ordering::Acquire)
             == seq
     }
-    pub fn read_hidden(&self, slot: usize, rows: Range<usize>, dst: &mut [f32]) {
-        self.shm.read(self.shape.hidden_off(slot, rows.start), dst);
+    pub fn read_hidden(&self, slot: usize, rows: Range<usize>, d: Dtype, dst: &mut [u8]) {
+        self.check_rows(&rows, d, dst.len());
+        self.shm
+            .read(self.shape.hidden_off(slot, rows.start, d), dst);
+    }
+    /// Rank: (address in this process, bytes) of input rows `rows` in `d`, for a device copy
+    /// straight from the ring.
+    pub fn hidden_span(&self, slot: usize, rows: Range<usize>, d: Dtype) -> (usize, usize) {
+        let bytes = rows.len() * self.shape.hidden * d.bytes();
+        self.check_rows(&rows, d, bytes);
+        assert!(slot < self.shape.slots, "ring slot {slot}");
+        (
+            self.shm.addr() + self.shape.hidden_off(slot, rows.start, d),
+            bytes,
+        )
+    }
+    /// Rank: (address, bytes) of output rows `rows` in `d`, for a device copy into the ring.
+    pub fn output_span(&self, slot: usize, rows: Range<usize>, d: Dtype) -> (usize, usize) {
+        let bytes = rows.len() * self.shape.hidden * d.bytes();
+        self.check_rows(&rows, d, bytes);
+        assert!(slot < self.shape.slots, "ring slot {slot}");
+        (
+            self.shm.addr() + self.shape.out_off(slot, rows.start, d),
+            bytes,
+        )
+    }
+    fn check_rows(&self, rows: &Range<usize>, d: Dtype, bytes: usize) {
+        assert!(
+            rows.start <= rows.end
+                && rows.end <= self.shape.max_tokens
+                && bytes == rows.len() * self.shape.hidden * d.bytes(),
+            "ring rows {rows:?} of {d:?}: {bytes} bytes"
+        );
     }
     pub fn read_routing(&self, slot: usize, rows: Range<usize>, ids: &mut [i32], w: &mut [f32]) {
         self.shm.read(self.shape.ids_off(slot, rows.start), ids);
         self.shm.read(self.shape.weights_off(slot, rows.start), w);
     }
+    /// Rank: its output rows, in `d`, then its flag for step `seq`.
     pub fn write_output(
         &self,
         slot: usize,
         rank: usize,
         rows: Range<usize>,
-        data: &[f32],
+        d: Dtype,
+        data: &[u8],
         seq: u64,
     ) {
-        self.shm.write(self.shape.out_off(slot, rows.start), data);
+        self.check_rows(&rows, d, data.len());
+        self.shm
+            .write(self.shape.out_off(slot, rows.start, d), data);
+        self.publish_output(slot, rank, seq);
+    }
+    /// Rank: its output rows are in place (written by `write_output` or a device copy).
+    pub fn publish_output(&self, slot: usize, rank: usize, seq: u64) {
         self.shm
             .flag(self.shape.out_flag(slot, rank))
             .store(seq, std::sync::atomic::Ordering::Release);
@@ -142,7 +185,8 @@ impl Ring {
         }
         Ok(())
     }
-    pub fn read_output(&self, slot: usize, row: usize, dst: &mut [f32]) {
-        self.shm.read(self.shape.out_off(slot, row), dst);
+    /// Router: output rows from `row` on, in `d`. Disjoint rows may be read from several threads.
+    pub fn read_output(&self, slot: usize, row: usize, d: Dtype, dst: &mut [u8]) {
+        self.shm.read(self.shape.out_off(slot, row, d), dst);
     }
 }

@@ -302,6 +302,17 @@ pub fn bf16_tensor(v: &[f32], shape: [usize; 2]) -> Tensor {
     }
 }
 
+pub fn f16_tensor(v: &[f32], shape: [usize; 2]) -> Tensor {
+    Tensor {
+        dtype: DType::F16 as i32,
+        shape: shape.iter().map(|&x| x as i64).collect(),
+        data: v
+            .iter()
+            .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+            .collect(),
+    }
+}
+
 pub fn i32_tensor(v: &[i32], shape: [usize; 2]) -> Tensor {
     Tensor {
         dtype: DType::I32 as i32,
@@ -310,7 +321,7 @@ pub fn i32_tensor(v: &[i32], shape: [usize; 2]) -> Tensor {
     }
 }
 
-/// Decodes an F32 or BF16 output tensor.
+/// Decodes an F32, BF16 or F16 tensor.
 pub fn decode(t: &Tensor) -> Vec<f32> {
     match DType::try_from(t.dtype).unwrap() {
         DType::F32 => t
@@ -322,6 +333,11 @@ pub fn decode(t: &Tensor) -> Vec<f32> {
             .data
             .chunks_exact(2)
             .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        DType::F16 => t
+            .data
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect(),
         d => panic!("unexpected output dtype {d:?}"),
     }

@@ -43,6 +43,8 @@ pub struct Kernels {
     router_logits: CudaFunction,
     router_logits_tiled: CudaFunction,
     f32_to_bf16: CudaFunction,
+    widen_rows: CudaFunction,
+    narrow_rows: CudaFunction,
     pack_slots: CudaFunction,
     recv_map: CudaFunction,
     scatter_by_map: CudaFunction,
@@ -91,6 +93,8 @@ impl Gpu {
             router_logits: f("router_logits")?,
             router_logits_tiled: f("router_logits_tiled")?,
             f32_to_bf16: f("f32_to_bf16")?,
+            widen_rows: f("widen_rows")?,
+            narrow_rows: f("narrow_rows")?,
             pack_slots: f("pack_slots")?,
             recv_map: f("recv_map")?,
             scatter_by_map: f("scatter_by_map")?,
@@ -436,6 +440,46 @@ impl Gpu {
         b.arg(x).arg(n).arg(&h32).arg(y);
         // SAFETY: both buffers hold n_cap rows of h.
         unsafe { b.launch(Self::cfg(((n_cap * h).div_ceil(256) as u32, 1), 256, 0)) }.map(drop)
+    }
+
+    /// `x[..n * h]` from 16-bit rows `src` (bf16, or f16 when `f16`).
+    pub fn widen_rows(
+        &self,
+        src: &CudaSlice<bf16>,
+        f16: bool,
+        n: usize,
+        h: usize,
+        x: &mut CudaSlice<f32>,
+    ) -> Result<(), DriverError> {
+        assert!(n * h <= src.len() && n * h <= x.len(), "widen_rows bounds");
+        let (f, n32, h32) = (i32::from(f16), n as i32, h as i32);
+        let mut b = self.stream.launch_builder(&self.k.widen_rows);
+        b.arg(src).arg(&f).arg(&n32).arg(&h32).arg(x);
+        // SAFETY: both buffers hold at least n rows of h (asserted); the grid-stride loop stays
+        // below n * h.
+        unsafe { b.launch(Self::rows_cfg(n * h)) }.map(drop)
+    }
+
+    /// 16-bit rows `out[..n * h]` (bf16, or f16 when `f16`) from `x`, rounded to nearest even.
+    pub fn narrow_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        f16: bool,
+        n: usize,
+        h: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), DriverError> {
+        assert!(n * h <= x.len() && n * h <= out.len(), "narrow_rows bounds");
+        let (f, n32, h32) = (i32::from(f16), n as i32, h as i32);
+        let mut b = self.stream.launch_builder(&self.k.narrow_rows);
+        b.arg(x).arg(&f).arg(&n32).arg(&h32).arg(out);
+        // SAFETY: as in `widen_rows`.
+        unsafe { b.launch(Self::rows_cfg(n * h)) }.map(drop)
+    }
+
+    /// A grid-stride launch over `elems` values: enough blocks to fill the GPU, no more.
+    fn rows_cfg(elems: usize) -> LaunchConfig {
+        Self::cfg((elems.div_ceil(256).clamp(1, 132 * 16) as u32, 1), 256, 0)
     }
 
     /// Packs each expert-major row into its peer's send slot (`send [world][slot_rows][h]`).

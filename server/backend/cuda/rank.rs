@@ -1,18 +1,20 @@
-//! The `nccl` backend's rank: a `GpuStep` fed from the host step ring through pinned staging, one
-//! CUDA graph per (layer, bucket, routing source) captured at startup and replayed, and every wait
-//! on the GPU bounded by the step timeout (a lost peer would otherwise hang NCCL forever).
+//! The `nccl` backend's rank: a `GpuStep` fed straight from the host step ring (registered with
+//! the driver once, so its rows are copied by DMA in their wire dtype and converted on the GPU),
+//! one CUDA graph per (layer, bucket, routing source) captured at startup and replayed, and every
+//! wait on the GPU bounded by the step timeout (a lost peer would otherwise hang NCCL forever).
 
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
     result, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
     DriverError,
 };
 
 use super::step::{GpuError, GpuStep};
+use crate::dtype::Dtype;
 use crate::step::ring::Ring;
 use crate::step::{max_home_tokens, Backend, PhaseTimes, StepDesc, StepError};
 
@@ -84,14 +86,129 @@ fn dtoh<T: DeviceRepr + Copy + Default>(
     unsafe { result::memcpy_dtoh_async(&mut dst.as_mut_slice()[..len], s, stream.cu_stream()) }
 }
 
-/// Pinned staging of one step's inputs and outputs.
+/// The step ring registered with the driver (page-locked in place), so rows move between it and
+/// the GPU by DMA with no host staging copy. Unregistered on drop, which must come before the
+/// ring is unmapped and after the last copy touching it.
+struct RingPin(usize);
+
+impl RingPin {
+    fn new(ring: &Ring) -> Result<Self, DriverError> {
+        let (_, addr, len) = ring.buffer();
+        // SAFETY: [addr, addr + len rounded up to a page) is the ring's own mapping (mmap maps
+        // whole pages, page-aligned), which the rank keeps mapped for longer than this value.
+        unsafe {
+            sys::cuMemHostRegister_v2(
+                addr as *mut std::ffi::c_void,
+                len.next_multiple_of(4096),
+                sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        }
+        .result()?;
+        Ok(Self(addr))
+    }
+}
+
+impl Drop for RingPin {
+    fn drop(&mut self) {
+        // SAFETY: registered once in `new`; no copy is in flight (the last step was waited for).
+        if let Err(e) =
+            unsafe { sys::cuMemHostUnregister(self.0 as *mut std::ffi::c_void) }.result()
+        {
+            tracing::warn!("cuMemHostUnregister: {e}");
+        }
+    }
+}
+
+/// `bytes` from host address `src` (inside the registered ring) into `dst`, on `stream`.
+fn ring_in<T>(
+    src: (usize, usize),
+    dst: &mut CudaSlice<T>,
+    stream: &CudaStream,
+) -> Result<(), DriverError> {
+    let (src, bytes) = src;
+    assert!(
+        bytes <= dst.len() * std::mem::size_of::<T>(),
+        "ring_in bounds"
+    );
+    if bytes == 0 {
+        return Ok(());
+    }
+    let (d, _sync) = dst.device_ptr_mut(stream);
+    // SAFETY: the span lies inside the ring's registered mapping (`Ring::hidden_span` checks the
+    // rows) and `dst` holds `bytes` (asserted); the router rewrites a slot only after every rank
+    // has published its output, which this rank does after the step's completion event.
+    unsafe {
+        sys::cuMemcpyHtoDAsync_v2(d, src as *const std::ffi::c_void, bytes, stream.cu_stream())
+    }
+    .result()
+}
+
+/// `bytes` of `src` into host address `dst` (inside the registered ring), on `stream`.
+fn ring_out<T>(
+    src: &CudaSlice<T>,
+    dst: (usize, usize),
+    stream: &CudaStream,
+) -> Result<(), DriverError> {
+    let (dst, bytes) = dst;
+    assert!(
+        bytes <= src.len() * std::mem::size_of::<T>(),
+        "ring_out bounds"
+    );
+    if bytes == 0 {
+        return Ok(());
+    }
+    let (s, _sync) = src.device_ptr(stream);
+    // SAFETY: as in `ring_in` (`Ring::output_span` checks the rows); the router reads these rows
+    // only after this rank publishes them, after the step's completion event.
+    unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut std::ffi::c_void, s, bytes, stream.cu_stream()) }
+        .result()
+}
+
+/// The home rows from the ring onto the GPU as f32 in `x`: f32 rows directly, 16-bit ones through
+/// the wire buffer and a widening kernel. Outside the graph: the slot and rows vary per step.
+fn load_rows(
+    c: &mut GpuStep,
+    ring: &Ring,
+    slot: usize,
+    home: Range<usize>,
+    d: Dtype,
+) -> Result<(), DriverError> {
+    let (n, h, s) = (home.len(), c.shape.hidden, c.g.stream.clone());
+    let span = ring.hidden_span(slot, home, d);
+    match d {
+        Dtype::F32 => ring_in(span, &mut c.b.x, &s),
+        _ => {
+            ring_in(span, &mut c.b.wire, &s)?;
+            c.g.widen_rows(&c.b.wire, d == Dtype::F16, n, h, &mut c.b.x)
+        }
+    }
+}
+
+/// The step's output rows into the ring in `d`: f32 directly, 16-bit ones narrowed on the GPU.
+fn store_rows(
+    c: &mut GpuStep,
+    ring: &Ring,
+    slot: usize,
+    home: Range<usize>,
+    d: Dtype,
+) -> Result<(), DriverError> {
+    let (n, h, s) = (home.len(), c.shape.hidden, c.g.stream.clone());
+    let span = ring.output_span(slot, home, d);
+    match d {
+        Dtype::F32 => ring_out(&c.b.out, span, &s),
+        _ => {
+            c.g.narrow_rows(&c.b.out, d == Dtype::F16, n, h, &mut c.b.wire)?;
+            ring_out(&c.b.wire, span, &s)
+        }
+    }
+}
+
+/// Pinned staging of one step's small inputs and outputs (the rows go through the ring).
 struct Staging {
-    x: Pinned<f32>,
     ids: Pinned<i32>,
     w: Pinned<f32>,
     /// `[n, 0, n]`: the home count and the shared expert's offsets.
     n: Pinned<i32>,
-    out: Pinned<f32>,
     m: Pinned<i32>,
     /// NCCL EP's per-local-expert receive counts and HT padded total, for the overflow check.
     recv: Pinned<i32>,
@@ -107,16 +224,14 @@ fn enqueue(
     client: bool,
 ) -> Result<(), GpuError> {
     let s = c.g.stream.clone();
-    let (h, k) = (c.shape.hidden, c.shape.top_k);
+    let k = c.shape.top_k;
     htod(&st.n, 0..1, &mut c.b.n, &s)?;
     htod(&st.n, 1..3, &mut c.b.sh_off, &s)?;
-    htod(&st.x, 0..bucket * h, &mut c.b.x, &s)?;
     if client {
         htod(&st.ids, 0..bucket * k, &mut c.b.ids, &s)?;
         htod(&st.w, 0..bucket * k, &mut c.b.w, &s)?;
     }
     c.run(layer, bucket, client)?;
-    dtoh(&c.b.out, bucket * h, &mut st.out, &s)?;
     let m = c.b.m.len();
     dtoh(&c.b.m, m, &mut st.m, &s)?;
     if let Some(ep) = &c.ep {
@@ -160,6 +275,8 @@ pub struct GpuRank {
     core: Option<GpuStep>,
     /// Dropped only while not poisoned: a copy into it may still be in flight otherwise.
     st: std::mem::ManuallyDrop<Staging>,
+    /// Before `ring`, so it is unregistered before the ring is unmapped; None once poisoned.
+    pinned: Option<RingPin>,
     ring: Arc<Ring>,
     /// Home-token capacities, ascending; the last is the largest a step can need.
     buckets: Vec<usize>,
@@ -181,7 +298,7 @@ impl GpuRank {
         step_timeout: Duration,
     ) -> Result<Self, GpuError> {
         let s = core.shape;
-        let (t, h, k) = (s.max_home, s.hidden, s.top_k);
+        let (t, k) = (s.max_home, s.top_k);
         if buckets.last() != Some(&t) || buckets.windows(2).any(|w| w[0] >= w[1]) {
             return Err(GpuError::Config(format!(
                 "buckets {buckets:?} must ascend to the largest home slice ({t})"
@@ -189,20 +306,20 @@ impl GpuRank {
         }
         core.g.ctx.bind_to_thread()?;
         let st = Staging {
-            x: Pinned::new(t * h)?,
             ids: Pinned::new(t * k)?,
             w: Pinned::new(t * k)?,
             n: Pinned::new(3)?,
-            out: Pinned::new(t * h)?,
             m: Pinned::new(s.world * s.experts)?,
             recv: Pinned::new(s.local())?,
             total: Pinned::new(1)?,
         };
         let done = core.g.ctx.new_event(None)?;
+        let pinned = Some(RingPin::new(&ring)?);
         let mut me = Self {
             routed: vec![0; s.world * s.experts],
             core: Some(core),
             st: std::mem::ManuallyDrop::new(st),
+            pinned,
             ring,
             buckets,
             graphs: Vec::new(),
@@ -287,6 +404,8 @@ impl GpuRank {
             comm.abort();
             std::mem::forget((g, layers, b));
             self.graphs.drain(..).for_each(std::mem::forget);
+            // A copy may still be in flight to or from the ring: keep it registered.
+            std::mem::forget(self.pinned.take());
         }
     }
 
@@ -370,23 +489,16 @@ impl GpuRank {
         c.g.ctx
             .bind_to_thread()
             .map_err(|e| invalid(format!("binding the CUDA context: {e}")))?;
-        let (h, k, e, layers) = (
-            c.shape.hidden,
-            c.shape.top_k,
-            c.shape.experts,
-            c.layers.len(),
-        );
+        let (k, e, layers) = (c.shape.top_k, c.shape.experts, c.layers.len());
         let layer = desc.layer as usize;
         if layer >= layers {
             return Err(invalid(format!("layer {layer} is not loaded")));
         }
         let st: &mut Staging = &mut self.st;
-        self.ring
-            .read_hidden(slot, home.clone(), &mut st.x.as_mut_slice()[..n * h]);
         if desc.client_routing {
             self.ring.read_routing(
                 slot,
-                home,
+                home.clone(),
                 &mut st.ids.as_mut_slice()[..n * k],
                 &mut st.w.as_mut_slice()[..n * k],
             );
@@ -404,20 +516,31 @@ impl GpuRank {
         st.n.as_mut_slice()
             .copy_from_slice(&[n as i32, 0, n as i32]);
         let bucket = self.buckets[bi];
-        let launched = match self.graphs.is_empty() {
-            true => self
-                .eager(layer, bucket, desc.client_routing)
-                .map_err(|e| e.to_string()),
-            false => {
-                let g = (layer * self.buckets.len() + bi) * 2 + usize::from(desc.client_routing);
-                self.graphs[g]
-                    .as_ref()
-                    .expect("captured at startup")
-                    .0
-                    .launch()
-                    .map_err(|e| e.to_string())
-            }
-        };
+        let ring = self.ring.clone();
+        let c = self.core.as_mut().expect("the GPU rank is poisoned");
+        let mut launched =
+            load_rows(c, &ring, slot, home.clone(), desc.input).map_err(|e| e.to_string());
+        if launched.is_ok() {
+            launched = match self.graphs.is_empty() {
+                true => self
+                    .eager(layer, bucket, desc.client_routing)
+                    .map_err(|e| e.to_string()),
+                false => {
+                    let g =
+                        (layer * self.buckets.len() + bi) * 2 + usize::from(desc.client_routing);
+                    self.graphs[g]
+                        .as_ref()
+                        .expect("captured at startup")
+                        .0
+                        .launch()
+                        .map_err(|e| e.to_string())
+                }
+            };
+        }
+        if launched.is_ok() {
+            let c = self.core.as_mut().expect("the GPU rank is poisoned");
+            launched = store_rows(c, &ring, slot, home, desc.output).map_err(|e| e.to_string());
+        }
         if let Err(msg) = launched.and_then(|_| self.finish(deadline)) {
             self.poison();
             return Err(StepError::Device {
@@ -440,14 +563,11 @@ impl GpuRank {
 impl Backend for GpuRank {
     fn step(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<PhaseTimes, StepError> {
         let t0 = Instant::now();
-        let n = home.len();
-        let bucket = self.run_step(desc, home.clone())?;
-        let h = self.ring.shape.hidden;
-        self.ring.write_output(
+        let bucket = self.run_step(desc, home)?;
+        // The rows went into the ring by DMA before the step's completion event.
+        self.ring.publish_output(
             desc.slot as usize,
             self.core.as_ref().map_or(0, |c| c.shape.rank),
-            home,
-            &self.st.out.as_slice()[..n * h],
             desc.step,
         );
         let world = self.ring.shape.world;

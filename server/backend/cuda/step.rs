@@ -210,7 +210,7 @@ impl StepShape {
         let tiles = 2 * (max_tiles(rows, self.local()) + max_tiles(t, 1)) + 2;
         t * h * 4 * 2                       // x, out
             + t * e * 4 + t * k * 4         // logits, weights
-            + t * h * 2                     // xb
+            + t * h * 2 * 2                 // xb, wire
             + expert_rows * h * 2           // send, recv, expert rows
             + rows * 3 * i * 2              // gate/up, act
             + t * (3 * si + h) * 2          // shared expert
@@ -287,6 +287,9 @@ pub struct Buffers {
     /// Home tokens `[T, hidden]` in f32 (the router's input) and bf16 (the experts').
     pub x: CudaSlice<f32>,
     pub xb: CudaSlice<bf16>,
+    /// The home rows in a 16-bit wire dtype (bf16 or f16) on their way in from the host ring,
+    /// or out to it; outside the step's graph, so no peer ever reads it.
+    pub wire: CudaSlice<bf16>,
     /// This step's home token count (one int), and `[0, n]` for the shared expert's GEMM.
     pub n: CudaSlice<i32>,
     pub sh_off: CudaSlice<i32>,
@@ -333,6 +336,7 @@ impl Buffers {
         Ok(Self {
             x: a.zeros(t * h)?,
             xb: a.zeros(t * h)?,
+            wire: a.zeros(t * h)?,
             n: a.zeros(1)?,
             sh_off: a.zeros(2)?,
             logits: a.zeros(t * e)?,
