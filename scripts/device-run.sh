@@ -30,7 +30,8 @@ if want tests; then
   run gpu_kernels .device/bin/gpu_kernels --ignored --test-threads 1
   run gpu_nccl .device/bin/gpu_nccl --ignored --test-threads 1
   run gpu_ep .device/bin/gpu_ep --ignored --nocapture --test-threads 1
-  run gpu_serve .device/bin/gpu_serve --ignored --nocapture --test-threads 1 --skip matches_the_nccl_backend --skip fault_drill
+  # TMPDIR on tmpfs: the tests' step rings can be registered with the driver there.
+  TMPDIR=/dev/shm run gpu_serve .device/bin/gpu_serve --ignored --nocapture --test-threads 1 --skip matches_the_nccl_backend --skip fault_drill
 fi
 if want drill; then
   # A rank stopped and killed under load, on both GPU backends (nccl-ep on the carried NCCL 2.30).
@@ -82,7 +83,7 @@ if want serve; then
    for variant in "${variants[@]}"; do
     vname=${variant%%:*}; read -r -a h2 <<<"${variant#*:}"
     name=$(basename "$bin")-$vname
-    shm=$(mktemp -d)
+    shm=$(mktemp -d -p /dev/shm)
     "$bin" launch --ranks 4 --backend nccl-ep --model synthetic:deepseek-v3 --layers 1 \
       --max-tokens-per-step 4096 --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --shm-dir "$shm" \
       "${h2[@]}" >"$out/serve-$name.log" 2>&1 &
@@ -94,18 +95,33 @@ if want serve; then
     done
     if [ -z "$addr" ]; then tail -20 "$out/serve-$name.log"; kill $pid; status=1; continue; fi
     m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$out/serve-$name.log" | head -1)
-    for cfg in "64 128" "16 2048"; do
-      set -- $cfg
-      s0=$(metric "$m0" epserve_step_duration_seconds_sum); t0=$(date +%s.%N)
+    # SERVE_CONFIGS: "clients:tokens ..." (default 64 clients of 128 tokens, 16 of 2048).
+    for cfg in ${SERVE_CONFIGS:-64:128 16:2048}; do
+      set -- ${cfg/:/ }
+      tag="$name-c$1-t$2"
+      s0=$(metric "$m0" epserve_step_duration_seconds_sum); k0=$(metric "$m0" epserve_step_tokens_sum)
+      t0=$(date +%s.%N)
       .device/bin/epserve-loadtest --target "$addr" --echo --concurrency "$1" --tokens "$2" --dtype bf16 \
-        --warmup 2s --duration 8s "${h2[@]}" --json "$out/serve-$name-c$1-t$2.json" >"$out/serve-$name-c$1-t$2.txt" 2>&1
-      s1=$(metric "$m0" epserve_step_duration_seconds_sum); t1=$(date +%s.%N)
-      echo "== serve $name c$1 t$2 (router step seconds $s0 -> $s1 over $(python3 -c "print(round($t1 - $t0, 1))") s of wall; the service part is 10 s of it)"
-      cat "$out/serve-$name-c$1-t$2.txt"
+        --warmup 2s --duration 8s "${h2[@]}" --json "$out/serve-$tag.json" >"$out/serve-$tag.txt" 2>&1
+      s1=$(metric "$m0" epserve_step_duration_seconds_sum); k1=$(metric "$m0" epserve_step_tokens_sum)
+      t1=$(date +%s.%N)
+      # GPU busy: step seconds over the service's 10 s; the step alone: its tokens over its seconds.
+      echo "== serve $tag: router step seconds $s0 -> $s1, step tokens $k0 -> $k1 over $(python3 -c "print(round($t1 - $t0, 1))") s of wall (the service part is 10 s of it): busy $(python3 -c "print(round(($s1 - $s0) / 10, 3))"), the step alone $(python3 -c "print(round(($k1 - $k0) / ($s1 - $s0)))") tokens/s"
+      cat "$out/serve-$tag.txt"
+      # Latency at 70% of the closed loop's throughput, open loop (Poisson arrivals).
+      rate=$(python3 -c "import json; print(round(0.7 * json.load(open('$out/serve-$tag.json'))['service']['requests_per_s'], 1))")
+      .device/bin/epserve-loadtest --target "$addr" --echo --rate "$rate" --tokens "$2" --dtype bf16 \
+        --warmup 2s --duration 8s "${h2[@]}" --json "$out/serve-$tag-open70.json" >"$out/serve-$tag-open70.txt" 2>&1
+      echo "== serve $tag: open loop at $rate req/s (70% of the closed loop), then the echo at the same rate"
+      cat "$out/serve-$tag-open70.txt"
     done
+    # Where a request's time went (queue, in step, whole call), per rank-0 histogram.
+    curl -s "$m0" | grep -E '^epserve_(request|step|steps|ingress|egress)' >"$out/serve-$name-metrics.txt"
     kill -TERM $pid; wait $pid
     rm -rf "$shm"
    done
   done
+  # The device tool brings back a few files: the runs' JSON and text go back as one archive.
+  tar czf "$out/serve.tgz" -C "$out" $(cd "$out" && ls serve-*) && (cd "$out" && rm -f serve-*)
 fi
 exit $status

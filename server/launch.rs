@@ -45,7 +45,7 @@ async fn read_rendezvous(
     let mut lines = BufReader::new(out).lines();
     let found = tokio::time::timeout(timeout, async {
         while let Ok(Some(line)) = lines.next_line().await {
-            if let Some(addr) = line.strip_prefix(crate::rank::RENDEZVOUS_LINE) {
+            if let Some(addr) = line.strip_prefix(crate::serve::RENDEZVOUS_LINE) {
                 return Some(addr.trim().to_string());
             }
             println!("{line}");

@@ -22,7 +22,7 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.command {
-        Command::Serve(args) => epserve::rank::serve(args),
+        Command::Serve(args) => epserve::serve::serve(args),
         Command::Launch(args) => epserve::launch::launch(args),
         Command::Bench(args) => epserve::bench::run(args),
     };

@@ -200,15 +200,28 @@ mod tests {
         Arc<Job>,
         tokio::sync::oneshot::Receiver<crate::router::Reply>,
     ) {
+        typed(layer, tokens, deadline, Dtype::Bf16, Dtype::Bf16)
+    }
+
+    fn typed(
+        layer: usize,
+        tokens: usize,
+        deadline: Option<std::time::Instant>,
+        input: Dtype,
+        output: Dtype,
+    ) -> (
+        Arc<Job>,
+        tokio::sync::oneshot::Receiver<crate::router::Reply>,
+    ) {
         let input = JobInput {
             id: format!("{layer}/{tokens}"),
             layer,
             tokens,
             hidden: crate::router::Rows {
-                dtype: Dtype::Bf16,
+                dtype: input,
                 data: bytes::Bytes::new(),
             },
-            output: Dtype::Bf16,
+            output,
             routing: None,
             deadline,
         };
@@ -291,6 +304,46 @@ mod tests {
         ready.add_permits(1);
         let s = srx.recv().await.unwrap();
         assert_eq!((s.layer, sizes(&s)), (0, vec![(11, 5..11)]));
+        stop.cancel();
+        task.await.unwrap();
+    }
+
+    /// The ring carries one input and one output dtype per step: requests of one layer that
+    /// differ in either go in different steps, each in its turn.
+    #[tokio::test(start_paused = true)]
+    async fn requests_share_a_step_only_with_the_same_dtypes() {
+        let h = harness(64, 5, 1, 1);
+        let (jtx, mut srx, stop, task) = (h.jobs, h.steps, h.stop, h.task);
+        let mut keep = Vec::new();
+        let kinds = [
+            (Dtype::Bf16, Dtype::Bf16),
+            (Dtype::F32, Dtype::Bf16),
+            (Dtype::Bf16, Dtype::Bf16),
+            (Dtype::Bf16, Dtype::F32),
+        ];
+        for (i, o) in kinds {
+            let (j, rx) = typed(0, 2, None, i, o);
+            jtx.send(j).await.unwrap();
+            keep.push(rx);
+        }
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let s = srx.recv().await.unwrap();
+            assert!(s
+                .segments
+                .iter()
+                .all(|g| (g.job.input.hidden.dtype, g.job.input.output) == (s.input, s.output)));
+            seen.push(((s.input, s.output), s.segments.len()));
+            h.in_flight.add_permits(1);
+        }
+        assert_eq!(
+            seen,
+            vec![
+                ((Dtype::Bf16, Dtype::Bf16), 2),
+                ((Dtype::F32, Dtype::Bf16), 1),
+                ((Dtype::Bf16, Dtype::F32), 1)
+            ]
+        );
         stop.cancel();
         task.await.unwrap();
     }

@@ -87,7 +87,7 @@ fn dtoh<T: DeviceRepr + Copy + Default>(
 }
 
 /// The step ring registered with the driver (page-locked in place), so rows move between it and
-/// the GPU by DMA with no host staging copy. Unregistered on drop, which must come before the
+/// the GPU by DMA with no host staging copy (without it the same copies still work, staged). Unregistered on drop, which must come before the
 /// ring is unmapped and after the last copy touching it.
 struct RingPin(usize);
 
@@ -134,8 +134,7 @@ fn ring_in<T>(
         return Ok(());
     }
     let (d, _sync) = dst.device_ptr_mut(stream);
-    // SAFETY: the span lies inside the ring's registered mapping (`Ring::hidden_span` checks the
-    // rows) and `dst` holds `bytes` (asserted); the router rewrites a slot only after every rank
+    // SAFETY: the span lies inside the ring's mapping (`Ring::hidden_span` checks the rows) and `dst` holds `bytes` (asserted); the router rewrites a slot only after every rank
     // has published its output, which this rank does after the step's completion event.
     unsafe {
         sys::cuMemcpyHtoDAsync_v2(d, src as *const std::ffi::c_void, bytes, stream.cu_stream())
@@ -314,7 +313,18 @@ impl GpuRank {
             total: Pinned::new(1)?,
         };
         let done = core.g.ctx.new_event(None)?;
-        let pinned = Some(RingPin::new(&ring)?);
+        // The kernel refuses to pin a writable file mapping outside tmpfs (e.g. --shm-dir on
+        // disk): then the driver stages the same copies through its own pinned buffers.
+        let pinned = match RingPin::new(&ring) {
+            Ok(p) => Some(p),
+            Err(e) => {
+                tracing::warn!(
+                    "the step ring could not be registered with the driver ({e}): rows are \
+                     copied through the driver's staging, more slowly; put --shm-dir on a tmpfs"
+                );
+                None
+            }
+        };
         let mut me = Self {
             routed: vec![0; s.world * s.experts],
             core: Some(core),

@@ -1,0 +1,132 @@
+//! The router's gRPC surface: epserve.v1, KServe v2, health and reflection on one port, with our
+//! own accept loop, and the health services that say whether it is ready and live.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tonic::server::NamedService;
+use tonic_health::pb::health_server::HealthServer;
+use tonic_health::server::HealthReporter;
+use tonic_health::ServingStatus;
+use tracing::warn;
+
+use crate::api::kserve::KserveApi;
+use crate::api::MoeApi;
+use crate::infer::Infer;
+use crate::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
+use crate::proto::moe_service_server::MoeServiceServer;
+use crate::watchdog::Progress;
+
+/// Health services: "" and each protocol's service are readiness; "liveness" follows the step
+/// loop.
+pub const LIVENESS: &str = "liveness";
+
+pub async fn set_ready(health: &HealthReporter, ready: bool) {
+    let status = if ready {
+        ServingStatus::Serving
+    } else {
+        ServingStatus::NotServing
+    };
+    health.set_service_status("", status).await;
+    health
+        .set_service_status(MoeServiceServer::<Arc<MoeApi>>::NAME, status)
+        .await;
+    health
+        .set_service_status(GrpcInferenceServiceServer::<Arc<KserveApi>>::NAME, status)
+        .await;
+}
+
+/// `liveness` is NOT_SERVING while one step has run longer than `limit` (a stuck rank or router).
+pub async fn watch_liveness(
+    health: HealthReporter,
+    infer: Arc<Infer>,
+    progress: Arc<Progress>,
+    limit: Duration,
+) {
+    let mut live = true;
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = progress.running_for().is_none_or(|d| d <= limit);
+        if now != live {
+            live = now;
+            let status = if live {
+                ServingStatus::Serving
+            } else {
+                ServingStatus::NotServing
+            };
+            if !live {
+                warn!("a step has run longer than {limit:?}: liveness NOT_SERVING");
+            }
+            infer.set_live(live);
+            health.set_service_status(LIVENESS, status).await;
+        }
+    }
+}
+
+/// Serves the gRPC services on `listener` until `stop`, then lets open calls finish (bounded).
+/// The accept loop is ours rather than tonic's transport server, whose built-in grpc-timeout
+/// layer answers an expired deadline with CANCELLED before the service can say DEADLINE_EXCEEDED.
+pub async fn serve_grpc(
+    http2: crate::transport::Http2,
+    max_request_bytes: usize,
+    api: Arc<MoeApi>,
+    kserve: Arc<KserveApi>,
+    health: HealthServer<impl tonic_health::pb::health_server::Health>,
+    listener: tokio::net::TcpListener,
+    stop: CancellationToken,
+) -> anyhow::Result<()> {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper_util::service::TowerToHyperService;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(crate::inference::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let moe = MoeServiceServer::new(api)
+        .max_decoding_message_size(max_request_bytes)
+        .max_encoding_message_size(max_request_bytes.saturating_mul(2));
+    let kserve = GrpcInferenceServiceServer::new(kserve)
+        .max_decoding_message_size(max_request_bytes)
+        .max_encoding_message_size(max_request_bytes.saturating_mul(2));
+    let routes = tonic::service::Routes::new(health)
+        .add_service(reflection)
+        .add_service(moe)
+        .add_service(kserve)
+        .prepare();
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    http2.serve(&mut builder);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let (tcp, peer) = match accepted {
+                    Ok(x) => x,
+                    Err(e) => {
+                        warn!("gRPC accept: {e}");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                let _ = tcp.set_nodelay(true);
+                let conn = builder.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(routes.clone()));
+                let conn = graceful.watch(conn.into_owned());
+                tokio::spawn(async move {
+                    if let Err(e) = conn.await {
+                        tracing::debug!(%peer, "gRPC connection ended: {e}");
+                    }
+                });
+            }
+            _ = stop.cancelled() => break,
+        }
+    }
+    drop(listener);
+    // Every admitted call is answered by now; this only waits for connections to close.
+    if tokio::time::timeout(Duration::from_secs(5), graceful.shutdown())
+        .await
+        .is_err()
+    {
+        warn!("gRPC connections still open 5s after shutdown; closing");
+    }
+    Ok(())
+}

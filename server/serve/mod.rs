@@ -1,0 +1,95 @@
+//! One rank's life, by concern: `prepare` (model, backend, weights, before the group), `bringup`
+//! (the startup handshake, the same on every rank), then `router` (rank 0: gRPC, batcher, step
+//! executor, drain) or `worker` (follows the router's steps); `grpc` and `stop` serve the router.
+
+mod bringup;
+mod grpc;
+mod prepare;
+mod router;
+mod stop;
+mod worker;
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
+
+use anyhow::{anyhow, Context};
+
+use crate::config::{BackendKind, ServeArgs};
+
+/// Steps in flight. Three (one packed, one running, one delivered at once) measured no faster than
+/// two on 4x H200 (docs/benchmarks.md) and take half as much shared memory again.
+const RING_SLOTS: usize = 2;
+
+/// `epserve serve`: one rank's whole life.
+pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let member = args.member().map_err(|e| anyhow!(e))?;
+    let rank = member.rank;
+    // The router binds its rendezvous port before anything slow, so ranks can connect while it
+    // loads; given port 0 it says on stdout which port it got (how `launch` avoids port races).
+    let listener = match rank {
+        0 => Some(bind_rendezvous(&member.rendezvous, args.rendezvous_bind).context("rank 0")?),
+        _ => None,
+    };
+    let (p, weights) = prepare::prepare(&args, member).with_context(|| format!("rank {rank}"))?;
+    let metrics = crate::metrics::install()?;
+    let r = match listener {
+        Some(l) => router::run(&args, p, weights, metrics, l),
+        None => worker::run(&args, p, weights, metrics),
+    };
+    r.with_context(|| format!("rank {rank}"))
+}
+
+/// The line rank 0 prints on stdout when it bound rendezvous port 0.
+pub const RENDEZVOUS_LINE: &str = "epserve-rendezvous ";
+
+fn bind_rendezvous(addr: &str, given: Option<SocketAddr>) -> anyhow::Result<TcpListener> {
+    let bind = match given {
+        Some(a) => a,
+        None => rendezvous_bind(addr)?,
+    };
+    let listener =
+        TcpListener::bind(bind).with_context(|| format!("binding the rendezvous port {bind}"))?;
+    if bind.port() == 0 {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{RENDEZVOUS_LINE}{}", listener.local_addr()?)?;
+        out.flush()?;
+    }
+    Ok(listener)
+}
+
+/// This user's private directory for the group's segments under --shm-dir.
+pub(crate) fn segment_dir(args: &ServeArgs) -> anyhow::Result<std::path::PathBuf> {
+    crate::shm::private_dir(&args.shm_dir)
+        .with_context(|| format!("the segment directory under {}", args.shm_dir.display()))
+}
+
+pub(crate) fn ring_path(dir: &Path, group: &str) -> std::path::PathBuf {
+    dir.join(format!("epserve-{group}-ring"))
+}
+
+/// The rendezvous listener binds the address the rendezvous name resolves to (its first IPv4
+/// one where there is one): ranks reach the router there, and nothing else is opened.
+fn rendezvous_bind(addr: &str) -> anyhow::Result<SocketAddr> {
+    use std::net::ToSocketAddrs;
+    let all: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .with_context(|| format!("rendezvous address '{addr}' is not HOST:PORT that resolves"))?
+        .collect();
+    all.iter()
+        .find(|a| a.is_ipv4())
+        .or(all.first())
+        .copied()
+        .ok_or_else(|| anyhow!("rendezvous address '{addr}' resolves to no address"))
+}
+
+fn group_info(backend: BackendKind, rank: usize, world: usize) {
+    metrics::gauge!(
+        "epserve_group_info",
+        "backend" => prepare::backend_name(backend),
+        "world_size" => world.to_string(),
+        "ranks_joined" => world.to_string(),
+        "rank" => rank.to_string()
+    )
+    .set(1.0);
+}

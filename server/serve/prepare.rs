@@ -1,0 +1,239 @@
+//! Before a rank talks to the group: the model, its placement, the backend it resolves to, the
+//! group's fingerprint, the shapes of its shared memory, and its experts' weights loaded.
+
+use std::time::Instant;
+
+use anyhow::{anyhow, bail};
+use tracing::info;
+
+use super::RING_SLOTS;
+use crate::backend::cpu::SegmentShape;
+use crate::backend::gpu;
+use crate::config::{graph_buckets, BackendKind, EpSettings, Member, OnOff, ServeArgs};
+use crate::group::Fingerprint;
+use crate::model::{ModelSource, MoeSpec, Placement, RankWeights};
+use crate::proto::{DType, ExpertRange, ModelInfo};
+use crate::step::max_home_tokens;
+use crate::step::ring::RingShape;
+
+/// Where this rank's weights are before it joins: host memory (cpu) or its GPU (nccl).
+pub enum Weights {
+    Host(RankWeights),
+    Gpu(Box<gpu::Device>),
+}
+
+/// Everything a rank knows before it talks to the group.
+pub struct Prepared {
+    pub member: Member,
+    pub source: ModelSource,
+    pub spec: MoeSpec,
+    pub placement: Placement,
+    pub fingerprint: Fingerprint,
+    pub backend: BackendKind,
+    pub segment: SegmentShape,
+    pub ring: RingShape,
+    /// GPU backends: home-token buckets, ascending.
+    pub buckets: Vec<usize>,
+    /// Persistent exchange memory per rank (GetModelInfo).
+    pub exchange_bytes: u64,
+}
+
+/// `auto` becomes `nccl-ep` where its gates pass, else `nccl` where GPUs and NCCL are found,
+/// else `cpu`, saying why; an explicit GPU backend that cannot run refuses with the reason.
+fn resolve_backend(kind: BackendKind, world: usize) -> anyhow::Result<BackendKind> {
+    if kind == BackendKind::Cpu {
+        return Ok(BackendKind::Cpu);
+    }
+    let gpu = gpu::available();
+    let ep = match (kind, &gpu) {
+        (BackendKind::NcclEp | BackendKind::Auto, Ok(_)) => gpu::ep_gates(world),
+        (_, Err(why)) => Err(why.clone()),
+        _ => Err("not asked for".into()),
+    };
+    match (kind, gpu, ep) {
+        (BackendKind::Cpu, _, _) => Ok(BackendKind::Cpu),
+        (BackendKind::NcclEp | BackendKind::Auto, _, Ok(what)) => {
+            info!("backend nccl-ep: {what}");
+            Ok(BackendKind::NcclEp)
+        }
+        (BackendKind::NcclEp, _, Err(why)) => bail!("--backend nccl-ep cannot run here: {why}"),
+        (BackendKind::Nccl | BackendKind::Auto, Ok(what), ep) => {
+            if let (BackendKind::Auto, Err(why)) = (kind, ep) {
+                info!("--backend auto: not nccl-ep ({why})");
+            }
+            info!("backend nccl: {what}");
+            Ok(BackendKind::Nccl)
+        }
+        (BackendKind::Nccl, Err(why), _) => bail!("--backend nccl cannot run here: {why}"),
+        (_, Err(why), _) => {
+            info!("--backend auto: using cpu ({why})");
+            Ok(BackendKind::Cpu)
+        }
+    }
+}
+
+/// The GPU of `rank`: --device, else LOCAL_RANK, else the rank modulo the visible GPUs.
+fn device_ordinal(args: &ServeArgs, rank: usize) -> anyhow::Result<usize> {
+    let count = gpu::device_count();
+    let local = match std::env::var("LOCAL_RANK") {
+        Ok(v) => Some(
+            v.trim()
+                .parse::<usize>()
+                .map_err(|_| anyhow!("LOCAL_RANK={v} is not a number"))?,
+        ),
+        Err(_) => None,
+    };
+    let d = args.device.or(local).unwrap_or(rank % count.max(1));
+    if d >= count {
+        bail!("GPU {d} does not exist ({count} visible)");
+    }
+    Ok(d)
+}
+
+pub fn backend_name(b: BackendKind) -> String {
+    b.name().to_string()
+}
+
+/// What a rank knows before it talks to the group, and the weights it holds.
+pub fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<(Prepared, Weights)> {
+    let source = ModelSource::parse(&args.model, args.seed)?;
+    let mut spec = source.spec()?;
+    spec.cap_layers(args.layers);
+    spec.validate()?;
+    let placement = Placement::new(spec.num_experts, member.world)?;
+    let backend = resolve_backend(args.backend, member.world)?;
+    let max_home = max_home_tokens(args.max_tokens_per_step, member.world);
+    let buckets = graph_buckets(&args.graph_buckets, max_home).map_err(|e| anyhow!(e))?;
+    let mut fingerprint = vec![
+        ("version".to_string(), env!("CARGO_PKG_VERSION").to_string()),
+        ("backend".into(), backend_name(backend)),
+        ("model".into(), source.describe()),
+        ("weights".into(), source.identity()?),
+        (
+            "max_tokens_per_step".into(),
+            args.max_tokens_per_step.to_string(),
+        ),
+    ];
+    fingerprint.extend(spec.fingerprint());
+    if matches!(backend, BackendKind::Nccl | BackendKind::NcclEp) {
+        fingerprint.push(("graph_buckets".into(), format!("{buckets:?}")));
+        fingerprint.push(("cuda_graphs".into(), format!("{:?}", args.cuda_graphs)));
+    }
+    // Every rank must build the same groups (NCCL EP's creation is collective).
+    let ep = match backend {
+        BackendKind::NcclEp => {
+            let (e, note) = EpSettings::resolve(
+                args.ep_mode,
+                args.ep_ll_max_tokens,
+                &buckets,
+                args.zero_copy == OnOff::On,
+                spec.hidden,
+            )
+            .map_err(|e| anyhow!(e))?;
+            if let Some(n) = note {
+                info!("{n}");
+            }
+            Some(e)
+        }
+        _ => None,
+    };
+    if let Some(e) = ep {
+        fingerprint.push(("ep_mode".into(), args.ep_mode.name().into()));
+        fingerprint.push(("ep_ll_max".into(), e.ll_max.to_string()));
+        fingerprint.push(("zero_copy".into(), e.zero_copy.to_string()));
+        info!(
+            mode = args.ep_mode.name(),
+            buckets = e.modes(),
+            ll_up_to_tokens = e.ll_max,
+            zero_copy = e.zero_copy,
+            "nccl-ep"
+        );
+    }
+    let segment = SegmentShape {
+        world: member.world,
+        experts: spec.num_experts,
+        top_k: spec.top_k,
+        hidden: spec.hidden,
+        max_home,
+    };
+    let ring = RingShape {
+        slots: RING_SLOTS,
+        world: member.world,
+        max_tokens: args.max_tokens_per_step,
+        hidden: spec.hidden,
+        top_k: spec.top_k,
+    };
+    let t0 = Instant::now();
+    let experts = placement.experts_of(member.rank);
+    let weights = source.load(&spec, experts.clone())?;
+    info!(
+        rank = member.rank,
+        experts = ?experts,
+        layers = spec.moe_layers.len(),
+        expert_mib = weights.expert_bytes() >> 20,
+        seconds = t0.elapsed().as_secs_f32(),
+        "weights loaded"
+    );
+    let (weights, exchange_bytes) = match backend {
+        BackendKind::Nccl | BackendKind::NcclEp => {
+            let ordinal = device_ordinal(args, member.rank)?;
+            let dev = gpu::Device::open(
+                ordinal,
+                &spec,
+                weights,
+                member.world,
+                member.rank,
+                max_home,
+                ep,
+            )?;
+            let bytes = dev.buffer_bytes() as u64;
+            (Weights::Gpu(Box::new(dev)), bytes)
+        }
+        _ => (Weights::Host(weights), segment.bytes() as u64),
+    };
+    let p = Prepared {
+        member,
+        source,
+        spec,
+        placement,
+        fingerprint,
+        backend,
+        segment,
+        ring,
+        buckets,
+        exchange_bytes,
+    };
+    Ok((p, weights))
+}
+
+/// What GetModelInfo says of this group.
+pub fn model_info(p: &Prepared, args: &ServeArgs) -> ModelInfo {
+    let (spec, source, placement) = (&p.spec, &p.source, &p.placement);
+    ModelInfo {
+        model: source.describe(),
+        architecture: spec.architecture.clone(),
+        hidden_size: spec.hidden as u32,
+        intermediate_size: spec.intermediate as u32,
+        moe_layers: spec.moe_layers.clone(),
+        num_experts: spec.num_experts as u32,
+        top_k: spec.top_k as u32,
+        routing: spec.routing.name().into(),
+        renormalize: spec.routing.renormalize(),
+        num_shared_experts: spec.num_shared_experts as u32,
+        accepted_dtypes: vec![DType::Bf16 as i32, DType::F16 as i32, DType::F32 as i32],
+        world_size: placement.world as u32,
+        backend: backend_name(p.backend),
+        max_tokens_per_step: args.max_tokens_per_step as u32,
+        placement: (0..placement.world)
+            .map(|r| ExpertRange {
+                rank: r as u32,
+                first: placement.experts_of(r).start as u32,
+                count: placement.per_rank() as u32,
+            })
+            .collect(),
+        exchange_bytes_per_rank: p.exchange_bytes,
+        version: env!("CARGO_PKG_VERSION").into(),
+        // Measured when the group forms (MoeApi::set_ep_footprint).
+        nccl_ep: None,
+    }
+}

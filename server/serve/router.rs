@@ -1,0 +1,317 @@
+//! Rank 0: gRPC comes up first (NOT_SERVING), the group forms, a warm-up step runs, then it serves
+//! through the request entry, the batcher and the step executor until a signal (drain) or a broken
+//! group, and stops the ranks.
+
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context};
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::sync::{mpsc, Notify};
+use tokio_util::sync::CancellationToken;
+use tonic_health::ServingStatus;
+use tracing::{error, info, warn};
+
+use super::bringup::{bring_up, Side, Site};
+use super::grpc::{serve_grpc, set_ready, watch_liveness, LIVENESS};
+use super::prepare::{self, Prepared, Weights};
+use super::stop::{wait_for_stop, Stop};
+use super::RING_SLOTS;
+use crate::api::kserve::KserveApi;
+use crate::api::MoeApi;
+use crate::backend::gpu;
+use crate::config::ServeArgs;
+use crate::group::{self, RouterLink};
+use crate::infer::{Infer, Phase};
+use crate::router::{run_batcher, Admission, BatchConfig, Executor};
+use crate::shm::Abort;
+use crate::step::ring::Ring;
+use crate::step::{Backend, Driver};
+use crate::watchdog::{self, AbortOnPanic, STUCK_GRACE};
+
+/// How long a broken router waits for its step executor before exiting without it.
+const BROKEN_JOIN: Duration = Duration::from_secs(2);
+
+/// The router: gRPC comes up first (NOT_SERVING), the group forms, a warm-up step runs, then it
+/// serves until a signal (drain) or a broken group.
+pub fn run(
+    args: &ServeArgs,
+    p: Prepared,
+    weights: Weights,
+    metrics: PrometheusHandle,
+    rendezvous: TcpListener,
+) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(router_main(args, p, weights, metrics, rendezvous))
+}
+
+async fn router_main(
+    args: &ServeArgs,
+    p: Prepared,
+    weights: Weights,
+    metrics: PrometheusHandle,
+    rendezvous: TcpListener,
+) -> anyhow::Result<()> {
+    crate::metrics::serve(args.metrics_listen, metrics, 0).await?;
+    let abort = Arc::new(Abort::default());
+    let admission = Admission::new(args.max_concurrent_requests, args.max_queued_tokens);
+    let wake = Arc::new(Notify::new());
+    let (job_tx, job_rx) = mpsc::channel(args.max_concurrent_requests);
+    let info = prepare::model_info(&p, args);
+    let infer = Arc::new(Infer::new(
+        Arc::new(p.spec.clone()),
+        job_tx,
+        admission.clone(),
+        wake.clone(),
+        abort.clone(),
+    ));
+    let api = Arc::new(MoeApi::new(infer.clone(), info, args.max_stream_in_flight));
+    let kserve = Arc::new(KserveApi::new(infer.clone(), args.max_stream_in_flight));
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    set_ready(&health, false).await;
+    health
+        .set_service_status(LIVENESS, ServingStatus::Serving)
+        .await;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding the gRPC address {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    let server_stop = CancellationToken::new();
+    let server = tokio::spawn(serve_grpc(
+        args.http2.clone(),
+        args.max_request_bytes,
+        api.clone(),
+        kserve,
+        health_service,
+        listener,
+        server_stop.clone(),
+    ));
+    info!("gRPC listening on {addr}, NOT_SERVING until the group is ready");
+
+    let (setup_args, setup_abort) = (args.clone(), abort.clone());
+    let setup = tokio::task::spawn_blocking(move || {
+        form_group(&setup_args, p, weights, rendezvous, setup_abort)
+    })
+    .await;
+    let exec = match setup.map_err(anyhow::Error::from).and_then(|r| r) {
+        Ok((e, footprint)) => {
+            if let Some(f) = footprint {
+                api.set_ep_footprint(f);
+            }
+            e
+        }
+        Err(e) => {
+            server_stop.cancel();
+            let _ = server.await;
+            return Err(e);
+        }
+    };
+    let progress = exec.progress.clone();
+    let (step_tx, step_rx) = mpsc::channel(1);
+    let (handle, heartbeat) = (tokio::runtime::Handle::current(), args.heartbeat_interval);
+    let exec_abort = abort.clone();
+    // One permit per ring slot: a step holds one from when it is formed until it is delivered.
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(RING_SLOTS));
+    metrics::gauge!("epserve_steps_in_flight").set(0.0);
+    let permits = in_flight.clone();
+    let exec_thread = std::thread::Builder::new()
+        .name("step-executor".into())
+        .spawn(move || {
+            let _guard = AbortOnPanic(exec_abort, "the step executor panicked");
+            exec.serve(step_rx, permits, handle, heartbeat)
+        })?;
+    let batch_stop = CancellationToken::new();
+    let batch = BatchConfig {
+        max_tokens_per_step: args.max_tokens_per_step,
+        max_wait: Duration::from_micros(args.max_batch_wait_us),
+        depth: RING_SLOTS,
+    };
+    let batcher = tokio::spawn(run_batcher(
+        batch,
+        job_rx,
+        step_tx,
+        in_flight,
+        wake,
+        batch_stop.clone(),
+        abort.clone(),
+    ));
+    infer.set_phase(Phase::Serving);
+    set_ready(&health, true).await;
+    info!("serving gRPC on {addr}");
+    let watchdog = tokio::spawn(watch_liveness(
+        health.clone(),
+        infer.clone(),
+        progress.clone(),
+        args.liveness_timeout,
+    ));
+    // A step past --step-timeout whose own waits did not end it (a device call that never
+    // returns) breaks the group from here: every waiting request is answered at once.
+    let (stuck_abort, limit) = (abort.clone(), args.step_timeout);
+    watchdog::watch_steps(progress, limit, move |d| {
+        stuck_abort.trigger(format!(
+            "a step has run {d:.1?}, past --step-timeout {limit:?}: a rank or its GPU is stuck"
+        ))
+    })?;
+
+    let stop = wait_for_stop(&abort).await;
+    let drained = match &stop {
+        Stop::Signal(name) => {
+            infer.set_phase(Phase::Draining);
+            set_ready(&health, false).await;
+            let (requests, tokens) = admission.held();
+            warn!(
+                requests,
+                tokens, "{name}: draining; new requests are refused"
+            );
+            let done = tokio::time::timeout(args.drain_timeout, admission.drained())
+                .await
+                .is_ok();
+            if !done {
+                let (requests, tokens) = admission.held();
+                abort.trigger(format!(
+                    "drain timeout: {requests} requests ({tokens} tokens) unfinished after {:?}",
+                    args.drain_timeout
+                ));
+            }
+            done
+        }
+        Stop::Broken(reason) => {
+            infer.set_phase(Phase::Broken);
+            set_ready(&health, false).await;
+            error!("EP group broken: {reason}; answering every waiting request UNAVAILABLE");
+            false
+        }
+    };
+    batch_stop.cancel();
+    let _ = batcher.await;
+    // The executor ends within a step unless a device call under it never returns; once the
+    // group is broken its clients are answered, so there is no step worth a long wait.
+    let joined = tokio::task::spawn_blocking(move || exec_thread.join());
+    let bound = match abort.reason() {
+        Some(_) => BROKEN_JOIN,
+        None => args.step_timeout + STUCK_GRACE,
+    };
+    let executed = tokio::time::timeout(bound, joined).await;
+    watchdog.abort();
+    infer.set_live(false);
+    health
+        .set_service_status(LIVENESS, ServingStatus::NotServing)
+        .await;
+    // Keep answering UNAVAILABLE (with the reason) a moment before the port closes, so clients
+    // and load balancers see a clean refusal rather than a dropped connection.
+    tokio::time::sleep(args.shutdown_grace).await;
+    let Ok(executed) = executed else {
+        let why = abort.reason().unwrap_or_default();
+        watchdog::exit_now(
+            1,
+            &format!("the step executor is stuck in a device call ({why})"),
+        );
+    };
+    server_stop.cancel();
+    server.await??;
+    executed?.map_err(|_| anyhow!("the step executor panicked"))??;
+    if let Some(reason) = abort.reason() {
+        bail!("the EP group broke: {reason}");
+    }
+    if drained {
+        info!("drained; exiting");
+    }
+    Ok(())
+}
+
+type GroupExecutor = Executor<Box<dyn Backend + Send>>;
+
+/// Joins the group, sets up the exchange buffers and runs the warm-up step (blocking); also says
+/// what the NCCL EP exchange takes on this GPU (nccl-ep).
+fn form_group(
+    args: &ServeArgs,
+    p: Prepared,
+    weights: Weights,
+    listener: TcpListener,
+    abort: Arc<Abort>,
+) -> anyhow::Result<(GroupExecutor, Option<crate::proto::NcclEpFootprint>)> {
+    let world = p.member.world;
+    let bind = listener.local_addr()?;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .subsec_nanos();
+    let group_id = format!("{:x}-{nanos:x}", std::process::id());
+    let host = group::host_id();
+    let nccl_id = match &weights {
+        Weights::Gpu(_) => Some(gpu::new_unique_id()?),
+        Weights::Host(_) => None,
+    };
+    info!(world, rendezvous = %bind, group = %group_id, "waiting for ranks");
+    let timeout = args.rendezvous_timeout;
+    let want = group::Expect {
+        world,
+        fingerprint: &p.fingerprint,
+        host: &host,
+        same_host: true,
+        token: args.group_token.as_deref().unwrap_or_default(),
+    };
+    let mut link = RouterLink::accept(&listener, &want, &group_id, nccl_id.clone(), timeout)?;
+    drop(listener);
+    let dir = super::segment_dir(args)?;
+    let swept = crate::shm::sweep_stale(&dir);
+    if swept > 0 {
+        info!("removed {swept} segment(s) of groups whose router is gone");
+    }
+    let dir = dir.as_path();
+    let setup = (|| -> anyhow::Result<(Box<dyn Backend + Send>, Arc<Ring>)> {
+        let deadline = Instant::now() + timeout;
+        let ring = Arc::new(
+            Ring::create(&super::ring_path(dir, &group_id), p.ring)
+                .context("creating the step ring")?,
+        );
+        let mapped = || Ok(ring.clone());
+        let site = Site {
+            dir,
+            group: &group_id,
+            nccl_id: nccl_id.as_deref().unwrap_or_default(),
+            ring: &mapped,
+            deadline,
+        };
+        let backend = bring_up(
+            &mut Side::Router(&mut link),
+            weights,
+            &p,
+            site,
+            args,
+            abort.clone(),
+        )?;
+        ring.unlink();
+        Ok((backend, ring))
+    })();
+    let (rank, ring) = match setup {
+        Ok(x) => x,
+        Err(e) => {
+            link.reject_all(&format!("startup failed at rank 0: {e:#}"));
+            return Err(e);
+        }
+    };
+    link.clear_timeouts()?;
+    super::group_info(p.backend, 0, world);
+    let buffers = rank.buffers();
+    // Logged per mode by every rank as its groups were made.
+    let footprint = rank.ep_footprint();
+    let driver = Driver::new(
+        rank,
+        0,
+        world,
+        p.spec.moe_layers.clone(),
+        args.metrics_per_expert,
+        p.ring,
+    );
+    let mut exec = Executor::new(driver, ring, link, abort, args.step_timeout)?;
+    exec.warm_up().context("warm-up step")?;
+    info!(
+        ?buffers,
+        "group ready: every rank joined, weights loaded, warm-up step done"
+    );
+    Ok((exec, footprint))
+}

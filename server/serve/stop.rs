@@ -1,0 +1,35 @@
+//! What ends the router's serving: a signal (drain) or the group breaking.
+
+use std::time::Duration;
+
+use crate::shm::Abort;
+
+/// Why the router stops serving.
+pub enum Stop {
+    Signal(&'static str),
+    Broken(String),
+}
+
+/// SIGINT, SIGTERM, or the group breaking.
+pub async fn wait_for_stop(abort: &Abort) -> Stop {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut int), Ok(mut term)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        return Stop::Broken("cannot install signal handlers".into());
+    };
+    let broken = async {
+        loop {
+            if let Some(r) = abort.reason() {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::select! {
+        _ = int.recv() => Stop::Signal("SIGINT"),
+        _ = term.recv() => Stop::Signal("SIGTERM"),
+        r = broken => Stop::Broken(r),
+    }
+}
