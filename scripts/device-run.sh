@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, what scripts/gpu-check.sh built into
 # .device/bin: the GPU tests, then `epserve bench`. Logs and the bench JSON go to $OUT (or ./out).
-#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests] [ep] [drill] [bench] [serve] | all
+#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests] [ep] [drill] [bench] [cpu] [serve] | all
 # `serve` loads `epserve launch` (nccl-ep, the deepseek-v3 layer) with .device/bin/epserve-loadtest
 # and its bare echo in the same run, for each binary in SERVE_BINS (default: the one built).
 set -uo pipefail
@@ -69,6 +69,35 @@ if want bench; then
   else
     run bench "$EPSERVE_BIN" bench --configs decode,small,prefill --iters 100 --json "$out/bench.json"
   fi
+fi
+if want cpu; then
+  # The CPU backend on this host's cores (synthetic:tiny, 2 ranks, 16-token bf16 requests), each
+  # load against the bare echo in the same run, for each binary in CPU_BINS (default: the one
+  # built). CPU_CONFIGS: "api:clients ...". Busy: the router's step seconds over the 6 s loaded.
+  metric() { curl -s "$1" | awk -v m="$2" '$1 == m {print $2}'; }
+  for bin in ${CPU_BINS:-$EPSERVE_BIN}; do
+    shm=$(mktemp -d -p /dev/shm)
+    "$bin" launch --ranks 2 --backend cpu --model synthetic:tiny --listen 127.0.0.1:0 \
+      --metrics-listen 127.0.0.1:0 --shm-dir "$shm" >"$out/cpu.log" 2>&1 &
+    pid=$!
+    addr=""
+    for _ in $(seq 1 300); do
+      addr=$(sed -n 's/.*serving gRPC on \([0-9.:]*\).*/\1/p' "$out/cpu.log" | head -1)
+      [ -n "$addr" ] && break; sleep 0.2
+    done
+    m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$out/cpu.log" | head -1)
+    for cfg in ${CPU_CONFIGS:-unary:16 stream:16 unary:256 stream:256}; do
+      set -- ${cfg/:/ }
+      s0=$(metric "$m0" epserve_step_duration_seconds_sum); k0=$(metric "$m0" epserve_step_tokens_sum)
+      .device/bin/epserve-loadtest --target "$addr" --echo --api "$1" --concurrency "$2" --tokens 16 \
+        --dtype bf16 --warmup 1s --duration 5s >"$out/cpu-run.txt" 2>&1
+      s1=$(metric "$m0" epserve_step_duration_seconds_sum); k1=$(metric "$m0" epserve_step_tokens_sum)
+      echo "== cpu $(basename "$bin") $1 c$2 (nproc $(nproc)): busy $(python3 -c "print(round(($s1 - $s0) / 6, 3))"), the step alone $(python3 -c "print(round(($k1 - $k0) / ($s1 - $s0)))") tokens/s"
+      grep -E "requests/s|latency|/ echo|sent" "$out/cpu-run.txt"
+    done
+    kill -TERM $pid; wait $pid
+    rm -rf "$shm" "$out/cpu-run.txt"
+  done
 fi
 if want serve; then
   mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230

@@ -239,8 +239,16 @@ pub enum WaitError {
     Aborted(String),
 }
 
-/// Waits until `flag >= seq`: spins briefly, then yields, then sleeps in short naps, so idle ranks
-/// leave the cores to ranks that compute.
+/// Sets `flag` to `seq` and wakes every thread waiting for it in `wait_seq`, in any process that
+/// maps it.
+pub fn raise(flag: &AtomicU64, seq: u64) {
+    flag.store(seq, Ordering::Release);
+    futex::wake(flag);
+}
+
+/// Waits until `flag >= seq` (set by `raise`): spins briefly, then sleeps on the flag itself until
+/// the writer's wake, so an idle rank leaves its core to ranks that compute and still wakes within
+/// microseconds, not a timer's nap. Wakes at least every millisecond to see an abort.
 pub fn wait_seq(
     flag: &AtomicU64,
     seq: u64,
@@ -248,15 +256,16 @@ pub fn wait_seq(
     abort: &Abort,
 ) -> Result<(), WaitError> {
     let start = Instant::now();
-    let mut spins = 0u32;
-    loop {
+    for _ in 0..SPINS {
         if flag.load(Ordering::Acquire) >= seq {
             return Ok(());
         }
-        spins += 1;
-        if spins < 64 {
-            std::hint::spin_loop();
-            continue;
+        std::hint::spin_loop();
+    }
+    loop {
+        let seen = flag.load(Ordering::Acquire);
+        if seen >= seq {
+            return Ok(());
         }
         if let Some(r) = abort.reason() {
             return Err(WaitError::Aborted(r));
@@ -265,10 +274,61 @@ pub fn wait_seq(
         if now >= deadline {
             return Err(WaitError::Timeout(now - start));
         }
-        if spins < 256 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(20));
+        futex::wait(flag, seen, (deadline - now).min(Duration::from_millis(1)));
+    }
+}
+
+/// Polls before sleeping: a peer a few hundred nanoseconds behind costs no system call.
+const SPINS: u32 = 256;
+
+/// Linux futexes on a flag's low 32 bits, shared between processes (no FUTEX_PRIVATE_FLAG): the
+/// flags live in mappings of the same file.
+mod futex {
+    use std::sync::atomic::AtomicU64;
+    use std::time::Duration;
+
+    // The low half of a little-endian u64 is its first word, which the futex watches.
+    const _: () = assert!(cfg!(target_endian = "little"));
+
+    fn word(flag: &AtomicU64) -> *const u32 {
+        flag.as_ptr().cast::<u32>().cast_const()
+    }
+
+    pub fn wake(flag: &AtomicU64) {
+        // SAFETY: the word is 4-aligned memory inside a live mapping (`Shm::flag` checks it);
+        // FUTEX_WAKE only reads the address. A failure only means nobody is woken, and waiters
+        // wake on their own timeout.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word(flag),
+                libc::FUTEX_WAKE,
+                i32::MAX,
+                std::ptr::null::<libc::timespec>(),
+                std::ptr::null::<u32>(),
+                0,
+            );
+        }
+    }
+
+    /// Sleeps while the flag's low word still equals `seen`'s, for at most `limit`.
+    pub fn wait(flag: &AtomicU64, seen: u64, limit: Duration) {
+        let ts = libc::timespec {
+            tv_sec: limit.as_secs() as libc::time_t,
+            tv_nsec: limit.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: as in `wake`; `ts` outlives the call. EAGAIN (the value changed), EINTR and
+        // ETIMEDOUT all return to the caller's loop, which reads the flag again.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                word(flag),
+                libc::FUTEX_WAIT,
+                seen as u32,
+                &ts as *const libc::timespec,
+                std::ptr::null::<u32>(),
+                0,
+            );
         }
     }
 }
@@ -294,12 +354,27 @@ mod tests {
         wait_seq(b.flag(0), 7, Instant::now(), &abort).unwrap();
         let late = Instant::now() + Duration::from_millis(5);
         assert!(matches!(
-            wait_seq(b.flag(0), 8, late, &abort),
+            wait_seq(b.flag(0), 10, late, &abort),
             Err(WaitError::Timeout(_))
         ));
+        // A waiter asleep on the flag (past its spins) returns once a peer raises it.
+        let waiter = std::thread::scope(|sc| {
+            let w = sc.spawn(|| {
+                wait_seq(
+                    b.flag(0),
+                    9,
+                    Instant::now() + Duration::from_secs(60),
+                    &abort,
+                )
+            });
+            std::thread::sleep(Duration::from_millis(20));
+            raise(a.flag(0), 9);
+            w.join().unwrap()
+        });
+        assert!(waiter.is_ok(), "{waiter:?}");
         abort.trigger("peer gone");
         assert!(matches!(
-            wait_seq(b.flag(0), 8, late + Duration::from_secs(60), &abort),
+            wait_seq(b.flag(0), 10, late + Duration::from_secs(60), &abort),
             Err(WaitError::Aborted(r)) if r == "peer gone"
         ));
         a.unlink();

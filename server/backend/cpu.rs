@@ -4,7 +4,6 @@
 //! source, so no step can read another's data. f32 math; GEMMs through ndarray (matrixmultiply).
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -200,9 +199,7 @@ impl CpuRank {
     }
 
     fn raise(&self, peer: usize, kind: Flag, step: u64) {
-        self.segs[peer]
-            .flag(self.shape.flag(kind, self.rank))
-            .store(step, Ordering::Release);
+        crate::shm::raise(self.segs[peer].flag(self.shape.flag(kind, self.rank)), step);
     }
 
     /// First row of each of `dest`'s local experts' blocks in `dest`'s receive buffer, and the

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use crate::dtype::Dtype;
-use crate::shm::{wait_seq, Abort, Shm, WaitError};
+use crate::shm::{raise, wait_seq, Abort, Shm, WaitError};
 
 const LINE: usize = 64;
 
@@ -161,9 +161,7 @@ impl Ring {
     }
     /// Rank: its output rows are in place (written by `write_output` or a device copy).
     pub fn publish_output(&self, slot: usize, rank: usize, seq: u64) {
-        self.shm
-            .flag(self.shape.out_flag(slot, rank))
-            .store(seq, std::sync::atomic::Ordering::Release);
+        raise(self.shm.flag(self.shape.out_flag(slot, rank)), seq);
     }
 
     /// Router: waits for every rank's output of step `seq`; the error names the first missing rank.
