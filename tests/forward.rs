@@ -1,6 +1,7 @@
 //! Outputs of real rank groups against the f64 reference, for every routing kind, 1/2/4 ranks,
-//! n = 1, odd n and n above `--max-tokens-per-step`, f32 and bf16, gating and client routing,
-//! unary and streaming; and the same outputs whatever the world size.
+//! n = 1, odd n and n above `--max-tokens-per-step`, f32, bf16 and f16 in (out in the same dtype,
+//! or another), gating and client routing, unary and streaming; and the same outputs whatever the
+//! world size.
 
 mod common;
 
@@ -20,7 +21,8 @@ struct Sent {
     x: Vec<f64>,
     routing: Option<(Vec<usize>, Vec<f64>)>,
     layer_slot: usize,
-    bf16: bool,
+    /// The dtype the output must come back in.
+    output: DType,
 }
 
 /// Requests covering every combination, with what the reference needs to check them.
@@ -29,25 +31,37 @@ fn requests(spec: &MoeSpec, rng: &mut ChaCha8Rng) -> Vec<(ForwardRequest, Sent)>
     let mut out = Vec::new();
     for (slot, &layer) in spec.moe_layers.iter().enumerate() {
         for n in [1usize, 7, 2 * MAX_TOKENS + 5] {
-            for bf16 in [false, true] {
+            for input in [DType::F32, DType::Bf16, DType::F16] {
                 for client in [false, true] {
+                    // Output in the input's dtype, or (with client routing) in another one.
+                    let output = match (client, input) {
+                        (false, d) => d,
+                        (true, DType::F32) => DType::Bf16,
+                        (true, _) => DType::F32,
+                    };
                     let mut x: Vec<f32> =
                         (0..n * h).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-                    if bf16 {
-                        x.iter_mut()
-                            .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
-                    }
+                    let tensor = match input {
+                        DType::Bf16 => {
+                            x.iter_mut()
+                                .for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
+                            bf16_tensor(&x, [n, h])
+                        }
+                        DType::F16 => {
+                            x.iter_mut()
+                                .for_each(|v| *v = half::f16::from_f32(*v).to_f32());
+                            f16_tensor(&x, [n, h])
+                        }
+                        _ => f32_tensor(&x, [n, h]),
+                    };
                     let id = format!(
-                        "l{layer}-n{n}-{}-{}",
-                        if bf16 { "bf16" } else { "f32" },
+                        "l{layer}-n{n}-{}-{}-{}",
+                        input.as_str_name(),
+                        output.as_str_name(),
                         if client { "client" } else { "gate" }
                     );
-                    let tensor = if bf16 {
-                        bf16_tensor(&x, [n, h])
-                    } else {
-                        f32_tensor(&x, [n, h])
-                    };
                     let mut req = request(&id, layer, tensor);
+                    req.output_dtype = output as i32;
                     let routing = client.then(|| {
                         let mut ids = Vec::new();
                         let mut w = Vec::new();
@@ -73,7 +87,7 @@ fn requests(spec: &MoeSpec, rng: &mut ChaCha8Rng) -> Vec<(ForwardRequest, Sent)>
                             x: x.iter().map(|&v| f64::from(v)).collect(),
                             routing,
                             layer_slot: slot,
-                            bf16,
+                            output,
                         },
                     ));
                 }
@@ -122,7 +136,7 @@ async fn check_group(
     for (req, sent) in &reqs {
         for (how, resp) in [("unary", &unary[&req.id]), ("stream", &streamed[&req.id])] {
             let t = resp.output.as_ref().unwrap();
-            let want_dtype = if sent.bf16 { DType::Bf16 } else { DType::F32 };
+            let want_dtype = sent.output;
             let n = sent.x.len() / spec.hidden;
             assert_eq!(
                 (t.dtype, t.shape.clone()),
@@ -133,7 +147,12 @@ async fn check_group(
             let out = decode(t);
             let routing = sent.routing.as_ref().map(|(i, w)| (&i[..], &w[..]));
             let (err, ex) = compare(spec, &refs[sent.layer_slot], &sent.x, &out, routing);
-            let tol = if sent.bf16 { 2e-2 } else { 1e-5 };
+            // Within the output's own rounding: none for f32, ~5e-4 for f16, ~4e-3 for bf16.
+            let tol = match sent.output {
+                DType::F32 => 1e-5,
+                DType::F16 => 2e-3,
+                _ => 2e-2,
+            };
             assert!(
                 err <= tol,
                 "{} ({how}): max relative error {err:.3e} > {tol:e}",
@@ -141,7 +160,7 @@ async fn check_group(
             );
             excluded += ex;
             rows += n;
-            if !sent.bf16 && how == "unary" {
+            if sent.output == DType::F32 && how == "unary" {
                 f32_out.insert(req.id.clone(), out);
             }
         }

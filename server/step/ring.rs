@@ -114,21 +114,24 @@ impl Ring {
     /// Rank: (address in this process, bytes) of input rows `rows` in `d`, for a device copy
     /// straight from the ring.
     pub fn hidden_span(&self, slot: usize, rows: Range<usize>, d: Dtype) -> (usize, usize) {
-        let bytes = rows.len() * self.shape.hidden * d.bytes();
-        self.check_rows(&rows, d, bytes);
-        assert!(slot < self.shape.slots, "ring slot {slot}");
-        (
-            self.shm.addr() + self.shape.hidden_off(slot, rows.start, d),
-            bytes,
-        )
+        self.span(slot, rows, d, RingShape::hidden_off)
     }
     /// Rank: (address, bytes) of output rows `rows` in `d`, for a device copy into the ring.
     pub fn output_span(&self, slot: usize, rows: Range<usize>, d: Dtype) -> (usize, usize) {
+        self.span(slot, rows, d, RingShape::out_off)
+    }
+    fn span(
+        &self,
+        slot: usize,
+        rows: Range<usize>,
+        d: Dtype,
+        off: fn(&RingShape, usize, usize, Dtype) -> usize,
+    ) -> (usize, usize) {
         let bytes = rows.len() * self.shape.hidden * d.bytes();
         self.check_rows(&rows, d, bytes);
         assert!(slot < self.shape.slots, "ring slot {slot}");
         (
-            self.shm.addr() + self.shape.out_off(slot, rows.start, d),
+            self.shm.addr() + off(&self.shape, slot, rows.start, d),
             bytes,
         )
     }

@@ -134,8 +134,9 @@ fn ring_in<T>(
         return Ok(());
     }
     let (d, _sync) = dst.device_ptr_mut(stream);
-    // SAFETY: the span lies inside the ring's mapping (`Ring::hidden_span` checks the rows) and `dst` holds `bytes` (asserted); the router rewrites a slot only after every rank
-    // has published its output, which this rank does after the step's completion event.
+    // SAFETY: the span lies inside the ring's mapping (`Ring::hidden_span` checks the rows) and
+    // `dst` holds `bytes` (asserted); the router rewrites a slot only after every rank has
+    // published its output, which this rank does after the step's completion event.
     unsafe {
         sys::cuMemcpyHtoDAsync_v2(d, src as *const std::ffi::c_void, bytes, stream.cu_stream())
     }
