@@ -26,6 +26,15 @@ run() {
   [ $rc -eq 0 ] || status=1
   return $rc
 }
+# The address a group's log says it serves gRPC on, once it does (polling LOG up to N times).
+serving_addr() {
+  local a=""
+  for _ in $(seq 1 "$2"); do
+    a=$(sed -n 's/.*serving gRPC on \([0-9.:]*\).*/\1/p' "$1" | head -1)
+    [ -n "$a" ] && break; sleep 0.2
+  done
+  echo "$a"
+}
 if want tests; then
   run gpu_kernels .device/bin/gpu_kernels --ignored --test-threads 1
   run gpu_nccl .device/bin/gpu_nccl --ignored --test-threads 1
@@ -80,11 +89,8 @@ if want cpu; then
     "$bin" launch --ranks 2 --backend cpu --model synthetic:tiny --listen 127.0.0.1:0 \
       --metrics-listen 127.0.0.1:0 --shm-dir "$shm" >"$out/cpu.log" 2>&1 &
     pid=$!
-    addr=""
-    for _ in $(seq 1 300); do
-      addr=$(sed -n 's/.*serving gRPC on \([0-9.:]*\).*/\1/p' "$out/cpu.log" | head -1)
-      [ -n "$addr" ] && break; sleep 0.2
-    done
+    addr=$(serving_addr "$out/cpu.log" 300)
+    if [ -z "$addr" ]; then tail -20 "$out/cpu.log"; kill $pid; status=1; continue; fi
     m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$out/cpu.log" | head -1)
     for cfg in ${CPU_CONFIGS:-unary:16 stream:16 unary:256 stream:256}; do
       set -- ${cfg/:/ }
@@ -117,11 +123,7 @@ if want serve; then
       --max-tokens-per-step 4096 --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --shm-dir "$shm" \
       "${h2[@]}" >"$out/serve-$name.log" 2>&1 &
     pid=$!
-    addr=""
-    for _ in $(seq 1 900); do
-      addr=$(sed -n 's/.*serving gRPC on \([0-9.:]*\).*/\1/p' "$out/serve-$name.log" | head -1)
-      [ -n "$addr" ] && break; sleep 0.2
-    done
+    addr=$(serving_addr "$out/serve-$name.log" 900)
     if [ -z "$addr" ]; then tail -20 "$out/serve-$name.log"; kill $pid; status=1; continue; fi
     m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$out/serve-$name.log" | head -1)
     # SERVE_CONFIGS: "clients:tokens ..." (default 64 clients of 128 tokens, 16 of 2048).
