@@ -1,5 +1,6 @@
-//! Tensor checks and conversions shared by every protocol: a protocol hands over a view of what
-//! the client sent (its bytes untouched) and gets f32 rows or a message naming the problem.
+//! Tensor checks shared by every protocol: a protocol hands over a view of what the client sent
+//! and gets the checked hidden rows (still its bytes), routing as ids and f32 weights, or a
+//! message naming the problem.
 
 use bytes::Bytes;
 

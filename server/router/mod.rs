@@ -117,7 +117,8 @@ impl Job {
         }
     }
 
-    /// The output buffer, taken out to be filled by `Delivery::run`; allocated on first use.
+    /// The output buffer, taken out for the delivery to fill outside the lock; allocated on
+    /// first use.
     fn take_out(&self, row_bytes: usize) -> Vec<u8> {
         let mut s = self.sink();
         if s.out.is_empty() {
