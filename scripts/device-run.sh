@@ -26,6 +26,8 @@ run() {
   [ $rc -eq 0 ] || status=1
   return $rc
 }
+# A metric's value on a Prometheus endpoint.
+metric() { curl -s "$1" | awk -v m="$2" '$1 == m {print $2}'; }
 # The address a group's log says it serves gRPC on, once it does (polling LOG up to N times).
 serving_addr() {
   local a=""
@@ -83,7 +85,6 @@ if want cpu; then
   # The CPU backend on this host's cores (synthetic:tiny, 2 ranks, 16-token bf16 requests), each
   # load against the bare echo in the same run, for each binary in CPU_BINS (default: the one
   # built). CPU_CONFIGS: "api:clients ...". Busy: the router's step seconds over the 6 s loaded.
-  metric() { curl -s "$1" | awk -v m="$2" '$1 == m {print $2}'; }
   for bin in ${CPU_BINS:-$EPSERVE_BIN}; do
     shm=$(mktemp -d -p /dev/shm)
     "$bin" launch --ranks 2 --backend cpu --model synthetic:tiny --listen 127.0.0.1:0 \
@@ -109,7 +110,6 @@ if want serve; then
   mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
   # shellcheck disable=SC1091
   source /tmp/nccl230/env.sh
-  metric() { curl -s "$1" | awk -v m="$2" '$1 == m {print $2}'; }
   # Each binary with the default HTTP/2 settings, and with SERVE_HYPER=1 also with hyper's own
   # (1 MiB windows, 16 KiB frames) on the service and the loadtest alike.
   variants=("default:")

@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 
 /// The element types a request may carry.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Dtype {
     Bf16,
     F16,

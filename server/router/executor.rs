@@ -326,7 +326,7 @@ const PIECE_BYTES: usize = 1 << 20;
 
 /// Threads that copy one large step's rows between the requests and the ring: memory bandwidth,
 /// not one core's copy rate, bounds what a step of MB requests costs the router.
-pub fn copy_threads() -> usize {
+fn copy_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
 }
 

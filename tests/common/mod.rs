@@ -283,42 +283,41 @@ pub fn kill(pid: u32, sig: &str) {
         .unwrap();
 }
 
-pub fn f32_tensor(v: &[f32], shape: [usize; 2]) -> Tensor {
+/// `[rows, cols]` of `dtype` from its little-endian bytes.
+fn tensor(dtype: DType, shape: [usize; 2], data: Vec<u8>) -> Tensor {
     Tensor {
-        dtype: DType::F32 as i32,
+        dtype: dtype as i32,
         shape: shape.iter().map(|&x| x as i64).collect(),
-        data: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        data: data.into(),
     }
+}
+
+pub fn f32_tensor(v: &[f32], shape: [usize; 2]) -> Tensor {
+    tensor(
+        DType::F32,
+        shape,
+        v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    )
 }
 
 pub fn bf16_tensor(v: &[f32], shape: [usize; 2]) -> Tensor {
-    Tensor {
-        dtype: DType::Bf16 as i32,
-        shape: shape.iter().map(|&x| x as i64).collect(),
-        data: v
-            .iter()
-            .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-            .collect(),
-    }
+    let data = v
+        .iter()
+        .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes());
+    tensor(DType::Bf16, shape, data.collect())
 }
 
 pub fn f16_tensor(v: &[f32], shape: [usize; 2]) -> Tensor {
-    Tensor {
-        dtype: DType::F16 as i32,
-        shape: shape.iter().map(|&x| x as i64).collect(),
-        data: v
-            .iter()
-            .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
-            .collect(),
-    }
+    let data = v.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes());
+    tensor(DType::F16, shape, data.collect())
 }
 
 pub fn i32_tensor(v: &[i32], shape: [usize; 2]) -> Tensor {
-    Tensor {
-        dtype: DType::I32 as i32,
-        shape: shape.iter().map(|&x| x as i64).collect(),
-        data: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-    }
+    tensor(
+        DType::I32,
+        shape,
+        v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    )
 }
 
 /// Decodes an F32, BF16 or F16 tensor.
