@@ -64,35 +64,93 @@ fn find_nvcc() -> Option<PathBuf> {
         .map(|_| p)
 }
 
-/// Compiles `kernels/*.cu` into one fatbin (sm_90a code and compute_90a PTX) for `include_bytes!`.
+/// The DeepGEMM instances `kernels/hopper.cu` compiles, by mangled name, as the constants
+/// `server/backend/cuda/hopper.rs` loads them by (written to OUT_DIR/hopper_symbols.rs); the build
+/// fails here if one is missing.
+const HOPPER_SYMBOLS: [(&str, &str); 2] = [
+    ("PSUM", "_ZN9deep_gemm19sm90_bf16_gemm_implILN4cute4UMMA5MajorE0ELS3_0ELj0ELj0ELj0ELj256ELj128ELj256ELj64ELj128ELj128ELj128ELj3ELj128ELj256ELj1ELb0ELj132ELNS_8GemmTypeE5ELb0EN7cutlass10bfloat16_tEEEvPijjj14CUtensorMap_stS8_S8_"),
+    ("MASKED", "_ZN9deep_gemm19sm90_bf16_gemm_implILN4cute4UMMA5MajorE0ELS3_0ELj0ELj0ELj0ELj256ELj64ELj128ELj64ELj128ELj128ELj128ELj8ELj128ELj128ELj1ELb0ELj132ELNS_8GemmTypeE2ELb0EN7cutlass10bfloat16_tEEEvPijjj14CUtensorMap_stS8_S8_"),
+];
+
+const HOW_DEEP_GEMM: &str = "the Hopper expert GEMM needs DeepGEMM's headers: run \
+`eval \"$(scripts/cuda-toolchain.sh)\"` (it fetches the pinned sgl-deep-gemm wheel and sets \
+DEEP_GEMM_INCLUDE)";
+
+/// Compiles `kernels/epserve.cu` and `kernels/hopper.cu` into one fatbin each (sm_90a code, and
+/// compute_90a PTX for the first) for `include_bytes!`.
 fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=kernels");
+    println!("cargo:rerun-if-env-changed=DEEP_GEMM_INCLUDE");
     let nvcc = find_nvcc().ok_or_else(|| format!("--features cuda needs nvcc: {HOW}"))?;
     // CUB and friends live in include/cccl in pip's layout and in include/ in a CUDA install.
     let include = nvcc
         .parent()
         .and_then(Path::parent)
         .map(|root| root.join("include"));
-    let mut cmd = Command::new(&nvcc);
-    cmd.args(["--fatbin", "-O3", "-std=c++17", "-lineinfo"])
-        .args([
-            "-gencode=arch=compute_90a,code=sm_90a",
-            "-gencode=arch=compute_90a,code=compute_90a",
-        ]);
-    if let Some(inc) = include {
-        cmd.arg("-isystem")
-            .arg(inc.join("cccl"))
-            .arg("-isystem")
-            .arg(&inc);
+    let nvcc_cmd = |std: &str| {
+        let mut cmd = Command::new(&nvcc);
+        cmd.args(["--fatbin", "-O3", "-lineinfo", std]);
+        if let Some(inc) = &include {
+            cmd.arg("-isystem")
+                .arg(inc.join("cccl"))
+                .arg("-isystem")
+                .arg(inc);
+        }
+        cmd
+    };
+    let run = |mut cmd: Command, what: &str| -> Result<(), Box<dyn std::error::Error>> {
+        let status = cmd
+            .status()
+            .map_err(|e| format!("running {}: {e}; {HOW}", nvcc.display()))?;
+        match status.success() {
+            true => Ok(()),
+            false => Err(format!("nvcc failed on {what} ({status})").into()),
+        }
+    };
+
+    let mut cmd = nvcc_cmd("-std=c++17");
+    cmd.args([
+        "-gencode=arch=compute_90a,code=sm_90a",
+        "-gencode=arch=compute_90a,code=compute_90a",
+    ])
+    .arg("-o")
+    .arg(out.join("epserve_kernels.fatbin"))
+    .arg("kernels/epserve.cu");
+    run(cmd, "kernels/epserve.cu")?;
+
+    let deep_gemm = std::env::var_os("DEEP_GEMM_INCLUDE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(".venv-cuda/deep_gemm-0.2.5/include"));
+    if !deep_gemm
+        .join("deep_gemm/impls/sm90_bf16_gemm.cuh")
+        .exists()
+    {
+        return Err(format!(
+            "no DeepGEMM headers at {}: {HOW_DEEP_GEMM}",
+            deep_gemm.display()
+        )
+        .into());
     }
-    cmd.arg("-o")
-        .arg(out.join("epserve_kernels.fatbin"))
-        .arg("kernels/epserve.cu");
-    let status = cmd
-        .status()
-        .map_err(|e| format!("running {}: {e}; {HOW}", nvcc.display()))?;
-    if !status.success() {
-        return Err(format!("nvcc failed on kernels/epserve.cu ({status})").into());
+    let hopper = out.join("hopper_kernels.fatbin");
+    let mut cmd = nvcc_cmd("-std=c++20");
+    cmd.args([
+        "--expt-relaxed-constexpr",
+        "-gencode=arch=compute_90a,code=sm_90a",
+    ])
+    .arg("-isystem")
+    .arg(&deep_gemm)
+    .arg("-o")
+    .arg(&hopper)
+    .arg("kernels/hopper.cu");
+    run(cmd, "kernels/hopper.cu")?;
+    let bin = std::fs::read(&hopper)?;
+    let mut consts = String::new();
+    for (name, sym) in HOPPER_SYMBOLS {
+        if !bin.windows(sym.len()).any(|w| w == sym.as_bytes()) {
+            return Err(format!("kernels/hopper.cu did not produce {sym}: the DeepGEMM headers or nvcc mangle it differently; update HOPPER_SYMBOLS").into());
+        }
+        consts.push_str(&format!("pub const {name}: &str = \"{sym}\";\n"));
     }
+    std::fs::write(out.join("hopper_symbols.rs"), consts)?;
     Ok(())
 }

@@ -231,14 +231,15 @@ __global__ void gather_rows(const bf16* x, const int* entry_of, const int* rows,
   for (int i = threadIdx.x; i < H / 8; i += blockDim.x) dst[i] = src[i];
 }
 
-// act[r, i] = silu(gu[r, i]) * gu[r, I + i] for r < *rows. Block per row.
-__global__ void swiglu(const bf16* gu, const int* rows, int I, bf16* act) {
+// act[r, i] = silu(gu[r, i]) * gu[r, I + i] (times w[r] where w is given) for r < *rows. Block per row.
+__global__ void swiglu(const bf16* gu, const int* rows, int I, const float* w, bf16* act) {
   const int r = blockIdx.x;
   if (r >= *rows) return;
   const bf16* g = gu + (size_t)r * 2 * I;
+  const float s = w ? w[r] : 1.f;
   for (int i = threadIdx.x; i < I; i += blockDim.x) {
     const float a = __bfloat162float(g[i]), u = __bfloat162float(g[I + i]);
-    act[(size_t)r * I + i] = __float2bfloat16(a / (1.f + expf(-a)) * u);
+    act[(size_t)r * I + i] = __float2bfloat16(a / (1.f + expf(-a)) * u * s);
   }
 }
 
@@ -407,51 +408,6 @@ __global__ void __launch_bounds__(256) grouped_gemm_wide(const bf16* X, const bf
 // Each rank sends every peer one slot of C rows (C = tokens x min(K, local experts), the most a
 // peer can receive from one source), so transfer sizes are fixed and the exchange is capturable.
 
-// logits[t, e] = x[t] . router[e] in f32, for t < *n. One warp per (token, expert).
-__global__ void router_logits(const float* x, const float* router, const int* n, int E, int H, float* logits) {
-  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
-  const int t = warp / E, e = warp % E;
-  if (t >= *n) return;
-  float acc = 0.f;
-  for (int h = lane; h < H; h += 32) acc += x[(size_t)t * H + h] * router[(size_t)e * H + h];
-  acc = warp_sum(acc);
-  if (lane == 0) logits[(size_t)t * E + e] = acc;
-}
-
-// The same as 64 x 64 output tiles, 256 threads of 4 x 4 each, the shared dimension in slices of
-// 16 staged k-major in shared memory (H % 16 == 0): faster for large buckets only.
-constexpr int kRt = 64, kRk = 16;
-__global__ void __launch_bounds__(256) router_logits_tiled(const float* x, const float* router, const int* n, int E, int H,
-                                                     float* logits) {
-  __shared__ float xs[kRk][kRt + 4];
-  __shared__ float rs[kRk][kRt + 4];
-  const int rows = *n, t0 = blockIdx.x * kRt, e0 = blockIdx.y * kRt;
-  if (t0 >= rows) return;
-  const int ty = threadIdx.x / 16, tx = threadIdx.x % 16;
-  float acc[4][4] = {};
-  for (int k0 = 0; k0 < H; k0 += kRk) {
-    for (int c = threadIdx.x; c < kRt * kRk; c += 256) {
-      const int r = c / kRk, k = c % kRk;
-      xs[k][r] = t0 + r < rows ? x[(size_t)(t0 + r) * H + k0 + k] : 0.f;
-      rs[k][r] = e0 + r < E ? router[(size_t)(e0 + r) * H + k0 + k] : 0.f;
-    }
-    __syncthreads();
-    for (int k = 0; k < kRk; k++) {
-      float a[4], b[4];
-      for (int i = 0; i < 4; i++) a[i] = xs[k][ty * 4 + i];
-      for (int j = 0; j < 4; j++) b[j] = rs[k][tx * 4 + j];
-      for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
-    }
-    __syncthreads();
-  }
-  for (int i = 0; i < 4; i++)
-    for (int j = 0; j < 4; j++) {
-      const int t = t0 + ty * 4 + i, e = e0 + tx * 4 + j;
-      if (t < rows && e < E) logits[(size_t)t * E + e] = acc[i][j];
-    }
-}
-
 __global__ void f32_to_bf16(const float* x, const int* n, int H, bf16* y) {
   const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i < (size_t)*n * H) y[i] = __float2bfloat16(x[i]);
@@ -502,9 +458,12 @@ __global__ void pack_slots(const bf16* x, const int* entry_of, const int* offset
 }
 
 // Receive side, from the all-gathered counts M [W][E]: map[s*C + i] = the expert-major position
-// (local experts, sources in rank order within each expert) of row i of source s's slot, or -1;
-// local_offsets [L+1] for the grouped GEMM; rows = local_offsets[L]. Single block.
-__global__ void recv_map(const int* M, int rank, int W, int E, int L, int C, int* map, int* local_offsets, int* rows) {
+// (local experts, sources in rank order within each expert) of row i of source s's slot, or -1.
+// Each expert's block starts at a multiple of A (the Hopper GEMM's tile): local_offsets [L+1]
+// gets the starts and the padded total, rows the padded total, ends [G] each block's end (the
+// padded total past the last expert). Single block.
+__global__ void recv_map(const int* M, int rank, int W, int E, int L, int C, int A, int G, int* map,
+                         int* local_offsets, int* rows, int* ends) {
   extern __shared__ int base[];  // [le][s] (L * W = E ints): position of source s's first row of le
   if (threadIdx.x == 0) {
     int pos = 0;
@@ -514,9 +473,12 @@ __global__ void recv_map(const int* M, int rank, int W, int E, int L, int C, int
         base[le * W + s] = pos;
         pos += M[s * E + rank * L + le];
       }
+      ends[le] = pos;
+      pos = (pos + A - 1) / A * A;
     }
     local_offsets[L] = pos;
     *rows = pos;
+    for (int e = L; e < G; e++) ends[e] = pos;
   }
   __syncthreads();
   for (int q = threadIdx.x; q < W * C; q += blockDim.x) {
@@ -574,11 +536,35 @@ __global__ void scale_rows(bf16* y, const float* w, const int* rows, int H) {
 
 // NCCL EP low-latency expert-major output: local expert e's rows start at e * S, and counts[e] of
 // them are filled. bounds = [starts (L), ends (L)] for the grouped GEMM. Single block.
-__global__ void ll_bounds(const int* counts, int L, int S, int* bounds) {
-  for (int e = threadIdx.x; e < L; e += blockDim.x) {
-    const int c = counts[e];
-    bounds[e] = e * S;
-    bounds[L + e] = e * S + (c < 0 ? 0 : (c > S ? S : c));
+// `masked` [G]: the same counts for the Hopper GEMM's masked layout, 0 past the last expert.
+__global__ void ll_bounds(const int* counts, int L, int S, int G, int* bounds, int* masked) {
+  for (int e = threadIdx.x; e < G; e += blockDim.x) {
+    const int c = e < L ? counts[e] : 0, valid = c < 0 ? 0 : (c > S ? S : c);
+    if (e < L) {
+      bounds[e] = e * S;
+      bounds[L + e] = e * S + valid;
+    }
+    masked[e] = valid;
+  }
+}
+
+// The Hopper GEMM's psum layout from aligned expert-major offsets [L + 1] and counts [L]:
+// ends[e] = offsets[e] + counts[e], and the padded total offsets[L] past the last expert. [G]
+__global__ void psum_ends(const int* offsets, const int* counts, int L, int G, int* ends) {
+  for (int e = threadIdx.x; e < G; e += blockDim.x) ends[e] = e < L ? offsets[e] + counts[e] : offsets[L];
+}
+
+// SwiGLU over the masked layout's filled rows: expert e's rows [e * S, e * S + counts[e]).
+// Grid (L, S / 8): each block takes 8 rows of one expert.
+__global__ void swiglu_masked(const bf16* gu, const int* counts, int S, int I, bf16* act) {
+  const int e = blockIdx.x, r0 = blockIdx.y * 8, r1 = min(r0 + 8, counts[e]);
+  for (int r = r0; r < r1; r++) {
+    const size_t row = (size_t)e * S + r;
+    const bf16* g = gu + row * 2 * I;
+    for (int i = threadIdx.x; i < I; i += blockDim.x) {
+      const float a = __bfloat162float(g[i]), u = __bfloat162float(g[I + i]);
+      act[row * I + i] = __float2bfloat16(a / (1.f + expf(-a)) * u);
+    }
   }
 }
 

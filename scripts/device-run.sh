@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, what scripts/gpu-check.sh built into
 # .device/bin: the GPU tests, then `epserve bench`. Logs and the bench JSON go to $OUT (or ./out).
-#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests] [ep] [drill] [bench] [cpu] [serve] | all
+#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests] [ep] [drill] [bench] [torch] [cpu] [serve] | all
 # `serve` loads `epserve launch` (nccl-ep, the deepseek-v3 layer) with .device/bin/epserve-loadtest
 # and its bare echo in the same run, for each binary in SERVE_BINS (default: the one built).
 set -uo pipefail
@@ -72,14 +72,21 @@ if want ep; then
   fi
 fi
 if want bench; then
-  if [ -f .device/nccl230.tar.xz ]; then
-    # Both backends in one run, on NCCL 2.30.7.
-    mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
-    (source /tmp/nccl230/env.sh && run bench "$EPSERVE_BIN" bench --configs decode,small,prefill \
-      --backends nccl,nccl-ep --ep-modes ht,ll --zero-copy on,off --iters 100 --json "$out/bench.json") || status=1
-  else
-    run bench "$EPSERVE_BIN" bench --configs decode,small,prefill --iters 100 --json "$out/bench.json"
-  fi
+  # Each binary in BENCH_BINS (default: the one built) in the same call; BENCH_CONFIGS,
+  # BENCH_BACKENDS and BENCH_ZERO_COPY narrow the matrix. nccl-ep needs the carried NCCL 2.30.
+  [ -f .device/nccl230.tar.xz ] && mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
+  for bin in ${BENCH_BINS:-$EPSERVE_BIN}; do
+    name=$(basename "$bin")
+    (if [ -f /tmp/nccl230/env.sh ]; then source /tmp/nccl230/env.sh; fi
+      run "bench-$name" "$bin" bench --configs "${BENCH_CONFIGS:-decode,small,prefill}" \
+        --backends "${BENCH_BACKENDS:-nccl,nccl-ep}" --ep-modes ht,ll --zero-copy "${BENCH_ZERO_COPY:-on,off}" \
+        --iters "${BENCH_ITERS:-100}" --json "$out/bench-$name.json") || status=1
+  done
+fi
+if want torch; then
+  # The PyTorch peers of the bench (torch._grouped_mm, dense cuBLAS, the all_to_all EP layer).
+  run torch python3 -m torch.distributed.run --nproc_per_node "$(nvidia-smi -L | wc -l)" \
+    scripts/torch-peers.py --json "$out/torch.json"
 fi
 if want cpu; then
   # The CPU backend on this host's cores (synthetic:tiny, 2 ranks, 16-token bf16 requests), each

@@ -217,7 +217,7 @@ mod gpu {
     use crate::backend::cuda::ep::EpExchange;
     use crate::backend::cuda::nccl::Comm;
     use crate::backend::cuda::step::{Alloc, DeviceLayer, EpShape, GpuError, GpuStep, StepShape};
-    use crate::backend::cuda::{device_count, Gpu, GEMM_TILE};
+    use crate::backend::cuda::{device_count, Gpu};
     use crate::config::{BenchArgs, EpMode, OnOff};
     use crate::model::Routing;
 
@@ -245,12 +245,7 @@ mod gpu {
                         if ll { "LL" } else { "HT" },
                         if zero_copy { ", zero-copy" } else { "" }
                     );
-                    let shape = EpShape {
-                        // As the service: HT pads each expert's rows to the GEMM tile.
-                        align: GEMM_TILE,
-                        ll_max: if ll { t } else { 0 },
-                        zero_copy,
-                    };
+                    let shape = EpShape::new(if ll { t } else { 0 }, zero_copy);
                     if !v.iter().any(|(l, _)| *l == label) {
                         v.push((label, Some(shape)));
                     }

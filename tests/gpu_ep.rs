@@ -94,6 +94,7 @@ struct Rank {
     recv: CudaSlice<bf16>,
     map: CudaSlice<i32>,
     local_off: CudaSlice<i32>,
+    ends: CudaSlice<i32>,
     rows: CudaSlice<i32>,
     xe: CudaSlice<bf16>,
     gu: CudaSlice<bf16>,
@@ -146,6 +147,7 @@ impl Rank {
             recv: z(rcap * H),
             map: zi(rcap),
             local_off: zi(local + 1),
+            ends: zi(local),
             rows: zi(1),
             xe: z(rcap * H),
             gu: z(rcap * 2 * I),
@@ -169,15 +171,8 @@ impl Rank {
         let s: &CudaStream = &g.stream;
         let (c, rcap, local) = (sl.slot_rows, sl.world * sl.slot_rows, sl.local);
         let ok = |r: Result<(), cudarc::driver::DriverError>| r.expect("kernel launch");
-        ok(g.router_logits(
-            &self.x,
-            &self.router,
-            &self.n,
-            N_CAP,
-            E,
-            H,
-            &mut self.logits,
-        ));
+        g.router_logits(&self.x, &self.router, N_CAP, E, H, &mut self.logits)
+            .expect("router GEMM");
         ok(g.topk_softmax(
             &self.logits,
             &self.n,
@@ -213,12 +208,15 @@ impl Rank {
         ));
         self.comm
             .exchange_slots(&self.send, &mut self.recv, c * H, s)?;
+        // Unaligned blocks (align 1): this test's WMMA FFN over exactly the received rows.
         ok(g.recv_map(
             &self.m,
             sl,
+            1,
             &mut self.map,
             &mut self.local_off,
             &mut self.rows,
+            &mut self.ends,
         ));
         ok(g.scatter_by_map(&self.recv, &self.map, rcap, H, &mut self.xe));
         ok(g.grouped_gemm(
@@ -233,7 +231,7 @@ impl Rank {
             &mut self.n_tiles,
             &mut self.gu,
         ));
-        ok(g.swiglu(&self.gu, &self.rows, rcap, I, &mut self.act));
+        ok(g.swiglu(&self.gu, &self.rows, rcap, I, None, &mut self.act));
         ok(g.grouped_gemm(
             &self.act,
             &self.w_down,

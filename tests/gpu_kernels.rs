@@ -3,7 +3,8 @@
 //! scripts/gpu-check.sh).
 #![cfg(feature = "cuda")]
 
-use epserve::backend::cuda::{max_tiles, Blocks, Gpu, ROUTER_TILED_FROM};
+use epserve::backend::cuda::hopper::{self, Gemm, Layout};
+use epserve::backend::cuda::{max_tiles, Blocks, Gpu};
 use epserve::model::routing::Router;
 use epserve::model::Routing;
 use half::bf16;
@@ -196,34 +197,42 @@ fn swiglu_and_combine_match_f64() {
     let (rows_cap, rows, inter) = (50usize, 41usize, 96usize);
     let mut r = rng(6);
     let gu = bf16s(&mut r, rows_cap * 2 * inter, 3.0);
-    let mut act = s.alloc_zeros::<bf16>(rows_cap * inter).unwrap();
-    g.swiglu(
-        &s.clone_htod(&gu).unwrap(),
-        &s.clone_htod(&[rows as i32]).unwrap(),
-        rows_cap,
-        inter,
-        &mut act,
-    )
-    .unwrap();
-    let act = s.clone_dtoh(&act).unwrap();
-    for row in 0..rows {
-        for i in 0..inter {
-            let (a, u) = (
-                gu[row * 2 * inter + i].to_f64(),
-                gu[row * 2 * inter + inter + i].to_f64(),
-            );
-            let want = a / (1.0 + (-a).exp()) * u;
-            let got = act[row * inter + i].to_f64();
-            assert!(
-                (got - want).abs() <= 1e-2 * want.abs().max(0.05),
-                "{row},{i}: {got} vs {want}"
-            );
+    // Without routing weights, then with them (as NCCL EP HT folds each row's weight in).
+    let weights: Vec<f32> = (0..rows_cap).map(|_| r.random_range(0.0..1.0)).collect();
+    let dw = s.clone_htod(&weights).unwrap();
+    for w in [None, Some(&dw)] {
+        let mut act = s.alloc_zeros::<bf16>(rows_cap * inter).unwrap();
+        g.swiglu(
+            &s.clone_htod(&gu).unwrap(),
+            &s.clone_htod(&[rows as i32]).unwrap(),
+            rows_cap,
+            inter,
+            w,
+            &mut act,
+        )
+        .unwrap();
+        let act = s.clone_dtoh(&act).unwrap();
+        for row in 0..rows {
+            let scale = w.map_or(1.0, |_| f64::from(weights[row]));
+            for i in 0..inter {
+                let (a, u) = (
+                    gu[row * 2 * inter + i].to_f64(),
+                    gu[row * 2 * inter + inter + i].to_f64(),
+                );
+                let want = a / (1.0 + (-a).exp()) * u * scale;
+                let got = act[row * inter + i].to_f64();
+                assert!(
+                    (got - want).abs() <= 1e-2 * want.abs().max(0.05),
+                    "{row},{i} (weighted: {}): {got} vs {want}",
+                    w.is_some()
+                );
+            }
         }
+        assert!(
+            act[rows * inter..].iter().all(|v| v.to_f32() == 0.0),
+            "rows past the count are untouched"
+        );
     }
-    assert!(
-        act[rows * inter..].iter().all(|v| v.to_f32() == 0.0),
-        "rows past the count are untouched"
-    );
 
     let (n_cap, n, k, h) = (30usize, 27usize, 3usize, 64usize);
     let y = bf16s(&mut r, n_cap * k * h, 1.0);
@@ -342,30 +351,178 @@ fn grouped_gemm_case(n: usize) {
     );
 }
 
+/// Worst relative error of `y` rows `[first, first + count)` against `x . w_e^T` in f64, over
+/// every element; `want` below 0.1 in size is compared absolutely.
+#[allow(clippy::too_many_arguments)]
+fn expert_error(
+    x: &[bf16],
+    w: &[bf16],
+    y: &[bf16],
+    e: usize,
+    first: usize,
+    count: usize,
+    n: usize,
+    kd: usize,
+) -> f64 {
+    let mut worst = 0f64;
+    for row in first..first + count {
+        for c in 0..n {
+            let want: f64 = (0..kd)
+                .map(|q| x[row * kd + q].to_f64() * w[(e * n + c) * kd + q].to_f64())
+                .sum();
+            let got = y[row * n + c].to_f64();
+            worst = worst.max((got - want).abs() / want.abs().max(0.1));
+        }
+    }
+    worst
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn hopper_psum_gemm_matches_f64_per_expert() {
+    // An empty expert, counts off the 128-row tile, one hot expert with most rows; N = 192 ends
+    // in half a 128-column tile, K = 320 in five 64-deep stages.
+    for (counts, n, kd) in [
+        (vec![5usize, 0, 300, 128, 1, 77], 256usize, 192usize),
+        (vec![0, 2, 1000, 3, 0, 129, 1], 192, 320),
+    ] {
+        let g = gpu();
+        let s = &g.stream;
+        let e = counts.len();
+        let mut r = rng(11);
+        let mut offsets = vec![0i32];
+        for c in &counts {
+            let next = offsets.last().unwrap() + c.next_multiple_of(hopper::ALIGN) as i32;
+            offsets.push(next);
+        }
+        let rows = *offsets.last().unwrap() as usize + 64;
+        let x = bf16s(&mut r, rows * kd, 1.0);
+        let w = bf16s(&mut r, e * n * kd, (3.0f32 / kd as f32).sqrt());
+        let counts32: Vec<i32> = counts.iter().map(|&c| c as i32).collect();
+        let (dx, dw) = (s.clone_htod(&x).unwrap(), s.clone_htod(&w).unwrap());
+        let (doff, dcnt) = (
+            s.clone_htod(&offsets).unwrap(),
+            s.clone_htod(&counts32).unwrap(),
+        );
+        let mut ends = s.alloc_zeros::<i32>(hopper::MAX_GROUPS).unwrap();
+        g.psum_ends(&doff, &dcnt, &mut ends).unwrap();
+        let mut y = s.clone_htod(&vec![bf16::from_f32(7.0); rows * n]).unwrap();
+        let gemm = Gemm {
+            x: &dx,
+            rows,
+            w: &dw,
+            groups: e,
+            n,
+            k: kd,
+            layout: Layout::Psum,
+            sizes: &ends,
+        };
+        g.hopper.gemm(gemm, &mut y, s).unwrap();
+        let (y, ends) = (s.clone_dtoh(&y).unwrap(), s.clone_dtoh(&ends).unwrap());
+        for ei in 0..e {
+            assert_eq!(
+                ends[ei],
+                offsets[ei] + counts32[ei],
+                "psum end of expert {ei}"
+            );
+            let err = expert_error(&x, &w, &y, ei, offsets[ei] as usize, counts[ei], n, kd);
+            assert!(
+                err <= 1e-2,
+                "n {n} k {kd}: expert {ei} ({} rows): worst relative error {err:.3e}",
+                counts[ei]
+            );
+        }
+        assert!(
+            ends[e..].iter().all(|&v| v == offsets[e]),
+            "ends past the last expert are the padded total"
+        );
+        assert!(
+            y[offsets[e] as usize * n..]
+                .iter()
+                .all(|v| v.to_f32() == 7.0),
+            "rows past the last expert's tiles are not written"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn hopper_masked_gemm_matches_f64_per_expert() {
+    // NCCL EP's low-latency layout: expert e's rows start at e x stride; counts from empty to
+    // the whole stride, and one past it (clamped).
+    let g = gpu();
+    let s = &g.stream;
+    let (stride, n, kd) = (128usize, 384usize, 256usize);
+    let counts = [0i32, 1, 128, 77, 64, 200];
+    let e = counts.len();
+    let rows = e * stride;
+    let mut r = rng(13);
+    let x = bf16s(&mut r, rows * kd, 1.0);
+    let w = bf16s(&mut r, e * n * kd, (3.0f32 / kd as f32).sqrt());
+    let (dx, dw, dcnt) = (
+        s.clone_htod(&x).unwrap(),
+        s.clone_htod(&w).unwrap(),
+        s.clone_htod(&counts).unwrap(),
+    );
+    let mut bounds = s.alloc_zeros::<i32>(2 * e).unwrap();
+    let mut masked = s.alloc_zeros::<i32>(hopper::MAX_GROUPS).unwrap();
+    g.ll_bounds(&dcnt, stride, &mut bounds, &mut masked)
+        .unwrap();
+    let mut y = s.clone_htod(&vec![bf16::from_f32(7.0); rows * n]).unwrap();
+    let gemm = Gemm {
+        x: &dx,
+        rows,
+        w: &dw,
+        groups: e,
+        n,
+        k: kd,
+        layout: Layout::Masked { stride },
+        sizes: &masked,
+    };
+    g.hopper.gemm(gemm, &mut y, s).unwrap();
+    let (y, masked) = (s.clone_dtoh(&y).unwrap(), s.clone_dtoh(&masked).unwrap());
+    for (ei, &c) in counts.iter().enumerate() {
+        let valid = (c as usize).min(stride);
+        assert_eq!(masked[ei] as usize, valid, "masked count of expert {ei}");
+        let err = expert_error(&x, &w, &y, ei, ei * stride, valid, n, kd);
+        assert!(
+            err <= 1e-2,
+            "expert {ei} ({valid} rows): worst relative error {err:.3e}"
+        );
+        // The last 64-row tile may write its padding rows; rows past it stay untouched.
+        let untouched = ei * stride + valid.next_multiple_of(64);
+        assert!(
+            y[untouched * n..(ei + 1) * stride * n]
+                .iter()
+                .all(|v| v.to_f32() == 7.0),
+            "expert {ei}: rows past its last tile are not written"
+        );
+    }
+    assert!(
+        masked[e..].iter().all(|&v| v == 0),
+        "no rows past the last expert"
+    );
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn router_logits_match_f64() {
-    // The warp-per-dot-product kernel, then the tiled one (buckets from ROUTER_TILED_FROM).
+    // A decode-sized bucket and a prefill-sized one (cuBLAS picks other kernels).
     router_logits_case(70, 130);
-    router_logits_case(ROUTER_TILED_FROM - 30, ROUTER_TILED_FROM + 70);
+    router_logits_case(2018, 2118);
 }
 
 fn router_logits_case(n: usize, n_cap: usize) {
     let g = gpu();
     let s = &g.stream;
-    // Experts not a multiple of the 64-wide tile; rows past n must stay untouched.
+    // Experts not a multiple of any tile; the step reads rows below n only.
     let (e, h) = (24usize, 272usize);
     let mut r = rng(9);
     let x: Vec<f32> = (0..n_cap * h).map(|_| r.random_range(-1.0..1.0)).collect();
     let w: Vec<f32> = (0..e * h).map(|_| r.random_range(-0.1..0.1)).collect();
     let mut logits = s.clone_htod(&vec![7.0f32; n_cap * e]).unwrap();
-    let (dx, dw, dn) = (
-        s.clone_htod(&x).unwrap(),
-        s.clone_htod(&w).unwrap(),
-        s.clone_htod(&[n as i32]).unwrap(),
-    );
-    g.router_logits(&dx, &dw, &dn, n_cap, e, h, &mut logits)
-        .unwrap();
+    let (dx, dw) = (s.clone_htod(&x).unwrap(), s.clone_htod(&w).unwrap());
+    g.router_logits(&dx, &dw, n_cap, e, h, &mut logits).unwrap();
     let got = s.clone_dtoh(&logits).unwrap();
     let mut worst = 0f64;
     for t in 0..n {
@@ -376,12 +533,9 @@ fn router_logits_case(n: usize, n_cap: usize) {
             worst = worst.max((f64::from(got[t * e + j]) - want).abs());
         }
     }
+    // f32 accumulation of 272 products of size <= 0.1: TF32 inputs would miss this by ~1e-3.
     assert!(
-        worst <= 1e-4,
+        worst <= 1e-5,
         "n_cap {n_cap}: worst absolute error {worst:.3e}"
-    );
-    assert!(
-        got[n * e..].iter().all(|&v| v == 7.0),
-        "rows past n written"
     );
 }

@@ -2,6 +2,7 @@
 //! compiled by build.rs and embedded in the binary, and typed launchers for them.
 
 pub mod ep;
+pub mod hopper;
 pub mod nccl;
 pub mod rank;
 pub mod setup;
@@ -9,9 +10,10 @@ pub mod step;
 
 use std::sync::Arc;
 
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DriverError, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtrMut, DriverError,
+    LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
@@ -23,8 +25,9 @@ pub static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/epserve_ker
 pub const GEMM_TILE: usize = 64;
 /// Output columns per tile of the wide grouped GEMM (`kWideN`), used when N is a multiple.
 pub const GEMM_WIDE_N: usize = 128;
-/// Buckets of at least this many tokens compute router logits with the tiled kernel.
-pub const ROUTER_TILED_FROM: usize = 2048;
+/// cuBLAS's workspace, set once so that captured graphs never make it allocate (32 MiB, as
+/// cuBLAS suggests for Hopper).
+const BLAS_WORKSPACE: usize = 32 << 20;
 /// `recv_map` keeps an int per expert in 48 KiB of shared memory.
 pub const MAX_EXPERTS: usize = 12 * 1024;
 
@@ -40,8 +43,6 @@ pub struct Kernels {
     build_tiles: CudaFunction,
     grouped_gemm: CudaFunction,
     grouped_gemm_wide: CudaFunction,
-    router_logits: CudaFunction,
-    router_logits_tiled: CudaFunction,
     f32_to_bf16: CudaFunction,
     widen_rows: CudaFunction,
     narrow_rows: CudaFunction,
@@ -55,6 +56,8 @@ pub struct Kernels {
     scale_rows: CudaFunction,
     widen_add: CudaFunction,
     ll_bounds: CudaFunction,
+    psum_ends: CudaFunction,
+    swiglu_masked: CudaFunction,
     swiglu_tiles: CudaFunction,
 }
 
@@ -62,6 +65,11 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     pub k: Kernels,
+    /// The Hopper grouped GEMM (DeepGEMM's kernels).
+    pub hopper: hopper::Hopper,
+    /// cuBLAS on `stream` (the router GEMM), then the workspace it owns (dropped after it).
+    blas: CudaBlas,
+    _blas_workspace: CudaSlice<u8>,
 }
 
 /// Number of CUDA devices (0 when no driver is present).
@@ -70,7 +78,7 @@ pub fn device_count() -> usize {
 }
 
 impl Gpu {
-    pub fn new(ordinal: usize) -> Result<Self, DriverError> {
+    pub fn new(ordinal: usize) -> Result<Self, step::GpuError> {
         let ctx = CudaContext::new(ordinal)?;
         // SAFETY: called before the first allocation on this context: cudarc's per-allocation
         // events would otherwise be recorded into captured graphs. Streams are ordered by hand.
@@ -90,8 +98,6 @@ impl Gpu {
             build_tiles: f("build_tiles")?,
             grouped_gemm: f("grouped_gemm")?,
             grouped_gemm_wide: f("grouped_gemm_wide")?,
-            router_logits: f("router_logits")?,
-            router_logits_tiled: f("router_logits_tiled")?,
             f32_to_bf16: f("f32_to_bf16")?,
             widen_rows: f("widen_rows")?,
             narrow_rows: f("narrow_rows")?,
@@ -105,9 +111,28 @@ impl Gpu {
             scale_rows: f("scale_rows")?,
             widen_add: f("widen_add")?,
             ll_bounds: f("ll_bounds")?,
+            psum_ends: f("psum_ends")?,
+            swiglu_masked: f("swiglu_masked")?,
             swiglu_tiles: f("swiglu_tiles")?,
         };
-        Ok(Self { ctx, stream, k })
+        let hopper = hopper::Hopper::load(&ctx)?;
+        let blas = CudaBlas::new(stream.clone())?;
+        let mut workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE)?;
+        let ws = workspace.device_ptr_mut(&stream).0;
+        // SAFETY: the workspace is a live device allocation of BLAS_WORKSPACE bytes, kept in
+        // `self` and dropped after the handle.
+        unsafe {
+            cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ws as *mut _, BLAS_WORKSPACE)
+        }
+        .result()?;
+        Ok(Self {
+            ctx,
+            stream,
+            k,
+            hopper,
+            blas,
+            _blas_workspace: workspace,
+        })
     }
 
     fn cfg(grid: (u32, u32), block: u32, shared: u32) -> LaunchConfig {
@@ -267,12 +292,24 @@ impl Gpu {
         rows: &CudaSlice<i32>,
         rows_cap: usize,
         inter: usize,
+        weights: Option<&CudaSlice<f32>>,
         act: &mut CudaSlice<bf16>,
     ) -> Result<(), DriverError> {
         let i = inter as i32;
+        assert!(
+            weights.is_none_or(|w| w.len() >= rows_cap),
+            "swiglu weights"
+        );
         let mut b = self.stream.launch_builder(&self.k.swiglu);
-        b.arg(gu).arg(rows).arg(&i).arg(act);
-        // SAFETY: gu holds rows_cap rows of 2 * inter, act rows_cap rows of inter.
+        let none = 0u64;
+        b.arg(gu).arg(rows).arg(&i);
+        match weights {
+            Some(w) => b.arg(w),
+            None => b.arg(&none),
+        };
+        b.arg(act);
+        // SAFETY: gu holds rows_cap rows of 2 * inter, act rows_cap rows of inter, weights (or
+        // a null pointer) rows_cap floats.
         unsafe { b.launch(Self::cfg((rows_cap as u32, 1), 256, 0)) }.map(drop)
     }
 
@@ -392,39 +429,38 @@ pub struct Slots {
 }
 
 impl Gpu {
-    /// `logits [n_cap, e] = x [n_cap, h] . router [e, h]^T` in f32 for rows < *n.
-    #[allow(clippy::too_many_arguments)]
+    /// `logits [n_cap, e] = x [n_cap, h] . router [e, h]^T` in f32 (cuBLAS SGEMM: IEEE f32 on
+    /// the FMA units, not TF32: routing near-ties must resolve as the f32 reference does).
+    /// Every row of the bucket is computed; the step ignores rows past its token count.
     pub fn router_logits(
         &self,
         x: &CudaSlice<f32>,
         router: &CudaSlice<f32>,
-        n: &CudaSlice<i32>,
         n_cap: usize,
         e: usize,
         h: usize,
         logits: &mut CudaSlice<f32>,
-    ) -> Result<(), DriverError> {
-        let (e32, h32) = (e as i32, h as i32);
-        // Measured on H200 (hidden 7168/2048): a warp per dot product wins at 128 and 1024 tokens,
-        // the tiled kernel at 4096 (1.2 ms against 3.5 ms).
-        let tiled = n_cap >= ROUTER_TILED_FROM;
-        let func = match tiled {
-            true => &self.k.router_logits_tiled,
-            false => &self.k.router_logits,
+    ) -> Result<(), step::GpuError> {
+        assert!(
+            x.len() >= n_cap * h && router.len() >= e * h && logits.len() >= n_cap * e,
+            "router_logits operands smaller than their shapes"
+        );
+        // Row-major logits [n_cap, e] is column-major [e, n_cap] = router^T' . x^T'.
+        let cfg = GemmConfig {
+            transa: cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T,
+            transb: cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N,
+            m: e as i32,
+            n: n_cap as i32,
+            k: h as i32,
+            alpha: 1.0f32,
+            lda: h as i32,
+            ldb: h as i32,
+            beta: 0.0f32,
+            ldc: e as i32,
         };
-        let mut b = self.stream.launch_builder(func);
-        b.arg(x).arg(router).arg(n).arg(&e32).arg(&h32).arg(logits);
-        let cfg = match tiled {
-            true => {
-                assert!(h % 16 == 0, "router_logits needs hidden % 16 == 0");
-                Self::cfg((n_cap.div_ceil(64) as u32, e.div_ceil(64) as u32), 256, 0)
-            }
-            false => Self::cfg(((n_cap * e).div_ceil(8) as u32, 1), 256, 0),
-        };
-        // SAFETY: x holds n_cap rows of h, router e rows of h, logits n_cap rows of e; the warp
-        // kernel covers n_cap x e with one warp each, the tiled one 64 x 64 tiles, both guarding
-        // rows >= *n (and the tiled one experts >= e).
-        unsafe { b.launch(cfg) }.map(drop)
+        // SAFETY: the three operands span the shapes in `cfg` (asserted above).
+        unsafe { self.blas.gemm(cfg, router, x, logits) }?;
+        Ok(())
     }
 
     pub fn f32_to_bf16(
@@ -521,17 +557,27 @@ impl Gpu {
 
     /// From the all-gathered counts `m [world][experts]`: the slot-row -> expert-major map, the
     /// local experts' offsets `[local + 1]` and the received row count.
+    #[allow(clippy::too_many_arguments)]
     pub fn recv_map(
         &self,
         m: &CudaSlice<i32>,
         s: Slots,
+        align: usize,
         map: &mut CudaSlice<i32>,
         local_offsets: &mut CudaSlice<i32>,
         rows: &mut CudaSlice<i32>,
+        ends: &mut CudaSlice<i32>,
     ) -> Result<(), DriverError> {
         assert!(
             s.experts <= MAX_EXPERTS,
             "recv_map keeps one int per expert in shared memory (at most {MAX_EXPERTS} experts)"
+        );
+        let groups = ends.len();
+        assert!(
+            map.len() >= s.world * s.slot_rows
+                && local_offsets.len() > s.local
+                && groups >= s.local,
+            "recv_map outputs"
         );
         let (rank, w, e, l, c) = (
             s.rank as i32,
@@ -540,6 +586,7 @@ impl Gpu {
             s.local as i32,
             s.slot_rows as i32,
         );
+        let (a, g) = (align as i32, groups as i32);
         let mut b = self.stream.launch_builder(&self.k.recv_map);
         b.arg(m)
             .arg(&rank)
@@ -547,11 +594,15 @@ impl Gpu {
             .arg(&e)
             .arg(&l)
             .arg(&c)
+            .arg(&a)
+            .arg(&g)
             .arg(map)
             .arg(local_offsets)
-            .arg(rows);
-        // SAFETY: map holds world * slot_rows entries, local_offsets local + 1, rows one; the
-        // dynamic shared memory holds local * world = experts ints (under 48 KiB, asserted).
+            .arg(rows)
+            .arg(ends);
+        // SAFETY: map holds world * slot_rows entries, local_offsets local + 1, rows one, ends
+        // at least local (asserted); the dynamic shared memory holds local * world = experts
+        // ints (under 48 KiB, asserted).
         unsafe { b.launch(Self::cfg((1, 1), 256, (s.experts * 4) as u32)) }.map(drop)
     }
 
@@ -667,20 +718,77 @@ impl Gpu {
     }
 
     /// The grouped GEMM's blocks in NCCL EP's low-latency layout: local expert e's `counts[e]`
-    /// rows start at row e * `stride`; `bounds [2L]` gets the starts, then the ends.
+    /// rows start at row e * `stride`; `bounds [2L]` gets the starts, then the ends, and
+    /// `masked` (`hopper::MAX_GROUPS`) the counts, clamped to `stride`, for the Hopper GEMM.
     pub fn ll_bounds(
         &self,
         counts: &CudaSlice<i32>,
         stride: usize,
         bounds: &mut CudaSlice<i32>,
+        masked: &mut CudaSlice<i32>,
     ) -> Result<(), DriverError> {
         let l = counts.len();
-        assert!(bounds.len() >= 2 * l, "ll_bounds");
-        let (l32, s32) = (l as i32, stride as i32);
+        let groups = hopper::MAX_GROUPS;
+        assert!(
+            bounds.len() >= 2 * l && masked.len() >= groups && l <= groups,
+            "ll_bounds"
+        );
+        let (l32, s32, g32) = (l as i32, stride as i32, groups as i32);
         let mut b = self.stream.launch_builder(&self.k.ll_bounds);
-        b.arg(counts).arg(&l32).arg(&s32).arg(bounds);
-        // SAFETY: counts holds l ints, bounds 2l (asserted).
+        b.arg(counts)
+            .arg(&l32)
+            .arg(&s32)
+            .arg(&g32)
+            .arg(bounds)
+            .arg(masked);
+        // SAFETY: counts holds l ints, bounds 2l, masked MAX_GROUPS (asserted).
         unsafe { b.launch(Self::cfg((1, 1), 256, 0)) }.map(drop)
+    }
+
+    /// The Hopper GEMM's psum layout (`hopper::MAX_GROUPS` ends) from `ALIGN`-aligned
+    /// expert-major `offsets [L + 1]` and per-expert `counts [L]`.
+    pub fn psum_ends(
+        &self,
+        offsets: &CudaSlice<i32>,
+        counts: &CudaSlice<i32>,
+        ends: &mut CudaSlice<i32>,
+    ) -> Result<(), DriverError> {
+        let l = counts.len();
+        let groups = hopper::MAX_GROUPS;
+        assert!(
+            offsets.len() > l && ends.len() >= groups && l <= groups,
+            "psum_ends"
+        );
+        let (l32, g32) = (l as i32, groups as i32);
+        let mut b = self.stream.launch_builder(&self.k.psum_ends);
+        b.arg(offsets).arg(counts).arg(&l32).arg(&g32).arg(ends);
+        // SAFETY: offsets holds l + 1 ints, counts l, ends MAX_GROUPS (asserted).
+        unsafe { b.launch(Self::cfg((1, 1), 256, 0)) }.map(drop)
+    }
+
+    /// SwiGLU over the masked layout's rows: expert e's `counts[e]` rows from row e * `stride`
+    /// of `gu [.., 2 * inter]` into `act [.., inter]`, for `e` experts.
+    pub fn swiglu_masked(
+        &self,
+        gu: &CudaSlice<bf16>,
+        counts: &CudaSlice<i32>,
+        e: usize,
+        stride: usize,
+        inter: usize,
+        act: &mut CudaSlice<bf16>,
+    ) -> Result<(), DriverError> {
+        assert!(
+            counts.len() >= e
+                && gu.len() >= e * stride * 2 * inter
+                && act.len() >= e * stride * inter,
+            "swiglu_masked"
+        );
+        let (s32, i32_) = (stride as i32, inter as i32);
+        let mut b = self.stream.launch_builder(&self.k.swiglu_masked);
+        b.arg(gu).arg(counts).arg(&s32).arg(&i32_).arg(act);
+        // SAFETY: counts are clamped to stride by `ll_bounds`, so every row lies in gu and act
+        // (asserted to span e * stride rows).
+        unsafe { b.launch(Self::cfg((e as u32, stride.div_ceil(8) as u32), 256, 0)) }.map(drop)
     }
 
     /// SwiGLU over the rows of the tiles the last grouped GEMM built (`max_tiles` of them at

@@ -12,7 +12,7 @@ use super::ep::EpExchange;
 use super::nccl::Comm;
 use super::rank::GpuRank;
 use super::step::{Alloc, DeviceLayer, EpShape, GpuStep, StepShape};
-use super::{Gpu, GEMM_TILE};
+use super::Gpu;
 use crate::config::EpSettings;
 use crate::model::{MoeSpec, RankWeights};
 use crate::step::ring::Ring;
@@ -77,14 +77,9 @@ impl Device {
     ) -> anyhow::Result<Self> {
         crate::backend::check_gpu_limits(spec).map_err(|e| anyhow!(e))?;
         let mut shape = StepShape::new(spec, world, rank, max_home);
-        // NCCL EP pads each expert's HT rows to the grouped GEMM's tile.
-        shape.ep = ep.map(|e| EpShape {
-            align: GEMM_TILE,
-            ll_max: e.ll_max,
-            zero_copy: e.zero_copy,
-        });
-        if shape.ep.is_some() {
-            super::ep::validate(&shape, GEMM_TILE).map_err(|e| anyhow!(e))?;
+        shape.ep = ep.map(|e| EpShape::new(e.ll_max, e.zero_copy));
+        if let Some(e) = shape.ep {
+            super::ep::validate(&shape, e.align).map_err(|e| anyhow!(e))?;
         }
         shape.check().map_err(|e| anyhow!(e))?;
         let g = Gpu::new(ordinal).with_context(|| format!("opening GPU {ordinal}"))?;

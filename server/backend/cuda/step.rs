@@ -10,6 +10,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZero
 use half::bf16;
 
 use super::ep::EpExchange;
+use super::hopper::{self, Gemm, Hopper, Layout};
 use super::nccl::{Comm, NcclError};
 use super::{max_tiles, Blocks, Gpu, Slots, GEMM_TILE, MAX_EXPERTS};
 use crate::model::{Ffn, LayerWeights, MoeSpec, Routing};
@@ -20,6 +21,8 @@ pub enum GpuError {
     Driver(#[from] DriverError),
     #[error("NCCL: {0}")]
     Nccl(#[from] NcclError),
+    #[error("cuBLAS: {0}")]
+    Blas(#[from] cudarc::cublas::result::CublasError),
     #[error("{0}")]
     Config(String),
 }
@@ -89,6 +92,18 @@ pub struct EpShape {
     pub zero_copy: bool,
 }
 
+impl EpShape {
+    /// The service's and the bench's layout: HT pads each expert's rows to the Hopper GEMM's
+    /// row tile, so its psum layout reads NCCL EP's rows in place.
+    pub fn new(ll_max: usize, zero_copy: bool) -> Self {
+        Self {
+            align: hopper::ALIGN,
+            ll_max,
+            zero_copy,
+        }
+    }
+}
+
 impl StepShape {
     pub fn new(spec: &MoeSpec, world: usize, rank: usize, max_home: usize) -> Self {
         Self {
@@ -120,11 +135,16 @@ impl StepShape {
             slot_rows: self.slot_rows(bucket),
         }
     }
-    /// Rows of the receive side: one slot from every source, or NCCL EP's expert-major row
-    /// space for the bucket's mode (the same for every bucket of a mode: a group is sized once).
+    /// Rows of the slot exchange's receive side: one slot from every source.
+    pub fn slot_space(&self, bucket: usize) -> usize {
+        self.world * self.slot_rows(bucket)
+    }
+    /// Expert-major rows the FFN reads: the slots' rows with each expert's block aligned to the
+    /// Hopper GEMM's tile, or NCCL EP's expert-major row space for the bucket's mode (the same
+    /// for every bucket of a mode: a group is sized once).
     pub fn recv_rows(&self, bucket: usize) -> usize {
         match self.ep {
-            None => self.world * self.slot_rows(bucket),
+            None => self.slot_space(bucket) + self.local() * (hopper::ALIGN - 1),
             Some(e) if bucket <= e.ll_max => super::ep::ll_rows(self, e.ll_max),
             Some(e) => super::ep::recv_capacity(self, e.align),
         }
@@ -202,11 +222,11 @@ impl StepShape {
         // Slot send and receive buffers beside the expert rows, or NCCL EP's expert rows (one
         // buffer per mode in use).
         let expert_rows = match self.ep {
-            None => 3 * rows,
+            None => 2 * self.slot_space(t) + rows,
             Some(e) => self.ep_rows(e).0 + self.ep_rows(e).1,
         };
         let (i, si) = (self.inter, self.shared_inter);
-        let ints = 3 + t * k * 4 + 2 * e + 1 + w * e + rows + self.local() + 3;
+        let ints = 3 + t * k * 4 + 2 * e + 1 + w * e + rows + self.local() + 3 + hopper::MAX_GROUPS;
         let tiles = 2 * (max_tiles(rows, self.local()) + max_tiles(t, 1)) + 2;
         t * h * 4 * 2                       // x, out
             + t * e * 4 + t * k * 4         // logits, weights
@@ -315,6 +335,8 @@ pub struct Buffers {
     act: CudaSlice<bf16>,
     tiles: CudaSlice<i32>,
     n_tiles: CudaSlice<i32>,
+    /// The Hopper GEMM's per-expert sizes (`hopper::MAX_GROUPS`): psum ends or masked counts.
+    sizes: CudaSlice<i32>,
     idx: CudaSlice<i32>,
     /// Shared expert: gate/up, activation, output `[T, hidden]`.
     sgu: CudaSlice<bf16>,
@@ -331,7 +353,10 @@ impl Buffers {
         let (t, h, k, e, l) = (s.max_home, s.hidden, s.top_k, s.experts, s.local());
         let rows = s.row_space();
         // The slot exchange's buffers; NCCL EP dispatches straight into its own expert rows.
-        let slots = if s.ep.is_none() { rows } else { 0 };
+        let (slots, expert_rows) = match s.ep {
+            None => (s.slot_space(t), rows),
+            Some(_) => (0, 0),
+        };
         let si = s.shared_inter;
         Ok(Self {
             x: a.zeros(t * h)?,
@@ -352,11 +377,12 @@ impl Buffers {
             map: a.zeros(slots)?,
             local_off: a.zeros(l + 1)?,
             rows: a.zeros(1)?,
-            xe: a.zeros(slots * h)?,
+            xe: a.zeros(expert_rows * h)?,
             gu: a.zeros(rows * 2 * s.inter)?,
             act: a.zeros(rows * s.inter)?,
             tiles: a.zeros(2 * max_tiles(rows, l))?,
             n_tiles: a.zeros(1)?,
+            sizes: a.zeros(hopper::MAX_GROUPS)?,
             idx: a.zeros(t * k)?,
             sgu: a.zeros(t * 2 * si)?,
             sact: a.zeros(t * si)?,
@@ -408,7 +434,7 @@ impl GpuStep {
     pub fn gate(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
         let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
         let (e, k, h) = (s.experts, s.top_k, s.hidden);
-        g.router_logits(&b.x, &l.router, &b.n, bucket, e, h, &mut b.logits)?;
+        g.router_logits(&b.x, &l.router, bucket, e, h, &mut b.logits)?;
         match self.routing {
             Routing::SoftmaxTopK { renormalize } => g.topk_softmax(
                 &b.logits,
@@ -476,7 +502,7 @@ impl GpuStep {
             return ep.dispatch(&b.xb, &b.w, bucket, s.top_k, s.hidden, &g.stream);
         }
         let sl = s.slots(bucket);
-        let rows = s.recv_rows(bucket);
+        let rows = s.slot_space(bucket);
         g.pack_slots(
             &b.xb,
             &b.entry_of,
@@ -489,12 +515,21 @@ impl GpuStep {
         )?;
         self.comm
             .exchange_slots(&b.send, &mut b.recv, sl.slot_rows * s.hidden, &g.stream)?;
-        g.recv_map(&b.m, sl, &mut b.map, &mut b.local_off, &mut b.rows)?;
+        g.recv_map(
+            &b.m,
+            sl,
+            hopper::ALIGN,
+            &mut b.map,
+            &mut b.local_off,
+            &mut b.rows,
+            &mut b.sizes,
+        )?;
         g.scatter_by_map(&b.recv, &b.map, rows, s.hidden, &mut b.xe)?;
         Ok(())
     }
 
-    /// Grouped SwiGLU FFN of every local expert; the output overwrites the expert rows.
+    /// Grouped SwiGLU FFN of every local expert; the output overwrites the expert rows. The
+    /// Hopper GEMM runs it where the shapes allow (`Hopper::fits`), the WMMA kernels elsewhere.
     pub fn experts(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
         let (g, s, l) = (&self.g, &self.shape, &self.layers[layer]);
         let (h, i, local) = (s.hidden, s.inter, s.local());
@@ -505,22 +540,20 @@ impl GpuStep {
             act,
             tiles,
             n_tiles,
+            sizes,
             local_off,
             rows: n_rows,
             ..
         } = &mut self.b;
         let Some(ep) = &mut self.ep else {
-            return contiguous_ffn(
-                g,
-                l,
-                (local_off, n_rows),
-                rows,
-                local,
-                s,
-                (tiles, n_tiles),
-                (gu, act),
-                xe,
-            );
+            // `recv_map` laid the rows out aligned and wrote their ends.
+            let blocks = Contiguous {
+                offsets: local_off,
+                ends: sizes,
+                rows: n_rows,
+                weights: None,
+            };
+            return contiguous_ffn(g, l, blocks, rows, s, (tiles, n_tiles), (gu, act), xe);
         };
         if ep.is_ll(bucket) {
             // LL rows: expert e's `counters[e]` rows start at e x (world x tokens).
@@ -531,7 +564,39 @@ impl GpuStep {
                 ..
             } = ep;
             let p = ll.as_mut().expect("an LL path for LL buckets");
-            g.ll_bounds(counters, p.cap, bounds)?;
+            let stride = p.cap;
+            g.ll_bounds(counters, stride, bounds, sizes)?;
+            let masked = Layout::Masked { stride };
+            if Hopper::fits(masked, local, 2 * i, h) && Hopper::fits(masked, local, h, i) {
+                let span = local * stride;
+                g.hopper.gemm(
+                    Gemm {
+                        x: p.rows(),
+                        rows: span,
+                        w: &l.w_gu,
+                        groups: local,
+                        n: 2 * i,
+                        k: h,
+                        layout: masked,
+                        sizes,
+                    },
+                    gu,
+                    &g.stream,
+                )?;
+                g.swiglu_masked(gu, sizes, local, stride, i, act)?;
+                let down = Gemm {
+                    x: act,
+                    rows: span,
+                    w: &l.w_down,
+                    groups: local,
+                    n: h,
+                    k: i,
+                    layout: masked,
+                    sizes,
+                };
+                g.hopper.gemm(down, p.rows_mut(), &g.stream)?;
+                return Ok(());
+            }
             let valid = s.world * p.tokens * s.top_k.min(local);
             g.grouped_gemm(
                 p.rows(),
@@ -569,22 +634,32 @@ impl GpuStep {
             )?;
             return Ok(());
         }
-        let EpExchange { ht, recv_w, .. } = ep;
+        let EpExchange {
+            ht,
+            recv_w,
+            counters,
+            ..
+        } = ep;
         let p = ht.as_mut().expect("an HT path for HT buckets");
+        // HT blocks start at multiples of `hopper::ALIGN` (the handle's expert alignment); its
+        // combine sums rows as they come, so each row carries its routing weight.
+        g.psum_ends(local_off, counters, sizes)?;
+        let blocks = Contiguous {
+            offsets: local_off,
+            ends: sizes,
+            rows: n_rows,
+            weights: Some(recv_w),
+        };
         contiguous_ffn(
             g,
             l,
-            (local_off, n_rows),
+            blocks,
             rows,
-            local,
             s,
             (tiles, n_tiles),
             (gu, act),
             p.rows_mut(),
-        )?;
-        // HT combine sums rows as they come: weight them here.
-        g.scale_rows(p.rows_mut(), recv_w, n_rows, rows, h)?;
-        Ok(())
+        )
     }
 
     /// Expert outputs back to their home ranks, the shared expert, and the weighted sum.
@@ -595,7 +670,7 @@ impl GpuStep {
         match &mut self.ep {
             Some(ep) => ep.combine(&b.w, bucket, k, h, &g.stream)?,
             None => {
-                g.gather_by_map(&b.xe, &b.map, s.recv_rows(bucket), h, &mut b.send)?;
+                g.gather_by_map(&b.xe, &b.map, s.slot_space(bucket), h, &mut b.send)?;
                 self.comm
                     .exchange_slots(&b.send, &mut b.recv, sl.slot_rows * h, &g.stream)?;
                 g.slot_index(
@@ -617,7 +692,7 @@ impl GpuStep {
                 &mut b.sn_tiles,
                 &mut b.sgu,
             )?;
-            g.swiglu(&b.sgu, &b.n, bucket, si, &mut b.sact)?;
+            g.swiglu(&b.sgu, &b.n, bucket, si, None, &mut b.sact)?;
             g.grouped_gemm(
                 &b.sact,
                 w_down,
@@ -653,25 +728,63 @@ impl GpuStep {
     }
 }
 
-/// The FFN over packed, contiguous expert blocks (`offsets`, `rows` on the device), in place on
-/// `xe`: gate/up, SwiGLU, down.
+/// Contiguous expert-major blocks on the device: expert e's rows start at `offsets[e]` (a
+/// multiple of `hopper::ALIGN`) and end at `ends[e]`; `rows` is the padded total. `weights`:
+/// each row's routing weight, to scale its output by.
+struct Contiguous<'a> {
+    offsets: &'a CudaSlice<i32>,
+    ends: &'a CudaSlice<i32>,
+    rows: &'a CudaSlice<i32>,
+    weights: Option<&'a CudaSlice<f32>>,
+}
+
+/// The FFN over contiguous expert blocks of at most `rows` rows, in place on `xe`: gate/up,
+/// SwiGLU, down. A row's weight scales its activation (the down projection is linear), or its
+/// output on the WMMA path.
 #[allow(clippy::too_many_arguments)]
 fn contiguous_ffn(
     g: &Gpu,
     l: &DeviceLayer,
-    (offsets, n_rows): (&CudaSlice<i32>, &CudaSlice<i32>),
+    b: Contiguous,
     rows: usize,
-    local: usize,
     s: &StepShape,
     (tiles, n_tiles): (&mut CudaSlice<i32>, &mut CudaSlice<i32>),
     (gu, act): (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
     xe: &mut CudaSlice<bf16>,
 ) -> Result<(), GpuError> {
-    let (h, i) = (s.hidden, s.inter);
+    let (h, i, local) = (s.hidden, s.inter, s.local());
+    let psum = Layout::Psum;
+    if Hopper::fits(psum, local, 2 * i, h) && Hopper::fits(psum, local, h, i) {
+        let up = Gemm {
+            x: xe,
+            rows,
+            w: &l.w_gu,
+            groups: local,
+            n: 2 * i,
+            k: h,
+            layout: psum,
+            sizes: b.ends,
+        };
+        g.hopper.gemm(up, gu, &g.stream)?;
+        g.swiglu(gu, b.rows, rows, i, b.weights, act)?;
+        let down = Gemm {
+            x: act,
+            rows,
+            w: &l.w_down,
+            groups: local,
+            n: h,
+            k: i,
+            layout: psum,
+            sizes: b.ends,
+        };
+        g.hopper.gemm(down, xe, &g.stream)?;
+        return Ok(());
+    }
+    let blocks = Blocks::Offsets(b.offsets);
     g.grouped_gemm(
         xe,
         &l.w_gu,
-        Blocks::Offsets(offsets),
+        blocks,
         local,
         rows,
         2 * i,
@@ -680,18 +793,12 @@ fn contiguous_ffn(
         n_tiles,
         gu,
     )?;
-    g.swiglu(gu, n_rows, rows, i, act)?;
+    g.swiglu(gu, b.rows, rows, i, None, act)?;
     g.grouped_gemm(
-        act,
-        &l.w_down,
-        Blocks::Offsets(offsets),
-        local,
-        rows,
-        h,
-        i,
-        tiles,
-        n_tiles,
-        xe,
+        act, &l.w_down, blocks, local, rows, h, i, tiles, n_tiles, xe,
     )?;
+    if let Some(w) = b.weights {
+        g.scale_rows(xe, w, b.rows, rows, h)?;
+    }
     Ok(())
 }

@@ -1,0 +1,214 @@
+//! The Hopper expert GEMM: DeepGEMM's SM90 bf16 m-grouped kernels (TMA loads, WGMMA,
+//! warp-specialised persistent CTAs), compiled ahead of time by build.rs from the pinned headers
+//! (`kernels/hopper.cu` says which instances and why). Per-expert row counts stay on the device,
+//! so a captured step graph stays valid whatever the routing.
+//!
+//! The TMA descriptors are encoded on the host at each launch from the buffers' addresses: a
+//! step graph captures them once per bucket, and eager steps pay a few microseconds of host time.
+
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    DriverError, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use half::bf16;
+
+mod symbols {
+    include!(concat!(env!("OUT_DIR"), "/hopper_symbols.rs"));
+}
+
+/// `kernels/hopper.cu`, compiled for sm_90a.
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/hopper_kernels.fatbin"));
+
+/// The most experts one launch takes (the instances' `kNumGroups`); `layout` arrays have this
+/// many entries.
+pub const MAX_GROUPS: usize = 256;
+/// Row alignment of each expert's block in the psum layout (the psum instance's BLOCK_M).
+pub const ALIGN: usize = 128;
+/// Persistent CTAs per launch (the instances' `kNumSMs`).
+const CTAS: u32 = 132;
+/// The K slice of one pipeline stage; K must be a multiple.
+const BLOCK_K: usize = 64;
+/// Columns of one TMA box under the 128-byte swizzle (64 bf16).
+const SWIZZLE_COLS: u32 = 64;
+
+/// Where each expert's rows are, with the device array (`MAX_GROUPS` ints) that says how many.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Expert e's rows are `[align(ends[e - 1], ALIGN), ends[e])`: the expert-major layout with
+    /// `ALIGN`-row-aligned blocks; `ends` past the last expert repeat the padded total.
+    Psum,
+    /// Expert e's rows are `[e * stride, e * stride + counts[e])`; `counts` past the last expert
+    /// are 0. `stride` is a multiple of the masked tile (64).
+    Masked { stride: usize },
+}
+
+struct Instance {
+    f: CudaFunction,
+    block_m: u32,
+    block_n: u32,
+    threads: u32,
+    smem: u32,
+}
+
+impl Instance {
+    fn load(
+        m: &std::sync::Arc<cudarc::driver::CudaModule>,
+        name: &str,
+        (block_m, block_n, stages, math_threads): (u32, u32, u32, u32),
+    ) -> Result<Self, DriverError> {
+        let f = m.load_function(name)?;
+        // As the kernel lays it out: D tile, then each stage's A and B tiles, then two barriers
+        // (8 bytes each) per stage.
+        let d = (block_m * block_n * 2).next_multiple_of(1024);
+        let stage = (block_m + block_n) * BLOCK_K as u32 * 2;
+        let smem = d + stages * stage + stages * 16;
+        f.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )?;
+        Ok(Self {
+            f,
+            block_m,
+            block_n,
+            threads: 128 + math_threads,
+            smem,
+        })
+    }
+}
+
+pub struct Hopper {
+    psum: Instance,
+    masked: Instance,
+}
+
+/// A CUDA tensor map, passed to the kernel by value.
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct TensorMap(sys::CUtensorMap);
+
+// SAFETY: a plain 128-byte, 128-aligned value that the kernel takes as a `__grid_constant__`
+// parameter; it holds no host pointer.
+unsafe impl DeviceRepr for TensorMap {}
+
+/// A 2-D bf16 tensor map of `outer` rows of `inner` elements at `base`, in boxes of
+/// `SWIZZLE_COLS x box_rows` with the 128-byte swizzle; out-of-bounds loads read zeros and
+/// out-of-bounds stores are dropped.
+fn tensor_map(
+    base: u64,
+    inner: usize,
+    outer: usize,
+    box_rows: u32,
+) -> Result<TensorMap, DriverError> {
+    let dims = [inner as u64, outer as u64];
+    let strides = [(inner * 2) as u64];
+    let boxes = [SWIZZLE_COLS, box_rows];
+    let elems = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+    // SAFETY: every array has the rank (2) entries the call reads, or rank - 1 for the strides;
+    // `map` is written by the call before it is read.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            base as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elems.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()?;
+        Ok(TensorMap(map.assume_init()))
+    }
+}
+
+/// One grouped GEMM: `y[rows of e] = x[rows of e] . w_e^T` for every expert e < `groups`.
+pub struct Gemm<'a> {
+    /// `[rows, k]`.
+    pub x: &'a CudaSlice<bf16>,
+    pub rows: usize,
+    /// `[groups][n][k]` (nn.Linear weights, stacked).
+    pub w: &'a CudaSlice<bf16>,
+    pub groups: usize,
+    pub n: usize,
+    pub k: usize,
+    pub layout: Layout,
+    /// `MAX_GROUPS` ints: `ends` (psum) or `counts` (masked).
+    pub sizes: &'a CudaSlice<i32>,
+}
+
+impl Hopper {
+    pub fn load(ctx: &std::sync::Arc<CudaContext>) -> Result<Self, DriverError> {
+        let m = ctx.load_module(Ptx::from_binary(FATBIN.to_vec()))?;
+        Ok(Self {
+            psum: Instance::load(&m, symbols::PSUM, (128, 256, 3, 256))?,
+            masked: Instance::load(&m, symbols::MASKED, (64, 128, 8, 128))?,
+        })
+    }
+
+    /// Whether these kernels take a GEMM of this shape and layout (else the WMMA kernels do).
+    pub fn fits(layout: Layout, groups: usize, n: usize, k: usize) -> bool {
+        let layout_ok = match layout {
+            Layout::Psum => true,
+            Layout::Masked { stride } => stride % 64 == 0 && stride > 0,
+        };
+        layout_ok && groups <= MAX_GROUPS && k % BLOCK_K == 0 && n % 64 == 0
+    }
+
+    /// Launches `g` writing `y [rows, n]`; rows of an expert's last tile past its count are
+    /// written too (with whatever its padding rows held), never another expert's rows.
+    pub fn gemm(
+        &self,
+        g: Gemm,
+        y: &mut CudaSlice<bf16>,
+        stream: &CudaStream,
+    ) -> Result<(), DriverError> {
+        assert!(
+            Self::fits(g.layout, g.groups, g.n, g.k),
+            "the Hopper GEMM does not take n {} k {} over {} groups in {:?}",
+            g.n,
+            g.k,
+            g.groups,
+            g.layout
+        );
+        assert!(
+            g.x.len() >= g.rows * g.k
+                && y.len() >= g.rows * g.n
+                && g.w.len() >= g.groups * g.n * g.k
+                && g.sizes.len() >= MAX_GROUPS,
+            "Hopper GEMM operands smaller than their shapes"
+        );
+        let (inst, shape_m) = match g.layout {
+            Layout::Psum => (&self.psum, 0),
+            Layout::Masked { stride } => {
+                assert!(stride * g.groups <= g.rows, "masked rows past the buffer");
+                (&self.masked, stride as u32)
+            }
+        };
+        let a = tensor_map(g.x.device_ptr(stream).0, g.k, g.rows, inst.block_m)?;
+        let b = tensor_map(g.w.device_ptr(stream).0, g.k, g.groups * g.n, inst.block_n)?;
+        let d = tensor_map(y.device_ptr_mut(stream).0, g.n, g.rows, inst.block_m)?;
+        let (n, k) = (g.n as u32, g.k as u32);
+        let mut l = stream.launch_builder(&inst.f);
+        l.arg(g.sizes)
+            .arg(&shape_m)
+            .arg(&n)
+            .arg(&k)
+            .arg(&a)
+            .arg(&b)
+            .arg(&d);
+        let cfg = LaunchConfig {
+            grid_dim: (CTAS, 1, 1),
+            block_dim: (inst.threads, 1, 1),
+            shared_mem_bytes: inst.smem,
+        };
+        // SAFETY: the tensor maps span x (rows x k), w (groups x n x k) and y (rows x n), each
+        // checked above; `sizes` holds MAX_GROUPS ints, as the instances read.
+        unsafe { l.launch(cfg) }.map(drop)
+    }
+}
