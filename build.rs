@@ -64,13 +64,54 @@ fn find_nvcc() -> Option<PathBuf> {
         .map(|_| p)
 }
 
-/// The DeepGEMM instances `kernels/hopper.cu` compiles, by mangled name, as the constants
-/// `server/backend/cuda/hopper.rs` loads them by (written to OUT_DIR/hopper_symbols.rs); the build
-/// fails here if one is missing.
-const HOPPER_SYMBOLS: [(&str, &str); 2] = [
-    ("PSUM", "_ZN9deep_gemm19sm90_bf16_gemm_implILN4cute4UMMA5MajorE0ELS3_0ELj0ELj0ELj0ELj256ELj128ELj256ELj64ELj128ELj128ELj128ELj3ELj128ELj256ELj1ELb0ELj132ELNS_8GemmTypeE5ELb0EN7cutlass10bfloat16_tEEEvPijjj14CUtensorMap_stS8_S8_"),
-    ("MASKED", "_ZN9deep_gemm19sm90_bf16_gemm_implILN4cute4UMMA5MajorE0ELS3_0ELj0ELj0ELj0ELj256ELj64ELj128ELj64ELj128ELj128ELj128ELj8ELj128ELj128ELj1ELb0ELj132ELNS_8GemmTypeE2ELb0EN7cutlass10bfloat16_tEEEvPijjj14CUtensorMap_stS8_S8_"),
+/// The DeepGEMM instances `kernels/hopper.cu` compiles, one table for the three places that need
+/// them: the template arguments (OUT_DIR/hopper_instances.inc), the mangled symbols (checked in
+/// the fatbin) and the constants `server/backend/cuda/hopper.rs` launches them with
+/// (OUT_DIR/hopper_tiles.rs). Measured choices: docs/benchmarks.md, "Expert GEMM on Hopper".
+struct HopperTile {
+    name: &'static str,
+    /// DeepGEMM's `GemmType`: 5 `MGroupedContiguousWithPsumLayout`, 2 `MGroupedMasked`.
+    gemm_type: u32,
+    block_m: u32,
+    block_n: u32,
+    stages: u32,
+    math_threads: u32,
+}
+
+/// Most local experts per launch (`kNumGroups`) and persistent CTAs (`kNumSMs`, one per
+/// H100/H200 SM), the same for every instance.
+const HOPPER_GROUPS: u32 = 256;
+const HOPPER_CTAS: u32 = 132;
+
+const HOPPER_TILES: [HopperTile; 2] = [
+    HopperTile {
+        name: "PSUM",
+        gemm_type: 5,
+        block_m: 128,
+        block_n: 256,
+        stages: 3,
+        math_threads: 256,
+    },
+    HopperTile {
+        name: "MASKED",
+        gemm_type: 2,
+        block_m: 64,
+        block_n: 128,
+        stages: 8,
+        math_threads: 128,
+    },
 ];
+
+impl HopperTile {
+    /// The Itanium-mangled name of `deep_gemm::sm90_bf16_gemm_impl<K, K, 0, 0, 0, groups, M, N,
+    /// 64, 128, 128, 128, stages, 128, math, 1, false, ctas, type, false, cutlass::bfloat16_t>`.
+    fn symbol(&self) -> String {
+        format!(
+            "_ZN9deep_gemm19sm90_bf16_gemm_implILN4cute4UMMA5MajorE0ELS3_0ELj0ELj0ELj0ELj{HOPPER_GROUPS}ELj{}ELj{}ELj64ELj128ELj128ELj128ELj{}ELj128ELj{}ELj1ELb0ELj{HOPPER_CTAS}ELNS_8GemmTypeE{}ELb0EN7cutlass10bfloat16_tEEEvPijjj14CUtensorMap_stS8_S8_",
+            self.block_m, self.block_n, self.stages, self.math_threads, self.gemm_type
+        )
+    }
+}
 
 const HOW_DEEP_GEMM: &str = "the Hopper expert GEMM needs DeepGEMM's headers: run \
 `eval \"$(scripts/cuda-toolchain.sh)\"` (it fetches the pinned sgl-deep-gemm wheel and sets \
@@ -131,6 +172,17 @@ fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
         )
         .into());
     }
+    let defines =
+        format!("#define EPSERVE_GROUPS {HOPPER_GROUPS}\n#define EPSERVE_CTAS {HOPPER_CTAS}\n");
+    let instances: String = std::iter::once(defines)
+        .chain(HOPPER_TILES.iter().map(|t| {
+            format!(
+                "EPSERVE_INSTANCE({}, {}, {}, {}, {})\n",
+                t.gemm_type, t.block_m, t.block_n, t.stages, t.math_threads
+            )
+        }))
+        .collect();
+    std::fs::write(out.join("hopper_instances.inc"), instances)?;
     let hopper = out.join("hopper_kernels.fatbin");
     let mut cmd = nvcc_cmd("-std=c++20");
     cmd.args([
@@ -139,18 +191,26 @@ fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
     ])
     .arg("-isystem")
     .arg(&deep_gemm)
+    .arg("-I")
+    .arg(out)
     .arg("-o")
     .arg(&hopper)
     .arg("kernels/hopper.cu");
     run(cmd, "kernels/hopper.cu")?;
     let bin = std::fs::read(&hopper)?;
-    let mut consts = String::new();
-    for (name, sym) in HOPPER_SYMBOLS {
+    let mut consts = format!(
+        "pub const GROUPS: usize = {HOPPER_GROUPS};\npub const CTAS: u32 = {HOPPER_CTAS};\n"
+    );
+    for t in &HOPPER_TILES {
+        let sym = t.symbol();
         if !bin.windows(sym.len()).any(|w| w == sym.as_bytes()) {
-            return Err(format!("kernels/hopper.cu did not produce {sym}: the DeepGEMM headers or nvcc mangle it differently; update HOPPER_SYMBOLS").into());
+            return Err(format!("kernels/hopper.cu did not produce {sym}: the DeepGEMM headers or nvcc mangle it differently; update HopperTile::symbol").into());
         }
-        consts.push_str(&format!("pub const {name}: &str = \"{sym}\";\n"));
+        consts.push_str(&format!(
+            "pub const {}: Tile = Tile {{ symbol: \"{sym}\", block_m: {}, block_n: {}, stages: {}, math_threads: {} }};\n",
+            t.name, t.block_m, t.block_n, t.stages, t.math_threads
+        ));
     }
-    std::fs::write(out.join("hopper_symbols.rs"), consts)?;
+    std::fs::write(out.join("hopper_tiles.rs"), consts)?;
     Ok(())
 }

@@ -548,10 +548,12 @@ __global__ void ll_bounds(const int* counts, int L, int S, int G, int* bounds, i
   }
 }
 
-// The Hopper GEMM's psum layout from aligned expert-major offsets [L + 1] and counts [L]:
-// ends[e] = offsets[e] + counts[e], and the padded total offsets[L] past the last expert. [G]
-__global__ void psum_ends(const int* offsets, const int* counts, int L, int G, int* ends) {
-  for (int e = threadIdx.x; e < G; e += blockDim.x) ends[e] = e < L ? offsets[e] + counts[e] : offsets[L];
+// The Hopper GEMM's psum layout from A-aligned expert-major offsets [L] and counts [L]:
+// ends[e] = offsets[e] + counts[e], and past the last expert its end aligned up to A (empty
+// groups: the kernel starts each group at the aligned end of the one before). [G]
+__global__ void psum_ends(const int* offsets, const int* counts, int L, int A, int G, int* ends) {
+  const int last = offsets[L - 1] + counts[L - 1], padded = (last + A - 1) / A * A;
+  for (int e = threadIdx.x; e < G; e += blockDim.x) ends[e] = e < L ? offsets[e] + counts[e] : padded;
 }
 
 // SwiGLU over the masked layout's filled rows: expert e's rows [e * S, e * S + counts[e]).

@@ -120,7 +120,12 @@ const TOKEN_TOL: f64 = 3e-2;
 
 /// The f64 reference layers of the test model (seed 0, every expert).
 fn reference_layers() -> (MoeSpec, Vec<RefLayer>) {
-    let mut spec = synthetic::preset(MODEL.trim_start_matches("synthetic:")).unwrap();
+    reference_layers_of(MODEL)
+}
+
+/// The f64 reference layers of a synthetic preset, capped to the two layers the tests serve.
+fn reference_layers_of(model: &str) -> (MoeSpec, Vec<RefLayer>) {
+    let mut spec = synthetic::preset(model.trim_start_matches("synthetic:")).unwrap();
     spec.cap_layers(Some(2));
     let layers = spec
         .moe_layers
@@ -290,6 +295,45 @@ fn nccl_backend_matches_the_cpu_backend() {
                 rel <= 1e-2,
                 "{ranks} GPUs, graphs {graphs}: relative error {rel:.3e}"
             );
+        }
+    }
+}
+
+/// A DeepSeek-style layer (grouped sigmoid routing with a bias, one shared expert) on the `nccl`
+/// backend, every token against the f64 reference: the only GPU test of the shared expert.
+#[test]
+#[ignore = "needs GPUs and NCCL"]
+fn shared_expert_model_matches_the_f64_reference() {
+    const SHARED: &str = "synthetic:tiny-deepseek";
+    let (spec, layers) = reference_layers_of(SHARED);
+    assert!(spec.shared_intermediate > 0, "{SHARED} has a shared expert");
+    let mut r = ChaCha8Rng::seed_from_u64(31);
+    let reqs: Vec<ForwardRequest> = (0..F64_REQUESTS)
+        .map(|i| {
+            let n = r.random_range(1..=64usize);
+            let x: Vec<f32> = (0..n * spec.hidden)
+                .map(|_| r.random_range(-1.0..1.0))
+                .collect();
+            let layer = spec.moe_layers[r.random_range(0..spec.moe_layers.len())];
+            request(&format!("s{i}"), layer, f32_tensor(&x, [n, spec.hidden]))
+        })
+        .collect();
+    for ranks in gpu_counts() {
+        for graphs in ["on", "off"] {
+            let args = [
+                "--layers",
+                "2",
+                "--backend",
+                "nccl",
+                "--cuda-graphs",
+                graphs,
+                "--step-timeout",
+                "60s",
+            ];
+            let g = Group::launch(ranks, SHARED, &args);
+            let out = run_all(&g, &reqs, 16);
+            let what = format!("{SHARED}, nccl, {ranks} GPU(s), graphs {graphs}");
+            check_f64(&what, &spec, &layers, &reqs, &out);
         }
     }
 }

@@ -13,8 +13,19 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 
-mod symbols {
-    include!(concat!(env!("OUT_DIR"), "/hopper_symbols.rs"));
+/// One compiled instance: its symbol and the tile it was compiled for.
+struct Tile {
+    symbol: &'static str,
+    block_m: u32,
+    block_n: u32,
+    stages: u32,
+    math_threads: u32,
+}
+
+mod tiles {
+    use super::Tile;
+    // GROUPS, CTAS, then PSUM and MASKED: build.rs's HOPPER_TILES.
+    include!(concat!(env!("OUT_DIR"), "/hopper_tiles.rs"));
 }
 
 /// `kernels/hopper.cu`, compiled for sm_90a.
@@ -22,11 +33,9 @@ static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/hopper_kernels.
 
 /// The most experts one launch takes (the instances' `kNumGroups`); `layout` arrays have this
 /// many entries.
-pub const MAX_GROUPS: usize = 256;
+pub const MAX_GROUPS: usize = tiles::GROUPS;
 /// Row alignment of each expert's block in the psum layout (the psum instance's BLOCK_M).
-pub const ALIGN: usize = 128;
-/// Persistent CTAs per launch (the instances' `kNumSMs`).
-const CTAS: u32 = 132;
+pub const ALIGN: usize = tiles::PSUM.block_m as usize;
 /// The K slice of one pipeline stage; K must be a multiple.
 const BLOCK_K: usize = 64;
 /// Columns of one TMA box under the 128-byte swizzle (64 bf16).
@@ -39,7 +48,7 @@ pub enum Layout {
     /// `ALIGN`-row-aligned blocks; `ends` past the last expert repeat the padded total.
     Psum,
     /// Expert e's rows are `[e * stride, e * stride + counts[e])`; `counts` past the last expert
-    /// are 0. `stride` is a multiple of the masked tile (64).
+    /// are 0. `stride` is a multiple of the masked instance's row tile.
     Masked { stride: usize },
 }
 
@@ -52,26 +61,22 @@ struct Instance {
 }
 
 impl Instance {
-    fn load(
-        m: &std::sync::Arc<cudarc::driver::CudaModule>,
-        name: &str,
-        (block_m, block_n, stages, math_threads): (u32, u32, u32, u32),
-    ) -> Result<Self, DriverError> {
-        let f = m.load_function(name)?;
+    fn load(m: &std::sync::Arc<cudarc::driver::CudaModule>, t: Tile) -> Result<Self, DriverError> {
+        let f = m.load_function(t.symbol)?;
         // As the kernel lays it out: D tile, then each stage's A and B tiles, then two barriers
         // (8 bytes each) per stage.
-        let d = (block_m * block_n * 2).next_multiple_of(1024);
-        let stage = (block_m + block_n) * BLOCK_K as u32 * 2;
-        let smem = d + stages * stage + stages * 16;
+        let d = (t.block_m * t.block_n * 2).next_multiple_of(1024);
+        let stage = (t.block_m + t.block_n) * BLOCK_K as u32 * 2;
+        let smem = d + t.stages * stage + t.stages * 16;
         f.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
         )?;
         Ok(Self {
             f,
-            block_m,
-            block_n,
-            threads: 128 + math_threads,
+            block_m: t.block_m,
+            block_n: t.block_n,
+            threads: 128 + t.math_threads,
             smem,
         })
     }
@@ -146,8 +151,8 @@ impl Hopper {
     pub fn load(ctx: &std::sync::Arc<CudaContext>) -> Result<Self, DriverError> {
         let m = ctx.load_module(Ptx::from_binary(FATBIN.to_vec()))?;
         Ok(Self {
-            psum: Instance::load(&m, symbols::PSUM, (128, 256, 3, 256))?,
-            masked: Instance::load(&m, symbols::MASKED, (64, 128, 8, 128))?,
+            psum: Instance::load(&m, tiles::PSUM)?,
+            masked: Instance::load(&m, tiles::MASKED)?,
         })
     }
 
@@ -155,7 +160,7 @@ impl Hopper {
     pub fn fits(layout: Layout, groups: usize, n: usize, k: usize) -> bool {
         let layout_ok = match layout {
             Layout::Psum => true,
-            Layout::Masked { stride } => stride % 64 == 0 && stride > 0,
+            Layout::Masked { stride } => stride > 0 && stride % tiles::MASKED.block_m as usize == 0,
         };
         layout_ok && groups <= MAX_GROUPS && k % BLOCK_K == 0 && n % 64 == 0
     }
@@ -203,7 +208,7 @@ impl Hopper {
             .arg(&b)
             .arg(&d);
         let cfg = LaunchConfig {
-            grid_dim: (CTAS, 1, 1),
+            grid_dim: (tiles::CTAS, 1, 1),
             block_dim: (inst.threads, 1, 1),
             shared_mem_bytes: inst.smem,
         };

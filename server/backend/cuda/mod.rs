@@ -745,8 +745,10 @@ impl Gpu {
         unsafe { b.launch(Self::cfg((1, 1), 256, 0)) }.map(drop)
     }
 
-    /// The Hopper GEMM's psum layout (`hopper::MAX_GROUPS` ends) from `ALIGN`-aligned
-    /// expert-major `offsets [L + 1]` and per-expert `counts [L]`.
+    /// The Hopper GEMM's psum layout (`hopper::MAX_GROUPS` ends) from expert-major
+    /// `offsets [L]` and per-expert `counts [L]`. The offsets must be the `hopper::ALIGN`-aligned
+    /// running sum of the counts (as NCCL EP's per-expert alignment writes them): the kernel
+    /// starts each block at the aligned end of the one before.
     pub fn psum_ends(
         &self,
         offsets: &CudaSlice<i32>,
@@ -756,13 +758,18 @@ impl Gpu {
         let l = counts.len();
         let groups = hopper::MAX_GROUPS;
         assert!(
-            offsets.len() > l && ends.len() >= groups && l <= groups,
+            l > 0 && offsets.len() >= l && ends.len() >= groups && l <= groups,
             "psum_ends"
         );
-        let (l32, g32) = (l as i32, groups as i32);
+        let (l32, a32, g32) = (l as i32, hopper::ALIGN as i32, groups as i32);
         let mut b = self.stream.launch_builder(&self.k.psum_ends);
-        b.arg(offsets).arg(counts).arg(&l32).arg(&g32).arg(ends);
-        // SAFETY: offsets holds l + 1 ints, counts l, ends MAX_GROUPS (asserted).
+        b.arg(offsets)
+            .arg(counts)
+            .arg(&l32)
+            .arg(&a32)
+            .arg(&g32)
+            .arg(ends);
+        // SAFETY: offsets and counts hold at least l ints, ends MAX_GROUPS (asserted).
         unsafe { b.launch(Self::cfg((1, 1), 256, 0)) }.map(drop)
     }
 

@@ -226,7 +226,8 @@ impl StepShape {
             Some(e) => self.ep_rows(e).0 + self.ep_rows(e).1,
         };
         let (i, si) = (self.inter, self.shared_inter);
-        let ints = 3 + t * k * 4 + 2 * e + 1 + w * e + rows + self.local() + 3 + hopper::MAX_GROUPS;
+        let ints =
+            3 + t * k * 4 + 2 * e + 1 + w * e + rows + self.local() + 3 + 2 * hopper::MAX_GROUPS;
         let tiles = 2 * (max_tiles(rows, self.local()) + max_tiles(t, 1)) + 2;
         t * h * 4 * 2                       // x, out
             + t * e * 4 + t * k * 4         // logits, weights
@@ -342,6 +343,8 @@ pub struct Buffers {
     sgu: CudaSlice<bf16>,
     sact: CudaSlice<bf16>,
     sy: CudaSlice<bf16>,
+    /// The shared expert's psum ends for the Hopper GEMM (one group of `n` rows).
+    sh_ends: CudaSlice<i32>,
     stiles: CudaSlice<i32>,
     sn_tiles: CudaSlice<i32>,
     /// Combined home rows `[T, hidden]` in f32.
@@ -387,6 +390,7 @@ impl Buffers {
             sgu: a.zeros(t * 2 * si)?,
             sact: a.zeros(t * si)?,
             sy: a.zeros(if si > 0 { t * h } else { 0 })?,
+            sh_ends: a.zeros(hopper::MAX_GROUPS)?,
             stiles: a.zeros(2 * max_tiles(t, 1))?,
             sn_tiles: a.zeros(1)?,
             out: a.zeros(t * h)?,
@@ -679,32 +683,7 @@ impl GpuStep {
             }
         }
         if let Some((w_gu, w_down)) = &l.shared {
-            let si = s.shared_inter;
-            g.grouped_gemm(
-                &b.xb,
-                w_gu,
-                Blocks::Offsets(&b.sh_off),
-                1,
-                bucket,
-                2 * si,
-                h,
-                &mut b.stiles,
-                &mut b.sn_tiles,
-                &mut b.sgu,
-            )?;
-            g.swiglu(&b.sgu, &b.n, bucket, si, None, &mut b.sact)?;
-            g.grouped_gemm(
-                &b.sact,
-                w_down,
-                Blocks::Offsets(&b.sh_off),
-                1,
-                bucket,
-                h,
-                si,
-                &mut b.stiles,
-                &mut b.sn_tiles,
-                &mut b.sy,
-            )?;
+            shared_ffn(g, s, (w_gu, w_down), bucket, b)?;
         }
         let shared = l.shared.as_ref().map(|_| &b.sy);
         match &self.ep {
@@ -800,5 +779,73 @@ fn contiguous_ffn(
     if let Some(w) = b.weights {
         g.scale_rows(xe, w, b.rows, rows, h)?;
     }
+    Ok(())
+}
+
+/// The shared expert over the bucket's home rows (`xb`, `n` of them) into `sy`: one group, on
+/// the Hopper GEMM where the shapes allow, else the WMMA kernels.
+fn shared_ffn(
+    g: &Gpu,
+    s: &StepShape,
+    (w_gu, w_down): (&CudaSlice<bf16>, &CudaSlice<bf16>),
+    bucket: usize,
+    b: &mut Buffers,
+) -> Result<(), GpuError> {
+    let (h, si) = (s.hidden, s.shared_inter);
+    let psum = Layout::Psum;
+    if Hopper::fits(psum, 1, 2 * si, h) && Hopper::fits(psum, 1, h, si) {
+        // One block from row 0 (`sh_off[0]`) of `n` rows.
+        g.psum_ends(&b.sh_off, &b.n, &mut b.sh_ends)?;
+        let up = Gemm {
+            x: &b.xb,
+            rows: bucket,
+            w: w_gu,
+            groups: 1,
+            n: 2 * si,
+            k: h,
+            layout: psum,
+            sizes: &b.sh_ends,
+        };
+        g.hopper.gemm(up, &mut b.sgu, &g.stream)?;
+        g.swiglu(&b.sgu, &b.n, bucket, si, None, &mut b.sact)?;
+        let down = Gemm {
+            x: &b.sact,
+            rows: bucket,
+            w: w_down,
+            groups: 1,
+            n: h,
+            k: si,
+            layout: psum,
+            sizes: &b.sh_ends,
+        };
+        g.hopper.gemm(down, &mut b.sy, &g.stream)?;
+        return Ok(());
+    }
+    let blocks = Blocks::Offsets(&b.sh_off);
+    g.grouped_gemm(
+        &b.xb,
+        w_gu,
+        blocks,
+        1,
+        bucket,
+        2 * si,
+        h,
+        &mut b.stiles,
+        &mut b.sn_tiles,
+        &mut b.sgu,
+    )?;
+    g.swiglu(&b.sgu, &b.n, bucket, si, None, &mut b.sact)?;
+    g.grouped_gemm(
+        &b.sact,
+        w_down,
+        blocks,
+        1,
+        bucket,
+        h,
+        si,
+        &mut b.stiles,
+        &mut b.sn_tiles,
+        &mut b.sy,
+    )?;
     Ok(())
 }
