@@ -216,8 +216,10 @@ mod gpu {
     use super::{median, summarize, BenchConfig, ConfigResult, RankResult};
     use crate::backend::cuda::ep::EpExchange;
     use crate::backend::cuda::nccl::Comm;
-    use crate::backend::cuda::step::{Alloc, DeviceLayer, EpShape, GpuError, GpuStep, StepShape};
+    use crate::backend::cuda::shape::{EpShape, StepShape};
+    use crate::backend::cuda::step::{DeviceLayer, GpuStep};
     use crate::backend::cuda::{device_count, Gpu};
+    use crate::backend::cuda::{Alloc, GpuError};
     use crate::config::{BenchArgs, EpMode, OnOff};
     use crate::model::Routing;
 

@@ -16,7 +16,8 @@ use nccl_sys::ep::*;
 use nccl_sys::{ncclDataType_t, ncclResult_t};
 
 use super::nccl::{Comm, NcclError, SymBuffer};
-use super::step::{Alloc, GpuError, StepShape};
+use super::shape::StepShape;
+use super::{Alloc, GpuError};
 
 /// NCCL EP needs the device API of NCCL 2.30.4 or newer.
 pub const MIN_NCCL: i32 = 23004;
@@ -95,17 +96,6 @@ pub fn gates(nccl_version: i32, world: usize) -> Result<String, String> {
     ))
 }
 
-/// Rows one rank's HT expert-major receive buffer needs: every source's tokens to each of its
-/// local experts (at most min(k, local) per token), plus per-expert padding to `align`.
-pub fn recv_capacity(s: &StepShape, align: usize) -> usize {
-    s.world * s.max_home * s.top_k.min(s.local()) + s.local() * (align - 1)
-}
-
-/// Rows of the LL expert-major output `[local][world * ll_max]`: its row-index space.
-pub fn ll_rows(s: &StepShape, ll_max: usize) -> usize {
-    s.local() * s.world * ll_max
-}
-
 /// The shape problems NCCL EP would reject, found first with a clear reason.
 pub fn validate(s: &StepShape, align: usize) -> Result<(), String> {
     let mut bad = Vec::new();
@@ -127,10 +117,10 @@ pub fn validate(s: &StepShape, align: usize) -> Result<(), String> {
     if !align.is_power_of_two() {
         bad.push(format!("alignment {align} is not a power of two"));
     }
-    if recv_capacity(s, align) < s.max_home {
+    if s.ht_capacity(align) < s.max_home {
         bad.push("receive capacity below dispatch capacity".into());
     }
-    if ll_rows(s, s.max_home) > i32::MAX as usize {
+    if s.ll_rows(s.max_home) > i32::MAX as usize {
         bad.push("low-latency receive rows exceed 2^31".into());
     }
     match bad.is_empty() {
@@ -256,9 +246,9 @@ impl EpPath {
         // NCCL_EP_LAYOUT_RANK_MAJOR"): LL goes through the library's staging.
         let zero_copy = zero_copy && !low_latency;
         let (cap, rows_len) = match low_latency {
-            true => (s.world * tokens, ll_rows(s, tokens)),
+            true => (s.world * tokens, s.ll_rows(tokens)),
             false => {
-                let c = recv_capacity(s, align);
+                let c = s.ht_capacity(align);
                 (c, c)
             }
         };
@@ -620,9 +610,9 @@ mod tests {
     #[test]
     fn receive_capacity_covers_duplication_and_padding() {
         // 4 ranks x 64 tokens x min(8, 32) local copies, plus 32 experts x 63 padding rows.
-        assert_eq!(recv_capacity(&shape(4, 128, 8, 2048), 64), 2048 + 32 * 63);
+        assert_eq!(shape(4, 128, 8, 2048).ht_capacity(64), 2048 + 32 * 63);
         // Few local experts: a token reaches at most 2 of them.
-        assert_eq!(recv_capacity(&shape(8, 16, 4, 64), 1), 8 * 64 * 2);
+        assert_eq!(shape(8, 16, 4, 64).ht_capacity(1), 8 * 64 * 2);
     }
 
     #[test]

@@ -6,14 +6,16 @@ pub mod hopper;
 pub mod nccl;
 pub mod rank;
 pub mod setup;
+pub mod shape;
 pub mod step;
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtrMut, DriverError,
-    LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtrMut, DeviceRepr,
+    DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
@@ -30,6 +32,56 @@ pub const GEMM_WIDE_N: usize = 128;
 const BLAS_WORKSPACE: usize = 32 << 20;
 /// `recv_map` keeps an int per expert in 48 KiB of shared memory.
 pub const MAX_EXPERTS: usize = 12 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("CUDA: {0}")]
+    Driver(#[from] DriverError),
+    #[error("NCCL: {0}")]
+    Nccl(#[from] nccl::NcclError),
+    #[error("cuBLAS: {0}")]
+    Blas(#[from] cudarc::cublas::result::CublasError),
+    #[error("{0}")]
+    Config(String),
+}
+
+/// Device allocations made by this process through `Alloc` (all of them are made at startup).
+static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
+
+pub fn allocations() -> u64 {
+    ALLOCATIONS.load(Ordering::Relaxed)
+}
+
+/// The only way the GPU backend allocates device memory: counted, and zero-filled.
+pub struct Alloc {
+    stream: Arc<CudaStream>,
+    pub bytes: usize,
+}
+
+impl Alloc {
+    pub fn new(stream: Arc<CudaStream>) -> Self {
+        Self { stream, bytes: 0 }
+    }
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    fn count<T>(&mut self, n: usize) {
+        self.bytes += n * std::mem::size_of::<T>();
+        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!("epserve_device_allocations_total").increment(1);
+    }
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &mut self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, DriverError> {
+        self.count::<T>(n.max(1));
+        self.stream.alloc_zeros(n.max(1))
+    }
+    pub fn upload<T: DeviceRepr>(&mut self, host: &[T]) -> Result<CudaSlice<T>, DriverError> {
+        self.count::<T>(host.len());
+        self.stream.clone_htod(host)
+    }
+}
 
 pub struct Kernels {
     topk_softmax: CudaFunction,
@@ -78,7 +130,7 @@ pub fn device_count() -> usize {
 }
 
 impl Gpu {
-    pub fn new(ordinal: usize) -> Result<Self, step::GpuError> {
+    pub fn new(ordinal: usize) -> Result<Self, GpuError> {
         let ctx = CudaContext::new(ordinal)?;
         // SAFETY: called before the first allocation on this context: cudarc's per-allocation
         // events would otherwise be recorded into captured graphs. Streams are ordered by hand.
@@ -440,7 +492,7 @@ impl Gpu {
         e: usize,
         h: usize,
         logits: &mut CudaSlice<f32>,
-    ) -> Result<(), step::GpuError> {
+    ) -> Result<(), GpuError> {
         assert!(
             x.len() >= n_cap * h && router.len() >= e * h && logits.len() >= n_cap * e,
             "router_logits operands smaller than their shapes"

@@ -13,7 +13,8 @@ use cudarc::driver::{
     DriverError,
 };
 
-use super::step::{GpuError, GpuStep};
+use super::step::GpuStep;
+use super::GpuError;
 use crate::dtype::Dtype;
 use crate::step::ring::Ring;
 use crate::step::{max_home_tokens, Backend, PhaseTimes, StepDesc, StepError};

@@ -1,0 +1,189 @@
+//! What sizes a rank's step: the model's shapes over the group, the buckets' row capacities
+//! for each exchange, and the device bytes they take. Plain numbers: no device, no exchange.
+
+use super::{hopper, max_tiles, Slots, GEMM_TILE, MAX_EXPERTS};
+use crate::model::MoeSpec;
+
+/// Everything that sizes the step's buffers.
+#[derive(Clone, Copy, Debug)]
+pub struct StepShape {
+    pub world: usize,
+    pub rank: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub hidden: usize,
+    pub inter: usize,
+    /// Intermediate size of the shared expert block (0 = none).
+    pub shared_inter: usize,
+    /// The largest bucket: most home tokens per rank.
+    pub max_home: usize,
+    /// The NCCL EP exchange, or (None) the NCCL slot exchange.
+    pub ep: Option<EpShape>,
+}
+
+/// How the NCCL EP exchange is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EpShape {
+    /// HT per-expert row alignment (the grouped GEMM's tile).
+    pub align: usize,
+    /// Buckets up to this many home tokens per rank run low-latency (0: none).
+    pub ll_max: usize,
+    pub zero_copy: bool,
+}
+
+impl EpShape {
+    /// The service's and the bench's layout: HT pads each expert's rows to the Hopper GEMM's
+    /// row tile, so its psum layout reads NCCL EP's rows in place.
+    pub fn new(ll_max: usize, zero_copy: bool) -> Self {
+        Self {
+            align: hopper::ALIGN,
+            ll_max,
+            zero_copy,
+        }
+    }
+}
+
+impl StepShape {
+    pub fn new(spec: &MoeSpec, world: usize, rank: usize, max_home: usize) -> Self {
+        Self {
+            world,
+            rank,
+            experts: spec.num_experts,
+            top_k: spec.top_k,
+            hidden: spec.hidden,
+            inter: spec.intermediate,
+            shared_inter: spec.shared_intermediate,
+            max_home,
+            ep: None,
+        }
+    }
+    pub fn local(&self) -> usize {
+        self.experts / self.world
+    }
+    /// Rows one rank's NCCL EP HT expert-major receive buffer needs: every source's tokens to
+    /// each of its local experts (at most min(k, local) per token), plus per-expert padding to
+    /// `align`.
+    pub fn ht_capacity(&self, align: usize) -> usize {
+        self.world * self.max_home * self.top_k.min(self.local()) + self.local() * (align - 1)
+    }
+    /// Rows of NCCL EP's LL expert-major output `[local][world * ll_max]`: its row-index space.
+    pub fn ll_rows(&self, ll_max: usize) -> usize {
+        self.local() * self.world * ll_max
+    }
+    /// Rows one source sends one peer at most: each token reaches at most min(k, local) of a
+    /// peer's experts.
+    pub fn slot_rows(&self, bucket: usize) -> usize {
+        bucket * self.top_k.min(self.local())
+    }
+    pub fn slots(&self, bucket: usize) -> Slots {
+        Slots {
+            world: self.world,
+            rank: self.rank,
+            experts: self.experts,
+            local: self.local(),
+            slot_rows: self.slot_rows(bucket),
+        }
+    }
+    /// Rows of the slot exchange's receive side: one slot from every source.
+    pub fn slot_space(&self, bucket: usize) -> usize {
+        self.world * self.slot_rows(bucket)
+    }
+    /// Expert-major rows the FFN reads: the slots' rows with each expert's block aligned to the
+    /// Hopper GEMM's tile, or NCCL EP's expert-major row space for the bucket's mode (the same
+    /// for every bucket of a mode: a group is sized once).
+    pub fn recv_rows(&self, bucket: usize) -> usize {
+        match self.ep {
+            None => self.slot_space(bucket) + self.local() * (hopper::ALIGN - 1),
+            Some(e) if bucket <= e.ll_max => self.ll_rows(e.ll_max),
+            Some(e) => self.ht_capacity(e.align),
+        }
+    }
+
+    /// The largest row space any bucket uses (what the FFN's row buffers must span).
+    pub fn row_space(&self) -> usize {
+        match self.ep {
+            None => self.recv_rows(self.max_home),
+            Some(e) => self.ep_rows(e).0.max(self.ep_rows(e).1),
+        }
+    }
+
+    /// NCCL EP's expert rows: (LL, HT), 0 for a mode no bucket uses.
+    fn ep_rows(&self, e: EpShape) -> (usize, usize) {
+        let ll = match e.ll_max {
+            0 => 0,
+            t => self.ll_rows(t),
+        };
+        let ht = match self.max_home > e.ll_max {
+            true => self.ht_capacity(e.align),
+            false => 0,
+        };
+        (ll, ht)
+    }
+
+    /// What the kernels need of the model's shapes, as one readable refusal.
+    pub fn check(&self) -> Result<(), String> {
+        let mut bad = Vec::new();
+        if self.hidden % GEMM_TILE != 0 {
+            bad.push(format!(
+                "hidden size {} is not a multiple of 64",
+                self.hidden
+            ));
+        }
+        for (what, i) in [
+            ("intermediate", self.inter),
+            ("shared intermediate", self.shared_inter),
+        ] {
+            if i % 32 != 0 {
+                bad.push(format!("{what} size {i} is not a multiple of 32"));
+            }
+        }
+        if self.experts > MAX_EXPERTS {
+            bad.push(format!("{} experts (at most {MAX_EXPERTS})", self.experts));
+        }
+        if self.top_k > 32 {
+            bad.push(format!("top-k {} (at most 32)", self.top_k));
+        }
+        if self.experts % self.world != 0 {
+            bad.push(format!(
+                "{} experts do not split over {} ranks",
+                self.experts, self.world
+            ));
+        }
+        match bad.is_empty() {
+            true => Ok(()),
+            false => Err(format!(
+                "the GPU kernels cannot run this model: {}",
+                bad.join("; ")
+            )),
+        }
+    }
+
+    /// Device bytes of the step buffers (weights not included).
+    pub fn buffer_bytes(&self) -> usize {
+        let (t, h, k, e, w) = (
+            self.max_home,
+            self.hidden,
+            self.top_k,
+            self.experts,
+            self.world,
+        );
+        let rows = self.row_space();
+        // Slot send and receive buffers beside the expert rows, or NCCL EP's expert rows (one
+        // buffer per mode in use).
+        let expert_rows = match self.ep {
+            None => 2 * self.slot_space(t) + rows,
+            Some(e) => self.ep_rows(e).0 + self.ep_rows(e).1,
+        };
+        let (i, si) = (self.inter, self.shared_inter);
+        let ints =
+            3 + t * k * 4 + 2 * e + 1 + w * e + rows + self.local() + 3 + 2 * hopper::MAX_GROUPS;
+        let tiles = 2 * (max_tiles(rows, self.local()) + max_tiles(t, 1)) + 2;
+        t * h * 4 * 2                       // x, out
+            + t * e * 4 + t * k * 4         // logits, weights
+            + t * h * 2 * 2                 // xb, wire
+            + expert_rows * h * 2           // send, recv, expert rows
+            + rows * 3 * i * 2              // gate/up, act
+            + t * (3 * si + h) * 2          // shared expert
+            + (ints + tiles) * 4
+    }
+}
