@@ -159,9 +159,10 @@ fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
     .arg("kernels/epserve.cu");
     run(cmd, "kernels/epserve.cu")?;
 
+    // Set by the toolchain script, the one place that pins DeepGEMM's version.
     let deep_gemm = std::env::var_os("DEEP_GEMM_INCLUDE")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(".venv-cuda/deep_gemm-0.2.5/include"));
+        .ok_or_else(|| format!("DEEP_GEMM_INCLUDE is not set: {HOW_DEEP_GEMM}"))?;
     if !deep_gemm
         .join("deep_gemm/impls/sm90_bf16_gemm.cuh")
         .exists()

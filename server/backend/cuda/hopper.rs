@@ -1,7 +1,7 @@
 //! The Hopper expert GEMM: DeepGEMM's SM90 bf16 m-grouped kernels (TMA loads, WGMMA,
 //! warp-specialised persistent CTAs), compiled ahead of time by build.rs from the pinned headers
-//! (`kernels/hopper.cu` says which instances and why). Per-expert row counts stay on the device,
-//! so a captured step graph stays valid whatever the routing.
+//! (`kernels/hopper.cu`; which tiles: build.rs's `HOPPER_TILES`). Per-expert row counts stay on
+//! the device, so a captured step graph stays valid whatever the routing.
 //!
 //! The TMA descriptors are encoded on the host at each launch from the buffers' addresses: a
 //! step graph captures them once per bucket, and eager steps pay a few microseconds of host time.
