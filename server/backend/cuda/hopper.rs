@@ -217,3 +217,51 @@ impl Hopper {
         unsafe { l.launch(cfg) }.map(drop)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::synthetic;
+
+    /// Which presets' FFNs (gate/up, then down) the Hopper kernels take, as the step decides it
+    /// per layout over a 4-rank group; the rest run on the WMMA kernels.
+    #[test]
+    fn the_presets_that_fit_and_the_one_that_falls_back() {
+        for (name, fits) in [
+            ("deepseek-v3", true),
+            ("qwen3-30b-a3b", true),
+            ("mixtral-8x7b", true),
+            ("tiny", true),
+            ("tiny-deepseek", true),
+            // intermediate 96: the down projection's K is not a multiple of 64.
+            ("tiny-qwen3", false),
+        ] {
+            let s = synthetic::preset(name).unwrap();
+            let (h, i, local) = (s.hidden, s.intermediate, s.num_experts / 4);
+            for layout in [Layout::Psum, Layout::Masked { stride: 512 }] {
+                let got =
+                    Hopper::fits(layout, local, 2 * i, h) && Hopper::fits(layout, local, h, i);
+                assert_eq!(got, fits, "{name} in {layout:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn limits_on_groups_and_the_masked_stride() {
+        assert!(Hopper::fits(Layout::Psum, MAX_GROUPS, 256, 256));
+        assert!(!Hopper::fits(Layout::Psum, MAX_GROUPS + 1, 256, 256));
+        assert!(
+            !Hopper::fits(Layout::Psum, 8, 256, 96),
+            "K off the 64-deep stage"
+        );
+        assert!(
+            !Hopper::fits(Layout::Psum, 8, 96, 256),
+            "N off the 64-wide store box"
+        );
+        // The masked tile is 64 rows: a stride that is not a multiple would let an expert's last
+        // tile write into the next expert's rows.
+        assert!(Hopper::fits(Layout::Masked { stride: 128 }, 8, 256, 256));
+        assert!(!Hopper::fits(Layout::Masked { stride: 96 }, 8, 256, 256));
+        assert!(!Hopper::fits(Layout::Masked { stride: 0 }, 8, 256, 256));
+    }
+}

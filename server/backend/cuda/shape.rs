@@ -187,3 +187,35 @@ impl StepShape {
             + (ints + tiles) * 4
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_slot_exchanges_expert_rows_hold_every_block_aligned() {
+        let s = StepShape {
+            world: 4,
+            rank: 1,
+            experts: 32,
+            top_k: 4,
+            hidden: 64,
+            inter: 64,
+            shared_inter: 0,
+            max_home: 100,
+            ep: None,
+        };
+        let (slots, rows, local) = (s.slot_space(s.max_home), s.recv_rows(s.max_home), s.local());
+        assert_eq!(slots, 4 * 100 * 4);
+        // The worst case: every expert's block ends one row past a tile boundary.
+        let counts: Vec<usize> = (0..local).map(|_| hopper::ALIGN + 1).collect();
+        let padded: usize = counts
+            .iter()
+            .map(|c| c.next_multiple_of(hopper::ALIGN))
+            .sum();
+        assert!(counts.iter().sum::<usize>() <= slots);
+        assert!(padded <= rows, "{padded} aligned rows in a space of {rows}");
+        assert_eq!(rows, slots + local * (hopper::ALIGN - 1));
+        assert_eq!(s.row_space(), rows);
+    }
+}
