@@ -74,12 +74,16 @@ fi
 if want bench; then
   # Each binary in BENCH_BINS (default: the one built) in the same call; BENCH_CONFIGS,
   # BENCH_BACKENDS and BENCH_ZERO_COPY narrow the matrix. nccl-ep needs the carried NCCL 2.30.
-  [ -f .device/nccl230.tar.xz ] && mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
+  backends=${BENCH_BACKENDS:-nccl}
+  if [ -f .device/nccl230.tar.xz ]; then
+    mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
+    backends=${BENCH_BACKENDS:-nccl,nccl-ep}
+  fi
   for bin in ${BENCH_BINS:-$EPSERVE_BIN}; do
     name=$(basename "$bin")
     (if [ -f /tmp/nccl230/env.sh ]; then source /tmp/nccl230/env.sh; fi
       run "bench-$name" "$bin" bench --configs "${BENCH_CONFIGS:-decode,small,prefill}" \
-        --backends "${BENCH_BACKENDS:-nccl,nccl-ep}" --ep-modes ht,ll --zero-copy "${BENCH_ZERO_COPY:-on,off}" \
+        --backends "$backends" --ep-modes ht,ll --zero-copy "${BENCH_ZERO_COPY:-on,off}" \
         --iters "${BENCH_ITERS:-100}" --json "$out/bench-$name.json") || status=1
   done
 fi
