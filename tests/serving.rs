@@ -443,12 +443,14 @@ async fn rank_loss(rank: usize, sig: &str) {
             continue;
         }
         assert_eq!(code, Code::Unavailable, "{sig} rank {rank}: {msg}");
-        // The router names the lost rank; requests sent after it stopped see a closed port.
+        // The router names the lost rank; requests sent after it stopped see a closed port. The
+        // launcher stops the group when it sees the rank exit, so a request can also reach the
+        // router after that stop and before its own failure detection: refused as draining.
         if msg.contains(&format!("rank {rank}")) {
             named += 1;
         } else {
             assert!(
-                msg.contains("connect") || msg.contains("transport"),
+                msg.contains("connect") || msg.contains("transport") || msg.starts_with("draining"),
                 "{sig} rank {rank}: {msg}"
             );
         }
