@@ -169,7 +169,8 @@ impl Gpu {
         };
         let hopper = hopper::Hopper::load(&ctx)?;
         let blas = CudaBlas::new(stream.clone())?;
-        let mut workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE)?;
+        // Through `Alloc`, as every device allocation, so it is counted.
+        let mut workspace = Alloc::new(stream.clone()).zeros::<u8>(BLAS_WORKSPACE)?;
         let ws = workspace.device_ptr_mut(&stream).0;
         // SAFETY: the workspace is a live device allocation of BLAS_WORKSPACE bytes, kept in
         // `self` and dropped after the handle.
