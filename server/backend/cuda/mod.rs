@@ -1,5 +1,6 @@
 //! The GPU layer (`--features cuda`): one context and compute stream per rank, the kernels
-//! compiled by build.rs and embedded in the binary, and typed launchers for them.
+//! compiled by build.rs and embedded in the binary, typed launchers for them (and cuBLAS for the
+//! router GEMM), the one device allocator (`Alloc`) and the GPU error type.
 
 pub mod ep;
 pub mod hopper;
