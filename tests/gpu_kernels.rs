@@ -332,18 +332,9 @@ fn grouped_gemm_case(n: usize) {
     )
     .unwrap();
     let y = s.clone_dtoh(&y).unwrap();
-    let mut worst = 0f64;
-    for ei in 0..e {
-        for row in offsets[ei] as usize..offsets[ei + 1] as usize {
-            for c in 0..n {
-                let want: f64 = (0..kd)
-                    .map(|q| x[row * kd + q].to_f64() * w[(ei * n + c) * kd + q].to_f64())
-                    .sum();
-                let got = y[row * n + c].to_f64();
-                worst = worst.max((got - want).abs() / want.abs().max(0.1));
-            }
-        }
-    }
+    let worst = (0..e)
+        .map(|ei| expert_error(&x, &w, &y, ei, offsets[ei] as usize, counts[ei], n, kd))
+        .fold(0f64, f64::max);
     assert!(worst <= 1e-2, "N {n}: worst relative error {worst:.3e}");
     assert!(
         y[rows * n..].iter().all(|v| v.to_f32() == 7.0),
@@ -377,6 +368,32 @@ fn expert_error(
     worst
 }
 
+/// Runs the Hopper GEMM over host operands (`y` starts as 7.0 everywhere, so untouched rows show)
+/// and returns `y`.
+fn hopper_gemm(
+    g: &Gpu,
+    (x, w): (&[bf16], &[bf16]),
+    (rows, groups, n, kd): (usize, usize, usize, usize),
+    layout: Layout,
+    sizes: &cudarc::driver::CudaSlice<i32>,
+) -> Vec<bf16> {
+    let s = &g.stream;
+    let (dx, dw) = (s.clone_htod(x).unwrap(), s.clone_htod(w).unwrap());
+    let mut y = s.clone_htod(&vec![bf16::from_f32(7.0); rows * n]).unwrap();
+    let gemm = Gemm {
+        x: &dx,
+        rows,
+        w: &dw,
+        groups,
+        n,
+        k: kd,
+        layout,
+        sizes,
+    };
+    g.hopper.gemm(gemm, &mut y, s).unwrap();
+    s.clone_dtoh(&y).unwrap()
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn hopper_psum_gemm_matches_f64_per_expert() {
@@ -399,26 +416,14 @@ fn hopper_psum_gemm_matches_f64_per_expert() {
         let x = bf16s(&mut r, rows * kd, 1.0);
         let w = bf16s(&mut r, e * n * kd, (3.0f32 / kd as f32).sqrt());
         let counts32: Vec<i32> = counts.iter().map(|&c| c as i32).collect();
-        let (dx, dw) = (s.clone_htod(&x).unwrap(), s.clone_htod(&w).unwrap());
         let (doff, dcnt) = (
             s.clone_htod(&offsets).unwrap(),
             s.clone_htod(&counts32).unwrap(),
         );
         let mut ends = s.alloc_zeros::<i32>(hopper::MAX_GROUPS).unwrap();
         g.psum_ends(&doff, &dcnt, &mut ends).unwrap();
-        let mut y = s.clone_htod(&vec![bf16::from_f32(7.0); rows * n]).unwrap();
-        let gemm = Gemm {
-            x: &dx,
-            rows,
-            w: &dw,
-            groups: e,
-            n,
-            k: kd,
-            layout: Layout::Psum,
-            sizes: &ends,
-        };
-        g.hopper.gemm(gemm, &mut y, s).unwrap();
-        let (y, ends) = (s.clone_dtoh(&y).unwrap(), s.clone_dtoh(&ends).unwrap());
+        let y = hopper_gemm(&g, (&x, &w), (rows, e, n, kd), Layout::Psum, &ends);
+        let ends = s.clone_dtoh(&ends).unwrap();
         for ei in 0..e {
             assert_eq!(
                 ends[ei],
@@ -459,28 +464,14 @@ fn hopper_masked_gemm_matches_f64_per_expert() {
     let mut r = rng(13);
     let x = bf16s(&mut r, rows * kd, 1.0);
     let w = bf16s(&mut r, e * n * kd, (3.0f32 / kd as f32).sqrt());
-    let (dx, dw, dcnt) = (
-        s.clone_htod(&x).unwrap(),
-        s.clone_htod(&w).unwrap(),
-        s.clone_htod(&counts).unwrap(),
-    );
+    let dcnt = s.clone_htod(&counts).unwrap();
     let mut bounds = s.alloc_zeros::<i32>(2 * e).unwrap();
     let mut masked = s.alloc_zeros::<i32>(hopper::MAX_GROUPS).unwrap();
     g.ll_bounds(&dcnt, stride, &mut bounds, &mut masked)
         .unwrap();
-    let mut y = s.clone_htod(&vec![bf16::from_f32(7.0); rows * n]).unwrap();
-    let gemm = Gemm {
-        x: &dx,
-        rows,
-        w: &dw,
-        groups: e,
-        n,
-        k: kd,
-        layout: Layout::Masked { stride },
-        sizes: &masked,
-    };
-    g.hopper.gemm(gemm, &mut y, s).unwrap();
-    let (y, masked) = (s.clone_dtoh(&y).unwrap(), s.clone_dtoh(&masked).unwrap());
+    let layout = Layout::Masked { stride };
+    let y = hopper_gemm(&g, (&x, &w), (rows, e, n, kd), layout, &masked);
+    let masked = s.clone_dtoh(&masked).unwrap();
     for (ei, &c) in counts.iter().enumerate() {
         let valid = (c as usize).min(stride);
         assert_eq!(masked[ei] as usize, valid, "masked count of expert {ei}");
