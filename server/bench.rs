@@ -417,12 +417,19 @@ mod gpu {
             None => (world - 1) * shape.slot_rows(t) * c.hidden * 2,
         };
 
-        // Dense cuBLAS: the same FFN FLOPs as one expert over all the rows this rank received.
+        // Dense cuBLAS: the same FFN FLOPs as one expert over all the rows this rank received,
+        // on random data scaled as the layer's (tensor cores on zeros draw less power and clock
+        // higher, which would flatter the yardstick).
         let rows: usize = (recv_rows_remote + recv_rows_self).max(1);
         let (h, i) = (c.hidden, c.inter);
-        let x = a.zeros::<bf16>(rows * h)?;
-        let w1 = a.zeros::<bf16>(2 * i * h)?;
-        let w2 = a.zeros::<bf16>(h * i)?;
+        let mut x = a.zeros::<bf16>(rows * h)?;
+        let mut w1 = a.zeros::<bf16>(2 * i * h)?;
+        let mut w2 = a.zeros::<bf16>(h * i)?;
+        core.g.fill_uniform_bf16(&mut x, 2000 + rank as u64, 1.0)?;
+        core.g
+            .fill_uniform_bf16(&mut w1, 3000 + rank as u64, (3.0 / h as f32).sqrt())?;
+        core.g
+            .fill_uniform_bf16(&mut w2, 4000 + rank as u64, (3.0 / i as f32).sqrt())?;
         let mut y1 = a.zeros::<bf16>(rows * 2 * i)?;
         let mut y2 = a.zeros::<bf16>(rows * h)?;
         let blas = CudaBlas::new(s.clone())?;
