@@ -53,8 +53,15 @@ pub enum StepError {
     },
     #[error("step {step}: {msg}")]
     Invalid { step: u64, msg: String },
-    #[error("step {step}: {msg}")]
-    Device { step: u64, msg: String },
+    /// The device failed the step; `source` is the backend's own error, kept typed.
+    #[error("step {step}: the device failed the step: {source}")]
+    Device {
+        step: u64,
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The step did not complete within its bound (a peer is gone or stuck).
+    #[error("step {step}: did not finish within {after:?} (a peer is gone or stuck)")]
+    Timeout { step: u64, after: Duration },
     /// The step ran but its output cannot be trusted (e.g. NCCL EP received other than the
     /// routing sent): its requests fail INTERNAL and the group breaks.
     #[error("step {step}: {msg}")]

@@ -44,6 +44,9 @@ pub enum GpuError {
     Blas(#[from] cudarc::cublas::result::CublasError),
     #[error("{0}")]
     Config(String),
+    /// The step's completion event did not fire within this bound.
+    #[error("the GPU step did not finish within {0:?} (a peer is gone or stuck)")]
+    Timeout(std::time::Duration),
 }
 
 /// Device allocations made by this process through `Alloc` (all of them are made at startup).

@@ -242,17 +242,16 @@ fn enqueue(
     Ok(())
 }
 
-/// Waits for `ev` until `deadline`, spinning briefly, then sleeping in short naps.
-fn wait_event(ev: &CudaEvent, deadline: Instant) -> Result<(), String> {
+/// Waits for `ev` until `started + bound`, spinning briefly, then sleeping in short naps.
+fn wait_event(ev: &CudaEvent, started: Instant, bound: Duration) -> Result<(), GpuError> {
+    let deadline = started + bound;
     let mut polls = 0u32;
     loop {
-        match ev.try_is_complete() {
-            Ok(true) => return Ok(()),
-            Ok(false) => {}
-            Err(e) => return Err(format!("the GPU step failed: {e}")),
+        if ev.try_is_complete()? {
+            return Ok(());
         }
         if Instant::now() >= deadline {
-            return Err("the GPU step did not finish in time (a peer is gone or stuck)".into());
+            return Err(GpuError::Timeout(bound));
         }
         polls += 1;
         if polls < 2000 {
@@ -350,8 +349,7 @@ impl GpuRank {
         let layers = me.core().layers.len();
         for bucket in me.buckets.clone() {
             me.eager(0, bucket, false)?;
-            me.finish(Instant::now() + Duration::from_secs(60))
-                .map_err(GpuError::Config)?;
+            me.finish(Instant::now(), Duration::from_secs(60))?;
         }
         if graphs {
             for layer in 0..layers {
@@ -392,10 +390,11 @@ impl GpuRank {
         Ok(g)
     }
 
-    fn finish(&mut self, deadline: Instant) -> Result<(), String> {
+    /// Waits for everything enqueued so far, until `bound` after `started`.
+    fn finish(&mut self, started: Instant, bound: Duration) -> Result<(), GpuError> {
         let stream = self.core().g.stream.clone();
-        self.done.record(&stream).map_err(|e| e.to_string())?;
-        wait_event(&self.done, deadline)
+        self.done.record(&stream)?;
+        wait_event(&self.done, started, bound)
     }
 
     /// After a failed step: abort the communicator (a hung NCCL kernel would block any other
@@ -482,7 +481,7 @@ impl GpuRank {
     }
 
     fn run_step(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<usize, StepError> {
-        let deadline = Instant::now() + self.step_timeout;
+        let started = Instant::now();
         let invalid = |msg: String| StepError::Invalid {
             step: desc.step,
             msg,
@@ -531,33 +530,31 @@ impl GpuRank {
         let ring = self.ring.clone();
         let c = self.core.as_mut().expect("the GPU rank is poisoned");
         let mut launched =
-            load_rows(c, &ring, slot, home.clone(), desc.input).map_err(|e| e.to_string());
+            load_rows(c, &ring, slot, home.clone(), desc.input).map_err(GpuError::from);
         if launched.is_ok() {
             launched = match self.graphs.is_empty() {
-                true => self
-                    .eager(layer, bucket, desc.client_routing)
-                    .map_err(|e| e.to_string()),
+                true => self.eager(layer, bucket, desc.client_routing),
                 false => {
                     let g =
                         (layer * self.buckets.len() + bi) * 2 + usize::from(desc.client_routing);
-                    self.graphs[g]
-                        .as_ref()
-                        .expect("captured at startup")
-                        .0
-                        .launch()
-                        .map_err(|e| e.to_string())
+                    let graph = self.graphs[g].as_ref().expect("captured at startup");
+                    graph.0.launch().map_err(GpuError::from)
                 }
             };
         }
         if launched.is_ok() {
             let c = self.core.as_mut().expect("the GPU rank is poisoned");
-            launched = store_rows(c, &ring, slot, home, desc.output).map_err(|e| e.to_string());
+            launched = store_rows(c, &ring, slot, home, desc.output).map_err(GpuError::from);
         }
-        if let Err(msg) = launched.and_then(|_| self.finish(deadline)) {
+        if let Err(e) = launched.and_then(|_| self.finish(started, self.step_timeout)) {
             self.poison();
-            return Err(StepError::Device {
-                step: desc.step,
-                msg,
+            let step = desc.step;
+            return Err(match e {
+                GpuError::Timeout(after) => StepError::Timeout { step, after },
+                e => StepError::Device {
+                    step,
+                    source: Box::new(e),
+                },
             });
         }
         for (r, &m) in self.routed.iter_mut().zip(self.st.m.as_slice()) {
