@@ -17,6 +17,23 @@ pub struct BenchConfig {
     pub experts: usize,
 }
 
+impl BenchConfig {
+    /// The model the config times: one MoE layer with softmax top-k routing (renormalised).
+    pub fn spec(&self) -> crate::model::MoeSpec {
+        crate::model::MoeSpec {
+            architecture: "bench".into(),
+            hidden: self.hidden,
+            intermediate: self.inter,
+            num_experts: self.experts,
+            top_k: self.top_k,
+            moe_layers: vec![0],
+            routing: crate::model::Routing::SoftmaxTopK { renormalize: true },
+            shared_intermediate: 0,
+            num_shared_experts: 0,
+        }
+    }
+}
+
 pub fn config(name: &str) -> anyhow::Result<BenchConfig> {
     let c = |tokens, hidden, inter, experts| BenchConfig {
         name: name.to_string(),
@@ -204,28 +221,27 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
 
 #[cfg(feature = "cuda")]
 mod gpu {
-    use std::sync::Arc;
+    use std::time::{Duration, Instant};
 
     use anyhow::Context;
     use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
     use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
     use cudarc::driver::{CudaEvent, CudaGraph};
     use half::bf16;
-    use nccl_sys::{ncclUniqueId, Nccl};
 
     use super::{median, summarize, BenchConfig, ConfigResult, RankResult};
-    use crate::backend::cuda::ep::EpExchange;
-    use crate::backend::cuda::nccl::Comm;
-    use crate::backend::cuda::shape::{EpShape, StepShape};
-    use crate::backend::cuda::step::{DeviceLayer, GpuStep};
-    use crate::backend::cuda::{device_count, Gpu};
-    use crate::backend::cuda::{Alloc, GpuError};
-    use crate::config::{BenchArgs, EpMode, OnOff};
-    use crate::model::Routing;
+    use crate::backend::cuda::setup::{self, Device};
+    use crate::backend::cuda::step::GpuStep;
+    use crate::backend::cuda::{device_count, GpuError};
+    use crate::config::{BenchArgs, EpMode, EpSettings, OnOff, EP_LL_MAX_TOKENS};
 
     /// Each backend of `--backends` as run: `nccl`, and `nccl-ep` once per mode and zero-copy
-    /// setting (auto: LL up to the service's default 128 tokens per rank, else HT).
-    fn variants(args: &BenchArgs, c: &BenchConfig) -> Vec<(String, Option<EpShape>)> {
+    /// setting, each resolved as the service resolves `--ep-mode` for one bucket of the config's
+    /// tokens per rank (auto: the service's default threshold).
+    fn variants(
+        args: &BenchArgs,
+        c: &BenchConfig,
+    ) -> anyhow::Result<Vec<(String, Option<EpSettings>)>> {
         let mut v = Vec::new();
         for b in &args.backends {
             if b == "nccl" {
@@ -239,22 +255,35 @@ mod gpu {
                         tracing::info!(config = %c.name, "LL skipped: {t} tokens per rank > --ep-ll-max-tokens");
                         continue;
                     }
-                    let ll = mode == EpMode::Ll || (mode == EpMode::Auto && t <= 128);
-                    // NCCL EP 0.2 has no zero-copy LL in the expert-major layout.
-                    let zero_copy = zc == OnOff::On && !ll;
+                    let (e, note) = EpSettings::resolve(
+                        mode,
+                        EP_LL_MAX_TOKENS,
+                        &[t],
+                        zc == OnOff::On,
+                        c.hidden,
+                    )
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", c.name))?;
+                    if let Some(n) = note {
+                        tracing::info!(config = %c.name, "{n}");
+                    }
+                    let ll = e.ll_max > 0;
+                    // NCCL EP 0.2 has no zero-copy LL in the expert-major layout (LL stages).
                     let label = format!(
                         "nccl-ep {}{}",
                         if ll { "LL" } else { "HT" },
-                        if zero_copy { ", zero-copy" } else { "" }
+                        if e.zero_copy && !ll {
+                            ", zero-copy"
+                        } else {
+                            ""
+                        }
                     );
-                    let shape = EpShape::new(if ll { t } else { 0 }, zero_copy);
                     if !v.iter().any(|(l, _)| *l == label) {
-                        v.push((label, Some(shape)));
+                        v.push((label, Some(e)));
                     }
                 }
             }
         }
-        v
+        Ok(v)
     }
 
     pub fn run(args: &BenchArgs, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigResult>> {
@@ -262,24 +291,25 @@ mod gpu {
         if world == 0 || world > device_count() {
             anyhow::bail!("{world} ranks asked, {} GPUs visible", device_count());
         }
-        let nccl = crate::backend::cuda::setup::nccl().map_err(|e| anyhow::anyhow!(e))?;
+        setup::available().map_err(|e| anyhow::anyhow!(e))?;
         if args.backends.iter().any(|b| b == "nccl-ep") {
-            crate::backend::cuda::ep::gates(nccl.version, world)
+            setup::ep_gates(world)
                 .map_err(|why| anyhow::anyhow!("nccl-ep cannot run here: {why}"))?;
         }
+        let mut runs = Vec::new();
+        for c in configs {
+            runs.extend(variants(args, c)?.into_iter().map(|v| (c, v)));
+        }
         let mut out = Vec::new();
-        for (c, (backend, ep)) in configs
-            .iter()
-            .flat_map(|c| variants(args, c).into_iter().map(move |v| (c, v)))
-        {
+        for (c, (backend, ep)) in runs {
             if c.experts % world != 0 {
                 anyhow::bail!("{}: {} experts over {world} ranks", c.name, c.experts);
             }
-            let id = Comm::unique_id(&nccl)?;
+            let id = setup::new_unique_id()?;
             let threads: Vec<_> = (0..world)
                 .map(|rank| {
-                    let (nccl, c, a) = (nccl.clone(), c.clone(), args.clone());
-                    std::thread::spawn(move || rank_main(nccl, id, world, rank, &c, &a, ep))
+                    let (id, c, a) = (id.clone(), c.clone(), args.clone());
+                    std::thread::spawn(move || rank_main(&id, world, rank, &c, &a, ep))
                 })
                 .collect();
             let mut ranks = Vec::new();
@@ -316,37 +346,20 @@ mod gpu {
         Ok(g)
     }
 
+    /// One rank, brought up as the service brings its ranks up (`setup::Device`), with random
+    /// weights: GPU `rank`, one bucket of the config's tokens per rank.
     fn rank_main(
-        nccl: Arc<Nccl>,
-        id: ncclUniqueId,
+        id: &[u8],
         world: usize,
         rank: usize,
         c: &BenchConfig,
         args: &BenchArgs,
-        ep: Option<EpShape>,
+        ep: Option<EpSettings>,
     ) -> anyhow::Result<RankResult> {
-        let g = Gpu::new(rank)?;
-        g.ctx.bind_to_thread()?;
-        let comm = Comm::init(nccl, &id, world, rank)?;
-        let shape = StepShape {
-            world,
-            rank,
-            experts: c.experts,
-            top_k: c.top_k,
-            hidden: c.hidden,
-            inter: c.inter,
-            shared_inter: 0,
-            max_home: c.tokens_per_rank,
-            ep,
-        };
-        let routing = Routing::SoftmaxTopK { renormalize: true };
-        let mut a = Alloc::new(g.stream.clone());
-        let layer = DeviceLayer::random(&g, &mut a, &shape, 7)?;
-        let exchange = match ep {
-            Some(_) => Some(EpExchange::new(&comm, &shape, &mut a)?),
-            None => None,
-        };
-        let mut core = GpuStep::new(g, comm, exchange, shape, routing, vec![layer], &mut a)?;
+        let dev = Device::random(rank, &c.spec(), 7, world, rank, c.tokens_per_rank, ep)?;
+        let deadline = Instant::now() + Duration::from_secs(300);
+        let (mut core, mut a) = dev.connect(id, deadline)?;
+        let shape = core.shape;
         let t = c.tokens_per_rank;
         let s = core.g.stream.clone();
         s.memcpy_htod(&[t as i32], &mut core.b.n)?;

@@ -134,6 +134,10 @@ impl EpMode {
     }
 }
 
+/// `--ep-ll-max-tokens`' default: auto mode runs buckets up to this many home tokens per rank
+/// low-latency (`epserve bench`'s auto mode uses it too).
+pub const EP_LL_MAX_TOKENS: usize = 128;
+
 /// NCCL EP's LL combine kernel works in 512-element rows (32 lanes x 2 unrolls x 8 bf16).
 pub const LL_HIDDEN_MULTIPLE: usize = 512;
 
@@ -240,7 +244,7 @@ pub struct ServeArgs {
     #[arg(long, env = "EPSERVE_EP_MODE", value_enum, default_value = "auto")]
     pub ep_mode: EpMode,
     /// nccl-ep, auto mode: buckets up to this many home tokens per rank run low-latency.
-    #[arg(long, env = "EPSERVE_EP_LL_MAX_TOKENS", default_value_t = 128)]
+    #[arg(long, env = "EPSERVE_EP_LL_MAX_TOKENS", default_value_t = EP_LL_MAX_TOKENS)]
     pub ep_ll_max_tokens: usize,
     /// nccl-ep: receive rows in NCCL symmetric windows (ncclMemAlloc, registered once at
     /// startup), or plain device memory through the library's staging.

@@ -57,7 +57,9 @@ pub fn new_unique_id() -> anyhow::Result<Vec<u8>> {
     Ok(Comm::unique_id(&nccl)?.as_bytes().to_vec())
 }
 
-/// A GPU with this rank's weights on it, not yet in the group.
+/// A GPU with this rank's weights on it, not yet in the group. The service and `epserve bench`
+/// both bring their ranks up through it, so the shapes, the NCCL EP layout and its checks are
+/// decided in one place.
 pub struct Device {
     g: Gpu,
     alloc: Alloc,
@@ -77,6 +79,59 @@ impl Device {
         max_home: usize,
         ep: Option<EpSettings>,
     ) -> anyhow::Result<Self> {
+        Self::new(
+            ordinal,
+            spec,
+            world,
+            rank,
+            max_home,
+            ep,
+            |_g, alloc, _shape| {
+                weights
+                    .layers
+                    .iter()
+                    .map(|l| DeviceLayer::upload(alloc, l, spec.num_experts))
+                    .collect::<Result<Vec<_>, _>>()
+                    .context("uploading the weights")
+            },
+        )
+    }
+
+    /// As `open`, with random weights made on the GPU (`epserve bench`: timing, not numerics).
+    pub fn random(
+        ordinal: usize,
+        spec: &MoeSpec,
+        seed: u64,
+        world: usize,
+        rank: usize,
+        max_home: usize,
+        ep: Option<EpSettings>,
+    ) -> anyhow::Result<Self> {
+        Self::new(
+            ordinal,
+            spec,
+            world,
+            rank,
+            max_home,
+            ep,
+            |g, alloc, shape| {
+                (0..spec.moe_layers.len() as u64)
+                    .map(|l| DeviceLayer::random(g, alloc, shape, seed + 10 * l))
+                    .collect::<Result<Vec<_>, _>>()
+                    .context("making random weights")
+            },
+        )
+    }
+
+    fn new(
+        ordinal: usize,
+        spec: &MoeSpec,
+        world: usize,
+        rank: usize,
+        max_home: usize,
+        ep: Option<EpSettings>,
+        layers: impl FnOnce(&Gpu, &mut Alloc, &StepShape) -> anyhow::Result<Vec<DeviceLayer>>,
+    ) -> anyhow::Result<Self> {
         crate::backend::check_gpu_limits(spec).map_err(|e| anyhow!(e))?;
         let mut shape = StepShape::new(spec, world, rank, max_home);
         shape.ep = ep.map(|e| EpShape::new(e.ll_max, e.zero_copy));
@@ -86,12 +141,7 @@ impl Device {
         shape.check().map_err(|e| anyhow!(e))?;
         let g = Gpu::new(ordinal).with_context(|| format!("opening GPU {ordinal}"))?;
         let mut alloc = Alloc::new(g.stream.clone());
-        let layers = weights
-            .layers
-            .iter()
-            .map(|l| DeviceLayer::upload(&mut alloc, l, spec.num_experts))
-            .collect::<Result<Vec<_>, _>>()
-            .context("uploading the weights")?;
+        let layers = layers(&g, &mut alloc, &shape)?;
         g.stream.synchronize()?;
         tracing::info!(
             gpu = ordinal,
@@ -117,7 +167,7 @@ impl Device {
     /// Joins the communicator (bounded by `deadline`: a rank that never arrives would block NCCL
     /// init forever), allocates the step buffers, warms up and captures every bucket's graphs.
     pub fn join(
-        mut self,
+        self,
         nccl_id: &[u8],
         ring: Arc<Ring>,
         buckets: Vec<usize>,
@@ -125,6 +175,28 @@ impl Device {
         step_timeout: Duration,
         deadline: Instant,
     ) -> anyhow::Result<Box<dyn Backend + Send>> {
+        let (ordinal, graph_count) = (self.ordinal, buckets.len() * 2 * self.spec.moe_layers.len());
+        let t0 = Instant::now();
+        let (core, alloc) = self.connect(nccl_id, deadline)?;
+        let rank_ = GpuRank::new(core, ring, buckets, graphs, step_timeout)?;
+        tracing::info!(
+            gpu = ordinal,
+            device_mib = alloc.bytes >> 20,
+            graphs = if graphs { graph_count } else { 0 },
+            seconds = t0.elapsed().as_secs_f32(),
+            "GPU step ready"
+        );
+        Ok(Box::new(rank_))
+    }
+
+    /// Joins the communicator (bounded by `deadline`) and allocates the step buffers (and the
+    /// NCCL EP group): collective, every rank at once. Returns the step and the allocator that
+    /// counted every device allocation.
+    pub fn connect(
+        mut self,
+        nccl_id: &[u8],
+        deadline: Instant,
+    ) -> anyhow::Result<(GpuStep, Alloc)> {
         let id: &[u8; 128] = nccl_id
             .try_into()
             .map_err(|_| anyhow!("the router sent no NCCL unique id"))?;
@@ -148,7 +220,6 @@ impl Device {
             .map_err(|_| anyhow!("NCCL init did not complete within {wait:?}: a rank is missing"))?
             .context("NCCL init")?;
         self.g.ctx.bind_to_thread()?;
-        let t0 = Instant::now();
         // The NCCL EP group is collective too: every rank makes it here, in the same order.
         let ep = match self.shape.ep {
             None => None,
@@ -168,20 +239,7 @@ impl Device {
             self.layers,
             &mut self.alloc,
         )?;
-        let n = buckets.len();
-        let rank_ = GpuRank::new(core, ring, buckets, graphs, step_timeout)?;
-        tracing::info!(
-            gpu = self.ordinal,
-            device_mib = self.alloc.bytes >> 20,
-            graphs = if graphs {
-                n * 2 * self.spec.moe_layers.len()
-            } else {
-                0
-            },
-            seconds = t0.elapsed().as_secs_f32(),
-            "GPU step ready"
-        );
-        Ok(Box::new(rank_))
+        Ok((core, self.alloc))
     }
 }
 
