@@ -53,6 +53,8 @@ mod tests {
 /// The GPU backend's setup, or, in a build without `--features cuda`, refusals that say so.
 pub mod gpu {
     #[cfg(feature = "cuda")]
+    pub use super::cuda::bench::run as bench;
+    #[cfg(feature = "cuda")]
     pub use super::cuda::setup::{available, device_count, ep_gates, new_unique_id, Device};
 
     #[cfg(not(feature = "cuda"))]
@@ -80,6 +82,12 @@ pub mod gpu {
         }
         pub fn new_unique_id() -> anyhow::Result<Vec<u8>> {
             anyhow::bail!(WHY)
+        }
+        pub fn bench(
+            _args: &crate::config::BenchArgs,
+            _configs: &[crate::bench::BenchConfig],
+        ) -> anyhow::Result<Vec<crate::bench::ConfigResult>> {
+            anyhow::bail!("epserve bench times the GPU step: {WHY}")
         }
 
         /// Never constructed without CUDA.

@@ -2,6 +2,7 @@
 //! compiled by build.rs and embedded in the binary, typed launchers for them (and cuBLAS for the
 //! router GEMM), the one device allocator (`Alloc`) and the GPU error type.
 
+pub mod bench;
 pub mod ep;
 pub mod hopper;
 pub mod nccl;

@@ -1,0 +1,271 @@
+//! `epserve bench` on the GPUs: one thread per GPU, each rank brought up as the service brings
+//! its ranks up (`setup::Device`, random weights), every phase captured as a graph and timed with
+//! CUDA events; then dense cuBLAS over the same rows. The configs, the summary and the table are
+//! `crate::bench`'s (plain numbers, tested without a GPU).
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaEvent, CudaGraph};
+use half::bf16;
+
+use crate::backend::cuda::setup::{self, Device};
+use crate::backend::cuda::step::GpuStep;
+use crate::backend::cuda::{device_count, GpuError};
+use crate::bench::{median, summarize, BenchConfig, ConfigResult, RankResult};
+use crate::config::{BenchArgs, EpMode, EpSettings, OnOff, EP_LL_MAX_TOKENS};
+
+/// Each backend of `--backends` as run: `nccl`, and `nccl-ep` once per mode and zero-copy
+/// setting, each resolved as the service resolves `--ep-mode` for one bucket of the config's
+/// tokens per rank (auto: the service's default threshold).
+fn variants(
+    args: &BenchArgs,
+    c: &BenchConfig,
+) -> anyhow::Result<Vec<(String, Option<EpSettings>)>> {
+    let mut v = Vec::new();
+    for b in &args.backends {
+        if b == "nccl" {
+            v.push((b.clone(), None));
+            continue;
+        }
+        for &mode in &args.ep_modes {
+            for &zc in &args.zero_copy {
+                let t = c.tokens_per_rank;
+                if mode == EpMode::Ll && t > args.ep_ll_max_tokens {
+                    tracing::info!(config = %c.name, "LL skipped: {t} tokens per rank > --ep-ll-max-tokens");
+                    continue;
+                }
+                let (e, note) =
+                    EpSettings::resolve(mode, EP_LL_MAX_TOKENS, &[t], zc == OnOff::On, c.hidden)
+                        .map_err(|e| anyhow::anyhow!("{}: {e}", c.name))?;
+                if let Some(n) = note {
+                    tracing::info!(config = %c.name, "{n}");
+                }
+                let ll = e.ll_max > 0;
+                // NCCL EP 0.2 has no zero-copy LL in the expert-major layout (LL stages).
+                let label = format!(
+                    "nccl-ep {}{}",
+                    if ll { "LL" } else { "HT" },
+                    if e.zero_copy && !ll {
+                        ", zero-copy"
+                    } else {
+                        ""
+                    }
+                );
+                if !v.iter().any(|(l, _)| *l == label) {
+                    v.push((label, Some(e)));
+                }
+            }
+        }
+    }
+    Ok(v)
+}
+
+pub fn run(args: &BenchArgs, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigResult>> {
+    let world = args.ranks.unwrap_or_else(device_count);
+    if world == 0 || world > device_count() {
+        anyhow::bail!("{world} ranks asked, {} GPUs visible", device_count());
+    }
+    setup::available().map_err(|e| anyhow::anyhow!(e))?;
+    if args.backends.iter().any(|b| b == "nccl-ep") {
+        setup::ep_gates(world).map_err(|why| anyhow::anyhow!("nccl-ep cannot run here: {why}"))?;
+    }
+    let mut runs = Vec::new();
+    for c in configs {
+        runs.extend(variants(args, c)?.into_iter().map(|v| (c, v)));
+    }
+    let mut out = Vec::new();
+    for (c, (backend, ep)) in runs {
+        if c.experts % world != 0 {
+            anyhow::bail!("{}: {} experts over {world} ranks", c.name, c.experts);
+        }
+        let id = setup::new_unique_id()?;
+        let threads: Vec<_> = (0..world)
+            .map(|rank| {
+                let (id, c, a) = (id.clone(), c.clone(), args.clone());
+                std::thread::spawn(move || rank_main(&id, world, rank, &c, &a, ep))
+            })
+            .collect();
+        let mut ranks = Vec::new();
+        for t in threads {
+            let r = t
+                .join()
+                .map_err(|_| anyhow::anyhow!("a bench rank panicked"))?;
+            ranks.push(r.with_context(|| format!("config {}", c.name))?);
+        }
+        let summary = summarize(c, &ranks);
+        tracing::info!(config = %c.name, %backend, ?summary, "measured");
+        out.push(ConfigResult {
+            config: c.clone(),
+            backend,
+            world,
+            iters: args.iters,
+            ranks,
+            summary,
+        });
+    }
+    Ok(out)
+}
+
+type Phase = fn(&mut GpuStep, usize) -> Result<(), GpuError>;
+
+fn capture(core: &mut GpuStep, t: usize, f: Phase) -> anyhow::Result<CudaGraph> {
+    let s = core.g.stream.clone();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+    let r = f(core, t);
+    let g = s.end_capture(CUgraphInstantiate_flags(0));
+    r?;
+    let g = g?.ok_or_else(|| anyhow::anyhow!("empty capture"))?;
+    g.upload()?;
+    Ok(g)
+}
+
+/// One rank, brought up as the service brings its ranks up (`setup::Device`), with random
+/// weights: GPU `rank`, one bucket of the config's tokens per rank.
+fn rank_main(
+    id: &[u8],
+    world: usize,
+    rank: usize,
+    c: &BenchConfig,
+    args: &BenchArgs,
+    ep: Option<EpSettings>,
+) -> anyhow::Result<RankResult> {
+    let dev = Device::random(rank, &c.spec(), 7, world, rank, c.tokens_per_rank, ep)?;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let (mut core, mut a) = dev.connect(id, deadline)?;
+    let shape = core.shape;
+    let t = c.tokens_per_rank;
+    let s = core.g.stream.clone();
+    s.memcpy_htod(&[t as i32], &mut core.b.n)?;
+    core.g
+        .fill_uniform_f32(&mut core.b.x, 1000 + rank as u64, 1.0)?;
+    for _ in 0..args.warmup.max(1) {
+        core.run(0, t, false)?;
+    }
+    s.synchronize()?;
+
+    let phases: [Phase; 5] = [
+        |c, t| c.gate(0, t),
+        |c, t| c.prepare(t),
+        |c, t| c.dispatch(t),
+        |c, t| c.experts(0, t),
+        |c, t| c.combine(0, t),
+    ];
+    let step = capture(&mut core, t, |c, t| c.run(0, t, false))?;
+    let graphs = phases
+        .iter()
+        .map(|&f| capture(&mut core, t, f))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let ctx = core.g.ctx.clone();
+    let ev = (0..6)
+        .map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)))
+        .collect::<Result<Vec<CudaEvent>, _>>()?;
+    let us = |a: &CudaEvent, b: &CudaEvent| -> anyhow::Result<f64> {
+        Ok(f64::from(a.elapsed_ms(b)?) * 1e3)
+    };
+    for _ in 0..args.warmup {
+        step.launch()?;
+    }
+    let mut steps = Vec::with_capacity(args.iters);
+    for _ in 0..args.iters {
+        ev[0].record(&s)?;
+        step.launch()?;
+        ev[1].record(&s)?;
+        s.synchronize()?;
+        steps.push(us(&ev[0], &ev[1])?);
+    }
+    let mut per_phase: Vec<Vec<f64>> = (0..5).map(|_| Vec::with_capacity(args.iters)).collect();
+    for _ in 0..args.iters {
+        ev[0].record(&s)?;
+        for (i, g) in graphs.iter().enumerate() {
+            g.launch()?;
+            ev[i + 1].record(&s)?;
+        }
+        s.synchronize()?;
+        for (i, v) in per_phase.iter_mut().enumerate() {
+            v.push(us(&ev[i], &ev[i + 1])?);
+        }
+    }
+
+    // What moved: from the all-gathered counts of the last step.
+    let m = s.clone_dtoh(&core.b.m)?;
+    let (e, l) = (c.experts, c.experts / world);
+    let mine = rank * l..(rank + 1) * l;
+    let from = |src: usize| -> usize { mine.clone().map(|x| m[src * e + x] as usize).sum() };
+    let recv_rows_self = from(rank);
+    let recv_rows_remote: usize = (0..world).filter(|&r| r != rank).map(from).sum();
+    let combine_rows_remote = (0..e)
+        .filter(|x| !mine.contains(x))
+        .map(|x| m[rank * e + x] as usize)
+        .sum();
+    // The slots move their worst case; what NCCL EP moves is its own (not counted: 0).
+    let wire_bytes = match ep {
+        Some(_) => 0,
+        None => (world - 1) * shape.slot_rows(t) * c.hidden * 2,
+    };
+
+    // Dense cuBLAS: the same FFN FLOPs as one expert over all the rows this rank received,
+    // on random data scaled as the layer's (tensor cores on zeros draw less power and clock
+    // higher, which would flatter the yardstick).
+    let rows: usize = (recv_rows_remote + recv_rows_self).max(1);
+    let (h, i) = (c.hidden, c.inter);
+    let mut x = a.zeros::<bf16>(rows * h)?;
+    let mut w1 = a.zeros::<bf16>(2 * i * h)?;
+    let mut w2 = a.zeros::<bf16>(h * i)?;
+    core.g.fill_uniform_bf16(&mut x, 2000 + rank as u64, 1.0)?;
+    core.g
+        .fill_uniform_bf16(&mut w1, 3000 + rank as u64, (3.0 / h as f32).sqrt())?;
+    core.g
+        .fill_uniform_bf16(&mut w2, 4000 + rank as u64, (3.0 / i as f32).sqrt())?;
+    let mut y1 = a.zeros::<bf16>(rows * 2 * i)?;
+    let mut y2 = a.zeros::<bf16>(rows * h)?;
+    let blas = CudaBlas::new(s.clone())?;
+    // Row-major Y [rows, n] = X [rows, k] . W [n, k]^T, as column-major Y^T = W^T' . X^T.
+    let cfg = |n: usize, k: usize| GemmConfig {
+        transa: cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T,
+        transb: cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N,
+        m: n as i32,
+        n: rows as i32,
+        k: k as i32,
+        alpha: bf16::ONE,
+        lda: k as i32,
+        ldb: k as i32,
+        beta: bf16::ZERO,
+        ldc: n as i32,
+    };
+    let mut dense = Vec::with_capacity(args.iters);
+    for it in 0..args.warmup + args.iters {
+        ev[0].record(&s)?;
+        // SAFETY: buffer sizes match the configs (rows x h, 2i x h, rows x 2i; then the down
+        // projection over the first i columns' worth of the same buffers).
+        unsafe {
+            blas.gemm(cfg(2 * i, h), &w1, &x, &mut y1)?;
+            blas.gemm(cfg(h, i), &w2, &y1, &mut y2)?;
+        }
+        ev[1].record(&s)?;
+        s.synchronize()?;
+        if it >= args.warmup {
+            dense.push(us(&ev[0], &ev[1])?);
+        }
+    }
+    drop((step, graphs));
+    let mut p = per_phase.into_iter().map(|mut v| median(&mut v));
+    let mut next = || p.next().unwrap_or(f64::NAN);
+    Ok(RankResult {
+        rank,
+        step_us: median(&mut steps),
+        gating_us: next(),
+        prepare_us: next(),
+        dispatch_us: next(),
+        experts_us: next(),
+        combine_us: next(),
+        recv_rows_remote,
+        recv_rows_self,
+        combine_rows_remote,
+        wire_bytes,
+        dense_us: median(&mut dense),
+        dense_rows: rows,
+    })
+}
