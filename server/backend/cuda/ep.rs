@@ -15,9 +15,10 @@ use half::bf16;
 use nccl_sys::ep::*;
 use nccl_sys::{ncclDataType_t, ncclResult_t};
 
+use super::exchange::{Exchange, ExpertRows, Home};
 use super::nccl::{Comm, NcclError, SymBuffer};
 use super::shape::StepShape;
-use super::{Alloc, GpuError};
+use super::{hopper, Alloc, Gpu, GpuError};
 
 /// NCCL EP needs the device API of NCCL 2.30.4 or newer.
 pub const MIN_NCCL: i32 = 23004;
@@ -352,11 +353,18 @@ impl EpPath {
 /// One rank's NCCL EP state: a path per mode in use (LL for buckets up to `ll_max`, HT above),
 /// declared before the communicator in `GpuStep` so both go first.
 pub struct EpExchange {
+    shape: StepShape,
     pub ll: Option<EpPath>,
     pub ht: Option<EpPath>,
     /// Per-local-expert counts from the last step (HT: padded, from UpdateHandle; LL: received,
     /// from Dispatch).
     pub counters: CudaSlice<i32>,
+    /// HT: each local expert's padded offset `[local + 1]` and the padded total (one int),
+    /// written by UpdateHandle.
+    local_off: CudaSlice<i32>,
+    total: CudaSlice<i32>,
+    /// The Hopper GEMM's sizes (`hopper::MAX_GROUPS`): HT psum ends, LL masked counts.
+    sizes: CudaSlice<i32>,
     /// LL: the grouped GEMM's row blocks (starts, then ends).
     pub bounds: CudaSlice<i32>,
     /// HT: the routing weight of each received row (HT combine wants rows already weighted).
@@ -388,12 +396,29 @@ impl EpExchange {
             )?),
             false => None,
         };
+        for (mode, p) in [("ll", &ll), ("ht", &ht)] {
+            if let Some(f) = p.as_ref().map(|p| p.footprint) {
+                tracing::info!(
+                    rank = s.rank,
+                    mode,
+                    group_mib = f.group_bytes >> 20,
+                    handle_kib = f.handle_bytes >> 10,
+                    rows_mib = f.rows_bytes >> 20,
+                    window = f.windowed,
+                    "NCCL EP footprint"
+                );
+            }
+        }
         let l = s.local();
         Ok(Self {
+            shape: *s,
             recv_w: a.zeros(ht.as_ref().map_or(0, |p| p.cap))?,
             ll,
             ht,
             counters: a.zeros(l)?,
+            local_off: a.zeros(l + 1)?,
+            total: a.zeros(1)?,
+            sizes: a.zeros(hopper::MAX_GROUPS)?,
             bounds: a.zeros(2 * l)?,
             out_b: a.zeros(s.max_home * s.hidden)?,
         })
@@ -434,17 +459,15 @@ impl EpExchange {
     }
 
     /// Prepare: routing of `bucket` rows (`ids` rows past the step's tokens are -1) into the
-    /// bucket's handle. HT: each local expert's padded offset lands in `offsets[..L]` and the
-    /// padded total in `rows` and `offsets[L]` (the grouped GEMM's block bounds).
-    pub fn update(
+    /// bucket's handle. HT: each local expert's padded offset lands in `local_off[..L]` and the
+    /// padded total in `total` and `local_off[L]` (the grouped GEMM's block bounds).
+    fn update_handle(
         &mut self,
         ids: &CudaSlice<i32>,
         bucket: usize,
-        k: usize,
-        offsets: &mut CudaSlice<i32>,
-        rows: &mut CudaSlice<i32>,
         stream: &CudaStream,
     ) -> Result<(), GpuError> {
+        let k = self.shape.top_k;
         let local = self.counters.len();
         let mut ids_sz = [bucket, k];
         let t_ids =
@@ -464,9 +487,9 @@ impl EpExchange {
             ncclDataType_t::Int32,
             &mut cnt_sz,
         );
-        let off = offsets.device_ptr_mut(stream).0;
+        let off = self.local_off.device_ptr_mut(stream).0;
         let mut t_off = ncclEpTensor_t::describe(off, ncclDataType_t::Int32, &mut off_sz);
-        let tot = rows.device_ptr_mut(stream).0;
+        let tot = self.total.device_ptr_mut(stream).0;
         let mut t_tot = ncclEpTensor_t::describe(tot, ncclDataType_t::Int32, &mut tot_sz);
         let mut li = ncclEpLayoutInfo_t::new();
         li.expert_counters = &mut t_cnt;
@@ -485,15 +508,14 @@ impl EpExchange {
 
     /// Dispatch: `bucket` home rows of `x` (HT: with their routing weights) into the bucket's
     /// expert rows.
-    pub fn dispatch(
+    fn dispatch_rows(
         &mut self,
         x: &CudaSlice<bf16>,
         w: &CudaSlice<f32>,
         bucket: usize,
-        k: usize,
-        hidden: usize,
         stream: &CudaStream,
     ) -> Result<(), GpuError> {
+        let (k, hidden) = (self.shape.top_k, self.shape.hidden);
         let ll = self.is_ll(bucket);
         let local = self.counters.len();
         let (mut x_sz, mut w_sz, mut rw_sz, mut cnt_sz) =
@@ -547,14 +569,13 @@ impl EpExchange {
 
     /// Combine: the expert rows back home, summed, into `out_b`'s `bucket` rows. HT rows are
     /// weighted already; LL weighs them with the home tokens' `w` as they arrive.
-    pub fn combine(
+    fn combine_rows(
         &mut self,
         w: &CudaSlice<f32>,
         bucket: usize,
-        k: usize,
-        hidden: usize,
         stream: &CudaStream,
     ) -> Result<(), GpuError> {
+        let (k, hidden) = (self.shape.top_k, self.shape.hidden);
         let ll = self.is_ll(bucket);
         let local = self.counters.len();
         let (mut o_sz, mut w_sz) = ([bucket, hidden], [bucket, k]);
@@ -586,6 +607,151 @@ impl EpExchange {
             (p.ep.combine)(p.handle.raw, &cin, &cout, &cfg, raw)
         })?;
         Ok(())
+    }
+}
+
+impl Exchange for EpExchange {
+    /// NCCL EP lays the rows out itself: only the counts, for the all-gather (the routing
+    /// metrics and `verify`).
+    fn count(
+        &mut self,
+        g: &Gpu,
+        home: &Home,
+        bucket: usize,
+        counts: &mut CudaSlice<i32>,
+    ) -> Result<(), GpuError> {
+        g.count_experts(home.ids, home.n, bucket, self.shape.top_k, counts)?;
+        Ok(())
+    }
+
+    fn prepare(&mut self, g: &Gpu, home: &Home, bucket: usize) -> Result<(), GpuError> {
+        self.update_handle(home.ids, bucket, &g.stream)
+    }
+
+    fn dispatch(
+        &mut self,
+        g: &Gpu,
+        _comm: &Comm,
+        home: &Home,
+        bucket: usize,
+    ) -> Result<(), GpuError> {
+        self.dispatch_rows(home.x, home.w, bucket, &g.stream)
+    }
+
+    fn expert_rows(&mut self, g: &Gpu, bucket: usize) -> Result<ExpertRows<'_>, GpuError> {
+        let s = self.shape;
+        let ll_bucket = self.is_ll(bucket);
+        let Self {
+            ll,
+            ht,
+            counters,
+            local_off,
+            total,
+            sizes,
+            bounds,
+            recv_w,
+            ..
+        } = self;
+        if ll_bucket {
+            // LL rows: expert e's `counters[e]` rows start at e x (world x tokens).
+            let p = ll.as_mut().expect("an LL path for LL buckets");
+            g.ll_bounds(counters, p.cap, bounds, sizes)?;
+            return Ok(ExpertRows::Strided {
+                stride: p.cap,
+                valid: s.world * p.tokens * s.top_k.min(s.local()),
+                x: p.rows_mut(),
+                counts: sizes,
+                bounds,
+            });
+        }
+        // HT blocks start at multiples of `hopper::ALIGN` (the handle's expert alignment); its
+        // combine sums rows as they come, so each row carries its routing weight.
+        let p = ht.as_mut().expect("an HT path for HT buckets");
+        g.psum_ends(local_off, counters, sizes)?;
+        Ok(ExpertRows::Blocks {
+            x: p.rows_mut(),
+            cap: s.recv_rows(bucket),
+            offsets: local_off,
+            ends: sizes,
+            total,
+            weights: Some(recv_w),
+        })
+    }
+
+    fn combine(
+        &mut self,
+        g: &Gpu,
+        _comm: &Comm,
+        home: &Home,
+        bucket: usize,
+        shared: Option<&CudaSlice<bf16>>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        self.combine_rows(home.w, bucket, &g.stream)?;
+        g.widen_add(&self.out_b, shared, home.n, bucket, self.shape.hidden, out)?;
+        Ok(())
+    }
+
+    fn receipts(&self) -> Option<(&CudaSlice<i32>, &CudaSlice<i32>)> {
+        Some((&self.counters, &self.total))
+    }
+
+    /// Receive counts against the routing and the capacity. Overflow is impossible by
+    /// construction (a group holds its largest bucket's worst case); a step that says otherwise
+    /// is counted, and its output is not delivered.
+    fn verify(
+        &self,
+        bucket: usize,
+        routed: &[i64],
+        counts: &[i32],
+        total: i32,
+    ) -> Result<(), String> {
+        let cap = self.path(bucket).cap as i64;
+        let (mode, rows, expected, overflow) = match self.is_ll(bucket) {
+            true => (
+                "ll",
+                counts.iter().map(|&c| i64::from(c)).sum::<i64>(),
+                routed.iter().sum::<i64>(),
+                counts.iter().any(|&c| i64::from(c) > cap),
+            ),
+            false => {
+                let a = self.shape.ep.map_or(1, |e| e.align) as i64;
+                let padded = routed.iter().map(|r| (r + a - 1) / a * a).sum();
+                let total = i64::from(total);
+                ("ht", total, padded, total > cap)
+            }
+        };
+        metrics::counter!("epserve_ep_steps_total", "mode" => mode).increment(1);
+        metrics::gauge!("epserve_ep_recv_rows", "mode" => mode).set(rows as f64);
+        if overflow {
+            metrics::counter!("epserve_ep_recv_overflow_total", "mode" => mode).increment(1);
+            return Err(format!(
+                "NCCL EP ({mode}) received past its capacity: {rows} rows, capacity {cap}"
+            ));
+        }
+        if rows != expected {
+            metrics::counter!("epserve_ep_recv_mismatch_total", "mode" => mode).increment(1);
+            return Err(format!(
+                "NCCL EP ({mode}) received {rows} rows where the routing sent {expected}"
+            ));
+        }
+        Ok(())
+    }
+
+    fn footprint(&self) -> Option<crate::proto::NcclEpFootprint> {
+        let (ll, ht) = self.footprints();
+        let e = self.shape.ep?;
+        let all = [ll, ht];
+        let sum = |f: fn(&Footprint) -> u64| all.iter().flatten().map(f).sum();
+        Some(crate::proto::NcclEpFootprint {
+            modes: crate::config::ep_modes(ll.is_some(), ht.is_some()).into(),
+            // Windows in use (NCCL EP 0.2's LL expert-major path has none).
+            zero_copy: e.zero_copy && all.iter().flatten().any(|f| f.windowed),
+            ll_max_tokens_per_rank: e.ll_max as u32,
+            group_bytes: sum(|f| f.group_bytes),
+            handle_bytes: sum(|f| f.handle_bytes),
+            expert_rows_bytes: sum(|f| f.rows_bytes),
+        })
     }
 }
 

@@ -4,11 +4,13 @@
 
 pub mod bench;
 pub mod ep;
+pub mod exchange;
 pub mod hopper;
 pub mod nccl;
 pub mod rank;
 pub mod setup;
 pub mod shape;
+pub mod slots;
 pub mod step;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -475,17 +477,6 @@ impl<'a> Blocks<'a> {
     }
 }
 
-/// The expert-parallel exchange's layout: every rank sends each peer one slot of `slot_rows` rows.
-#[derive(Clone, Copy, Debug)]
-pub struct Slots {
-    pub world: usize,
-    pub rank: usize,
-    pub experts: usize,
-    /// Experts per rank.
-    pub local: usize,
-    pub slot_rows: usize,
-}
-
 impl Gpu {
     /// `logits [n_cap, e] = x [n_cap, h] . router [e, h]^T` in f32 (cuBLAS SGEMM: IEEE f32 on
     /// the FMA units, not TF32: routing near-ties must resolve as the f32 reference does).
@@ -574,153 +565,6 @@ impl Gpu {
     /// A grid-stride launch over `elems` values: enough blocks to fill the GPU, no more.
     fn rows_cfg(elems: usize) -> LaunchConfig {
         Self::cfg((elems.div_ceil(256).clamp(1, 132 * 16) as u32, 1), 256, 0)
-    }
-
-    /// Packs each expert-major row into its peer's send slot (`send [world][slot_rows][h]`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn pack_slots(
-        &self,
-        x: &CudaSlice<bf16>,
-        entry_of: &CudaSlice<i32>,
-        offsets: &CudaSlice<i32>,
-        s: Slots,
-        k: usize,
-        h: usize,
-        rows_cap: usize,
-        send: &mut CudaSlice<bf16>,
-    ) -> Result<(), DriverError> {
-        let (e, l, k, h32, c, cap) = (
-            s.experts as i32,
-            s.local as i32,
-            k as i32,
-            h as i32,
-            s.slot_rows as i32,
-            rows_cap as i32,
-        );
-        let mut b = self.stream.launch_builder(&self.k.pack_slots);
-        b.arg(x)
-            .arg(entry_of)
-            .arg(offsets)
-            .arg(&e)
-            .arg(&l)
-            .arg(&k)
-            .arg(&h32)
-            .arg(&c)
-            .arg(&cap)
-            .arg(send);
-        // SAFETY: rows < offsets[E] <= rows_cap; slot indices stay below slot_rows by construction
-        // (a peer gets at most min(k, local) rows per token); send holds world slots.
-        unsafe { b.launch(Self::cfg((rows_cap as u32, 1), 128, 0)) }.map(drop)
-    }
-
-    /// From the all-gathered counts `m [world][experts]`: the slot-row -> expert-major map, the
-    /// local experts' offsets `[local + 1]` and the received row count.
-    #[allow(clippy::too_many_arguments)]
-    pub fn recv_map(
-        &self,
-        m: &CudaSlice<i32>,
-        s: Slots,
-        align: usize,
-        map: &mut CudaSlice<i32>,
-        local_offsets: &mut CudaSlice<i32>,
-        rows: &mut CudaSlice<i32>,
-        ends: &mut CudaSlice<i32>,
-    ) -> Result<(), DriverError> {
-        assert!(
-            s.experts <= MAX_EXPERTS,
-            "recv_map keeps one int per expert in shared memory (at most {MAX_EXPERTS} experts)"
-        );
-        let groups = ends.len();
-        assert!(
-            map.len() >= s.world * s.slot_rows
-                && local_offsets.len() > s.local
-                && groups >= s.local,
-            "recv_map outputs"
-        );
-        let (rank, w, e, l, c) = (
-            s.rank as i32,
-            s.world as i32,
-            s.experts as i32,
-            s.local as i32,
-            s.slot_rows as i32,
-        );
-        let (a, g) = (align as i32, groups as i32);
-        let mut b = self.stream.launch_builder(&self.k.recv_map);
-        b.arg(m)
-            .arg(&rank)
-            .arg(&w)
-            .arg(&e)
-            .arg(&l)
-            .arg(&c)
-            .arg(&a)
-            .arg(&g)
-            .arg(map)
-            .arg(local_offsets)
-            .arg(rows)
-            .arg(ends);
-        // SAFETY: map holds world * slot_rows entries, local_offsets local + 1, rows one, ends
-        // at least local (asserted); the dynamic shared memory holds local * world = experts
-        // ints (under 48 KiB, asserted).
-        unsafe { b.launch(Self::cfg((1, 1), 256, (s.experts * 4) as u32)) }.map(drop)
-    }
-
-    /// `dst[map[q]] = src[q]` (slots to expert-major) over `world * slot_rows` rows of `h`.
-    pub fn scatter_by_map(
-        &self,
-        src: &CudaSlice<bf16>,
-        map: &CudaSlice<i32>,
-        rows: usize,
-        h: usize,
-        dst: &mut CudaSlice<bf16>,
-    ) -> Result<(), DriverError> {
-        let h32 = h as i32;
-        let mut b = self.stream.launch_builder(&self.k.scatter_by_map);
-        b.arg(src).arg(map).arg(&h32).arg(dst);
-        // SAFETY: map values index dst's rows (or are -1); src holds `rows` rows.
-        unsafe { b.launch(Self::cfg((rows as u32, 1), 128, 0)) }.map(drop)
-    }
-
-    /// `dst[q] = src[map[q]]` (expert-major back to slots).
-    pub fn gather_by_map(
-        &self,
-        src: &CudaSlice<bf16>,
-        map: &CudaSlice<i32>,
-        rows: usize,
-        h: usize,
-        dst: &mut CudaSlice<bf16>,
-    ) -> Result<(), DriverError> {
-        let h32 = h as i32;
-        let mut b = self.stream.launch_builder(&self.k.gather_by_map);
-        b.arg(src).arg(map).arg(&h32).arg(dst);
-        // SAFETY: as in `scatter_by_map`, the other way round.
-        unsafe { b.launch(Self::cfg((rows as u32, 1), 128, 0)) }.map(drop)
-    }
-
-    /// Where each (token, k)'s expert output returns: `peer * slot_rows + slot`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn slot_index(
-        &self,
-        ids: &CudaSlice<i32>,
-        pos_of: &CudaSlice<i32>,
-        offsets: &CudaSlice<i32>,
-        n: &CudaSlice<i32>,
-        n_cap: usize,
-        k: usize,
-        s: Slots,
-        idx: &mut CudaSlice<i32>,
-    ) -> Result<(), DriverError> {
-        let (k32, l, c) = (k as i32, s.local as i32, s.slot_rows as i32);
-        let mut b = self.stream.launch_builder(&self.k.slot_index);
-        b.arg(ids)
-            .arg(pos_of)
-            .arg(offsets)
-            .arg(n)
-            .arg(&k32)
-            .arg(&l)
-            .arg(&c)
-            .arg(idx);
-        // SAFETY: ids, pos_of and idx hold n_cap * k entries.
-        unsafe { b.launch(Self::cfg(((n_cap * k).div_ceil(256) as u32, 1), 256, 0)) }.map(drop)
     }
 }
 

@@ -194,24 +194,6 @@ impl Comm {
         self.check("ncclRecv", res)
     }
 
-    /// The expert-parallel exchange: slot p of `send` (`slot` elements) goes to rank p, and rank
-    /// p's slot for us lands in slot p of `recv`; one group, so it is a single capturable step.
-    pub fn exchange_slots<T: NcclType>(
-        &self,
-        send: &CudaSlice<T>,
-        recv: &mut CudaSlice<T>,
-        slot: usize,
-        stream: &CudaStream,
-    ) -> Result<(), NcclError> {
-        self.group(|| {
-            for p in 0..self.world {
-                self.send(send, p * slot, slot, p, stream)?;
-                self.recv(recv, p * slot, slot, p, stream)?;
-            }
-            Ok(())
-        })
-    }
-
     /// Runs `f` between ncclGroupStart and ncclGroupEnd (always ends the group).
     pub fn group<R>(&self, f: impl FnOnce() -> Result<R, NcclError>) -> Result<R, NcclError> {
         // SAFETY: no arguments; pairs with the ncclGroupEnd below.

@@ -235,9 +235,9 @@ fn enqueue(
     c.run(layer, bucket, client)?;
     let m = c.b.m.len();
     dtoh(&c.b.m, m, &mut st.m, &s)?;
-    if let Some(ep) = &c.ep {
-        dtoh(&ep.counters, ep.counters.len(), &mut st.recv, &s)?;
-        dtoh(&c.b.rows, 1, &mut st.total, &s)?;
+    if let Some((counts, total)) = c.ex.receipts() {
+        dtoh(counts, counts.len(), &mut st.recv, &s)?;
+        dtoh(total, 1, &mut st.total, &s)?;
     }
     Ok(())
 }
@@ -337,10 +337,10 @@ impl GpuRank {
             done,
             step_timeout,
         };
-        if let Some(ep) = &me.core().ep {
+        if let Some(f) = me.core().ex.footprint() {
             // Present (at zero) from the start, so a dashboard can alert on any increase.
-            for (mode, on) in [("ll", ep.ll.is_some()), ("ht", ep.ht.is_some())] {
-                if on {
+            for mode in ["ll", "ht"] {
+                if f.modes.contains(mode) {
                     metrics::counter!("epserve_ep_recv_overflow_total", "mode" => mode).absolute(0);
                     metrics::counter!("epserve_ep_recv_mismatch_total", "mode" => mode).absolute(0);
                 }
@@ -404,14 +404,15 @@ impl GpuRank {
         if let Some(c) = self.core.take() {
             let GpuStep {
                 g,
-                ep,
+                ex,
                 comm,
                 layers,
                 b,
                 ..
             } = c;
-            // NCCL EP's group and handle too: destroying them would wait on the broken group.
-            std::mem::forget(ep);
+            // The exchange too (NCCL EP's group and handle): destroying them would wait on the
+            // broken group.
+            std::mem::forget(ex);
             comm.abort();
             std::mem::forget((g, layers, b));
             self.graphs.drain(..).for_each(std::mem::forget);
@@ -420,59 +421,32 @@ impl GpuRank {
         }
     }
 
-    /// NCCL EP's receive counts against the routing (the all-gathered counts) and the
-    /// capacity. Overflow is impossible by construction (a group holds its largest bucket's
-    /// worst case); a step that says otherwise is counted and its output is not delivered.
+    /// What the exchange received against what the routing sent (this step's all-gathered
+    /// counts), for an exchange that can differ (NCCL EP): a step that fails the check is
+    /// counted by the exchange, and its output is not delivered.
     fn check_receive(&self, step: u64, bucket: usize) -> Result<(), StepError> {
         let Some(c) = self.core.as_ref() else {
             return Ok(());
         };
-        let (Some(ep), Some(shape)) = (&c.ep, c.shape.ep) else {
+        if c.ex.receipts().is_none() {
             return Ok(());
-        };
+        }
         let s = &c.shape;
         let (l, e) = (s.local(), s.experts);
-        // Rows each local expert was sent, over every source (this step's all-gathered counts).
-        let routed = (0..l).map(|j| {
-            (0..s.world)
-                .map(|src| i64::from(self.routed[src * e + s.rank * l + j]))
-                .sum::<i64>()
-        });
+        // Rows each local expert was sent, over every source.
+        let routed: Vec<i64> = (0..l)
+            .map(|j| {
+                (0..s.world)
+                    .map(|src| i64::from(self.routed[src * e + s.rank * l + j]))
+                    .sum()
+            })
+            .collect();
         let counts = &self.st.recv.as_slice()[..l];
-        let cap = ep.path(bucket).cap as i64;
-        let (mode, rows, expected, overflow) = match ep.is_ll(bucket) {
-            true => (
-                "ll",
-                counts.iter().map(|&c| i64::from(c)).sum::<i64>(),
-                routed.sum::<i64>(),
-                counts.iter().any(|&c| i64::from(c) > cap),
-            ),
-            false => {
-                let a = shape.align as i64;
-                let total = i64::from(self.st.total.as_slice()[0]);
-                let padded = routed.map(|r| (r + a - 1) / a * a).sum();
-                ("ht", total, padded, total > cap)
-            }
-        };
-        metrics::counter!("epserve_ep_steps_total", "mode" => mode).increment(1);
-        metrics::gauge!("epserve_ep_recv_rows", "mode" => mode).set(rows as f64);
-        let corrupt = |msg: String| {
-            tracing::error!(step, mode, "{msg}");
-            Err(StepError::Corrupt { step, msg })
-        };
-        if overflow {
-            metrics::counter!("epserve_ep_recv_overflow_total", "mode" => mode).increment(1);
-            return corrupt(format!(
-                "NCCL EP ({mode}) received past its capacity: {rows} rows, capacity {cap}"
-            ));
-        }
-        if rows != expected {
-            metrics::counter!("epserve_ep_recv_mismatch_total", "mode" => mode).increment(1);
-            return corrupt(format!(
-                "NCCL EP ({mode}) received {rows} rows where the routing sent {expected}"
-            ));
-        }
-        Ok(())
+        c.ex.verify(bucket, &routed, counts, self.st.total.as_slice()[0])
+            .map_err(|msg| {
+                tracing::error!(step, "{msg}");
+                StepError::Corrupt { step, msg }
+            })
     }
 
     fn bucket_of(&self, tokens: usize) -> Option<usize> {
@@ -592,20 +566,7 @@ impl Backend for GpuRank {
     }
 
     fn ep_footprint(&self) -> Option<crate::proto::NcclEpFootprint> {
-        let c = self.core.as_ref()?;
-        let (ep, shape) = (c.ep.as_ref()?, c.shape.ep?);
-        let (ll, ht) = ep.footprints();
-        let all = [ll, ht];
-        let sum = |f: fn(&super::ep::Footprint) -> u64| all.iter().flatten().map(f).sum();
-        Some(crate::proto::NcclEpFootprint {
-            modes: crate::config::ep_modes(ll.is_some(), ht.is_some()).into(),
-            // Windows in use (NCCL EP 0.2's LL expert-major path has none).
-            zero_copy: shape.zero_copy && all.iter().flatten().any(|f| f.windowed),
-            ll_max_tokens_per_rank: shape.ll_max as u32,
-            group_bytes: sum(|f| f.group_bytes),
-            handle_bytes: sum(|f| f.handle_bytes),
-            expert_rows_bytes: sum(|f| f.rows_bytes),
-        })
+        self.core.as_ref()?.ex.footprint()
     }
 
     fn buffers(&self) -> Vec<(&'static str, usize, usize)> {

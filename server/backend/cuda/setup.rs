@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Context};
 use nccl_sys::{ncclUniqueId, Nccl};
 
-use super::ep::EpExchange;
 use super::nccl::Comm;
 use super::rank::GpuRank;
 use super::shape::{EpShape, StepShape};
@@ -220,42 +219,17 @@ impl Device {
             .map_err(|_| anyhow!("NCCL init did not complete within {wait:?}: a rank is missing"))?
             .context("NCCL init")?;
         self.g.ctx.bind_to_thread()?;
-        // The NCCL EP group is collective too: every rank makes it here, in the same order.
-        let ep = match self.shape.ep {
-            None => None,
-            Some(_) => {
-                let ep = EpExchange::new(&comm, &self.shape, &mut self.alloc)
-                    .context("NCCL EP group")?;
-                log_footprint(self.ordinal, &ep);
-                Some(ep)
-            }
-        };
+        // The exchange (NCCL EP's groups are collective too): every rank makes it here, in the
+        // same order.
         let core = GpuStep::new(
             self.g,
             comm,
-            ep,
             self.shape,
             self.spec.routing.clone(),
             self.layers,
             &mut self.alloc,
-        )?;
+        )
+        .context("the step's exchange and buffers")?;
         Ok((core, self.alloc))
-    }
-}
-
-fn log_footprint(gpu: usize, ep: &EpExchange) {
-    let (ll, ht) = ep.footprints();
-    for (mode, f) in [("ll", ll), ("ht", ht)] {
-        if let Some(f) = f {
-            tracing::info!(
-                gpu,
-                mode,
-                group_mib = f.group_bytes >> 20,
-                handle_kib = f.handle_bytes >> 10,
-                rows_mib = f.rows_bytes >> 20,
-                window = f.windowed,
-                "NCCL EP footprint"
-            );
-        }
     }
 }

@@ -1,7 +1,7 @@
 //! What sizes a rank's step: the model's shapes over the group, the buckets' row capacities
 //! for each exchange, and the device bytes they take. Plain numbers: no device, no exchange.
 
-use super::{hopper, max_tiles, Slots, GEMM_TILE, MAX_EXPERTS};
+use super::{hopper, max_tiles, GEMM_TILE, MAX_EXPERTS};
 use crate::model::MoeSpec;
 
 /// Everything that sizes the step's buffers.
@@ -41,6 +41,17 @@ impl EpShape {
             zero_copy,
         }
     }
+}
+
+/// The expert-parallel exchange's layout: every rank sends each peer one slot of `slot_rows` rows.
+#[derive(Clone, Copy, Debug)]
+pub struct Slots {
+    pub world: usize,
+    pub rank: usize,
+    pub experts: usize,
+    /// Experts per rank.
+    pub local: usize,
+    pub slot_rows: usize,
 }
 
 impl StepShape {

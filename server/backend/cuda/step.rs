@@ -1,15 +1,19 @@
 //! The GPU step: persistent device buffers sized at startup for the largest bucket, and the five
 //! phases enqueued on the rank's stream with no host sync, so a whole step can be captured.
-//! A bucket is a capacity of home tokens per rank; every rank of a step uses the same one, so the
-//! fixed-size slot exchange matches on both ends.
+//! The same straight line for every exchange (`exchange.rs`): gating, then the exchange's
+//! count, all-gather and prepare, its dispatch, the expert FFN over the rows where the exchange
+//! says they are, and its combine. A bucket is a capacity of home tokens per rank; every rank of a
+//! step uses the same one, so the exchanges' fixed sizes match on both ends.
 
 use cudarc::driver::{CudaSlice, DriverError};
 use half::bf16;
 
 use super::ep::EpExchange;
+use super::exchange::{Exchange, ExpertRows, Home};
 use super::hopper::{self, Gemm, Hopper, Layout};
 use super::nccl::Comm;
 use super::shape::StepShape;
+use super::slots::SlotExchange;
 use super::{max_tiles, Blocks, Gpu};
 use super::{Alloc, GpuError};
 use crate::model::{Ffn, LayerWeights, Routing};
@@ -92,28 +96,14 @@ pub struct Buffers {
     logits: CudaSlice<f32>,
     pub ids: CudaSlice<i32>,
     pub w: CudaSlice<f32>,
+    /// This rank's per-expert counts of its home rows, and every rank's `[world][experts]`.
     counts: CudaSlice<i32>,
-    offsets: CudaSlice<i32>,
-    pos_of: CudaSlice<i32>,
-    entry_of: CudaSlice<i32>,
-    /// All-gathered counts `[world][experts]`.
     pub m: CudaSlice<i32>,
-    /// Slots out and in; reused by the return exchange.
-    send: CudaSlice<bf16>,
-    recv: CudaSlice<bf16>,
-    map: CudaSlice<i32>,
-    local_off: CudaSlice<i32>,
-    /// Rows the experts received this step (NCCL EP HT: the padded total).
-    pub rows: CudaSlice<i32>,
-    /// Expert-major received rows; reused for the expert outputs (NCCL EP: in the exchange).
-    xe: CudaSlice<bf16>,
+    /// The expert FFN's gate/up and activation rows, and the WMMA kernels' tiles.
     gu: CudaSlice<bf16>,
     act: CudaSlice<bf16>,
     tiles: CudaSlice<i32>,
     n_tiles: CudaSlice<i32>,
-    /// The Hopper GEMM's per-expert sizes (`hopper::MAX_GROUPS`): psum ends or masked counts.
-    sizes: CudaSlice<i32>,
-    idx: CudaSlice<i32>,
     /// Shared expert: gate/up, activation, output `[T, hidden]`.
     sgu: CudaSlice<bf16>,
     sact: CudaSlice<bf16>,
@@ -130,11 +120,6 @@ impl Buffers {
     fn new(a: &mut Alloc, s: &StepShape) -> Result<Self, DriverError> {
         let (t, h, k, e, l) = (s.max_home, s.hidden, s.top_k, s.experts, s.local());
         let rows = s.row_space();
-        // The slot exchange's buffers; NCCL EP dispatches straight into its own expert rows.
-        let (slots, expert_rows) = match s.ep {
-            None => (s.slot_space(t), rows),
-            Some(_) => (0, 0),
-        };
         let si = s.shared_inter;
         Ok(Self {
             x: a.zeros(t * h)?,
@@ -146,22 +131,11 @@ impl Buffers {
             ids: a.zeros(t * k)?,
             w: a.zeros(t * k)?,
             counts: a.zeros(e)?,
-            offsets: a.zeros(e + 1)?,
-            pos_of: a.zeros(t * k)?,
-            entry_of: a.zeros(t * k)?,
             m: a.zeros(s.world * e)?,
-            send: a.zeros(slots * h)?,
-            recv: a.zeros(slots * h)?,
-            map: a.zeros(slots)?,
-            local_off: a.zeros(l + 1)?,
-            rows: a.zeros(1)?,
-            xe: a.zeros(expert_rows * h)?,
             gu: a.zeros(rows * 2 * s.inter)?,
             act: a.zeros(rows * s.inter)?,
             tiles: a.zeros(2 * max_tiles(rows, l))?,
             n_tiles: a.zeros(1)?,
-            sizes: a.zeros(hopper::MAX_GROUPS)?,
-            idx: a.zeros(t * k)?,
             sgu: a.zeros(t * 2 * si)?,
             sact: a.zeros(t * si)?,
             sy: a.zeros(if si > 0 { t * h } else { 0 })?,
@@ -173,11 +147,25 @@ impl Buffers {
     }
 }
 
-/// One rank's step machinery: the GPU, its communicator, weights and buffers.
+/// What the exchange reads of the home side, borrowed field by field from the buffers (so the
+/// other fields stay free to borrow).
+macro_rules! home {
+    ($b:expr) => {
+        Home {
+            x: &$b.xb,
+            ids: &$b.ids,
+            w: &$b.w,
+            n: &$b.n,
+            gathered: &$b.m,
+        }
+    };
+}
+
+/// One rank's step machinery: the GPU, its exchange and communicator, weights and buffers.
 pub struct GpuStep {
     pub g: Gpu,
-    /// The NCCL EP exchange (declared before `comm`: torn down first).
-    pub ep: Option<EpExchange>,
+    /// Declared before `comm`: NCCL EP's group and handle are torn down before it.
+    pub ex: Box<dyn Exchange>,
     pub comm: Comm,
     pub shape: StepShape,
     pub routing: Routing,
@@ -186,21 +174,25 @@ pub struct GpuStep {
 }
 
 impl GpuStep {
-    /// Allocates the buffers; `layers` were uploaded through the same `Alloc`.
+    /// Makes the exchange `shape` names (NCCL EP's groups are collective: every rank calls this
+    /// together) and allocates the buffers; `layers` were uploaded through the same `Alloc`.
     pub fn new(
         g: Gpu,
         comm: Comm,
-        ep: Option<EpExchange>,
         shape: StepShape,
         routing: Routing,
         layers: Vec<DeviceLayer>,
         a: &mut Alloc,
     ) -> Result<Self, GpuError> {
         shape.check().map_err(GpuError::Config)?;
+        let ex: Box<dyn Exchange> = match shape.ep {
+            Some(_) => Box::new(EpExchange::new(&comm, &shape, a)?),
+            None => Box::new(SlotExchange::new(&shape, a)?),
+        };
         let b = Buffers::new(a, &shape)?;
         Ok(Self {
             g,
-            ep,
+            ex,
             comm,
             shape,
             routing,
@@ -247,227 +239,79 @@ impl GpuStep {
         Ok(())
     }
 
-    /// bf16 copy of the tokens, expert-major layout, all-gather of per-expert counts.
+    /// bf16 copy of the tokens, the exchange's counts, their all-gather, the exchange's prepare.
     pub fn prepare(&mut self, bucket: usize) -> Result<(), GpuError> {
         let (g, b, s) = (&self.g, &mut self.b, &self.shape);
-        let (e, k, h) = (s.experts, s.top_k, s.hidden);
-        g.f32_to_bf16(&b.x, &b.n, bucket, h, &mut b.xb)?;
-        match &mut self.ep {
-            // NCCL EP lays the rows out itself: only the counts, for the routing metrics.
-            Some(_) => g.count_experts(&b.ids, &b.n, bucket, k, &mut b.counts)?,
-            None => g.layout(
-                &b.ids,
-                &b.n,
-                bucket,
-                k,
-                e,
-                &mut b.counts,
-                &mut b.offsets,
-                &mut b.pos_of,
-                &mut b.entry_of,
-            )?,
-        }
-        self.comm.all_gather(&b.counts, &mut b.m, e, &g.stream)?;
-        if let Some(ep) = &mut self.ep {
-            ep.update(&b.ids, bucket, k, &mut b.local_off, &mut b.rows, &g.stream)?;
-        }
-        Ok(())
-    }
-
-    /// Tokens into per-peer slots, one grouped send/recv, received rows into expert-major order.
-    pub fn dispatch(&mut self, bucket: usize) -> Result<(), GpuError> {
-        let (g, b, s) = (&self.g, &mut self.b, &self.shape);
-        if let Some(ep) = &mut self.ep {
-            return ep.dispatch(&b.xb, &b.w, bucket, s.top_k, s.hidden, &g.stream);
-        }
-        let sl = s.slots(bucket);
-        let rows = s.slot_space(bucket);
-        g.pack_slots(
-            &b.xb,
-            &b.entry_of,
-            &b.offsets,
-            sl,
-            s.top_k,
-            s.hidden,
-            bucket * s.top_k,
-            &mut b.send,
-        )?;
+        g.f32_to_bf16(&b.x, &b.n, bucket, s.hidden, &mut b.xb)?;
+        self.ex.count(g, &home!(b), bucket, &mut b.counts)?;
         self.comm
-            .exchange_slots(&b.send, &mut b.recv, sl.slot_rows * s.hidden, &g.stream)?;
-        g.recv_map(
-            &b.m,
-            sl,
-            hopper::ALIGN,
-            &mut b.map,
-            &mut b.local_off,
-            &mut b.rows,
-            &mut b.sizes,
-        )?;
-        g.scatter_by_map(&b.recv, &b.map, rows, s.hidden, &mut b.xe)?;
-        Ok(())
+            .all_gather(&b.counts, &mut b.m, s.experts, &g.stream)?;
+        self.ex.prepare(g, &home!(b), bucket)
     }
 
-    /// Grouped SwiGLU FFN of every local expert; the output overwrites the expert rows. The
-    /// Hopper GEMM runs it where the shapes allow (`Hopper::fits`), the WMMA kernels elsewhere.
+    /// The home rows to the ranks that hold their experts.
+    pub fn dispatch(&mut self, bucket: usize) -> Result<(), GpuError> {
+        let b = &self.b;
+        self.ex.dispatch(&self.g, &self.comm, &home!(b), bucket)
+    }
+
+    /// Grouped SwiGLU FFN of every local expert over the rows where the exchange put them; the
+    /// output overwrites them. The Hopper GEMM runs it where the shapes allow (`Hopper::fits`),
+    /// the WMMA kernels elsewhere.
     pub fn experts(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
         let (g, s, l) = (&self.g, &self.shape, &self.layers[layer]);
-        let (h, i, local) = (s.hidden, s.inter, s.local());
-        let rows = s.recv_rows(bucket);
         let Buffers {
-            xe,
             gu,
             act,
             tiles,
             n_tiles,
-            sizes,
-            local_off,
-            rows: n_rows,
             ..
         } = &mut self.b;
-        let Some(ep) = &mut self.ep else {
-            // `recv_map` laid the rows out aligned and wrote their ends.
-            let blocks = Contiguous {
-                offsets: local_off,
-                ends: sizes,
-                rows: n_rows,
-                weights: None,
-            };
-            return contiguous_ffn(g, l, blocks, rows, s, (tiles, n_tiles), (gu, act), xe);
-        };
-        if ep.is_ll(bucket) {
-            // LL rows: expert e's `counters[e]` rows start at e x (world x tokens).
-            let EpExchange {
-                ll,
-                counters,
-                bounds,
-                ..
-            } = ep;
-            let p = ll.as_mut().expect("an LL path for LL buckets");
-            let stride = p.cap;
-            g.ll_bounds(counters, stride, bounds, sizes)?;
-            let masked = Layout::Masked { stride };
-            if Hopper::fits(masked, local, 2 * i, h) && Hopper::fits(masked, local, h, i) {
-                let span = local * stride;
-                g.hopper.gemm(
-                    Gemm {
-                        x: p.rows(),
-                        rows: span,
-                        w: &l.w_gu,
-                        groups: local,
-                        n: 2 * i,
-                        k: h,
-                        layout: masked,
-                        sizes,
-                    },
-                    gu,
-                    &g.stream,
-                )?;
-                g.swiglu_masked(gu, sizes, local, stride, i, act)?;
-                let down = Gemm {
-                    x: act,
-                    rows: span,
-                    w: &l.w_down,
-                    groups: local,
-                    n: h,
-                    k: i,
-                    layout: masked,
-                    sizes,
+        match self.ex.expert_rows(g, bucket)? {
+            ExpertRows::Blocks {
+                x,
+                cap,
+                offsets,
+                ends,
+                total,
+                weights,
+            } => {
+                let blocks = Contiguous {
+                    offsets,
+                    ends,
+                    rows: total,
+                    weights,
                 };
-                g.hopper.gemm(down, p.rows_mut(), &g.stream)?;
-                return Ok(());
+                contiguous_ffn(g, l, blocks, cap, s, (tiles, n_tiles), (gu, act), x)
             }
-            let valid = s.world * p.tokens * s.top_k.min(local);
-            g.grouped_gemm(
-                p.rows(),
-                &l.w_gu,
-                Blocks::Bounds(bounds),
-                local,
-                valid,
-                2 * i,
-                h,
-                tiles,
-                n_tiles,
-                gu,
-            )?;
-            g.swiglu_tiles(
-                gu,
-                tiles,
-                n_tiles,
+            ExpertRows::Strided {
+                x,
+                stride,
+                counts,
                 bounds,
-                local,
-                max_tiles(valid, local),
-                i,
-                act,
-            )?;
-            g.grouped_gemm(
-                act,
-                &l.w_down,
-                Blocks::Bounds(bounds),
-                local,
                 valid,
-                h,
-                i,
-                tiles,
-                n_tiles,
-                p.rows_mut(),
-            )?;
-            return Ok(());
+            } => {
+                let rows = Strided {
+                    stride,
+                    counts,
+                    bounds,
+                    valid,
+                };
+                strided_ffn(g, l, rows, s, (tiles, n_tiles), (gu, act), x)
+            }
         }
-        let EpExchange {
-            ht,
-            recv_w,
-            counters,
-            ..
-        } = ep;
-        let p = ht.as_mut().expect("an HT path for HT buckets");
-        // HT blocks start at multiples of `hopper::ALIGN` (the handle's expert alignment); its
-        // combine sums rows as they come, so each row carries its routing weight.
-        g.psum_ends(local_off, counters, sizes)?;
-        let blocks = Contiguous {
-            offsets: local_off,
-            ends: sizes,
-            rows: n_rows,
-            weights: Some(recv_w),
-        };
-        contiguous_ffn(
-            g,
-            l,
-            blocks,
-            rows,
-            s,
-            (tiles, n_tiles),
-            (gu, act),
-            p.rows_mut(),
-        )
     }
 
-    /// Expert outputs back to their home ranks, the shared expert, and the weighted sum.
+    /// The shared expert, then the exchange's combine: expert outputs back home, weighted and
+    /// summed with the shared expert's rows.
     pub fn combine(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
         let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
-        let (h, k) = (s.hidden, s.top_k);
-        let sl = s.slots(bucket);
-        match &mut self.ep {
-            Some(ep) => ep.combine(&b.w, bucket, k, h, &g.stream)?,
-            None => {
-                g.gather_by_map(&b.xe, &b.map, s.slot_space(bucket), h, &mut b.send)?;
-                self.comm
-                    .exchange_slots(&b.send, &mut b.recv, sl.slot_rows * h, &g.stream)?;
-                g.slot_index(
-                    &b.ids, &b.pos_of, &b.offsets, &b.n, bucket, k, sl, &mut b.idx,
-                )?;
-            }
-        }
         if let Some((w_gu, w_down)) = &l.shared {
             shared_ffn(g, s, (w_gu, w_down), bucket, b)?;
         }
         let shared = l.shared.as_ref().map(|_| &b.sy);
-        match &self.ep {
-            Some(ep) => g.widen_add(&ep.out_b, shared, &b.n, bucket, h, &mut b.out)?,
-            None => g.combine(
-                &b.recv, &b.idx, &b.w, &b.n, bucket, k, h, shared, &mut b.out,
-            )?,
-        }
-        Ok(())
+        self.ex
+            .combine(g, &self.comm, &home!(b), bucket, shared, &mut b.out)
     }
 
     /// The whole step after the inputs are on the device.
@@ -554,6 +398,84 @@ fn contiguous_ffn(
     if let Some(w) = b.weights {
         g.scale_rows(xe, w, b.rows, rows, h)?;
     }
+    Ok(())
+}
+
+/// Fixed-stride expert rows: expert e's `counts[e]` rows start at `e * stride`; `bounds` are the
+/// same blocks for the WMMA kernels, `valid` the most rows in all. Combine weighs the outputs.
+struct Strided<'a> {
+    stride: usize,
+    counts: &'a CudaSlice<i32>,
+    bounds: &'a CudaSlice<i32>,
+    valid: usize,
+}
+
+/// The FFN over fixed-stride expert rows, in place on `x`: the Hopper GEMM's masked layout, or
+/// the WMMA kernels over the same blocks.
+fn strided_ffn(
+    g: &Gpu,
+    l: &DeviceLayer,
+    r: Strided,
+    s: &StepShape,
+    (tiles, n_tiles): (&mut CudaSlice<i32>, &mut CudaSlice<i32>),
+    (gu, act): (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
+    x: &mut CudaSlice<bf16>,
+) -> Result<(), GpuError> {
+    let (h, i, local) = (s.hidden, s.inter, s.local());
+    let masked = Layout::Masked { stride: r.stride };
+    if Hopper::fits(masked, local, 2 * i, h) && Hopper::fits(masked, local, h, i) {
+        let span = local * r.stride;
+        let up = Gemm {
+            x,
+            rows: span,
+            w: &l.w_gu,
+            groups: local,
+            n: 2 * i,
+            k: h,
+            layout: masked,
+            sizes: r.counts,
+        };
+        g.hopper.gemm(up, gu, &g.stream)?;
+        g.swiglu_masked(gu, r.counts, local, r.stride, i, act)?;
+        let down = Gemm {
+            x: act,
+            rows: span,
+            w: &l.w_down,
+            groups: local,
+            n: h,
+            k: i,
+            layout: masked,
+            sizes: r.counts,
+        };
+        g.hopper.gemm(down, x, &g.stream)?;
+        return Ok(());
+    }
+    let blocks = Blocks::Bounds(r.bounds);
+    g.grouped_gemm(
+        x,
+        &l.w_gu,
+        blocks,
+        local,
+        r.valid,
+        2 * i,
+        h,
+        tiles,
+        n_tiles,
+        gu,
+    )?;
+    g.swiglu_tiles(
+        gu,
+        tiles,
+        n_tiles,
+        r.bounds,
+        local,
+        max_tiles(r.valid, local),
+        i,
+        act,
+    )?;
+    g.grouped_gemm(
+        act, &l.w_down, blocks, local, r.valid, h, i, tiles, n_tiles, x,
+    )?;
     Ok(())
 }
 
