@@ -83,7 +83,7 @@ struct HopperTile {
 const HOPPER_GROUPS: u32 = 256;
 const HOPPER_CTAS: u32 = 132;
 
-const HOPPER_TILES: [HopperTile; 2] = [
+const HOPPER_TILES: [HopperTile; 3] = [
     HopperTile {
         name: "PSUM",
         gemm_type: 5,
@@ -92,12 +92,22 @@ const HOPPER_TILES: [HopperTile; 2] = [
         stages: 3,
         math_threads: 256,
     },
+    // Masked, for experts of many rows (a 64-row tile reads each weight tile once per 64 rows).
     HopperTile {
         name: "MASKED",
         gemm_type: 2,
         block_m: 64,
-        block_n: 128,
-        stages: 8,
+        block_n: 256,
+        stages: 4,
+        math_threads: 128,
+    },
+    // Masked, for experts of few rows (decode): half the padding rows per weight tile.
+    HopperTile {
+        name: "MASKED_FEW",
+        gemm_type: 2,
+        block_m: 32,
+        block_n: 256,
+        stages: 5,
         math_threads: 128,
     },
 ];

@@ -454,10 +454,19 @@ fn hopper_psum_gemm_matches_f64_per_expert() {
 #[ignore = "needs a GPU"]
 fn hopper_masked_gemm_matches_f64_per_expert() {
     // NCCL EP's low-latency layout: expert e's rows start at e x stride; counts from empty to
-    // the whole stride, and one past it (clamped).
+    // the whole stride, and one past it (clamped). Both masked instances: experts of few rows on
+    // average (the 32-row tile) and of many (the 64-row one); N = 384 ends inside a 256-wide
+    // column tile.
+    for mean_rows in [16usize, 100] {
+        masked_case(mean_rows);
+    }
+}
+
+fn masked_case(mean_rows: usize) {
     let g = gpu();
     let s = &g.stream;
     let (stride, n, kd) = (128usize, 384usize, 256usize);
+    let tile = hopper::masked_rows(mean_rows);
     let counts = [0i32, 1, 128, 77, 64, 200];
     let e = counts.len();
     let rows = e * stride;
@@ -469,7 +478,7 @@ fn hopper_masked_gemm_matches_f64_per_expert() {
     let mut masked = s.alloc_zeros::<i32>(hopper::MAX_GROUPS).unwrap();
     g.ll_bounds(&dcnt, stride, &mut bounds, &mut masked)
         .unwrap();
-    let layout = Layout::Masked { stride };
+    let layout = Layout::Masked { stride, mean_rows };
     let y = hopper_gemm(&g, (&x, &w), (rows, e, n, kd), layout, &masked);
     let masked = s.clone_dtoh(&masked).unwrap();
     for (ei, &c) in counts.iter().enumerate() {
@@ -478,15 +487,15 @@ fn hopper_masked_gemm_matches_f64_per_expert() {
         let err = expert_error(&x, &w, &y, ei, ei * stride, valid, n, kd);
         assert!(
             err <= 1e-2,
-            "expert {ei} ({valid} rows): worst relative error {err:.3e}"
+            "{tile}-row tile: expert {ei} ({valid} rows): worst relative error {err:.3e}"
         );
-        // The last 64-row tile may write its padding rows; rows past it stay untouched.
-        let untouched = ei * stride + valid.next_multiple_of(64);
+        // The last tile may write its padding rows; rows past it stay untouched.
+        let untouched = ei * stride + valid.next_multiple_of(tile);
         assert!(
             y[untouched * n..(ei + 1) * stride * n]
                 .iter()
                 .all(|v| v.to_f32() == 7.0),
-            "expert {ei}: rows past its last tile are not written"
+            "{tile}-row tile: expert {ei}: rows past its last tile are not written"
         );
     }
     assert!(

@@ -24,7 +24,7 @@ struct Tile {
 
 mod tiles {
     use super::Tile;
-    // GROUPS, CTAS, then PSUM and MASKED: build.rs's HOPPER_TILES.
+    // GROUPS, CTAS, then PSUM, MASKED and MASKED_FEW: build.rs's HOPPER_TILES.
     include!(concat!(env!("OUT_DIR"), "/hopper_tiles.rs"));
 }
 
@@ -48,8 +48,19 @@ pub enum Layout {
     /// `ALIGN`-row-aligned blocks; `ends` past the last expert repeat the padded total.
     Psum,
     /// Expert e's rows are `[e * stride, e * stride + counts[e])`; `counts` past the last expert
-    /// are 0. `stride` is a multiple of the masked instance's row tile.
-    Masked { stride: usize },
+    /// are 0. `stride` is a multiple of the masked instances' row tiles. `mean_rows`, the rows an
+    /// expert gets on average, picks the instance (`masked_rows`).
+    Masked { stride: usize, mean_rows: usize },
+}
+
+/// The row tile the masked layout runs with for experts of `mean_rows` rows on average: 32 up to
+/// 32 rows (decode: half the padding rows stream with each weight tile), else 64 (each weight
+/// tile is read once per tile of rows, so few tiles per expert matter more).
+pub fn masked_rows(mean_rows: usize) -> usize {
+    match mean_rows <= tiles::MASKED_FEW.block_m as usize {
+        true => tiles::MASKED_FEW.block_m as usize,
+        false => tiles::MASKED.block_m as usize,
+    }
 }
 
 struct Instance {
@@ -85,6 +96,7 @@ impl Instance {
 pub struct Hopper {
     psum: Instance,
     masked: Instance,
+    masked_few: Instance,
 }
 
 /// A CUDA tensor map, passed to the kernel by value.
@@ -153,6 +165,7 @@ impl Hopper {
         Ok(Self {
             psum: Instance::load(&m, tiles::PSUM)?,
             masked: Instance::load(&m, tiles::MASKED)?,
+            masked_few: Instance::load(&m, tiles::MASKED_FEW)?,
         })
     }
 
@@ -160,7 +173,10 @@ impl Hopper {
     pub fn fits(layout: Layout, groups: usize, n: usize, k: usize) -> bool {
         let layout_ok = match layout {
             Layout::Psum => true,
-            Layout::Masked { stride } => stride > 0 && stride % tiles::MASKED.block_m as usize == 0,
+            Layout::Masked { stride, .. } => {
+                let tile = tiles::MASKED.block_m.max(tiles::MASKED_FEW.block_m) as usize;
+                stride > 0 && stride % tile == 0
+            }
         };
         layout_ok && groups <= MAX_GROUPS && k % BLOCK_K == 0 && n % 64 == 0
     }
@@ -190,9 +206,13 @@ impl Hopper {
         );
         let (inst, shape_m) = match g.layout {
             Layout::Psum => (&self.psum, 0),
-            Layout::Masked { stride } => {
+            Layout::Masked { stride, mean_rows } => {
                 assert!(stride * g.groups <= g.rows, "masked rows past the buffer");
-                (&self.masked, stride as u32)
+                let inst = match masked_rows(mean_rows) == self.masked_few.block_m as usize {
+                    true => &self.masked_few,
+                    false => &self.masked,
+                };
+                (inst, stride as u32)
             }
         };
         let a = tensor_map(g.x.device_ptr(stream).0, g.k, g.rows, inst.block_m)?;
@@ -238,7 +258,13 @@ mod tests {
         ] {
             let s = synthetic::preset(name).unwrap();
             let (h, i, local) = (s.hidden, s.intermediate, s.num_experts / 4);
-            for layout in [Layout::Psum, Layout::Masked { stride: 512 }] {
+            for layout in [
+                Layout::Psum,
+                Layout::Masked {
+                    stride: 512,
+                    mean_rows: 16,
+                },
+            ] {
                 let got =
                     Hopper::fits(layout, local, 2 * i, h) && Hopper::fits(layout, local, h, i);
                 assert_eq!(got, fits, "{name} in {layout:?}");
@@ -258,10 +284,25 @@ mod tests {
             !Hopper::fits(Layout::Psum, 8, 96, 256),
             "N off the 64-wide store box"
         );
-        // The masked tile is 64 rows: a stride that is not a multiple would let an expert's last
-        // tile write into the next expert's rows.
-        assert!(Hopper::fits(Layout::Masked { stride: 128 }, 8, 256, 256));
-        assert!(!Hopper::fits(Layout::Masked { stride: 96 }, 8, 256, 256));
-        assert!(!Hopper::fits(Layout::Masked { stride: 0 }, 8, 256, 256));
+        // The masked tiles are 32 and 64 rows: a stride that is not a multiple of both would let
+        // an expert's last tile write into the next expert's rows.
+        let masked = |stride| Layout::Masked {
+            stride,
+            mean_rows: 16,
+        };
+        assert!(Hopper::fits(masked(128), 8, 256, 256));
+        assert!(!Hopper::fits(masked(96), 8, 256, 256));
+        assert!(!Hopper::fits(masked(0), 8, 256, 256));
+    }
+
+    /// Decode's experts (16 rows each at 128 tokens per rank over 4 ranks of deepseek-v3) run on
+    /// the 32-row tile; the small config's (256 rows each) on the 64-row one.
+    #[test]
+    fn the_masked_tile_follows_the_rows_per_expert() {
+        assert_eq!(masked_rows(0), 32);
+        assert_eq!(masked_rows(16), 32);
+        assert_eq!(masked_rows(32), 32);
+        assert_eq!(masked_rows(33), 64);
+        assert_eq!(masked_rows(256), 64);
     }
 }

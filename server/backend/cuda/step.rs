@@ -291,11 +291,14 @@ impl GpuStep {
                 bounds,
                 valid,
             } => {
+                // Rows an expert gets on average from a full bucket on every rank.
+                let mean_rows = (s.world * bucket * s.top_k).div_ceil(s.experts);
                 let rows = Strided {
                     stride,
                     counts,
                     bounds,
                     valid,
+                    mean_rows,
                 };
                 strided_ffn(g, l, rows, s, (tiles, n_tiles), (gu, act), x)
             }
@@ -402,12 +405,14 @@ fn contiguous_ffn(
 }
 
 /// Fixed-stride expert rows: expert e's `counts[e]` rows start at `e * stride`; `bounds` are the
-/// same blocks for the WMMA kernels, `valid` the most rows in all. Combine weighs the outputs.
+/// same blocks for the WMMA kernels, `valid` the most rows in all, `mean_rows` what an expert
+/// gets on average. Combine weighs the outputs.
 struct Strided<'a> {
     stride: usize,
     counts: &'a CudaSlice<i32>,
     bounds: &'a CudaSlice<i32>,
     valid: usize,
+    mean_rows: usize,
 }
 
 /// The FFN over fixed-stride expert rows, in place on `x`: the Hopper GEMM's masked layout, or
@@ -422,7 +427,10 @@ fn strided_ffn(
     x: &mut CudaSlice<bf16>,
 ) -> Result<(), GpuError> {
     let (h, i, local) = (s.hidden, s.inter, s.local());
-    let masked = Layout::Masked { stride: r.stride };
+    let masked = Layout::Masked {
+        stride: r.stride,
+        mean_rows: r.mean_rows,
+    };
     if Hopper::fits(masked, local, 2 * i, h) && Hopper::fits(masked, local, h, i) {
         let span = local * r.stride;
         let up = Gemm {
