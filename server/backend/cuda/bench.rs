@@ -11,9 +11,9 @@ use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptu
 use cudarc::driver::{CudaEvent, CudaGraph};
 use half::bf16;
 
-use crate::backend::cuda::setup::{self, Device};
-use crate::backend::cuda::step::GpuStep;
-use crate::backend::cuda::{device_count, GpuError};
+use super::setup::{self, Device};
+use super::step::GpuStep;
+use super::{device_count, GpuError};
 use crate::bench::{median, summarize, BenchConfig, ConfigResult, RankResult};
 use crate::config::{BenchArgs, EpMode, EpSettings, OnOff, EP_LL_MAX_TOKENS};
 
