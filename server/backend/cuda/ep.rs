@@ -350,15 +350,15 @@ impl EpPath {
     }
 }
 
-/// One rank's NCCL EP state: a path per mode in use (LL for buckets up to `ll_max`, HT above),
-/// declared before the communicator in `GpuStep` so both go first.
+/// One rank's NCCL EP state: a path per mode in use (LL for buckets up to `ll_max`, HT above);
+/// `GpuStep` holds it (as its exchange) before the communicator, so it is torn down first.
 pub struct EpExchange {
     shape: StepShape,
-    pub ll: Option<EpPath>,
-    pub ht: Option<EpPath>,
+    ll: Option<EpPath>,
+    ht: Option<EpPath>,
     /// Per-local-expert counts from the last step (HT: padded, from UpdateHandle; LL: received,
     /// from Dispatch).
-    pub counters: CudaSlice<i32>,
+    counters: CudaSlice<i32>,
     /// HT: each local expert's padded offset `[local + 1]` and the padded total (one int),
     /// written by UpdateHandle.
     local_off: CudaSlice<i32>,
@@ -366,11 +366,11 @@ pub struct EpExchange {
     /// The Hopper GEMM's sizes (`hopper::MAX_GROUPS`): HT psum ends, LL masked counts.
     sizes: CudaSlice<i32>,
     /// LL: the grouped GEMM's row blocks (starts, then ends).
-    pub bounds: CudaSlice<i32>,
+    bounds: CudaSlice<i32>,
     /// HT: the routing weight of each received row (HT combine wants rows already weighted).
-    pub recv_w: CudaSlice<f32>,
+    recv_w: CudaSlice<f32>,
     /// Combined home rows `[T, hidden]` in bf16, before the shared expert is added.
-    pub out_b: CudaSlice<bf16>,
+    out_b: CudaSlice<bf16>,
 }
 
 impl EpExchange {

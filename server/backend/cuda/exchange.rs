@@ -3,8 +3,9 @@
 //! straight line for every exchange; each exchange is a file of its own: the fixed-slot NCCL
 //! exchange (`slots.rs`, backend `nccl`) and NVIDIA NCCL EP (`ep.rs`, backend `nccl-ep`).
 //!
-//! Every method only enqueues work on the rank's stream (no host sync), so a whole step can be
-//! captured as a graph; every rank calls them in the same order (they communicate).
+//! The step's methods (`count` to `combine`) only enqueue work on the rank's stream (no host
+//! sync), so a whole step can be captured as a graph; every rank calls them in the same order
+//! (they communicate).
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
