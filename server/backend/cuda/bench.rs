@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaEvent, CudaGraph};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaEvent;
 use half::bf16;
 
 use super::setup::{self, Device};
@@ -111,17 +111,6 @@ pub fn run(args: &BenchArgs, configs: &[BenchConfig]) -> anyhow::Result<Vec<Conf
 
 type Phase = fn(&mut GpuStep, usize) -> Result<(), GpuError>;
 
-fn capture(core: &mut GpuStep, t: usize, f: Phase) -> anyhow::Result<CudaGraph> {
-    let s = core.g.stream.clone();
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-    let r = f(core, t);
-    let g = s.end_capture(CUgraphInstantiate_flags(0));
-    r?;
-    let g = g?.ok_or_else(|| anyhow::anyhow!("empty capture"))?;
-    g.upload()?;
-    Ok(g)
-}
-
 /// One rank, brought up as the service brings its ranks up (`setup::Device`), with random
 /// weights: GPU `rank`, one bucket of the config's tokens per rank.
 fn rank_main(
@@ -153,11 +142,11 @@ fn rank_main(
         |c, t| c.experts(0, t),
         |c, t| c.combine(0, t),
     ];
-    let step = capture(&mut core, t, |c, t| c.run(0, t, false))?;
+    let step = core.capture(|c| c.run(0, t, false))?;
     let graphs = phases
         .iter()
-        .map(|&f| capture(&mut core, t, f))
-        .collect::<anyhow::Result<Vec<_>>>()?;
+        .map(|&f| core.capture(|c| f(c, t)))
+        .collect::<Result<Vec<_>, _>>()?;
     let ctx = core.g.ctx.clone();
     let ev = (0..6)
         .map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)))

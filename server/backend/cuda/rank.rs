@@ -7,7 +7,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys::{self, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys;
 use cudarc::driver::{
     result, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
     DriverError,
@@ -284,6 +284,9 @@ pub struct GpuRank {
     graphs: Vec<Option<Graph>>,
     done: CudaEvent,
     routed: Vec<u32>,
+    /// Rows the routing sent each local expert this step (the receive check's side), kept so
+    /// the per-step check allocates nothing.
+    routed_local: Vec<i64>,
     step_timeout: Duration,
 }
 
@@ -328,6 +331,7 @@ impl GpuRank {
         };
         let mut me = Self {
             routed: vec![0; s.world * s.experts],
+            routed_local: vec![0; s.local()],
             core: Some(core),
             st: std::mem::ManuallyDrop::new(st),
             pinned,
@@ -379,15 +383,9 @@ impl GpuRank {
         bucket: usize,
         client: bool,
     ) -> Result<CudaGraph, GpuError> {
-        let stream: Arc<CudaStream> = self.core().g.stream.clone();
-        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        let r = self.eager(layer, bucket, client);
-        // End the capture whatever happened, so the stream is usable (and the error is ours).
-        let g = stream.end_capture(CUgraphInstantiate_flags(0));
-        r?;
-        let g = g?.ok_or_else(|| GpuError::Config("captured an empty step".into()))?;
-        g.upload()?;
-        Ok(g)
+        let st = &mut self.st;
+        let c = self.core.as_mut().expect("the GPU rank is poisoned");
+        c.capture(|c| enqueue(c, st, layer, bucket, client))
     }
 
     /// Waits for everything enqueued so far, until `bound` after `started`.
@@ -424,7 +422,7 @@ impl GpuRank {
     /// What the exchange received against what the routing sent (this step's all-gathered
     /// counts), for an exchange that can differ (NCCL EP): a step that fails the check is
     /// counted by the exchange, and its output is not delivered.
-    fn check_receive(&self, step: u64, bucket: usize) -> Result<(), StepError> {
+    fn check_receive(&mut self, step: u64, bucket: usize) -> Result<(), StepError> {
         let Some(c) = self.core.as_ref() else {
             return Ok(());
         };
@@ -434,19 +432,22 @@ impl GpuRank {
         let s = &c.shape;
         let (l, e) = (s.local(), s.experts);
         // Rows each local expert was sent, over every source.
-        let routed: Vec<i64> = (0..l)
-            .map(|j| {
-                (0..s.world)
-                    .map(|src| i64::from(self.routed[src * e + s.rank * l + j]))
-                    .sum()
-            })
-            .collect();
+        for (j, r) in self.routed_local.iter_mut().enumerate() {
+            *r = (0..s.world)
+                .map(|src| i64::from(self.routed[src * e + s.rank * l + j]))
+                .sum();
+        }
         let counts = &self.st.recv.as_slice()[..l];
-        c.ex.verify(bucket, &routed, counts, self.st.total.as_slice()[0])
-            .map_err(|msg| {
-                tracing::error!(step, "{msg}");
-                StepError::Corrupt { step, msg }
-            })
+        c.ex.verify(
+            bucket,
+            &self.routed_local,
+            counts,
+            self.st.total.as_slice()[0],
+        )
+        .map_err(|msg| {
+            tracing::error!(step, "{msg}");
+            StepError::Corrupt { step, msg }
+        })
     }
 
     fn bucket_of(&self, tokens: usize) -> Option<usize> {

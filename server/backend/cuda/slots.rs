@@ -4,7 +4,7 @@
 //! scattered into expert-major blocks aligned to the Hopper GEMM's row tile; combine gathers the
 //! outputs back into the slots, sends them home, and sums each token's k rows by its weights.
 
-use cudarc::driver::{CudaSlice, CudaStream, DriverError, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DriverError, PushKernelArg};
 use half::bf16;
 
 use super::exchange::{Exchange, ExpertRows, Home};
@@ -291,11 +291,7 @@ impl Gpu {
         h: usize,
         dst: &mut CudaSlice<bf16>,
     ) -> Result<(), DriverError> {
-        let h32 = h as i32;
-        let mut b = self.stream.launch_builder(&self.k.scatter_by_map);
-        b.arg(src).arg(map).arg(&h32).arg(dst);
-        // SAFETY: map values index dst's rows (or are -1); src holds `rows` rows.
-        unsafe { b.launch(Self::cfg((rows as u32, 1), 128, 0)) }.map(drop)
+        self.by_map(&self.k.scatter_by_map, src, map, rows, h, dst)
     }
 
     /// `dst[q] = src[map[q]]` (expert-major back to slots).
@@ -307,10 +303,24 @@ impl Gpu {
         h: usize,
         dst: &mut CudaSlice<bf16>,
     ) -> Result<(), DriverError> {
+        self.by_map(&self.k.gather_by_map, src, map, rows, h, dst)
+    }
+
+    /// One of the two row-map kernels (same arguments, opposite directions), a block per slot row.
+    fn by_map(
+        &self,
+        kernel: &CudaFunction,
+        src: &CudaSlice<bf16>,
+        map: &CudaSlice<i32>,
+        rows: usize,
+        h: usize,
+        dst: &mut CudaSlice<bf16>,
+    ) -> Result<(), DriverError> {
         let h32 = h as i32;
-        let mut b = self.stream.launch_builder(&self.k.gather_by_map);
+        let mut b = self.stream.launch_builder(kernel);
         b.arg(src).arg(map).arg(&h32).arg(dst);
-        // SAFETY: as in `scatter_by_map`, the other way round.
+        // SAFETY: `rows` slot rows; map values index the expert-major side's rows (or are -1,
+        // skipped), so both sides stay inside their buffers.
         unsafe { b.launch(Self::cfg((rows as u32, 1), 128, 0)) }.map(drop)
     }
 

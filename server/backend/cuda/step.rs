@@ -5,7 +5,8 @@
 //! says they are, and its combine. A bucket is a capacity of home tokens per rank; every rank of a
 //! step uses the same one, so the exchanges' fixed sizes match on both ends.
 
-use cudarc::driver::{CudaSlice, DriverError};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, DriverError};
 use half::bf16;
 
 use super::ep::EpExchange;
@@ -315,6 +316,22 @@ impl GpuStep {
         let shared = l.shared.as_ref().map(|_| &b.sy);
         self.ex
             .combine(g, &self.comm, &home!(b), bucket, shared, &mut b.out)
+    }
+
+    /// `f`'s work on the stream, captured as an uploaded graph instead of run. The capture ends
+    /// whatever `f` returns, so the stream stays usable and the error is `f`'s.
+    pub fn capture(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> Result<(), GpuError>,
+    ) -> Result<CudaGraph, GpuError> {
+        let stream = self.g.stream.clone();
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let r = f(self);
+        let g = stream.end_capture(CUgraphInstantiate_flags(0));
+        r?;
+        let g = g?.ok_or_else(|| GpuError::Config("captured an empty step".into()))?;
+        g.upload()?;
+        Ok(g)
     }
 
     /// The whole step after the inputs are on the device.
