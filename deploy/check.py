@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 DEPLOY = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(DEPLOY)
-SHAPES = ["overlays/cpu-2", "overlays/h200-4", "overlays/h200-8", "lws"]
+SHAPES = ["overlays/cpu-2", "overlays/h200-4", "overlays/h200-4-ingress-all", "overlays/h200-8", "lws"]
 CORE = {"StatefulSet", "Service", "PodDisruptionBudget", "ConfigMap"}
 SCHEMAS = {
     "PodMonitor": "podmonitor.json",
@@ -107,6 +107,16 @@ def check_shape(shape, docs):
     have = {p["name"]: p["containerPort"] for p in c["ports"] if p["name"].startswith("metrics-")}
     if have != want:
         raise Failed(f"{shape}: --ranks {ranks} but metrics ports {sorted(have.items())}")
+    # --ingress all: rank r serves gRPC on 50051 + r, and the Service exposes every rank's port.
+    entry = ranks if env.get("EPSERVE_INGRESS", "router") == "all" else 1
+    want_grpc = {("grpc" if r == 0 else f"grpc-{r}"): GRPC_PORT + r for r in range(entry)}
+    have_grpc = {p["name"]: p["containerPort"] for p in c["ports"] if p["name"].startswith("grpc")}
+    if have_grpc != want_grpc:
+        raise Failed(f"{shape}: {entry} ingress rank(s) but gRPC ports {sorted(have_grpc.items())}")
+    (svc,) = [d for d in docs if d["kind"] == "Service"]
+    exposed = {p["targetPort"]: p["port"] for p in svc["spec"]["ports"]}
+    if exposed != want_grpc:
+        raise Failed(f"{shape}: the Service exposes {sorted(exposed.items())}, not {sorted(want_grpc.items())}")
     (pm,) = [d for d in docs if d["kind"] == "PodMonitor"]
     scraped = sorted(e["port"] for e in pm["spec"]["podMetricsEndpoints"])
     if scraped != sorted(want):
@@ -316,6 +326,14 @@ def main():
                 json.dump(d, f)
             check_metrics(bad, exported)
 
+        def ingress_port_missing():
+            path = os.path.join(bad, "k8s", "overlays", "h200-4-ingress-all", "service.yaml")
+            with open(path) as f:
+                text = f.read()
+            with open(path, "w") as f:
+                f.write(text.split("    - name: grpc-3")[0])
+            check_shape("h200-4-ingress-all (broken)", render(bad, "overlays/h200-4-ingress-all"))
+
         def gpu_limit_not_ranks():
             path = os.path.join(bad, "k8s", "overlays", "h200-4", "group.yaml")
             with open(path) as f:
@@ -327,6 +345,7 @@ def main():
         expect_failure("a probe names a health service the binary does not serve", unserved_probe)
         expect_failure("the dashboard names a metric the binary does not export", unexported_metric)
         expect_failure("the GPU limit and --ranks disagree", gpu_limit_not_ranks)
+        expect_failure("a rank's gRPC port is not exposed under --ingress all", ingress_port_missing)
     finally:
         smoke.stop()
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, what scripts/gpu-check.sh built into
 # .device/bin: the GPU tests, then `epserve bench`. Logs and the bench JSON go to $OUT (or ./out).
-#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests] [ep] [drill] [bench] [torch] [cpu] [serve] | all
+#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests] [ep] [drill] [bench] [torch] [cpu] [serve] [ingress] | all
 # `serve` loads `epserve launch` (nccl-ep, the deepseek-v3 layer) with .device/bin/epserve-loadtest
 # and its bare echo in the same run, for each binary in SERVE_BINS (default: the one built).
 set -uo pipefail
@@ -165,5 +165,58 @@ if want serve; then
   done
   # The device tool brings back a few files: the runs' JSON and text go back as one archive.
   tar czf "$out/serve.tgz" -C "$out" $(cd "$out" && ls serve-*) && (cd "$out" && rm -f serve-*)
+fi
+# `ingress`: the same layer on every GPU (or INGRESS_RANKS) under --ingress router and --ingress
+# all, loaded with 2048-token requests through 1, 2, 4 ... ingress ranks at once: one loadtest
+# process per rank, INGRESS_CLIENTS clients each (default 8), so the load generator scales with
+# the ranks too. Rank r serves on port 50100 + r.
+if want ingress; then
+  mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
+  # shellcheck disable=SC1091
+  source /tmp/nccl230/env.sh
+  clients=${INGRESS_CLIENTS:-8}
+  ranks=${INGRESS_RANKS:-$(nvidia-smi -L | wc -l)}
+  for mode in router all; do
+    shm=$(mktemp -d -p /dev/shm)
+    "$EPSERVE_BIN" launch --ranks "$ranks" --backend nccl-ep --model synthetic:deepseek-v3 --layers 1 \
+      --max-tokens-per-step 4096 --ingress $mode --listen 127.0.0.1:50100 --metrics-listen 127.0.0.1:0 \
+      --shm-dir "$shm" >"$out/ingress-$mode.log" 2>&1 &
+    pid=$!
+    want_lines=$([ $mode = all ] && echo "$ranks" || echo 1)
+    for _ in $(seq 1 900); do
+      [ "$(grep -c 'serving gRPC on' "$out/ingress-$mode.log")" -ge "$want_lines" ] && break; sleep 0.2
+    done
+    m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$out/ingress-$mode.log" | head -1)
+    counts=$([ $mode = all ] && python3 -c "print(*[n for n in (1, 2, 4, 8) if n <= $ranks])" || echo 1)
+    for n in $counts; do
+      tag="ingress-$mode-n$n"
+      s0=$(metric "$m0" epserve_step_duration_seconds_sum)
+      pids=()
+      for r in $(seq 0 $((n - 1))); do
+        echo_flag=$([ $mode = router ] && echo --echo || true)
+        .device/bin/epserve-loadtest --target 127.0.0.1:$((50100 + r)) $echo_flag --concurrency "$clients" \
+          --tokens 2048 --dtype bf16 --warmup 2s --duration 8s --json "$out/$tag-r$r.json" >"$out/$tag-r$r.txt" 2>&1 &
+        pids+=($!)
+      done
+      wait "${pids[@]}"
+      s1=$(metric "$m0" epserve_step_duration_seconds_sum)
+      echo "== $tag: $n ingress rank(s), $clients clients each; router step seconds $s0 -> $s1 (busy $(python3 -c "print(round(($s1 - $s0) / 10, 3))") of the 10 s service window)"
+      for r in $(seq 0 $((n - 1))); do cat "$out/$tag-r$r.txt"; done
+      python3 - "$out" "$tag" "$n" "$ranks" <<'PY'
+import json, sys
+out, tag, n, gpus = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+rs = [json.load(open(f"{out}/{tag}-r{r}.json")) for r in range(n)]
+svc = [r.get("service", r) for r in rs]
+tok = sum(s["tokens_per_s"] for s in svc)
+p50 = max(s["latency_ms"]["p50"] for s in svc); p99 = max(s["latency_ms"]["p99"] for s in svc)
+bad = {k: v for s in svc for k, v in s["statuses"].items() if k != "OK"}
+print(f"== {tag}: end-to-end {tok:.0f} tokens/s ({tok / gpus:.0f} per GPU), p50 {p50:.0f} ms, p99 {p99:.0f} ms (worst rank), not OK {bad}")
+PY
+    done
+    curl -s "$m0" | grep -E '^epserve_(request|step|steps|ingress|egress|offers)' >"$out/ingress-$mode-metrics.txt"
+    kill -TERM $pid; wait $pid
+    rm -rf "$shm"
+  done
+  tar czf "$out/ingress.tgz" -C "$out" $(cd "$out" && ls ingress-*) && (cd "$out" && rm -f ingress-*)
 fi
 exit $status

@@ -111,6 +111,24 @@ pub enum OnOff {
     Off,
 }
 
+/// Which ranks take clients' requests.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ingress {
+    /// Rank 0 serves gRPC and packs every step.
+    Router,
+    /// Every rank serves gRPC on its own --listen; its requests are its home tokens.
+    All,
+}
+
+impl Ingress {
+    pub fn name(self) -> &'static str {
+        match self {
+            Ingress::Router => "router",
+            Ingress::All => "all",
+        }
+    }
+}
+
 /// Which NCCL EP kernels a step uses.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -260,9 +278,14 @@ pub struct ServeArgs {
     /// LWS_LEADER_ADDRESS:MASTER_PORT, else 127.0.0.1:29500).
     #[arg(long, env = "EPSERVE_RENDEZVOUS")]
     pub rendezvous: Option<String>,
-    /// gRPC address of the router.
+    /// gRPC address of the router (with --ingress all, of this rank; launch gives rank r this
+    /// port + r; port 0 picks any).
     #[arg(long, env = "EPSERVE_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
+    /// Who serves gRPC: the router alone, or every rank for its own clients (ingress bandwidth
+    /// grows with the ranks).
+    #[arg(long, env = "EPSERVE_INGRESS", value_enum, default_value = "router")]
+    pub ingress: Ingress,
     /// Most tokens in one step, all ranks together; sizes every exchange buffer.
     #[arg(long, env = "EPSERVE_MAX_TOKENS_PER_STEP", default_value_t = 256)]
     pub max_tokens_per_step: usize,

@@ -14,13 +14,13 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 use tracing::{error, info};
 
-use crate::config::LaunchArgs;
+use crate::config::{Ingress, LaunchArgs};
 
 /// Grace between SIGTERM and SIGKILL when stopping the group after a failure.
 const KILL_GRACE: Duration = Duration::from_secs(5);
 
 /// Flags `launch` sets per rank itself.
-const PER_RANK: &[&str] = &["--ranks", "--metrics-listen"];
+const PER_RANK: &[&str] = &["--ranks", "--metrics-listen", "--listen"];
 
 /// The serve flags the user gave `launch`, minus the per-rank ones.
 fn passthrough() -> Vec<String> {
@@ -63,12 +63,19 @@ async fn read_rendezvous(
     found
 }
 
-/// Rank r's metrics address: the base port plus r (port 0 stays 0: any free port).
-fn metrics_addr(base: std::net::SocketAddr, rank: usize) -> anyhow::Result<std::net::SocketAddr> {
+/// Rank r's address of a per-rank port (`flag`): the base port plus r (port 0 stays 0: any free
+/// port).
+fn rank_addr(
+    base: std::net::SocketAddr,
+    rank: usize,
+    flag: &str,
+) -> anyhow::Result<std::net::SocketAddr> {
     let mut a = base;
     if a.port() != 0 {
         let port = usize::from(a.port()) + rank;
-        a.set_port(u16::try_from(port).context("--metrics-listen port + rank exceeds 65535")?);
+        a.set_port(
+            u16::try_from(port).with_context(|| format!("{flag} port + rank exceeds 65535"))?,
+        );
     }
     Ok(a)
 }
@@ -85,6 +92,16 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
     let mut rendezvous = args.serve.rendezvous.clone();
     let exe = std::env::current_exe().context("locating the epserve binary")?;
     let flags = passthrough();
+    // Only the router serves gRPC unless every rank does.
+    let listen = |rank: usize| match args.serve.ingress {
+        Ingress::All => rank_addr(args.serve.listen, rank, "--listen"),
+        Ingress::Router => Ok(args.serve.listen),
+    };
+    if args.serve.ingress == Ingress::All && args.serve.listen.port() != 0 {
+        for rank in 0..args.ranks {
+            info!(rank, "gRPC of rank {rank} on {}", listen(rank)?);
+        }
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -99,7 +116,8 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                 .args(&flags)
                 .args(["--rank", &rank.to_string(), "--world-size", &args.ranks.to_string()])
                 .args(["--rendezvous", &addr])
-                .args(["--metrics-listen", &metrics_addr(args.serve.metrics_listen, rank)?.to_string()])
+                .args(["--metrics-listen", &rank_addr(args.serve.metrics_listen, rank, "--metrics-listen")?.to_string()])
+                .args(["--listen", &listen(rank)?.to_string()])
                 .kill_on_drop(true);
             if rendezvous.is_none() {
                 cmd.stdout(Stdio::piped());

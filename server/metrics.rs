@@ -58,6 +58,10 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         "epserve_steps_in_flight",
         "Steps formed and not yet delivered (packed, running or being answered), router only"
     );
+    metrics::describe_gauge!(
+        "epserve_offers_pending",
+        "--ingress all: this rank's packed offers not yet taken into a step"
+    );
     metrics::describe_counter!(
         "epserve_steps_total",
         "Steps run on this rank (kind: work or heartbeat)"

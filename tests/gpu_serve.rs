@@ -553,6 +553,77 @@ fn ep_mode_matches_nccl(mode: &str, extra: &[&str], also_two: bool) -> (f64, f64
     (ll_steps, ht_steps)
 }
 
+/// Every request to rank `i % addrs.len()`, `in_flight` at a time per rank; outputs in order.
+fn run_spread(addrs: &[String], reqs: &[ForwardRequest], in_flight: usize) -> Vec<Vec<f32>> {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut clients = Vec::new();
+        for a in addrs {
+            let c = epserve::proto::moe_service_client::MoeServiceClient::connect(format!(
+                "http://{a}"
+            ))
+            .await
+            .unwrap()
+            .max_decoding_message_size(256 << 20);
+            clients.push((c, Arc::new(tokio::sync::Semaphore::new(in_flight))));
+        }
+        let mut tasks = Vec::with_capacity(reqs.len());
+        for (i, req) in reqs.iter().cloned().enumerate() {
+            let (c, gate) = &clients[i % clients.len()];
+            let (mut c, gate) = (c.clone(), gate.clone());
+            tasks.push(tokio::spawn(async move {
+                let _permit = gate.acquire_owned().await.unwrap();
+                let id = req.id.clone();
+                let out = c
+                    .forward(req)
+                    .await
+                    .unwrap_or_else(|s| panic!("request {id}: {s}"));
+                decode(out.into_inner().output.as_ref().unwrap())
+            }));
+        }
+        let mut outs = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            outs.push(t.await.unwrap());
+        }
+        outs
+    })
+}
+
+/// --ingress all: the requests spread over every rank give what router ingress gives (nccl
+/// backend, same requests), and each token matches the f64 reference.
+#[test]
+#[ignore = "needs GPUs, NCCL >= 2.30.4 and libnccl_ep"]
+fn nccl_ep_ingress_all_matches_the_nccl_backend() {
+    let world = *gpu_counts().last().unwrap();
+    let reqs = requests(23, REQUESTS);
+    let (spec, layers) = reference_layers();
+    let reference = {
+        let g = launch(world, "nccl", "on");
+        run_all(&g, &reqs, 16)
+    };
+    let g = launch_with(
+        world,
+        "nccl-ep",
+        "on",
+        &["--ep-ll-max-tokens", "32", "--ingress", "all"],
+    );
+    let info = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let mut c = g.client().await;
+        c.get_model_info(epserve::proto::GetModelInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    });
+    let addrs: Vec<String> = info.ingress.iter().map(|a| a.address.clone()).collect();
+    assert_eq!((info.ingress_mode.as_str(), addrs.len()), ("all", world));
+    let out = run_spread(&addrs, &reqs, 8);
+    let what = format!("nccl-ep auto, --ingress all, {world} GPUs");
+    check_f64(&what, &spec, &layers, &reqs, &out);
+    let (rel, worst) = relative_error(&out, &reference);
+    eprintln!("{what}: against router ingress on nccl: ||out-ref||/||ref|| = {rel:.3e} (worst request {worst:.3e})");
+    assert!(rel <= 1e-2, "{what}: {rel:.3e}");
+}
+
 /// Needs NCCL >= 2.30.4 and libnccl_ep (scripts/device-run.sh ep); the image's NCCL alone fails.
 #[test]
 #[ignore = "needs GPUs, NCCL >= 2.30.4 and libnccl_ep"]

@@ -85,7 +85,8 @@ pub struct Args {
     /// service the same ones).
     #[command(flatten)]
     pub http2: epserve::transport::Http2,
-    /// The service to load, HOST:PORT (epserve's router, or an echo service).
+    /// The service to load, HOST:PORT (epserve's router, or an echo service), or several
+    /// comma-separated (the ranks of --ingress all): the load is spread evenly over them.
     #[arg(long, env = "LOADTEST_TARGET")]
     pub target: Option<String>,
     /// Closed loop: this many clients, each with one request outstanding.
@@ -116,7 +117,7 @@ pub struct Args {
     /// Per-request deadline (sent as grpc-timeout).
     #[arg(long, default_value = "30s", value_parser = duration)]
     pub timeout: Duration,
-    /// HTTP/2 connections to spread the load over.
+    /// HTTP/2 connections to spread the load over, to each target address.
     #[arg(long, default_value_t = 4)]
     pub connections: usize,
     /// Open loop: most requests outstanding; arrivals past it are counted as `NOT_SENT`.

@@ -296,9 +296,14 @@ struct Target {
 }
 
 impl Target {
-    async fn connect(addr: &str, plan: &Plan, layer: u32) -> anyhow::Result<Self> {
+    /// `plan.connections` to each of the comma-separated addresses: requests go round-robin
+    /// over all of them, so every address gets the same share.
+    async fn connect(addrs: &str, plan: &Plan, layer: u32) -> anyhow::Result<Self> {
         let (mut v1, mut kserve) = (Vec::new(), Vec::new());
-        for _ in 0..plan.connections {
+        let each = addrs
+            .split(',')
+            .flat_map(|a| std::iter::repeat_n(a, plan.connections));
+        for addr in each {
             let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?;
             let ch = plan.http2.endpoint(ch).connect().await?;
             v1.push(
@@ -396,7 +401,8 @@ async fn one(target: &Target, workload: &Mutex<Workload>, rec: &Recorder, id: u6
     rec.done(started, &status, item.tokens, bytes_in);
 }
 
-/// Runs the plan against `addr` and reports on the measured window.
+/// Runs the plan against `addr` (one address, or several comma-separated: the load is spread
+/// evenly over them) and reports on the measured window.
 pub async fn run(addr: &str, plan: &Plan, workload: Workload, seed: u64) -> anyhow::Result<Report> {
     let target = Arc::new(Target::connect(addr, plan, workload.shape().layer).await?);
     let workload = Arc::new(Mutex::new(workload));

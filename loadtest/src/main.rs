@@ -10,8 +10,10 @@ use epserve_loadtest::report::{Comparison, Report};
 use epserve_loadtest::sweep::{self, Sweep};
 use epserve_loadtest::workload::{Shape, Workload};
 
+/// The model's shape, from the first of the target's addresses.
 async fn shape_of(addr: &str, args: &Args) -> anyhow::Result<Shape> {
-    let mut c = MoeServiceClient::connect(format!("http://{addr}")).await?;
+    let first = addr.split(',').next().unwrap_or(addr);
+    let mut c = MoeServiceClient::connect(format!("http://{first}")).await?;
     let info = c.get_model_info(GetModelInfoRequest {}).await?.into_inner();
     Shape::from_info(&info, args.layer).map_err(anyhow::Error::msg)
 }

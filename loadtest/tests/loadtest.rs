@@ -37,8 +37,9 @@ fn epserve_bin() -> String {
         .expect("the epserve executable")
 }
 
-/// `epserve launch` on free ports; killed on drop.
-struct Group(Child, String, std::path::PathBuf);
+/// `epserve launch` on free ports (the address first served at, each rank's /metrics); killed
+/// on drop.
+struct Group(Child, String, std::path::PathBuf, Vec<String>);
 
 impl Group {
     fn launch(extra: &[&str]) -> Self {
@@ -65,17 +66,24 @@ impl Group {
             .unwrap();
         let lines = BufReader::new(child.stderr.take().unwrap()).lines();
         let (tx, rx) = std::sync::mpsc::channel();
+        let (mtx, mrx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             for l in lines.map_while(Result::ok) {
                 if let Some(a) = l.split("serving gRPC on ").nth(1) {
                     let _ = tx.send(a.trim().to_string());
+                }
+                if let Some(m) = l.split(" metrics on http://").nth(1) {
+                    let _ = mtx.send(m.trim().to_string());
                 }
             }
         });
         let addr = rx
             .recv_timeout(Duration::from_secs(60))
             .expect("the group serves");
-        Group(child, addr, shm)
+        let metrics = (0..2)
+            .filter_map(|_| mrx.recv_timeout(Duration::from_secs(5)).ok())
+            .collect();
+        Group(child, addr, shm, metrics)
     }
 }
 
@@ -153,6 +161,65 @@ async fn counts_add_up_against_a_rank_group() {
                 "{api:?}: the admission bound was never hit"
             );
         }
+    }
+}
+
+/// `epserve_requests_total` of one rank, all labels together.
+fn requests_at(metrics_url: &str) -> f64 {
+    let (host, path) = metrics_url.split_once('/').unwrap();
+    let mut s = std::net::TcpStream::connect(host).unwrap();
+    use std::io::{Read, Write};
+    write!(s, "GET /{path} HTTP/1.0\r\nHost: {host}\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    body.lines()
+        .filter(|l| l.starts_with("epserve_requests_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_targets_share_the_load_evenly() {
+    let group = Group::launch(&["--ingress", "all"]);
+    let mut c = epserve::proto::moe_service_client::MoeServiceClient::connect(format!(
+        "http://{}",
+        group.1
+    ))
+    .await
+    .unwrap();
+    let info = c
+        .get_model_info(epserve::proto::GetModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let addrs: Vec<String> = info.ingress.iter().map(|a| a.address.clone()).collect();
+    assert_eq!(addrs.len(), 2, "{:?}", info.ingress);
+    let s = shape(&addrs[0]).await;
+    let w = Workload::new(s, Tokens::Uniform(1, 40), Dtype::Bf16, true, 5);
+    let r = load::run(
+        &addrs.join(","),
+        &plan(Mode::Closed(8), Api::Unary, 1.0),
+        w,
+        5,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        r.statuses.keys().collect::<Vec<_>>(),
+        vec!["OK"],
+        "{:?}",
+        r.statuses
+    );
+    assert_eq!(group.3.len(), 2, "both ranks' metrics addresses");
+    let per_rank: Vec<f64> = group.3.iter().map(|m| requests_at(m)).collect();
+    let total: f64 = per_rank.iter().sum();
+    assert!(
+        total >= r.ok as f64,
+        "{per_rank:?} against {} answered",
+        r.ok
+    );
+    for n in &per_rank {
+        assert!(*n >= 0.4 * total, "uneven: {per_rank:?}");
     }
 }
 

@@ -21,6 +21,8 @@ pub struct MoeApi {
     info: ModelInfo,
     /// Measured once the group has formed (nccl-ep).
     ep_footprint: std::sync::OnceLock<crate::proto::NcclEpFootprint>,
+    /// Where each rank serves, once the group has formed.
+    ingress: std::sync::OnceLock<Vec<crate::proto::IngressAddress>>,
     /// Most requests of one ForwardStream answered or in progress but not yet taken by the
     /// transport (--max-stream-in-flight).
     stream_in_flight: usize,
@@ -82,6 +84,7 @@ impl MoeApi {
             infer,
             info,
             ep_footprint: std::sync::OnceLock::new(),
+            ingress: std::sync::OnceLock::new(),
             stream_in_flight: stream_in_flight.max(1),
         }
     }
@@ -89,6 +92,19 @@ impl MoeApi {
     /// What the NCCL EP exchange takes on the GPU, for GetModelInfo (set once, at startup).
     pub fn set_ep_footprint(&self, f: crate::proto::NcclEpFootprint) {
         let _ = self.ep_footprint.set(f);
+    }
+
+    /// Where clients reach each rank that takes requests, by rank (set once, at startup).
+    pub fn set_ingress(&self, addrs: &[String]) {
+        let list = addrs
+            .iter()
+            .enumerate()
+            .map(|(rank, a)| crate::proto::IngressAddress {
+                rank: rank as u32,
+                address: a.clone(),
+            })
+            .collect();
+        let _ = self.ingress.set(list);
     }
 
     /// The output dtype: `output_dtype`, or the input's when unspecified.
@@ -240,6 +256,7 @@ impl MoeService for Arc<MoeApi> {
     ) -> Result<Response<ModelInfo>, Status> {
         let mut info = self.info.clone();
         info.nccl_ep = self.ep_footprint.get().cloned();
+        info.ingress = self.ingress.get().cloned().unwrap_or_default();
         Ok(Response::new(info))
     }
 

@@ -9,10 +9,25 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::step::StepDesc;
+use crate::step::{StepDesc, StepKey};
 pub use wire::{recv, send};
 
 pub type Fingerprint = Vec<(String, String)>;
+
+/// A control connection with several senders (threads and tasks): each frame goes out whole.
+#[derive(Clone)]
+pub struct CtlWriter(std::sync::Arc<std::sync::Mutex<TcpStream>>);
+
+impl CtlWriter {
+    pub fn new(stream: TcpStream) -> Self {
+        Self(std::sync::Arc::new(std::sync::Mutex::new(stream)))
+    }
+
+    pub fn send(&self, msg: &Ctl) -> std::io::Result<()> {
+        let mut s = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        send(&mut *s, msg)
+    }
+}
 
 /// Control messages, router ↔ rank.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -58,6 +73,27 @@ pub enum Ctl {
     Corrupt {
         rank: usize,
         reason: String,
+    },
+    /// `--ingress all`, after startup: where this rank serves gRPC.
+    Listening {
+        rank: usize,
+        addr: String,
+    },
+    /// `--ingress all`: where every rank serves, by rank (router to ranks).
+    Ingress {
+        addrs: Vec<String>,
+    },
+    /// `--ingress all`: the rank has this many tokens of `key` packed for the router to schedule.
+    Offer {
+        key: StepKey,
+        tokens: u32,
+    },
+    /// Router to ranks: drain (refuse new requests, finish the admitted ones). Rank to router:
+    /// this rank was signalled; drain the group.
+    Drain,
+    /// Every request this rank admitted is answered (after a `Drain`).
+    Drained {
+        rank: usize,
     },
 }
 
@@ -294,6 +330,32 @@ impl RouterLink {
         Ok(())
     }
 
+    /// `--ingress all`: every rank's gRPC address (`Listening`), by rank, with `ours` first.
+    pub fn gather_listening(
+        &mut self,
+        ours: String,
+        deadline: Instant,
+    ) -> Result<Vec<String>, GroupError> {
+        let mut addrs = vec![ours];
+        for (i, w) in self.workers.iter_mut().enumerate() {
+            let rank = i + 1;
+            match expect(w, "its gRPC address", deadline)? {
+                Ctl::Listening { rank: r, addr } if r == rank => addrs.push(addr),
+                Ctl::Failed { reason, .. } => {
+                    return Err(GroupError::Rejected(format!(
+                        "rank {rank} failed: {reason}"
+                    )))
+                }
+                m => {
+                    return Err(GroupError::Protocol(format!(
+                        "rank {rank} sent {m:?}, expected its gRPC address"
+                    )))
+                }
+            }
+        }
+        Ok(addrs)
+    }
+
     /// Tells every rank that startup failed (best effort: the ranks time out otherwise).
     pub fn reject_all(&mut self, reason: &str) {
         for w in &mut self.workers {
@@ -400,6 +462,11 @@ fn ctl_name(m: &Ctl) -> &'static str {
         Ctl::Shutdown => "shutdown",
         Ctl::Failed { .. } => "failed",
         Ctl::Corrupt { .. } => "corrupt",
+        Ctl::Listening { .. } => "listening",
+        Ctl::Ingress { .. } => "ingress",
+        Ctl::Offer { .. } => "offer",
+        Ctl::Drain => "drain",
+        Ctl::Drained { .. } => "drained",
     }
 }
 

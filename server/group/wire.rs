@@ -46,6 +46,7 @@ mod tests {
             client_routing: true,
             input: crate::dtype::Dtype::F16,
             output: crate::dtype::Dtype::Bf16,
+            homes: vec![30, 0, 3],
         });
         let mut buf = Vec::new();
         send(&mut buf, &msg).unwrap();

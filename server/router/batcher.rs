@@ -13,8 +13,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::{Failure, Job, Segment, Step};
-use crate::dtype::Dtype;
 use crate::shm::Abort;
+use crate::step::StepKey;
 
 #[derive(Clone, Copy, Debug)]
 pub struct BatchConfig {
@@ -22,6 +22,8 @@ pub struct BatchConfig {
     pub max_wait: Duration,
     /// Steps in flight at most: the pipeline's permits.
     pub depth: usize,
+    /// The gauge those permits count (`STEPS_IN_FLIGHT`, or `OFFERS_PENDING` under --ingress all).
+    pub gauge: &'static str,
 }
 
 struct Queued {
@@ -32,9 +34,14 @@ struct Queued {
 
 impl Queued {
     /// Requests share a step when they share all of this: the ring carries one layout per step.
-    fn key(&self) -> (usize, bool, Dtype, Dtype) {
+    fn key(&self) -> StepKey {
         let i = &self.job.input;
-        (i.layer, i.routing.is_some(), i.hidden.dtype, i.output)
+        StepKey {
+            layer: i.layer as u32,
+            client_routing: i.routing.is_some(),
+            input: i.hidden.dtype,
+            output: i.output,
+        }
     }
     fn left(&self) -> usize {
         self.job.input.tokens - self.next_row
@@ -109,7 +116,7 @@ pub async fn run_batcher(
                 None => stop.cancel(),
             },
             // A full step may queue behind a running one; a partial one waits for an empty pipeline.
-            permit = ready_for_step(&in_flight, if full { 1 } else { cfg.depth }, &steps), if ready => match permit {
+            permit = ready_for_step(&in_flight, if full { 1 } else { cfg.depth }, &steps, cfg.gauge), if ready => match permit {
                 Some(permit) => permit.send(take_step(&mut queue, cfg.max_tokens_per_step)),
                 None => break,
             },
@@ -141,10 +148,11 @@ pub async fn run_batcher(
 /// Waits until the channel has room and `need` of the pipeline's permits are free, then keeps
 /// one permit for the step; None once the executor is gone. Cancel-safe (the batcher's select
 /// drops it whenever another branch wins): nothing is kept until both waits are over.
-async fn ready_for_step<'a>(
+pub(super) async fn ready_for_step<'a>(
     in_flight: &Semaphore,
     need: usize,
     steps: &'a mpsc::Sender<Step>,
+    gauge: &'static str,
 ) -> Option<mpsc::Permit<'a, Step>> {
     let need = u32::try_from(need.max(1)).unwrap_or(1);
     let send = steps.reserve().await.ok()?;
@@ -154,7 +162,7 @@ async fn ready_for_step<'a>(
     };
     permits.forget();
     in_flight.add_permits(need as usize - 1);
-    metrics::gauge!("epserve_steps_in_flight").increment(1.0);
+    metrics::gauge!(gauge).increment(1.0);
     Some(send)
 }
 
@@ -178,18 +186,13 @@ fn take_step(queue: &mut VecDeque<Queued>, budget: usize) -> Step {
         left -= take;
     }
     queue.retain(|q| q.left() > 0);
-    Step {
-        layer: key.0,
-        client_routing: key.1,
-        input: key.2,
-        output: key.3,
-        segments,
-    }
+    Step::of(key, segments, Vec::new())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::Dtype;
     use crate::router::JobInput;
 
     fn job(
@@ -250,6 +253,7 @@ mod tests {
             max_tokens_per_step,
             max_wait: Duration::from_millis(max_wait_ms),
             depth,
+            gauge: crate::router::STEPS_IN_FLIGHT,
         };
         let in_flight = Arc::new(Semaphore::new(depth));
         let (wake, stop) = (Arc::new(Notify::new()), CancellationToken::new());

@@ -12,8 +12,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
-use super::{Failure, Step};
+use super::rows::{copy_threads, deliver, pack};
+use super::{Failure, Offer, Step};
 use crate::dtype::Dtype;
 use crate::group::{recv, Ctl, GroupError, RouterLink};
 use crate::shm::Abort;
@@ -37,10 +39,34 @@ pub enum ExecutorError {
     },
 }
 
+/// The router's control connections after startup, shared by the step executor and the drain.
+#[derive(Clone)]
+pub struct Control(Arc<Mutex<RouterLink>>);
+
+impl Control {
+    /// Sends `msg` to every rank; whole frames, never interleaved with another sender's.
+    pub fn broadcast(&self, msg: &Ctl) -> Result<(), GroupError> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .broadcast(msg)
+    }
+}
+
+/// What the other ranks send the router after startup besides failures (`--ingress all`).
+#[derive(Clone)]
+pub struct PeerEvents {
+    pub offers: mpsc::UnboundedSender<(usize, Offer)>,
+    /// A rank was signalled: the group drains.
+    pub drain: CancellationToken,
+    /// One permit per rank whose admitted requests are all answered, after a drain.
+    pub drained: Arc<tokio::sync::Semaphore>,
+}
+
 pub struct Executor<B> {
     driver: Driver<B>,
     ring: Arc<Ring>,
-    link: RouterLink,
+    link: Control,
     abort: Arc<Abort>,
     /// Set before a deliberate stop, so the ranks' disconnects are not read as failures.
     closing: Arc<AtomicBool>,
@@ -56,7 +82,9 @@ impl<B: Backend> Executor<B> {
         link: RouterLink,
         abort: Arc<Abort>,
         step_timeout: Duration,
+        events: Option<PeerEvents>,
     ) -> Result<Self, GroupError> {
+        let stride = ring.shape.home_stride();
         // A rank that reports failure or disconnects breaks the group at once, instead of
         // leaving the router to find out at the step timeout.
         let closing = Arc::new(AtomicBool::new(false));
@@ -65,11 +93,18 @@ impl<B: Backend> Executor<B> {
                 what: "control socket".into(),
                 source,
             })?;
-            let (abort, closing) = (abort.clone(), closing.clone());
+            let (abort, closing, events) = (abort.clone(), closing.clone(), events.clone());
             let rank = i + 1;
             std::thread::Builder::new()
                 .name(format!("ctl-rank{rank}"))
-                .spawn(move || watch_rank(&mut r, rank, &abort, &closing))
+                .spawn(move || {
+                    let watch = Watch {
+                        rank,
+                        stride,
+                        events,
+                    };
+                    watch.run(&mut r, &abort, &closing)
+                })
                 .map_err(|source| GroupError::Io {
                     what: "spawning a control reader".into(),
                     source,
@@ -78,7 +113,7 @@ impl<B: Backend> Executor<B> {
         Ok(Self {
             driver,
             ring,
-            link,
+            link: Control(Arc::new(Mutex::new(link))),
             abort,
             closing,
             step_timeout,
@@ -89,6 +124,11 @@ impl<B: Backend> Executor<B> {
 
     pub fn backend(&self) -> &B {
         &self.driver.backend
+    }
+
+    /// The control connections, for the drain to tell every rank.
+    pub fn control(&self) -> Control {
+        self.link.clone()
     }
 
     /// Runs one step through the whole group in `slot` (packed already); on return every rank has
@@ -119,13 +159,14 @@ impl<B: Backend> Executor<B> {
         let desc = StepDesc {
             step: self.seq,
             layer: step.layer as u32,
-            tokens: step.tokens() as u32,
+            tokens: step.group_tokens() as u32,
             slot: slot as u32,
             client_routing: step.client_routing,
             input: step.input,
             output: step.output,
+            homes: step.homes.clone(),
         };
-        self.link.broadcast(&Ctl::Step(desc))?;
+        self.link.broadcast(&Ctl::Step(desc.clone()))?;
         let times = self.driver.run(&desc)?;
         self.ring
             .wait_outputs(slot, self.seq, deadline, &self.abort)
@@ -188,6 +229,7 @@ impl<B: Backend> Executor<B> {
                         input: Dtype::F32,
                         output: Dtype::F32,
                         segments: Vec::new(),
+                        homes: Vec::new(),
                     };
                     let r = self.run(&empty, slot);
                     free.put(slot);
@@ -208,7 +250,7 @@ impl<B: Backend> Executor<B> {
                     let e = self.broke(e, &step);
                     free.put(slot);
                     in_flight.add_permits(1);
-                    metrics::gauge!("epserve_steps_in_flight").decrement(1.0);
+                    metrics::gauge!(crate::router::STEPS_IN_FLIGHT).decrement(1.0);
                     break Err(e);
                 }
             }
@@ -282,10 +324,11 @@ impl<B: Backend> Executor<B> {
                 job,
                 rows: 0..tokens,
             }],
+            homes: Vec::new(),
         };
-        pack(&self.ring, &step, 0, 1);
+        pack(&self.ring, &step, 0, 0, 1);
         self.run(&step, 0)?;
-        deliver(&self.ring, &step, 0, 1);
+        deliver(&self.ring, &step, 0, 0, 1);
         let finite = |out: &[u8]| crate::dtype::first_non_finite(Dtype::F32, out).is_none();
         match rx.try_recv() {
             Ok(Ok(out)) if finite(&out) => Ok(()),
@@ -318,94 +361,6 @@ impl Slots {
     }
 }
 
-/// Below this many bytes a step's rows are copied on one thread: starting more costs more than
-/// it saves.
-const SPLIT_BYTES: usize = 4 << 20;
-/// Rows are handed to the copy threads in pieces of about this size.
-const PIECE_BYTES: usize = 1 << 20;
-
-/// Threads that copy one large step's rows between the requests and the ring: memory bandwidth,
-/// not one core's copy rate, bounds what a step of MB requests costs the router.
-fn copy_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
-}
-
-/// Runs `f` on every item, on up to `threads` threads when `bytes` is large.
-fn copy_all<T: Send>(threads: usize, bytes: usize, items: Vec<T>, f: impl Fn(T) + Sync) {
-    let threads = if bytes < SPLIT_BYTES {
-        1
-    } else {
-        threads.min(items.len())
-    };
-    if threads <= 1 {
-        items.into_iter().for_each(f);
-        return;
-    }
-    let queue = Mutex::new(items.into_iter());
-    let next = || queue.lock().unwrap_or_else(|e| e.into_inner()).next();
-    let work = || {
-        while let Some(item) = next() {
-            f(item);
-        }
-    };
-    std::thread::scope(|s| {
-        for _ in 1..threads {
-            s.spawn(work);
-        }
-        work();
-    });
-}
-
-/// Writes a step's input rows into `slot`, straight from the requests' bytes.
-fn pack(ring: &Ring, step: &Step, slot: usize, threads: usize) {
-    let (h, k) = (ring.shape.hidden, ring.shape.top_k);
-    let row_bytes = h * step.input.bytes();
-    let per = (PIECE_BYTES / row_bytes).max(1);
-    let mut pieces: Vec<(usize, &[u8])> = Vec::new();
-    let mut row = 0;
-    for seg in &step.segments {
-        let (a, b) = (seg.rows.start, seg.rows.end);
-        let data = &seg.job.input.hidden.data[a * row_bytes..b * row_bytes];
-        for (i, piece) in data.chunks(per * row_bytes).enumerate() {
-            pieces.push((row + i * per, piece));
-        }
-        if let Some((ids, w)) = &seg.job.input.routing {
-            ring.write_routing(slot, row, &ids[a * k..b * k], &w[a * k..b * k]);
-        }
-        row += seg.rows.len();
-    }
-    copy_all(threads, row * row_bytes, pieces, |(r, src)| {
-        ring.write_hidden(slot, r, step.input, src)
-    });
-}
-
-/// Hands a finished step's output rows in `slot` to its requests, in their output dtype.
-fn deliver(ring: &Ring, step: &Step, slot: usize, threads: usize) {
-    let row_bytes = ring.shape.hidden * step.output.bytes();
-    let per = (PIECE_BYTES / row_bytes).max(1);
-    // A request has one segment per step: its buffer is filled outside its lock, then put back.
-    let mut outs: Vec<Vec<u8>> = step
-        .segments
-        .iter()
-        .map(|s| s.job.take_out(row_bytes))
-        .collect();
-    let mut pieces: Vec<(usize, &mut [u8])> = Vec::new();
-    let mut row = 0;
-    for (seg, out) in step.segments.iter().zip(outs.iter_mut()) {
-        let dst = &mut out[seg.rows.start * row_bytes..seg.rows.end * row_bytes];
-        for (i, piece) in dst.chunks_mut(per * row_bytes).enumerate() {
-            pieces.push((row + i * per, piece));
-        }
-        row += seg.rows.len();
-    }
-    copy_all(threads, row * row_bytes, pieces, |(r, dst)| {
-        ring.read_output(slot, r, step.output, dst)
-    });
-    for (seg, out) in step.segments.iter().zip(outs) {
-        seg.job.put_out(out, seg.rows.len());
-    }
-}
-
 /// The packer: each step from the batcher into a free slot, on to the executor. When the
 /// executor is gone (the group broke), the step in hand and every later one fail.
 fn pack_steps(
@@ -420,7 +375,7 @@ fn pack_steps(
     let threads = copy_threads();
     while let Some(step) = runtime.block_on(steps.recv()) {
         let slot = free.take();
-        pack(ring, &step, slot, threads);
+        pack(ring, &step, slot, 0, threads);
         if let Err(std::sync::mpsc::SendError((step, _))) = packed.send((step, slot)) {
             fail_step(&step, abort);
             break;
@@ -451,27 +406,58 @@ fn deliver_steps(
 ) {
     let threads = copy_threads();
     for (step, slot) in done {
-        deliver(ring, &step, slot, threads);
+        deliver(ring, &step, slot, 0, threads);
         free.put(slot);
         in_flight.add_permits(1);
-        metrics::gauge!("epserve_steps_in_flight").decrement(1.0);
+        metrics::gauge!(crate::router::STEPS_IN_FLIGHT).decrement(1.0);
     }
 }
 
-/// Reads a rank's control connection after startup: the only things a rank sends are failures.
-fn watch_rank(stream: &mut TcpStream, rank: usize, abort: &Abort, closing: &AtomicBool) {
-    let (reason, corrupt) = match recv(stream) {
-        Ok(Ctl::Failed { reason, .. }) => (format!("rank {rank} failed: {reason}"), false),
-        Ok(Ctl::Corrupt { reason, .. }) => (format!("rank {rank}: {reason}"), true),
-        Ok(other) => (format!("rank {rank} sent unexpected {other:?}"), false),
-        Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
-            (format!("rank {rank} disconnected"), false)
+/// Reads one rank's control connection after startup.
+struct Watch {
+    rank: usize,
+    /// Most rows of one offer.
+    stride: usize,
+    events: Option<PeerEvents>,
+}
+
+impl Watch {
+    /// Passes on offers and drain messages (`--ingress all`) until the rank fails, sends
+    /// something it should not, or disconnects, which breaks the group unless it is closing.
+    fn run(&self, stream: &mut TcpStream, abort: &Abort, closing: &AtomicBool) {
+        let rank = self.rank;
+        let (reason, corrupt) = loop {
+            let msg = recv(stream);
+            match (msg, &self.events) {
+                (Ok(Ctl::Offer { key, tokens }), Some(ev))
+                    if (1..=self.stride).contains(&(tokens as usize)) =>
+                {
+                    let offer = Offer {
+                        key,
+                        tokens: tokens as usize,
+                    };
+                    // The coordinator is gone only once the group stops.
+                    let _ = ev.offers.send((rank, offer));
+                }
+                (Ok(Ctl::Drain), Some(ev)) => ev.drain.cancel(),
+                (Ok(Ctl::Drained { .. }), Some(ev)) => ev.drained.add_permits(1),
+                (Ok(Ctl::Failed { reason, .. }), _) => {
+                    break (format!("rank {rank} failed: {reason}"), false)
+                }
+                (Ok(Ctl::Corrupt { reason, .. }), _) => {
+                    break (format!("rank {rank}: {reason}"), true)
+                }
+                (Ok(other), _) => break (format!("rank {rank} sent unexpected {other:?}"), false),
+                (Err(e), _) if e.kind() == ErrorKind::UnexpectedEof => {
+                    break (format!("rank {rank} disconnected"), false)
+                }
+                (Err(e), _) => break (format!("rank {rank} control connection: {e}"), false),
+            }
+        };
+        match (closing.load(Ordering::Acquire), corrupt) {
+            (true, _) => {}
+            (false, true) => abort.trigger_corrupt(reason),
+            (false, false) => abort.trigger(reason),
         }
-        Err(e) => (format!("rank {rank} control connection: {e}"), false),
-    };
-    match (closing.load(Ordering::Acquire), corrupt) {
-        (true, _) => {}
-        (false, true) => abort.trigger_corrupt(reason),
-        (false, false) => abort.trigger(reason),
     }
 }

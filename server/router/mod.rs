@@ -4,12 +4,15 @@
 
 mod admission;
 mod batcher;
+mod coordinator;
 mod executor;
 mod failure;
+pub(crate) mod rows;
 
 pub use admission::{Admission, Permit};
 pub use batcher::{run_batcher, BatchConfig};
-pub use executor::{Executor, ExecutorError};
+pub use coordinator::{run_coordinator, CoordConfig, Offer};
+pub use executor::{Control, Executor, ExecutorError, PeerEvents};
 pub use failure::Failure;
 
 use std::ops::Range;
@@ -20,6 +23,12 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 
 use crate::dtype::Dtype;
+use crate::step::StepKey;
+
+/// Steps formed and not yet answered (the ring's slots in use).
+pub const STEPS_IN_FLIGHT: &str = "epserve_steps_in_flight";
+/// `--ingress all`: this rank's packed offers the router has not yet put in a step.
+pub const OFFERS_PENDING: &str = "epserve_offers_pending";
 
 /// The output rows `[tokens, hidden]` in the request's output dtype, or why there are none.
 pub type Reply = Result<Bytes, Failure>;
@@ -158,10 +167,40 @@ pub struct Step {
     /// Every request in a step shares its input and output dtypes: the ring carries them as is.
     pub input: Dtype,
     pub output: Dtype,
+    /// This rank's rows (the router's: every rank's, under `--ingress all` its own).
     pub segments: Vec<Segment>,
+    /// `--ingress all`: every rank's home rows (`StepDesc::homes`); empty when the router packs
+    /// the whole step.
+    pub homes: Vec<u32>,
 }
 
 impl Step {
+    pub fn key(&self) -> StepKey {
+        StepKey {
+            layer: self.layer as u32,
+            client_routing: self.client_routing,
+            input: self.input,
+            output: self.output,
+        }
+    }
+    /// A step of `key` with these rows; `homes` as in `StepDesc::homes`.
+    pub fn of(key: StepKey, segments: Vec<Segment>, homes: Vec<u32>) -> Self {
+        Self {
+            layer: key.layer as usize,
+            client_routing: key.client_routing,
+            input: key.input,
+            output: key.output,
+            segments,
+            homes,
+        }
+    }
+    /// Tokens of the whole step, every rank's.
+    pub fn group_tokens(&self) -> usize {
+        match self.homes.is_empty() {
+            true => self.tokens(),
+            false => self.homes.iter().map(|&n| n as usize).sum(),
+        }
+    }
     pub fn tokens(&self) -> usize {
         self.segments.iter().map(|s| s.rows.len()).sum()
     }

@@ -1,8 +1,12 @@
-//! The router's gRPC surface: epserve.v1, KServe v2, health and reflection on one port, with our
+//! A rank's gRPC surface: epserve.v1, KServe v2, health and reflection on one port, with our
 //! own accept loop, and the health services that say whether it is ready and live.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+
+use anyhow::Context;
+use tokio::sync::{mpsc, Notify};
 
 use tokio_util::sync::CancellationToken;
 use tonic::server::NamedService;
@@ -11,12 +15,99 @@ use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 use tracing::warn;
 
+use super::prepare::Prepared;
 use crate::api::kserve::KserveApi;
 use crate::api::MoeApi;
+use crate::config::ServeArgs;
 use crate::infer::Infer;
 use crate::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
 use crate::proto::moe_service_server::MoeServiceServer;
+use crate::router::{Admission, Job};
+use crate::shm::Abort;
 use crate::watchdog::Progress;
+
+/// One rank's gRPC front: the request entry (admission, queue) behind both protocols, health and
+/// reflection on the rank's own port, NOT_SERVING until the group is ready.
+pub struct Front {
+    pub infer: Arc<Infer>,
+    pub api: Arc<MoeApi>,
+    pub admission: Arc<Admission>,
+    pub health: HealthReporter,
+    /// Tells the batcher a waiting client left.
+    pub wake: Arc<Notify>,
+    pub addr: SocketAddr,
+    server: tokio::task::JoinHandle<anyhow::Result<()>>,
+    server_stop: CancellationToken,
+}
+
+impl Front {
+    /// Binds --listen and serves there; returns the admitted jobs' queue, for the batcher.
+    pub async fn start(
+        args: &ServeArgs,
+        p: &Prepared,
+        abort: Arc<Abort>,
+    ) -> anyhow::Result<(Self, mpsc::Receiver<Arc<Job>>)> {
+        let admission = Admission::new(args.max_concurrent_requests, args.max_queued_tokens);
+        let wake = Arc::new(Notify::new());
+        let (job_tx, job_rx) = mpsc::channel(args.max_concurrent_requests);
+        let info = super::prepare::model_info(p, args);
+        let infer = Arc::new(Infer::new(
+            Arc::new(p.spec.clone()),
+            job_tx,
+            admission.clone(),
+            wake.clone(),
+            abort,
+        ));
+        let api = Arc::new(MoeApi::new(infer.clone(), info, args.max_stream_in_flight));
+        let kserve = Arc::new(KserveApi::new(infer.clone(), args.max_stream_in_flight));
+        let (health, health_service) = tonic_health::server::health_reporter();
+        set_ready(&health, false).await;
+        health
+            .set_service_status(LIVENESS, ServingStatus::Serving)
+            .await;
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("binding the gRPC address {}", args.listen))?;
+        let addr = listener.local_addr()?;
+        let server_stop = CancellationToken::new();
+        let server = tokio::spawn(serve_grpc(
+            args.http2.clone(),
+            args.max_request_bytes,
+            api.clone(),
+            kserve,
+            health_service,
+            listener,
+            server_stop.clone(),
+        ));
+        let front = Self {
+            infer,
+            api,
+            admission,
+            health,
+            wake,
+            addr,
+            server,
+            server_stop,
+        };
+        Ok((front, job_rx))
+    }
+
+    /// Liveness NOT_SERVING, refusals (with the reason) for `grace`, then the port closes.
+    pub async fn close(self, grace: Duration) -> anyhow::Result<()> {
+        self.infer.set_live(false);
+        self.health
+            .set_service_status(LIVENESS, ServingStatus::NotServing)
+            .await;
+        tokio::time::sleep(grace).await;
+        self.close_now().await
+    }
+
+    /// Closes the port at once.
+    pub async fn close_now(self) -> anyhow::Result<()> {
+        self.server_stop.cancel();
+        self.server.await?
+    }
+}
 
 /// Health services: "" and each protocol's service are readiness; "liveness" follows the step
 /// loop.

@@ -4,6 +4,7 @@
 
 mod bringup;
 mod grpc;
+mod ingress;
 mod prepare;
 mod router;
 mod stop;

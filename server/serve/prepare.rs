@@ -113,6 +113,7 @@ pub fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<(Prepared, We
             "max_tokens_per_step".into(),
             args.max_tokens_per_step.to_string(),
         ),
+        ("ingress".into(), args.ingress.name().into()),
     ];
     fingerprint.extend(spec.fingerprint());
     if matches!(backend, BackendKind::Nccl | BackendKind::NcclEp) {
@@ -156,13 +157,7 @@ pub fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<(Prepared, We
         hidden: spec.hidden,
         max_home,
     };
-    let ring = RingShape {
-        slots: RING_SLOTS,
-        world: member.world,
-        max_tokens: args.max_tokens_per_step,
-        hidden: spec.hidden,
-        top_k: spec.top_k,
-    };
+    let ring = RingShape::new(RING_SLOTS, member.world, max_home, spec.hidden, spec.top_k);
     let t0 = Instant::now();
     let experts = placement.experts_of(member.rank);
     let weights = source.load(&spec, experts.clone())?;
@@ -235,5 +230,8 @@ pub fn model_info(p: &Prepared, args: &ServeArgs) -> ModelInfo {
         version: env!("CARGO_PKG_VERSION").into(),
         // Measured when the group forms (MoeApi::set_ep_footprint).
         nccl_ep: None,
+        ingress_mode: args.ingress.name().into(),
+        // Known when the group forms (MoeApi::set_ingress).
+        ingress: Vec::new(),
     }
 }

@@ -8,23 +8,24 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
 use metrics_exporter_prometheus::PrometheusHandle;
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tonic_health::ServingStatus;
 use tracing::{error, info, warn};
 
 use super::bringup::{bring_up, Side, Site};
-use super::grpc::{serve_grpc, set_ready, watch_liveness, LIVENESS};
-use super::prepare::{self, Prepared, Weights};
+use super::grpc::{set_ready, watch_liveness, Front};
+use super::prepare::{Prepared, Weights};
 use super::stop::{wait_for_stop, Stop};
 use super::RING_SLOTS;
-use crate::api::kserve::KserveApi;
-use crate::api::MoeApi;
 use crate::backend::gpu;
+use crate::config::Ingress;
 use crate::config::ServeArgs;
+use crate::group::Ctl;
 use crate::group::{self, RouterLink};
-use crate::infer::{Infer, Phase};
-use crate::router::{run_batcher, Admission, BatchConfig, Executor};
+use crate::infer::Phase;
+use crate::router::{
+    run_batcher, run_coordinator, BatchConfig, CoordConfig, Executor, PeerEvents, OFFERS_PENDING,
+};
 use crate::shm::Abort;
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver};
@@ -57,66 +58,63 @@ async fn router_main(
 ) -> anyhow::Result<()> {
     crate::metrics::serve(args.metrics_listen, metrics, 0).await?;
     let abort = Arc::new(Abort::default());
-    let admission = Admission::new(args.max_concurrent_requests, args.max_queued_tokens);
-    let wake = Arc::new(Notify::new());
-    let (job_tx, job_rx) = mpsc::channel(args.max_concurrent_requests);
-    let info = prepare::model_info(&p, args);
-    let infer = Arc::new(Infer::new(
-        Arc::new(p.spec.clone()),
-        job_tx,
-        admission.clone(),
-        wake.clone(),
-        abort.clone(),
-    ));
-    let api = Arc::new(MoeApi::new(infer.clone(), info, args.max_stream_in_flight));
-    let kserve = Arc::new(KserveApi::new(infer.clone(), args.max_stream_in_flight));
-
-    let (health, health_service) = tonic_health::server::health_reporter();
-    set_ready(&health, false).await;
-    health
-        .set_service_status(LIVENESS, ServingStatus::Serving)
-        .await;
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding the gRPC address {}", args.listen))?;
-    let addr = listener.local_addr()?;
-    let server_stop = CancellationToken::new();
-    let server = tokio::spawn(serve_grpc(
-        args.http2.clone(),
-        args.max_request_bytes,
-        api.clone(),
-        kserve,
-        health_service,
-        listener,
-        server_stop.clone(),
-    ));
+    let (front, job_rx) = Front::start(args, &p, abort.clone()).await?;
+    let (infer, api, admission, health, addr) = (
+        front.infer.clone(),
+        front.api.clone(),
+        front.admission.clone(),
+        front.health.clone(),
+        front.addr,
+    );
+    let (world, stride) = (p.member.world, p.ring.home_stride());
+    // --ingress all: the other ranks' offers and drain messages, from their control connections.
+    let (offers_tx, offers_rx) = mpsc::unbounded_channel();
+    let events = (args.ingress == Ingress::All).then(|| PeerEvents {
+        offers: offers_tx,
+        drain: CancellationToken::new(),
+        drained: Arc::new(tokio::sync::Semaphore::new(0)),
+    });
     info!("gRPC listening on {addr}, NOT_SERVING until the group is ready");
 
-    let (setup_args, setup_abort) = (args.clone(), abort.clone());
+    let (setup_args, setup_abort, setup_events) = (args.clone(), abort.clone(), events.clone());
     let setup = tokio::task::spawn_blocking(move || {
-        form_group(&setup_args, p, weights, rendezvous, setup_abort)
+        let here = addr.to_string();
+        form_group(
+            &setup_args,
+            p,
+            weights,
+            rendezvous,
+            setup_abort,
+            setup_events,
+            here,
+        )
     })
     .await;
     let exec = match setup.map_err(anyhow::Error::from).and_then(|r| r) {
-        Ok((e, footprint)) => {
+        Ok(Formed {
+            exec,
+            footprint,
+            ingress,
+        }) => {
             if let Some(f) = footprint {
                 api.set_ep_footprint(f);
             }
-            e
+            api.set_ingress(&ingress);
+            exec
         }
         Err(e) => {
-            server_stop.cancel();
-            let _ = server.await;
+            let _ = front.close_now().await;
             return Err(e);
         }
     };
     let progress = exec.progress.clone();
+    let control = exec.control();
     let (step_tx, step_rx) = mpsc::channel(1);
     let (handle, heartbeat) = (tokio::runtime::Handle::current(), args.heartbeat_interval);
     let exec_abort = abort.clone();
     // One permit per ring slot: a step holds one from when it is formed until it is delivered.
     let in_flight = Arc::new(tokio::sync::Semaphore::new(RING_SLOTS));
-    metrics::gauge!("epserve_steps_in_flight").set(0.0);
+    metrics::gauge!(crate::router::STEPS_IN_FLIGHT).set(0.0);
     let permits = in_flight.clone();
     let exec_thread = std::thread::Builder::new()
         .name("step-executor".into())
@@ -125,20 +123,64 @@ async fn router_main(
             exec.serve(step_rx, permits, handle, heartbeat)
         })?;
     let batch_stop = CancellationToken::new();
-    let batch = BatchConfig {
-        max_tokens_per_step: args.max_tokens_per_step,
-        max_wait: Duration::from_micros(args.max_batch_wait_us),
-        depth: RING_SLOTS,
+    let max_wait = Duration::from_micros(args.max_batch_wait_us);
+    // The router's batcher forms the group's steps; under --ingress all it forms this rank's
+    // offers, and the coordinator forms steps from every rank's.
+    let (batcher, coordinator) = match &events {
+        None => {
+            let batch = BatchConfig {
+                max_tokens_per_step: args.max_tokens_per_step,
+                max_wait,
+                depth: RING_SLOTS,
+                gauge: crate::router::STEPS_IN_FLIGHT,
+            };
+            let b = run_batcher(
+                batch,
+                job_rx,
+                step_tx,
+                in_flight,
+                front.wake.clone(),
+                batch_stop.clone(),
+                abort.clone(),
+            );
+            (tokio::spawn(b), None)
+        }
+        Some(_) => {
+            let batch = BatchConfig {
+                max_tokens_per_step: stride,
+                max_wait,
+                depth: RING_SLOTS,
+                gauge: OFFERS_PENDING,
+            };
+            let (own_tx, own_rx) = mpsc::channel(1);
+            let own_permits = Arc::new(tokio::sync::Semaphore::new(RING_SLOTS));
+            let b = run_batcher(
+                batch,
+                job_rx,
+                own_tx,
+                own_permits.clone(),
+                front.wake.clone(),
+                batch_stop.clone(),
+                abort.clone(),
+            );
+            let cfg = CoordConfig {
+                world,
+                stride,
+                depth: RING_SLOTS,
+            };
+            let c = run_coordinator(
+                cfg,
+                own_rx,
+                own_permits,
+                offers_rx,
+                step_tx,
+                in_flight,
+                batch_stop.clone(),
+                abort.clone(),
+            );
+            (tokio::spawn(b), Some(tokio::spawn(c)))
+        }
     };
-    let batcher = tokio::spawn(run_batcher(
-        batch,
-        job_rx,
-        step_tx,
-        in_flight,
-        wake,
-        batch_stop.clone(),
-        abort.clone(),
-    ));
     infer.set_phase(Phase::Serving);
     set_ready(&health, true).await;
     info!("serving gRPC on {addr}");
@@ -157,7 +199,8 @@ async fn router_main(
         ))
     })?;
 
-    let stop = wait_for_stop(&abort).await;
+    let asked = events.as_ref().map(|e| e.drain.clone());
+    let stop = wait_for_stop(&abort, asked).await;
     let drained = match &stop {
         Stop::Signal(name) => {
             infer.set_phase(Phase::Draining);
@@ -167,13 +210,27 @@ async fn router_main(
                 requests,
                 tokens, "{name}: draining; new requests are refused"
             );
-            let done = tokio::time::timeout(args.drain_timeout, admission.drained())
+            // Every rank that takes requests drains too; the group stops once all have.
+            let others = events.as_ref().map(|e| e.drained.clone());
+            if others.is_some() {
+                if let Err(e) = control.broadcast(&Ctl::Drain) {
+                    abort.trigger(format!("telling the ranks to drain: {e}"));
+                }
+            }
+            let all_drained = async {
+                admission.drained().await;
+                if let Some(d) = &others {
+                    let _ = d.acquire_many(world as u32 - 1).await;
+                }
+            };
+            let done = tokio::time::timeout(args.drain_timeout, all_drained)
                 .await
                 .is_ok();
             if !done {
                 let (requests, tokens) = admission.held();
+                let ranks = others.map_or(0, |d| (world - 1).saturating_sub(d.available_permits()));
                 abort.trigger(format!(
-                    "drain timeout: {requests} requests ({tokens} tokens) unfinished after {:?}",
+                    "drain timeout: {requests} requests ({tokens} tokens) here and {ranks} other rank(s) unfinished after {:?}",
                     args.drain_timeout
                 ));
             }
@@ -188,6 +245,9 @@ async fn router_main(
     };
     batch_stop.cancel();
     let _ = batcher.await;
+    if let Some(c) = coordinator {
+        let _ = c.await;
+    }
     // The executor ends within a step unless a device call under it never returns; once the
     // group is broken its clients are answered, so there is no step worth a long wait.
     let joined = tokio::task::spawn_blocking(move || exec_thread.join());
@@ -197,13 +257,9 @@ async fn router_main(
     };
     let executed = tokio::time::timeout(bound, joined).await;
     watchdog.abort();
-    infer.set_live(false);
-    health
-        .set_service_status(LIVENESS, ServingStatus::NotServing)
-        .await;
     // Keep answering UNAVAILABLE (with the reason) a moment before the port closes, so clients
     // and load balancers see a clean refusal rather than a dropped connection.
-    tokio::time::sleep(args.shutdown_grace).await;
+    let closed = front.close(args.shutdown_grace).await;
     let Ok(executed) = executed else {
         let why = abort.reason().unwrap_or_default();
         watchdog::exit_now(
@@ -211,8 +267,7 @@ async fn router_main(
             &format!("the step executor is stuck in a device call ({why})"),
         );
     };
-    server_stop.cancel();
-    server.await??;
+    closed?;
     executed?.map_err(|_| anyhow!("the step executor panicked"))??;
     if let Some(reason) = abort.reason() {
         bail!("the EP group broke: {reason}");
@@ -223,17 +278,27 @@ async fn router_main(
     Ok(())
 }
 
-type GroupExecutor = Executor<Box<dyn Backend + Send>>;
+/// The group, formed and warmed up.
+struct Formed {
+    exec: Executor<Box<dyn Backend + Send>>,
+    /// What the NCCL EP exchange takes on this GPU (nccl-ep).
+    footprint: Option<crate::proto::NcclEpFootprint>,
+    /// Where each rank that takes requests serves gRPC, by rank (`here` alone under router
+    /// ingress).
+    ingress: Vec<String>,
+}
 
-/// Joins the group, sets up the exchange buffers and runs the warm-up step (blocking); also says
-/// what the NCCL EP exchange takes on this GPU (nccl-ep).
+/// Joins the group, sets up the exchange buffers, learns where every rank serves (`events`:
+/// --ingress all) and runs the warm-up step (blocking).
 fn form_group(
     args: &ServeArgs,
     p: Prepared,
     weights: Weights,
     listener: TcpListener,
     abort: Arc<Abort>,
-) -> anyhow::Result<(GroupExecutor, Option<crate::proto::NcclEpFootprint>)> {
+    events: Option<PeerEvents>,
+    here: String,
+) -> anyhow::Result<Formed> {
     let world = p.member.world;
     let bind = listener.local_addr()?;
     let nanos = std::time::SystemTime::now()
@@ -262,7 +327,9 @@ fn form_group(
         info!("removed {swept} segment(s) of groups whose router is gone");
     }
     let dir = dir.as_path();
-    let setup = (|| -> anyhow::Result<(Box<dyn Backend + Send>, Arc<Ring>)> {
+    // The backend, the step ring, and where each rank serves.
+    type Built = (Box<dyn Backend + Send>, Arc<Ring>, Vec<String>);
+    let setup = (|| -> anyhow::Result<Built> {
         let deadline = Instant::now() + timeout;
         let ring = Arc::new(
             Ring::create(&super::ring_path(dir, &group_id), p.ring)
@@ -285,9 +352,19 @@ fn form_group(
             abort.clone(),
         )?;
         ring.unlink();
-        Ok((backend, ring))
+        let ingress = match events {
+            Some(_) => {
+                let addrs = link.gather_listening(here.clone(), deadline)?;
+                link.broadcast(&Ctl::Ingress {
+                    addrs: addrs.clone(),
+                })?;
+                addrs
+            }
+            None => vec![here.clone()],
+        };
+        Ok((backend, ring, ingress))
     })();
-    let (rank, ring) = match setup {
+    let (rank, ring, ingress) = match setup {
         Ok(x) => x,
         Err(e) => {
             link.reject_all(&format!("startup failed at rank 0: {e:#}"));
@@ -307,11 +384,15 @@ fn form_group(
         args.metrics_per_expert,
         p.ring,
     );
-    let mut exec = Executor::new(driver, ring, link, abort, args.step_timeout)?;
+    let mut exec = Executor::new(driver, ring, link, abort, args.step_timeout, events)?;
     exec.warm_up().context("warm-up step")?;
     info!(
         ?buffers,
         "group ready: every rank joined, weights loaded, warm-up step done"
     );
-    Ok((exec, footprint))
+    Ok(Formed {
+        exec,
+        footprint,
+        ingress,
+    })
 }

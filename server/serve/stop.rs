@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use tokio_util::sync::CancellationToken;
+
 use crate::shm::Abort;
 
 /// Why the router stops serving.
@@ -10,8 +12,8 @@ pub enum Stop {
     Broken(String),
 }
 
-/// SIGINT, SIGTERM, or the group breaking.
-pub async fn wait_for_stop(abort: &Abort) -> Stop {
+/// SIGINT, SIGTERM, another rank's signal (`asked`, --ingress all), or the group breaking.
+pub async fn wait_for_stop(abort: &Abort, asked: Option<CancellationToken>) -> Stop {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut int), Ok(mut term)) = (
         signal(SignalKind::interrupt()),
@@ -31,5 +33,6 @@ pub async fn wait_for_stop(abort: &Abort) -> Stop {
         _ = int.recv() => Stop::Signal("SIGINT"),
         _ = term.recv() => Stop::Signal("SIGTERM"),
         r = broken => Stop::Broken(r),
+        _ = async { asked.unwrap_or_default().cancelled().await }, if asked.is_some() => Stop::Signal("a rank's signal"),
     }
 }

@@ -10,12 +10,14 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tracing::{error, info};
 
 use super::bringup::{bring_up, Side, Site};
+use super::ingress::{Clients, OwnRows};
 use super::prepare::{Prepared, Weights};
-use crate::config::ServeArgs;
-use crate::group::{self, send, Ctl, Joined};
+use crate::config::{Ingress, ServeArgs};
+use crate::group::{self, send, Ctl, CtlWriter, Joined};
+use crate::router::Failure;
 use crate::shm::Abort;
 use crate::step::ring::Ring;
-use crate::step::{Backend, Driver, StepError};
+use crate::step::{Backend, Driver, StepDesc, StepError};
 use crate::watchdog::{self, Progress};
 
 /// Joins the router's group and runs its steps until told to stop.
@@ -53,6 +55,14 @@ pub fn run(
     addr_rx
         .recv()
         .map_err(|_| anyhow!("the metrics thread died"))??;
+    // --ingress all: this rank's gRPC is up (NOT_SERVING) before it joins, as the router's is.
+    // One cause ends everything: a failed group stops this rank's waits inside a step and
+    // answers its clients.
+    let abort = Arc::new(Abort::default());
+    let mut clients = match args.ingress {
+        Ingress::All => Some(Clients::start(args, &p, abort.clone())?),
+        Ingress::Router => None,
+    };
     let timeout = args.rendezvous_timeout;
     let addr = &p.member.rendezvous;
     let Joined {
@@ -70,11 +80,14 @@ pub fn run(
     let deadline = Instant::now() + timeout;
     let dir = super::segment_dir(args)?;
     let dir = dir.as_path();
+    let mapped: std::cell::RefCell<Option<Arc<Ring>>> = Default::default();
     let setup = {
         let open_ring = || -> anyhow::Result<Arc<Ring>> {
             let ring = Ring::open(&super::ring_path(dir, &group_id), p.ring)
                 .context("mapping the step ring")?;
-            Ok(Arc::new(ring))
+            let ring = Arc::new(ring);
+            *mapped.borrow_mut() = Some(ring.clone());
+            Ok(ring)
         };
         let site = Site {
             dir,
@@ -87,14 +100,10 @@ pub fn run(
             stream: &mut stream,
             rank,
         };
-        bring_up(
-            &mut side,
-            weights,
-            &p,
-            site,
-            args,
-            Arc::new(Abort::default()),
-        )
+        bring_up(&mut side, weights, &p, site, args, abort.clone()).and_then(|b| match &clients {
+            Some(c) => c.exchange_addresses(&mut stream, deadline).map(|()| b),
+            None => Ok(b),
+        })
     };
     let backend = match setup {
         Ok(b) => b,
@@ -106,6 +115,9 @@ pub fn run(
                     reason: format!("{e:#}"),
                 },
             );
+            if let Some(c) = clients {
+                let _ = c.finish(Some(format!("{e:#}")), Duration::ZERO);
+            }
             return Err(e);
         }
     };
@@ -128,62 +140,167 @@ pub fn run(
         args.metrics_per_expert,
         p.ring,
     );
-    follow_steps(&mut stream, driver, silence, args.step_timeout)
+    let writer = CtlWriter::new(stream.try_clone()?);
+    let progress = Arc::new(Progress::default());
+    let own = match (&mut clients, mapped.take()) {
+        (Some(c), Some(ring)) => Some(c.serve(args, writer.clone(), ring, progress.clone())?),
+        (Some(_), None) => bail!("the step ring was never mapped"),
+        (None, _) => None,
+    };
+    let drain = clients.as_ref().map(|c| c.drain.clone());
+    let looped = Follow {
+        writer,
+        progress,
+        silence,
+        step_timeout: args.step_timeout,
+        own,
+        drain,
+        abort,
+    }
+    .run(stream, driver);
+    match clients {
+        Some(c) => {
+            let failed = looped.as_ref().err().map(|e| format!("{e:#}"));
+            let closed = c.finish(failed, args.shutdown_grace);
+            looped.and(closed)
+        }
+        None => looped,
+    }
 }
 
-/// Runs each step the router sends, until told to stop. A step that outlives --step-timeout
-/// (a device call that never returns) ends the process from the watchdog: nothing here could.
-fn follow_steps<B: Backend>(
-    stream: &mut TcpStream,
-    mut driver: Driver<B>,
+/// Reads the router's messages on a thread of its own, so that a failed group is known at once,
+/// even while a step here waits for a lost rank: `abort` ends that wait.
+fn read_router(
+    mut stream: TcpStream,
+    abort: Arc<Abort>,
+) -> anyhow::Result<std::sync::mpsc::Receiver<std::io::Result<Ctl>>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("ctl-router".into())
+        .spawn(move || loop {
+            let msg = group::recv(&mut stream);
+            let last = match &msg {
+                Ok(Ctl::Failed { reason, .. }) => {
+                    abort.trigger(format!("the EP group stopped: {reason}"));
+                    true
+                }
+                Ok(Ctl::Shutdown) => true,
+                Ok(_) => false,
+                Err(e) => {
+                    abort.trigger(format!("lost the router (rank 0): {e}"));
+                    true
+                }
+            };
+            if tx.send(msg).is_err() || last {
+                return;
+            }
+        })?;
+    Ok(rx)
+}
+
+/// The step loop's connections and this rank's share of its clients (--ingress all).
+struct Follow {
+    /// Sends to the router (the step loop, the watchdog and the ingress tasks share it).
+    writer: CtlWriter,
+    progress: Arc<Progress>,
+    /// The router sends a step or heartbeat at least this often.
     silence: Duration,
     step_timeout: Duration,
-) -> anyhow::Result<()> {
-    let progress = Arc::new(Progress::default());
-    let mut report = stream.try_clone()?;
-    let rank = driver.rank;
-    watchdog::watch_steps(progress.clone(), step_timeout, move |d| {
-        let reason = format!("a step has run {d:.1?}, past --step-timeout {step_timeout:?}");
-        let _ = send(
-            &mut report,
-            &Ctl::Failed {
+    own: Option<OwnRows>,
+    drain: Option<tokio_util::sync::CancellationToken>,
+    abort: Arc<Abort>,
+}
+
+impl Follow {
+    /// Runs each step the router sends, until told to stop. A step that outlives --step-timeout
+    /// (a device call that never returns) ends the process from the watchdog: nothing here could.
+    fn run<B: Backend>(mut self, stream: TcpStream, mut driver: Driver<B>) -> anyhow::Result<()> {
+        let rank = driver.rank;
+        let (report, step_timeout) = (self.writer.clone(), self.step_timeout);
+        watchdog::watch_steps(self.progress.clone(), step_timeout, move |d| {
+            let reason = format!("a step has run {d:.1?}, past --step-timeout {step_timeout:?}");
+            let _ = report.send(&Ctl::Failed {
                 rank,
                 reason: reason.clone(),
-            },
-        );
-        watchdog::exit_now(1, &reason);
-    })?;
-    loop {
-        match group::recv(stream) {
-            Ok(Ctl::Step(desc)) => {
-                progress.begin();
-                let r = driver.run(&desc);
-                progress.end();
-                if let Err(e) = r {
-                    let reason = e.to_string();
-                    let msg = match e {
-                        StepError::Corrupt { .. } => Ctl::Corrupt { rank, reason },
-                        _ => Ctl::Failed { rank, reason },
-                    };
-                    let _ = send(stream, &msg);
-                    return Err(e.into());
-                }
-            }
-            Ok(Ctl::Shutdown) => {
-                info!("router asked to stop; exiting");
-                return Ok(());
-            }
-            Ok(Ctl::Failed { reason, .. }) => bail!("the EP group stopped: {reason}"),
-            Ok(other) => bail!("unexpected control message {other:?}"),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
+            });
+            watchdog::exit_now(1, &reason);
+        })?;
+        let silence = self.silence;
+        let messages = read_router(stream, self.abort.clone())?;
+        loop {
+            match messages
+                .recv()
+                .unwrap_or_else(|_| Err(std::io::ErrorKind::UnexpectedEof.into()))
             {
-                bail!("the router (rank 0) sent nothing for {silence:?}: it is stuck or gone")
+                Ok(Ctl::Step(desc)) => {
+                    self.progress.begin();
+                    let r = self.step(&mut driver, &desc);
+                    self.progress.end();
+                    if let Err(e) = r {
+                        let _ = self.writer.send(&e);
+                        bail!(
+                            "{}",
+                            match e {
+                                Ctl::Failed { reason, .. } | Ctl::Corrupt { reason, .. } => reason,
+                                other => format!("{other:?}"),
+                            }
+                        );
+                    }
+                }
+                Ok(Ctl::Shutdown) => {
+                    info!("router asked to stop; exiting");
+                    return Ok(());
+                }
+                Ok(Ctl::Drain) if self.drain.is_some() => {
+                    if let Some(d) = &self.drain {
+                        d.cancel();
+                    }
+                }
+                Ok(Ctl::Failed { reason, .. }) => bail!("the EP group stopped: {reason}"),
+                Ok(other) => bail!("unexpected control message {other:?}"),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    bail!("the router (rank 0) sent nothing for {silence:?}: it is stuck or gone")
+                }
+                Err(e) => bail!("lost the connection to the router (rank 0): {e}"),
             }
-            Err(e) => bail!("lost the connection to the router (rank 0): {e}"),
+        }
+    }
+
+    /// One step, with this rank's own rows when it brought some; the failure to tell the router.
+    fn step<B: Backend>(&mut self, driver: &mut Driver<B>, desc: &StepDesc) -> Result<(), Ctl> {
+        let rank = driver.rank;
+        let mine = match &mut self.own {
+            Some(own) => own
+                .before(desc)
+                .map_err(|reason| Ctl::Failed { rank, reason })?,
+            None => None,
+        };
+        match driver.run(desc) {
+            Ok(_) => {
+                if let (Some(own), Some(step)) = (&mut self.own, mine) {
+                    own.after(step, desc.slot as usize);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                let reason = e.to_string();
+                if let Some(step) = mine {
+                    let why = format!("EP group broken: {reason}");
+                    match &e {
+                        StepError::Corrupt { .. } => step.fail(&Failure::Wrong(why)),
+                        _ => step.fail(&Failure::unavailable("broken", why)),
+                    }
+                }
+                Err(match e {
+                    StepError::Corrupt { .. } => Ctl::Corrupt { rank, reason },
+                    _ => Ctl::Failed { rank, reason },
+                })
+            }
         }
     }
 }

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use crate::dtype::Dtype;
 
 /// What the router tells every rank about a step (sent over the control channel).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepDesc {
     /// Monotonic from 1; doubles as the sequence number of every flag the step sets.
     pub step: u64,
@@ -28,6 +28,48 @@ pub struct StepDesc {
     pub input: Dtype,
     /// The dtype the ranks write the output rows in, as the clients asked for them.
     pub output: Dtype,
+    /// `--ingress all`: each rank's home rows, its own clients' requests, at `rank * stride` in
+    /// the slot. Empty: the router packed `tokens` rows, split evenly (`home_range`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub homes: Vec<u32>,
+}
+
+/// What requests must share to be in one step: the ring carries one layout per step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepKey {
+    /// Index into `MoeSpec::moe_layers`.
+    pub layer: u32,
+    pub client_routing: bool,
+    pub input: Dtype,
+    pub output: Dtype,
+}
+
+impl StepDesc {
+    pub fn key(&self) -> StepKey {
+        StepKey {
+            layer: self.layer,
+            client_routing: self.client_routing,
+            input: self.input,
+            output: self.output,
+        }
+    }
+
+    /// `rank`'s rows of the slot; `stride` is the most home rows a rank has (the ring's).
+    pub fn home(&self, world: usize, rank: usize, stride: usize) -> Range<usize> {
+        match self.homes.get(rank) {
+            Some(&n) => rank * stride..rank * stride + n as usize,
+            None => home_range(self.tokens as usize, world, rank),
+        }
+    }
+
+    /// The most home rows any rank has in this step: every rank picks its buffers (the GPU's
+    /// bucket) from it, so they agree.
+    pub fn most_home(&self, world: usize) -> usize {
+        match self.homes.iter().max() {
+            Some(&n) => n as usize,
+            None => max_home_tokens(self.tokens as usize, world),
+        }
+    }
 }
 
 /// The step's tokens `[start, end)` that `rank` owns: an even split, the remainder to low ranks.
@@ -221,6 +263,21 @@ impl<B: Backend> Driver<B> {
                 "{} tokens, more than a step holds ({})",
                 desc.tokens, self.ring.max_tokens
             )
+        } else if !desc.homes.is_empty()
+            && (desc.homes.len() != self.world
+                || desc
+                    .homes
+                    .iter()
+                    .any(|&n| n as usize > self.ring.home_stride())
+                || desc.homes.iter().map(|&n| n as u64).sum::<u64>() != u64::from(desc.tokens))
+        {
+            format!(
+                "home rows {:?} for {} ranks of at most {} rows, {} tokens",
+                desc.homes,
+                self.world,
+                self.ring.home_stride(),
+                desc.tokens
+            )
         } else {
             return Ok(());
         };
@@ -232,7 +289,7 @@ impl<B: Backend> Driver<B> {
 
     pub fn run(&mut self, desc: &StepDesc) -> Result<PhaseTimes, StepError> {
         self.check(desc)?;
-        let home = home_range(desc.tokens as usize, self.world, self.rank);
+        let home = desc.home(self.world, self.rank, self.ring.home_stride());
         let times = self.backend.step(desc, home)?;
         crate::metrics::record_step(&crate::metrics::StepRecord {
             layer: self
@@ -290,31 +347,84 @@ mod tests {
             client_routing: false,
             input: Dtype::Bf16,
             output: Dtype::F32,
+            homes: Vec::new(),
         };
         d.run(&ok).unwrap();
         for (bad, want) in [
-            (StepDesc { layer: 2, ..ok }, "layer index 2 of 2"),
-            (StepDesc { slot: 2, ..ok }, "ring slot 2 of 2"),
-            (StepDesc { tokens: 65, ..ok }, "65 tokens"),
+            (
+                StepDesc {
+                    layer: 2,
+                    ..ok.clone()
+                },
+                "layer index 2 of 2",
+            ),
+            (
+                StepDesc {
+                    slot: 2,
+                    ..ok.clone()
+                },
+                "ring slot 2 of 2",
+            ),
+            (
+                StepDesc {
+                    tokens: 65,
+                    ..ok.clone()
+                },
+                "65 tokens",
+            ),
             (
                 StepDesc {
                     input: Dtype::I64,
-                    ..ok
+                    ..ok.clone()
                 },
                 "rows of I64 in",
             ),
             (
                 StepDesc {
                     layer: u32::MAX,
-                    ..ok
+                    ..ok.clone()
                 },
                 "layer index",
+            ),
+            (
+                StepDesc {
+                    homes: vec![32, 31],
+                    tokens: 64,
+                    ..ok.clone()
+                },
+                "home rows [32, 31]",
+            ),
+            (
+                StepDesc {
+                    homes: vec![33, 0],
+                    tokens: 33,
+                    ..ok.clone()
+                },
+                "home rows [33, 0]",
+            ),
+            (
+                StepDesc {
+                    homes: vec![4],
+                    tokens: 4,
+                    ..ok.clone()
+                },
+                "home rows [4]",
             ),
         ] {
             let e = d.run(&bad).unwrap_err().to_string();
             assert!(e.contains(want), "{e}");
         }
         assert_eq!(d.backend.0, 1);
+        let own = StepDesc {
+            homes: vec![0, 32],
+            tokens: 32,
+            ..ok
+        };
+        d.run(&own).unwrap();
+        assert_eq!(d.backend.0, 2);
+        assert_eq!(own.home(2, 1, 32), 32..64);
+        assert_eq!(own.home(2, 0, 32), 0..0);
+        assert_eq!(own.most_home(2), 32);
     }
 
     #[test]

@@ -16,12 +16,27 @@ const LINE: usize = 64;
 pub struct RingShape {
     pub slots: usize,
     pub world: usize,
+    /// Rows of a slot: `world` home slices of `home_stride()` rows.
     pub max_tokens: usize,
     pub hidden: usize,
     pub top_k: usize,
 }
 
 impl RingShape {
+    /// The ring of `world` ranks with at most `max_home` home rows each.
+    pub fn new(slots: usize, world: usize, max_home: usize, hidden: usize, top_k: usize) -> Self {
+        Self {
+            slots,
+            world,
+            max_tokens: world * max_home,
+            hidden,
+            top_k,
+        }
+    }
+    /// Rank r's own rows start at `r * home_stride()` (`--ingress all`).
+    pub fn home_stride(&self) -> usize {
+        self.max_tokens / self.world.max(1)
+    }
     fn flags_bytes(&self) -> usize {
         self.slots * (1 + self.world) * LINE
     }

@@ -17,7 +17,7 @@ use super::step::GpuStep;
 use super::GpuError;
 use crate::dtype::Dtype;
 use crate::step::ring::Ring;
-use crate::step::{max_home_tokens, Backend, PhaseTimes, StepDesc, StepError};
+use crate::step::{Backend, PhaseTimes, StepDesc, StepError};
 
 /// Page-locked host memory (the graph's copies need fixed, pinned addresses).
 pub struct Pinned<T> {
@@ -450,9 +450,9 @@ impl GpuRank {
         })
     }
 
-    fn bucket_of(&self, tokens: usize) -> Option<usize> {
-        let need = max_home_tokens(tokens.max(1), self.ring.shape.world);
-        self.buckets.iter().position(|&b| b >= need)
+    /// The smallest bucket holding `most_home` rows (every rank's home fits it).
+    fn bucket_of(&self, most_home: usize) -> Option<usize> {
+        self.buckets.iter().position(|&b| b >= most_home.max(1))
     }
 
     fn run_step(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<usize, StepError> {
@@ -463,7 +463,7 @@ impl GpuRank {
         };
         let (slot, n) = (desc.slot as usize, home.len());
         let bi = self
-            .bucket_of(desc.tokens as usize)
+            .bucket_of(desc.most_home(self.ring.shape.world))
             .ok_or_else(|| invalid(format!("{} tokens exceed the buffers", desc.tokens)))?;
         if !self.ring.input_ready(slot, desc.step) {
             return Err(invalid(format!(

@@ -1,0 +1,96 @@
+//! Copies between requests and the step ring: a step's input rows in, its output rows out,
+//! straight from and into the requests' own buffers, on several threads when a step is large.
+
+use std::sync::Mutex;
+
+use super::Step;
+use crate::step::ring::Ring;
+
+/// Below this many bytes a step's rows are copied on one thread: starting more costs more than
+/// it saves.
+const SPLIT_BYTES: usize = 4 << 20;
+/// Rows are handed to the copy threads in pieces of about this size.
+const PIECE_BYTES: usize = 1 << 20;
+
+/// Threads that copy one large step's rows between the requests and the ring: memory bandwidth,
+/// not one core's copy rate, bounds what a step of MB requests costs the router.
+pub(crate) fn copy_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+}
+
+/// Runs `f` on every item, on up to `threads` threads when `bytes` is large.
+fn copy_all<T: Send>(threads: usize, bytes: usize, items: Vec<T>, f: impl Fn(T) + Sync) {
+    let threads = if bytes < SPLIT_BYTES {
+        1
+    } else {
+        threads.min(items.len())
+    };
+    if threads <= 1 {
+        items.into_iter().for_each(f);
+        return;
+    }
+    let queue = Mutex::new(items.into_iter());
+    let next = || queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+    let work = || {
+        while let Some(item) = next() {
+            f(item);
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 1..threads {
+            s.spawn(work);
+        }
+        work();
+    });
+}
+
+/// Writes a step's input rows into `slot` from row `base` on, straight from the requests' bytes.
+pub(crate) fn pack(ring: &Ring, step: &Step, slot: usize, base: usize, threads: usize) {
+    let (h, k) = (ring.shape.hidden, ring.shape.top_k);
+    let row_bytes = h * step.input.bytes();
+    let per = (PIECE_BYTES / row_bytes).max(1);
+    let mut pieces: Vec<(usize, &[u8])> = Vec::new();
+    let mut row = base;
+    for seg in &step.segments {
+        let (a, b) = (seg.rows.start, seg.rows.end);
+        let data = &seg.job.input.hidden.data[a * row_bytes..b * row_bytes];
+        for (i, piece) in data.chunks(per * row_bytes).enumerate() {
+            pieces.push((row + i * per, piece));
+        }
+        if let Some((ids, w)) = &seg.job.input.routing {
+            ring.write_routing(slot, row, &ids[a * k..b * k], &w[a * k..b * k]);
+        }
+        row += seg.rows.len();
+    }
+    copy_all(threads, (row - base) * row_bytes, pieces, |(r, src)| {
+        ring.write_hidden(slot, r, step.input, src)
+    });
+}
+
+/// Hands a finished step's output rows in `slot`, from row `base` on, to its requests, in their
+/// output dtype.
+pub(crate) fn deliver(ring: &Ring, step: &Step, slot: usize, base: usize, threads: usize) {
+    let row_bytes = ring.shape.hidden * step.output.bytes();
+    let per = (PIECE_BYTES / row_bytes).max(1);
+    // A request has one segment per step: its buffer is filled outside its lock, then put back.
+    let mut outs: Vec<Vec<u8>> = step
+        .segments
+        .iter()
+        .map(|s| s.job.take_out(row_bytes))
+        .collect();
+    let mut pieces: Vec<(usize, &mut [u8])> = Vec::new();
+    let mut row = base;
+    for (seg, out) in step.segments.iter().zip(outs.iter_mut()) {
+        let dst = &mut out[seg.rows.start * row_bytes..seg.rows.end * row_bytes];
+        for (i, piece) in dst.chunks_mut(per * row_bytes).enumerate() {
+            pieces.push((row + i * per, piece));
+        }
+        row += seg.rows.len();
+    }
+    copy_all(threads, (row - base) * row_bytes, pieces, |(r, dst)| {
+        ring.read_output(slot, r, step.output, dst)
+    });
+    for (seg, out) in step.segments.iter().zip(outs) {
+        seg.job.put_out(out, seg.rows.len());
+    }
+}

@@ -1,0 +1,429 @@
+//! `--ingress all` with real rank groups: every rank serves, the same input gives the same output
+//! at every rank and as with router ingress (and as the f64 reference); concurrent load at every
+//! rank is all answered; a drain and a rank failure answer every client of every rank; a trickle
+//! at one rank is not starved by a flood at another.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::reference::{compare, RefLayer};
+use common::*;
+use epserve::model::{synthetic, MoeSpec};
+use epserve::proto::moe_service_client::MoeServiceClient;
+use epserve::proto::{ForwardRequest, GetModelInfoRequest};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use tokio::task::JoinSet;
+use tonic::transport::Channel;
+use tonic::Code;
+
+const PRESET: &str = "tiny-deepseek";
+const SEED: u64 = 21;
+/// Small steps, so requests split over several and ranks' offers interleave.
+const MAX_TOKENS: &str = "16";
+
+fn flags(ingress: &str) -> Vec<&str> {
+    vec![
+        "--seed",
+        "21",
+        "--max-tokens-per-step",
+        MAX_TOKENS,
+        "--ingress",
+        ingress,
+    ]
+}
+
+async fn client(addr: &str) -> MoeServiceClient<Channel> {
+    MoeServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+        .max_decoding_message_size(64 << 20)
+}
+
+/// Every rank's address, by rank, as GetModelInfo tells a client (each rank tells the same).
+async fn ingress(group: &Group, ranks: usize) -> Vec<String> {
+    let info = client(&group.addr)
+        .await
+        .get_model_info(GetModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.ingress_mode, "all");
+    let addrs: Vec<String> = info.ingress.iter().map(|a| a.address.clone()).collect();
+    assert_eq!(addrs.len(), ranks, "{:?}", info.ingress);
+    for (r, a) in info.ingress.iter().enumerate() {
+        assert_eq!(a.rank as usize, r);
+        let theirs = client(&a.address)
+            .await
+            .get_model_info(GetModelInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(theirs.ingress, info.ingress, "rank {r} tells another list");
+    }
+    addrs
+}
+
+struct Case {
+    req: ForwardRequest,
+    x: Vec<f64>,
+    slot: usize,
+    routing: Option<(Vec<usize>, Vec<f64>)>,
+}
+
+/// Random f32 requests of every MoE layer, 1 to 37 tokens, gating or client routing.
+fn cases(spec: &MoeSpec, rng: &mut ChaCha8Rng, count: usize, tag: &str) -> Vec<Case> {
+    let (h, k, e) = (spec.hidden, spec.top_k, spec.num_experts);
+    (0..count)
+        .map(|i| {
+            let slot = i % spec.moe_layers.len();
+            let n = [1, 7, 37, 4][(i / 2) % 4];
+            let x: Vec<f32> = (0..n * h).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+            let mut req = request(
+                &format!("{tag}-{i}"),
+                spec.moe_layers[slot],
+                f32_tensor(&x, [n, h]),
+            );
+            let routing = (i % 3 == 2).then(|| {
+                let mut ids = Vec::new();
+                for _ in 0..n {
+                    let mut row: Vec<usize> = Vec::new();
+                    while row.len() < k {
+                        let c = rng.random_range(0..e);
+                        if !row.contains(&c) {
+                            row.push(c);
+                        }
+                    }
+                    ids.extend(row);
+                }
+                let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(0.05f32..1.0)).collect();
+                let ids32: Vec<i32> = ids.iter().map(|&v| v as i32).collect();
+                req.topk_ids = Some(i32_tensor(&ids32, [n, k]));
+                req.topk_weights = Some(f32_tensor(&w, [n, k]));
+                (ids, w.iter().map(|&v| f64::from(v)).collect())
+            });
+            Case {
+                req,
+                x: x.iter().map(|&v| f64::from(v)).collect(),
+                slot,
+                routing,
+            }
+        })
+        .collect()
+}
+
+fn refs(spec: &MoeSpec) -> Vec<RefLayer> {
+    spec.moe_layers
+        .iter()
+        .map(|&l| {
+            RefLayer::from_weights(
+                &synthetic::layer(spec, SEED, l, 0..spec.num_experts),
+                spec.hidden,
+            )
+        })
+        .collect()
+}
+
+/// Sends every case to `addr`, all at once; the f32 outputs, in order.
+async fn send_all(addr: &str, cases: &[Case]) -> Vec<Vec<f32>> {
+    let c = client(addr).await;
+    let mut tasks = JoinSet::new();
+    for (i, case) in cases.iter().enumerate() {
+        let (mut c, r) = (c.clone(), case.req.clone());
+        tasks.spawn(async move { (i, c.forward(r).await) });
+    }
+    let mut out = vec![Vec::new(); cases.len()];
+    while let Some(r) = tasks.join_next().await {
+        let (i, resp) = r.unwrap();
+        let resp = resp.unwrap_or_else(|s| panic!("{addr} {}: {s}", cases[i].req.id));
+        out[i] = decode(resp.into_inner().output.as_ref().unwrap());
+    }
+    out
+}
+
+fn check(spec: &MoeSpec, refs: &[RefLayer], case: &Case, out: &[f32], at: &str) {
+    let routing = case.routing.as_ref().map(|(i, w)| (&i[..], &w[..]));
+    let (err, excluded) = compare(spec, &refs[case.slot], &case.x, out, routing);
+    assert!(
+        err <= 1e-5,
+        "{at} {}: error {err:.3e} against f64",
+        case.req.id
+    );
+    assert!(
+        excluded * 4 <= case.x.len() / spec.hidden + 1,
+        "{}: near-ties",
+        case.req.id
+    );
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_rank_answers_as_the_router_does_and_as_the_reference() {
+    let spec = synthetic::preset(PRESET).unwrap();
+    let refs = refs(&spec);
+    let cases = cases(&spec, &mut ChaCha8Rng::seed_from_u64(5), 24, "same");
+    let model = format!("synthetic:{PRESET}");
+    let routed = {
+        let group = Group::launch(4, &model, &flags("router"));
+        send_all(&group.addr, &cases).await
+    };
+    let group = Group::launch(4, &model, &flags("all"));
+    let addrs = ingress(&group, 4).await;
+    // Every rank at once: their requests share steps.
+    let mut tasks = JoinSet::new();
+    for (r, a) in addrs.iter().enumerate() {
+        let a = a.clone();
+        let cs: Vec<Case> = cases
+            .iter()
+            .map(|c| Case {
+                req: c.req.clone(),
+                x: Vec::new(),
+                slot: 0,
+                routing: None,
+            })
+            .collect();
+        tasks.spawn(async move { (r, send_all(&a, &cs).await) });
+    }
+    while let Some(r) = tasks.join_next().await {
+        let (rank, outs) = r.unwrap();
+        for ((case, out), want) in cases.iter().zip(&outs).zip(&routed) {
+            check(&spec, &refs, case, out, &format!("rank {rank}"));
+            let d = max_diff(out, want);
+            assert!(
+                d <= 1e-6,
+                "rank {rank} {}: {d:e} from router ingress",
+                case.req.id
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_load_at_every_rank_is_all_answered() {
+    let spec = synthetic::preset(PRESET).unwrap();
+    let refs = refs(&spec);
+    let group = Group::launch(4, &format!("synthetic:{PRESET}"), &flags("all"));
+    let addrs = ingress(&group, 4).await;
+    let mut tasks = JoinSet::new();
+    for (r, a) in addrs.iter().enumerate() {
+        // 8 clients per rank, 6 requests each.
+        for c in 0..8 {
+            let a = a.clone();
+            let cs = cases(
+                &spec,
+                &mut ChaCha8Rng::seed_from_u64((r * 8 + c) as u64),
+                6,
+                &format!("r{r}c{c}"),
+            );
+            tasks.spawn(async move {
+                let mut cl = client(&a).await;
+                let mut outs = Vec::new();
+                for case in &cs {
+                    let resp = cl.forward(case.req.clone()).await;
+                    let resp = resp.unwrap_or_else(|s| panic!("{}: {s}", case.req.id));
+                    outs.push(decode(resp.into_inner().output.as_ref().unwrap()));
+                }
+                (r, cs, outs)
+            });
+        }
+    }
+    let mut answered = 0;
+    while let Some(t) = tasks.join_next().await {
+        let (rank, cs, outs) = t.unwrap();
+        for (case, out) in cs.iter().zip(&outs) {
+            check(&spec, &refs, case, out, &format!("rank {rank}"));
+            answered += 1;
+        }
+    }
+    assert_eq!(answered, 4 * 8 * 6);
+}
+
+const H: usize = 64;
+
+fn small(id: &str, layer: u32, n: usize) -> ForwardRequest {
+    let x: Vec<f32> = (0..n * H)
+        .map(|i| ((i * 31) % 97) as f32 / 50.0 - 1.0)
+        .collect();
+    request(id, layer, f32_tensor(&x, [n, H]))
+}
+
+/// What one looping client saw: answers, then the error that ended it and when.
+type Ended = (usize, usize, Code, String, Instant);
+
+/// `clients` looping clients at every address until each gets an error.
+fn load_everywhere(addrs: &[String], clients: usize, layers: &[u32]) -> JoinSet<Ended> {
+    let mut tasks = JoinSet::new();
+    for (r, a) in addrs.iter().enumerate() {
+        for i in 0..clients {
+            let (a, layers) = (a.clone(), layers.to_vec());
+            tasks.spawn(async move {
+                let mut c = client(&a).await;
+                for j in 0.. {
+                    let layer = layers[(i + j) % layers.len()];
+                    if let Err(s) = c
+                        .forward(small(&format!("{r}-{i}-{j}"), layer, 1 + (i * 7 + j) % 20))
+                        .await
+                    {
+                        return (r, j, s.code(), s.message().to_string(), Instant::now());
+                    }
+                }
+                unreachable!()
+            });
+        }
+    }
+    tasks
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_signal_at_any_rank_drains_every_rank_and_answers_everything_admitted() {
+    let spec = synthetic::preset("tiny").unwrap();
+    assert_eq!(spec.hidden, H);
+    let mut group = Group::launch(
+        4,
+        "synthetic:tiny",
+        &["--ingress", "all", "--drain-timeout", "10s"],
+    );
+    let addrs = ingress(&group, 4).await;
+    let mut tasks = load_everywhere(&addrs, 4, &spec.moe_layers);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t0 = Instant::now();
+    // A worker's SIGTERM drains the whole group (as when every pod of it is told to stop).
+    kill(group.proc.rank_pid(2), "TERM");
+    let mut per_rank = [0usize; 4];
+    while let Some(t) = tasks.join_next().await {
+        let (rank, ok, code, msg, _) = t.unwrap();
+        per_rank[rank] += ok;
+        assert_eq!(code, Code::Unavailable, "rank {rank}: {msg}");
+        let new_work =
+            msg.contains("draining") || msg.contains("connect") || msg.contains("transport");
+        assert!(
+            new_work,
+            "rank {rank}: an admitted request failed during the drain: {msg}"
+        );
+    }
+    assert!(
+        per_rank.iter().all(|&n| n > 0),
+        "answers per rank {per_rank:?}"
+    );
+    let st = group
+        .proc
+        .wait_exit(Duration::from_secs(15))
+        .expect("the group exits within the drain timeout");
+    assert!(st.success(), "{}", group.proc.log_text());
+    assert!(t0.elapsed() < Duration::from_secs(15));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_rank_answers_every_client_of_every_rank() {
+    let spec = synthetic::preset("tiny").unwrap();
+    let mut group = Group::launch(
+        4,
+        "synthetic:tiny",
+        &[
+            "--ingress",
+            "all",
+            "--step-timeout",
+            "2s",
+            "--heartbeat-interval",
+            "200ms",
+        ],
+    );
+    let addrs = ingress(&group, 4).await;
+    let pids: Vec<u32> = (0..4).map(|r| group.proc.rank_pid(r)).collect();
+    let mut tasks = load_everywhere(&addrs, 4, &spec.moe_layers);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let killed = Instant::now();
+    kill(pids[2], "KILL");
+    let mut named = 0;
+    while let Some(t) = tasks.join_next().await {
+        let (rank, _, code, msg, at) = t.unwrap();
+        assert!(
+            at - killed <= Duration::from_secs(3),
+            "rank {rank}'s client answered after {:?}",
+            at - killed
+        );
+        if rank == 2 {
+            // Its own server is gone: the client library reports the dropped connection.
+            continue;
+        }
+        assert_eq!(code, Code::Unavailable, "rank {rank}: {msg}");
+        if msg.contains("rank 2") {
+            named += 1;
+        }
+    }
+    assert!(
+        named > 0,
+        "no client was told which rank was lost:\n{}",
+        group.proc.log_text()
+    );
+    let st = group
+        .proc
+        .wait_exit(Duration::from_secs(15))
+        .expect("the launcher exits");
+    assert!(!st.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickle_at_one_rank_is_not_starved_by_a_flood_at_another() {
+    let spec = synthetic::preset("tiny").unwrap();
+    let group = Group::launch(
+        4,
+        "synthetic:tiny",
+        &["--ingress", "all", "--max-tokens-per-step", "16"],
+    );
+    let addrs = ingress(&group, 4).await;
+    let (flood_layer, trickle_layer) = (spec.moe_layers[0], spec.moe_layers[1]);
+    let stop = Instant::now() + Duration::from_secs(3);
+    // The flood: 32 clients at rank 0, each request 40 tokens of one layer (10 steps' worth of
+    // rank 0's slice), always more queued than a step takes.
+    let mut flood = JoinSet::new();
+    for i in 0..32 {
+        let a = addrs[0].clone();
+        flood.spawn(async move {
+            let mut c = client(&a).await;
+            let mut n = 0;
+            while Instant::now() < stop {
+                c.forward(small(&format!("f{i}-{n}"), flood_layer, 40))
+                    .await
+                    .unwrap();
+                n += 1;
+            }
+            n
+        });
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The trickle: one client at rank 3, one token of another layer at a time.
+    let mut c = client(&addrs[3]).await;
+    let (mut worst, mut answered) = (Duration::ZERO, 0);
+    while Instant::now() + Duration::from_millis(200) < stop {
+        let t = Instant::now();
+        c.forward(small(&format!("t{answered}"), trickle_layer, 1))
+            .await
+            .unwrap();
+        worst = worst.max(t.elapsed());
+        answered += 1;
+    }
+    let mut flooded = 0;
+    while let Some(n) = flood.join_next().await {
+        flooded += n.unwrap();
+    }
+    // Each trickle request waits for at most the steps already formed (two) and its own: tens of
+    // milliseconds here, while one flood request waits behind the whole queue.
+    assert!(flooded > 32, "the flood ran ({flooded} answered)");
+    assert!(
+        answered >= 10,
+        "{answered} trickle requests answered in ~2.5 s"
+    );
+    assert!(
+        worst < Duration::from_millis(500),
+        "a trickle request waited {worst:?}"
+    );
+}
