@@ -169,27 +169,30 @@ fi
 # `ingress`: the same layer on every GPU (or INGRESS_RANKS) under --ingress router and --ingress
 # all, loaded with 2048-token requests through 1, 2, 4 ... ingress ranks at once: one loadtest
 # process per rank, INGRESS_CLIENTS clients each (default 8), so the load generator scales with
-# the ranks too. Rank r serves on port 50100 + r.
+# the ranks too. Rank r serves on port 50100 + r. INGRESS_BINS: binaries to compare in the same
+# run (default the one built); INGRESS_MODES: default "router all".
 if want ingress; then
   mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
   # shellcheck disable=SC1091
   source /tmp/nccl230/env.sh
   clients=${INGRESS_CLIENTS:-8}
   ranks=${INGRESS_RANKS:-$(nvidia-smi -L | wc -l)}
-  for mode in router all; do
+  for bin in ${INGRESS_BINS:-$EPSERVE_BIN}; do
+   for mode in ${INGRESS_MODES:-router all}; do
+    name=$(basename "$bin")-$mode
     shm=$(mktemp -d -p /dev/shm)
-    "$EPSERVE_BIN" launch --ranks "$ranks" --backend nccl-ep --model synthetic:deepseek-v3 --layers 1 \
+    "$bin" launch --ranks "$ranks" --backend nccl-ep --model synthetic:deepseek-v3 --layers 1 \
       --max-tokens-per-step 4096 --ingress $mode --listen 127.0.0.1:50100 --metrics-listen 127.0.0.1:0 \
-      --shm-dir "$shm" >"$out/ingress-$mode.log" 2>&1 &
+      --shm-dir "$shm" >"$out/ingress-$name.log" 2>&1 &
     pid=$!
     want_lines=$([ $mode = all ] && echo "$ranks" || echo 1)
     for _ in $(seq 1 900); do
-      [ "$(grep -c 'serving gRPC on' "$out/ingress-$mode.log")" -ge "$want_lines" ] && break; sleep 0.2
+      [ "$(grep -c 'serving gRPC on' "$out/ingress-$name.log")" -ge "$want_lines" ] && break; sleep 0.2
     done
-    m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$out/ingress-$mode.log" | head -1)
+    m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$out/ingress-$name.log" | head -1)
     counts=$([ $mode = all ] && python3 -c "print(*[n for n in (1, 2, 4, 8) if n <= $ranks])" || echo 1)
     for n in $counts; do
-      tag="ingress-$mode-n$n"
+      tag="ingress-$name-n$n"
       s0=$(metric "$m0" epserve_step_duration_seconds_sum)
       pids=()
       for r in $(seq 0 $((n - 1))); do
@@ -213,9 +216,10 @@ bad = {k: v for s in svc for k, v in s["statuses"].items() if k != "OK"}
 print(f"== {tag}: end-to-end {tok:.0f} tokens/s ({tok / gpus:.0f} per GPU), p50 {p50:.0f} ms, p99 {p99:.0f} ms (worst rank), not OK {bad}")
 PY
     done
-    curl -s "$m0" | grep -E '^epserve_(request|step|steps|ingress|egress|offers)' >"$out/ingress-$mode-metrics.txt"
+    curl -s "$m0" | grep -E '^epserve_(request|step|steps|ingress|egress|offers)' >"$out/ingress-$name-metrics.txt"
     kill -TERM $pid; wait $pid
     rm -rf "$shm"
+   done
   done
   tar czf "$out/ingress.tgz" -C "$out" $(cd "$out" && ls ingress-*) && (cd "$out" && rm -f ingress-*)
 fi

@@ -88,6 +88,13 @@ pub enum Ctl {
         key: StepKey,
         tokens: u32,
     },
+    /// `--ingress all`, router to ranks, before the step's descriptor: the step that takes
+    /// `homes[rank]` rows of your offers goes in ring slot `slot`; pack them now.
+    Pack {
+        slot: u32,
+        key: StepKey,
+        homes: Vec<u32>,
+    },
     /// Router to ranks: drain (refuse new requests, finish the admitted ones). Rank to router:
     /// this rank was signalled; drain the group.
     Drain,
@@ -465,6 +472,7 @@ fn ctl_name(m: &Ctl) -> &'static str {
         Ctl::Listening { .. } => "listening",
         Ctl::Ingress { .. } => "ingress",
         Ctl::Offer { .. } => "offer",
+        Ctl::Pack { .. } => "pack",
         Ctl::Drain => "drain",
         Ctl::Drained { .. } => "drained",
     }

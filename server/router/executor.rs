@@ -196,9 +196,12 @@ impl<B: Backend> Executor<B> {
         let (done, done_rx) = std::sync::mpsc::sync_channel::<(Step, usize)>(depth);
         let packer = {
             let (ring, free, abort) = (self.ring.clone(), free.clone(), self.abort.clone());
+            let control = self.link.clone();
             std::thread::Builder::new()
                 .name("step-pack".into())
-                .spawn(move || pack_steps(steps, packed_tx, &ring, &free, &runtime, &abort))
+                .spawn(move || {
+                    pack_steps(steps, packed_tx, &ring, &free, &control, &runtime, &abort)
+                })
                 .map_err(|e| ExecutorError::Broken(format!("spawning the packer: {e}")))?
         };
         let delivery = {
@@ -361,13 +364,16 @@ impl Slots {
     }
 }
 
-/// The packer: each step from the batcher into a free slot, on to the executor. When the
-/// executor is gone (the group broke), the step in hand and every later one fail.
+/// The packer: each step from the batcher into a free slot, on to the executor. Under
+/// --ingress all the other ranks are told the slot first (`Ctl::Pack`), so they pack their rows
+/// while the step before runs, as this thread does. When the executor is gone (the group broke),
+/// the step in hand and every later one fail.
 fn pack_steps(
     mut steps: mpsc::Receiver<Step>,
     packed: std::sync::mpsc::SyncSender<(Step, usize)>,
     ring: &Ring,
     free: &Slots,
+    control: &Control,
     runtime: &tokio::runtime::Handle,
     abort: &Arc<Abort>,
 ) {
@@ -375,6 +381,16 @@ fn pack_steps(
     let threads = copy_threads();
     while let Some(step) = runtime.block_on(steps.recv()) {
         let slot = free.take();
+        if step.homes.iter().skip(1).any(|&n| n > 0) {
+            let order = Ctl::Pack {
+                slot: slot as u32,
+                key: step.key(),
+                homes: step.homes.clone(),
+            };
+            if let Err(e) = control.broadcast(&order) {
+                abort.trigger(format!("sending a step's slot to the ranks: {e}"));
+            }
+        }
         pack(ring, &step, slot, 0, threads);
         if let Err(std::sync::mpsc::SendError((step, _))) = packed.send((step, slot)) {
             fail_step(&step, abort);

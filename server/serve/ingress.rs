@@ -1,34 +1,26 @@
 //! `--ingress all` on a worker rank: its own gRPC front and batcher, whose offers the router
-//! schedules (`router::run_coordinator`), and the step loop's share: this rank's offer into its
-//! own rows of the slot before a step, its requests answered from there after it (on a delivery
-//! thread, so the next step need not wait).
+//! schedules (`router::run_coordinator`); the step loop's share is `own_rows`.
 
-use std::collections::VecDeque;
 use std::net::TcpStream;
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use anyhow::{anyhow, bail};
+use anyhow::anyhow;
 use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use super::grpc::{set_ready, watch_liveness, Front};
+use super::own_rows::{Offered, OwnRows};
 use super::prepare::Prepared;
 use super::RING_SLOTS;
 use crate::config::ServeArgs;
-use crate::group::{expect, Ctl, CtlWriter};
+use crate::group::{Ctl, CtlWriter};
 use crate::infer::Phase;
-use crate::router::rows::{copy_threads, deliver, pack};
 use crate::router::{run_batcher, BatchConfig, Failure, Step, OFFERS_PENDING};
 use crate::shm::Abort;
 use crate::step::ring::Ring;
-use crate::step::StepDesc;
 use crate::watchdog::Progress;
-
-/// This rank's offers the router has not yet put in a step, oldest first (the router takes
-/// each rank's in this order).
-type Offered = Arc<Mutex<VecDeque<Step>>>;
 
 /// A worker's clients: its gRPC front, up before it joins the group.
 pub struct Clients {
@@ -74,28 +66,32 @@ impl Clients {
         })
     }
 
-    /// After startup: tells the router where this rank serves and learns where every rank does.
-    pub fn exchange_addresses(
-        &self,
-        stream: &mut TcpStream,
-        deadline: Instant,
-    ) -> anyhow::Result<()> {
+    /// After startup: tells the router where this rank serves.
+    pub fn send_address(&self, stream: &mut TcpStream) -> anyhow::Result<()> {
         let msg = Ctl::Listening {
             rank: self.rank,
             addr: self.front.addr.to_string(),
         };
-        crate::group::send(stream, &msg)?;
-        match expect(stream, "every rank's gRPC address", deadline)? {
-            Ctl::Ingress { addrs } => {
-                self.front.api.set_ingress(&addrs);
-                Ok(())
-            }
-            other => bail!("expected every rank's gRPC address from the router, got {other:?}"),
+        Ok(crate::group::send(stream, &msg)?)
+    }
+
+    /// What turns this rank SERVING once the router says the group is ready.
+    pub fn opener(&self) -> Opener {
+        Opener {
+            front: (
+                self.front.api.clone(),
+                self.front.infer.clone(),
+                self.front.health.clone(),
+            ),
+            runtime: self.runtime.handle().clone(),
+            rank: self.rank,
+            addr: self.front.addr,
         }
     }
 
-    /// Starts taking requests: the batcher, the offers to the router, the drain, a signal here
-    /// asking the router to drain the group, and liveness; returns the step loop's share.
+    /// Starts the batcher, the offers to the router, the drain, a signal here asking the router
+    /// to drain the group, and liveness (requests are admitted once `Opener::open`); returns the
+    /// step loop's share.
     pub fn serve(
         &mut self,
         args: &ServeArgs,
@@ -146,36 +142,13 @@ impl Clients {
             progress,
             args.liveness_timeout,
         ));
-        f.infer.set_phase(Phase::Serving);
-        self.runtime.block_on(set_ready(&f.health, true));
-        info!("rank {rank} serving gRPC on {}", f.addr);
-        let gate = Arc::new(SlotGate::new(ring.shape.slots));
-        let (tx, rx) = std::sync::mpsc::sync_channel::<(Step, usize)>(ring.shape.slots);
-        let base = rank * stride;
-        let deliverer = {
-            let (ring, gate) = (ring.clone(), gate.clone());
-            std::thread::Builder::new()
-                .name("step-deliver".into())
-                .spawn(move || {
-                    let threads = copy_threads();
-                    for (step, slot) in rx {
-                        deliver(&ring, &step, slot, base, threads);
-                        gate.free(slot);
-                    }
-                })?
-        };
-        Ok(OwnRows {
+        OwnRows::start(
             ring,
             rank,
-            base,
-            offered: self.offered.clone(),
-            permits: self.permits.clone(),
-            gate,
-            delivery: Some(tx),
-            deliverer: Some(deliverer),
-            threads: copy_threads(),
-            wait: args.step_timeout,
-        })
+            self.offered.clone(),
+            self.permits.clone(),
+            args.step_timeout,
+        )
     }
 
     /// After the step loop: a clean stop (the group drained) or `failed`, which answers every
@@ -198,6 +171,29 @@ impl Clients {
             set_ready(&self.front.health, false).await;
             self.front.close(grace).await
         })
+    }
+}
+
+/// Turns a rank SERVING when the router says the group is ready (`Ctl::Ingress`, after its
+/// warm-up step), with every rank's address for GetModelInfo.
+pub struct Opener {
+    front: (
+        Arc<crate::api::MoeApi>,
+        Arc<crate::infer::Infer>,
+        tonic_health::server::HealthReporter,
+    ),
+    runtime: tokio::runtime::Handle,
+    rank: usize,
+    addr: std::net::SocketAddr,
+}
+
+impl Opener {
+    pub fn open(&self, addrs: &[String]) {
+        let (api, infer, health) = &self.front;
+        api.set_ingress(addrs);
+        infer.set_phase(Phase::Serving);
+        self.runtime.block_on(set_ready(health, true));
+        info!("rank {} serving gRPC on {}", self.rank, self.addr);
     }
 }
 
@@ -236,112 +232,4 @@ async fn ask_to_drain_on_signal(writer: CtlWriter) {
     }
     warn!("signalled: asking the router to drain the group");
     let _ = writer.send(&Ctl::Drain);
-}
-
-/// Which ring slots still hold this rank's rows of a step being answered.
-struct SlotGate {
-    busy: Mutex<Vec<bool>>,
-    freed: Condvar,
-}
-
-impl SlotGate {
-    fn new(slots: usize) -> Self {
-        Self {
-            busy: Mutex::new(vec![false; slots]),
-            freed: Condvar::new(),
-        }
-    }
-
-    fn hold(&self, slot: usize) {
-        lock(&self.busy)[slot] = true;
-    }
-
-    fn free(&self, slot: usize) {
-        lock(&self.busy)[slot] = false;
-        self.freed.notify_all();
-    }
-
-    /// Waits, at most `limit`, until the slot's last answers are out.
-    fn wait_free(&self, slot: usize, limit: Duration) -> bool {
-        let busy = lock(&self.busy);
-        let (busy, _) = self
-            .freed
-            .wait_timeout_while(busy, limit, |b| b[slot])
-            .unwrap_or_else(|e| e.into_inner());
-        !busy[slot]
-    }
-}
-
-/// The step loop's share of this rank's clients.
-pub struct OwnRows {
-    ring: Arc<Ring>,
-    rank: usize,
-    /// This rank's first row of a slot.
-    base: usize,
-    offered: Offered,
-    permits: Arc<Semaphore>,
-    gate: Arc<SlotGate>,
-    delivery: Option<std::sync::mpsc::SyncSender<(Step, usize)>>,
-    deliverer: Option<std::thread::JoinHandle<()>>,
-    threads: usize,
-    /// Bound on waiting for a slot's answers to be out.
-    wait: Duration,
-}
-
-impl OwnRows {
-    /// Before `desc` runs: the offer it takes from this rank, packed into its rows.
-    pub fn before(&mut self, desc: &StepDesc) -> Result<Option<Step>, String> {
-        let n = desc.homes.get(self.rank).copied().unwrap_or(0) as usize;
-        if n == 0 {
-            return Ok(None);
-        }
-        let step = lock(&self.offered).pop_front().ok_or_else(|| {
-            format!(
-                "step {}: the router took an offer this rank did not make",
-                desc.step
-            )
-        })?;
-        self.permits.add_permits(1);
-        metrics::gauge!(OFFERS_PENDING).decrement(1.0);
-        if step.key() != desc.key() || step.tokens() != n {
-            let why = format!(
-                "step {}: the router took {n} rows of {:?}, this rank offered {} of {:?}",
-                desc.step,
-                desc.key(),
-                step.tokens(),
-                step.key()
-            );
-            step.fail(&Failure::unavailable("broken", why.clone()));
-            return Err(why);
-        }
-        let slot = desc.slot as usize;
-        if !self.gate.wait_free(slot, self.wait) {
-            let why = format!(
-                "step {}: slot {slot}'s answers not out within {:?}",
-                desc.step, self.wait
-            );
-            step.fail(&Failure::unavailable("broken", why.clone()));
-            return Err(why);
-        }
-        pack(&self.ring, &step, slot, self.base, self.threads);
-        Ok(Some(step))
-    }
-
-    /// After the step ran: its requests are answered on the delivery thread.
-    pub fn after(&mut self, step: Step, slot: usize) {
-        self.gate.hold(slot);
-        if let Some(tx) = &self.delivery {
-            let _ = tx.send((step, slot));
-        }
-    }
-}
-
-impl Drop for OwnRows {
-    /// Answers every finished step before the rank goes on to stop.
-    fn drop(&mut self) {
-        self.delivery.take();
-        if let Some(d) = self.deliverer.take() {
-            let _ = d.join();
-        }
-    }
 }

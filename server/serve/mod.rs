@@ -5,6 +5,7 @@
 mod bringup;
 mod grpc;
 mod ingress;
+mod own_rows;
 mod prepare;
 mod router;
 mod stop;

@@ -181,6 +181,13 @@ async fn router_main(
             (tokio::spawn(b), Some(tokio::spawn(c)))
         }
     };
+    // The other ranks admit requests from here on too (the warm-up step has run).
+    if events.is_some() {
+        let addrs = api.ingress();
+        if let Err(e) = control.broadcast(&Ctl::Ingress { addrs }) {
+            abort.trigger(format!("telling the ranks the group is ready: {e}"));
+        }
+    }
     infer.set_phase(Phase::Serving);
     set_ready(&health, true).await;
     info!("serving gRPC on {addr}");
@@ -353,13 +360,7 @@ fn form_group(
         )?;
         ring.unlink();
         let ingress = match events {
-            Some(_) => {
-                let addrs = link.gather_listening(here.clone(), deadline)?;
-                link.broadcast(&Ctl::Ingress {
-                    addrs: addrs.clone(),
-                })?;
-                addrs
-            }
+            Some(_) => link.gather_listening(here.clone(), deadline)?,
             None => vec![here.clone()],
         };
         Ok((backend, ring, ingress))

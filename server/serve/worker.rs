@@ -10,7 +10,8 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tracing::{error, info};
 
 use super::bringup::{bring_up, Side, Site};
-use super::ingress::{Clients, OwnRows};
+use super::ingress::{Clients, Opener};
+use super::own_rows::{OwnRows, PackOrder};
 use super::prepare::{Prepared, Weights};
 use crate::config::{Ingress, ServeArgs};
 use crate::group::{self, send, Ctl, CtlWriter, Joined};
@@ -101,7 +102,7 @@ pub fn run(
             rank,
         };
         bring_up(&mut side, weights, &p, site, args, abort.clone()).and_then(|b| match &clients {
-            Some(c) => c.exchange_addresses(&mut stream, deadline).map(|()| b),
+            Some(c) => c.send_address(&mut stream).map(|()| b),
             None => Ok(b),
         })
     };
@@ -148,6 +149,7 @@ pub fn run(
         (None, _) => None,
     };
     let drain = clients.as_ref().map(|c| c.drain.clone());
+    let opener = clients.as_ref().map(Clients::opener);
     let looped = Follow {
         writer,
         progress,
@@ -155,6 +157,7 @@ pub fn run(
         step_timeout: args.step_timeout,
         own,
         drain,
+        opener,
         abort,
     }
     .run(stream, driver);
@@ -170,15 +173,29 @@ pub fn run(
 
 /// Reads the router's messages on a thread of its own, so that a failed group is known at once,
 /// even while a step here waits for a lost rank: `abort` ends that wait.
+/// `Ctl::Pack` orders go straight to `orders` (--ingress all), so this rank packs its rows while
+/// the step before runs.
 fn read_router(
     mut stream: TcpStream,
     abort: Arc<Abort>,
+    orders: Option<std::sync::mpsc::Sender<PackOrder>>,
 ) -> anyhow::Result<std::sync::mpsc::Receiver<std::io::Result<Ctl>>> {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("ctl-router".into())
         .spawn(move || loop {
-            let msg = group::recv(&mut stream);
+            let msg = match (group::recv(&mut stream), &orders) {
+                (Ok(Ctl::Pack { slot, key, homes }), Some(o)) => {
+                    let order = PackOrder {
+                        slot: slot as usize,
+                        key,
+                        homes,
+                    };
+                    let _ = o.send(order);
+                    continue;
+                }
+                (msg, _) => msg,
+            };
             let last = match &msg {
                 Ok(Ctl::Failed { reason, .. }) => {
                     abort.trigger(format!("the EP group stopped: {reason}"));
@@ -208,6 +225,8 @@ struct Follow {
     step_timeout: Duration,
     own: Option<OwnRows>,
     drain: Option<tokio_util::sync::CancellationToken>,
+    /// Admits requests once the router says the group is ready.
+    opener: Option<Opener>,
     abort: Arc<Abort>,
 }
 
@@ -226,7 +245,8 @@ impl Follow {
             watchdog::exit_now(1, &reason);
         })?;
         let silence = self.silence;
-        let messages = read_router(stream, self.abort.clone())?;
+        let orders = self.own.as_ref().and_then(OwnRows::orders);
+        let messages = read_router(stream, self.abort.clone(), orders)?;
         loop {
             match messages
                 .recv()
@@ -250,6 +270,11 @@ impl Follow {
                 Ok(Ctl::Shutdown) => {
                     info!("router asked to stop; exiting");
                     return Ok(());
+                }
+                Ok(Ctl::Ingress { addrs }) if self.opener.is_some() => {
+                    if let Some(o) = &self.opener {
+                        o.open(&addrs);
+                    }
                 }
                 Ok(Ctl::Drain) if self.drain.is_some() => {
                     if let Some(d) = &self.drain {

@@ -1,0 +1,254 @@
+//! `--ingress all`, a worker's step-loop side: a packer thread puts each of this rank's offers
+//! into its rows of the slot the router names (`Ctl::Pack`, while the step before runs), the step
+//! takes it from there, and a delivery thread answers its requests after the step.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Semaphore;
+
+use crate::router::rows::{copy_threads, deliver, pack};
+use crate::router::{Failure, Step, OFFERS_PENDING};
+use crate::step::ring::Ring;
+use crate::step::{StepDesc, StepKey};
+
+/// This rank's offers the router has not yet put in a step, oldest first (the router takes
+/// each rank's in this order).
+pub type Offered = Arc<Mutex<VecDeque<Step>>>;
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Which ring slots still hold this rank's rows of a step being answered.
+struct SlotGate {
+    busy: Mutex<Vec<bool>>,
+    freed: Condvar,
+}
+
+impl SlotGate {
+    fn new(slots: usize) -> Self {
+        Self {
+            busy: Mutex::new(vec![false; slots]),
+            freed: Condvar::new(),
+        }
+    }
+
+    fn hold(&self, slot: usize) {
+        lock(&self.busy)[slot] = true;
+    }
+
+    fn free(&self, slot: usize) {
+        lock(&self.busy)[slot] = false;
+        self.freed.notify_all();
+    }
+
+    /// Waits, at most `limit`, until the slot's last answers are out.
+    fn wait_free(&self, slot: usize, limit: Duration) -> bool {
+        let busy = lock(&self.busy);
+        let (busy, _) = self
+            .freed
+            .wait_timeout_while(busy, limit, |b| b[slot])
+            .unwrap_or_else(|e| e.into_inner());
+        !busy[slot]
+    }
+}
+
+/// `Ctl::Pack`: the slot of the step that takes this rank's next offer.
+pub struct PackOrder {
+    pub slot: usize,
+    pub key: StepKey,
+    pub homes: Vec<u32>,
+}
+
+/// Offers packed into their slots, waiting for their step's descriptor.
+struct Packed {
+    slots: Mutex<Vec<Option<Result<Step, String>>>>,
+    ready: Condvar,
+}
+
+/// The step loop's share of this rank's clients.
+pub struct OwnRows {
+    rank: usize,
+    packed: Arc<Packed>,
+    gate: Arc<SlotGate>,
+    orders: Option<std::sync::mpsc::Sender<PackOrder>>,
+    delivery: Option<std::sync::mpsc::SyncSender<(Step, usize)>>,
+    deliverer: Option<std::thread::JoinHandle<()>>,
+    /// Bound on waiting for a slot to be packed.
+    wait: Duration,
+}
+
+impl OwnRows {
+    pub fn start(
+        ring: Arc<Ring>,
+        rank: usize,
+        offered: Offered,
+        permits: Arc<Semaphore>,
+        wait: Duration,
+    ) -> anyhow::Result<Self> {
+        let slots = ring.shape.slots;
+        let base = rank * ring.shape.home_stride();
+        let gate = Arc::new(SlotGate::new(slots));
+        let packed = Arc::new(Packed {
+            slots: Mutex::new((0..slots).map(|_| None).collect()),
+            ready: Condvar::new(),
+        });
+        let (orders, orders_rx) = std::sync::mpsc::channel::<PackOrder>();
+        {
+            let (ring, packed) = (ring.clone(), packed.clone());
+            std::thread::Builder::new()
+                .name("step-pack".into())
+                .spawn(move || {
+                    let threads = copy_threads();
+                    for order in orders_rx {
+                        let slot = order.slot;
+                        // Not this rank's rows; or out of range: the step's descriptor fails
+                        // on it (`before`).
+                        let mine = order.homes.get(rank).is_some_and(|&n| n > 0);
+                        if !mine || slot >= slots {
+                            continue;
+                        }
+                        let r = pack_offer(&order, rank, &offered, &permits);
+                        if let Ok(step) = &r {
+                            pack(&ring, step, slot, base, threads);
+                        }
+                        lock(&packed.slots)[slot] = Some(r);
+                        packed.ready.notify_all();
+                    }
+                })?;
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(Step, usize)>(slots);
+        let deliverer = {
+            let gate = gate.clone();
+            std::thread::Builder::new()
+                .name("step-deliver".into())
+                .spawn(move || {
+                    let threads = copy_threads();
+                    for (step, slot) in rx {
+                        deliver(&ring, &step, slot, base, threads);
+                        gate.free(slot);
+                    }
+                })?
+        };
+        Ok(Self {
+            rank,
+            packed,
+            gate,
+            orders: Some(orders),
+            delivery: Some(tx),
+            deliverer: Some(deliverer),
+            wait,
+        })
+    }
+
+    /// Where the router's `Ctl::Pack` orders go.
+    pub fn orders(&self) -> Option<std::sync::mpsc::Sender<PackOrder>> {
+        self.orders.clone()
+    }
+
+    /// Before `desc` runs: the offer it takes from this rank, packed into its rows already.
+    pub fn before(&mut self, desc: &StepDesc) -> Result<Option<Step>, String> {
+        let n = desc.homes.get(self.rank).copied().unwrap_or(0) as usize;
+        if n == 0 {
+            return Ok(None);
+        }
+        let slot = desc.slot as usize;
+        let slots = lock(&self.packed.slots);
+        if slot >= slots.len() {
+            return Err(format!(
+                "step {}: ring slot {slot} of {}",
+                desc.step,
+                slots.len()
+            ));
+        }
+        let (mut slots, _) = self
+            .packed
+            .ready
+            .wait_timeout_while(slots, self.wait, |s| s[slot].is_none())
+            .unwrap_or_else(|e| e.into_inner());
+        let step = match slots[slot].take() {
+            Some(r) => r?,
+            None => {
+                return Err(format!(
+                    "step {}: slot {slot} not packed within {:?}",
+                    desc.step, self.wait
+                ))
+            }
+        };
+        drop(slots);
+        let why = if step.key() != desc.key() || step.tokens() != n {
+            format!(
+                "step {}: {n} rows of {:?} in slot {slot}, this rank packed {} of {:?}",
+                desc.step,
+                desc.key(),
+                step.tokens(),
+                step.key()
+            )
+        } else if !self.gate.wait_free(slot, self.wait) {
+            // The step writes its output rows where the last step in this slot left its own.
+            format!(
+                "step {}: slot {slot}'s answers not out within {:?}",
+                desc.step, self.wait
+            )
+        } else {
+            return Ok(Some(step));
+        };
+        step.fail(&Failure::unavailable("broken", why.clone()));
+        Err(why)
+    }
+
+    /// After the step ran: its requests are answered on the delivery thread.
+    pub fn after(&mut self, step: Step, slot: usize) {
+        self.gate.hold(slot);
+        if let Some(tx) = &self.delivery {
+            let _ = tx.send((step, slot));
+        }
+    }
+}
+
+/// The packer's part of a `Ctl::Pack`: this rank's oldest offer, checked against the order. Its
+/// input rows may go in at once: the router reuses a slot only once every rank's step in it is
+/// done (the output rows are `before`'s to wait for).
+fn pack_offer(
+    order: &PackOrder,
+    rank: usize,
+    offered: &Offered,
+    permits: &Semaphore,
+) -> Result<Step, String> {
+    let n = order.homes[rank] as usize;
+    let step = lock(offered)
+        .pop_front()
+        .ok_or("the router took an offer this rank did not make")?;
+    permits.add_permits(1);
+    metrics::gauge!(OFFERS_PENDING).decrement(1.0);
+    if step.key() == order.key && step.tokens() == n {
+        return Ok(step);
+    }
+    let why = format!(
+        "the router took {n} rows of {:?}, this rank offered {} of {:?}",
+        order.key,
+        step.tokens(),
+        step.key()
+    );
+    step.fail(&Failure::unavailable("broken", why.clone()));
+    Err(why)
+}
+
+impl Drop for OwnRows {
+    /// Answers every finished step before the rank goes on to stop; packed rows that no step
+    /// will take are refused.
+    fn drop(&mut self) {
+        self.orders.take();
+        self.delivery.take();
+        if let Some(d) = self.deliverer.take() {
+            let _ = d.join();
+        }
+        for s in lock(&self.packed.slots).iter_mut() {
+            if let Some(Ok(step)) = s.take() {
+                step.fail(&Failure::unavailable("broken", "the EP group stopped"));
+            }
+        }
+    }
+}
