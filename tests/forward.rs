@@ -62,25 +62,7 @@ fn requests(spec: &MoeSpec, rng: &mut ChaCha8Rng) -> Vec<(ForwardRequest, Sent)>
                     );
                     let mut req = request(&id, layer, tensor);
                     req.output_dtype = output as i32;
-                    let routing = client.then(|| {
-                        let mut ids = Vec::new();
-                        let mut w = Vec::new();
-                        for _ in 0..n {
-                            let mut row: Vec<usize> = Vec::new();
-                            while row.len() < k {
-                                let c = rng.random_range(0..e);
-                                if !row.contains(&c) {
-                                    row.push(c);
-                                }
-                            }
-                            ids.extend(row);
-                            w.extend((0..k).map(|_| rng.random_range(0.05f32..1.0)));
-                        }
-                        let ids_i32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
-                        req.topk_ids = Some(i32_tensor(&ids_i32, [n, k]));
-                        req.topk_weights = Some(f32_tensor(&w, [n, k]));
-                        (ids, w.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>())
-                    });
+                    let routing = client.then(|| client_routing(&mut req, rng, n, k, e));
                     out.push((
                         req,
                         Sent {

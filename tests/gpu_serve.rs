@@ -69,29 +69,7 @@ fn requests(seed: u64, count: usize) -> Vec<ForwardRequest> {
 
 /// Sends every request, `in_flight` at a time, and returns the outputs in request order.
 fn run_all(g: &Group, reqs: &[ForwardRequest], in_flight: usize) -> Vec<Vec<f32>> {
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        let client = g.client().await;
-        let gate = Arc::new(tokio::sync::Semaphore::new(in_flight));
-        let mut tasks = Vec::with_capacity(reqs.len());
-        for req in reqs.iter().cloned() {
-            let (mut c, gate) = (client.clone(), gate.clone());
-            tasks.push(tokio::spawn(async move {
-                let _permit = gate.acquire_owned().await.unwrap();
-                let id = req.id.clone();
-                let out = c
-                    .forward(req)
-                    .await
-                    .unwrap_or_else(|s| panic!("request {id}: {s}"));
-                decode(out.into_inner().output.as_ref().unwrap())
-            }));
-        }
-        let mut outs = Vec::with_capacity(tasks.len());
-        for t in tasks {
-            outs.push(t.await.unwrap());
-        }
-        outs
-    })
+    run_spread(std::slice::from_ref(&g.addr), reqs, in_flight)
 }
 
 /// ||out - ref|| / ||ref|| over every request, and the worst single request's.
@@ -564,7 +542,8 @@ fn run_spread(addrs: &[String], reqs: &[ForwardRequest], in_flight: usize) -> Ve
             ))
             .await
             .unwrap()
-            .max_decoding_message_size(256 << 20);
+            .max_decoding_message_size(256 << 20)
+            .max_encoding_message_size(256 << 20);
             clients.push((c, Arc::new(tokio::sync::Semaphore::new(in_flight))));
         }
         let mut tasks = Vec::with_capacity(reqs.len());

@@ -85,24 +85,7 @@ fn cases(spec: &MoeSpec, rng: &mut ChaCha8Rng, count: usize, tag: &str) -> Vec<C
                 spec.moe_layers[slot],
                 f32_tensor(&x, [n, h]),
             );
-            let routing = (i % 3 == 2).then(|| {
-                let mut ids = Vec::new();
-                for _ in 0..n {
-                    let mut row: Vec<usize> = Vec::new();
-                    while row.len() < k {
-                        let c = rng.random_range(0..e);
-                        if !row.contains(&c) {
-                            row.push(c);
-                        }
-                    }
-                    ids.extend(row);
-                }
-                let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(0.05f32..1.0)).collect();
-                let ids32: Vec<i32> = ids.iter().map(|&v| v as i32).collect();
-                req.topk_ids = Some(i32_tensor(&ids32, [n, k]));
-                req.topk_weights = Some(f32_tensor(&w, [n, k]));
-                (ids, w.iter().map(|&v| f64::from(v)).collect())
-            });
+            let routing = (i % 3 == 2).then(|| client_routing(&mut req, rng, n, k, e));
             Case {
                 req,
                 x: x.iter().map(|&v| f64::from(v)).collect(),

@@ -352,3 +352,30 @@ pub fn request(id: &str, layer: u32, hidden: Tensor) -> ForwardRequest {
         output_dtype: 0,
     }
 }
+
+/// Client routing for `n` tokens: `k` distinct experts of `e` and a weight in [0.05, 1) per
+/// token, set on `req`; returned (weights as f64) for the reference.
+pub fn client_routing(
+    req: &mut ForwardRequest,
+    rng: &mut impl rand::Rng,
+    n: usize,
+    k: usize,
+    e: usize,
+) -> (Vec<usize>, Vec<f64>) {
+    let (mut ids, mut w) = (Vec::new(), Vec::new());
+    for _ in 0..n {
+        let mut row: Vec<usize> = Vec::new();
+        while row.len() < k {
+            let c = rng.random_range(0..e);
+            if !row.contains(&c) {
+                row.push(c);
+            }
+        }
+        ids.extend(row);
+        w.extend((0..k).map(|_| rng.random_range(0.05f32..1.0)));
+    }
+    let ids_i32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+    req.topk_ids = Some(i32_tensor(&ids_i32, [n, k]));
+    req.topk_weights = Some(f32_tensor(&w, [n, k]));
+    (ids, w.iter().map(|&v| f64::from(v)).collect())
+}
