@@ -189,6 +189,115 @@ async fn every_rank_answers_as_the_router_does_and_as_the_reference() {
     }
 }
 
+/// `service`'s health at `addr`.
+async fn health(addr: &str, service: &str) -> i32 {
+    let ch = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    tonic_health::pb::health_client::HealthClient::new(ch)
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: service.into(),
+        })
+        .await
+        .map_or(-1, |r| r.into_inner().status)
+}
+
+const SERVING: i32 = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+const NOT_SERVING: i32 = tonic_health::pb::health_check_response::ServingStatus::NotServing as i32;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_rank_serves_the_whole_surface() {
+    use epserve::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+    use epserve::inference::model_infer_request::InferInputTensor;
+    use epserve::inference::ModelInferRequest;
+    use tokio_stream::StreamExt;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    let spec = synthetic::preset(PRESET).unwrap();
+    let group = Group::launch(4, &format!("synthetic:{PRESET}"), &flags("all"));
+    let addrs = ingress(&group, 4).await;
+    // 7 tokens of the second layer, gated (KServe has no client routing here).
+    let case = cases(&spec, &mut ChaCha8Rng::seed_from_u64(9), 4, "surface").remove(3);
+    assert!(case.routing.is_none());
+    let (n, h) = (case.x.len() / spec.hidden, spec.hidden);
+    let x: Vec<u8> = case
+        .x
+        .iter()
+        .flat_map(|&v| (v as f32).to_le_bytes())
+        .collect();
+    for (r, a) in addrs.iter().enumerate() {
+        for service in [
+            "",
+            "epserve.v1.MoeService",
+            "inference.GRPCInferenceService",
+            "liveness",
+        ] {
+            assert_eq!(health(a, service).await, SERVING, "rank {r} '{service}'");
+        }
+        let ch = Channel::from_shared(format!("http://{a}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let req = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut resp = ServerReflectionClient::new(ch.clone())
+            .server_reflection_info(tokio_stream::iter(vec![req]))
+            .await
+            .unwrap()
+            .into_inner();
+        let Some(MessageResponse::ListServicesResponse(list)) =
+            resp.next().await.unwrap().unwrap().message_response
+        else {
+            panic!("rank {r}: no service list");
+        };
+        let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+        for service in ["epserve.v1.MoeService", "inference.GRPCInferenceService"] {
+            assert!(names.contains(&service.to_string()), "rank {r}: {names:?}");
+        }
+        // The same rows through KServe v2 and epserve.v1 at this rank.
+        let forward = client(a)
+            .await
+            .forward(case.req.clone())
+            .await
+            .unwrap()
+            .into_inner();
+        let want = decode(forward.output.as_ref().unwrap());
+        let k = ModelInferRequest {
+            model_name: format!("layer-{}", spec.moe_layers[case.slot]),
+            id: "kserve".into(),
+            inputs: vec![InferInputTensor {
+                name: "hidden_states".into(),
+                datatype: "FP32".into(),
+                shape: vec![n as i64, h as i64],
+                ..Default::default()
+            }],
+            raw_input_contents: vec![x.clone().into()],
+            ..Default::default()
+        };
+        let got = GrpcInferenceServiceClient::new(ch)
+            .max_decoding_message_size(64 << 20)
+            .model_infer(k)
+            .await
+            .unwrap_or_else(|s| panic!("rank {r} KServe: {s}"))
+            .into_inner();
+        let out: Vec<f32> = got.raw_output_contents[0]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert!(
+            max_diff(&out, &want) <= 1e-6,
+            "rank {r}: KServe differs from Forward"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_load_at_every_rank_is_all_answered() {
     let spec = synthetic::preset(PRESET).unwrap();
@@ -317,6 +426,8 @@ async fn a_lost_rank_answers_every_client_of_every_rank() {
             "2s",
             "--heartbeat-interval",
             "200ms",
+            "--shutdown-grace",
+            "3s",
         ],
     );
     let addrs = ingress(&group, 4).await;
@@ -325,6 +436,16 @@ async fn a_lost_rank_answers_every_client_of_every_rank() {
     tokio::time::sleep(Duration::from_millis(400)).await;
     let killed = Instant::now();
     kill(pids[2], "KILL");
+    // Every other rank's readiness turns NOT_SERVING (its port stays up for the grace).
+    for (r, a) in addrs.iter().enumerate().filter(|(r, _)| *r != 2) {
+        while health(a, "").await != NOT_SERVING {
+            assert!(
+                killed.elapsed() < Duration::from_secs(3),
+                "rank {r} still ready"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
     let mut named = 0;
     while let Some(t) = tasks.join_next().await {
         let (rank, _, code, msg, at) = t.unwrap();
