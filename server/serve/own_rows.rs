@@ -55,6 +55,40 @@ impl SlotGate {
     }
 }
 
+/// Why this rank's rows of a step are not there: the router and this rank disagree, or a wait
+/// ran out. Either way the group breaks.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum RowsError {
+    #[error("the router took an offer this rank did not make")]
+    NotOffered,
+    #[error(
+        "the router took {want} rows of {want_key:?}, this rank offered {have} of {have_key:?}"
+    )]
+    Mismatch {
+        want: usize,
+        want_key: StepKey,
+        have: usize,
+        have_key: StepKey,
+    },
+    #[error("ring slot {slot} of {slots}")]
+    NoSlot { slot: usize, slots: usize },
+    #[error("slot {slot} not packed within {after:?}")]
+    NotPacked { slot: usize, after: Duration },
+    #[error("slot {slot}'s answers not out within {after:?}")]
+    NotDelivered { slot: usize, after: Duration },
+}
+
+impl RowsError {
+    fn mismatch(want: usize, want_key: StepKey, step: &Step) -> Self {
+        RowsError::Mismatch {
+            want,
+            want_key,
+            have: step.tokens(),
+            have_key: step.key(),
+        }
+    }
+}
+
 /// `Ctl::Pack`: the slot of the step that takes this rank's next offer.
 pub struct PackOrder {
     pub slot: usize,
@@ -64,7 +98,7 @@ pub struct PackOrder {
 
 /// Offers packed into their slots, waiting for their step's descriptor.
 struct Packed {
-    slots: Mutex<Vec<Option<Result<Step, String>>>>,
+    slots: Mutex<Vec<Option<Result<Step, RowsError>>>>,
     ready: Condvar,
 }
 
@@ -149,7 +183,7 @@ impl OwnRows {
     }
 
     /// Before `desc` runs: the offer it takes from this rank, packed into its rows already.
-    pub fn before(&mut self, desc: &StepDesc) -> Result<Option<Step>, String> {
+    pub fn before(&mut self, desc: &StepDesc) -> Result<Option<Step>, RowsError> {
         let n = desc.homes.get(self.rank).copied().unwrap_or(0) as usize;
         if n == 0 {
             return Ok(None);
@@ -157,45 +191,28 @@ impl OwnRows {
         let slot = desc.slot as usize;
         let slots = lock(&self.packed.slots);
         if slot >= slots.len() {
-            return Err(format!(
-                "step {}: ring slot {slot} of {}",
-                desc.step,
-                slots.len()
-            ));
+            let slots = slots.len();
+            return Err(RowsError::NoSlot { slot, slots });
         }
         let (mut slots, _) = self
             .packed
             .ready
             .wait_timeout_while(slots, self.wait, |s| s[slot].is_none())
             .unwrap_or_else(|e| e.into_inner());
-        let step = match slots[slot].take() {
-            Some(r) => r?,
-            None => {
-                return Err(format!(
-                    "step {}: slot {slot} not packed within {:?}",
-                    desc.step, self.wait
-                ))
-            }
-        };
+        let after = self.wait;
+        let step = slots[slot]
+            .take()
+            .ok_or(RowsError::NotPacked { slot, after })??;
         drop(slots);
         let why = if step.key() != desc.key() || step.tokens() != n {
-            format!(
-                "step {}: {n} rows of {:?} in slot {slot}, this rank packed {} of {:?}",
-                desc.step,
-                desc.key(),
-                step.tokens(),
-                step.key()
-            )
+            RowsError::mismatch(n, desc.key(), &step)
         } else if !self.gate.wait_free(slot, self.wait) {
             // The step writes its output rows where the last step in this slot left its own.
-            format!(
-                "step {}: slot {slot}'s answers not out within {:?}",
-                desc.step, self.wait
-            )
+            RowsError::NotDelivered { slot, after }
         } else {
             return Ok(Some(step));
         };
-        step.fail(&Failure::unavailable("broken", why.clone()));
+        step.fail(&Failure::unavailable("broken", why.to_string()));
         Err(why)
     }
 
@@ -216,23 +233,16 @@ fn pack_offer(
     rank: usize,
     offered: &Offered,
     permits: &Semaphore,
-) -> Result<Step, String> {
+) -> Result<Step, RowsError> {
     let n = order.homes[rank] as usize;
-    let step = lock(offered)
-        .pop_front()
-        .ok_or("the router took an offer this rank did not make")?;
+    let step = lock(offered).pop_front().ok_or(RowsError::NotOffered)?;
     permits.add_permits(1);
     metrics::gauge!(OFFERS_PENDING).decrement(1.0);
     if step.key() == order.key && step.tokens() == n {
         return Ok(step);
     }
-    let why = format!(
-        "the router took {n} rows of {:?}, this rank offered {} of {:?}",
-        order.key,
-        step.tokens(),
-        step.key()
-    );
-    step.fail(&Failure::unavailable("broken", why.clone()));
+    let why = RowsError::mismatch(n, order.key, &step);
+    step.fail(&Failure::unavailable("broken", why.to_string()));
     Err(why)
 }
 

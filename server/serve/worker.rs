@@ -256,15 +256,9 @@ impl Follow {
                     self.progress.begin();
                     let r = self.step(&mut driver, &desc);
                     self.progress.end();
-                    if let Err(e) = r {
-                        let _ = self.writer.send(&e);
-                        bail!(
-                            "{}",
-                            match e {
-                                Ctl::Failed { reason, .. } | Ctl::Corrupt { reason, .. } => reason,
-                                other => format!("{other:?}"),
-                            }
-                        );
+                    if let Err((tell, e)) = r {
+                        let _ = self.writer.send(&tell);
+                        return Err(e);
                     }
                 }
                 Ok(Ctl::Shutdown) => {
@@ -296,13 +290,22 @@ impl Follow {
         }
     }
 
-    /// One step, with this rank's own rows when it brought some; the failure to tell the router.
-    fn step<B: Backend>(&mut self, driver: &mut Driver<B>, desc: &StepDesc) -> Result<(), Ctl> {
+    /// One step, with this rank's own rows when it brought some. A failure comes with what to
+    /// tell the router.
+    fn step<B: Backend>(
+        &mut self,
+        driver: &mut Driver<B>,
+        desc: &StepDesc,
+    ) -> Result<(), (Ctl, anyhow::Error)> {
         let rank = driver.rank;
         let mine = match &mut self.own {
-            Some(own) => own
-                .before(desc)
-                .map_err(|reason| Ctl::Failed { rank, reason })?,
+            Some(own) => own.before(desc).map_err(|e| {
+                let reason = format!("step {}: {e}", desc.step);
+                (
+                    Ctl::Failed { rank, reason },
+                    anyhow::Error::new(e).context(format!("step {}", desc.step)),
+                )
+            })?,
             None => None,
         };
         match driver.run(desc) {
@@ -321,10 +324,11 @@ impl Follow {
                         _ => step.fail(&Failure::unavailable("broken", why)),
                     }
                 }
-                Err(match e {
+                let tell = match e {
                     StepError::Corrupt { .. } => Ctl::Corrupt { rank, reason },
                     _ => Ctl::Failed { rank, reason },
-                })
+                };
+                Err((tell, e.into()))
             }
         }
     }
