@@ -190,20 +190,23 @@ if want ingress; then
       [ "$(grep -c 'serving gRPC on' "$out/ingress-$name.log")" -ge "$want_lines" ] && break; sleep 0.2
     done
     m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$out/ingress-$name.log" | head -1)
-    counts=$([ $mode = all ] && python3 -c "print(*[n for n in (1, 2, 4, 8) if n <= $ranks])" || echo 1)
-    for n in $counts; do
-      tag="ingress-$name-n$n"
+    # "n:c": n ingress ranks loaded, c clients each. The router alone is also loaded with as
+    # many clients as all ranks together get.
+    counts=$([ $mode = all ] && python3 -c "print(*[f'{n}:$clients' for n in (1, 2, 4, 8) if n <= $ranks])" || echo "1:$clients 1:$((clients * ranks))")
+    for nc in $counts; do
+      n=${nc%%:*}; c=${nc#*:}
+      tag="ingress-$name-n$n-c$c"
       s0=$(metric "$m0" epserve_step_duration_seconds_sum)
       pids=()
       for r in $(seq 0 $((n - 1))); do
         echo_flag=$([ $mode = router ] && echo --echo || true)
-        .device/bin/epserve-loadtest --target 127.0.0.1:$((50100 + r)) $echo_flag --concurrency "$clients" \
+        .device/bin/epserve-loadtest --target 127.0.0.1:$((50100 + r)) $echo_flag --concurrency "$c" \
           --tokens 2048 --dtype bf16 --warmup 2s --duration 8s --json "$out/$tag-r$r.json" >"$out/$tag-r$r.txt" 2>&1 &
         pids+=($!)
       done
       wait "${pids[@]}"
       s1=$(metric "$m0" epserve_step_duration_seconds_sum)
-      echo "== $tag: $n ingress rank(s), $clients clients each; router step seconds $s0 -> $s1 (busy $(python3 -c "print(round(($s1 - $s0) / 10, 3))") of the 10 s service window)"
+      echo "== $tag: $n ingress rank(s), $c clients each; router step seconds $s0 -> $s1 (busy $(python3 -c "print(round(($s1 - $s0) / 10, 3))") of the 10 s service window)"
       for r in $(seq 0 $((n - 1))); do cat "$out/$tag-r$r.txt"; done
       python3 - "$out" "$tag" "$n" "$ranks" <<'PY'
 import json, sys
