@@ -451,8 +451,9 @@ async fn a_lost_rank_answers_every_client_of_every_rank() {
         let (rank, _, code, msg, at) = t.unwrap();
         assert!(
             at - killed <= Duration::from_secs(3),
-            "rank {rank}'s client answered after {:?}",
-            at - killed
+            "rank {rank}'s client answered after {:?}: {code:?} {msg}\n{}",
+            at - killed,
+            group.proc.log_text()
         );
         if rank == 2 {
             // Its own server is gone: the client library reports the dropped connection.

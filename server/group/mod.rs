@@ -296,11 +296,17 @@ impl RouterLink {
         Ok(link)
     }
 
+    /// Sends `msg` to every rank, even past one that cannot be reached (a lost rank must not
+    /// keep the others from hearing that the group stopped); the first failure is returned.
     pub fn broadcast(&mut self, msg: &Ctl) -> Result<(), GroupError> {
+        let mut first = Ok(());
         for (i, w) in self.workers.iter_mut().enumerate() {
-            send(w, msg).map_err(io(format!("sending to rank {}", i + 1)))?;
+            let sent = send(w, msg).map_err(io(format!("sending to rank {}", i + 1)));
+            if first.is_ok() {
+                first = sent;
+            }
         }
-        Ok(())
+        first
     }
 
     /// Waits until every rank has sent `expect(rank)`.
@@ -564,6 +570,29 @@ pub fn expect(stream: &mut TcpStream, what: &str, deadline: Instant) -> Result<C
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_broadcast_reaches_every_rank_past_one_it_cannot() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut far = Vec::new();
+        let mut workers = Vec::new();
+        for _ in 0..3 {
+            far.push(TcpStream::connect(addr).unwrap());
+            workers.push(listener.accept().unwrap().0);
+        }
+        // Rank 2's connection can no longer be written.
+        workers[1].shutdown(std::net::Shutdown::Write).unwrap();
+        let mut link = RouterLink { workers };
+        let e = link.broadcast(&Ctl::Shutdown).unwrap_err();
+        assert!(e.to_string().contains("rank 2"), "{e}");
+        for r in [0, 2] {
+            far[r]
+                .set_read_timeout(Some(Duration::from_secs(5)))
+                .unwrap();
+            assert_eq!(recv(&mut far[r]).unwrap(), Ctl::Shutdown, "rank {}", r + 1);
+        }
+    }
 
     #[test]
     fn first_difference_names_the_field() {

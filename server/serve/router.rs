@@ -230,10 +230,12 @@ async fn router_main(
                     let _ = d.acquire_many(world as u32 - 1).await;
                 }
             };
-            let done = tokio::time::timeout(args.drain_timeout, all_drained)
-                .await
-                .is_ok();
-            if !done {
+            // A group that breaks meanwhile ends the drain: its ranks will not report drained.
+            let done = tokio::select! {
+                r = tokio::time::timeout(args.drain_timeout, all_drained) => r.is_ok(),
+                _ = abort.broken() => false,
+            };
+            if !done && abort.reason().is_none() {
                 let (requests, tokens) = admission.held();
                 let ranks = others.map_or(0, |d| (world - 1).saturating_sub(d.available_permits()));
                 abort.trigger(format!(
