@@ -212,11 +212,6 @@ async fn every_rank_serves_the_whole_surface() {
     use epserve::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
     use epserve::inference::model_infer_request::InferInputTensor;
     use epserve::inference::ModelInferRequest;
-    use tokio_stream::StreamExt;
-    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
-    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
-    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-    use tonic_reflection::pb::v1::ServerReflectionRequest;
     let spec = synthetic::preset(PRESET).unwrap();
     let group = Group::launch(4, &format!("synthetic:{PRESET}"), &flags("all"));
     let addrs = ingress(&group, 4).await;
@@ -243,21 +238,7 @@ async fn every_rank_serves_the_whole_surface() {
             .connect()
             .await
             .unwrap();
-        let req = ServerReflectionRequest {
-            host: String::new(),
-            message_request: Some(MessageRequest::ListServices(String::new())),
-        };
-        let mut resp = ServerReflectionClient::new(ch.clone())
-            .server_reflection_info(tokio_stream::iter(vec![req]))
-            .await
-            .unwrap()
-            .into_inner();
-        let Some(MessageResponse::ListServicesResponse(list)) =
-            resp.next().await.unwrap().unwrap().message_response
-        else {
-            panic!("rank {r}: no service list");
-        };
-        let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+        let names = reflected_services(ch.clone()).await;
         for service in ["epserve.v1.MoeService", "inference.GRPCInferenceService"] {
             assert!(names.contains(&service.to_string()), "rank {r}: {names:?}");
         }

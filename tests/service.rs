@@ -326,26 +326,7 @@ async fn model_info_health_and_reflection() {
         );
     }
 
-    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
-    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
-    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-    use tonic_reflection::pb::v1::ServerReflectionRequest;
-    let mut refl = ServerReflectionClient::new(channel);
-    let req = ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(MessageRequest::ListServices(String::new())),
-    };
-    let mut resp = refl
-        .server_reflection_info(tokio_stream::iter(vec![req]))
-        .await
-        .unwrap()
-        .into_inner();
-    let Some(MessageResponse::ListServicesResponse(list)) =
-        resp.next().await.unwrap().unwrap().message_response
-    else {
-        panic!("no service list");
-    };
-    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    let names = reflected_services(channel).await;
     for service in ["epserve.v1.MoeService", "inference.GRPCInferenceService"] {
         assert!(names.contains(&service.to_string()), "{names:?}");
     }

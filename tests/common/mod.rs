@@ -379,3 +379,27 @@ pub fn client_routing(
     req.topk_weights = Some(f32_tensor(&w, [n, k]));
     (ids, w.iter().map(|&v| f64::from(v)).collect())
 }
+
+/// The services a server lists through gRPC reflection.
+pub async fn reflected_services(channel: Channel) -> Vec<String> {
+    use tokio_stream::StreamExt;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    let req = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut resp = ServerReflectionClient::new(channel)
+        .server_reflection_info(tokio_stream::iter(vec![req]))
+        .await
+        .unwrap()
+        .into_inner();
+    let Some(MessageResponse::ListServicesResponse(list)) =
+        resp.next().await.unwrap().unwrap().message_response
+    else {
+        panic!("no service list");
+    };
+    list.service.into_iter().map(|s| s.name).collect()
+}
