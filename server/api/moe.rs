@@ -107,14 +107,6 @@ impl MoeApi {
         let _ = self.ingress.set(list);
     }
 
-    /// Every rank's address, by rank (as set).
-    pub fn ingress(&self) -> Vec<String> {
-        self.ingress
-            .get()
-            .map(|l| l.iter().map(|a| a.address.clone()).collect())
-            .unwrap_or_default()
-    }
-
     /// The output dtype: `output_dtype`, or the input's when unspecified.
     fn out_dtype(r: &ForwardRequest) -> Result<Dtype, Failure> {
         if r.output_dtype == DType::DtypeUnspecified as i32 {

@@ -2,7 +2,7 @@
 //! schedules (`router::run_coordinator`); the step loop's share is `own_rows`.
 
 use std::net::TcpStream;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::anyhow;
@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use super::grpc::{set_ready, watch_liveness, Front};
-use super::own_rows::{Offered, OwnRows};
+use super::own_rows::{lock, Offered, OwnRows};
 use super::prepare::Prepared;
 use super::RING_SLOTS;
 use crate::config::ServeArgs;
@@ -35,10 +35,6 @@ pub struct Clients {
     /// Set when the router says drain.
     pub drain: CancellationToken,
     rank: usize,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Clients {
@@ -78,11 +74,9 @@ impl Clients {
     /// What turns this rank SERVING once the router says the group is ready.
     pub fn opener(&self) -> Opener {
         Opener {
-            front: (
-                self.front.api.clone(),
-                self.front.infer.clone(),
-                self.front.health.clone(),
-            ),
+            api: self.front.api.clone(),
+            infer: self.front.infer.clone(),
+            health: self.front.health.clone(),
             runtime: self.runtime.handle().clone(),
             rank: self.rank,
             addr: self.front.addr,
@@ -177,11 +171,9 @@ impl Clients {
 /// Turns a rank SERVING when the router says the group is ready (`Ctl::Ingress`, after its
 /// warm-up step), with every rank's address for GetModelInfo.
 pub struct Opener {
-    front: (
-        Arc<crate::api::MoeApi>,
-        Arc<crate::infer::Infer>,
-        tonic_health::server::HealthReporter,
-    ),
+    api: Arc<crate::api::MoeApi>,
+    infer: Arc<crate::infer::Infer>,
+    health: tonic_health::server::HealthReporter,
     runtime: tokio::runtime::Handle,
     rank: usize,
     addr: std::net::SocketAddr,
@@ -189,10 +181,9 @@ pub struct Opener {
 
 impl Opener {
     pub fn open(&self, addrs: &[String]) {
-        let (api, infer, health) = &self.front;
-        api.set_ingress(addrs);
-        infer.set_phase(Phase::Serving);
-        self.runtime.block_on(set_ready(health, true));
+        self.api.set_ingress(addrs);
+        self.infer.set_phase(Phase::Serving);
+        self.runtime.block_on(set_ready(&self.health, true));
         info!("rank {} serving gRPC on {}", self.rank, self.addr);
     }
 }

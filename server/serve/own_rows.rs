@@ -17,7 +17,9 @@ use crate::step::{StepDesc, StepKey};
 /// each rank's in this order).
 pub type Offered = Arc<Mutex<VecDeque<Step>>>;
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+/// A lock whose holder panicking leaves the data usable (every critical section here is a
+/// push, pop or flag flip).
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 

@@ -90,7 +90,7 @@ async fn router_main(
         )
     })
     .await;
-    let exec = match setup.map_err(anyhow::Error::from).and_then(|r| r) {
+    let (exec, ingress) = match setup.map_err(anyhow::Error::from).and_then(|r| r) {
         Ok(Formed {
             exec,
             footprint,
@@ -100,7 +100,7 @@ async fn router_main(
                 api.set_ep_footprint(f);
             }
             api.set_ingress(&ingress);
-            exec
+            (exec, ingress)
         }
         Err(e) => {
             let _ = front.close_now().await;
@@ -183,8 +183,7 @@ async fn router_main(
     };
     // The other ranks admit requests from here on too (the warm-up step has run).
     if events.is_some() {
-        let addrs = api.ingress();
-        if let Err(e) = control.broadcast(&Ctl::Ingress { addrs }) {
+        if let Err(e) = control.broadcast(&Ctl::Ingress { addrs: ingress }) {
             abort.trigger(format!("telling the ranks the group is ready: {e}"));
         }
     }
