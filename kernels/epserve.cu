@@ -57,14 +57,38 @@ constexpr int kScanThreads = 256;
 constexpr int kTile = 64;
 constexpr int kTileK = 32;
 
+// Logit e of one row stored as `parts` slices of E (the router's pieces, see `bf16_pieces`),
+// summed smallest piece first; one slice is the plain logit.
+__device__ inline float logit(const float* row, int E, int parts, int e) {
+  float v = row[(parts - 1) * E + e];
+  for (int p = parts - 2; p >= 0; p--) v += row[p * E + e];
+  return v;
+}
+
 }  // namespace
 
 extern "C" {
 
+// The f32 router `w` (n values) as three bf16 pieces, `out = [hi; mid; lo]` (3n): hi + mid + lo
+// == w exactly for normal values (each piece takes the next 8 bits of the 24), so bf16 rows times
+// the pieces, summed in f32, are the f32 products of the rows and `w`.
+__global__ void bf16_pieces(const float* w, size_t n, bf16* out) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const float v = w[i];
+    const bf16 hi = __float2bfloat16(v);
+    const float r = v - __bfloat162float(hi);
+    const bf16 mid = __float2bfloat16(r);
+    out[i] = hi;
+    out[n + i] = mid;
+    out[2 * n + i] = __float2bfloat16(r - __bfloat162float(mid));
+  }
+}
+
 // Softmax over E logits, top-k, optional renormalisation (Mixtral, Qwen3-MoE). One warp per
-// token; dynamic shared memory: (blockDim.x / 32) * E floats. Tokens >= *n get ids -1.
-__global__ void topk_softmax(const float* logits, const int* n, int n_cap, int E, int K, int renorm, int* ids,
-                             float* weights) {
+// token; dynamic shared memory: (blockDim.x / 32) * E floats. Tokens >= *n get ids -1. Each
+// row of `logits` is `parts` slices of E, summed (`logit`).
+__global__ void topk_softmax(const float* logits, const int* n, int n_cap, int E, int parts, int K, int renorm,
+                             int* ids, float* weights) {
   extern __shared__ float sm[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = blockIdx.x * (blockDim.x / 32) + warp;
@@ -77,10 +101,10 @@ __global__ void topk_softmax(const float* logits, const int* n, int n_cap, int E
     return;
   }
   float* p = sm + warp * E;
-  const float* l = logits + (size_t)t * E;
+  const float* l = logits + (size_t)t * E * parts;
   float m = -INFINITY;
   for (int e = lane; e < E; e += 32) {
-    p[e] = l[e];
+    p[e] = logit(l, E, parts, e);
     m = fmaxf(m, p[e]);
   }
   m = warp_max(m);
@@ -109,9 +133,10 @@ __global__ void topk_softmax(const float* logits, const int* n, int n_cap, int E
 // DeepSeek-V3: sigmoid scores, choice = score + bias, the best topk_group of n_group groups by the
 // sum of their top-2 choices, top-k among those (others score 0.0, as Hugging Face masks), weights
 // from the scores, optional renormalisation (+1e-20), times scaling. n_group <= 32, K <= 32.
-// Dynamic shared memory: (blockDim.x / 32) * (2 * E + 32) floats.
-__global__ void topk_sigmoid_group(const float* logits, const float* bias, const int* n, int n_cap, int E, int K,
-                                   int n_group, int topk_group, int renorm, float scaling, int* ids, float* weights) {
+// Dynamic shared memory: (blockDim.x / 32) * (2 * E + 32) floats. Logits as in `topk_softmax`.
+__global__ void topk_sigmoid_group(const float* logits, const float* bias, const int* n, int n_cap, int E,
+                                   int parts, int K, int n_group, int topk_group, int renorm, float scaling, int* ids,
+                                   float* weights) {
   extern __shared__ float sm[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = blockIdx.x * (blockDim.x / 32) + warp;
@@ -126,9 +151,9 @@ __global__ void topk_sigmoid_group(const float* logits, const float* bias, const
   float* s = sm + warp * (2 * E + 32);
   float* c = s + E;
   float* g = c + E;
-  const float* l = logits + (size_t)t * E;
+  const float* l = logits + (size_t)t * E * parts;
   for (int e = lane; e < E; e += 32) {
-    s[e] = 1.f / (1.f + expf(-l[e]));
+    s[e] = 1.f / (1.f + expf(-logit(l, E, parts, e)));
     c[e] = s[e] + (bias ? bias[e] : 0.f);
   }
   __syncwarp();

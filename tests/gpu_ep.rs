@@ -14,7 +14,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream};
 use epserve::backend::cuda::nccl::{Comm, NcclError};
 use epserve::backend::cuda::shape::Slots;
-use epserve::backend::cuda::{device_count, max_tiles, Blocks, Gpu};
+use epserve::backend::cuda::{device_count, max_tiles, Blocks, Gpu, Logits};
 use epserve::model::{MoeSpec, Routing};
 use half::bf16;
 use nccl_sys::{ncclUniqueId, Nccl};
@@ -82,7 +82,7 @@ struct Rank {
     router: CudaSlice<f32>,
     w_gu: CudaSlice<bf16>,
     w_down: CudaSlice<bf16>,
-    logits: CudaSlice<f32>,
+    logits: Logits,
     ids: CudaSlice<i32>,
     w: CudaSlice<f32>,
     xb: CudaSlice<bf16>,
@@ -135,7 +135,7 @@ impl Rank {
             router: s.clone_htod(&m.router).unwrap(),
             w_gu: s.clone_htod(&gu).unwrap(),
             w_down: s.clone_htod(&dn).unwrap(),
-            logits: s.alloc_zeros(N_CAP * E).unwrap(),
+            logits: Logits::from_slices(s.alloc_zeros(N_CAP * E).unwrap(), 1),
             ids: zi(N_CAP * K),
             w: s.alloc_zeros(N_CAP * K).unwrap(),
             xb: z(N_CAP * H),

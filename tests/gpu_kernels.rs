@@ -4,7 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use epserve::backend::cuda::hopper::{self, Gemm, Layout};
-use epserve::backend::cuda::{max_tiles, Blocks, Gpu};
+use epserve::backend::cuda::{max_tiles, Blocks, Gpu, Logits, ROUTER_PIECES};
 use epserve::model::routing::Router;
 use epserve::model::Routing;
 use half::bf16;
@@ -25,19 +25,28 @@ fn bf16s(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<bf16> {
         .collect()
 }
 
-/// Checks GPU top-k against the CPU backend's router, row by row; rows whose CPU choice has a
-/// near-tie at the boundary may differ in order only.
-fn check_topk(routing: &Routing, e: usize, k: usize, seed: u64) {
+/// Checks GPU top-k against the CPU backend's router, row by row, for logits given whole
+/// (`parts` 1) or as the bf16 router's slices (smaller by 100x each, as its pieces' products
+/// are), which the kernel sums last slice first: the CPU router gets the same f32 sums.
+fn check_topk(routing: &Routing, e: usize, k: usize, parts: usize, seed: u64) {
     let g = gpu();
     let (n_cap, n) = (333usize, 300usize);
     let mut r = rng(seed);
+    let slices: Vec<f32> = (0..n_cap * parts * e)
+        .map(|i| r.random_range(-3.0f32..3.0) * 0.01f32.powi(((i / e) % parts) as i32))
+        .collect();
     let logits: Vec<f32> = (0..n_cap * e)
-        .map(|_| r.random_range(-3.0f32..3.0))
+        .map(|i| {
+            let row = &slices[(i / e) * parts * e..][..parts * e];
+            (0..parts - 1)
+                .rev()
+                .fold(row[(parts - 1) * e + i % e], |v, p| v + row[p * e + i % e])
+        })
         .collect();
     let bias: Vec<f32> = (0..e).map(|_| r.random_range(-0.1f32..0.1)).collect();
     let s = &g.stream;
     let (dl, db, dn) = (
-        s.clone_htod(&logits).unwrap(),
+        Logits::from_slices(s.clone_htod(&slices).unwrap(), parts),
         s.clone_htod(&bias).unwrap(),
         s.clone_htod(&[n as i32]).unwrap(),
     );
@@ -96,8 +105,9 @@ fn check_topk(routing: &Routing, e: usize, k: usize, seed: u64) {
 #[test]
 #[ignore = "needs a GPU"]
 fn topk_softmax_matches_the_cpu_router() {
-    check_topk(&Routing::SoftmaxTopK { renormalize: true }, 128, 8, 1);
-    check_topk(&Routing::SoftmaxTopK { renormalize: false }, 8, 2, 2);
+    check_topk(&Routing::SoftmaxTopK { renormalize: true }, 128, 8, 1, 1);
+    check_topk(&Routing::SoftmaxTopK { renormalize: false }, 8, 2, 1, 2);
+    check_topk(&Routing::SoftmaxTopK { renormalize: true }, 256, 8, 3, 4);
 }
 
 #[test]
@@ -109,14 +119,15 @@ fn topk_sigmoid_group_matches_the_cpu_router() {
         renormalize: true,
         scaling: 2.5,
     };
-    check_topk(&ds, 256, 8, 3);
+    check_topk(&ds, 256, 8, 1, 3);
+    check_topk(&ds, 256, 8, 3, 5);
     let small = Routing::SigmoidGroupTopK {
         n_group: 4,
         topk_group: 2,
         renormalize: false,
         scaling: 1.0,
     };
-    check_topk(&small, 16, 4, 4);
+    check_topk(&small, 16, 4, 1, 4);
 }
 
 #[test]
@@ -507,35 +518,75 @@ fn masked_case(mean_rows: usize) {
 #[test]
 #[ignore = "needs a GPU"]
 fn router_logits_match_f64() {
-    // A decode-sized bucket and a prefill-sized one (cuBLAS picks other kernels).
-    router_logits_case(70, 130);
-    router_logits_case(2018, 2118);
+    // A decode-sized bucket and a prefill-sized one (cuBLAS picks other kernels), SGEMM over f32
+    // rows and the tensor-core router over bf16 rows; then DeepSeek-V3's hidden size.
+    for bf16_rows in [false, true] {
+        router_logits_case(70, 130, 272, bf16_rows);
+        router_logits_case(2018, 2118, 272, bf16_rows);
+    }
+    router_logits_case(100, 128, 7168, false);
+    router_logits_case(100, 128, 7168, true);
 }
 
-fn router_logits_case(n: usize, n_cap: usize) {
+/// Router logits of `n` random rows (bf16 values when `bf16_rows`) in a bucket of `n_cap`,
+/// against f64 sums of the same products, per logit.
+fn router_logits_case(n: usize, n_cap: usize, h: usize, bf16_rows: bool) {
     let g = gpu();
     let s = &g.stream;
     // Experts not a multiple of any tile; the step reads rows below n only.
-    let (e, h) = (24usize, 272usize);
+    let e = 24usize;
     let mut r = rng(9);
-    let x: Vec<f32> = (0..n_cap * h).map(|_| r.random_range(-1.0..1.0)).collect();
+    let round = |v: f32| match bf16_rows {
+        true => bf16::from_f32(v).to_f32(),
+        false => v,
+    };
+    let x: Vec<f32> = (0..n_cap * h)
+        .map(|_| round(r.random_range(-1.0..1.0)))
+        .collect();
     let w: Vec<f32> = (0..e * h).map(|_| r.random_range(-0.1..0.1)).collect();
-    let mut logits = s.clone_htod(&vec![7.0f32; n_cap * e]).unwrap();
+    let mut logits =
+        Logits::new(&mut epserve::backend::cuda::Alloc::new(s.clone()), n_cap, e).unwrap();
     let (dx, dw) = (s.clone_htod(&x).unwrap(), s.clone_htod(&w).unwrap());
-    g.router_logits(&dx, &dw, n_cap, e, h, &mut logits).unwrap();
-    let got = s.clone_dtoh(&logits).unwrap();
+    let slices = match bf16_rows {
+        false => {
+            g.router_logits(&dx, &dw, n_cap, e, h, &mut logits).unwrap();
+            1
+        }
+        true => {
+            let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let dxb = s.clone_htod(&xb).unwrap();
+            let mut pieces = s.alloc_zeros::<bf16>(ROUTER_PIECES * e * h).unwrap();
+            g.bf16_pieces(&dw, &mut pieces).unwrap();
+            let p = s.clone_dtoh(&pieces).unwrap();
+            // The pieces sum to the weights exactly.
+            for (i, &want) in w.iter().enumerate() {
+                let got: f64 = (0..ROUTER_PIECES)
+                    .map(|q| f64::from(p[q * e * h + i]))
+                    .sum();
+                assert_eq!(got, f64::from(want), "weight {i}: pieces sum to {got}");
+            }
+            g.router_logits_bf16(&dxb, &pieces, n_cap, e, h, &mut logits)
+                .unwrap();
+            ROUTER_PIECES
+        }
+    };
+    let got = s.clone_dtoh(logits.buf()).unwrap();
     let mut worst = 0f64;
     for t in 0..n {
         for j in 0..e {
             let want: f64 = (0..h)
                 .map(|q| f64::from(x[t * h + q]) * f64::from(w[j * h + q]))
                 .sum();
-            worst = worst.max((f64::from(got[t * e + j]) - want).abs());
+            let row = &got[t * slices * e..][..slices * e];
+            let sum: f64 = (0..slices).map(|p| f64::from(row[p * e + j])).sum();
+            worst = worst.max((sum - want).abs());
         }
     }
-    // f32 accumulation of 272 products of size <= 0.1: TF32 inputs would miss this by ~1e-3.
+    // f32 accumulation of h products of size <= 0.1 (random signs): ~1e-6 at h 7168. TF32 (or
+    // bf16 weights) would miss by ~1e-3.
+    eprintln!("router logits, n_cap {n_cap}, h {h}, bf16 rows {bf16_rows}: worst {worst:.3e}");
     assert!(
-        worst <= 1e-5,
-        "n_cap {n_cap}: worst absolute error {worst:.3e}"
+        worst <= 1e-5 * (h as f64 / 272.0).sqrt(),
+        "n_cap {n_cap}, h {h}, bf16 rows {bf16_rows}: worst absolute error {worst:.3e}"
     );
 }

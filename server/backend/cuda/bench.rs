@@ -12,7 +12,7 @@ use cudarc::driver::CudaEvent;
 use half::bf16;
 
 use super::setup::{self, Device};
-use super::step::GpuStep;
+use super::step::{GpuStep, Rows, Variant};
 use super::{device_count, GpuError};
 use crate::bench::{median, summarize, BenchConfig, ConfigResult, RankResult};
 use crate::config::{BenchArgs, EpMode, EpSettings, OnOff, EP_LL_MAX_TOKENS};
@@ -111,6 +111,10 @@ pub fn run(args: &BenchArgs, configs: &[BenchConfig]) -> anyhow::Result<Vec<Conf
 
 type Phase = fn(&mut GpuStep, usize) -> Result<(), GpuError>;
 
+/// The step a bf16 client's request runs (as the load generator sends them): rows in bf16,
+/// routed on the GPU.
+const BF16_ROWS: Variant = Variant::new(Rows::Bf16, false);
+
 /// One rank, brought up as the service brings its ranks up (`setup::Device`), with random
 /// weights: GPU `rank`, one bucket of the config's tokens per rank.
 fn rank_main(
@@ -128,21 +132,22 @@ fn rank_main(
     let t = c.tokens_per_rank;
     let s = core.g.stream.clone();
     s.memcpy_htod(&[t as i32], &mut core.b.n)?;
+    // Random rows, in the form the timed step reads them (`BF16_ROWS`).
     core.g
-        .fill_uniform_f32(&mut core.b.x, 1000 + rank as u64, 1.0)?;
+        .fill_uniform_bf16(&mut core.b.xb, 1000 + rank as u64, 1.0)?;
     for _ in 0..args.warmup.max(1) {
-        core.run(0, t, false)?;
+        core.run(0, t, BF16_ROWS)?;
     }
     s.synchronize()?;
 
     let phases: [Phase; 5] = [
-        |c, t| c.gate(0, t),
+        |c, t| c.gate(0, t, BF16_ROWS),
         |c, t| c.prepare(t),
         |c, t| c.dispatch(t),
         |c, t| c.experts(0, t),
         |c, t| c.combine(0, t),
     ];
-    let step = core.capture(|c| c.run(0, t, false))?;
+    let step = core.capture(|c| c.run(0, t, BF16_ROWS))?;
     let graphs = phases
         .iter()
         .map(|&f| core.capture(|c| f(c, t)))

@@ -13,7 +13,7 @@ use cudarc::driver::{
     DriverError,
 };
 
-use super::step::GpuStep;
+use super::step::{GpuStep, Rows, Variant};
 use super::GpuError;
 use crate::dtype::Dtype;
 use crate::step::ring::Ring;
@@ -165,8 +165,9 @@ fn ring_out<T>(
         .result()
 }
 
-/// The home rows from the ring onto the GPU as f32 in `x`: f32 rows directly, 16-bit ones through
-/// the wire buffer and a widening kernel. Outside the graph: the slot and rows vary per step.
+/// The home rows from the ring onto the GPU: bf16 rows as they are into `xb` (`Rows::Bf16`), f32
+/// rows into `x`, f16 ones through the wire buffer and a widening kernel into `x`. Outside the
+/// graph: the slot and rows vary per step.
 fn load_rows(
     c: &mut GpuStep,
     ring: &Ring,
@@ -177,6 +178,7 @@ fn load_rows(
     let (n, h, s) = (home.len(), c.shape.hidden, c.g.stream.clone());
     let span = ring.hidden_span(slot, home, d);
     match d {
+        Dtype::Bf16 => ring_in(span, &mut c.b.xb, &s),
         Dtype::F32 => ring_in(span, &mut c.b.x, &s),
         _ => {
             ring_in(span, &mut c.b.wire, &s)?;
@@ -222,17 +224,17 @@ fn enqueue(
     st: &mut Staging,
     layer: usize,
     bucket: usize,
-    client: bool,
+    v: Variant,
 ) -> Result<(), GpuError> {
     let s = c.g.stream.clone();
     let k = c.shape.top_k;
     htod(&st.n, 0..1, &mut c.b.n, &s)?;
     htod(&st.n, 1..3, &mut c.b.sh_off, &s)?;
-    if client {
+    if v.client {
         htod(&st.ids, 0..bucket * k, &mut c.b.ids, &s)?;
         htod(&st.w, 0..bucket * k, &mut c.b.w, &s)?;
     }
-    c.run(layer, bucket, client)?;
+    c.run(layer, bucket, v)?;
     let m = c.b.m.len();
     dtoh(&c.b.m, m, &mut st.m, &s)?;
     if let Some((counts, total)) = c.ex.receipts() {
@@ -280,7 +282,7 @@ pub struct GpuRank {
     ring: Arc<Ring>,
     /// Home-token capacities, ascending; the last is the largest a step can need.
     buckets: Vec<usize>,
-    /// `[layer][bucket][client routing]`, when graphs are on.
+    /// `[layer][bucket][Variant::index]`, when graphs are on.
     graphs: Vec<Option<Graph>>,
     done: CudaEvent,
     routed: Vec<u32>,
@@ -352,14 +354,16 @@ impl GpuRank {
         }
         let layers = me.core().layers.len();
         for bucket in me.buckets.clone() {
-            me.eager(0, bucket, false)?;
-            me.finish(Instant::now(), Duration::from_secs(60))?;
+            for rows in [Rows::F32, Rows::Bf16] {
+                me.eager(0, bucket, Variant::new(rows, false))?;
+                me.finish(Instant::now(), Duration::from_secs(60))?;
+            }
         }
         if graphs {
             for layer in 0..layers {
                 for bucket in me.buckets.clone() {
-                    for client in [false, true] {
-                        let g = me.capture(layer, bucket, client)?;
+                    for v in Variant::ALL {
+                        let g = me.capture(layer, bucket, v)?;
                         me.graphs.push(Some(Graph(g)));
                     }
                 }
@@ -372,20 +376,15 @@ impl GpuRank {
         self.core.as_mut().expect("the GPU rank is poisoned")
     }
 
-    fn eager(&mut self, layer: usize, bucket: usize, client: bool) -> Result<(), GpuError> {
+    fn eager(&mut self, layer: usize, bucket: usize, v: Variant) -> Result<(), GpuError> {
         let c = self.core.as_mut().expect("the GPU rank is poisoned");
-        enqueue(c, &mut self.st, layer, bucket, client)
+        enqueue(c, &mut self.st, layer, bucket, v)
     }
 
-    fn capture(
-        &mut self,
-        layer: usize,
-        bucket: usize,
-        client: bool,
-    ) -> Result<CudaGraph, GpuError> {
+    fn capture(&mut self, layer: usize, bucket: usize, v: Variant) -> Result<CudaGraph, GpuError> {
         let st = &mut self.st;
         let c = self.core.as_mut().expect("the GPU rank is poisoned");
-        c.capture(|c| enqueue(c, st, layer, bucket, client))
+        c.capture(|c| enqueue(c, st, layer, bucket, v))
     }
 
     /// Waits for everything enqueued so far, until `bound` after `started`.
@@ -504,14 +503,19 @@ impl GpuRank {
         let bucket = self.buckets[bi];
         let ring = self.ring.clone();
         let c = self.core.as_mut().expect("the GPU rank is poisoned");
+        let rows = match desc.input {
+            Dtype::Bf16 => Rows::Bf16,
+            _ => Rows::F32,
+        };
+        let v = Variant::new(rows, desc.client_routing);
         let mut launched =
             load_rows(c, &ring, slot, home.clone(), desc.input).map_err(GpuError::from);
         if launched.is_ok() {
             launched = match self.graphs.is_empty() {
-                true => self.eager(layer, bucket, desc.client_routing),
+                true => self.eager(layer, bucket, v),
                 false => {
-                    let g =
-                        (layer * self.buckets.len() + bi) * 2 + usize::from(desc.client_routing);
+                    let per_bucket = Variant::ALL.len();
+                    let g = (layer * self.buckets.len() + bi) * per_bucket + v.index();
                     let graph = self.graphs[g].as_ref().expect("captured at startup");
                     graph.0.launch().map_err(GpuError::from)
                 }

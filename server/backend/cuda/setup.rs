@@ -85,11 +85,11 @@ impl Device {
             rank,
             max_home,
             ep,
-            |_g, alloc, _shape| {
+            |g, alloc, _shape| {
                 weights
                     .layers
                     .iter()
-                    .map(|l| DeviceLayer::upload(alloc, l, spec.num_experts))
+                    .map(|l| DeviceLayer::upload(g, alloc, l, spec.num_experts))
                     .collect::<Result<Vec<_>, _>>()
                     .context("uploading the weights")
             },

@@ -15,13 +15,16 @@ use super::hopper::{self, Gemm, Hopper, Layout};
 use super::nccl::Comm;
 use super::shape::StepShape;
 use super::slots::SlotExchange;
-use super::{max_tiles, Blocks, Gpu};
+use super::{max_tiles, Blocks, Gpu, Logits, ROUTER_PIECES};
 use super::{Alloc, GpuError};
 use crate::model::{Ffn, LayerWeights, Routing};
 
-/// One MoE layer on the device: the router in f32, this rank's experts in bf16.
+/// One MoE layer on the device: the router in f32 (and as bf16 pieces, for bf16 rows), this
+/// rank's experts in bf16.
 pub struct DeviceLayer {
     router: CudaSlice<f32>,
+    /// `[3][experts][hidden]`: `Gpu::bf16_pieces` of `router`.
+    pieces: CudaSlice<bf16>,
     bias: CudaSlice<f32>,
     /// `[local][2 * inter][hidden]`.
     w_gu: CudaSlice<bf16>,
@@ -34,16 +37,66 @@ fn to_bf16<'a>(parts: impl Iterator<Item = &'a [f32]>) -> Vec<bf16> {
     parts.flatten().map(|&v| bf16::from_f32(v)).collect()
 }
 
+/// Where a step's home rows are when its graph starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rows {
+    /// f32 in `x` (f32 and f16 clients): the step makes the experts' bf16 copy, and routes the
+    /// f32 rows in SGEMM.
+    F32,
+    /// bf16 in `xb`, as a bf16 client sent them: nothing to convert, and the router runs on
+    /// tensor cores (`Gpu::router_logits_bf16`: the same f32 products as SGEMM, in f32 sums).
+    Bf16,
+}
+
+/// What one of a (layer, bucket)'s captured graphs is for: the rows' form, and whether the
+/// client sent the top-k (then no router runs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Variant {
+    pub rows: Rows,
+    pub client: bool,
+}
+
+impl Variant {
+    pub const ALL: [Variant; 4] = [
+        Variant::new(Rows::F32, false),
+        Variant::new(Rows::F32, true),
+        Variant::new(Rows::Bf16, false),
+        Variant::new(Rows::Bf16, true),
+    ];
+
+    pub const fn new(rows: Rows, client: bool) -> Self {
+        Self { rows, client }
+    }
+
+    /// Its place in `ALL`.
+    pub fn index(self) -> usize {
+        2 * self.rows as usize + usize::from(self.client)
+    }
+}
+
+fn pieces(g: &Gpu, a: &mut Alloc, router: &CudaSlice<f32>) -> Result<CudaSlice<bf16>, DriverError> {
+    let mut p = a.zeros::<bf16>(ROUTER_PIECES * router.len())?;
+    g.bf16_pieces(router, &mut p)?;
+    Ok(p)
+}
+
 impl DeviceLayer {
-    pub fn upload(a: &mut Alloc, l: &LayerWeights, experts: usize) -> Result<Self, DriverError> {
+    pub fn upload(
+        g: &Gpu,
+        a: &mut Alloc,
+        l: &LayerWeights,
+        experts: usize,
+    ) -> Result<Self, DriverError> {
         let ffn = |a: &mut Alloc, f: &Ffn| -> Result<_, DriverError> {
             Ok((
                 a.upload(&to_bf16(std::iter::once(&f.gate_up[..])))?,
                 a.upload(&to_bf16(std::iter::once(&f.down[..])))?,
             ))
         };
+        let router = a.upload(&l.router)?;
         Ok(Self {
-            router: a.upload(&l.router)?,
+            pieces: pieces(g, a, &router)?,
+            router,
             bias: match &l.bias {
                 Some(b) => a.upload(b)?,
                 None => a.zeros(experts)?,
@@ -74,6 +127,7 @@ impl DeviceLayer {
             }
         };
         Ok(Self {
+            pieces: pieces(g, a, &router)?,
             router,
             bias: a.zeros(s.experts)?,
             w_gu,
@@ -94,7 +148,7 @@ pub struct Buffers {
     /// This step's home token count (one int), and `[0, n]` for the shared expert's GEMM.
     pub n: CudaSlice<i32>,
     pub sh_off: CudaSlice<i32>,
-    logits: CudaSlice<f32>,
+    logits: Logits,
     pub ids: CudaSlice<i32>,
     pub w: CudaSlice<f32>,
     /// This rank's per-expert counts of its home rows, and every rank's `[world][experts]`.
@@ -128,7 +182,7 @@ impl Buffers {
             wire: a.zeros(t * h)?,
             n: a.zeros(1)?,
             sh_off: a.zeros(2)?,
-            logits: a.zeros(t * e)?,
+            logits: Logits::new(a, t, e)?,
             ids: a.zeros(t * k)?,
             w: a.zeros(t * k)?,
             counts: a.zeros(e)?,
@@ -202,11 +256,21 @@ impl GpuStep {
         })
     }
 
-    /// Router logits and top-k over the home tokens.
-    pub fn gate(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
+    /// The experts' bf16 copy of f32 home rows, then the rows' top-k: from the router, or
+    /// already on the device (the client's).
+    pub fn gate(&mut self, layer: usize, bucket: usize, v: Variant) -> Result<(), GpuError> {
         let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
         let (e, k, h) = (s.experts, s.top_k, s.hidden);
-        g.router_logits(&b.x, &l.router, bucket, e, h, &mut b.logits)?;
+        if v.rows == Rows::F32 {
+            g.f32_to_bf16(&b.x, &b.n, bucket, h, &mut b.xb)?;
+        }
+        if v.client {
+            return Ok(());
+        }
+        match v.rows {
+            Rows::F32 => g.router_logits(&b.x, &l.router, bucket, e, h, &mut b.logits)?,
+            Rows::Bf16 => g.router_logits_bf16(&b.xb, &l.pieces, bucket, e, h, &mut b.logits)?,
+        }
         match self.routing {
             Routing::SoftmaxTopK { renormalize } => g.topk_softmax(
                 &b.logits,
@@ -240,10 +304,9 @@ impl GpuStep {
         Ok(())
     }
 
-    /// bf16 copy of the tokens, the exchange's counts, their all-gather, the exchange's prepare.
+    /// The exchange's counts, their all-gather, the exchange's prepare.
     pub fn prepare(&mut self, bucket: usize) -> Result<(), GpuError> {
         let (g, b, s) = (&self.g, &mut self.b, &self.shape);
-        g.f32_to_bf16(&b.x, &b.n, bucket, s.hidden, &mut b.xb)?;
         self.ex.count(g, &home!(b), bucket, &mut b.counts)?;
         self.comm
             .all_gather(&b.counts, &mut b.m, s.experts, &g.stream)?;
@@ -335,10 +398,8 @@ impl GpuStep {
     }
 
     /// The whole step after the inputs are on the device.
-    pub fn run(&mut self, layer: usize, bucket: usize, client: bool) -> Result<(), GpuError> {
-        if !client {
-            self.gate(layer, bucket)?;
-        }
+    pub fn run(&mut self, layer: usize, bucket: usize, v: Variant) -> Result<(), GpuError> {
+        self.gate(layer, bucket, v)?;
         self.prepare(bucket)?;
         self.dispatch(bucket)?;
         self.experts(layer, bucket)?;
