@@ -681,7 +681,12 @@ fn nccl_ep_refuses_on_old_nccl_and_auto_serves_on_nccl() {
         log.contains("--backend nccl-ep cannot run here: NCCL EP needs NCCL >= 2.30.4"),
         "{log}"
     );
-    let g = Group::launch(2, "synthetic:tiny", &["--backend", "auto"]);
+    // One rank per GPU (NCCL refuses two ranks on one).
+    let g = Group::launch(
+        device_count().min(2),
+        "synthetic:tiny",
+        &["--backend", "auto"],
+    );
     let rt = tokio::runtime::Runtime::new().unwrap();
     let info = rt.block_on(async {
         let mut c = g.client().await;
