@@ -488,42 +488,19 @@ impl<'a> Blocks<'a> {
 /// Pieces of the f32 router the bf16 router multiplies (`bf16_pieces`).
 pub const ROUTER_PIECES: usize = 3;
 
-/// The most K slices the bf16 router splits its sums into, and the most rows' worth of slices
-/// it writes (`router_splits`).
-const ROUTER_SPLITS: usize = 8;
-const SPLIT_ROWS: usize = 1024;
-
-/// K slices for the bf16 router over a bucket of `n_cap` rows, with room for `rows` rows of
-/// slices: a decode-sized bucket's output gives cuBLAS few tiles over a long K, and shorter sums
-/// round less. On one H200 (hidden 7168, 256 experts, outside a graph) 8 slices at 128 rows took
-/// 16.7 µs against 19.1 µs whole, 4 at 256 18.1 against 21.5; from 1024 rows one was fastest.
-/// Each slice starts on a 16-byte boundary.
-fn router_splits(n_cap: usize, h: usize, rows: usize) -> usize {
-    let mut s = 1;
-    while 2 * s <= ROUTER_SPLITS
-        && 2 * s * n_cap <= SPLIT_ROWS
-        && 2 * s * n_cap <= rows
-        && h % (2 * s * 8) == 0
-    {
-        s *= 2;
-    }
-    s
-}
-
 /// Router logits on the device: each of a bucket's rows is `parts` slices of `e` floats whose
-/// sum is the logit. SGEMM writes one slice; the bf16 router one per piece of the weights and K
-/// slice, which the top-k kernels sum.
+/// sum is the logit. SGEMM writes one slice; the bf16 router one per piece of the weights, which
+/// the top-k kernels sum.
 pub struct Logits {
     buf: CudaSlice<f32>,
     parts: usize,
 }
 
 impl Logits {
-    /// Room for `rows` rows from either router, and for the bf16 router's K slices of
-    /// smaller buckets.
+    /// Room for `rows` rows from either router.
     pub fn new(a: &mut Alloc, rows: usize, e: usize) -> Result<Self, DriverError> {
         Ok(Self {
-            buf: a.zeros(rows.max(SPLIT_ROWS) * e * ROUTER_PIECES)?,
+            buf: a.zeros(rows * e * ROUTER_PIECES)?,
             parts: 1,
         })
     }
@@ -537,20 +514,9 @@ impl Logits {
         &self.buf
     }
 
-    /// Slices per row, as the last router wrote them.
-    pub fn parts(&self) -> usize {
-        self.parts
-    }
-
-    /// Rows of `e` logits from the bf16 router, which writes ROUTER_PIECES slices per K slice.
-    fn rows(&self, e: usize) -> usize {
-        self.buf.len() / (e * ROUTER_PIECES)
-    }
-
     fn check(&self, n_cap: usize, e: usize) {
         assert!(
-            (1..=ROUTER_PIECES * ROUTER_SPLITS).contains(&self.parts)
-                && self.buf.len() >= n_cap * e * self.parts,
+            (1..=ROUTER_PIECES).contains(&self.parts) && self.buf.len() >= n_cap * e * self.parts,
             "logits smaller than their shape"
         );
     }
@@ -593,12 +559,12 @@ impl Gpu {
     }
 
     /// The same logits for rows that are exactly bf16 (`xb`, a bf16 client's rows), on tensor
-    /// cores: `xb` times each bf16 piece of the router (`pieces [3][e][h]`, `bf16_pieces`), over
-    /// `router_splits` slices of K. Each product of two bf16 values is exact in f32 and the
-    /// pieces sum to the f32 weight, so this sums the same f32 products as `router_logits`, in f32
-    /// but in another order and with the tensor cores' rounding (`gpu_kernels` bounds it against
-    /// f64; bf16 or TF32 weights would miss by ~1e-3). A quarter of SGEMM's time at prefill
-    /// (docs/benchmarks.md).
+    /// cores: `xb` times each bf16 piece of the router (`pieces [3][e][h]`, `bf16_pieces`). Each
+    /// product of two bf16 values is exact in f32 and the pieces sum to the f32 weight, so this
+    /// sums the same f32 products as `router_logits`, in f32 but in another order and with the
+    /// tensor cores' rounding: at DeepSeek-V3's hidden size 7168 the worst logit was 1.6e-5 from
+    /// f64 where SGEMM's was 2.9e-6 (`gpu_kernels`), against ~1e-3 for bf16 or TF32 weights. It
+    /// takes a quarter of SGEMM's time at prefill and two thirds at decode (docs/benchmarks.md).
     pub fn router_logits_bf16(
         &self,
         xb: &CudaSlice<bf16>,
@@ -609,12 +575,8 @@ impl Gpu {
         logits: &mut Logits,
     ) -> Result<(), GpuError> {
         let m = ROUTER_PIECES * e;
-        let splits = router_splits(n_cap, h, logits.rows(e));
-        let kc = h / splits;
         assert!(
-            xb.len() >= n_cap * h
-                && pieces.len() >= m * h
-                && logits.buf.len() >= n_cap * m * splits,
+            xb.len() >= n_cap * h && pieces.len() >= m * h && logits.buf.len() >= n_cap * m,
             "router_logits_bf16 operands smaller than their shapes"
         );
         use cudarc::cublas::sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F};
@@ -623,36 +585,30 @@ impl Gpu {
         let (a, _ra) = pieces.device_ptr(&self.stream);
         let (b, _rb) = xb.device_ptr(&self.stream);
         let (c, _rc) = logits.buf.device_ptr_mut(&self.stream);
-        logits.parts = ROUTER_PIECES * splits;
-        // K slice j of every row: column-major [3e, n_cap] = pieces[:, jK]^T' . xb[:, jK]^T',
-        // written at column offset j * 3e of rows 3e * splits long, so each row of the output
-        // holds its slices side by side (row-major [n_cap][splits][3][e]).
-        // SAFETY: the three operands span these shapes (asserted above); each batch writes its
-        // own 3e columns of every row, so none overlaps another; alpha and beta outlive the
-        // call, which reads them before it returns (host pointer mode).
+        logits.parts = ROUTER_PIECES;
+        // Row-major [n_cap, 3e] (one slice of e per piece) is column-major [3e, n_cap] =
+        // pieces^T' . xb^T'.
+        // SAFETY: the three operands span these shapes (asserted above); alpha and beta outlive
+        // the call, which reads them before it returns (host pointer mode).
         unsafe {
-            cudarc::cublas::result::gemm_strided_batched_ex(
+            cudarc::cublas::result::gemm_ex(
                 *self.blas.handle(),
                 cublasOperation_t::CUBLAS_OP_T,
                 cublasOperation_t::CUBLAS_OP_N,
                 m as i32,
                 n_cap as i32,
-                kc as i32,
+                h as i32,
                 (&alpha) as *const f32 as *const _,
                 a as *const _,
                 CUDA_R_16BF,
                 h as i32,
-                kc as i64,
                 b as *const _,
                 CUDA_R_16BF,
                 h as i32,
-                kc as i64,
                 (&beta) as *const f32 as *const _,
                 c as *mut _,
                 CUDA_R_32F,
-                (m * splits) as i32,
-                m as i64,
-                splits as i32,
+                m as i32,
                 cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
@@ -912,23 +868,5 @@ impl Gpu {
         b.arg(n).arg(&h32).arg(out);
         // SAFETY: x, shared and out hold n_cap rows of h; a null `shared` is a zero pointer.
         unsafe { b.launch(Self::cfg((n_cap as u32, 1), 256, 0)) }.map(drop)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::router_splits;
-
-    #[test]
-    fn router_splits_follow_the_bucket() {
-        // DeepSeek-V3's hidden size, buffers for 4096 rows.
-        assert_eq!(router_splits(128, 7168, 4096), 8);
-        assert_eq!(router_splits(256, 7168, 4096), 4);
-        assert_eq!(router_splits(512, 7168, 4096), 2);
-        assert_eq!(router_splits(1024, 7168, 4096), 1);
-        assert_eq!(router_splits(4096, 7168, 4096), 1);
-        // 272 / 4 is not a multiple of 8 elements; room for two slices of 128 rows only.
-        assert_eq!(router_splits(130, 272, 4096), 2);
-        assert_eq!(router_splits(128, 7168, 256), 2);
     }
 }
