@@ -331,6 +331,13 @@ impl GpuStep {
             n_tiles,
             ..
         } = &mut self.b;
+        let w = FfnWeights {
+            gate_up: &l.w_gu,
+            down: &l.w_down,
+            groups: s.local(),
+            inter: s.inter,
+        };
+        let scratch = (tiles, n_tiles, gu, act);
         match self.ex.expert_rows(g, bucket)? {
             ExpertRows::Blocks {
                 x,
@@ -346,7 +353,7 @@ impl GpuStep {
                     rows: total,
                     weights,
                 };
-                contiguous_ffn(g, l, blocks, cap, s, (tiles, n_tiles), (gu, act), x)
+                contiguous_ffn(g, w, blocks, cap, s.hidden, scratch, Io::InPlace(x))
             }
             ExpertRows::Strided {
                 x,
@@ -364,7 +371,7 @@ impl GpuStep {
                     valid,
                     mean_rows,
                 };
-                strided_ffn(g, l, rows, s, (tiles, n_tiles), (gu, act), x)
+                strided_ffn(g, w, rows, s.hidden, scratch, x)
             }
         }
     }
@@ -417,28 +424,65 @@ struct Contiguous<'a> {
     weights: Option<&'a CudaSlice<f32>>,
 }
 
-/// The FFN over contiguous expert blocks of at most `rows` rows, in place on `xe`: gate/up,
-/// SwiGLU, down. A row's weight scales its activation (the down projection is linear), or its
-/// output on the WMMA path.
-#[allow(clippy::too_many_arguments)]
+/// A grouped SwiGLU FFN's weights: `groups` experts of intermediate size `inter`.
+struct FfnWeights<'a> {
+    /// `[groups][2 * inter][hidden]`.
+    gate_up: &'a CudaSlice<bf16>,
+    /// `[groups][hidden][inter]`.
+    down: &'a CudaSlice<bf16>,
+    groups: usize,
+    inter: usize,
+}
+
+/// An FFN's rows: read by the gate/up GEMM, then written by the down GEMM, in place (the
+/// exchange's rows) or into another buffer (the shared expert's output).
+enum Io<'a> {
+    InPlace(&'a mut CudaSlice<bf16>),
+    Apart(&'a CudaSlice<bf16>, &'a mut CudaSlice<bf16>),
+}
+
+impl Io<'_> {
+    fn input(&self) -> &CudaSlice<bf16> {
+        match self {
+            Io::InPlace(x) => x,
+            Io::Apart(x, _) => x,
+        }
+    }
+
+    fn output(&mut self) -> &mut CudaSlice<bf16> {
+        match self {
+            Io::InPlace(y) | Io::Apart(_, y) => y,
+        }
+    }
+}
+
+/// The WMMA kernels' tile lists, then the gate/up and activation rows.
+type Scratch<'a> = (
+    &'a mut CudaSlice<i32>,
+    &'a mut CudaSlice<i32>,
+    &'a mut CudaSlice<bf16>,
+    &'a mut CudaSlice<bf16>,
+);
+
+/// The FFN over contiguous blocks of at most `rows` rows: gate/up, SwiGLU, down. A row's weight
+/// scales its activation (the down projection is linear), or its output on the WMMA path.
 fn contiguous_ffn(
     g: &Gpu,
-    l: &DeviceLayer,
+    w: FfnWeights,
     b: Contiguous,
     rows: usize,
-    s: &StepShape,
-    (tiles, n_tiles): (&mut CudaSlice<i32>, &mut CudaSlice<i32>),
-    (gu, act): (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
-    xe: &mut CudaSlice<bf16>,
+    h: usize,
+    (tiles, n_tiles, gu, act): Scratch,
+    mut io: Io,
 ) -> Result<(), GpuError> {
-    let (h, i, local) = (s.hidden, s.inter, s.local());
+    let (i, groups) = (w.inter, w.groups);
     let psum = Layout::Psum;
-    if Hopper::fits(psum, local, 2 * i, h) && Hopper::fits(psum, local, h, i) {
+    if Hopper::fits(psum, groups, 2 * i, h) && Hopper::fits(psum, groups, h, i) {
         let up = Gemm {
-            x: xe,
+            x: io.input(),
             rows,
-            w: &l.w_gu,
-            groups: local,
+            w: w.gate_up,
+            groups,
             n: 2 * i,
             k: h,
             layout: psum,
@@ -449,22 +493,22 @@ fn contiguous_ffn(
         let down = Gemm {
             x: act,
             rows,
-            w: &l.w_down,
-            groups: local,
+            w: w.down,
+            groups,
             n: h,
             k: i,
             layout: psum,
             sizes: b.ends,
         };
-        g.hopper.gemm(down, xe, &g.stream)?;
+        g.hopper.gemm(down, io.output(), &g.stream)?;
         return Ok(());
     }
     let blocks = Blocks::Offsets(b.offsets);
     g.grouped_gemm(
-        xe,
-        &l.w_gu,
+        io.input(),
+        w.gate_up,
         blocks,
-        local,
+        groups,
         rows,
         2 * i,
         h,
@@ -473,11 +517,10 @@ fn contiguous_ffn(
         gu,
     )?;
     g.swiglu(gu, b.rows, rows, i, None, act)?;
-    g.grouped_gemm(
-        act, &l.w_down, blocks, local, rows, h, i, tiles, n_tiles, xe,
-    )?;
-    if let Some(w) = b.weights {
-        g.scale_rows(xe, w, b.rows, rows, h)?;
+    let y = io.output();
+    g.grouped_gemm(act, w.down, blocks, groups, rows, h, i, tiles, n_tiles, y)?;
+    if let Some(wt) = b.weights {
+        g.scale_rows(y, wt, b.rows, rows, h)?;
     }
     Ok(())
 }
@@ -497,37 +540,36 @@ struct Strided<'a> {
 /// the WMMA kernels over the same blocks.
 fn strided_ffn(
     g: &Gpu,
-    l: &DeviceLayer,
+    w: FfnWeights,
     r: Strided,
-    s: &StepShape,
-    (tiles, n_tiles): (&mut CudaSlice<i32>, &mut CudaSlice<i32>),
-    (gu, act): (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
+    h: usize,
+    (tiles, n_tiles, gu, act): Scratch,
     x: &mut CudaSlice<bf16>,
 ) -> Result<(), GpuError> {
-    let (h, i, local) = (s.hidden, s.inter, s.local());
+    let (i, groups) = (w.inter, w.groups);
     let masked = Layout::Masked {
         stride: r.stride,
         mean_rows: r.mean_rows,
     };
-    if Hopper::fits(masked, local, 2 * i, h) && Hopper::fits(masked, local, h, i) {
-        let span = local * r.stride;
+    if Hopper::fits(masked, groups, 2 * i, h) && Hopper::fits(masked, groups, h, i) {
+        let span = groups * r.stride;
         let up = Gemm {
             x,
             rows: span,
-            w: &l.w_gu,
-            groups: local,
+            w: w.gate_up,
+            groups,
             n: 2 * i,
             k: h,
             layout: masked,
             sizes: r.counts,
         };
         g.hopper.gemm(up, gu, &g.stream)?;
-        g.swiglu_masked(gu, r.counts, local, r.stride, i, act)?;
+        g.swiglu_masked(gu, r.counts, groups, r.stride, i, act)?;
         let down = Gemm {
             x: act,
             rows: span,
-            w: &l.w_down,
-            groups: local,
+            w: w.down,
+            groups,
             n: h,
             k: i,
             layout: masked,
@@ -537,98 +579,47 @@ fn strided_ffn(
         return Ok(());
     }
     let blocks = Blocks::Bounds(r.bounds);
+    let (rows, tiles_cap) = (r.valid, max_tiles(r.valid, groups));
     g.grouped_gemm(
         x,
-        &l.w_gu,
+        w.gate_up,
         blocks,
-        local,
-        r.valid,
+        groups,
+        rows,
         2 * i,
         h,
         tiles,
         n_tiles,
         gu,
     )?;
-    g.swiglu_tiles(
-        gu,
-        tiles,
-        n_tiles,
-        r.bounds,
-        local,
-        max_tiles(r.valid, local),
-        i,
-        act,
-    )?;
-    g.grouped_gemm(
-        act, &l.w_down, blocks, local, r.valid, h, i, tiles, n_tiles, x,
-    )?;
+    g.swiglu_tiles(gu, tiles, n_tiles, r.bounds, groups, tiles_cap, i, act)?;
+    g.grouped_gemm(act, w.down, blocks, groups, rows, h, i, tiles, n_tiles, x)?;
     Ok(())
 }
 
-/// The shared expert over the bucket's home rows (`xb`, `n` of them) into `sy`: one group, on
-/// the Hopper GEMM where the shapes allow, else the WMMA kernels.
+/// The shared expert over the bucket's home rows (`xb`, `n` of them) into `sy`: one block from
+/// row 0 (`sh_off`), through the same FFN as the routed experts'.
 fn shared_ffn(
     g: &Gpu,
     s: &StepShape,
-    (w_gu, w_down): (&CudaSlice<bf16>, &CudaSlice<bf16>),
+    (gate_up, down): (&CudaSlice<bf16>, &CudaSlice<bf16>),
     bucket: usize,
     b: &mut Buffers,
 ) -> Result<(), GpuError> {
-    let (h, si) = (s.hidden, s.shared_inter);
-    let psum = Layout::Psum;
-    if Hopper::fits(psum, 1, 2 * si, h) && Hopper::fits(psum, 1, h, si) {
-        // One block from row 0 (`sh_off[0]`) of `n` rows.
-        g.psum_ends(&b.sh_off, &b.n, &mut b.sh_ends)?;
-        let up = Gemm {
-            x: &b.xb,
-            rows: bucket,
-            w: w_gu,
-            groups: 1,
-            n: 2 * si,
-            k: h,
-            layout: psum,
-            sizes: &b.sh_ends,
-        };
-        g.hopper.gemm(up, &mut b.sgu, &g.stream)?;
-        g.swiglu(&b.sgu, &b.n, bucket, si, None, &mut b.sact)?;
-        let down = Gemm {
-            x: &b.sact,
-            rows: bucket,
-            w: w_down,
-            groups: 1,
-            n: h,
-            k: si,
-            layout: psum,
-            sizes: &b.sh_ends,
-        };
-        g.hopper.gemm(down, &mut b.sy, &g.stream)?;
-        return Ok(());
-    }
-    let blocks = Blocks::Offsets(&b.sh_off);
-    g.grouped_gemm(
-        &b.xb,
-        w_gu,
-        blocks,
-        1,
-        bucket,
-        2 * si,
-        h,
-        &mut b.stiles,
-        &mut b.sn_tiles,
-        &mut b.sgu,
-    )?;
-    g.swiglu(&b.sgu, &b.n, bucket, si, None, &mut b.sact)?;
-    g.grouped_gemm(
-        &b.sact,
-        w_down,
-        blocks,
-        1,
-        bucket,
-        h,
-        si,
-        &mut b.stiles,
-        &mut b.sn_tiles,
-        &mut b.sy,
-    )?;
-    Ok(())
+    g.psum_ends(&b.sh_off, &b.n, &mut b.sh_ends)?;
+    let w = FfnWeights {
+        gate_up,
+        down,
+        groups: 1,
+        inter: s.shared_inter,
+    };
+    let block = Contiguous {
+        offsets: &b.sh_off,
+        ends: &b.sh_ends,
+        rows: &b.n,
+        weights: None,
+    };
+    let scratch = (&mut b.stiles, &mut b.sn_tiles, &mut b.sgu, &mut b.sact);
+    let io = Io::Apart(&b.xb, &mut b.sy);
+    contiguous_ffn(g, w, block, bucket, s.hidden, scratch, io)
 }
