@@ -52,6 +52,18 @@ mod tests {
 
 /// The GPU backend's setup, or, in a build without `--features cuda`, refusals that say so.
 pub mod gpu {
+    /// Where one GPU rank sits: its device, the group, the most home tokens a step gives it, and
+    /// NCCL EP's settings (None: the `nccl` exchange). The service and `epserve bench` open their
+    /// devices from it.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Seat {
+        pub ordinal: usize,
+        pub world: usize,
+        pub rank: usize,
+        pub max_home: usize,
+        pub ep: Option<crate::config::EpSettings>,
+    }
+
     #[cfg(feature = "cuda")]
     pub use super::cuda::bench::run as bench;
     #[cfg(feature = "cuda")]
@@ -95,13 +107,9 @@ pub mod gpu {
 
         impl Device {
             pub fn open(
-                _ordinal: usize,
+                _seat: super::Seat,
                 _spec: &MoeSpec,
                 _weights: RankWeights,
-                _world: usize,
-                _rank: usize,
-                _max_home: usize,
-                _ep: Option<crate::config::EpSettings>,
             ) -> anyhow::Result<Self> {
                 anyhow::bail!(WHY)
             }

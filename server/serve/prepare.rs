@@ -171,16 +171,14 @@ pub fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<(Prepared, We
     );
     let (weights, exchange_bytes) = match backend {
         BackendKind::Nccl | BackendKind::NcclEp => {
-            let ordinal = device_ordinal(args, member.rank)?;
-            let dev = gpu::Device::open(
-                ordinal,
-                &spec,
-                weights,
-                member.world,
-                member.rank,
+            let seat = gpu::Seat {
+                ordinal: device_ordinal(args, member.rank)?,
+                world: member.world,
+                rank: member.rank,
                 max_home,
                 ep,
-            )?;
+            };
+            let dev = gpu::Device::open(seat, &spec, weights)?;
             let bytes = dev.buffer_bytes() as u64;
             (Weights::Gpu(Box::new(dev)), bytes)
         }

@@ -14,6 +14,7 @@ use half::bf16;
 use super::setup::{self, Device};
 use super::step::{GpuStep, Rows, Variant};
 use super::{device_count, GpuError};
+use crate::backend::gpu::Seat;
 use crate::bench::{median, summarize, BenchConfig, ConfigResult, RankResult};
 use crate::config::{BenchArgs, EpMode, EpSettings, OnOff, EP_LL_MAX_TOKENS};
 
@@ -125,7 +126,14 @@ fn rank_main(
     args: &BenchArgs,
     ep: Option<EpSettings>,
 ) -> anyhow::Result<RankResult> {
-    let dev = Device::random(rank, &c.spec(), 7, world, rank, c.tokens_per_rank, ep)?;
+    let seat = Seat {
+        ordinal: rank,
+        world,
+        rank,
+        max_home: c.tokens_per_rank,
+        ep,
+    };
+    let dev = Device::random(seat, &c.spec(), 7)?;
     let deadline = Instant::now() + Duration::from_secs(300);
     let (mut core, mut a) = dev.connect(id, deadline)?;
     let shape = core.shape;

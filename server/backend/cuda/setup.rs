@@ -14,7 +14,7 @@ use super::shape::{EpShape, StepShape};
 use super::step::{DeviceLayer, GpuStep};
 use super::Alloc;
 use super::Gpu;
-use crate::config::EpSettings;
+use crate::backend::gpu::Seat;
 use crate::model::{MoeSpec, RankWeights};
 use crate::step::ring::Ring;
 use crate::step::Backend;
@@ -69,68 +69,39 @@ pub struct Device {
 }
 
 impl Device {
-    pub fn open(
-        ordinal: usize,
-        spec: &MoeSpec,
-        weights: RankWeights,
-        world: usize,
-        rank: usize,
-        max_home: usize,
-        ep: Option<EpSettings>,
-    ) -> anyhow::Result<Self> {
-        Self::new(
-            ordinal,
-            spec,
-            world,
-            rank,
-            max_home,
-            ep,
-            |g, alloc, _shape| {
-                weights
-                    .layers
-                    .iter()
-                    .map(|l| DeviceLayer::upload(g, alloc, l, spec.num_experts))
-                    .collect::<Result<Vec<_>, _>>()
-                    .context("uploading the weights")
-            },
-        )
+    pub fn open(seat: Seat, spec: &MoeSpec, weights: RankWeights) -> anyhow::Result<Self> {
+        Self::new(seat, spec, |g, alloc, _shape| {
+            weights
+                .layers
+                .iter()
+                .map(|l| DeviceLayer::upload(g, alloc, l, spec.num_experts))
+                .collect::<Result<Vec<_>, _>>()
+                .context("uploading the weights")
+        })
     }
 
     /// As `open`, with random weights made on the GPU (`epserve bench`: timing, not numerics).
-    pub fn random(
-        ordinal: usize,
+    pub fn random(seat: Seat, spec: &MoeSpec, seed: u64) -> anyhow::Result<Self> {
+        Self::new(seat, spec, |g, alloc, shape| {
+            (0..spec.moe_layers.len() as u64)
+                .map(|l| DeviceLayer::random(g, alloc, shape, seed + 10 * l))
+                .collect::<Result<Vec<_>, _>>()
+                .context("making random weights")
+        })
+    }
+
+    fn new(
+        seat: Seat,
         spec: &MoeSpec,
-        seed: u64,
-        world: usize,
-        rank: usize,
-        max_home: usize,
-        ep: Option<EpSettings>,
+        layers: impl FnOnce(&Gpu, &mut Alloc, &StepShape) -> anyhow::Result<Vec<DeviceLayer>>,
     ) -> anyhow::Result<Self> {
-        Self::new(
+        let Seat {
             ordinal,
-            spec,
             world,
             rank,
             max_home,
             ep,
-            |g, alloc, shape| {
-                (0..spec.moe_layers.len() as u64)
-                    .map(|l| DeviceLayer::random(g, alloc, shape, seed + 10 * l))
-                    .collect::<Result<Vec<_>, _>>()
-                    .context("making random weights")
-            },
-        )
-    }
-
-    fn new(
-        ordinal: usize,
-        spec: &MoeSpec,
-        world: usize,
-        rank: usize,
-        max_home: usize,
-        ep: Option<EpSettings>,
-        layers: impl FnOnce(&Gpu, &mut Alloc, &StepShape) -> anyhow::Result<Vec<DeviceLayer>>,
-    ) -> anyhow::Result<Self> {
+        } = seat;
         crate::backend::check_gpu_limits(spec).map_err(|e| anyhow!(e))?;
         let mut shape = StepShape::new(spec, world, rank, max_home);
         shape.ep = ep.map(|e| EpShape::new(e.ll_max, e.zero_copy));
