@@ -623,3 +623,15 @@ fn shared_ffn(
     let io = Io::Apart(&b.xb, &mut b.sy);
     contiguous_ffn(g, w, block, bucket, s.hidden, scratch, io)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Variant;
+
+    #[test]
+    fn a_variant_indexes_its_place_among_the_captured_graphs() {
+        for (i, v) in Variant::ALL.iter().enumerate() {
+            assert_eq!(v.index(), i, "{v:?}");
+        }
+    }
+}
