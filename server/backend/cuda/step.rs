@@ -139,11 +139,12 @@ impl DeviceLayer {
 
 /// The step's persistent device buffers, sized for the largest bucket.
 pub struct Buffers {
-    /// Home tokens `[T, hidden]` in f32 (the router's input) and bf16 (the experts').
+    /// Home tokens `[T, hidden]`: f32 rows (`Rows::F32`, SGEMM's input), and bf16 rows (the
+    /// experts' and the bf16 router's input: a bf16 client's rows as they came, or made from `x`).
     pub x: CudaSlice<f32>,
     pub xb: CudaSlice<bf16>,
-    /// The home rows in a 16-bit wire dtype (bf16 or f16) on their way in from the host ring,
-    /// or out to it; outside the step's graph, so no peer ever reads it.
+    /// The home rows in a 16-bit wire dtype on their way between the GPU and the host ring (f16
+    /// in; bf16 or f16 out), outside the step's graph, so no peer ever reads it.
     pub wire: CudaSlice<bf16>,
     /// This step's home token count (one int), and `[0, n]` for the shared expert's GEMM.
     pub n: CudaSlice<i32>,
