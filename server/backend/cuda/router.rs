@@ -2,7 +2,9 @@
 //! (exact bf16 pieces of the f32 weights), then the top-k kernels over them.
 
 use cudarc::cublas::{Gemm, GemmConfig};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DriverError, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, DevicePtr, DevicePtrMut, DriverError, LaunchConfig, PushKernelArg,
+};
 use half::bf16;
 
 use super::{Alloc, Gpu, GpuError};
@@ -155,6 +157,14 @@ impl Gpu {
         unsafe { b.launch(Self::cfg((n.div_ceil(256).min(4096) as u32, 1), 256, 0)) }.map(drop)
     }
 
+    /// The top-k kernels' launch: one warp per row, four to a block, each warp with `floats`
+    /// floats of shared memory.
+    fn topk_cfg(n_cap: usize, floats: usize) -> LaunchConfig {
+        const WARPS: usize = 4;
+        let grid = n_cap.div_ceil(WARPS) as u32;
+        Self::cfg((grid, 1), 32 * WARPS as u32, (WARPS * floats * 4) as u32)
+    }
+
     /// Softmax top-k for `n_cap` rows of `logits [n_cap, e]`; rows >= *n get ids -1.
     #[allow(clippy::too_many_arguments)]
     pub fn topk_softmax(
@@ -168,12 +178,7 @@ impl Gpu {
         ids: &mut CudaSlice<i32>,
         weights: &mut CudaSlice<f32>,
     ) -> Result<(), DriverError> {
-        let warps = 4u32;
-        let cfg = Self::cfg(
-            (n_cap.div_ceil(warps as usize) as u32, 1),
-            32 * warps,
-            warps * e as u32 * 4,
-        );
+        let cfg = Self::topk_cfg(n_cap, e);
         logits.check(n_cap, e);
         let (n_cap, e, k, renorm) = (n_cap as i32, e as i32, k as i32, i32::from(renorm));
         let parts = logits.parts as i32;
@@ -208,12 +213,7 @@ impl Gpu {
         ids: &mut CudaSlice<i32>,
         weights: &mut CudaSlice<f32>,
     ) -> Result<(), DriverError> {
-        let warps = 4u32;
-        let cfg = Self::cfg(
-            (n_cap.div_ceil(warps as usize) as u32, 1),
-            32 * warps,
-            warps * (2 * e as u32 + 32) * 4,
-        );
+        let cfg = Self::topk_cfg(n_cap, 2 * e + 32);
         logits.check(n_cap, e);
         let (n_cap, e, k) = (n_cap as i32, e as i32, k as i32);
         let (ng, tg, renorm) = (groups.0 as i32, groups.1 as i32, i32::from(renorm));
