@@ -216,6 +216,17 @@ fn launch(ranks: usize, backend: &str, graphs: &str) -> Group {
     launch_with(ranks, backend, graphs, &[])
 }
 
+/// The group's GetModelInfo, from outside a runtime.
+fn model_info(g: &Group) -> epserve::proto::ModelInfo {
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let mut c = g.client().await;
+        c.get_model_info(epserve::proto::GetModelInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    })
+}
+
 fn launch_with(ranks: usize, backend: &str, graphs: &str, extra: &[&str]) -> Group {
     let mut args = vec![
         "--layers",
@@ -500,13 +511,7 @@ fn ep_mode_matches_nccl(mode: &str, extra: &[&str], also_two: bool) -> (f64, f64
         flags.extend_from_slice(extra);
         let g = launch_with(ranks, "nccl-ep", graphs, &flags);
         let up = t0.elapsed();
-        let info = tokio::runtime::Runtime::new().unwrap().block_on(async {
-            let mut c = g.client().await;
-            c.get_model_info(epserve::proto::GetModelInfoRequest {})
-                .await
-                .unwrap()
-                .into_inner()
-        });
+        let info = model_info(&g);
         let fp = info
             .nccl_ep
             .expect("GetModelInfo reports the NCCL EP footprint");
@@ -604,13 +609,7 @@ fn nccl_ep_ingress_all_matches_the_nccl_backend() {
         "on",
         &["--ep-ll-max-tokens", "32", "--ingress", "all"],
     );
-    let info = tokio::runtime::Runtime::new().unwrap().block_on(async {
-        let mut c = g.client().await;
-        c.get_model_info(epserve::proto::GetModelInfoRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-    });
+    let info = model_info(&g);
     let addrs: Vec<String> = info.ingress.iter().map(|a| a.address.clone()).collect();
     assert_eq!((info.ingress_mode.as_str(), addrs.len()), ("all", world));
     let out = run_spread(&addrs, &reqs, 8);
@@ -687,14 +686,7 @@ fn nccl_ep_refuses_on_old_nccl_and_auto_serves_on_nccl() {
         "synthetic:tiny",
         &["--backend", "auto"],
     );
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let info = rt.block_on(async {
-        let mut c = g.client().await;
-        c.get_model_info(epserve::proto::GetModelInfoRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-    });
+    let info = model_info(&g);
     assert_eq!(info.backend, "nccl");
     assert!(g
         .proc

@@ -110,17 +110,19 @@ fn plan(mode: Mode, api: Api, secs: f64) -> Plan {
     }
 }
 
-async fn shape(addr: &str) -> Shape {
+async fn model_info(addr: &str) -> epserve::proto::ModelInfo {
     let mut c =
         epserve::proto::moe_service_client::MoeServiceClient::connect(format!("http://{addr}"))
             .await
             .unwrap();
-    let info = c
-        .get_model_info(epserve::proto::GetModelInfoRequest {})
+    c.get_model_info(epserve::proto::GetModelInfoRequest {})
         .await
         .unwrap()
-        .into_inner();
-    Shape::from_info(&info, None).unwrap()
+        .into_inner()
+}
+
+async fn shape(addr: &str) -> Shape {
+    Shape::from_info(&model_info(addr).await, None).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -181,17 +183,7 @@ fn requests_at(metrics_url: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_targets_share_the_load_evenly() {
     let group = Group::launch(&["--ingress", "all"]);
-    let mut c = epserve::proto::moe_service_client::MoeServiceClient::connect(format!(
-        "http://{}",
-        group.1
-    ))
-    .await
-    .unwrap();
-    let info = c
-        .get_model_info(epserve::proto::GetModelInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let info = model_info(&group.1).await;
     let addrs: Vec<String> = info.ingress.iter().map(|a| a.address.clone()).collect();
     assert_eq!(addrs.len(), 2, "{:?}", info.ingress);
     let s = shape(&addrs[0]).await;

@@ -293,8 +293,9 @@ pub struct GpuRank {
 }
 
 impl GpuRank {
-    /// Warms every bucket up eagerly (NCCL connects on first use, never inside a capture), then
-    /// captures each graph. Every rank calls this in lockstep: the warm-up steps communicate.
+    /// Warms every bucket up eagerly, once per router (NCCL connects, and cuBLAS picks and loads
+    /// each GEMM's kernel, on first use: never inside a capture), then captures each graph.
+    /// Every rank calls this in lockstep: the warm-up steps communicate.
     pub fn new(
         core: GpuStep,
         ring: Arc<Ring>,
