@@ -65,6 +65,99 @@ __device__ inline float logit(const float* row, int E, int parts, int e) {
   return v;
 }
 
+// 16 bytes from global to shared, bypassing L1; `fill` false: 16 zero bytes instead.
+__device__ inline void cp_async16(void* dst, const void* src, bool fill) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(fill ? 16 : 0));
+}
+
+// The top-k kernels' register form: a warp's row with lane l holding experts l + 32 j, j < kRegs
+// (E <= 32 kRegs; -inf past E). The arithmetic and tie-breaking are the shared-memory kernels';
+// what changes is that a row's loads issue together and no step walks shared memory serially.
+constexpr int kRegs = 8;
+
+__device__ inline void load_row(const float* l, int E, int parts, int lane, float (&v)[kRegs]) {
+#pragma unroll
+  for (int j = 0; j < kRegs; j++) {
+    const int e = lane + 32 * j;
+    v[j] = e < E ? logit(l, E, parts, e) : -INFINITY;
+  }
+}
+
+// A float's bits as an unsigned that orders as the float does (not NaN; -0 taken as +0, which
+// compares equal to it), so a warp's argmax is two single-instruction reductions.
+__device__ inline unsigned order_key(float f) {
+  const unsigned b = __float_as_uint(f + 0.f);
+  return (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+
+__device__ inline float from_key(unsigned k) {
+  return __uint_as_float((k & 0x80000000u) ? k & 0x7fffffffu : ~k);
+}
+
+// K rounds of argmax over the row (ties to the lower index), removing each pick; lane k ends with
+// pick k's index, value, and `carry` at the pick (what the caller weighs it by).
+__device__ inline void regs_top_k(float (&v)[kRegs], const float (&carry)[kRegs], int K, int lane, int& id,
+                                  float& val, float& carried) {
+  for (int k = 0; k < K; k++) {
+    unsigned best = 0;  // below every float's key
+    int i = 0x7fffffff;
+    float c = 0.f;
+#pragma unroll
+    for (int j = 0; j < kRegs; j++) {
+      const unsigned key = order_key(v[j]);
+      if (key > best) {
+        best = key;
+        i = lane + 32 * j;
+        c = carry[j];
+      }
+    }
+    const unsigned top = __reduce_max_sync(0xffffffffu, best);
+    const int pick = __reduce_min_sync(0xffffffffu, best == top ? i : 0x7fffffff);
+    c = __shfl_sync(0xffffffffu, c, pick % 32);
+    if (lane == k) {
+      id = pick;
+      val = from_key(top);
+      carried = c;
+    }
+#pragma unroll
+    for (int j = 0; j < kRegs; j++)
+      if (lane + 32 * j == pick) v[j] = -INFINITY;
+  }
+}
+
+// Lane 0's sum of the K picks in pick order (as the shared-memory kernels add them), on every lane.
+__device__ inline float picks_sum(float val, int K) {
+  float tot = 0.f;
+  for (int k = 0; k < K; k++) tot += __shfl_sync(0xffffffffu, val, k);
+  return tot;
+}
+
+// One row's SwiGLU, act[i] = silu(g[i]) * g[I + i] * s: 8 columns (16 bytes) per thread and step
+// when I % 8 == 0, so a row's loads issue together; one column at a time otherwise.
+__device__ inline void swiglu_row(const bf16* g, int I, float s, bf16* act) {
+  if (I % 8 == 0) {
+    for (int i = threadIdx.x * 8; i < I; i += blockDim.x * 8) {
+      const uint4 a4 = *reinterpret_cast<const uint4*>(g + i), u4 = *reinterpret_cast<const uint4*>(g + I + i);
+      const bf16* a = reinterpret_cast<const bf16*>(&a4);
+      const bf16* u = reinterpret_cast<const bf16*>(&u4);
+      uint4 o4;
+      bf16* o = reinterpret_cast<bf16*>(&o4);
+#pragma unroll
+      for (int q = 0; q < 8; q++) {
+        const float x = __bfloat162float(a[q]);
+        o[q] = __float2bfloat16(x / (1.f + expf(-x)) * __bfloat162float(u[q]) * s);
+      }
+      *reinterpret_cast<uint4*>(act + i) = o4;
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < I; i += blockDim.x) {
+    const float a = __bfloat162float(g[i]), u = __bfloat162float(g[I + i]);
+    act[i] = __float2bfloat16(a / (1.f + expf(-a)) * u * s);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -127,6 +220,113 @@ __global__ void topk_softmax(const float* logits, const int* n, int n_cap, int E
       ids[t * K + k] = sel[k];
       weights[t * K + k] = renorm ? w[k] / tot : w[k];
     }
+  }
+}
+
+// `topk_softmax` for E <= 32 kRegs, the row in registers (see `load_row`). Same arguments and
+// results; one warp per token, any number of warps per block, no shared memory.
+__global__ void topk_softmax_regs(const float* logits, const int* n, int n_cap, int E, int parts, int K, int renorm,
+                                  int* ids, float* weights) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = blockIdx.x * (blockDim.x / 32) + warp;
+  if (t >= n_cap) return;
+  if (t >= *n) {
+    if (lane < K) {
+      ids[t * K + lane] = -1;
+      weights[t * K + lane] = 0.f;
+    }
+    return;
+  }
+  float v[kRegs];
+  load_row(logits + (size_t)t * E * parts, E, parts, lane, v);
+  float m = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kRegs; j++) m = fmaxf(m, v[j]);
+  m = warp_max(m);
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < kRegs; j++) {
+    if (lane + 32 * j < E) {
+      v[j] = expf(v[j] - m);
+      s += v[j];
+    }
+  }
+  s = warp_sum(s);
+#pragma unroll
+  for (int j = 0; j < kRegs; j++)
+    if (lane + 32 * j < E) v[j] /= s;
+  int id = 0;
+  float val = 0.f, unused = 0.f;
+  regs_top_k(v, v, K, lane, id, val, unused);
+  const float tot = picks_sum(val, K);
+  if (lane < K) {
+    ids[t * K + lane] = id;
+    weights[t * K + lane] = renorm ? val / tot : val;
+  }
+}
+
+// `topk_sigmoid_group` for E <= 32 kRegs with one group (n_group 1) or groups of 32 experts (then
+// group g is register g across the warp, and its top-2 a butterfly over the lanes).
+__global__ void topk_sigmoid_group_regs(const float* logits, const float* bias, const int* n, int n_cap, int E,
+                                        int parts, int K, int n_group, int topk_group, int renorm, float scaling,
+                                        int* ids, float* weights) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = blockIdx.x * (blockDim.x / 32) + warp;
+  if (t >= n_cap) return;
+  if (t >= *n) {
+    if (lane < K) {
+      ids[t * K + lane] = -1;
+      weights[t * K + lane] = 0.f;
+    }
+    return;
+  }
+  float c[kRegs], sc[kRegs];
+  load_row(logits + (size_t)t * E * parts, E, parts, lane, c);
+#pragma unroll
+  for (int j = 0; j < kRegs; j++) {
+    const int e = lane + 32 * j;
+    sc[j] = e < E ? 1.f / (1.f + expf(-c[j])) : 0.f;
+    c[j] = e < E ? sc[j] + (bias ? bias[e] : 0.f) : -INFINITY;
+  }
+  if (n_group > 1) {
+    // Each group's two best choices (the second equals the first when two lanes hold it), as
+    // the shared-memory kernel's scan finds them.
+    float g[kRegs];
+#pragma unroll
+    for (int j = 0; j < kRegs; j++) {
+      if (j >= n_group) continue;
+      const unsigned key = order_key(c[j]);
+      const unsigned a = __reduce_max_sync(0xffffffffu, key);
+      const bool twice = __popc(__ballot_sync(0xffffffffu, key == a)) > 1;
+      const unsigned b = twice ? a : __reduce_max_sync(0xffffffffu, key == a ? 0u : key);
+      g[j] = from_key(a) + from_key(b);
+    }
+    unsigned keep = 0;
+    for (int q = 0; q < topk_group; q++) {
+      float best = -INFINITY;
+      int bi = 0x7fffffff;
+#pragma unroll
+      for (int j = 0; j < kRegs; j++) {
+        const bool open = j < n_group && !((keep >> j) & 1u);
+        if (open && (g[j] > best || (g[j] == best && j < bi))) {
+          best = g[j];
+          bi = j;
+        }
+      }
+      keep |= 1u << bi;
+    }
+#pragma unroll
+    for (int j = 0; j < kRegs; j++)
+      if (j < n_group && !((keep >> j) & 1u)) c[j] = 0.f;
+  }
+  // Each pick is weighed by its score.
+  int id = 0;
+  float pick = 0.f, w = 0.f;
+  regs_top_k(c, sc, K, lane, id, pick, w);
+  const float tot = picks_sum(w, K) + 1e-20f;
+  if (lane < K) {
+    ids[t * K + lane] = id;
+    weights[t * K + lane] = (renorm ? w / tot : w) * scaling;
   }
 }
 
@@ -260,12 +460,7 @@ __global__ void gather_rows(const bf16* x, const int* entry_of, const int* rows,
 __global__ void swiglu(const bf16* gu, const int* rows, int I, const float* w, bf16* act) {
   const int r = blockIdx.x;
   if (r >= *rows) return;
-  const bf16* g = gu + (size_t)r * 2 * I;
-  const float s = w ? w[r] : 1.f;
-  for (int i = threadIdx.x; i < I; i += blockDim.x) {
-    const float a = __bfloat162float(g[i]), u = __bfloat162float(g[I + i]);
-    act[(size_t)r * I + i] = __float2bfloat16(a / (1.f + expf(-a)) * u * s);
-  }
+  swiglu_row(gu + (size_t)r * 2 * I, I, w ? w[r] : 1.f, act + (size_t)r * I);
 }
 
 // out[t] = sum_k w[t,k] * y[pos_of[t*K+k]] (+ shared[t]) in f32, for t < *n. Block per token.
@@ -355,12 +550,6 @@ constexpr int kStageA = kTile * kLdW, kStageB = kWideN * kLdW;
 constexpr int kWideSmem = 2 * (kStageA + kStageB) * 2 > kTile * (kWideN + 4) * 4
                               ? 2 * (kStageA + kStageB) * 2
                               : kTile * (kWideN + 4) * 4;
-
-__device__ inline void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int bytes = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
-}
 
 __global__ void __launch_bounds__(256) grouped_gemm_wide(const bf16* X, const bf16* W, const int* ends,
                                                          const int* tiles, const int* n_tiles, int N, int Kd,
@@ -582,16 +771,13 @@ __global__ void psum_ends(const int* offsets, const int* counts, int L, int A, i
 }
 
 // SwiGLU over the masked layout's filled rows: expert e's rows [e * S, e * S + counts[e]).
-// Grid (L, S / 8): each block takes 8 rows of one expert.
+// Grid (L, Y): block (e, y) takes rows y, y + Y, ... of expert e, so a few rows per expert (decode)
+// spread over Y blocks instead of waiting on one.
 __global__ void swiglu_masked(const bf16* gu, const int* counts, int S, int I, bf16* act) {
-  const int e = blockIdx.x, r0 = blockIdx.y * 8, r1 = min(r0 + 8, counts[e]);
-  for (int r = r0; r < r1; r++) {
+  const int e = blockIdx.x, c = min(counts[e], S);
+  for (int r = blockIdx.y; r < c; r += gridDim.y) {
     const size_t row = (size_t)e * S + r;
-    const bf16* g = gu + row * 2 * I;
-    for (int i = threadIdx.x; i < I; i += blockDim.x) {
-      const float a = __bfloat162float(g[i]), u = __bfloat162float(g[I + i]);
-      act[row * I + i] = __float2bfloat16(a / (1.f + expf(-a)) * u);
-    }
+    swiglu_row(gu + row * 2 * I, I, 1.f, act + row * I);
   }
 }
 
@@ -602,24 +788,29 @@ __global__ void swiglu_tiles(const bf16* gu, const int* tiles, const int* n_tile
   if ((int)blockIdx.x >= *n_tiles) return;
   const int e = tiles[2 * blockIdx.x], m0 = tiles[2 * blockIdx.x + 1];
   const int m1 = min(m0 + kTile, ends[e]);
-  for (int r = m0; r < m1; r++) {
-    const bf16* g = gu + (size_t)r * 2 * I;
-    for (int i = threadIdx.x; i < I; i += blockDim.x) {
-      const float a = __bfloat162float(g[i]), u = __bfloat162float(g[I + i]);
-      act[(size_t)r * I + i] = __float2bfloat16(a / (1.f + expf(-a)) * u);
-    }
-  }
+  for (int r = m0; r < m1; r++) swiglu_row(gu + (size_t)r * 2 * I, I, 1.f, act + (size_t)r * I);
 }
 
-// out[t] = x[t] (+ shared[t]) in f32 for t < *n: the combined bf16 rows into the output.
+// out[t] = x[t] (+ shared[t]) in f32 for t < *n: the combined bf16 rows into the output. Grid
+// (n_cap, ceil(H / 8 / blockDim)): 8 columns (16 bytes) per thread; H % 8 == 0.
 __global__ void widen_add(const bf16* x, const bf16* shared, const int* n, int H, float* out) {
-  const int t = blockIdx.x;
-  if (t >= *n) return;
-  for (int h = threadIdx.x; h < H; h += blockDim.x) {
-    float v = __bfloat162float(x[(size_t)t * H + h]);
-    if (shared) v += __bfloat162float(shared[(size_t)t * H + h]);
-    out[(size_t)t * H + h] = v;
+  const int t = blockIdx.x, h = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+  if (t >= *n || h >= H) return;
+  const size_t at = (size_t)t * H + h;
+  const uint4 x4 = *reinterpret_cast<const uint4*>(x + at);
+  const bf16* xs = reinterpret_cast<const bf16*>(&x4);
+  float v[8];
+#pragma unroll
+  for (int q = 0; q < 8; q++) v[q] = __bfloat162float(xs[q]);
+  if (shared) {
+    const uint4 s4 = *reinterpret_cast<const uint4*>(shared + at);
+    const bf16* ss = reinterpret_cast<const bf16*>(&s4);
+#pragma unroll
+    for (int q = 0; q < 8; q++) v[q] += __bfloat162float(ss[q]);
   }
+  float4* o = reinterpret_cast<float4*>(out + at);
+  o[0] = make_float4(v[0], v[1], v[2], v[3]);
+  o[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
 // ---- Benchmark inputs ----

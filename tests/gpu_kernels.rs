@@ -4,7 +4,9 @@
 #![cfg(feature = "cuda")]
 
 use epserve::backend::cuda::hopper::{self, Gemm, Layout};
-use epserve::backend::cuda::{max_tiles, Blocks, Gpu, Logits, ROUTER_PIECES};
+use epserve::backend::cuda::{
+    max_tiles, sigmoid_group_in_regs, Blocks, Gpu, Logits, ROUTER_PIECES, TOPK_REGS_EXPERTS,
+};
 use epserve::model::routing::Router;
 use epserve::model::Routing;
 use half::bf16;
@@ -25,15 +27,35 @@ fn bf16s(r: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<bf16> {
         .collect()
 }
 
+/// How `check_topk` draws logits.
+#[derive(Clone, Copy, PartialEq)]
+enum Draw {
+    /// Uniform, and each further slice 100x smaller (as the bf16 router's pieces' products are).
+    Spread,
+    /// On a grid of quarters with zeros of both signs, the rest of the slices zero: many ties,
+    /// which both kernels must break to the lower index as the CPU router does.
+    Ties,
+}
+
 /// Checks GPU top-k against the CPU backend's router, row by row, for logits given whole
-/// (`parts` 1) or as the bf16 router's slices (smaller by 100x each, as its pieces' products
-/// are), which the kernel sums last slice first: the CPU router gets the same f32 sums.
-fn check_topk(routing: &Routing, e: usize, k: usize, parts: usize, seed: u64) {
+/// (`parts` 1) or as the bf16 router's slices, which the kernel sums last slice first: the CPU
+/// router gets the same f32 sums.
+fn check_topk(routing: &Routing, e: usize, k: usize, parts: usize, draw: Draw, seed: u64) {
     let g = gpu();
     let (n_cap, n) = (333usize, 300usize);
     let mut r = rng(seed);
     let slices: Vec<f32> = (0..n_cap * parts * e)
-        .map(|i| r.random_range(-3.0f32..3.0) * 0.01f32.powi(((i / e) % parts) as i32))
+        .map(|i| {
+            let slice = (i / e) % parts;
+            match draw {
+                Draw::Spread => r.random_range(-3.0f32..3.0) * 0.01f32.powi(slice as i32),
+                Draw::Ties if slice > 0 => 0.0,
+                Draw::Ties => match r.random_range(-4i32..=4) {
+                    0 if r.random_bool(0.5) => -0.0,
+                    q => 0.25 * q as f32,
+                },
+            }
+        })
         .collect();
     let logits: Vec<f32> = (0..n_cap * e)
         .map(|i| {
@@ -102,32 +124,58 @@ fn check_topk(routing: &Routing, e: usize, k: usize, parts: usize, seed: u64) {
     );
 }
 
+/// Both forms of each top-k kernel: up to `TOPK_REGS_EXPERTS` experts (and for DeepSeek-V3
+/// routing one group or groups of 32) the register form, past it the shared-memory form.
 #[test]
 #[ignore = "needs a GPU"]
 fn topk_softmax_matches_the_cpu_router() {
-    check_topk(&Routing::SoftmaxTopK { renormalize: true }, 128, 8, 1, 1);
-    check_topk(&Routing::SoftmaxTopK { renormalize: false }, 8, 2, 1, 2);
-    check_topk(&Routing::SoftmaxTopK { renormalize: true }, 256, 8, 3, 4);
+    use Draw::*;
+    assert!(TOPK_REGS_EXPERTS >= 256 && TOPK_REGS_EXPERTS < 384);
+    for renormalize in [true, false] {
+        let sm = Routing::SoftmaxTopK { renormalize };
+        for (e, k, parts, draw, seed) in [
+            (128, 8, 1, Spread, 1),
+            (8, 2, 1, Spread, 2),
+            (256, 8, 3, Spread, 4),
+            (256, 8, 1, Ties, 6),
+            (384, 8, 1, Spread, 7),
+            (384, 8, 3, Spread, 8),
+            (384, 8, 1, Ties, 9),
+        ] {
+            check_topk(&sm, e, k, parts, draw, seed);
+        }
+    }
 }
 
 #[test]
 #[ignore = "needs a GPU"]
 fn topk_sigmoid_group_matches_the_cpu_router() {
-    let ds = Routing::SigmoidGroupTopK {
-        n_group: 8,
-        topk_group: 4,
-        renormalize: true,
-        scaling: 2.5,
+    use Draw::*;
+    let routing = |n_group, topk_group, renormalize, scaling| Routing::SigmoidGroupTopK {
+        n_group,
+        topk_group,
+        renormalize,
+        scaling,
     };
-    check_topk(&ds, 256, 8, 1, 3);
-    check_topk(&ds, 256, 8, 3, 5);
-    let small = Routing::SigmoidGroupTopK {
-        n_group: 4,
-        topk_group: 2,
-        renormalize: false,
-        scaling: 1.0,
-    };
-    check_topk(&small, 16, 4, 1, 4);
+    let ds = routing(8, 4, true, 2.5);
+    let one = routing(1, 1, true, 1.0);
+    let small = routing(4, 2, false, 1.0);
+    for (r, e, k, parts, draw, seed, regs) in [
+        (&ds, 256, 8, 1, Spread, 3, true),
+        (&ds, 256, 8, 3, Spread, 5, true),
+        (&ds, 256, 8, 1, Ties, 10, true),
+        (&one, 64, 6, 1, Spread, 11, true),
+        (&one, 384, 8, 3, Spread, 12, false),
+        (&one, 384, 8, 1, Ties, 13, false),
+        (&small, 16, 4, 1, Spread, 4, false),
+        (&small, 16, 4, 1, Ties, 14, false),
+    ] {
+        let Routing::SigmoidGroupTopK { n_group, .. } = *r else {
+            unreachable!()
+        };
+        assert_eq!(sigmoid_group_in_regs(e, n_group), regs, "{e} experts");
+        check_topk(r, e, k, parts, draw, seed);
+    }
 }
 
 #[test]

@@ -14,7 +14,7 @@ pub mod shape;
 pub mod slots;
 pub mod step;
 
-pub use router::{Logits, ROUTER_PIECES};
+pub use router::{sigmoid_group_in_regs, Logits, ROUTER_PIECES, TOPK_REGS_EXPERTS};
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -96,6 +96,8 @@ impl Alloc {
 pub struct Kernels {
     topk_softmax: CudaFunction,
     topk_sigmoid_group: CudaFunction,
+    topk_softmax_regs: CudaFunction,
+    topk_sigmoid_group_regs: CudaFunction,
     count_experts: CudaFunction,
     exclusive_scan: CudaFunction,
     assign_positions: CudaFunction,
@@ -152,6 +154,8 @@ impl Gpu {
         let k = Kernels {
             topk_softmax: f("topk_softmax")?,
             topk_sigmoid_group: f("topk_sigmoid_group")?,
+            topk_softmax_regs: f("topk_softmax_regs")?,
+            topk_sigmoid_group_regs: f("topk_sigmoid_group_regs")?,
             count_experts: f("count_experts")?,
             exclusive_scan: f("exclusive_scan")?,
             assign_positions: f("assign_positions")?,
@@ -591,9 +595,11 @@ impl Gpu {
         let (s32, i32_) = (stride as i32, inter as i32);
         let mut b = self.stream.launch_builder(&self.k.swiglu_masked);
         b.arg(gu).arg(counts).arg(&s32).arg(&i32_).arg(act);
-        // SAFETY: counts are clamped to stride by `ll_bounds`, so every row lies in gu and act
-        // (asserted to span e * stride rows).
-        unsafe { b.launch(Self::cfg((e as u32, stride.div_ceil(8) as u32), 256, 0)) }.map(drop)
+        // Blocks per expert: decode's experts get a few rows each, one block per row.
+        let per_expert = stride.clamp(1, 32) as u32;
+        // SAFETY: the kernel clamps counts to stride, so every row lies in gu and act (asserted
+        // to span e * stride rows).
+        unsafe { b.launch(Self::cfg((e as u32, per_expert), 256, 0)) }.map(drop)
     }
 
     /// SwiGLU over the rows of the tiles the last grouped GEMM built (`max_tiles` of them at
@@ -641,7 +647,10 @@ impl Gpu {
             None => b.arg(&null),
         };
         b.arg(n).arg(&h32).arg(out);
-        // SAFETY: x, shared and out hold n_cap rows of h; a null `shared` is a zero pointer.
-        unsafe { b.launch(Self::cfg((n_cap as u32, 1), 256, 0)) }.map(drop)
+        assert!(h % 8 == 0, "widen_add takes rows of 8-column steps");
+        let cols = h.div_ceil(8 * 256) as u32;
+        // SAFETY: x, shared and out hold n_cap rows of h (h % 8 == 0: every 16-byte step is in
+        // the row and aligned); a null `shared` is a zero pointer.
+        unsafe { b.launch(Self::cfg((n_cap as u32, cols), 256, 0)) }.map(drop)
     }
 }

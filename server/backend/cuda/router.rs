@@ -12,6 +12,16 @@ use super::{Alloc, Gpu, GpuError};
 /// Pieces of the f32 router the bf16 router multiplies (`bf16_pieces`).
 pub const ROUTER_PIECES: usize = 3;
 
+/// The most experts the top-k kernels' register form takes (`kRegs` x 32 in kernels/epserve.cu):
+/// a warp's row in registers, its argmax two warp reductions. Past it, the shared-memory form.
+pub const TOPK_REGS_EXPERTS: usize = 256;
+
+/// Whether DeepSeek-V3 routing over `e` experts in `n_group` groups runs in the register form:
+/// one group, or groups of 32 (one register of the warp each).
+pub fn sigmoid_group_in_regs(e: usize, n_group: usize) -> bool {
+    e <= TOPK_REGS_EXPERTS && (n_group == 1 || e == 32 * n_group)
+}
+
 /// Router logits on the device: each of a bucket's rows is `parts` slices of `e` floats whose
 /// sum is the logit. SGEMM writes one slice; the bf16 router one per piece of the weights, which
 /// the top-k kernels sum.
@@ -158,14 +168,15 @@ impl Gpu {
     }
 
     /// The top-k kernels' launch: one warp per row, four to a block, each warp with `floats`
-    /// floats of shared memory.
+    /// floats of shared memory (none in the register form).
     fn topk_cfg(n_cap: usize, floats: usize) -> LaunchConfig {
         const WARPS: usize = 4;
         let grid = n_cap.div_ceil(WARPS) as u32;
         Self::cfg((grid, 1), 32 * WARPS as u32, (WARPS * floats * 4) as u32)
     }
 
-    /// Softmax top-k for `n_cap` rows of `logits [n_cap, e]`; rows >= *n get ids -1.
+    /// Softmax top-k for `n_cap` rows of `logits [n_cap, e]`; rows >= *n get ids -1. Up to
+    /// `TOPK_REGS_EXPERTS` experts in the register form, with the same results.
     #[allow(clippy::too_many_arguments)]
     pub fn topk_softmax(
         &self,
@@ -178,11 +189,14 @@ impl Gpu {
         ids: &mut CudaSlice<i32>,
         weights: &mut CudaSlice<f32>,
     ) -> Result<(), DriverError> {
-        let cfg = Self::topk_cfg(n_cap, e);
+        let (f, cfg) = match e <= TOPK_REGS_EXPERTS {
+            true => (&self.k.topk_softmax_regs, Self::topk_cfg(n_cap, 0)),
+            false => (&self.k.topk_softmax, Self::topk_cfg(n_cap, e)),
+        };
         logits.check(n_cap, e);
         let (n_cap, e, k, renorm) = (n_cap as i32, e as i32, k as i32, i32::from(renorm));
         let parts = logits.parts as i32;
-        let mut b = self.stream.launch_builder(&self.k.topk_softmax);
+        let mut b = self.stream.launch_builder(f);
         b.arg(&logits.buf)
             .arg(n)
             .arg(&n_cap)
@@ -197,7 +211,8 @@ impl Gpu {
         unsafe { b.launch(cfg) }.map(drop)
     }
 
-    /// DeepSeek-V3 group-limited top-k (see the kernel).
+    /// DeepSeek-V3 group-limited top-k (see the kernel); in the register form where
+    /// `sigmoid_group_in_regs`, with the same results.
     #[allow(clippy::too_many_arguments)]
     pub fn topk_sigmoid_group(
         &self,
@@ -213,12 +228,18 @@ impl Gpu {
         ids: &mut CudaSlice<i32>,
         weights: &mut CudaSlice<f32>,
     ) -> Result<(), DriverError> {
-        let cfg = Self::topk_cfg(n_cap, 2 * e + 32);
+        let (f, cfg) = match sigmoid_group_in_regs(e, groups.0) {
+            true => (&self.k.topk_sigmoid_group_regs, Self::topk_cfg(n_cap, 0)),
+            false => (
+                &self.k.topk_sigmoid_group,
+                Self::topk_cfg(n_cap, 2 * e + 32),
+            ),
+        };
         logits.check(n_cap, e);
         let (n_cap, e, k) = (n_cap as i32, e as i32, k as i32);
         let (ng, tg, renorm) = (groups.0 as i32, groups.1 as i32, i32::from(renorm));
         let parts = logits.parts as i32;
-        let mut b = self.stream.launch_builder(&self.k.topk_sigmoid_group);
+        let mut b = self.stream.launch_builder(f);
         b.arg(&logits.buf)
             .arg(bias)
             .arg(n)
