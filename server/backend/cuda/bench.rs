@@ -1,7 +1,8 @@
 //! `epserve bench` on the GPUs: one thread per GPU, each rank brought up as the service brings
 //! its ranks up (`setup::Device`, random weights), every phase captured as a graph and timed with
-//! CUDA events; then dense cuBLAS over the same rows. The configs, the summary and the table are
-//! `crate::bench`'s (plain numbers, tested without a GPU).
+//! CUDA events from a start the ranks share on the device; then dense cuBLAS over the same rows.
+//! The configs, the summary and the table are `crate::bench`'s (plain numbers, tested without a
+//! GPU).
 
 use std::time::{Duration, Instant};
 
@@ -170,8 +171,14 @@ fn rank_main(
     for _ in 0..args.warmup {
         step.launch()?;
     }
+    // Each timed step starts on every rank together: a one-int all-gather on the device first
+    // (as the anchors' peers align their ranks), so no rank's time holds another's host wake-up.
+    let one = s.clone_htod(&[rank as i32])?;
+    let mut all = s.alloc_zeros::<i32>(world)?;
+    let mut align = |core: &GpuStep| core.comm.all_gather(&one, &mut all, 1, &s);
     let mut steps = Vec::with_capacity(args.iters);
     for _ in 0..args.iters {
+        align(&core)?;
         ev[0].record(&s)?;
         step.launch()?;
         ev[1].record(&s)?;
@@ -180,6 +187,7 @@ fn rank_main(
     }
     let mut per_phase: Vec<Vec<f64>> = (0..5).map(|_| Vec::with_capacity(args.iters)).collect();
     for _ in 0..args.iters {
+        align(&core)?;
         ev[0].record(&s)?;
         for (i, g) in graphs.iter().enumerate() {
             g.launch()?;
