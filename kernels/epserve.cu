@@ -71,6 +71,21 @@ __device__ inline void cp_async16(void* dst, const void* src, bool fill) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(fill ? 16 : 0));
 }
 
+// The top-k kernels' row: one warp per token, or -1 for a warp past n_cap or past the step's
+// tokens (whose ids it marks -1, with weight 0).
+__device__ inline int topk_row(const int* n, int n_cap, int K, int* ids, float* weights) {
+  const int lane = threadIdx.x % 32, t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (t >= n_cap) return -1;
+  if (t >= *n) {
+    if (lane < K) {
+      ids[t * K + lane] = -1;
+      weights[t * K + lane] = 0.f;
+    }
+    return -1;
+  }
+  return t;
+}
+
 // The top-k kernels' register form: a warp's row with lane l holding experts l + 32 j, j < kRegs
 // (E <= 32 kRegs; -inf past E). The arithmetic and tie-breaking are the shared-memory kernels';
 // what changes is that a row's loads issue together and no step walks shared memory serially.
@@ -184,15 +199,8 @@ __global__ void topk_softmax(const float* logits, const int* n, int n_cap, int E
                              int* ids, float* weights) {
   extern __shared__ float sm[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int t = blockIdx.x * (blockDim.x / 32) + warp;
-  if (t >= n_cap) return;
-  if (t >= *n) {
-    if (lane < K) {
-      ids[t * K + lane] = -1;
-      weights[t * K + lane] = 0.f;
-    }
-    return;
-  }
+  const int t = topk_row(n, n_cap, K, ids, weights);
+  if (t < 0) return;
   float* p = sm + warp * E;
   const float* l = logits + (size_t)t * E * parts;
   float m = -INFINITY;
@@ -227,16 +235,9 @@ __global__ void topk_softmax(const float* logits, const int* n, int n_cap, int E
 // results; one warp per token, any number of warps per block, no shared memory.
 __global__ void topk_softmax_regs(const float* logits, const int* n, int n_cap, int E, int parts, int K, int renorm,
                                   int* ids, float* weights) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int t = blockIdx.x * (blockDim.x / 32) + warp;
-  if (t >= n_cap) return;
-  if (t >= *n) {
-    if (lane < K) {
-      ids[t * K + lane] = -1;
-      weights[t * K + lane] = 0.f;
-    }
-    return;
-  }
+  const int lane = threadIdx.x % 32;
+  const int t = topk_row(n, n_cap, K, ids, weights);
+  if (t < 0) return;
   float v[kRegs];
   load_row(logits + (size_t)t * E * parts, E, parts, lane, v);
   float m = -INFINITY;
@@ -266,20 +267,13 @@ __global__ void topk_softmax_regs(const float* logits, const int* n, int n_cap, 
 }
 
 // `topk_sigmoid_group` for E <= 32 kRegs with one group (n_group 1) or groups of 32 experts (then
-// group g is register g across the warp, and its top-2 a butterfly over the lanes).
+// group g is register g across the warp, and its top-2 two warp reductions).
 __global__ void topk_sigmoid_group_regs(const float* logits, const float* bias, const int* n, int n_cap, int E,
                                         int parts, int K, int n_group, int topk_group, int renorm, float scaling,
                                         int* ids, float* weights) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int t = blockIdx.x * (blockDim.x / 32) + warp;
-  if (t >= n_cap) return;
-  if (t >= *n) {
-    if (lane < K) {
-      ids[t * K + lane] = -1;
-      weights[t * K + lane] = 0.f;
-    }
-    return;
-  }
+  const int lane = threadIdx.x % 32;
+  const int t = topk_row(n, n_cap, K, ids, weights);
+  if (t < 0) return;
   float c[kRegs], sc[kRegs];
   load_row(logits + (size_t)t * E * parts, E, parts, lane, c);
 #pragma unroll
@@ -339,15 +333,8 @@ __global__ void topk_sigmoid_group(const float* logits, const float* bias, const
                                    float* weights) {
   extern __shared__ float sm[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int t = blockIdx.x * (blockDim.x / 32) + warp;
-  if (t >= n_cap) return;
-  if (t >= *n) {
-    if (lane < K) {
-      ids[t * K + lane] = -1;
-      weights[t * K + lane] = 0.f;
-    }
-    return;
-  }
+  const int t = topk_row(n, n_cap, K, ids, weights);
+  if (t < 0) return;
   float* s = sm + warp * (2 * E + 32);
   float* c = s + E;
   float* g = c + E;
