@@ -1,14 +1,8 @@
 // DeepGEMM SM90 bf16 masked instances on decode's expert shapes (64 experts, stride 512, ~16 rows
 // each), timed one kernel at a time; plus the same launches with programmatic dependent launch.
-#include <cuda.h>
-#include <cuda_runtime.h>
-#include <cudaTypedefs.h>
+#include "common.cuh"
 #include <deep_gemm/impls/sm90_bf16_gemm.cuh>
-#include <cstdio>
-#include <vector>
-#include <algorithm>
 #include <random>
-#define CK(x) do { auto e = (x); if (e != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
 using namespace deep_gemm;
 using cute::UMMA::Major;
 constexpr int GROUPS = 256, CTAS = 132;
@@ -19,15 +13,6 @@ struct Inst {
                                                  GemmType::MGroupedMasked, false, cutlass::bfloat16_t>;
   static int smem() { return ((BM * BN * 2 + 1023) / 1024 * 1024) + ST * (BM + BN) * 64 * 2 + ST * 16; }
 };
-
-static PFN_cuTensorMapEncodeTiled_v12000 enc;
-CUtensorMap map2d(void* base, uint64_t inner, uint64_t outer, uint32_t boxr) {
-  CUtensorMap m; cuuint64_t dims[2] = {inner, outer}; cuuint64_t str[1] = {inner * 2};
-  cuuint32_t box[2] = {64, boxr}; cuuint32_t el[2] = {1, 1};
-  if (enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, str, box, el, CU_TENSOR_MAP_INTERLEAVE_NONE,
-          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) { printf("map\n"); exit(1); }
-  return m;
-}
 
 struct Shape { const char* name; int n, k; void* w; };
 int *d_counts; void *d_x, *d_y; const int S = 512, L = 64; Shape shapes[2];
@@ -48,14 +33,6 @@ void launch(const Shape& s, cudaStream_t st, bool pdl) {
   CK(cudaLaunchKernelEx(&c, I::f, d_counts, (uint32_t)S, (uint32_t)s.n, (uint32_t)s.k, a[i], b[i], d[i]));
 }
 
-template <typename F> float timeit(F f, int iters = 30) {
-  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-  f(); f(); CK(cudaDeviceSynchronize());
-  std::vector<float> v;
-  for (int i = 0; i < iters; i++) { cudaEventRecord(a); f(); cudaEventRecord(b); cudaEventSynchronize(b); float ms; cudaEventElapsedTime(&ms, a, b); v.push_back(ms); }
-  std::sort(v.begin(), v.end()); return v[v.size() / 2] * 1e3f;
-}
-
 __global__ void fill(__nv_bfloat16* x, size_t n, float sc) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
     unsigned long long z = 0x9E3779B97F4A7C15ull * (i + 1); z ^= z >> 31; z *= 0xBF58476D1CE4E5B9ull; z ^= z >> 29;
@@ -67,19 +44,17 @@ template <int BM, int BN, int ST, int CTA = CTAS>
 void row(Shape* sh, cudaStream_t st) {
   float t[2], sum = 0; double bytes = 0;
   for (int i = 0; i < 2; i++) {
-    t[i] = timeit([&] { launch<BM, BN, ST, CTA>(sh[i], st, false); });
+    t[i] = median_us([&] { launch<BM, BN, ST, CTA>(sh[i], st, false); }, 30);
     sum += t[i]; bytes += (double)L * sh[i].n * sh[i].k * 2;
   }
   // Both back to back, the second launched programmatically (PDL) or not.
-  float pair = timeit([&] { launch<BM, BN, ST, CTA>(sh[0], st, false); launch<BM, BN, ST, CTA>(sh[1], st, false); });
-  float pdl = timeit([&] { launch<BM, BN, ST, CTA>(sh[0], st, false); launch<BM, BN, ST, CTA>(sh[1], st, true); });
+  float pair = median_us([&] { launch<BM, BN, ST, CTA>(sh[0], st, false); launch<BM, BN, ST, CTA>(sh[1], st, false); }, 30);
+  float pdl = median_us([&] { launch<BM, BN, ST, CTA>(sh[0], st, false); launch<BM, BN, ST, CTA>(sh[1], st, true); }, 30);
   printf("%2dx%3d st%d ctas %3d: up %7.1f us (%.3f TB/s) down %7.1f us (%.3f TB/s) | pair %7.1f (%.3f TB/s) pdl %7.1f\n", BM, BN, ST, CTA,
          t[0], L * (double)sh[0].n * sh[0].k * 2 / t[0] / 1e6, t[1], L * (double)sh[1].n * sh[1].k * 2 / t[1] / 1e6, pair, bytes / pair / 1e6, pdl);
 }
 
 int main() {
-  cudaDriverEntryPointQueryResult q;
-  CK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", (void**)&enc, cudaEnableDefault, &q));
   const int H = 7168, I = 2048;
   __nv_bfloat16 *wgu, *wdn, *x, *y;
   CK(cudaMalloc(&wgu, (size_t)L * 2 * I * H * 2)); CK(cudaMalloc(&wdn, (size_t)L * H * I * 2));

@@ -1,15 +1,8 @@
 // Read-bandwidth probes on one H200: plain streaming reads, and TMA 2-D boxes of the decode
 // GEMM's weight pattern (row-major [rows][K], box 64 cols x BOXR rows) against the same bytes laid
 // out so each box is contiguous.
-#include <cuda.h>
-#include <cuda_runtime.h>
-#include <cudaTypedefs.h>
-#include <cstdio>
+#include "common.cuh"
 #include <cstdint>
-#include <vector>
-#include <algorithm>
-#define CK(x) do { auto e = (x); if (e != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
-#define CU(x) do { auto e = (x); if (e != CUDA_SUCCESS) { printf("%s:%d cu %d\n", __FILE__, __LINE__, (int)e); exit(1);} } while (0)
 
 __global__ void k_read(const uint4* p, size_t n, unsigned* out) {
   unsigned acc = 0;
@@ -65,23 +58,6 @@ __global__ void __launch_bounds__(128, 1) k_tma(const __grid_constant__ CUtensor
   }
 }
 
-static PFN_cuTensorMapEncodeTiled_v12000 enc;
-CUtensorMap map2d(void* base, uint64_t inner, uint64_t outer, uint32_t boxr) {
-  CUtensorMap m; cuuint64_t dims[2] = {inner, outer}; cuuint64_t str[1] = {inner * 2};
-  cuuint32_t box[2] = {64, boxr}; cuuint32_t el[2] = {1, 1};
-  CU(enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, str, box, el, CU_TENSOR_MAP_INTERLEAVE_NONE,
-         CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
-  return m;
-}
-
-template <typename F> float timeit(F f, int iters = 20) {
-  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-  f(); f(); CK(cudaDeviceSynchronize());
-  std::vector<float> v;
-  for (int i = 0; i < iters; i++) { cudaEventRecord(a); f(); cudaEventRecord(b); cudaEventSynchronize(b); float ms; cudaEventElapsedTime(&ms, a, b); v.push_back(ms); }
-  std::sort(v.begin(), v.end()); return v[v.size() / 2];
-}
-
 template <int STAGES, int BOXR>
 void run_tma(const char* name, void* w, int groups, int n, int k, unsigned* out, int ctas) {
   int ntiles = n / BOXR, kblocks = k / 64, tiles = groups * ntiles;
@@ -90,14 +66,12 @@ void run_tma(const char* name, void* w, int groups, int n, int k, unsigned* out,
   CK(cudaFuncSetAttribute(k_tma<STAGES, BOXR>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   for (int blocked = 0; blocked < 2; blocked++) {
     CUtensorMap m = blocked ? map2d(w, 64, (uint64_t)groups * n * (k / 64), BOXR) : map2d(w, k, (uint64_t)groups * n, BOXR);
-    float ms = timeit([&] { k_tma<STAGES, BOXR><<<ctas, 128, smem>>>(m, tiles, kblocks, blocked, out); });
-    printf("%-10s box 64x%d stages %d ctas %d %-9s %8.1f us  %.3f TB/s\n", name, BOXR, STAGES, ctas, blocked ? "blocked" : "row-major", ms * 1e3, bytes / (ms * 1e-3) / 1e12);
+    float us = median_us([&] { k_tma<STAGES, BOXR><<<ctas, 128, smem>>>(m, tiles, kblocks, blocked, out); }, 20);
+    printf("%-10s box 64x%d stages %d ctas %d %-9s %8.1f us  %.3f TB/s\n", name, BOXR, STAGES, ctas, blocked ? "blocked" : "row-major", us, bytes / (us * 1e-6) / 1e12);
   }
 }
 
 int main() {
-  cudaDriverEntryPointQueryResult q;
-  CK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", (void**)&enc, cudaEnableDefault, &q));
   const int groups = 64, H = 7168, I = 2048;
   size_t gu = (size_t)groups * 2 * I * H, dn = (size_t)groups * H * I;
   void *w; unsigned* out; CK(cudaMalloc(&w, (gu + dn) * 2)); CK(cudaMalloc(&out, 64));
@@ -105,12 +79,12 @@ int main() {
   void* wd = (char*)w + gu * 2;
   size_t total = (gu + dn) * 2;
   for (int blocks : {132 * 2, 132 * 4, 132 * 8}) {
-    float ms = timeit([&] { k_read<<<blocks, 512>>>((const uint4*)w, total / 16, out); });
-    printf("plain read %.2f GB, %d blocks: %8.1f us  %.3f TB/s\n", total / 1e9, blocks, ms * 1e3, total / (ms * 1e-3) / 1e12);
+    float us = median_us([&] { k_read<<<blocks, 512>>>((const uint4*)w, total / 16, out); }, 20);
+    printf("plain read %.2f GB, %d blocks: %8.1f us  %.3f TB/s\n", total / 1e9, blocks, us, total / (us * 1e-6) / 1e12);
   }
   void* w2; CK(cudaMalloc(&w2, gu * 2));
-  float ms = timeit([&] { cudaMemcpyAsync(w2, w, gu * 2, cudaMemcpyDeviceToDevice); });
-  printf("d2d copy %.2f GB: %.1f us  %.3f TB/s (one way), %.3f (read+write)\n", gu * 2 / 1e9, ms * 1e3, gu * 2 / (ms * 1e-3) / 1e12, gu * 4 / (ms * 1e-3) / 1e12);
+  float us = median_us([&] { cudaMemcpyAsync(w2, w, gu * 2, cudaMemcpyDeviceToDevice); }, 20);
+  printf("d2d copy %.2f GB: %.1f us  %.3f TB/s (one way), %.3f (read+write)\n", gu * 2 / 1e9, us, gu * 2 / (us * 1e-6) / 1e12, gu * 4 / (us * 1e-6) / 1e12);
   CK(cudaFree(w2));
   for (int ctas : {132, 264}) {
     run_tma<5, 256>("gate_up", w, groups, 2 * I, H, out, ctas);

@@ -3,13 +3,10 @@
 // replaced (copied below as `*_before`), with their outputs compared bit for bit; and cuBLAS's
 // three-piece router GEMM (the landed bf16 router) for scale.
 #include "../../kernels/epserve.cu"
+#include "common.cuh"
 #include <cublas_v2.h>
-#include <algorithm>
 #include <numeric>
-#include <cstdio>
 #include <random>
-#include <vector>
-#define CK(x) do { auto e = (x); if (e != cudaSuccess) { printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); exit(1); } } while (0)
 
 // Before 3e9893c: one block per 8 rows of an expert over the whole stride, one column per step.
 __global__ void swiglu_masked_before(const bf16* gu, const int* counts, int S, int I, bf16* act) {

@@ -639,6 +639,7 @@ impl Gpu {
         h: usize,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), DriverError> {
+        assert!(h % 8 == 0, "widen_add takes rows of 8-column steps");
         let (h32, null) = (h as i32, 0u64);
         let mut b = self.stream.launch_builder(&self.k.widen_add);
         b.arg(x);
@@ -647,7 +648,6 @@ impl Gpu {
             None => b.arg(&null),
         };
         b.arg(n).arg(&h32).arg(out);
-        assert!(h % 8 == 0, "widen_add takes rows of 8-column steps");
         let cols = h.div_ceil(8 * 256) as u32;
         // SAFETY: x, shared and out hold n_cap rows of h (h % 8 == 0: every 16-byte step is in
         // the row and aligned); a null `shared` is a zero pointer.
