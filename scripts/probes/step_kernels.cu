@@ -32,29 +32,15 @@ __global__ void widen_add_before(const bf16* x, const bf16* shared, const int* n
   }
 }
 
-template <typename F> float graph_once(cudaStream_t s, F f, int reps, int iters = 200) {
+// f's work captured `reps` times into one graph: the graph's median time on s.
+template <typename F> float graph_once(cudaStream_t s, F f, int reps) {
   cudaGraph_t g;
   cudaGraphExec_t ge;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   for (int r = 0; r < reps; r++) f();
   CK(cudaStreamEndCapture(s, &g));
   CK(cudaGraphInstantiate(&ge, g, 0));
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  for (int i = 0; i < 10; i++) CK(cudaGraphLaunch(ge, s));
-  std::vector<float> v;
-  for (int i = 0; i < iters; i++) {
-    cudaEventRecord(a, s);
-    cudaGraphLaunch(ge, s);
-    cudaEventRecord(b, s);
-    cudaEventSynchronize(b);
-    float ms;
-    cudaEventElapsedTime(&ms, a, b);
-    v.push_back(ms * 1e3f);
-  }
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  return median_us([&] { cudaGraphLaunch(ge, s); }, 200, s, 10);
 }
 template <typename F> float added_us(cudaStream_t s, F f) { return (graph_once(s, f, 21) - graph_once(s, f, 1)) / 20; }
 
