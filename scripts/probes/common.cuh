@@ -1,0 +1,60 @@
+// What the probes share: error checks, a median event timing, and 2-D bf16 tensor maps as the
+// Hopper GEMM builds them (64-column boxes, 128-byte swizzle, 256-byte L2 promotion).
+#pragma once
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CK(x)                                                                   \
+  do {                                                                          \
+    auto e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                    \
+      printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));         \
+      exit(1);                                                                  \
+    }                                                                           \
+  } while (0)
+
+// Median microseconds of `iters` runs of f on `stream`, after `warmup` runs.
+template <typename F> float median_us(F f, int iters, cudaStream_t stream = 0, int warmup = 2) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < warmup; i++) f();
+  CK(cudaDeviceSynchronize());
+  std::vector<float> v;
+  for (int i = 0; i < iters; i++) {
+    cudaEventRecord(a, stream);
+    f();
+    cudaEventRecord(b, stream);
+    cudaEventSynchronize(b);
+    float ms;
+    cudaEventElapsedTime(&ms, a, b);
+    v.push_back(ms * 1e3f);
+  }
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// `outer` rows of `inner` bf16 at `base`, in boxes of 64 columns x `box_rows` rows.
+inline CUtensorMap map2d(void* base, uint64_t inner, uint64_t outer, uint32_t box_rows) {
+  static PFN_cuTensorMapEncodeTiled_v12000 enc = [] {
+    PFN_cuTensorMapEncodeTiled_v12000 f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    CK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", (void**)&f, cudaEnableDefault, &q));
+    return f;
+  }();
+  CUtensorMap m;
+  cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner * 2};
+  cuuint32_t box[2] = {64, box_rows}, elems[2] = {1, 1};
+  if (enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, elems, CU_TENSOR_MAP_INTERLEAVE_NONE,
+          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+    printf("cuTensorMapEncodeTiled failed\n");
+    exit(1);
+  }
+  return m;
+}
