@@ -83,7 +83,7 @@ struct HopperTile {
 const HOPPER_GROUPS: u32 = 256;
 const HOPPER_CTAS: u32 = 132;
 
-const HOPPER_TILES: [HopperTile; 3] = [
+const HOPPER_TILES: [HopperTile; 2] = [
     HopperTile {
         name: "PSUM",
         gemm_type: 5,
@@ -92,22 +92,14 @@ const HOPPER_TILES: [HopperTile; 3] = [
         stages: 3,
         math_threads: 256,
     },
-    // Masked, for experts of many rows (a 64-row tile reads each weight tile once per 64 rows).
+    // Masked, for experts of many rows (a 64-row tile reads each weight tile once per 64 rows);
+    // decode's experts of a few rows run on kernels/decode_gemm.cuh.
     HopperTile {
         name: "MASKED",
         gemm_type: 2,
         block_m: 64,
         block_n: 256,
         stages: 4,
-        math_threads: 128,
-    },
-    // Masked, for experts of few rows (decode): half the padding rows per weight tile.
-    HopperTile {
-        name: "MASKED_FEW",
-        gemm_type: 2,
-        block_m: 32,
-        block_n: 256,
-        stages: 5,
         math_threads: 128,
     },
 ];

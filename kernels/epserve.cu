@@ -6,6 +6,8 @@
 #include <mma.h>
 #include <cub/block/block_scan.cuh>
 
+#include "decode_gemm.cuh"
+
 using bf16 = __nv_bfloat16;
 
 namespace {

@@ -3,6 +3,7 @@
 //! scripts/gpu-check.sh).
 #![cfg(feature = "cuda")]
 
+use epserve::backend::cuda::decode_gemm::{DecodeGemm, Out};
 use epserve::backend::cuda::hopper::{self, Gemm, Layout};
 use epserve::backend::cuda::{
     max_tiles, sigmoid_group_in_regs, Blocks, Gpu, Logits, ROUTER_PIECES, TOPK_REGS_EXPERTS,
@@ -514,19 +515,15 @@ fn hopper_psum_gemm_matches_f64_per_expert() {
 #[ignore = "needs a GPU"]
 fn hopper_masked_gemm_matches_f64_per_expert() {
     // NCCL EP's low-latency layout: expert e's rows start at e x stride; counts from empty to
-    // the whole stride, and one past it (clamped). Both masked instances: experts of few rows on
-    // average (the 32-row tile) and of many (the 64-row one); N = 384 ends inside a 256-wide
-    // column tile.
-    for mean_rows in [16usize, 100] {
-        masked_case(mean_rows);
-    }
+    // the whole stride, and one past it (clamped). N = 384 ends inside a 256-wide column tile.
+    masked_case(100);
 }
 
 fn masked_case(mean_rows: usize) {
     let g = gpu();
     let s = &g.stream;
     let (stride, n, kd) = (128usize, 384usize, 256usize);
-    let tile = hopper::masked_rows(mean_rows);
+    let tile = 64;
     let counts = [0i32, 1, 128, 77, 64, 200];
     let e = counts.len();
     let rows = e * stride;
@@ -562,6 +559,136 @@ fn masked_case(mean_rows: usize) {
         masked[e..].iter().all(|&v| v == 0),
         "no rows past the last expert"
     );
+}
+
+/// Masked operands on the host: `x [e * stride, kd]` and `w [e * n, kd]` random, `counts` as
+/// NCCL EP's low-latency layout gives them (through `ll_bounds`, which clamps to the stride).
+struct MaskedCase {
+    x: Vec<bf16>,
+    w: Vec<bf16>,
+    counts: Vec<i32>,
+    stride: usize,
+}
+
+impl MaskedCase {
+    fn new(seed: u64, counts: &[i32], stride: usize, n: usize, kd: usize) -> Self {
+        let mut r = rng(seed);
+        let e = counts.len();
+        Self {
+            x: bf16s(&mut r, e * stride * kd, 1.0),
+            w: bf16s(&mut r, e * n * kd, (3.0f32 / kd as f32).sqrt()),
+            counts: counts.to_vec(),
+            stride,
+        }
+    }
+
+    /// Runs decode's GEMM (`out_cols` wide output starting as 7.0, so untouched rows show) and
+    /// returns the output and the clamped counts.
+    fn run(&self, g: &Gpu, n: usize, kd: usize, out: Out) -> (Vec<bf16>, Vec<usize>) {
+        let s = &g.stream;
+        let (e, stride) = (self.counts.len(), self.stride);
+        let rows = e * stride;
+        let cols = if out == Out::SwiGlu { n / 2 } else { n };
+        let dcnt = s.clone_htod(&self.counts).unwrap();
+        let mut bounds = s.alloc_zeros::<i32>(2 * e).unwrap();
+        let mut masked = s.alloc_zeros::<i32>(hopper::MAX_GROUPS).unwrap();
+        g.ll_bounds(&dcnt, stride, &mut bounds, &mut masked)
+            .unwrap();
+        let (dx, dw) = (
+            s.clone_htod(&self.x).unwrap(),
+            s.clone_htod(&self.w).unwrap(),
+        );
+        let mut y = s
+            .clone_htod(&vec![bf16::from_f32(7.0); rows * cols])
+            .unwrap();
+        let layout = Layout::Masked {
+            stride,
+            mean_rows: 16,
+        };
+        assert!(DecodeGemm::takes(layout, e, n, kd));
+        let gemm = Gemm {
+            x: &dx,
+            rows,
+            w: &dw,
+            groups: e,
+            n,
+            k: kd,
+            layout,
+            sizes: &masked,
+        };
+        g.decode.gemm(gemm, out, &mut y, s).unwrap();
+        let valid = self
+            .counts
+            .iter()
+            .map(|&c| (c.max(0) as usize).min(stride))
+            .collect();
+        (s.clone_dtoh(&y).unwrap(), valid)
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn decode_gemm_matches_f64_per_expert() {
+    // Counts: empty, one row, one chunk exactly and one past it, off the 8-row tiles, the whole
+    // stride (a hot expert: four chunks) and past it (clamped). K = 320 is five 64-deep stages,
+    // so the pipeline wraps inside a unit; N = 512 is two 256-row units.
+    let counts = [0i32, 1, 32, 33, 13, 128, 300, 7];
+    let (stride, n, kd) = (128usize, 512usize, 320usize);
+    let g = gpu();
+    let c = MaskedCase::new(17, &counts, stride, n, kd);
+    let (y, valid) = c.run(&g, n, kd, Out::Plain);
+    for (ei, &v) in valid.iter().enumerate() {
+        let err = expert_error(&c.x, &c.w, &y, ei, ei * stride, v, n, kd);
+        assert!(
+            err <= 1e-2,
+            "expert {ei} ({v} rows): worst relative error {err:.3e}"
+        );
+        assert!(
+            y[(ei * stride + v) * n..(ei + 1) * stride * n]
+                .iter()
+                .all(|v| v.to_f32() == 7.0),
+            "expert {ei}: rows past its count are not written"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn decode_gemm_swiglu_matches_f64_per_row() {
+    // Gate/up of intermediate 384 (three 128-column units), K = 256; SwiGLU of the f64 products,
+    // checked per row of each expert.
+    let counts = [5i32, 0, 40, 128, 1, 64];
+    let (stride, inter, kd) = (128usize, 384usize, 256usize);
+    let n = 2 * inter;
+    let g = gpu();
+    let c = MaskedCase::new(19, &counts, stride, n, kd);
+    let (act, valid) = c.run(&g, n, kd, Out::SwiGlu);
+    let dot = |row: usize, wrow: usize| -> f64 {
+        (0..kd)
+            .map(|q| c.x[row * kd + q].to_f64() * c.w[wrow * kd + q].to_f64())
+            .sum()
+    };
+    for (ei, &v) in valid.iter().enumerate() {
+        for row in ei * stride..ei * stride + v {
+            let mut worst = 0f64;
+            for i in 0..inter {
+                let (gate, up) = (dot(row, ei * n + i), dot(row, ei * n + inter + i));
+                let want = gate / (1.0 + (-gate).exp()) * up;
+                let got = act[row * inter + i].to_f64();
+                worst = worst.max((got - want).abs() / want.abs().max(0.1));
+            }
+            assert!(
+                worst <= 2e-2,
+                "expert {ei}, row {row}: worst relative error {worst:.3e}"
+            );
+        }
+        assert!(
+            act[(ei * stride + v) * inter..(ei + 1) * stride * inter]
+                .iter()
+                .all(|v| v.to_f32() == 7.0),
+            "expert {ei}: rows past its count are not written"
+        );
+    }
 }
 
 #[test]

@@ -24,7 +24,7 @@ struct Tile {
 
 mod tiles {
     use super::Tile;
-    // GROUPS, CTAS, then PSUM, MASKED and MASKED_FEW: build.rs's HOPPER_TILES.
+    // GROUPS, CTAS, then PSUM and MASKED: build.rs's HOPPER_TILES.
     include!(concat!(env!("OUT_DIR"), "/hopper_tiles.rs"));
 }
 
@@ -48,19 +48,9 @@ pub enum Layout {
     /// `ALIGN`-row-aligned blocks; `ends` past the last expert repeat the padded total.
     Psum,
     /// Expert e's rows are `[e * stride, e * stride + counts[e])`; `counts` past the last expert
-    /// are 0. `stride` is a multiple of the masked instances' row tiles. `mean_rows`, the rows an
-    /// expert gets on average, picks the instance (`masked_rows`).
+    /// are 0. `stride` is a multiple of the masked instance's row tile. `mean_rows`, the rows an
+    /// expert gets on average, says whether decode's own GEMM takes it (`DecodeGemm::takes`).
     Masked { stride: usize, mean_rows: usize },
-}
-
-/// The row tile the masked layout runs with for experts of `mean_rows` rows on average: 32 up to
-/// 32 rows (decode: half the padding rows stream with each weight tile), else 64 (each weight
-/// tile is read once per tile of rows, so few tiles per expert matter more).
-pub fn masked_rows(mean_rows: usize) -> usize {
-    match mean_rows <= tiles::MASKED_FEW.block_m as usize {
-        true => tiles::MASKED_FEW.block_m as usize,
-        false => tiles::MASKED.block_m as usize,
-    }
 }
 
 struct Instance {
@@ -96,13 +86,12 @@ impl Instance {
 pub struct Hopper {
     psum: Instance,
     masked: Instance,
-    masked_few: Instance,
 }
 
 /// A CUDA tensor map, passed to the kernel by value.
 #[repr(transparent)]
 #[derive(Clone, Copy)]
-struct TensorMap(sys::CUtensorMap);
+pub(super) struct TensorMap(sys::CUtensorMap);
 
 // SAFETY: a plain 128-byte, 128-aligned value that the kernel takes as a `__grid_constant__`
 // parameter; it holds no host pointer.
@@ -111,7 +100,7 @@ unsafe impl DeviceRepr for TensorMap {}
 /// A 2-D bf16 tensor map of `outer` rows of `inner` elements at `base`, in boxes of
 /// `SWIZZLE_COLS x box_rows` with the 128-byte swizzle; out-of-bounds loads read zeros and
 /// out-of-bounds stores are dropped.
-fn tensor_map(
+pub(super) fn tensor_map(
     base: u64,
     inner: usize,
     outer: usize,
@@ -165,7 +154,6 @@ impl Hopper {
         Ok(Self {
             psum: Instance::load(&m, tiles::PSUM)?,
             masked: Instance::load(&m, tiles::MASKED)?,
-            masked_few: Instance::load(&m, tiles::MASKED_FEW)?,
         })
     }
 
@@ -174,8 +162,7 @@ impl Hopper {
         let layout_ok = match layout {
             Layout::Psum => true,
             Layout::Masked { stride, .. } => {
-                let tile = tiles::MASKED.block_m.max(tiles::MASKED_FEW.block_m) as usize;
-                stride > 0 && stride % tile == 0
+                stride > 0 && stride % tiles::MASKED.block_m as usize == 0
             }
         };
         layout_ok && groups <= MAX_GROUPS && k % BLOCK_K == 0 && n % 64 == 0
@@ -206,13 +193,9 @@ impl Hopper {
         );
         let (inst, shape_m) = match g.layout {
             Layout::Psum => (&self.psum, 0),
-            Layout::Masked { stride, mean_rows } => {
+            Layout::Masked { stride, .. } => {
                 assert!(stride * g.groups <= g.rows, "masked rows past the buffer");
-                let inst = match masked_rows(mean_rows) == self.masked_few.block_m as usize {
-                    true => &self.masked_few,
-                    false => &self.masked,
-                };
-                (inst, stride as u32)
+                (&self.masked, stride as u32)
             }
         };
         let a = tensor_map(g.x.device_ptr(stream).0, g.k, g.rows, inst.block_m)?;
@@ -284,25 +267,15 @@ mod tests {
             !Hopper::fits(Layout::Psum, 8, 96, 256),
             "N off the 64-wide store box"
         );
-        // The masked tiles are 32 and 64 rows: a stride that is not a multiple of both would let
-        // an expert's last tile write into the next expert's rows.
+        // The masked tile is 64 rows: a stride that is not a multiple would let an expert's last
+        // tile write into the next expert's rows.
         let masked = |stride| Layout::Masked {
             stride,
             mean_rows: 16,
         };
         assert!(Hopper::fits(masked(128), 8, 256, 256));
         assert!(!Hopper::fits(masked(96), 8, 256, 256));
+        assert!(!Hopper::fits(masked(32), 8, 256, 256));
         assert!(!Hopper::fits(masked(0), 8, 256, 256));
-    }
-
-    /// Decode's experts (16 rows each at 128 tokens per rank over 4 ranks of deepseek-v3) run on
-    /// the 32-row tile; the small config's (256 rows each) on the 64-row one.
-    #[test]
-    fn the_masked_tile_follows_the_rows_per_expert() {
-        assert_eq!(masked_rows(0), 32);
-        assert_eq!(masked_rows(16), 32);
-        assert_eq!(masked_rows(32), 32);
-        assert_eq!(masked_rows(33), 64);
-        assert_eq!(masked_rows(256), 64);
     }
 }

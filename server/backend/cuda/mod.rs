@@ -3,6 +3,7 @@
 //! router GEMM), the one device allocator (`Alloc`) and the GPU error type.
 
 pub mod bench;
+pub mod decode_gemm;
 pub mod ep;
 pub mod exchange;
 pub mod hopper;
@@ -132,6 +133,8 @@ pub struct Gpu {
     pub k: Kernels,
     /// The Hopper grouped GEMM (DeepGEMM's kernels).
     pub hopper: hopper::Hopper,
+    /// Decode's expert GEMM (experts of a few rows, the masked layout).
+    pub decode: decode_gemm::DecodeGemm,
     /// cuBLAS on `stream` (the router GEMM), then the workspace it owns (dropped after it).
     blas: CudaBlas,
     _blas_workspace: CudaSlice<u8>,
@@ -184,6 +187,7 @@ impl Gpu {
             bf16_pieces: f("bf16_pieces")?,
         };
         let hopper = hopper::Hopper::load(&ctx)?;
+        let decode = decode_gemm::DecodeGemm::load(&ctx, &module)?;
         let blas = CudaBlas::new(stream.clone())?;
         // Through `Alloc`, as every device allocation, so it is counted.
         let mut workspace = Alloc::new(stream.clone()).zeros::<u8>(BLAS_WORKSPACE)?;
@@ -199,6 +203,7 @@ impl Gpu {
             stream,
             k,
             hopper,
+            decode,
             blas,
             _blas_workspace: workspace,
         })

@@ -9,6 +9,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, DriverError};
 use half::bf16;
 
+use super::decode_gemm::{DecodeGemm, Out};
 use super::ep::EpExchange;
 use super::exchange::{Exchange, ExpertRows, Home};
 use super::hopper::{self, Gemm, Hopper, Layout};
@@ -537,8 +538,9 @@ struct Strided<'a> {
     mean_rows: usize,
 }
 
-/// The FFN over fixed-stride expert rows, in place on `x`: the Hopper GEMM's masked layout, or
-/// the WMMA kernels over the same blocks.
+/// The FFN over fixed-stride expert rows, in place on `x`: decode's own GEMM for experts of a
+/// few rows (SwiGLU in its gate/up pass), DeepGEMM's masked layout for more, or the WMMA kernels
+/// over the same blocks.
 fn strided_ffn(
     g: &Gpu,
     w: FfnWeights,
@@ -552,8 +554,33 @@ fn strided_ffn(
         stride: r.stride,
         mean_rows: r.mean_rows,
     };
+    let span = groups * r.stride;
+    if DecodeGemm::takes(masked, groups, 2 * i, h) && DecodeGemm::takes(masked, groups, h, i) {
+        let up = Gemm {
+            x,
+            rows: span,
+            w: w.gate_up,
+            groups,
+            n: 2 * i,
+            k: h,
+            layout: masked,
+            sizes: r.counts,
+        };
+        g.decode.gemm(up, Out::SwiGlu, act, &g.stream)?;
+        let down = Gemm {
+            x: act,
+            rows: span,
+            w: w.down,
+            groups,
+            n: h,
+            k: i,
+            layout: masked,
+            sizes: r.counts,
+        };
+        g.decode.gemm(down, Out::Plain, x, &g.stream)?;
+        return Ok(());
+    }
     if Hopper::fits(masked, groups, 2 * i, h) && Hopper::fits(masked, groups, h, i) {
-        let span = groups * r.stride;
         let up = Gemm {
             x,
             rows: span,

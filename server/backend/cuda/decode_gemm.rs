@@ -1,0 +1,182 @@
+//! Decode's expert GEMM (`kernels/decode_gemm.cuh`): experts of a few rows each in the masked
+//! layout, where the GEMM is a read of the weights. The weights are the MMA's A operand and the
+//! rows its narrow B tiles, so no weight tile streams with 16 to 48 padding rows (DeepGEMM's
+//! masked tiles are 32 or 64 rows); the gate/up form writes SwiGLU's output directly. Counts stay
+//! on the device, so a captured step graph serves any routing. Measured against DeepGEMM:
+//! docs/benchmarks.md, "A decode GEMM of our own".
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DriverError,
+    LaunchConfig, PushKernelArg,
+};
+use half::bf16;
+
+use super::hopper::{tensor_map, Gemm, Layout, MAX_GROUPS};
+
+/// Rows of an expert one pass over its weights takes (the kernel's `kChunk`). An expert of more
+/// reads its weights once more per 32 rows, so experts of more rows on average go to DeepGEMM's
+/// 64-row tile instead.
+pub const CHUNK_ROWS: usize = 32;
+// The kernel's constants: weight rows per TMA box, stages, math warps plus the TMA warp, and its
+// dynamic shared memory (the stages of two weight boxes and a chunk's box, their barriers, 1 KB
+// of alignment slack).
+const BOX_ROWS: usize = 128;
+const BOX_K: usize = 64;
+const STAGES: u32 = 5;
+const THREADS: u32 = (8 + 1) * 32;
+const SMEM: u32 = STAGES * ((2 * BOX_ROWS + CHUNK_ROWS) * BOX_K * 2) as u32 + STAGES * 16 + 1024;
+/// Experts one launch takes (the kernel's `kMaxGroups`, its units' prefix in shared memory).
+const KERNEL_GROUPS: usize = 1024;
+// One SM holds it: 227 KB on sm_90, with the units' prefix as static shared memory.
+const _: () = assert!(SMEM as usize + (KERNEL_GROUPS + 1) * 4 <= 227 * 1024);
+
+/// What the kernel writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Out {
+    /// `y [rows, n]`.
+    Plain,
+    /// `n` is gate then up (`2 * inter`): `y [rows, inter] = silu(gate) * up`, each rounded to
+    /// bf16 first as the unfused SwiGLU reads them.
+    SwiGlu,
+}
+
+pub struct DecodeGemm {
+    plain: CudaFunction,
+    gated: CudaFunction,
+    /// One persistent CTA per SM.
+    sms: u32,
+}
+
+impl DecodeGemm {
+    pub fn load(ctx: &Arc<CudaContext>, module: &Arc<CudaModule>) -> Result<Self, DriverError> {
+        let load = |name| -> Result<CudaFunction, DriverError> {
+            let f = module.load_function(name)?;
+            f.set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                SMEM as i32,
+            )?;
+            Ok(f)
+        };
+        let sms =
+            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        Ok(Self {
+            plain: load("decode_gemm_plain")?,
+            gated: load("decode_gemm_gated")?,
+            sms: sms.max(1) as u32,
+        })
+    }
+
+    /// Whether this kernel takes the GEMM (either form): the masked layout with at most
+    /// `CHUNK_ROWS` rows per expert on average, N in 256-row units (gated: the intermediate in
+    /// 128-row units), K in 64-deep stages.
+    pub fn takes(layout: Layout, groups: usize, n: usize, k: usize) -> bool {
+        let few = matches!(layout, Layout::Masked { stride, mean_rows } if stride > 0 && mean_rows <= CHUNK_ROWS);
+        few && groups <= MAX_GROUPS.min(KERNEL_GROUPS)
+            && n > 0
+            && n % (2 * BOX_ROWS) == 0
+            && k > 0
+            && k % BOX_K == 0
+    }
+
+    /// Launches `g` writing `y` (`Out` says its shape); rows of an expert past its count, and
+    /// past the stride, are not written.
+    pub fn gemm(
+        &self,
+        g: Gemm,
+        out: Out,
+        y: &mut CudaSlice<bf16>,
+        stream: &CudaStream,
+    ) -> Result<(), DriverError> {
+        assert!(
+            Self::takes(g.layout, g.groups, g.n, g.k),
+            "the decode GEMM does not take n {} k {} over {} groups in {:?}",
+            g.n,
+            g.k,
+            g.groups,
+            g.layout
+        );
+        let Layout::Masked { stride, .. } = g.layout else {
+            unreachable!("takes() admits the masked layout only")
+        };
+        let cols = match out {
+            Out::Plain => g.n,
+            Out::SwiGlu => g.n / 2,
+        };
+        assert!(
+            stride * g.groups <= g.rows
+                && g.x.len() >= g.rows * g.k
+                && y.len() >= g.rows * cols
+                && g.w.len() >= g.groups * g.n * g.k
+                && g.sizes.len() >= g.groups,
+            "decode GEMM operands smaller than their shapes"
+        );
+        let w = tensor_map(
+            g.w.device_ptr(stream).0,
+            g.k,
+            g.groups * g.n,
+            BOX_ROWS as u32,
+        )?;
+        let x = tensor_map(g.x.device_ptr(stream).0, g.k, g.rows, CHUNK_ROWS as u32)?;
+        let (groups, s, n, k) = (g.groups as i32, stride as i32, g.n as i32, g.k as i32);
+        let f = match out {
+            Out::Plain => &self.plain,
+            Out::SwiGlu => &self.gated,
+        };
+        let mut l = stream.launch_builder(f);
+        l.arg(&w)
+            .arg(&x)
+            .arg(g.sizes)
+            .arg(&groups)
+            .arg(&s)
+            .arg(&n)
+            .arg(&k)
+            .arg(y);
+        let cfg = LaunchConfig {
+            grid_dim: (self.sms, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: SMEM,
+        };
+        // SAFETY: the tensor maps span w (groups x n x k) and x (rows x k), whose loads past the
+        // end read zeros; the kernel writes y only at rows e * stride + r for r < min(counts[e],
+        // stride), within `groups * stride <= rows` rows of `cols` (asserted), and reads
+        // `groups` counts.
+        unsafe { l.launch(cfg) }.map(drop)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn takes_few_rows_per_expert_on_whole_boxes() {
+        let masked = |mean_rows| Layout::Masked {
+            stride: 512,
+            mean_rows,
+        };
+        // deepseek-v3's decode: gate/up 4096 x 7168, down 7168 x 2048, 64 local experts.
+        assert!(DecodeGemm::takes(masked(16), 64, 4096, 7168));
+        assert!(DecodeGemm::takes(masked(32), 64, 7168, 2048));
+        assert!(
+            !DecodeGemm::takes(masked(33), 64, 7168, 2048),
+            "past one chunk per expert on average, DeepGEMM's 64-row tile"
+        );
+        assert!(!DecodeGemm::takes(Layout::Psum, 64, 7168, 2048));
+        assert!(
+            !DecodeGemm::takes(masked(16), 8, 384, 256),
+            "N off the 256-row unit"
+        );
+        assert!(
+            !DecodeGemm::takes(masked(16), 8, 256, 96),
+            "K off the stage"
+        );
+        assert!(!DecodeGemm::takes(masked(16), MAX_GROUPS + 1, 256, 256));
+        let no_stride = Layout::Masked {
+            stride: 0,
+            mean_rows: 0,
+        };
+        assert!(!DecodeGemm::takes(no_stride, 8, 256, 256));
+    }
+}
