@@ -117,7 +117,21 @@ int main() {
     printf("%-6s decode_gemm: gated up %7.1f us (%.3f TB/s), down %7.1f us (%.3f TB/s), both %7.1f us (%.3f TB/s)\n", name, su, up_b / su / 1e6, sd, dn_b / sd / 1e6, sp, (up_b + dn_b) / sp / 1e6);
     printf("%-6s deepgemm 32x256 st5: up %7.1f us, down %7.1f us, up + swiglu + down %7.1f us (%.3f TB/s)\n", name, du, dd, dp, (up_b + dn_b) / dp / 1e6);
   }
+  // Ours against DeepGEMM (+ SwiGLU) on the decode counts, every valid row: how many outputs
+  // differ at all, and the largest difference.
+  ours(true, w_up, x_up, d_c, 2 * I, H, act); ours(false, w_dn, x_dn, d_c, H, I, y);
+  deepgemm(d_c, 2 * I, H, a_up, b_up, d_up); swiglu_masked<<<dim3(L, 32), 256>>>(gu, d_c, S, I, act2); deepgemm(d_c, H, I, a_dn, b_dn, d_dn);
   CK(cudaDeviceSynchronize());
+  for (int which = 0; which < 2; which++) {
+    const int cols = which ? H : I;
+    auto A = host(which ? y : act, (size_t)L * S * cols), B = host(which ? y2 : act2, (size_t)L * S * cols);
+    size_t n = 0, differ = 0; double worst = 0;
+    for (int e = 0; e < L; e++)
+      for (size_t i = (size_t)e * S * cols; i < ((size_t)e * S + c[e]) * cols; i++) {
+        n++; differ += A[i] != B[i]; worst = std::max(worst, (double)fabsf(A[i] - B[i]));
+      }
+    printf("%s against DeepGEMM's: %zu of %zu outputs differ, largest difference %.3e\n", which ? "down" : "gated up", differ, n, worst);
+  }
   printf("%s\n", bad ? "FAILED" : "all checked experts ok");
   return bad != 0;
 }
