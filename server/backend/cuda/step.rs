@@ -554,8 +554,12 @@ fn strided_ffn(
         stride: r.stride,
         mean_rows: r.mean_rows,
     };
-    let span = groups * r.stride;
-    if DecodeGemm::takes(masked, groups, 2 * i, h) && DecodeGemm::takes(masked, groups, h, i) {
+    let both = |fits: fn(Layout, usize, usize, usize) -> bool| {
+        fits(masked, groups, 2 * i, h) && fits(masked, groups, h, i)
+    };
+    let decode = both(DecodeGemm::takes);
+    if decode || both(Hopper::fits) {
+        let span = groups * r.stride;
         let up = Gemm {
             x,
             rows: span,
@@ -566,7 +570,12 @@ fn strided_ffn(
             layout: masked,
             sizes: r.counts,
         };
-        g.decode.gemm(up, Out::SwiGlu, act, &g.stream)?;
+        if decode {
+            g.decode.gemm(up, Out::SwiGlu, act, &g.stream)?;
+        } else {
+            g.hopper.gemm(up, gu, &g.stream)?;
+            g.swiglu_masked(gu, r.counts, groups, r.stride, i, act)?;
+        }
         let down = Gemm {
             x: act,
             rows: span,
@@ -577,33 +586,10 @@ fn strided_ffn(
             layout: masked,
             sizes: r.counts,
         };
-        g.decode.gemm(down, Out::Plain, x, &g.stream)?;
-        return Ok(());
-    }
-    if Hopper::fits(masked, groups, 2 * i, h) && Hopper::fits(masked, groups, h, i) {
-        let up = Gemm {
-            x,
-            rows: span,
-            w: w.gate_up,
-            groups,
-            n: 2 * i,
-            k: h,
-            layout: masked,
-            sizes: r.counts,
-        };
-        g.hopper.gemm(up, gu, &g.stream)?;
-        g.swiglu_masked(gu, r.counts, groups, r.stride, i, act)?;
-        let down = Gemm {
-            x: act,
-            rows: span,
-            w: w.down,
-            groups,
-            n: h,
-            k: i,
-            layout: masked,
-            sizes: r.counts,
-        };
-        g.hopper.gemm(down, x, &g.stream)?;
+        match decode {
+            true => g.decode.gemm(down, Out::Plain, x, &g.stream)?,
+            false => g.hopper.gemm(down, x, &g.stream)?,
+        }
         return Ok(());
     }
     let blocks = Blocks::Bounds(r.bounds);
