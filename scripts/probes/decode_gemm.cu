@@ -1,7 +1,7 @@
 // The weight-streaming decode GEMM (kernels/decode_gemm.cuh) on decode's expert shapes (64
 // experts of deepseek-v3, stride 512): its outputs against an f64 reference on the host for a few
-// experts (a hot one included), then its times against DeepGEMM's masked 32 x 256 instance (the
-// landed one) and the pure TMA box read of the same weights, in one run.
+// experts (a hot one included), its times against DeepGEMM's masked 32 x 256 instance plus
+// SwiGLU (what it replaced) in the same run, and the two kernels' outputs compared.
 #include "common.cuh"
 #include "../../kernels/decode_gemm.cuh"
 #include <deep_gemm/impls/sm90_bf16_gemm.cuh>
