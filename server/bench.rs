@@ -15,6 +15,8 @@ pub struct BenchConfig {
     pub inter: usize,
     pub top_k: usize,
     pub experts: usize,
+    /// One shared expert of this intermediate size over every token (0: none).
+    pub shared_inter: usize,
 }
 
 impl BenchConfig {
@@ -28,8 +30,8 @@ impl BenchConfig {
             top_k: self.top_k,
             moe_layers: vec![0],
             routing: crate::model::Routing::SoftmaxTopK { renormalize: true },
-            shared_intermediate: 0,
-            num_shared_experts: 0,
+            shared_intermediate: self.shared_inter,
+            num_shared_experts: usize::from(self.shared_inter > 0),
         }
     }
 }
@@ -42,14 +44,22 @@ pub fn config(name: &str) -> anyhow::Result<BenchConfig> {
         inter,
         top_k: 8,
         experts,
+        shared_inter: 0,
     };
     Ok(match name {
-        // DeepSeek-V3 shapes.
+        // DeepSeek-V3 shapes (its routed experts; the figures).
         "decode" => c(128, 7168, 2048, 256),
+        // The same with DeepSeek-V3's shared expert, as the service runs the model.
+        "decode-shared" => BenchConfig {
+            shared_inter: 2048,
+            ..c(128, 7168, 2048, 256)
+        },
         "prefill" => c(4096, 7168, 2048, 256),
         // Qwen3-30B-A3B shapes.
         "small" => c(1024, 2048, 768, 128),
-        other => anyhow::bail!("unknown bench config '{other}' (decode, prefill, small)"),
+        other => {
+            anyhow::bail!("unknown bench config '{other}' (decode, decode-shared, prefill, small)")
+        }
     })
 }
 
@@ -217,6 +227,23 @@ fn plan(args: &BenchArgs) -> anyhow::Result<Vec<BenchConfig>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decode_shared_is_decode_with_deepseek_v3s_shared_expert() {
+        let (d, s) = (config("decode").unwrap(), config("decode-shared").unwrap());
+        assert_eq!(d.spec().num_shared_experts, 0);
+        let ds3 = crate::model::synthetic::preset("deepseek-v3").unwrap();
+        let spec = s.spec();
+        assert_eq!(
+            (spec.shared_intermediate, spec.num_shared_experts),
+            (ds3.shared_intermediate, ds3.num_shared_experts)
+        );
+        assert_eq!(
+            (s.hidden, s.inter, s.experts, s.top_k, s.tokens_per_rank),
+            (d.hidden, d.inter, d.experts, d.top_k, d.tokens_per_rank)
+        );
+        assert!(config("nope").is_err());
+    }
 
     #[test]
     fn median_of_odd_and_even_counts() {
