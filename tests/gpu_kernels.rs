@@ -693,6 +693,26 @@ fn decode_gemm_swiglu_matches_f64_per_row() {
 
 #[test]
 #[ignore = "needs a GPU"]
+fn dense_bf16_gemm_matches_f64_per_row() {
+    // The shared expert's GEMMs (cuBLAS, bf16 out): rows off every tile size, K not a power of 2.
+    let g = gpu();
+    let s = &g.stream;
+    let (m, n, kd) = (37usize, 272usize, 200usize);
+    let mut r = rng(23);
+    let x = bf16s(&mut r, m * kd, 1.0);
+    let w = bf16s(&mut r, n * kd, (3.0f32 / kd as f32).sqrt());
+    let (dx, dw) = (s.clone_htod(&x).unwrap(), s.clone_htod(&w).unwrap());
+    let mut y = s.alloc_zeros::<bf16>(m * n).unwrap();
+    g.gemm_bf16(&dw, &dx, (m, n, kd), &mut y).unwrap();
+    let y = s.clone_dtoh(&y).unwrap();
+    for row in 0..m {
+        let err = expert_error(&x, &w, &y, 0, row, 1, n, kd);
+        assert!(err <= 1e-2, "row {row}: worst relative error {err:.3e}");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
 fn router_logits_match_f64() {
     // A decode-sized bucket and a prefill-sized one (cuBLAS picks other kernels), SGEMM over f32
     // rows and the tensor-core router over bf16 rows; then DeepSeek-V3's hidden size.

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # The probes behind #14's decode work, on one GPU of the device machine (nvcc and cuBLAS are
 # there): the HBM read ceiling and TMA box patterns, DeepGEMM's masked instances on decode's
-# expert shapes, the step's small kernels against the forms they replaced, and the
-# weight-streaming decode GEMM against DeepGEMM. Output in $OUT.
+# expert shapes, the step's small kernels against the forms they replaced, the weight-streaming
+# decode GEMM against DeepGEMM, and the shared expert's GEMMs at decode. Output in $OUT.
 #   device tool: kind nvidia-h200, command: bash scripts/probes/run.sh [probe ...]   (default: all)
-# masked_gemm.cu and decode_gemm.cu need DeepGEMM's headers: carry
+# masked_gemm.cu, decode_gemm.cu and shared_expert.cu need DeepGEMM's headers: carry
 # .venv-cuda/deep_gemm-0.2.5/include as made by scripts/cuda-toolchain.sh (DEEP_GEMM_INCLUDE).
 set -uo pipefail
 cd "$(dirname "$0")"
 out=${OUT:-out}
-what=" ${*:-read_ceiling step_kernels masked_gemm decode_gemm} "
+what=" ${*:-read_ceiling step_kernels masked_gemm decode_gemm shared_expert} "
 want() { [[ "$what" == *" $1 "* ]]; }
 mkdir -p "$out" /tmp/probes
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 nv="nvcc -O3 -gencode=arch=compute_90a,code=sm_90a"
 status=0
 probe() {
@@ -25,5 +26,6 @@ dg=${DEEP_GEMM_INCLUDE:-../../.venv-cuda/deep_gemm-0.2.5/include}
 if [ -d "$dg" ]; then
   probe masked_gemm -std=c++20 --expt-relaxed-constexpr -isystem "$dg" -lcuda
   probe decode_gemm -std=c++20 --expt-relaxed-constexpr -isystem "$dg" -lcuda
+  probe shared_expert -std=c++20 --expt-relaxed-constexpr -isystem "$dg" -lcuda -lcublas
 fi
 exit $status

@@ -3,6 +3,7 @@
 //! router GEMM), the one device allocator (`Alloc`) and the GPU error type.
 
 pub mod bench;
+mod blas;
 pub mod decode_gemm;
 pub mod ep;
 pub mod exchange;

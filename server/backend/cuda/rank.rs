@@ -229,7 +229,6 @@ fn enqueue(
     let s = c.g.stream.clone();
     let k = c.shape.top_k;
     htod(&st.n, 0..1, &mut c.b.n, &s)?;
-    htod(&st.n, 1..3, &mut c.b.sh_off, &s)?;
     if v.client {
         htod(&st.ids, 0..bucket * k, &mut c.b.ids, &s)?;
         htod(&st.w, 0..bucket * k, &mut c.b.w, &s)?;
@@ -314,7 +313,7 @@ impl GpuRank {
         let st = Staging {
             ids: Pinned::new(t * k)?,
             w: Pinned::new(t * k)?,
-            n: Pinned::new(3)?,
+            n: Pinned::new(1)?,
             m: Pinned::new(s.world * s.experts)?,
             recv: Pinned::new(s.local())?,
             total: Pinned::new(1)?,
@@ -499,8 +498,7 @@ impl GpuRank {
             st.ids.as_mut_slice()[n * k..bucket * k].fill(-1);
             st.w.as_mut_slice()[n * k..bucket * k].fill(0.0);
         }
-        st.n.as_mut_slice()
-            .copy_from_slice(&[n as i32, 0, n as i32]);
+        st.n.as_mut_slice()[0] = n as i32;
         let bucket = self.buckets[bi];
         let ring = self.ring.clone();
         let c = self.core.as_mut().expect("the GPU rank is poisoned");

@@ -2,9 +2,7 @@
 //! (exact bf16 pieces of the f32 weights), then the top-k kernels over them.
 
 use cudarc::cublas::{Gemm, GemmConfig};
-use cudarc::driver::{
-    CudaSlice, DevicePtr, DevicePtrMut, DriverError, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaSlice, DriverError, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 use super::{Alloc, Gpu, GpuError};
@@ -113,41 +111,9 @@ impl Gpu {
             xb.len() >= n_cap * h && pieces.len() >= m * h && logits.buf.len() >= n_cap * m,
             "router_logits_bf16 operands smaller than their shapes"
         );
-        use cudarc::cublas::sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F};
-        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t};
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let (a, _ra) = pieces.device_ptr(&self.stream);
-        let (b, _rb) = xb.device_ptr(&self.stream);
-        let (c, _rc) = logits.buf.device_ptr_mut(&self.stream);
         logits.parts = ROUTER_PIECES;
-        // Row-major [n_cap, 3e] (one slice of e per piece) is column-major [3e, n_cap] =
-        // pieces^T' . xb^T'.
-        // SAFETY: the three operands span these shapes (asserted above); alpha and beta outlive
-        // the call, which reads them before it returns (host pointer mode).
-        unsafe {
-            cudarc::cublas::result::gemm_ex(
-                *self.blas.handle(),
-                cublasOperation_t::CUBLAS_OP_T,
-                cublasOperation_t::CUBLAS_OP_N,
-                m as i32,
-                n_cap as i32,
-                h as i32,
-                (&alpha) as *const f32 as *const _,
-                a as *const _,
-                CUDA_R_16BF,
-                h as i32,
-                b as *const _,
-                CUDA_R_16BF,
-                h as i32,
-                (&beta) as *const f32 as *const _,
-                c as *mut _,
-                CUDA_R_32F,
-                m as i32,
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }?;
-        Ok(())
+        // Row-major [n_cap, 3e]: one slice of e per piece.
+        self.gemm_bf16(pieces, xb, (n_cap, m, h), &mut logits.buf)
     }
 
     /// `out [3][n] = bf16_pieces(w [n])`: the router's weights as the bf16 router reads them.

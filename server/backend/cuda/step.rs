@@ -12,7 +12,7 @@ use half::bf16;
 use super::decode_gemm::{DecodeGemm, Out};
 use super::ep::EpExchange;
 use super::exchange::{Exchange, ExpertRows, Home};
-use super::hopper::{self, Gemm, Hopper, Layout};
+use super::hopper::{Gemm, Hopper, Layout};
 use super::nccl::Comm;
 use super::shape::StepShape;
 use super::slots::SlotExchange;
@@ -147,9 +147,8 @@ pub struct Buffers {
     /// The home rows in a 16-bit wire dtype on their way between the GPU and the host ring (f16
     /// in; bf16 or f16 out), outside the step's graph, so no peer ever reads it.
     pub wire: CudaSlice<bf16>,
-    /// This step's home token count (one int), and `[0, n]` for the shared expert's GEMM.
+    /// This step's home token count (one int).
     pub n: CudaSlice<i32>,
-    pub sh_off: CudaSlice<i32>,
     logits: Logits,
     pub ids: CudaSlice<i32>,
     pub w: CudaSlice<f32>,
@@ -165,10 +164,6 @@ pub struct Buffers {
     sgu: CudaSlice<bf16>,
     sact: CudaSlice<bf16>,
     sy: CudaSlice<bf16>,
-    /// The shared expert's psum ends for the Hopper GEMM (one group of `n` rows).
-    sh_ends: CudaSlice<i32>,
-    stiles: CudaSlice<i32>,
-    sn_tiles: CudaSlice<i32>,
     /// Combined home rows `[T, hidden]` in f32.
     pub out: CudaSlice<f32>,
 }
@@ -183,7 +178,6 @@ impl Buffers {
             xb: a.zeros(t * h)?,
             wire: a.zeros(t * h)?,
             n: a.zeros(1)?,
-            sh_off: a.zeros(2)?,
             logits: Logits::new(a, t, e)?,
             ids: a.zeros(t * k)?,
             w: a.zeros(t * k)?,
@@ -196,9 +190,6 @@ impl Buffers {
             sgu: a.zeros(t * 2 * si)?,
             sact: a.zeros(t * si)?,
             sy: a.zeros(if si > 0 { t * h } else { 0 })?,
-            sh_ends: a.zeros(hopper::MAX_GROUPS)?,
-            stiles: a.zeros(2 * max_tiles(t, 1))?,
-            sn_tiles: a.zeros(1)?,
             out: a.zeros(t * h)?,
         })
     }
@@ -355,7 +346,7 @@ impl GpuStep {
                     rows: total,
                     weights,
                 };
-                contiguous_ffn(g, w, blocks, cap, s.hidden, scratch, Io::InPlace(x))
+                contiguous_ffn(g, w, blocks, cap, s.hidden, scratch, x)
             }
             ExpertRows::Strided {
                 x,
@@ -436,28 +427,6 @@ struct FfnWeights<'a> {
     inter: usize,
 }
 
-/// An FFN's rows: read by the gate/up GEMM, then written by the down GEMM, in place (the
-/// exchange's rows) or into another buffer (the shared expert's output).
-enum Io<'a> {
-    InPlace(&'a mut CudaSlice<bf16>),
-    Apart(&'a CudaSlice<bf16>, &'a mut CudaSlice<bf16>),
-}
-
-impl Io<'_> {
-    fn input(&self) -> &CudaSlice<bf16> {
-        match self {
-            Io::InPlace(x) => x,
-            Io::Apart(x, _) => x,
-        }
-    }
-
-    fn output(&mut self) -> &mut CudaSlice<bf16> {
-        match self {
-            Io::InPlace(y) | Io::Apart(_, y) => y,
-        }
-    }
-}
-
 /// The WMMA kernels' tile lists, then the gate/up and activation rows.
 type Scratch<'a> = (
     &'a mut CudaSlice<i32>,
@@ -466,8 +435,9 @@ type Scratch<'a> = (
     &'a mut CudaSlice<bf16>,
 );
 
-/// The FFN over contiguous blocks of at most `rows` rows: gate/up, SwiGLU, down. A row's weight
-/// scales its activation (the down projection is linear), or its output on the WMMA path.
+/// The FFN over contiguous blocks of at most `rows` rows, in place on `x`: gate/up, SwiGLU,
+/// down. A row's weight scales its activation (the down projection is linear), or its output on
+/// the WMMA path.
 fn contiguous_ffn(
     g: &Gpu,
     w: FfnWeights,
@@ -475,13 +445,13 @@ fn contiguous_ffn(
     rows: usize,
     h: usize,
     (tiles, n_tiles, gu, act): Scratch,
-    mut io: Io,
+    x: &mut CudaSlice<bf16>,
 ) -> Result<(), GpuError> {
     let (i, groups) = (w.inter, w.groups);
     let psum = Layout::Psum;
     if Hopper::fits(psum, groups, 2 * i, h) && Hopper::fits(psum, groups, h, i) {
         let up = Gemm {
-            x: io.input(),
+            x,
             rows,
             w: w.gate_up,
             groups,
@@ -502,12 +472,12 @@ fn contiguous_ffn(
             layout: psum,
             sizes: b.ends,
         };
-        g.hopper.gemm(down, io.output(), &g.stream)?;
+        g.hopper.gemm(down, x, &g.stream)?;
         return Ok(());
     }
     let blocks = Blocks::Offsets(b.offsets);
     g.grouped_gemm(
-        io.input(),
+        x,
         w.gate_up,
         blocks,
         groups,
@@ -519,10 +489,9 @@ fn contiguous_ffn(
         gu,
     )?;
     g.swiglu(gu, b.rows, rows, i, None, act)?;
-    let y = io.output();
-    g.grouped_gemm(act, w.down, blocks, groups, rows, h, i, tiles, n_tiles, y)?;
+    g.grouped_gemm(act, w.down, blocks, groups, rows, h, i, tiles, n_tiles, x)?;
     if let Some(wt) = b.weights {
-        g.scale_rows(y, wt, b.rows, rows, h)?;
+        g.scale_rows(x, wt, b.rows, rows, h)?;
     }
     Ok(())
 }
@@ -611,8 +580,10 @@ fn strided_ffn(
     Ok(())
 }
 
-/// The shared expert over the bucket's home rows (`xb`, `n` of them) into `sy`: one block from
-/// row 0 (`sh_off`), through the same FFN as the routed experts'.
+/// The shared expert over the bucket's home rows (`xb`, `n` of them) into `sy`: a dense FFN on
+/// cuBLAS over every row of the bucket (rows past `n` are computed and never read). As one
+/// expert's block, the grouped kernels would give it a few column tiles and leave most SMs idle:
+/// at decode, 139 µs on DeepGEMM against 33 µs on cuBLAS (docs/benchmarks.md).
 fn shared_ffn(
     g: &Gpu,
     s: &StepShape,
@@ -620,22 +591,10 @@ fn shared_ffn(
     bucket: usize,
     b: &mut Buffers,
 ) -> Result<(), GpuError> {
-    g.psum_ends(&b.sh_off, &b.n, &mut b.sh_ends)?;
-    let w = FfnWeights {
-        gate_up,
-        down,
-        groups: 1,
-        inter: s.shared_inter,
-    };
-    let block = Contiguous {
-        offsets: &b.sh_off,
-        ends: &b.sh_ends,
-        rows: &b.n,
-        weights: None,
-    };
-    let scratch = (&mut b.stiles, &mut b.sn_tiles, &mut b.sgu, &mut b.sact);
-    let io = Io::Apart(&b.xb, &mut b.sy);
-    contiguous_ffn(g, w, block, bucket, s.hidden, scratch, io)
+    let (h, i) = (s.hidden, s.shared_inter);
+    g.gemm_bf16(gate_up, &b.xb, (bucket, 2 * i, h), &mut b.sgu)?;
+    g.swiglu(&b.sgu, &b.n, bucket, i, None, &mut b.sact)?;
+    g.gemm_bf16(down, &b.sact, (bucket, h, i), &mut b.sy)
 }
 
 #[cfg(test)]
