@@ -12,7 +12,7 @@ use half::bf16;
 use super::decode_gemm::{DecodeGemm, Out};
 use super::ep::EpExchange;
 use super::exchange::{Exchange, ExpertRows, Home};
-use super::hopper::{Gemm, Hopper, Layout};
+use super::hopper::{self, Gemm, Hopper, Layout};
 use super::nccl::Comm;
 use super::shape::StepShape;
 use super::slots::SlotExchange;
@@ -149,6 +149,8 @@ pub struct Buffers {
     pub wire: CudaSlice<bf16>,
     /// This step's home token count (one int).
     pub n: CudaSlice<i32>,
+    /// 0 (one int, never written): where the shared expert's block starts.
+    sh_off: CudaSlice<i32>,
     logits: Logits,
     pub ids: CudaSlice<i32>,
     pub w: CudaSlice<f32>,
@@ -164,6 +166,8 @@ pub struct Buffers {
     sgu: CudaSlice<bf16>,
     sact: CudaSlice<bf16>,
     sy: CudaSlice<bf16>,
+    /// The shared expert's psum ends for the grouped GEMM (one group of `n` rows).
+    sh_ends: CudaSlice<i32>,
     /// Combined home rows `[T, hidden]` in f32.
     pub out: CudaSlice<f32>,
 }
@@ -178,6 +182,7 @@ impl Buffers {
             xb: a.zeros(t * h)?,
             wire: a.zeros(t * h)?,
             n: a.zeros(1)?,
+            sh_off: a.zeros(1)?,
             logits: Logits::new(a, t, e)?,
             ids: a.zeros(t * k)?,
             w: a.zeros(t * k)?,
@@ -190,6 +195,7 @@ impl Buffers {
             sgu: a.zeros(t * 2 * si)?,
             sact: a.zeros(t * si)?,
             sy: a.zeros(if si > 0 { t * h } else { 0 })?,
+            sh_ends: a.zeros(hopper::MAX_GROUPS)?,
             out: a.zeros(t * h)?,
         })
     }
@@ -580,10 +586,14 @@ fn strided_ffn(
     Ok(())
 }
 
-/// The shared expert over the bucket's home rows (`xb`, `n` of them) into `sy`: a dense FFN on
-/// cuBLAS over every row of the bucket (rows past `n` are computed and never read). As one
-/// expert's block, the grouped kernels would give it a few column tiles and leave most SMs idle:
-/// at decode, 139 µs on DeepGEMM against 33 µs on cuBLAS (docs/benchmarks.md).
+/// Buckets of at most this many rows run the shared expert on cuBLAS over the whole bucket: its
+/// weights' read dominates, and one expert's block would give the grouped GEMM a few column
+/// tiles and leave most SMs idle (at decode, 139 µs on DeepGEMM against 33 µs on cuBLAS:
+/// docs/benchmarks.md). Past it compute dominates, the block has tiles for every SM, and the
+/// grouped GEMM skips the bucket's padding rows, which cuBLAS would compute.
+const SHARED_DENSE_ROWS: usize = 256;
+
+/// The shared expert over the bucket's home rows (`xb`, `n` of them) into `sy`.
 fn shared_ffn(
     g: &Gpu,
     s: &StepShape,
@@ -592,9 +602,32 @@ fn shared_ffn(
     b: &mut Buffers,
 ) -> Result<(), GpuError> {
     let (h, i) = (s.hidden, s.shared_inter);
-    g.gemm_bf16(gate_up, &b.xb, (bucket, 2 * i, h), &mut b.sgu)?;
+    let psum = Layout::Psum;
+    if bucket <= SHARED_DENSE_ROWS
+        || !(Hopper::fits(psum, 1, 2 * i, h) && Hopper::fits(psum, 1, h, i))
+    {
+        g.gemm_bf16(gate_up, &b.xb, (bucket, 2 * i, h), &mut b.sgu)?;
+        g.swiglu(&b.sgu, &b.n, bucket, i, None, &mut b.sact)?;
+        return g.gemm_bf16(down, &b.sact, (bucket, h, i), &mut b.sy);
+    }
+    // One block of `n` rows from row 0.
+    g.psum_ends(&b.sh_off, &b.n, &mut b.sh_ends)?;
+    let gemm = |x, w, n, k| Gemm {
+        x,
+        rows: bucket,
+        w,
+        groups: 1,
+        n,
+        k,
+        layout: psum,
+        sizes: &b.sh_ends,
+    };
+    g.hopper
+        .gemm(gemm(&b.xb, gate_up, 2 * i, h), &mut b.sgu, &g.stream)?;
     g.swiglu(&b.sgu, &b.n, bucket, i, None, &mut b.sact)?;
-    g.gemm_bf16(down, &b.sact, (bucket, h, i), &mut b.sy)
+    g.hopper
+        .gemm(gemm(&b.sact, down, h, i), &mut b.sy, &g.stream)?;
+    Ok(())
 }
 
 #[cfg(test)]
