@@ -8,8 +8,8 @@
 // One persistent CTA per SM walks units (expert, chunk of 32 of its rows, 256 weight rows)
 // round-robin, in that order: an expert past 32 rows reads its weights once more per chunk, on
 // other SMs at about the same time, so mostly from L2, and a hot expert does not hold up one SM.
-// Units are counted on the device from the counts, so a captured graph serves any routing. The gated form
-// takes gate rows [j, j + 128) and up rows [I + j, I + j + 128) in one unit and writes
+// Units are counted on the device from the counts, so a captured graph serves any routing. The
+// gated form takes gate rows [j, j + 128) and up rows [I + j, I + j + 128) in one unit and writes
 // silu(gate) * up (both rounded to bf16 first, as the unfused SwiGLU reads them) straight into
 // the activations, so the gate/up output never reaches memory.
 #pragma once
@@ -23,6 +23,8 @@ constexpr int kBoxRows = 128;                           // weight rows per TMA b
 constexpr int kBoxK = 64;                               // K per stage: one 128-byte swizzle row
 constexpr int kChunk = 32;                              // rows of x per pass over a unit's weights
 constexpr int kWarps = 8;                               // math warps: 16 rows of each box each
+// 5 in the build (server/backend/cuda/decode_gemm.rs sizes shared memory for it); the probe
+// (scripts/probes/decode_gemm.cu) may set it to time others.
 #ifndef DECODE_GEMM_STAGES
 #define DECODE_GEMM_STAGES 5
 #endif
