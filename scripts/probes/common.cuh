@@ -1,8 +1,10 @@
-// What the probes share: error checks, a median event timing, and 2-D bf16 tensor maps as the
-// Hopper GEMM builds them (64-column boxes, 128-byte swizzle, 256-byte L2 promotion).
+// What the probes share: error checks, a median event timing, random bf16 fills, and 2-D bf16
+// tensor maps as the Hopper GEMM builds them (64-column boxes, 128-byte swizzle, 256-byte L2
+// promotion).
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <cuda_bf16.h>
 #include <cudaTypedefs.h>
 #include <algorithm>
 #include <cstdio>
@@ -37,6 +39,17 @@ template <typename F> float median_us(F f, int iters, cudaStream_t stream = 0, i
   }
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+// x[i] uniform in [-scale, scale), a hash of i and `seed` (the same values on every run).
+__global__ void fill(__nv_bfloat16* x, size_t n, float scale, unsigned seed = 0) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    unsigned long long z = 0x9E3779B97F4A7C15ull * (i + 1 + ((unsigned long long)seed << 40));
+    z ^= z >> 31;
+    z *= 0xBF58476D1CE4E5B9ull;
+    z ^= z >> 29;
+    x[i] = __float2bfloat16(scale * ((float)(z >> 40) / 16777216.f * 2.f - 1.f));
+  }
 }
 
 // `outer` rows of `inner` bf16 at `base`, in boxes of 64 columns x `box_rows` rows.

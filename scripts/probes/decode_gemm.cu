@@ -13,12 +13,6 @@ using bf = __nv_bfloat16;
 constexpr int GROUPS = 256;
 const int H = 7168, I = 2048, L = 64, S = 512;
 
-__global__ void fill(bf* x, size_t n, float sc, unsigned seed) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    unsigned long long z = 0x9E3779B97F4A7C15ull * (i + 1 + ((unsigned long long)seed << 40)); z ^= z >> 31; z *= 0xBF58476D1CE4E5B9ull; z ^= z >> 29;
-    x[i] = __float2bfloat16(sc * ((float)(z >> 40) / 16777216.f * 2.f - 1.f));
-  }
-}
 __global__ void swiglu_masked(const bf* gu, const int* counts, int S, int I, bf* act) {
   const int e = blockIdx.x, c = min(counts[e], S);
   for (int r = blockIdx.y; r < c; r += gridDim.y)

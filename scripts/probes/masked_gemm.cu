@@ -33,13 +33,6 @@ void launch(const Shape& s, cudaStream_t st, bool pdl) {
   CK(cudaLaunchKernelEx(&c, I::f, d_counts, (uint32_t)S, (uint32_t)s.n, (uint32_t)s.k, a[i], b[i], d[i]));
 }
 
-__global__ void fill(__nv_bfloat16* x, size_t n, float sc) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    unsigned long long z = 0x9E3779B97F4A7C15ull * (i + 1); z ^= z >> 31; z *= 0xBF58476D1CE4E5B9ull; z ^= z >> 29;
-    x[i] = __float2bfloat16(sc * ((float)(z >> 40) / 16777216.f * 2.f - 1.f));
-  }
-}
-
 template <int BM, int BN, int ST, int CTA = CTAS>
 void row(Shape* sh, cudaStream_t st) {
   float t[2], sum = 0; double bytes = 0;

@@ -12,12 +12,6 @@ using bf = __nv_bfloat16;
 constexpr auto psum = &sm90_bf16_gemm_impl<Major::K, Major::K, 0, 0, 0, 256, 128, 256, 64, 128, 128, 128, 3, 128, 256, 1, false, 132,
                                            GemmType::MGroupedContiguousWithPsumLayout, false, cutlass::bfloat16_t>;
 const int psum_smem = 128 * 256 * 2 + 3 * (128 + 256) * 64 * 2 + 3 * 16;
-__global__ void fill(bf* x, size_t n, float sc) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    unsigned long long z = 0x9E3779B97F4A7C15ull * (i + 1); z ^= z >> 31; z *= 0xBF58476D1CE4E5B9ull; z ^= z >> 29;
-    x[i] = __float2bfloat16(sc * ((float)(z >> 40) / 16777216.f * 2.f - 1.f));
-  }
-}
 int main() {
   const int H = 7168, I = 2048, M = 128;
   int sms; CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
