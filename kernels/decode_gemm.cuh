@@ -5,10 +5,14 @@
 // per weight tile), TMA streams two 128-row weight boxes per 64-deep stage into a deep pipeline,
 // and the math (mma.sync from ldmatrix) stays far under the stage's load time.
 //
-// One persistent CTA per SM walks units (expert, chunk of 32 of its rows, 256 weight rows)
-// round-robin, in that order: an expert past 32 rows reads its weights once more per chunk, on
-// other SMs at about the same time, so mostly from L2, and a hot expert does not hold up one SM.
-// Units are counted on the device from the counts, so a captured graph serves any routing. The
+// One persistent CTA per SM takes units (expert, chunk of 32 of its rows, 256 weight rows) in
+// that order from a ticket in global memory: an expert past 32 rows reads its weights once more
+// per chunk, on other SMs at about the same time, so mostly from L2, and a hot expert does not
+// hold up one SM. Those L2 units are cheap, so a fixed round-robin left the SMs that drew them
+// idle at the end (20 to 30 µs of 1.4 ms on a draw with one hot expert); tickets even that out.
+// The last CTA out sets the ticket back to zero, so launches on one stream need nothing between
+// them; launches must not overlap. Units are counted on the device from the counts, so a
+// captured graph serves any routing. The
 // gated form takes gate rows [j, j + 128) and up rows [I + j, I + j + 128) in one unit and writes
 // silu(gate) * up (both rounded to bf16 first, as the unfused SwiGLU reads them) straight into
 // the activations, so the gate/up output never reaches memory.
@@ -85,9 +89,10 @@ __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(_
 
 // `w`: [groups * N, K] in boxes of 64 x 128; `x`: [rows, K] in boxes of 64 x 32. Gated: N = 2I,
 // y is [rows, I]; else y is [rows, N]. N % 256 == 0 (gated: I % 128 == 0), K % 64 == 0.
+// `ticket`: two ints, zero at launch (the next unit, the CTAs done), zero again at exit.
 template <bool kGated>
 __device__ __forceinline__ void run(const CUtensorMap* w, const CUtensorMap* x, const int* counts, int groups, int S,
-                                    int N, int K, __nv_bfloat16* y) {
+                                    int N, int K, __nv_bfloat16* y, int* ticket) {
   extern __shared__ uint8_t raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
@@ -102,6 +107,8 @@ __device__ __forceinline__ void run(const CUtensorMap* w, const CUtensorMap* x, 
   }
   __syncthreads();
 
+  // The unit whose first stage is stage s (-1: no more units).
+  __shared__ int unit_of[kStages];
   // first[e]: expert e's first unit; chunks of 32 rows times the units of weight rows.
   __shared__ int first[kMaxGroups + 1];
   const int per_expert = kGated ? N / 2 / kBoxRows : N / (2 * kBoxRows);
@@ -144,7 +151,7 @@ __device__ __forceinline__ void run(const CUtensorMap* w, const CUtensorMap* x, 
 
   if (warp == kWarps) {
     if (lane != 0) return;
-    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    for (int u = atomicAdd(ticket, 1); u < units; u = atomicAdd(ticket, 1)) {
       int e, c0, j;
       unit(u, e, c0, j);
       // The unit's two boxes: gate and up rows of the same columns, or 256 consecutive rows.
@@ -152,6 +159,7 @@ __device__ __forceinline__ void run(const CUtensorMap* w, const CUtensorMap* x, 
       for (int kb = 0; kb < kblocks; kb++) {
         bar_wait(&empty[s], phase ^ 1);
         uint8_t* st = smem + s * kStageBytes;
+        if (kb == 0) unit_of[s] = u;  // published by the arrive below (a release)
         bar_expect(&full[s], kStageBytes);
         tma_load(st, w, kb * kBoxK, r0, &full[s]);
         tma_load(st + kBoxBytes, w, kb * kBoxK, r1, &full[s]);
@@ -159,6 +167,10 @@ __device__ __forceinline__ void run(const CUtensorMap* w, const CUtensorMap* x, 
         advance();
       }
     }
+    // No more units: a stage that carries no data, only the end.
+    bar_wait(&empty[s], phase ^ 1);
+    unit_of[s] = -1;
+    bar_arrive(&full[s]);
     return;
   }
 
@@ -166,7 +178,10 @@ __device__ __forceinline__ void run(const CUtensorMap* w, const CUtensorMap* x, 
   // ldmatrix rows and columns of this lane: A (16 weight rows x 16 k), B (16 x-rows x 16 k).
   const int a_row = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8, a_col = (lane / 16) * 8;
   const int b_row = (lane % 8) + (lane / 16) * 8, b_col = ((lane / 8) % 2) * 8;
-  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+  for (;;) {
+    bar_wait(&full[s], phase);
+    const int u = unit_of[s];
+    if (u < 0) break;
     int e, c0, j;
     unit(u, e, c0, j);
     const int rows = min(counts[e], S);
@@ -212,20 +227,28 @@ __device__ __forceinline__ void run(const CUtensorMap* w, const CUtensorMap* x, 
       }
     }
   }
+  // This CTA's producer has taken its last ticket; the last CTA out resets the pair.
+  if (warp == 0 && lane == 0) {
+    __threadfence();
+    if (atomicAdd(ticket + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      ticket[0] = 0;
+      ticket[1] = 0;
+    }
+  }
 }
 
 }  // namespace decode_gemm
 
 // The two forms, one persistent CTA per SM (grid: the SM count), `decode_gemm::kThreads` threads,
-// `decode_gemm::kSmem` bytes of dynamic shared memory.
+// `decode_gemm::kSmem` bytes of dynamic shared memory; `ticket` as `run` says.
 extern "C" __global__ void __launch_bounds__(decode_gemm::kThreads, 1)
     decode_gemm_plain(const __grid_constant__ CUtensorMap w, const __grid_constant__ CUtensorMap x,
-                      const int* counts, int groups, int S, int N, int K, __nv_bfloat16* y) {
-  decode_gemm::run<false>(&w, &x, counts, groups, S, N, K, y);
+                      const int* counts, int groups, int S, int N, int K, __nv_bfloat16* y, int* ticket) {
+  decode_gemm::run<false>(&w, &x, counts, groups, S, N, K, y, ticket);
 }
 
 extern "C" __global__ void __launch_bounds__(decode_gemm::kThreads, 1)
     decode_gemm_gated(const __grid_constant__ CUtensorMap w, const __grid_constant__ CUtensorMap x,
-                      const int* counts, int groups, int S, int N, int K, __nv_bfloat16* y) {
-  decode_gemm::run<true>(&w, &x, counts, groups, S, N, K, y);
+                      const int* counts, int groups, int S, int N, int K, __nv_bfloat16* y, int* ticket) {
+  decode_gemm::run<true>(&w, &x, counts, groups, S, N, K, y, ticket);
 }

@@ -24,9 +24,10 @@ __global__ void swiglu_masked(const bf* gu, const int* counts, int S, int I, bf*
 }
 
 int sms;
+int* ticket;  // the kernel's two ints, zero between launches
 void ours(bool gated, const CUtensorMap& w, const CUtensorMap& x, const int* counts, int n, int k, bf* y) {
   auto f = gated ? decode_gemm_gated : decode_gemm_plain;
-  f<<<sms, decode_gemm::kThreads, decode_gemm::kSmem>>>(w, x, counts, L, S, n, k, y);
+  f<<<sms, decode_gemm::kThreads, decode_gemm::kSmem>>>(w, x, counts, L, S, n, k, y, ticket);
 }
 constexpr auto dg = &sm90_bf16_gemm_impl<Major::K, Major::K, 0, 0, 0, GROUPS, 32, 256, 64, 128, 128, 128, 5, 128, 128, 1, false, 132,
                                          GemmType::MGroupedMasked, false, cutlass::bfloat16_t>;
@@ -46,6 +47,7 @@ int main() {
   CK(cudaFuncSetAttribute(decode_gemm_plain, cudaFuncAttributeMaxDynamicSharedMemorySize, decode_gemm::kSmem));
   CK(cudaFuncSetAttribute(decode_gemm_gated, cudaFuncAttributeMaxDynamicSharedMemorySize, decode_gemm::kSmem));
   CK(cudaFuncSetAttribute(dg, cudaFuncAttributeMaxDynamicSharedMemorySize, dg_smem));
+  CK(cudaMalloc(&ticket, 8)); CK(cudaMemset(ticket, 0, 8));
   bf *wgu, *wdn, *x, *gu, *act, *act2, *y, *y2;
   CK(cudaMalloc(&wgu, (size_t)L * 2 * I * H * 2)); CK(cudaMalloc(&wdn, (size_t)L * H * I * 2));
   CK(cudaMalloc(&x, (size_t)L * S * H * 2)); CK(cudaMalloc(&gu, (size_t)L * S * 2 * I * 2));
@@ -126,6 +128,9 @@ int main() {
       }
     printf("%s against DeepGEMM's: %zu of %zu outputs differ, largest difference %.3e\n", which ? "down" : "gated up", differ, n, worst);
   }
+  int tk[2]; CK(cudaMemcpy(tk, ticket, 8, cudaMemcpyDeviceToHost));
+  printf("ticket after every launch: %d %d\n", tk[0], tk[1]);
+  bad += tk[0] != 0 || tk[1] != 0;
   printf("%s\n", bad ? "FAILED" : "all checked experts ok");
   return bad != 0;
 }

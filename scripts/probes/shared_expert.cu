@@ -18,6 +18,7 @@ int main() {
   CK(cudaFuncSetAttribute(psum, cudaFuncAttributeMaxDynamicSharedMemorySize, psum_smem));
   CK(cudaFuncSetAttribute(decode_gemm_plain, cudaFuncAttributeMaxDynamicSharedMemorySize, decode_gemm::kSmem));
   CK(cudaFuncSetAttribute(decode_gemm_gated, cudaFuncAttributeMaxDynamicSharedMemorySize, decode_gemm::kSmem));
+  int* ticket; CK(cudaMalloc(&ticket, 8)); CK(cudaMemset(ticket, 0, 8));  // the decode GEMM's
   bf *wgu, *wdn, *x, *gu, *act, *y;
   CK(cudaMalloc(&wgu, (size_t)2 * I * H * 2)); CK(cudaMalloc(&wdn, (size_t)H * I * 2));
   CK(cudaMalloc(&x, (size_t)256 * H * 2)); CK(cudaMalloc(&gu, (size_t)256 * 2 * I * 2)); CK(cudaMalloc(&act, (size_t)256 * I * 2)); CK(cudaMalloc(&y, (size_t)256 * H * 2));
@@ -31,8 +32,8 @@ int main() {
   };
   CUtensorMap wu = map2d(wgu, H, 2 * I, 128), xu = map2d(x, H, M, 32), wd = map2d(wdn, I, H, 128), xd = map2d(act, I, M, 32);
   float a = median_us([&] { dg(2 * I, H, x, wgu, gu); }, 50), b = median_us([&] { dg(H, I, act, wdn, y); }, 50);
-  float c = median_us([&] { decode_gemm_gated<<<sms, decode_gemm::kThreads, decode_gemm::kSmem>>>(wu, xu, d_cnt, 1, M, 2 * I, H, act); }, 50);
-  float d = median_us([&] { decode_gemm_plain<<<sms, decode_gemm::kThreads, decode_gemm::kSmem>>>(wd, xd, d_cnt, 1, M, H, I, y); }, 50);
+  float c = median_us([&] { decode_gemm_gated<<<sms, decode_gemm::kThreads, decode_gemm::kSmem>>>(wu, xu, d_cnt, 1, M, 2 * I, H, act, ticket); }, 50);
+  float d = median_us([&] { decode_gemm_plain<<<sms, decode_gemm::kThreads, decode_gemm::kSmem>>>(wd, xd, d_cnt, 1, M, H, I, y, ticket); }, 50);
   double bu = 2.0 * I * H * 2, bd = 1.0 * H * I * 2;
   printf("shared expert, 128 rows: DeepGEMM psum up %.1f us (%.2f TB/s), down %.1f us (%.2f TB/s)\n", a, bu / a / 1e6, b, bd / b / 1e6);
   printf("shared expert, 128 rows: decode_gemm (4 chunks) gated up %.1f us (%.2f TB/s), down %.1f us (%.2f TB/s)\n", c, bu / c / 1e6, d, bd / d / 1e6);

@@ -14,6 +14,7 @@ use cudarc::driver::{
 use half::bf16;
 
 use super::hopper::{tensor_map, Gemm, Layout, MAX_GROUPS};
+use super::Alloc;
 
 /// Rows of an expert one pass over its weights takes (the kernel's `kChunk`). An expert of more
 /// reads its weights once more per 32 rows, so experts of more rows on average go to DeepGEMM's
@@ -47,10 +48,19 @@ pub struct DecodeGemm {
     gated: CudaFunction,
     /// One persistent CTA per SM.
     sms: u32,
+    /// The stream every launch goes on: launches share `ticket`, so they must not overlap.
+    stream: Arc<CudaStream>,
+    /// Two ints the kernel hands its units out from; zero between launches (the kernel's last
+    /// CTA resets them).
+    ticket: CudaSlice<i32>,
 }
 
 impl DecodeGemm {
-    pub fn load(ctx: &Arc<CudaContext>, module: &Arc<CudaModule>) -> Result<Self, DriverError> {
+    pub fn load(
+        ctx: &Arc<CudaContext>,
+        module: &Arc<CudaModule>,
+        a: &mut Alloc,
+    ) -> Result<Self, DriverError> {
         let load = |name| -> Result<CudaFunction, DriverError> {
             let f = module.load_function(name)?;
             f.set_attribute(
@@ -65,6 +75,8 @@ impl DecodeGemm {
             plain: load("decode_gemm_plain")?,
             gated: load("decode_gemm_gated")?,
             sms: sms.max(1) as u32,
+            stream: a.stream().clone(),
+            ticket: a.zeros(2)?,
         })
     }
 
@@ -80,15 +92,10 @@ impl DecodeGemm {
             && k % BOX_K == 0
     }
 
-    /// Launches `g` writing `y` (`Out` says its shape); rows of an expert past its count, and
-    /// past the stride, are not written.
-    pub fn gemm(
-        &self,
-        g: Gemm,
-        out: Out,
-        y: &mut CudaSlice<bf16>,
-        stream: &CudaStream,
-    ) -> Result<(), DriverError> {
+    /// Launches `g` writing `y` (`Out` says its shape) on the stream it was loaded with; rows of
+    /// an expert past its count, and past the stride, are not written.
+    pub fn gemm(&self, g: Gemm, out: Out, y: &mut CudaSlice<bf16>) -> Result<(), DriverError> {
+        let stream = &self.stream;
         assert!(
             Self::takes(g.layout, g.groups, g.n, g.k),
             "the decode GEMM does not take n {} k {} over {} groups in {:?}",
@@ -132,7 +139,8 @@ impl DecodeGemm {
             .arg(&s)
             .arg(&n)
             .arg(&k)
-            .arg(y);
+            .arg(y)
+            .arg(&self.ticket);
         let cfg = LaunchConfig {
             grid_dim: (self.sms, 1, 1),
             block_dim: (THREADS, 1, 1),
@@ -141,7 +149,8 @@ impl DecodeGemm {
         // SAFETY: the tensor maps span w (groups x n x k) and x (rows x k), whose loads past the
         // end read zeros; the kernel writes y only at rows e * stride + r for r < min(counts[e],
         // stride), within `groups * stride <= rows` rows of `cols` (asserted), and reads
-        // `groups` counts.
+        // `groups` counts. `ticket` is two ints, zero now: every launch goes on `self.stream`,
+        // so the last one has run to its end, where it zeroed them.
         unsafe { l.launch(cfg) }.map(drop)
     }
 }

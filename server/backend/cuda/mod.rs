@@ -188,10 +188,11 @@ impl Gpu {
             bf16_pieces: f("bf16_pieces")?,
         };
         let hopper = hopper::Hopper::load(&ctx)?;
-        let decode = decode_gemm::DecodeGemm::load(&ctx, &module)?;
-        let blas = CudaBlas::new(stream.clone())?;
         // Through `Alloc`, as every device allocation, so it is counted.
-        let mut workspace = Alloc::new(stream.clone()).zeros::<u8>(BLAS_WORKSPACE)?;
+        let mut a = Alloc::new(stream.clone());
+        let decode = decode_gemm::DecodeGemm::load(&ctx, &module, &mut a)?;
+        let blas = CudaBlas::new(stream.clone())?;
+        let mut workspace = a.zeros::<u8>(BLAS_WORKSPACE)?;
         let ws = workspace.device_ptr_mut(&stream).0;
         // SAFETY: the workspace is a live device allocation of BLAS_WORKSPACE bytes, kept in
         // `self` and dropped after the handle.

@@ -546,7 +546,7 @@ fn strided_ffn(
             sizes: r.counts,
         };
         if decode {
-            g.decode.gemm(up, Out::SwiGlu, act, &g.stream)?;
+            g.decode.gemm(up, Out::SwiGlu, act)?;
         } else {
             g.hopper.gemm(up, gu, &g.stream)?;
             g.swiglu_masked(gu, r.counts, groups, r.stride, i, act)?;
@@ -562,7 +562,7 @@ fn strided_ffn(
             sizes: r.counts,
         };
         match decode {
-            true => g.decode.gemm(down, Out::Plain, x, &g.stream)?,
+            true => g.decode.gemm(down, Out::Plain, x)?,
             false => g.hopper.gemm(down, x, &g.stream)?,
         }
         return Ok(());
