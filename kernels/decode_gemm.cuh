@@ -12,10 +12,11 @@
 // idle at the end (20 to 30 µs of 1.4 ms on a draw with one hot expert); tickets even that out.
 // The last CTA out sets the ticket back to zero, so launches on one stream need nothing between
 // them; launches must not overlap. Units are counted on the device from the counts, so a
-// captured graph serves any routing. The
-// gated form takes gate rows [j, j + 128) and up rows [I + j, I + j + 128) in one unit and writes
-// silu(gate) * up (both rounded to bf16 first, as the unfused SwiGLU reads them) straight into
-// the activations, so the gate/up output never reaches memory.
+// captured graph serves any routing.
+//
+// The gated form takes gate rows [j, j + 128) and up rows [I + j, I + j + 128) in one unit and
+// writes silu(gate) * up (both rounded to bf16 first, as the unfused SwiGLU reads them) straight
+// into the activations, so the gate/up output never reaches memory.
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
