@@ -54,11 +54,15 @@ pub fn config(name: &str) -> anyhow::Result<BenchConfig> {
             shared_inter: 2048,
             ..c(128, 7168, 2048, 256)
         },
+        // A large decode batch: experts of 32 rows on average on 2 ranks, 64 on 4.
+        "decode-512" => c(512, 7168, 2048, 256),
         "prefill" => c(4096, 7168, 2048, 256),
         // Qwen3-30B-A3B shapes.
         "small" => c(1024, 2048, 768, 128),
         other => {
-            anyhow::bail!("unknown bench config '{other}' (decode, decode-shared, prefill, small)")
+            anyhow::bail!(
+                "unknown bench config '{other}' (decode, decode-shared, decode-512, prefill, small)"
+            )
         }
     })
 }

@@ -29,7 +29,7 @@ pub enum Command {
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Named configs, comma-separated: decode, prefill, small.
+    /// Named configs, comma-separated: decode, decode-shared, decode-512, prefill, small.
     #[arg(
         long,
         env = "EPSERVE_BENCH_CONFIGS",

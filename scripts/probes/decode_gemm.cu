@@ -1,7 +1,9 @@
 // The weight-streaming decode GEMM (kernels/decode_gemm.cuh) on decode's expert shapes (64
 // experts of deepseek-v3, stride 512): its outputs against an f64 reference on the host for a few
 // experts (a hot one included), its times against DeepGEMM's masked 32 x 256 instance plus
-// SwiGLU (what it replaced) in the same run, and the two kernels' outputs compared.
+// SwiGLU (what it replaced) in the same run, and the two kernels' outputs compared. Then draws of
+// 16 to 128 rows per expert on average against DeepGEMM's 64 x 256 instance, which the step runs
+// for experts of more rows: where one stops paying (`DecodeGemm::takes`).
 #include "common.cuh"
 #include "../../kernels/decode_gemm.cuh"
 #include <deep_gemm/impls/sm90_bf16_gemm.cuh>
@@ -36,6 +38,15 @@ void deepgemm(const int* counts, int n, int k, const CUtensorMap& a, const CUten
   cudaLaunchConfig_t c = {}; c.gridDim = 132; c.blockDim = 256; c.dynamicSmemBytes = dg_smem;
   CK(cudaLaunchKernelEx(&c, dg, (int*)counts, (uint32_t)S, (uint32_t)n, (uint32_t)k, a, b, d));
 }
+// The step's masked instance for experts of more rows (build.rs's HOPPER_TILES: 64 x 256, 4
+// stages, one math warpgroup).
+constexpr auto dg64 = &sm90_bf16_gemm_impl<Major::K, Major::K, 0, 0, 0, GROUPS, 64, 256, 64, 128, 128, 128, 4, 128, 128, 1, false, 132,
+                                           GemmType::MGroupedMasked, false, cutlass::bfloat16_t>;
+const int dg64_smem = 64 * 256 * 2 + 4 * (64 + 256) * 64 * 2 + 4 * 16;
+void deepgemm64(const int* counts, int n, int k, const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& d) {
+  cudaLaunchConfig_t c = {}; c.gridDim = 132; c.blockDim = 256; c.dynamicSmemBytes = dg64_smem;
+  CK(cudaLaunchKernelEx(&c, dg64, (int*)counts, (uint32_t)S, (uint32_t)n, (uint32_t)k, a, b, d));
+}
 
 std::vector<float> host(const bf* d, size_t n) {
   std::vector<bf> h(n); CK(cudaMemcpy(h.data(), d, n * 2, cudaMemcpyDeviceToHost));
@@ -47,6 +58,7 @@ int main() {
   CK(cudaFuncSetAttribute(decode_gemm_plain, cudaFuncAttributeMaxDynamicSharedMemorySize, decode_gemm::kSmem));
   CK(cudaFuncSetAttribute(decode_gemm_gated, cudaFuncAttributeMaxDynamicSharedMemorySize, decode_gemm::kSmem));
   CK(cudaFuncSetAttribute(dg, cudaFuncAttributeMaxDynamicSharedMemorySize, dg_smem));
+  CK(cudaFuncSetAttribute(dg64, cudaFuncAttributeMaxDynamicSharedMemorySize, dg64_smem));
   CK(cudaMalloc(&ticket, 8)); CK(cudaMemset(ticket, 0, 8));
   bf *wgu, *wdn, *x, *gu, *act, *act2, *y, *y2;
   CK(cudaMalloc(&wgu, (size_t)L * 2 * I * H * 2)); CK(cudaMalloc(&wdn, (size_t)L * H * I * 2));
@@ -127,6 +139,30 @@ int main() {
         n++; differ += A[i] != B[i]; worst = std::max(worst, (double)fabsf(A[i] - B[i]));
       }
     printf("%s against DeepGEMM's: %zu of %zu outputs differ, largest difference %.3e\n", which ? "down" : "gated up", differ, n, worst);
+  }
+  // Larger draws: `tokens` x top-8 over 256 experts, this rank's 64. Ours (both passes, SwiGLU
+  // fused) against DeepGEMM 64 x 256 + SwiGLU + DeepGEMM 64 x 256 (the probe's SwiGLU is the
+  // plain one, slower than the step's `swiglu_masked`; it is timed alone so it can be left out),
+  // medians of 30; then the outputs compared.
+  CUtensorMap a64_up = map2d(x, H, (uint64_t)L * S, 64), d64_up = map2d(gu, 2 * I, (uint64_t)L * S, 64);
+  CUtensorMap a64_dn = map2d(act2, I, (uint64_t)L * S, 64), d64_dn = map2d(y2, H, (uint64_t)L * S, 64);
+  for (int tokens : {512, 768, 1024, 1536, 2048, 4096}) {
+    std::vector<int> cc(GROUPS, 0);
+    for (int t = 0; t < tokens; t++) { std::vector<int> e(256); for (int i = 0; i < 256; i++) e[i] = i; std::shuffle(e.begin(), e.end(), rng); for (int k = 0; k < 8; k++) if (e[k] < L) cc[e[k]]++; }
+    int rows = 0, most = 0; for (int i = 0; i < L; i++) { rows += cc[i]; most = std::max(most, cc[i]); }
+    CK(cudaMemcpy(d_c, cc.data(), GROUPS * 4, cudaMemcpyHostToDevice));
+    float sp = median_us([&] { ours(true, w_up, x_up, d_c, 2 * I, H, act); ours(false, w_dn, x_dn, d_c, H, I, y); }, 30);
+    float dp = median_us([&] { deepgemm64(d_c, 2 * I, H, a64_up, b_up, d64_up); deepgemm64(d_c, H, I, a64_dn, b_dn, d64_dn); }, 30);
+    float sw = median_us([&] { swiglu_masked<<<dim3(L, 32), 256>>>(gu, d_c, S, I, act2); }, 30);
+    ours(true, w_up, x_up, d_c, 2 * I, H, act); ours(false, w_dn, x_dn, d_c, H, I, y);
+    deepgemm64(d_c, 2 * I, H, a64_up, b_up, d64_up); swiglu_masked<<<dim3(L, 32), 256>>>(gu, d_c, S, I, act2); deepgemm64(d_c, H, I, a64_dn, b_dn, d64_dn);
+    CK(cudaDeviceSynchronize());
+    auto A = host(y, (size_t)L * S * H), B = host(y2, (size_t)L * S * H);
+    size_t n = 0, differ = 0;
+    for (int e = 0; e < L; e++)
+      for (size_t i = (size_t)e * S * H; i < ((size_t)e * S + cc[e]) * H; i++) { n++; differ += A[i] != B[i]; }
+    printf("%4d tokens, %4d rows (mean %5.1f, most %3d): decode_gemm %7.1f us, deepgemm 64x256 up + down %7.1f us (+ probe SwiGLU %5.1f us); down outputs differing %zu of %zu\n",
+           tokens, rows, rows / (double)L, most, sp, dp, sw, differ, n);
   }
   int tk[2]; CK(cudaMemcpy(tk, ticket, 8, cudaMemcpyDeviceToHost));
   printf("ticket after every launch: %d %d\n", tk[0], tk[1]);

@@ -17,9 +17,14 @@ use super::hopper::{tensor_map, Gemm, Layout, MAX_GROUPS};
 use super::Alloc;
 
 /// Rows of an expert one pass over its weights takes (the kernel's `kChunk`). An expert of more
-/// reads its weights once more per 32 rows, so experts of more rows on average go to DeepGEMM's
-/// 64-row tile instead.
+/// reads its weights once more per 32 rows.
 pub const CHUNK_ROWS: usize = 32;
+/// The most rows per expert on average this kernel takes; DeepGEMM's 64-row masked tile takes
+/// more. On one H200 at deepseek-v3's shapes (`scripts/probes/decode_gemm.cu`, both GEMMs) this
+/// kernel leads at 16 and 24 rows on average (1,328 and 1,385 µs against DeepGEMM's 1,400 and
+/// 1,406 plus SwiGLU) and trails at 32 (1,687 against 1,393): many experts then pass 32 rows
+/// and read their weights twice, and its mma.sync math starts to show.
+pub const MAX_MEAN_ROWS: usize = 24;
 // The kernel's constants: weight rows per TMA box, stages, math warps plus the TMA warp, and its
 // dynamic shared memory (the stages of two weight boxes and a chunk's box, their barriers, 1 KB
 // of alignment slack).
@@ -81,10 +86,10 @@ impl DecodeGemm {
     }
 
     /// Whether this kernel takes the GEMM (either form): the masked layout with at most
-    /// `CHUNK_ROWS` rows per expert on average, N in 256-row units (gated: the intermediate in
-    /// 128-row units), K in 64-deep stages.
+    /// `MAX_MEAN_ROWS` rows per expert on average, N in 256-row units (gated: the intermediate
+    /// in 128-row units), K in 64-deep stages.
     pub fn takes(layout: Layout, groups: usize, n: usize, k: usize) -> bool {
-        let few = matches!(layout, Layout::Masked { stride, mean_rows } if stride > 0 && mean_rows <= CHUNK_ROWS);
+        let few = matches!(layout, Layout::Masked { stride, mean_rows } if stride > 0 && mean_rows <= MAX_MEAN_ROWS);
         few && groups <= MAX_GROUPS.min(KERNEL_GROUPS)
             && n > 0
             && n % (2 * BOX_ROWS) == 0
@@ -167,11 +172,12 @@ mod tests {
         };
         // deepseek-v3's decode: gate/up 4096 x 7168, down 7168 x 2048, 64 local experts.
         assert!(DecodeGemm::takes(masked(16), 64, 4096, 7168));
-        assert!(DecodeGemm::takes(masked(32), 64, 7168, 2048));
+        assert!(DecodeGemm::takes(masked(24), 64, 7168, 2048));
         assert!(
-            !DecodeGemm::takes(masked(33), 64, 7168, 2048),
-            "past one chunk per expert on average, DeepGEMM's 64-row tile"
+            !DecodeGemm::takes(masked(25), 64, 7168, 2048),
+            "past 24 rows per expert on average, DeepGEMM's 64-row tile"
         );
+        assert!(!DecodeGemm::takes(masked(32), 64, 7168, 2048));
         assert!(!DecodeGemm::takes(Layout::Psum, 64, 7168, 2048));
         assert!(
             !DecodeGemm::takes(masked(16), 8, 384, 256),
