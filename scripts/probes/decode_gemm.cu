@@ -31,21 +31,22 @@ void ours(bool gated, const CUtensorMap& w, const CUtensorMap& x, const int* cou
   auto f = gated ? decode_gemm_gated : decode_gemm_plain;
   f<<<sms, decode_gemm::kThreads, decode_gemm::kSmem>>>(w, x, counts, L, S, n, k, y, ticket);
 }
-constexpr auto dg = &sm90_bf16_gemm_impl<Major::K, Major::K, 0, 0, 0, GROUPS, 32, 256, 64, 128, 128, 128, 5, 128, 128, 1, false, 132,
-                                         GemmType::MGroupedMasked, false, cutlass::bfloat16_t>;
-const int dg_smem = 32 * 256 * 2 + 5 * (32 + 256) * 64 * 2 + 5 * 16;
+// DeepGEMM's masked instances of BM x 256 tiles, ST stages, one math warpgroup: 32 x 256 with 5
+// stages is what the decode GEMM replaced; 64 x 256 with 4 the step's for experts of more rows
+// (build.rs's HOPPER_TILES).
+template <int BM, int ST>
+constexpr auto dg_masked = &sm90_bf16_gemm_impl<Major::K, Major::K, 0, 0, 0, GROUPS, BM, 256, 64, 128, 128, 128, ST, 128, 128, 1,
+                                                false, 132, GemmType::MGroupedMasked, false, cutlass::bfloat16_t>;
+template <int BM, int ST>
 void deepgemm(const int* counts, int n, int k, const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& d) {
-  cudaLaunchConfig_t c = {}; c.gridDim = 132; c.blockDim = 256; c.dynamicSmemBytes = dg_smem;
-  CK(cudaLaunchKernelEx(&c, dg, (int*)counts, (uint32_t)S, (uint32_t)n, (uint32_t)k, a, b, d));
-}
-// The step's masked instance for experts of more rows (build.rs's HOPPER_TILES: 64 x 256, 4
-// stages, one math warpgroup).
-constexpr auto dg64 = &sm90_bf16_gemm_impl<Major::K, Major::K, 0, 0, 0, GROUPS, 64, 256, 64, 128, 128, 128, 4, 128, 128, 1, false, 132,
-                                           GemmType::MGroupedMasked, false, cutlass::bfloat16_t>;
-const int dg64_smem = 64 * 256 * 2 + 4 * (64 + 256) * 64 * 2 + 4 * 16;
-void deepgemm64(const int* counts, int n, int k, const CUtensorMap& a, const CUtensorMap& b, const CUtensorMap& d) {
-  cudaLaunchConfig_t c = {}; c.gridDim = 132; c.blockDim = 256; c.dynamicSmemBytes = dg64_smem;
-  CK(cudaLaunchKernelEx(&c, dg64, (int*)counts, (uint32_t)S, (uint32_t)n, (uint32_t)k, a, b, d));
+  const int smem = BM * 256 * 2 + ST * (BM + 256) * 64 * 2 + ST * 16;
+  static const bool ready = [&] {
+    CK(cudaFuncSetAttribute(dg_masked<BM, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    return true;
+  }();
+  (void)ready;
+  cudaLaunchConfig_t c = {}; c.gridDim = 132; c.blockDim = 256; c.dynamicSmemBytes = smem;
+  CK(cudaLaunchKernelEx(&c, dg_masked<BM, ST>, (int*)counts, (uint32_t)S, (uint32_t)n, (uint32_t)k, a, b, d));
 }
 
 std::vector<float> host(const bf* d, size_t n) {
@@ -57,8 +58,6 @@ int main() {
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   CK(cudaFuncSetAttribute(decode_gemm_plain, cudaFuncAttributeMaxDynamicSharedMemorySize, decode_gemm::kSmem));
   CK(cudaFuncSetAttribute(decode_gemm_gated, cudaFuncAttributeMaxDynamicSharedMemorySize, decode_gemm::kSmem));
-  CK(cudaFuncSetAttribute(dg, cudaFuncAttributeMaxDynamicSharedMemorySize, dg_smem));
-  CK(cudaFuncSetAttribute(dg64, cudaFuncAttributeMaxDynamicSharedMemorySize, dg64_smem));
   CK(cudaMalloc(&ticket, 8)); CK(cudaMemset(ticket, 0, 8));
   bf *wgu, *wdn, *x, *gu, *act, *act2, *y, *y2;
   CK(cudaMalloc(&wgu, (size_t)L * 2 * I * H * 2)); CK(cudaMalloc(&wdn, (size_t)L * H * I * 2));
@@ -119,16 +118,16 @@ int main() {
     float su = median_us([&] { ours(true, w_up, x_up, cnt, 2 * I, H, act); }, 30);
     float sd = median_us([&] { ours(false, w_dn, x_dn, cnt, H, I, y); }, 30);
     float sp = median_us([&] { ours(true, w_up, x_up, cnt, 2 * I, H, act); ours(false, w_dn, x_dn, cnt, H, I, y); }, 30);
-    float du = median_us([&] { deepgemm(cnt, 2 * I, H, a_up, b_up, d_up); }, 30);
-    float dd = median_us([&] { deepgemm(cnt, H, I, a_dn, b_dn, d_dn); }, 30);
-    float dp = median_us([&] { deepgemm(cnt, 2 * I, H, a_up, b_up, d_up); swiglu_masked<<<dim3(L, 32), 256>>>(gu, cnt, S, I, act2); deepgemm(cnt, H, I, a_dn, b_dn, d_dn); }, 30);
+    float du = median_us([&] { deepgemm<32, 5>(cnt, 2 * I, H, a_up, b_up, d_up); }, 30);
+    float dd = median_us([&] { deepgemm<32, 5>(cnt, H, I, a_dn, b_dn, d_dn); }, 30);
+    float dp = median_us([&] { deepgemm<32, 5>(cnt, 2 * I, H, a_up, b_up, d_up); swiglu_masked<<<dim3(L, 32), 256>>>(gu, cnt, S, I, act2); deepgemm<32, 5>(cnt, H, I, a_dn, b_dn, d_dn); }, 30);
     printf("%-6s decode_gemm: gated up %7.1f us (%.3f TB/s), down %7.1f us (%.3f TB/s), both %7.1f us (%.3f TB/s)\n", name, su, up_b / su / 1e6, sd, dn_b / sd / 1e6, sp, (up_b + dn_b) / sp / 1e6);
     printf("%-6s deepgemm 32x256 st5: up %7.1f us, down %7.1f us, up + swiglu + down %7.1f us (%.3f TB/s)\n", name, du, dd, dp, (up_b + dn_b) / dp / 1e6);
   }
   // Ours against DeepGEMM (+ SwiGLU) on the decode counts, every valid row: how many outputs
   // differ at all, and the largest difference.
   ours(true, w_up, x_up, d_c, 2 * I, H, act); ours(false, w_dn, x_dn, d_c, H, I, y);
-  deepgemm(d_c, 2 * I, H, a_up, b_up, d_up); swiglu_masked<<<dim3(L, 32), 256>>>(gu, d_c, S, I, act2); deepgemm(d_c, H, I, a_dn, b_dn, d_dn);
+  deepgemm<32, 5>(d_c, 2 * I, H, a_up, b_up, d_up); swiglu_masked<<<dim3(L, 32), 256>>>(gu, d_c, S, I, act2); deepgemm<32, 5>(d_c, H, I, a_dn, b_dn, d_dn);
   CK(cudaDeviceSynchronize());
   for (int which = 0; which < 2; which++) {
     const int cols = which ? H : I;
@@ -152,10 +151,10 @@ int main() {
     int rows = 0, most = 0; for (int i = 0; i < L; i++) { rows += cc[i]; most = std::max(most, cc[i]); }
     CK(cudaMemcpy(d_c, cc.data(), GROUPS * 4, cudaMemcpyHostToDevice));
     float sp = median_us([&] { ours(true, w_up, x_up, d_c, 2 * I, H, act); ours(false, w_dn, x_dn, d_c, H, I, y); }, 30);
-    float dp = median_us([&] { deepgemm64(d_c, 2 * I, H, a64_up, b_up, d64_up); deepgemm64(d_c, H, I, a64_dn, b_dn, d64_dn); }, 30);
+    float dp = median_us([&] { deepgemm<64, 4>(d_c, 2 * I, H, a64_up, b_up, d64_up); deepgemm<64, 4>(d_c, H, I, a64_dn, b_dn, d64_dn); }, 30);
     float sw = median_us([&] { swiglu_masked<<<dim3(L, 32), 256>>>(gu, d_c, S, I, act2); }, 30);
     ours(true, w_up, x_up, d_c, 2 * I, H, act); ours(false, w_dn, x_dn, d_c, H, I, y);
-    deepgemm64(d_c, 2 * I, H, a64_up, b_up, d64_up); swiglu_masked<<<dim3(L, 32), 256>>>(gu, d_c, S, I, act2); deepgemm64(d_c, H, I, a64_dn, b_dn, d64_dn);
+    deepgemm<64, 4>(d_c, 2 * I, H, a64_up, b_up, d64_up); swiglu_masked<<<dim3(L, 32), 256>>>(gu, d_c, S, I, act2); deepgemm<64, 4>(d_c, H, I, a64_dn, b_dn, d64_dn);
     CK(cudaDeviceSynchronize());
     auto A = host(y, (size_t)L * S * H), B = host(y2, (size_t)L * S * H);
     size_t n = 0, differ = 0;
