@@ -85,16 +85,23 @@ impl DecodeGemm {
         })
     }
 
-    /// Whether this kernel takes the GEMM (either form): the masked layout with at most
-    /// `MAX_MEAN_ROWS` rows per expert on average, N in 256-row units (gated: the intermediate
-    /// in 128-row units), K in 64-deep stages.
-    pub fn takes(layout: Layout, groups: usize, n: usize, k: usize) -> bool {
-        let few = matches!(layout, Layout::Masked { stride, mean_rows } if stride > 0 && mean_rows <= MAX_MEAN_ROWS);
-        few && groups <= MAX_GROUPS.min(KERNEL_GROUPS)
+    /// Whether this kernel can run the GEMM (either form), at any rows per expert: the masked
+    /// layout, N in 256-row units (gated: the intermediate in 128-row units), K in 64-deep
+    /// stages.
+    pub fn fits(layout: Layout, groups: usize, n: usize, k: usize) -> bool {
+        matches!(layout, Layout::Masked { stride, .. } if stride > 0)
+            && groups <= MAX_GROUPS.min(KERNEL_GROUPS)
             && n > 0
             && n % (2 * BOX_ROWS) == 0
             && k > 0
             && k % BOX_K == 0
+    }
+
+    /// Whether it is the kernel for the GEMM: it fits, with at most `MAX_MEAN_ROWS` rows per
+    /// expert on average.
+    pub fn takes(layout: Layout, groups: usize, n: usize, k: usize) -> bool {
+        let few = matches!(layout, Layout::Masked { mean_rows, .. } if mean_rows <= MAX_MEAN_ROWS);
+        few && Self::fits(layout, groups, n, k)
     }
 
     /// Launches `g` writing `y` (`Out` says its shape) on the stream it was loaded with; rows of
@@ -102,15 +109,15 @@ impl DecodeGemm {
     pub fn gemm(&self, g: Gemm, out: Out, y: &mut CudaSlice<bf16>) -> Result<(), DriverError> {
         let stream = &self.stream;
         assert!(
-            Self::takes(g.layout, g.groups, g.n, g.k),
-            "the decode GEMM does not take n {} k {} over {} groups in {:?}",
+            Self::fits(g.layout, g.groups, g.n, g.k),
+            "the decode GEMM does not fit n {} k {} over {} groups in {:?}",
             g.n,
             g.k,
             g.groups,
             g.layout
         );
         let Layout::Masked { stride, .. } = g.layout else {
-            unreachable!("takes() admits the masked layout only")
+            unreachable!("fits() admits the masked layout only")
         };
         let cols = match out {
             Out::Plain => g.n,
@@ -178,6 +185,10 @@ mod tests {
             "past 24 rows per expert on average, DeepGEMM's 64-row tile"
         );
         assert!(!DecodeGemm::takes(masked(32), 64, 7168, 2048));
+        assert!(
+            DecodeGemm::fits(masked(32), 64, 7168, 2048),
+            "it can still run them"
+        );
         assert!(!DecodeGemm::takes(Layout::Psum, 64, 7168, 2048));
         assert!(
             !DecodeGemm::takes(masked(16), 8, 384, 256),

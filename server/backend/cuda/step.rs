@@ -532,7 +532,10 @@ fn strided_ffn(
     let both = |fits: fn(Layout, usize, usize, usize) -> bool| {
         fits(masked, groups, 2 * i, h) && fits(masked, groups, h, i)
     };
-    let decode = both(DecodeGemm::takes);
+    // The decode GEMM where it is the faster kernel, and where DeepGEMM's tile does not fit (a
+    // stride off its 64 rows): it beats the WMMA kernels from decode to 128 rows per expert
+    // (docs/benchmarks.md, "Where the decode GEMM stops paying").
+    let decode = both(DecodeGemm::takes) || (both(DecodeGemm::fits) && !both(Hopper::fits));
     if decode || both(Hopper::fits) {
         let span = groups * r.stride;
         let up = Gemm {
