@@ -535,8 +535,9 @@ fn strided_ffn(
     // The decode GEMM where it is the faster kernel, and where DeepGEMM's tile does not fit (a
     // stride off its 64 rows): it beats the WMMA kernels from decode to 128 rows per expert
     // (docs/benchmarks.md, "Where the decode GEMM stops paying").
-    let decode = both(DecodeGemm::takes) || (both(DecodeGemm::fits) && !both(Hopper::fits));
-    if decode || both(Hopper::fits) {
+    let tile = both(Hopper::fits);
+    let decode = both(DecodeGemm::takes) || (both(DecodeGemm::fits) && !tile);
+    if decode || tile {
         let span = groups * r.stride;
         let up = Gemm {
             x,
