@@ -95,11 +95,12 @@ fi
 if want cpu; then
   # The CPU backend on this host's cores (synthetic:tiny, 2 ranks, 16-token bf16 requests), each
   # load against the bare echo in the same run, for each binary in CPU_BINS (default: the one
-  # built). CPU_CONFIGS: "api:clients ...". Busy: the router's step seconds over the 6 s loaded.
+  # built). CPU_CONFIGS: "api:clients ..."; CPU_FLAGS: more launch flags (e.g. --cpu-threads 1).
+  # Busy: the router's step seconds over the 6 s loaded.
   for bin in ${CPU_BINS:-$EPSERVE_BIN}; do
     shm=$(mktemp -d -p /dev/shm)
     "$bin" launch --ranks 2 --backend cpu --model synthetic:tiny --listen 127.0.0.1:0 \
-      --metrics-listen 127.0.0.1:0 --shm-dir "$shm" >"$out/cpu.log" 2>&1 &
+      --metrics-listen 127.0.0.1:0 --shm-dir "$shm" ${CPU_FLAGS:-} >"$out/cpu.log" 2>&1 &
     pid=$!
     addr=$(serving_addr "$out/cpu.log" 300)
     if [ -z "$addr" ]; then tail -20 "$out/cpu.log"; kill $pid; status=1; continue; fi
@@ -107,14 +108,22 @@ if want cpu; then
     for cfg in ${CPU_CONFIGS:-unary:16 stream:16 unary:256 stream:256}; do
       set -- ${cfg/:/ }
       s0=$(metric "$m0" epserve_step_duration_seconds_sum); k0=$(metric "$m0" epserve_step_tokens_sum)
+      n0=$(metric "$m0" epserve_step_duration_seconds_count); curl -s "$m0" >"$out/cpu-m0.txt"
       .device/bin/epserve-loadtest --target "$addr" --echo --api "$1" --concurrency "$2" --tokens 16 \
         --dtype bf16 --warmup 1s --duration 5s >"$out/cpu-run.txt" 2>&1
       s1=$(metric "$m0" epserve_step_duration_seconds_sum); k1=$(metric "$m0" epserve_step_tokens_sum)
-      echo "== cpu $(basename "$bin") $1 c$2 (nproc $(nproc)): busy $(python3 -c "print(round(($s1 - $s0) / 6, 3))"), the step alone $(python3 -c "print(round(($k1 - $k0) / ($s1 - $s0)))") tokens/s"
+      n1=$(metric "$m0" epserve_step_duration_seconds_count); curl -s "$m0" >"$out/cpu-m1.txt"
+      echo "== cpu $(basename "$bin") $1 c$2 (nproc $(nproc)): busy $(python3 -c "print(round(($s1 - $s0) / 6, 3))"), the step alone $(python3 -c "print(round(($k1 - $k0) / ($s1 - $s0)))") tokens/s, $(python3 -c "print(round(($k1 - $k0) / max($n1 - $n0, 1), 1))") tokens and $(python3 -c "print(round(($s1 - $s0) / max($n1 - $n0, 1) * 1e6, 1))") us a step"
+      # The router's own phases, µs per step (its share of each step; waits on peers included).
+      for p in gating prepare dispatch experts combine; do
+        a=$(awk -v m="epserve_step_phase_seconds_sum{phase=\"$p\"}" '$1 == m {print $2}' "$out/cpu-m0.txt")
+        b=$(awk -v m="epserve_step_phase_seconds_sum{phase=\"$p\"}" '$1 == m {print $2}' "$out/cpu-m1.txt")
+        printf '   %s %s us' "$p" "$(python3 -c "print(round(((${b:-0}) - (${a:-0})) / max($n1 - $n0, 1) * 1e6, 1))")"
+      done; echo
       grep -E "requests/s|latency|/ echo|sent" "$out/cpu-run.txt"
     done
     kill -TERM $pid; wait $pid
-    rm -rf "$shm" "$out/cpu-run.txt"
+    rm -rf "$shm" "$out/cpu-run.txt" "$out/cpu-m0.txt" "$out/cpu-m1.txt"
   done
 fi
 if want serve; then

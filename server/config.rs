@@ -347,6 +347,10 @@ pub struct ServeArgs {
     /// Directory for the shared-memory segments (a tmpfs).
     #[arg(long, env = "EPSERVE_SHM_DIR", default_value = "/dev/shm")]
     pub shm_dir: PathBuf,
+    /// Threads each rank of the cpu backend runs its expert math on; 0: the host's cores shared
+    /// by the group's ranks (which the cpu backend puts on one host).
+    #[arg(long, env = "EPSERVE_CPU_THREADS", default_value_t = 0)]
+    pub cpu_threads: usize,
     #[arg(long, env = "EPSERVE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
     /// Export traces over OTLP/gRPC to this collector (e.g. http://otel-collector:4317).

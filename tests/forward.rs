@@ -163,32 +163,40 @@ fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
         / m
 }
 
-async fn preset_across_worlds(preset: &str, seed: u64) {
-    let spec = synthetic::preset(preset).unwrap();
-    let refs: Vec<RefLayer> = spec
-        .moe_layers
+/// The preset's layers as the reference computes them.
+fn reference(spec: &MoeSpec, seed: u64) -> Vec<RefLayer> {
+    spec.moe_layers
         .iter()
         .map(|&l| {
             RefLayer::from_weights(
-                &synthetic::layer(&spec, seed, l, 0..spec.num_experts),
+                &synthetic::layer(spec, seed, l, 0..spec.num_experts),
                 spec.hidden,
             )
         })
-        .collect();
+        .collect()
+}
+
+/// A group of `world` ranks on the preset, `tokens` per step at most, plus `extra` flags.
+fn launch(world: usize, preset: &str, seed: u64, tokens: usize, extra: &[&str]) -> Group {
+    let (seed, tokens) = (seed.to_string(), tokens.to_string());
+    let mut args = vec![
+        "--seed",
+        &seed,
+        "--max-tokens-per-step",
+        &tokens,
+        "--max-batch-wait-us",
+        "300",
+    ];
+    args.extend_from_slice(extra);
+    Group::launch(world, &format!("synthetic:{preset}"), &args)
+}
+
+async fn preset_across_worlds(preset: &str, seed: u64) {
+    let spec = synthetic::preset(preset).unwrap();
+    let refs = reference(&spec, seed);
     let mut by_world: Vec<(usize, HashMap<String, Vec<f32>>)> = Vec::new();
     for world in [1, 2, 4, 8] {
-        let group = Group::launch(
-            world,
-            &format!("synthetic:{preset}"),
-            &[
-                "--seed",
-                &seed.to_string(),
-                "--max-tokens-per-step",
-                &MAX_TOKENS.to_string(),
-                "--max-batch-wait-us",
-                "300",
-            ],
-        );
+        let group = launch(world, preset, seed, MAX_TOKENS, &[]);
         by_world.push((world, check_group(&group, &spec, &refs, 1000 + seed).await));
     }
     let (_, base) = &by_world[0];
@@ -216,4 +224,29 @@ async fn qwen3_softmax_without_renormalisation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deepseek_sigmoid_group_limited_with_shared_expert() {
     preset_across_worlds("tiny-deepseek", 13).await;
+}
+
+/// The cpu backend's expert math spread over several threads per rank (`--cpu-threads`; CI's two
+/// cores give one per rank by default): every request against the reference, and the same
+/// outputs as one thread. Steps of 64 tokens, so each rank's rows and its shared expert's tokens
+/// are cut into several blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expert_math_over_several_threads_per_rank() {
+    let (preset, seed) = ("tiny-deepseek", 14);
+    let spec = synthetic::preset(preset).unwrap();
+    let refs = reference(&spec, seed);
+    let mut outs = Vec::new();
+    for threads in ["1", "3"] {
+        let group = launch(2, preset, seed, 64, &["--cpu-threads", threads]);
+        let log = group.proc.log_text();
+        assert!(
+            log.contains(&format!("threads={threads}")),
+            "the ranks do not say they run {threads} threads:\n{log}"
+        );
+        outs.push(check_group(&group, &spec, &refs, 1000 + seed).await);
+    }
+    for (id, out) in &outs[1] {
+        let d = rel_diff(out, &outs[0][id]);
+        assert!(d <= 1e-6, "{id}: 3 threads differ from 1 by {d:.3e}");
+    }
 }

@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 
 use super::prepare::{Prepared, Weights};
-use crate::backend::cpu::CpuRank;
+use crate::backend::cpu::{default_lanes, CpuRank};
 use crate::config::{OnOff, ServeArgs};
 use crate::group::{expect, send, Ctl, RouterLink};
 use crate::shm::Abort;
@@ -91,6 +91,10 @@ pub fn bring_up(
                 || format!("creating the exchange segment in {}", site.dir.display()),
             )?;
             side.barrier("its exchange segment", created, Ctl::Map, deadline)?;
+            let lanes = match args.cpu_threads {
+                0 => default_lanes(p.member.world),
+                n => n,
+            };
             let backend = CpuRank::attach(
                 site.dir,
                 site.group,
@@ -102,8 +106,10 @@ pub fn bring_up(
                 (site.ring)()?,
                 abort,
                 args.step_timeout,
+                lanes,
             )
             .context("mapping the peers' exchange segments")?;
+            tracing::info!(rank, threads = lanes, "cpu backend: expert math threads");
             side.barrier("mapping every segment", mapped, Ctl::Go, deadline)?;
             backend.unlink_own();
             Ok(Box::new(backend))

@@ -1,7 +1,10 @@
 //! The CPU backend: every rank owns one persistent shared-memory segment, created at startup and
 //! sized for the worst step, which peers map and write into one-sidedly. Each phase writes, then
 //! raises a per-source flag with the step's sequence number; readers wait for the flags of every
-//! source, so no step can read another's data. f32 math; GEMMs through ndarray (matrixmultiply).
+//! source, so no step can read another's data. f32 math; GEMMs through ndarray (matrixmultiply),
+//! the experts' blocks spread over the rank's lanes (`math`).
+
+mod math;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -10,8 +13,11 @@ use std::time::{Duration, Instant};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{ArrayView2, ArrayViewMut2};
 
+pub use math::default_lanes;
+use math::Lanes;
+
 use crate::model::routing::Router;
-use crate::model::{Ffn, MoeSpec, Placement, RankWeights};
+use crate::model::{MoeSpec, Placement, RankWeights};
 use crate::shm::{wait_seq, Abort, Shm};
 use crate::step::ring::Ring;
 use crate::step::{
@@ -19,8 +25,6 @@ use crate::step::{
 };
 
 const LINE: usize = 64;
-/// Rows per expert GEMM chunk: bounds the scratch whatever the step's skew.
-const CHUNK: usize = 256;
 
 /// Per-rank segment layout, identical on every rank.
 #[derive(Clone, Copy, Debug)]
@@ -84,6 +88,14 @@ pub struct CpuRank {
     step_timeout: Duration,
     deadline: Instant,
     s: Scratch,
+    lanes: Lanes,
+}
+
+/// A block of one local expert's received rows, run by one lane.
+struct Block {
+    expert: usize,
+    first: usize,
+    rows: usize,
 }
 
 /// Host scratch, sized at startup for the worst step and never grown.
@@ -95,11 +107,8 @@ struct Scratch {
     counts: Vec<u32>,
     matrix: Vec<u32>,
     next_row: Vec<usize>,
-    meta: Vec<i32>,
-    rows: Vec<f32>,
-    gu: Vec<f32>,
-    act: Vec<f32>,
-    y: Vec<f32>,
+    /// This step's expert blocks (capacity for the worst step, kept).
+    blocks: Vec<Block>,
     out: Vec<f32>,
     /// The home rows as the ring carries them (any wire dtype), before widening or after
     /// narrowing.
@@ -118,7 +127,8 @@ impl CpuRank {
         Shm::create(&segment_path(dir, group, rank), shape.bytes())
     }
 
-    /// Maps every peer's segment and builds the rank; `own` came from `create_segment`.
+    /// Maps every peer's segment and builds the rank; `own` came from `create_segment`. The
+    /// experts' math runs on `lanes` threads.
     #[allow(clippy::too_many_arguments)]
     pub fn attach(
         dir: &Path,
@@ -131,6 +141,7 @@ impl CpuRank {
         ring: Arc<Ring>,
         abort: Arc<Abort>,
         step_timeout: Duration,
+        lanes: usize,
     ) -> std::io::Result<Self> {
         let mut own = Some(own);
         let segs = (0..shape.world)
@@ -141,6 +152,8 @@ impl CpuRank {
             .collect::<std::io::Result<Vec<_>>>()?;
         let (t, h, k, e) = (shape.max_home, shape.hidden, shape.top_k, shape.experts);
         let inter = spec.intermediate.max(spec.shared_intermediate);
+        let lanes = Lanes::new(lanes, h, inter)?;
+        let local = e / shape.world.max(1);
         let s = Scratch {
             x: vec![0.0; t * h],
             ids: vec![0; t * k],
@@ -149,11 +162,9 @@ impl CpuRank {
             counts: vec![0; e],
             matrix: vec![0; shape.world * e],
             next_row: vec![0; e],
-            meta: vec![0; CHUNK * 3],
-            rows: vec![0.0; CHUNK.max(t) * h],
-            gu: vec![0.0; CHUNK.max(t) * 2 * inter],
-            act: vec![0.0; CHUNK.max(t) * inter],
-            y: vec![0.0; CHUNK.max(t) * h],
+            // Each expert's rows cut into blocks of at least `block_rows(rows)`: one partial
+            // block per expert at most, and the full ones.
+            blocks: Vec::with_capacity(local + shape.recv_rows().div_ceil(lanes.block_rows(1))),
             out: vec![0.0; t * h],
             wire: vec![0; t * h * 4],
             router: Router::default(),
@@ -171,6 +182,7 @@ impl CpuRank {
             step_timeout,
             deadline: Instant::now(),
             s,
+            lanes,
         })
     }
 
@@ -215,36 +227,6 @@ impl CpuRank {
                 .sum::<usize>();
         }
     }
-}
-
-/// `y[m, h] = down(silu(gate x) * up x)` for `x[m, h]`.
-fn ffn_forward(
-    f: &Ffn,
-    x: &[f32],
-    m: usize,
-    h: usize,
-    gu: &mut [f32],
-    act: &mut [f32],
-    y: &mut [f32],
-) {
-    let i = f.inter;
-    let xa = ArrayView2::from_shape((m, h), &x[..m * h]).expect("x shape");
-    let wgu = ArrayView2::from_shape((2 * i, h), &f.gate_up).expect("gate_up shape");
-    let mut gua = ArrayViewMut2::from_shape((m, 2 * i), &mut gu[..m * 2 * i]).expect("gu shape");
-    general_mat_mul(1.0, &xa, &wgu.t(), 0.0, &mut gua);
-    for (row, a) in gu[..m * 2 * i]
-        .chunks_exact(2 * i)
-        .zip(act[..m * i].chunks_exact_mut(i))
-    {
-        let (g, u) = row.split_at(i);
-        for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
-            *a = g / (1.0 + (-g).exp()) * u;
-        }
-    }
-    let aa = ArrayView2::from_shape((m, i), &act[..m * i]).expect("act shape");
-    let wd = ArrayView2::from_shape((h, i), &f.down).expect("down shape");
-    let mut ya = ArrayViewMut2::from_shape((m, h), &mut y[..m * h]).expect("y shape");
-    general_mat_mul(1.0, &aa, &wd.t(), 0.0, &mut ya);
 }
 
 impl StepIo for CpuRank {
@@ -389,68 +371,78 @@ impl Exchange for CpuRank {
             self.raise(peer, Flag::Combine, desc.step);
         }
         self.wait_all(desc, Flag::Combine, "combined rows")?;
-        let (h, k) = (self.shape.hidden, self.shape.top_k);
+        let (h, k, shape) = (self.shape.hidden, self.shape.top_k, self.shape);
         let own = &self.segs[self.rank];
-        let s = &mut self.s;
-        let row = &mut s.rows[..h];
-        for t in 0..n {
-            let out = &mut s.out[t * h..(t + 1) * h];
-            out.fill(0.0);
-            for j in 0..k {
-                own.read(self.shape.combine(t, j), row);
-                let w = s.w[t * k + j];
-                out.iter_mut()
-                    .zip(row.iter())
-                    .for_each(|(o, &r)| *o += w * r);
-            }
-        }
-        if let Some(shared) = &self.weights.layers[desc.layer as usize].shared {
-            ffn_forward(shared, &s.x, n, h, &mut s.gu, &mut s.act, &mut s.y);
-            s.out[..n * h]
-                .iter_mut()
-                .zip(&s.y[..n * h])
-                .for_each(|(o, &y)| *o += y);
-        }
+        let shared = self.weights.layers[desc.layer as usize].shared.as_ref();
+        let (x, w) = (&self.s.x, &self.s.w);
+        let per = self.lanes.block_rows(n);
+        self.lanes
+            .each_rows(&mut self.s.out[..n * h], h, per, |first, block, lane| {
+                let row = &mut lane.rows[..h];
+                for (i, out) in block.chunks_exact_mut(h).enumerate() {
+                    let t = first + i;
+                    out.fill(0.0);
+                    for j in 0..k {
+                        own.read(shape.combine(t, j), row);
+                        let w = w[t * k + j];
+                        out.iter_mut()
+                            .zip(row.iter())
+                            .for_each(|(o, &r)| *o += w * r);
+                    }
+                }
+                if let Some(shared) = shared {
+                    let m = block.len() / h;
+                    lane.forward_from(shared, &x[first * h..(first + m) * h], m, h);
+                    block
+                        .iter_mut()
+                        .zip(&lane.y[..m * h])
+                        .for_each(|(o, &y)| *o += y);
+                }
+            });
         Ok(())
     }
 }
 
 impl Experts for CpuRank {
-    /// Runs each local expert over its block of received rows, chunk by chunk, and writes each
-    /// output row into its home rank's combine buffer at (token, k).
+    /// Cuts each local expert's received rows into blocks, runs the blocks over the lanes, and
+    /// writes each output row into its home rank's combine buffer at (token, k).
     fn compute(&mut self, desc: &StepDesc) -> Result<(), StepError> {
-        let (h, e) = (self.shape.hidden, self.shape.experts);
-        let layer = &self.weights.layers[desc.layer as usize];
-        let own = &self.segs[self.rank];
-        let s = &mut self.s;
+        let (h, e, shape) = (self.shape.hidden, self.shape.experts, self.shape);
+        let mut blocks = std::mem::take(&mut self.s.blocks);
+        blocks.clear();
+        let totals = |g: usize| -> usize {
+            (0..shape.world)
+                .map(|src| self.s.matrix[src * e + g] as usize)
+                .sum()
+        };
+        let all: usize = self.placement.experts_of(self.rank).map(totals).sum();
+        let per = self.lanes.block_rows(all);
         let mut start = 0;
-        for (i, g) in self.placement.experts_of(self.rank).enumerate() {
-            let total: usize = (0..self.shape.world)
-                .map(|src| s.matrix[src * e + g] as usize)
-                .sum();
-            let mut done = 0;
-            while done < total {
-                let m = CHUNK.min(total - done);
-                let first = start + done;
-                own.read(self.shape.rows(first), &mut s.rows[..m * h]);
-                own.read(self.shape.meta(first), &mut s.meta[..m * 3]);
-                ffn_forward(
-                    &layer.experts[i],
-                    &s.rows,
-                    m,
-                    h,
-                    &mut s.gu,
-                    &mut s.act,
-                    &mut s.y,
-                );
-                for (r, meta) in s.meta[..m * 3].chunks_exact(3).enumerate() {
-                    let (src, t, j) = (meta[0] as usize, meta[1] as usize, meta[2] as usize);
-                    self.segs[src].write(self.shape.combine(t, j), &s.y[r * h..(r + 1) * h]);
-                }
-                done += m;
+        for (expert, g) in self.placement.experts_of(self.rank).enumerate() {
+            let total = totals(g);
+            for first in (start..start + total).step_by(per) {
+                let rows = per.min(start + total - first);
+                blocks.push(Block {
+                    expert,
+                    first,
+                    rows,
+                });
             }
             start += total;
         }
+        let experts = &self.weights.layers[desc.layer as usize].experts;
+        let (own, segs) = (&self.segs[self.rank], &self.segs);
+        self.lanes.each(&blocks, |b, lane| {
+            let m = b.rows;
+            own.read(shape.rows(b.first), &mut lane.rows[..m * h]);
+            own.read(shape.meta(b.first), &mut lane.meta[..m * 3]);
+            lane.forward(&experts[b.expert], m, h);
+            for (r, meta) in lane.meta[..m * 3].chunks_exact(3).enumerate() {
+                let (src, t, j) = (meta[0] as usize, meta[1] as usize, meta[2] as usize);
+                segs[src].write(shape.combine(t, j), &lane.y[r * h..(r + 1) * h]);
+            }
+        });
+        self.s.blocks = blocks;
         Ok(())
     }
 }
@@ -479,11 +471,9 @@ impl Backend for CpuRank {
         out.push(self.ring.buffer());
         out.extend([
             v("home_x", s.x.as_ptr().cast(), s.x.capacity()),
-            v("expert_rows", s.rows.as_ptr().cast(), s.rows.capacity()),
-            v("expert_gate_up", s.gu.as_ptr().cast(), s.gu.capacity()),
-            v("expert_out", s.y.as_ptr().cast(), s.y.capacity()),
             v("home_out", s.out.as_ptr().cast(), s.out.capacity()),
         ]);
+        out.extend(self.lanes.buffers());
         out
     }
 }

@@ -1,0 +1,265 @@
+//! The CPU backend's math: SwiGLU FFNs over blocks of rows, spread over this rank's lanes (a pool
+//! of threads, its share of the host's cores), each lane with scratch sized at startup.
+//!
+//! Why lanes and not a threaded GEMM: a step's GEMMs are small (synthetic:tiny's are 64 wide), far
+//! below where a GEMM pays for threading itself, but a step holds many independent blocks (each
+//! local expert's rows, the shared expert's tokens). With one lane the blocks run on the step's own
+//! thread, in order, as they always did.
+
+use std::sync::{Mutex, MutexGuard};
+
+use ndarray::linalg::general_mat_mul;
+use ndarray::{ArrayView2, ArrayViewMut2};
+
+use crate::model::Ffn;
+
+/// Most rows of one block: bounds each lane's scratch whatever the step's skew.
+pub const CHUNK: usize = 256;
+/// Fewest rows a block is cut down to for spreading: below this a lane's wake-up and the GEMM's
+/// packing cost more than the rows' math.
+const MIN_ROWS: usize = 16;
+
+/// One lane's scratch: a block's rows in, their metadata, the FFN's intermediates and output.
+pub struct Scratch {
+    pub rows: Vec<f32>,
+    pub meta: Vec<i32>,
+    gu: Vec<f32>,
+    act: Vec<f32>,
+    pub y: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(hidden: usize, inter: usize) -> Self {
+        Self {
+            rows: vec![0.0; CHUNK * hidden],
+            meta: vec![0; CHUNK * 3],
+            gu: vec![0.0; CHUNK * 2 * inter],
+            act: vec![0.0; CHUNK * inter],
+            y: vec![0.0; CHUNK * hidden],
+        }
+    }
+
+    /// `y[..m * h] = f(rows[..m * h])`.
+    pub fn forward(&mut self, f: &Ffn, m: usize, h: usize) {
+        ffn_forward(
+            f,
+            &self.rows,
+            m,
+            h,
+            &mut self.gu,
+            &mut self.act,
+            &mut self.y,
+        );
+    }
+
+    /// `y[..m * h] = f(x)` for `x` of `m` rows.
+    pub fn forward_from(&mut self, f: &Ffn, x: &[f32], m: usize, h: usize) {
+        ffn_forward(f, x, m, h, &mut self.gu, &mut self.act, &mut self.y);
+    }
+
+    fn bytes(&self) -> usize {
+        4 * (self.rows.len() + self.meta.len() + self.gu.len() + self.act.len() + self.y.len())
+    }
+}
+
+/// `y[m, h] = down(silu(gate x) * up x)` for `x[m, h]`.
+fn ffn_forward(
+    f: &Ffn,
+    x: &[f32],
+    m: usize,
+    h: usize,
+    gu: &mut [f32],
+    act: &mut [f32],
+    y: &mut [f32],
+) {
+    let i = f.inter;
+    let xa = ArrayView2::from_shape((m, h), &x[..m * h]).expect("x shape");
+    let wgu = ArrayView2::from_shape((2 * i, h), &f.gate_up).expect("gate_up shape");
+    let mut gua = ArrayViewMut2::from_shape((m, 2 * i), &mut gu[..m * 2 * i]).expect("gu shape");
+    general_mat_mul(1.0, &xa, &wgu.t(), 0.0, &mut gua);
+    for (row, a) in gu[..m * 2 * i]
+        .chunks_exact(2 * i)
+        .zip(act[..m * i].chunks_exact_mut(i))
+    {
+        let (g, u) = row.split_at(i);
+        for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
+            *a = g / (1.0 + (-g).exp()) * u;
+        }
+    }
+    let aa = ArrayView2::from_shape((m, i), &act[..m * i]).expect("act shape");
+    let wd = ArrayView2::from_shape((h, i), &f.down).expect("down shape");
+    let mut ya = ArrayViewMut2::from_shape((m, h), &mut y[..m * h]).expect("y shape");
+    general_mat_mul(1.0, &aa, &wd.t(), 0.0, &mut ya);
+}
+
+/// This rank's threads for the step's blocks, and their scratch.
+pub struct Lanes {
+    /// None with one lane: the blocks run on the step's thread.
+    pool: Option<rayon::ThreadPool>,
+    /// One per lane, indexed by the pool's thread index; each is only ever locked by its own lane
+    /// (uncontended: the lock makes the sharing safe, not serial).
+    scratch: Vec<Mutex<Scratch>>,
+}
+
+impl Lanes {
+    /// `lanes` threads (at least one), with scratch for FFNs up to `inter` wide.
+    pub fn new(lanes: usize, hidden: usize, inter: usize) -> std::io::Result<Self> {
+        let lanes = lanes.max(1);
+        let pool = match lanes {
+            1 => None,
+            n => Some(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .thread_name(|i| format!("cpu-lane-{i}"))
+                    .build()
+                    .map_err(std::io::Error::other)?,
+            ),
+        };
+        let scratch = (0..lanes)
+            .map(|_| Mutex::new(Scratch::new(hidden, inter)))
+            .collect();
+        Ok(Self { pool, scratch })
+    }
+
+    pub fn count(&self) -> usize {
+        self.scratch.len()
+    }
+
+    /// Rows per block for a step's `rows` rows: about one block per lane, within
+    /// [`MIN_ROWS`, `CHUNK`] (with one lane, `CHUNK` rows, as before lanes).
+    pub fn block_rows(&self, rows: usize) -> usize {
+        match self.count() {
+            1 => CHUNK,
+            n => rows.div_ceil(n).clamp(MIN_ROWS, CHUNK),
+        }
+    }
+
+    fn lane(&self, i: usize) -> MutexGuard<'_, Scratch> {
+        self.scratch[i].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `f(item, scratch)` for each of `items`, over the lanes; returns when all are done.
+    pub fn each<T: Sync>(&self, items: &[T], f: impl Fn(&T, &mut Scratch) + Sync) {
+        self.drain(items.iter(), f);
+    }
+
+    /// `f(first_row, block, scratch)` for `out` cut into blocks of `rows` rows of `width`, over
+    /// the lanes.
+    pub fn each_rows(
+        &self,
+        out: &mut [f32],
+        width: usize,
+        rows: usize,
+        f: impl Fn(usize, &mut [f32], &mut Scratch) + Sync,
+    ) {
+        let blocks = out.chunks_mut(rows.max(1) * width).enumerate();
+        self.drain(blocks, |(b, block), s| f(b * rows, block, s));
+    }
+
+    /// Every lane takes the next of `work` until none is left. The caller wakes all lanes at once
+    /// (rayon's `broadcast`) rather than leaving them to wake one another as a split `par_iter`
+    /// does, a chain of wake-ups inside a step of a few hundred microseconds (on 16 cores the
+    /// experts phase took 154-175 µs this way against 174-197 µs split: docs/benchmarks.md).
+    fn drain<I: Iterator + Send>(&self, work: I, f: impl Fn(I::Item, &mut Scratch) + Sync) {
+        let Some(pool) = &self.pool else {
+            let mut s = self.lane(0);
+            work.for_each(|w| f(w, &mut s));
+            return;
+        };
+        let work = Mutex::new(work);
+        pool.broadcast(|lane| {
+            let mut s = self.lane(lane.index());
+            loop {
+                let next = work.lock().unwrap_or_else(|e| e.into_inner()).next();
+                match next {
+                    Some(w) => f(w, &mut s),
+                    None => break,
+                }
+            }
+        });
+    }
+
+    /// (name, address, bytes) of each lane's scratch, for the startup log.
+    pub fn buffers(&self) -> Vec<(&'static str, usize, usize)> {
+        (0..self.count())
+            .map(|i| {
+                let s = self.lane(i);
+                ("lane_scratch", s.rows.as_ptr() as usize, s.bytes())
+            })
+            .collect()
+    }
+}
+
+/// Lanes per rank when `--cpu-threads` is 0: this host's cores (as the process may use them)
+/// shared by the group's `ranks`, all on this host with the CPU backend.
+pub fn default_lanes(ranks: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / ranks.max(1)).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ffn(h: usize, i: usize, seed: u32) -> Ffn {
+        let v = |n: usize, s: u32| -> Vec<f32> {
+            (0..n)
+                .map(|k| (((k as u32).wrapping_mul(2654435761) ^ s) % 1000) as f32 / 1000.0 - 0.5)
+                .collect()
+        };
+        Ffn {
+            inter: i,
+            gate_up: v(2 * i * h, seed),
+            down: v(h * i, seed + 1),
+        }
+    }
+
+    /// Every block is run once, on whichever lane, and the blocks' results do not depend on the
+    /// lane count: one lane and four give the same bits.
+    #[test]
+    fn lanes_run_every_block_once_with_the_same_results() {
+        let (h, i, n) = (8, 12, 100);
+        let f = ffn(h, i, 7);
+        let x: Vec<f32> = (0..n * h).map(|k| ((k % 13) as f32 - 6.0) / 6.0).collect();
+        let run = |lanes: usize| {
+            let l = Lanes::new(lanes, h, i).unwrap();
+            assert_eq!(l.count(), lanes);
+            let mut out = vec![1.0f32; n * h];
+            let per = l.block_rows(n);
+            l.each_rows(&mut out, h, per, |first, block, s| {
+                let m = block.len() / h;
+                s.forward_from(&f, &x[first * h..(first + m) * h], m, h);
+                block
+                    .iter_mut()
+                    .zip(&s.y[..m * h])
+                    .for_each(|(o, &y)| *o += y);
+            });
+            let seen = Mutex::new(vec![0u32; 37]);
+            let items: Vec<usize> = (0..37).collect();
+            l.each(&items, |&t, _| seen.lock().unwrap()[t] += 1);
+            assert!(seen.into_inner().unwrap().iter().all(|&c| c == 1));
+            out
+        };
+        let one = run(1);
+        assert_eq!(one, run(4));
+        // Against the same FFN on all rows at once: the rows are independent.
+        let mut s = Scratch::new(h, i);
+        for first in (0..n).step_by(CHUNK) {
+            let m = CHUNK.min(n - first);
+            s.forward_from(&f, &x[first * h..(first + m) * h], m, h);
+            for (o, y) in one[first * h..(first + m) * h].iter().zip(&s.y[..m * h]) {
+                assert_eq!(*o, 1.0 + y);
+            }
+        }
+    }
+
+    #[test]
+    fn blocks_are_about_one_per_lane_within_bounds() {
+        let l = Lanes::new(4, 4, 4).unwrap();
+        assert_eq!(l.block_rows(256), 64);
+        assert_eq!(l.block_rows(10), MIN_ROWS);
+        assert_eq!(l.block_rows(100_000), CHUNK);
+        assert_eq!(Lanes::new(1, 4, 4).unwrap().block_rows(10), CHUNK);
+        assert!(default_lanes(1) >= default_lanes(2) && default_lanes(1_000_000) == 1);
+    }
+}
