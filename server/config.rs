@@ -348,7 +348,7 @@ pub struct ServeArgs {
     #[arg(long, env = "EPSERVE_SHM_DIR", default_value = "/dev/shm")]
     pub shm_dir: PathBuf,
     /// Threads each rank of the cpu backend runs its expert math on; 0: the host's cores shared
-    /// by the group's ranks (which the cpu backend puts on one host).
+    /// by the group's ranks (which the cpu backend puts on one host), at most 8.
     #[arg(long, env = "EPSERVE_CPU_THREADS", default_value_t = 0)]
     pub cpu_threads: usize,
     #[arg(long, env = "EPSERVE_LOG_FORMAT", value_enum, default_value = "text")]

@@ -162,8 +162,8 @@ impl CpuRank {
             counts: vec![0; e],
             matrix: vec![0; shape.world * e],
             next_row: vec![0; e],
-            // Each expert's rows cut into blocks of at least `block_rows(rows)`: one partial
-            // block per expert at most, and the full ones.
+            // At most one partial block per expert; the others hold at least `block_rows(1)`
+            // rows, the fewest any step cuts to.
             blocks: Vec::with_capacity(local + shape.recv_rows().div_ceil(lanes.block_rows(1))),
             out: vec![0.0; t * h],
             wire: vec![0; t * h * 4],
