@@ -138,33 +138,24 @@ impl Lanes {
         self.scratch[i].lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// `f(item, scratch)` for each of `items`, over the lanes; returns when all are done.
-    pub fn each<T: Sync>(&self, items: &[T], f: impl Fn(&T, &mut Scratch) + Sync) {
-        self.drain(items.iter(), f);
-    }
-
-    /// `f(first_row, block, scratch)` for `out` cut into blocks of `rows` rows of `width`, over
-    /// the lanes.
-    pub fn each_rows(
-        &self,
-        out: &mut [f32],
-        width: usize,
-        rows: usize,
-        f: impl Fn(usize, &mut [f32], &mut Scratch) + Sync,
-    ) {
-        let blocks = out.chunks_mut(rows.max(1) * width).enumerate();
-        self.drain(blocks, |(b, block), s| f(b * rows, block, s));
-    }
-
-    /// Every lane takes the next of `work` until none is left. The caller wakes all lanes at once
+    /// `f(item, scratch)` for each item of `work`, over the lanes; returns when all are done.
+    /// Every lane takes the next item until none is left. The caller wakes all lanes at once
     /// (rayon's `broadcast`) rather than leaving them to wake one another as a split `par_iter`
     /// does, a chain of wake-ups inside a step of a few hundred microseconds (on 16 cores the
     /// experts phase took 154-175 µs this way against 174-197 µs split: docs/benchmarks.md).
-    fn drain<I: Iterator + Send>(&self, work: I, f: impl Fn(I::Item, &mut Scratch) + Sync) {
-        let Some(pool) = &self.pool else {
-            let mut s = self.lane(0);
-            work.for_each(|w| f(w, &mut s));
-            return;
+    /// One item runs on the caller's thread: waking the lanes for it would only add their wake-up.
+    pub fn each<I: ExactSizeIterator + Send>(
+        &self,
+        work: I,
+        f: impl Fn(I::Item, &mut Scratch) + Sync,
+    ) {
+        let pool = match &self.pool {
+            Some(pool) if work.len() > 1 => pool,
+            _ => {
+                let mut s = self.lane(0);
+                work.for_each(|w| f(w, &mut s));
+                return;
+            }
         };
         let work = Mutex::new(work);
         pool.broadcast(|lane| {
@@ -232,8 +223,8 @@ mod tests {
             assert_eq!(l.count(), lanes);
             let mut out = vec![1.0f32; n * h];
             let per = l.block_rows(n);
-            l.each_rows(&mut out, h, per, |first, block, s| {
-                let m = block.len() / h;
+            l.each(out.chunks_mut(per * h).enumerate(), |(b, block), s| {
+                let (first, m) = (b * per, block.len() / h);
                 s.forward_from(&f, &x[first * h..(first + m) * h], m, h);
                 block
                     .iter_mut()
@@ -241,8 +232,7 @@ mod tests {
                     .for_each(|(o, &y)| *o += y);
             });
             let seen = Mutex::new(vec![0u32; 37]);
-            let items: Vec<usize> = (0..37).collect();
-            l.each(&items, |&t, _| seen.lock().unwrap()[t] += 1);
+            l.each(0..37, |t, _| seen.lock().unwrap()[t] += 1);
             assert!(seen.into_inner().unwrap().iter().all(|&c| c == 1));
             out
         };

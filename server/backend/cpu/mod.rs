@@ -290,6 +290,8 @@ impl StepIo for CpuRank {
 }
 
 impl Gating for CpuRank {
+    /// On the step's thread: too little math to pay for waking the lanes (measured, 16 cores:
+    /// gating 54-78 µs on them against 22-44 µs here, docs/benchmarks.md).
     fn gate(&mut self, desc: &StepDesc, n: usize) -> Result<(), StepError> {
         let (h, e, k) = (self.shape.hidden, self.shape.experts, self.shape.top_k);
         let layer = &self.weights.layers[desc.layer as usize];
@@ -375,30 +377,36 @@ impl Exchange for CpuRank {
         let own = &self.segs[self.rank];
         let shared = self.weights.layers[desc.layer as usize].shared.as_ref();
         let (x, w) = (&self.s.x, &self.s.w);
-        let per = self.lanes.block_rows(n);
-        self.lanes
-            .each_rows(&mut self.s.out[..n * h], h, per, |first, block, lane| {
-                let row = &mut lane.rows[..h];
-                for (i, out) in block.chunks_exact_mut(h).enumerate() {
-                    let t = first + i;
-                    out.fill(0.0);
-                    for j in 0..k {
-                        own.read(shape.combine(t, j), row);
-                        let w = w[t * k + j];
-                        out.iter_mut()
-                            .zip(row.iter())
-                            .for_each(|(o, &r)| *o += w * r);
-                    }
+        // The weighted sums alone are too little math for the lanes (one block: this thread);
+        // a shared expert is an FFN over every home token.
+        let per = match shared {
+            Some(_) => self.lanes.block_rows(n),
+            None => n.max(1),
+        };
+        let blocks = self.s.out[..n * h].chunks_mut(per * h).enumerate();
+        self.lanes.each(blocks, |(b, block), lane| {
+            let first = b * per;
+            let row = &mut lane.rows[..h];
+            for (i, out) in block.chunks_exact_mut(h).enumerate() {
+                let t = first + i;
+                out.fill(0.0);
+                for j in 0..k {
+                    own.read(shape.combine(t, j), row);
+                    let w = w[t * k + j];
+                    out.iter_mut()
+                        .zip(row.iter())
+                        .for_each(|(o, &r)| *o += w * r);
                 }
-                if let Some(shared) = shared {
-                    let m = block.len() / h;
-                    lane.forward_from(shared, &x[first * h..(first + m) * h], m, h);
-                    block
-                        .iter_mut()
-                        .zip(&lane.y[..m * h])
-                        .for_each(|(o, &y)| *o += y);
-                }
-            });
+            }
+            if let Some(shared) = shared {
+                let m = block.len() / h;
+                lane.forward_from(shared, &x[first * h..(first + m) * h], m, h);
+                block
+                    .iter_mut()
+                    .zip(&lane.y[..m * h])
+                    .for_each(|(o, &y)| *o += y);
+            }
+        });
         Ok(())
     }
 }
@@ -432,7 +440,7 @@ impl Experts for CpuRank {
         }
         let experts = &self.weights.layers[desc.layer as usize].experts;
         let (own, segs) = (&self.segs[self.rank], &self.segs);
-        self.lanes.each(&blocks, |b, lane| {
+        self.lanes.each(blocks.iter(), |b, lane| {
             let m = b.rows;
             own.read(shape.rows(b.first), &mut lane.rows[..m * h]);
             own.read(shape.meta(b.first), &mut lane.meta[..m * 3]);
