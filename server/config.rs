@@ -347,9 +347,11 @@ pub struct ServeArgs {
     /// Directory for the shared-memory segments (a tmpfs).
     #[arg(long, env = "EPSERVE_SHM_DIR", default_value = "/dev/shm")]
     pub shm_dir: PathBuf,
-    /// Threads each rank of the cpu backend runs its expert math on; 0: the host's cores shared
-    /// by the group's ranks (which the cpu backend puts on one host), at most 8.
-    #[arg(long, env = "EPSERVE_CPU_THREADS", default_value_t = 0)]
+    /// Threads each rank of the cpu backend runs its expert math on (up to 256, each with its
+    /// own scratch); 0: the host's cores shared by the group's ranks (which the cpu backend puts
+    /// on one host), at most 8.
+    #[arg(long, env = "EPSERVE_CPU_THREADS", default_value_t = 0,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=256))]
     pub cpu_threads: usize,
     #[arg(long, env = "EPSERVE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
@@ -481,6 +483,23 @@ mod tests {
         let (s, note) = r(EpMode::Auto, 128, 768).unwrap();
         assert_eq!((s.ll_max, s.ht), (0, true));
         assert!(note.unwrap().contains("every bucket HT"));
+    }
+
+    #[test]
+    fn cpu_threads_are_bounded() {
+        use clap::Parser;
+        let threads = |v: &str| {
+            super::Cli::try_parse_from(["epserve", "serve", "--cpu-threads", v]).map(|c| {
+                match c.command {
+                    super::Command::Serve(a) => a.cpu_threads,
+                    _ => unreachable!("parsed as serve"),
+                }
+            })
+        };
+        assert_eq!(threads("0").unwrap(), 0);
+        assert_eq!(threads("256").unwrap(), 256);
+        let e = threads("257").unwrap_err().to_string();
+        assert!(e.contains("not in 0..=256"), "{e}");
     }
 
     #[test]
