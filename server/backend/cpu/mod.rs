@@ -291,7 +291,7 @@ impl StepIo for CpuRank {
 
 impl Gating for CpuRank {
     /// On the step's thread: too little math to pay for waking the lanes (measured, 16 cores:
-    /// gating 54-78 µs on them against 22-44 µs here, docs/benchmarks.md).
+    /// gating 42-78 µs on them against 22-44 µs here, docs/benchmarks.md).
     fn gate(&mut self, desc: &StepDesc, n: usize) -> Result<(), StepError> {
         let (h, e, k) = (self.shape.hidden, self.shape.experts, self.shape.top_k);
         let layer = &self.weights.layers[desc.layer as usize];
