@@ -14,7 +14,7 @@ use ndarray::{ArrayView2, ArrayViewMut2};
 use crate::model::Ffn;
 
 /// Most rows of one block: bounds each lane's scratch whatever the step's skew.
-pub const CHUNK: usize = 256;
+const CHUNK: usize = 256;
 /// Fewest rows a block is cut down to for spreading, so that a block's math outweighs a lane's
 /// wake-up and the GEMM's packing (a judgement, not swept).
 const MIN_ROWS: usize = 16;
