@@ -127,21 +127,31 @@ if want cpu; then
   done
 fi
 if want serve; then
-  mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
-  # shellcheck disable=SC1091
-  source /tmp/nccl230/env.sh
+  if [ -f .device/nccl230.tar.xz ]; then
+    mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
+    # shellcheck disable=SC1091
+    source /tmp/nccl230/env.sh
+  fi
   # Each binary with the default HTTP/2 settings, and with SERVE_HYPER=1 also with hyper's own
-  # (1 MiB windows, 16 KiB frames) on the service and the loadtest alike.
+  # (1 MiB windows, 16 KiB frames) on the service and the loadtest alike. A SERVE_BINS entry
+  # may carry launch flags after the path, joined by '+' (e.g. .device/bin/epserve+--steps-ahead+0).
+  # SERVE_RANKS, SERVE_BACKEND and SERVE_MODEL default to the issue's 4, nccl-ep, deepseek-v3.
   variants=("default:")
   [ -n "${SERVE_HYPER:-}" ] && variants+=("hyper:--http2-stream-window 1048576 --http2-connection-window 1048576 --http2-max-frame-size 16384")
-  for bin in ${SERVE_BINS:-$EPSERVE_BIN}; do
+  round=0
+  for entry in ${SERVE_BINS:-$EPSERVE_BIN}; do
+   round=$((round + 1))
+   IFS=+ read -r -a parts <<<"$entry"
+   bin=${parts[0]}; flags=("${parts[@]:1}")
    for variant in "${variants[@]}"; do
     vname=${variant%%:*}; read -r -a h2 <<<"${variant#*:}"
-    name=$(basename "$bin")-$vname
+    # The entry's place in SERVE_BINS too: the same binary may be run in several rounds.
+    name=$round-$(basename "$bin")$(printf '%s' "${flags[@]}" | tr -d -)-$vname
     shm=$(mktemp -d -p /dev/shm)
-    "$bin" launch --ranks 4 --backend nccl-ep --model synthetic:deepseek-v3 --layers 1 \
+    "$bin" launch --ranks "${SERVE_RANKS:-4}" --backend "${SERVE_BACKEND:-nccl-ep}" \
+      --model "synthetic:${SERVE_MODEL:-deepseek-v3}" --layers 1 \
       --max-tokens-per-step 4096 --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --shm-dir "$shm" \
-      "${h2[@]}" >"$out/serve-$name.log" 2>&1 &
+      "${h2[@]}" "${flags[@]}" >"$out/serve-$name.log" 2>&1 &
     pid=$!
     addr=$(serving_addr "$out/serve-$name.log" 900)
     if [ -z "$addr" ]; then tail -20 "$out/serve-$name.log"; kill $pid; status=1; continue; fi
@@ -159,7 +169,9 @@ if want serve; then
       # GPU busy: step seconds over the service's 10 s; the step alone: its tokens over its seconds.
       echo "== serve $tag: router step seconds $s0 -> $s1, step tokens $k0 -> $k1 over $(python3 -c "print(round($t1 - $t0, 1))") s of wall (the service part is 10 s of it): busy $(python3 -c "print(round(($s1 - $s0) / 10, 3))"), the step alone $(python3 -c "print(round(($k1 - $k0) / ($s1 - $s0)))") tokens/s"
       cat "$out/serve-$tag.txt"
-      # Latency at 70% of the closed loop's throughput, open loop (Poisson arrivals).
+      # Latency at 70% of the closed loop's throughput, open loop (Poisson arrivals); SERVE_OPEN=0
+      # skips it.
+      [ "${SERVE_OPEN:-1}" = 0 ] && continue
       rate=$(python3 -c "import json; print(round(0.7 * json.load(open('$out/serve-$tag.json'))['service']['requests_per_s'], 1))")
       .device/bin/epserve-loadtest --target "$addr" --echo --rate "$rate" --tokens "$2" --dtype bf16 \
         --warmup 2s --duration 8s "${h2[@]}" --json "$out/serve-$tag-open70.json" >"$out/serve-$tag-open70.txt" 2>&1
@@ -168,6 +180,7 @@ if want serve; then
     done
     # Where a request's time went (queue, in step, whole call), per rank-0 histogram.
     curl -s "$m0" | grep -E '^epserve_(request|step|steps|ingress|egress)' >"$out/serve-$name-metrics.txt"
+    echo "== serve $name: steps started ahead $(metric "$m0" epserve_steps_submitted_ahead_total)"
     kill -TERM $pid; wait $pid
     rm -rf "$shm"
    done

@@ -353,6 +353,13 @@ pub struct ServeArgs {
     #[arg(long, env = "EPSERVE_CPU_THREADS", default_value_t = 0,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=256))]
     pub cpu_threads: usize,
+    /// Steps a rank holds queued behind the one running: 1 lets a GPU rank copy in and launch
+    /// step N+1 while step N runs, and copy N's output out while N+1 runs; 0 runs one step at a
+    /// time. Default: 1 on the GPU backends, 0 on cpu, whose ranks compute a step whole on the
+    /// host (there a step queued behind another only delays the other's answers).
+    #[arg(long, env = "EPSERVE_STEPS_AHEAD",
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1))]
+    pub steps_ahead: Option<usize>,
     #[arg(long, env = "EPSERVE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
     /// Export traces over OTLP/gRPC to this collector (e.g. http://otel-collector:4317).
@@ -401,6 +408,14 @@ fn env_usize(keys: &[&str]) -> Result<Option<usize>, String> {
 }
 
 impl ServeArgs {
+    /// `--steps-ahead`, or its default for the backend the group runs.
+    pub fn steps_ahead(&self, backend: BackendKind) -> usize {
+        self.steps_ahead.unwrap_or(match backend {
+            BackendKind::Cpu => 0,
+            _ => 1,
+        })
+    }
+
     /// Resolves rank, world size and rendezvous from flags, then torchrun's and LeaderWorkerSet's
     /// variables, and checks the flags that must be positive.
     pub fn member(&self) -> Result<Member, String> {

@@ -75,7 +75,15 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         "epserve_step_padding_tokens_total",
         "Padding tokens added to steps (graph buckets)"
     );
-    metrics::describe_histogram!("epserve_step_duration_seconds", "Whole step on this rank");
+    metrics::describe_histogram!(
+        "epserve_step_duration_seconds",
+        "Whole step on this rank, from its start (or the step before's end, when it was queued \
+         behind it) to its end: the sum is the time the rank was busy"
+    );
+    metrics::describe_counter!(
+        "epserve_steps_submitted_ahead_total",
+        "Steps this rank started while the step before was still running (--steps-ahead)"
+    );
     metrics::describe_histogram!("epserve_step_phase_seconds", "Step phases on this rank");
     metrics::describe_histogram!(
         "epserve_rank_received_tokens",

@@ -26,10 +26,12 @@ impl Default for Progress {
 
 impl Progress {
     pub fn begin(&self) {
-        self.busy_since.store(
-            self.base.elapsed().as_micros() as u64 + 1,
-            Ordering::Release,
-        );
+        self.begin_at(Instant::now());
+    }
+    /// The oldest step in flight began at `at` (the next one, once the oldest completes).
+    pub fn begin_at(&self, at: Instant) {
+        let since = at.saturating_duration_since(self.base).as_micros() as u64;
+        self.busy_since.store(since + 1, Ordering::Release);
     }
     pub fn end(&self) {
         self.busy_since.store(0, Ordering::Release);

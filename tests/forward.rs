@@ -250,3 +250,36 @@ async fn expert_math_over_several_threads_per_rank() {
         assert!(d <= 1e-6, "{id}: 3 threads differ from 1 by {d:.3e}");
     }
 }
+
+/// Two steps in flight (`--steps-ahead 1`): the router sends the next step while the one before
+/// runs. Every request against the reference, unary and stream, in steps of 16 tokens, so the
+/// requests take many steps; the same outputs as one step at a time; and the router says it
+/// started steps ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_steps_in_flight_match_the_reference() {
+    let (preset, seed) = ("tiny-deepseek", 15);
+    let spec = synthetic::preset(preset).unwrap();
+    let refs = reference(&spec, seed);
+    let mut outs = Vec::new();
+    for ahead in ["0", "1"] {
+        let group = launch(2, preset, seed, MAX_TOKENS, &["--steps-ahead", ahead]);
+        outs.push(check_group(&group, &spec, &refs, 1000 + seed).await);
+        let router = &group.metrics_addrs(2)[0];
+        let started_ahead = prom::sum(
+            &prom::scrape(router),
+            "epserve_steps_submitted_ahead_total",
+            &[],
+        );
+        match ahead {
+            "0" => assert_eq!(started_ahead, 0.0),
+            _ => assert!(started_ahead > 0.0, "no step was started ahead"),
+        }
+    }
+    for (id, out) in &outs[1] {
+        let d = rel_diff(out, &outs[0][id]);
+        assert!(
+            d <= 1e-6,
+            "{id}: two steps in flight differ from one by {d:.3e}"
+        );
+    }
+}

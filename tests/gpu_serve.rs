@@ -8,7 +8,7 @@
 //! (`tests/common/reference.rs`, near-ties excepted). A fault drill stops or kills a non-router
 //! rank under load and times the answers and the group's exit. BF16 and F16 rows, copied from the
 //! host ring as they came and converted on the GPU, give the F32 rows' outputs, in every output
-//! dtype.
+//! dtype. Two steps in flight (`--steps-ahead 1`) and one at a time both match the f64 reference.
 //! Needs GPUs and NCCL; ignored by default. On a GPU machine with a carried binary:
 //! `EPSERVE_BIN=.device/bin/epserve .device/bin/gpu_serve --ignored --test-threads 1`.
 #![cfg(feature = "cuda")]
@@ -388,6 +388,41 @@ fn graph_replays_are_bitwise_identical_and_steps_allocate_nothing() {
     );
     assert!(steps >= REQUESTS as f64, "only {steps} steps ran");
     assert_eq!(before, after, "device allocations changed across the steps");
+}
+
+/// Two steps in flight (`--steps-ahead 1`, the GPU default): the router sends a step while the
+/// one before runs, each rank queues it, and the rows move on their own copy streams. Against one
+/// step at a time (`--steps-ahead 0`), every request's tokens against the f64 reference (the
+/// steps' compositions differ between the two, so the bits may too); with 1, the router started
+/// steps ahead.
+#[test]
+#[ignore = "needs GPUs and NCCL"]
+fn two_steps_in_flight_match_the_f64_reference() {
+    let (spec, layers) = reference_layers();
+    let reqs = requests(13, REQUESTS);
+    let ranks = *gpu_counts().last().unwrap();
+    for ahead in ["0", "1"] {
+        let g = launch_with(ranks, "nccl", "on", &["--steps-ahead", ahead]);
+        let t0 = Instant::now();
+        let out = run_all(&g, &reqs, 32);
+        let secs = t0.elapsed().as_secs_f64();
+        let what = format!("nccl, {ranks} GPU(s), --steps-ahead {ahead}");
+        let (worst, worst_req, tokens, ties) = check_f64(&what, &spec, &layers, &reqs, &out);
+        let started: Vec<f64> = g
+            .metrics_addrs(ranks)
+            .iter()
+            .map(|a| sum(&scrape(a), "epserve_steps_submitted_ahead_total", &[]))
+            .collect();
+        eprintln!(
+            "{what}: {REQUESTS} requests in {secs:.2}s; worst token {worst:.3e}, worst request \
+             {worst_req:.3e} over {tokens} tokens ({ties} near-ties); steps started ahead per rank \
+             {started:?}"
+        );
+        match ahead {
+            "0" => assert!(started.iter().all(|&n| n == 0.0), "{started:?}"),
+            _ => assert!(started[0] > 0.0, "the router started no step ahead"),
+        }
+    }
 }
 
 /// Rows in BF16 and F16 go from the ring to the GPU as they came and are widened there; outputs

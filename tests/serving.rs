@@ -372,7 +372,20 @@ fn load(c: &MoeServiceClient<Channel>, clients: usize) -> JoinSet<(usize, Vec<Cl
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_under_load_answers_everything_admitted_and_exits_zero() {
-    let mut group = Group::launch(2, "synthetic:tiny", &["--drain-timeout", "10s"]);
+    drain_under_load(&[]).await;
+}
+
+/// As above with two steps in flight (`--steps-ahead 1`): the router sends a step while the one
+/// before runs, and the drain still answers every admitted request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_two_steps_in_flight_answers_everything_admitted() {
+    drain_under_load(&["--steps-ahead", "1"]).await;
+}
+
+async fn drain_under_load(extra: &[&str]) {
+    let mut args = vec!["--drain-timeout", "10s"];
+    args.extend_from_slice(extra);
+    let mut group = Group::launch(2, "synthetic:tiny", &args);
     let c = group.client().await;
     let mut tasks = load(&c, 16);
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -406,13 +419,11 @@ async fn sigterm_under_load_answers_everything_admitted_and_exits_zero() {
 
 /// Kills (or stops) one rank under load; every client must get UNAVAILABLE within the step
 /// timeout plus a second, and the whole group must exit non-zero.
-async fn rank_loss(rank: usize, sig: &str) {
+async fn rank_loss(rank: usize, sig: &str, extra: &[&str]) {
     let step_timeout = Duration::from_secs(2);
-    let mut group = Group::launch(
-        4,
-        "synthetic:tiny-qwen3",
-        &["--step-timeout", "2s", "--heartbeat-interval", "200ms"],
-    );
+    let mut args = vec!["--step-timeout", "2s", "--heartbeat-interval", "200ms"];
+    args.extend_from_slice(extra);
+    let mut group = Group::launch(4, "synthetic:tiny-qwen3", &args);
     let c = group.client().await;
     let pids: Vec<u32> = (0..4).map(|r| group.proc.rank_pid(r)).collect();
     let mut tasks = load(&c, 8);
@@ -480,17 +491,28 @@ fn zombie(pid: u32) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_a_worker_fails_fast() {
-    rank_loss(2, "KILL").await;
+    rank_loss(2, "KILL", &[]).await;
+}
+
+/// A rank lost with two steps in flight (`--steps-ahead 1`): both steps' clients are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_a_worker_with_two_steps_in_flight_fails_fast() {
+    rank_loss(2, "KILL", &["--steps-ahead", "1"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigstop_of_a_worker_with_two_steps_in_flight_fails_fast() {
+    rank_loss(1, "STOP", &["--steps-ahead", "1"]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_the_router_fails_fast() {
-    rank_loss(0, "KILL").await;
+    rank_loss(0, "KILL", &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigstop_of_a_worker_fails_fast() {
-    rank_loss(1, "STOP").await;
+    rank_loss(1, "STOP", &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

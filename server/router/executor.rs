@@ -4,21 +4,22 @@
 //! outputs and answers the finished requests, then frees the slot. So while the ranks run step N,
 //! step N+1 is being packed and step N-1's answers delivered. Steps run in order, one at a time.
 
+use std::collections::VecDeque;
 use std::io::ErrorKind;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::RecvTimeoutError;
+use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
 
 use super::rows::{copy_threads, deliver, pack};
 use super::{Failure, Offer, Step};
 use crate::dtype::Dtype;
 use crate::group::{recv, Ctl, GroupError, RouterLink};
-use crate::shm::Abort;
+use crate::shm::{Abort, WaitError};
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver, PhaseTimes, StepDesc, StepError};
 use crate::watchdog::{AbortOnPanic, Progress};
@@ -131,58 +132,97 @@ impl<B: Backend> Executor<B> {
         self.link.clone()
     }
 
-    /// Runs one step through the whole group in `slot` (packed already); on return every rank has
-    /// stored its output there.
-    fn run(&mut self, step: &Step, slot: usize) -> Result<PhaseTimes, ExecutorError> {
-        self.progress.begin();
-        let r = self.run_inner(step, slot);
-        self.progress.end();
-        r
-    }
-
-    fn run_inner(&mut self, step: &Step, slot: usize) -> Result<PhaseTimes, ExecutorError> {
+    /// Starts `step` (packed into `slot` already) through the whole group: publishes its input,
+    /// sends its descriptor to every rank and submits this rank's share, behind the steps in
+    /// flight. It joins `flight` first, so that a failure to start fails it with the rest.
+    fn start(
+        &mut self,
+        flight: &mut VecDeque<Flight>,
+        step: Step,
+        slot: usize,
+        heartbeat: Option<OwnedSemaphorePermit>,
+    ) -> Result<(), ExecutorError> {
+        let now = Instant::now();
+        if flight.is_empty() {
+            self.progress.begin_at(now);
+        }
         // Heartbeats get no span: one a second would drown the traces.
         let _span = (!step.segments.is_empty()).then(|| {
             tracing::info_span!("step", step = self.seq + 1, tokens = step.tokens()).entered()
         });
+        flight.push_back(Flight {
+            step,
+            slot,
+            heartbeat,
+            seq: self.seq + 1,
+            started: now,
+            // One deadline for the whole step, whichever wait it ends up in.
+            deadline: now + self.step_timeout,
+            own: None,
+        });
+        let f = flight.back().expect("pushed just now");
         if let Some(reason) = self.abort.reason() {
             return Err(ExecutorError::Output {
-                step: self.seq + 1,
+                step: f.seq,
                 rank: 0,
                 reason,
             });
         }
         self.seq += 1;
-        // One deadline for the whole step, whichever wait it ends up in.
-        let deadline = Instant::now() + self.step_timeout;
         self.ring.publish_input(slot, self.seq);
         let desc = StepDesc {
             step: self.seq,
-            layer: step.layer as u32,
-            tokens: step.group_tokens() as u32,
+            layer: f.step.layer as u32,
+            tokens: f.step.group_tokens() as u32,
             slot: slot as u32,
-            client_routing: step.client_routing,
-            input: step.input,
-            output: step.output,
-            homes: step.homes.clone(),
+            client_routing: f.step.client_routing,
+            input: f.step.input,
+            output: f.step.output,
+            homes: f.step.homes.clone(),
         };
         self.link.broadcast(&Ctl::Step(desc.clone()))?;
-        let times = self.driver.run(&desc)?;
-        self.ring
-            .wait_outputs(slot, self.seq, deadline, &self.abort)
-            .map_err(|(rank, e)| ExecutorError::Output {
-                step: self.seq,
-                rank,
-                reason: e.to_string(),
-            })?;
-        Ok(times)
+        self.driver.submit(&desc)?;
+        Ok(())
+    }
+
+    /// Finishes the oldest step in flight once this rank's share and every other rank's output
+    /// are done: waiting for them (bounded by the step's deadline) when `wait`, otherwise only
+    /// looking (None: not yet).
+    fn finish(&mut self, f: &mut Flight, wait: bool) -> Result<Option<PhaseTimes>, ExecutorError> {
+        // Past the deadline the waits below say which rank is missing and why.
+        let wait = wait || Instant::now() >= f.deadline;
+        if f.own.is_none() {
+            if !wait && !self.driver.ready()? {
+                return Ok(None);
+            }
+            let (_, times) = self.driver.complete().expect("a step in flight")?;
+            f.own = Some(times);
+        }
+        let output = |rank, e: WaitError| ExecutorError::Output {
+            step: f.seq,
+            rank,
+            reason: e.to_string(),
+        };
+        if wait {
+            self.ring
+                .wait_outputs(f.slot, f.seq, f.deadline, &self.abort)
+                .map_err(|(rank, e)| output(rank, e))?;
+        } else if let Some(rank) = self.ring.missing_output(f.slot, f.seq) {
+            return match self.abort.reason() {
+                Some(r) => Err(output(rank, WaitError::Aborted(r))),
+                None => Ok(None),
+            };
+        }
+        Ok(f.own)
     }
 
     /// Serves steps until the batcher closes the channel (drain) or a step fails (group broken).
     /// `in_flight` holds one permit per ring slot: the batcher takes one per step, and it comes
-    /// back once the step is delivered. When idle for `heartbeat`, runs an empty step through
-    /// every rank, so a lost or stopped rank is found within the step timeout even without
-    /// traffic. Either way the ranks are told to stop.
+    /// back once the step is delivered. Up to the driver's depth of steps run at once: the next
+    /// packed step is sent to the ranks while the one before runs, so a GPU rank queues its
+    /// copies and launches behind it instead of idling for a round trip. When idle for
+    /// `heartbeat`, runs an empty step through every rank, so a lost or stopped rank is found
+    /// within the step timeout even without traffic. Either way the ranks are told to stop.
     pub fn serve(
         mut self,
         steps: mpsc::Receiver<Step>,
@@ -215,49 +255,70 @@ impl<B: Backend> Executor<B> {
                 })
                 .map_err(|e| ExecutorError::Broken(format!("spawning the delivery: {e}")))?
         };
+        let ahead = self.driver.depth();
+        let mut flight: VecDeque<Flight> = VecDeque::with_capacity(ahead);
+        let (mut polls, mut closed) = (0u32, false);
         let result = loop {
-            let (step, slot) = match packed.recv_timeout(heartbeat) {
-                Ok(x) => x,
-                Err(RecvTimeoutError::Disconnected) => break Ok(()),
-                Err(RecvTimeoutError::Timeout) => {
-                    // Idle: an empty step through every rank finds a lost one, unless a step is
-                    // on its way (that one will).
-                    let Ok(permit) = in_flight.try_acquire() else {
-                        continue;
-                    };
-                    let slot = free.take();
-                    let empty = Step {
-                        layer: 0,
-                        client_routing: false,
-                        input: Dtype::F32,
-                        output: Dtype::F32,
-                        segments: Vec::new(),
-                        homes: Vec::new(),
-                    };
-                    let r = self.run(&empty, slot);
-                    free.put(slot);
-                    drop(permit);
-                    match r {
-                        Ok(_) => continue,
-                        Err(e) => break Err(self.broke(e, &empty)),
+            // Start every step there is room for before finishing the oldest: a GPU rank only
+            // queues it, and the sooner it is queued the less its GPU idles.
+            let started = if flight.is_empty() {
+                match packed.recv_timeout(heartbeat) {
+                    Ok((step, slot)) => self.start(&mut flight, step, slot, None),
+                    Err(RecvTimeoutError::Disconnected) => break Ok(()),
+                    Err(RecvTimeoutError::Timeout) => {
+                        // Idle: an empty step through every rank finds a lost one, unless a step
+                        // is on its way (that one will).
+                        let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+                            continue;
+                        };
+                        let slot = free.take();
+                        self.start(&mut flight, Step::empty(), slot, Some(permit))
                     }
                 }
+                .map(|()| true)
+            } else if flight.len() < ahead && !closed {
+                match packed.try_recv() {
+                    Ok((step, slot)) => self.start(&mut flight, step, slot, None).map(|()| true),
+                    Err(TryRecvError::Empty) => Ok(false),
+                    Err(TryRecvError::Disconnected) => {
+                        closed = true;
+                        Ok(false)
+                    }
+                }
+            } else {
+                Ok(false)
             };
-            match self.run(&step, slot) {
-                Ok(times) => {
-                    tracing::debug!(tokens = step.tokens(), ?times, "step");
+            match started {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e) => break Err(self.fail_all(e, &mut flight, &free, &in_flight)),
+            }
+            // Block only when no other step could start meanwhile.
+            let wait = flight.len() >= ahead || closed;
+            let Some(front) = flight.front_mut() else {
+                continue;
+            };
+            match self.finish(front, wait) {
+                Ok(Some(times)) => {
+                    polls = 0;
+                    let f = flight.pop_front().expect("the front");
+                    match flight.front() {
+                        Some(next) => self.progress.begin_at(next.started),
+                        None => self.progress.end(),
+                    }
+                    if f.heartbeat.is_some() {
+                        free.put(f.slot);
+                        continue;
+                    }
+                    tracing::debug!(tokens = f.step.tokens(), ?times, "step");
                     // The delivery thread only ends after this loop, so the send cannot fail.
-                    let _ = done.send((step, slot));
+                    let _ = done.send((f.step, f.slot));
                 }
-                Err(e) => {
-                    let e = self.broke(e, &step);
-                    free.put(slot);
-                    in_flight.add_permits(1);
-                    metrics::gauge!(crate::router::STEPS_IN_FLIGHT).decrement(1.0);
-                    break Err(e);
-                }
+                Ok(None) => nap(&mut polls),
+                Err(e) => break Err(self.fail_all(e, &mut flight, &free, &in_flight)),
             }
         };
+        self.progress.end();
         // Steps packed behind a failed one never run; the packer fails the rest of the queue.
         while let Ok((step, _)) = packed.try_recv() {
             fail_step(&step, &self.abort);
@@ -285,9 +346,15 @@ impl<B: Backend> Executor<B> {
         }
     }
 
-    /// Breaks the group for a failed step and fails its requests: INTERNAL for a wrong result,
-    /// UNAVAILABLE for a lost rank.
-    fn broke(&self, e: ExecutorError, step: &Step) -> ExecutorError {
+    /// Breaks the group for a failed step and fails every step in flight with it (INTERNAL for a
+    /// wrong result, UNAVAILABLE for a lost rank), giving back their slots and permits.
+    fn fail_all(
+        &self,
+        e: ExecutorError,
+        flight: &mut VecDeque<Flight>,
+        free: &Slots,
+        in_flight: &tokio::sync::Semaphore,
+    ) -> ExecutorError {
         let why = if matches!(e, ExecutorError::Step(StepError::Corrupt { .. })) {
             self.abort.trigger_corrupt(e.to_string());
             Failure::Wrong(format!("EP group broken: {e}"))
@@ -295,7 +362,14 @@ impl<B: Backend> Executor<B> {
             self.abort.trigger(e.to_string());
             Failure::unavailable("broken", format!("EP group broken: {e}"))
         };
-        step.fail(&why);
+        for f in flight.drain(..) {
+            f.step.fail(&why);
+            free.put(f.slot);
+            if f.heartbeat.is_none() {
+                in_flight.add_permits(1);
+                metrics::gauge!(crate::router::STEPS_IN_FLIGHT).decrement(1.0);
+            }
+        }
         e
     }
 
@@ -319,19 +393,20 @@ impl<B: Backend> Executor<B> {
         };
         let (job, mut rx) = super::Job::new(input, None);
         let step = Step {
-            layer: 0,
-            client_routing: false,
-            input: Dtype::F32,
-            output: Dtype::F32,
             segments: vec![super::Segment {
                 job,
                 rows: 0..tokens,
             }],
-            homes: Vec::new(),
+            ..Step::empty()
         };
         pack(&self.ring, &step, 0, 0, 1);
-        self.run(&step, 0)?;
-        deliver(&self.ring, &step, 0, 0, 1);
+        let mut flight = VecDeque::with_capacity(1);
+        let r = self.start(&mut flight, step, 0, None);
+        let f = flight.front_mut().expect("started");
+        let r = r.and_then(|()| self.finish(f, true));
+        self.progress.end();
+        r?;
+        deliver(&self.ring, &f.step, 0, 0, 1);
         let finite = |out: &[u8]| crate::dtype::first_non_finite(Dtype::F32, out).is_none();
         match rx.try_recv() {
             Ok(Ok(out)) if finite(&out) => Ok(()),
@@ -341,6 +416,29 @@ impl<B: Backend> Executor<B> {
                 reason: "warm-up step produced no finite output".into(),
             }),
         }
+    }
+}
+
+/// A step sent to the ranks and not yet finished.
+struct Flight {
+    step: Step,
+    slot: usize,
+    /// An idle heartbeat's hold on its slot (it delivers nothing).
+    heartbeat: Option<OwnedSemaphorePermit>,
+    seq: u64,
+    started: Instant,
+    deadline: Instant,
+    /// This rank's share, once completed.
+    own: Option<PhaseTimes>,
+}
+
+/// Between polls of a step in flight: spins first (a step's end is often microseconds away),
+/// then naps.
+fn nap(polls: &mut u32) {
+    *polls += 1;
+    match *polls < 2000 {
+        true => std::hint::spin_loop(),
+        false => std::thread::sleep(Duration::from_micros(20)),
     }
 }
 

@@ -175,6 +175,18 @@ pub struct Step {
 }
 
 impl Step {
+    /// No rows: a heartbeat through every rank (and the base of the warm-up step).
+    pub fn empty() -> Self {
+        Self {
+            layer: 0,
+            client_routing: false,
+            input: Dtype::F32,
+            output: Dtype::F32,
+            segments: Vec::new(),
+            homes: Vec::new(),
+        }
+    }
+
     pub fn key(&self) -> StepKey {
         StepKey {
             layer: self.layer as u32,

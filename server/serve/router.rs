@@ -385,6 +385,7 @@ fn form_group(
         p.spec.moe_layers.clone(),
         args.metrics_per_expert,
         p.ring,
+        args.steps_ahead(p.backend),
     );
     let mut exec = Executor::new(driver, ring, link, abort, args.step_timeout, events)?;
     exec.warm_up().context("warm-up step")?;

@@ -1,7 +1,9 @@
 //! Ranks 1..: join the router's group, build the backend in lockstep, then run each step the
 //! router sends until told to stop or the router is gone.
 
+use std::collections::VecDeque;
 use std::net::TcpStream;
+use std::sync::mpsc::TryRecvError;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,7 +17,7 @@ use super::own_rows::{OwnRows, PackOrder};
 use super::prepare::{Prepared, Weights};
 use crate::config::{Ingress, ServeArgs};
 use crate::group::{self, send, Ctl, CtlWriter, Joined};
-use crate::router::Failure;
+use crate::router::{Failure, Step};
 use crate::shm::Abort;
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver, StepDesc, StepError};
@@ -140,6 +142,7 @@ pub fn run(
         p.spec.moe_layers.clone(),
         args.metrics_per_expert,
         p.ring,
+        args.steps_ahead(p.backend),
     );
     let writer = CtlWriter::new(stream.try_clone()?);
     let progress = Arc::new(Progress::default());
@@ -233,6 +236,9 @@ struct Follow {
 impl Follow {
     /// Runs each step the router sends, until told to stop. A step that outlives --step-timeout
     /// (a device call that never returns) ends the process from the watchdog: nothing here could.
+    /// Up to the driver's depth of steps are in flight: a step the router sends while the one
+    /// before runs is submitted at once (a GPU rank queues it behind), and the oldest is completed
+    /// when done, or first, when no more may start.
     fn run<B: Backend>(mut self, stream: TcpStream, mut driver: Driver<B>) -> anyhow::Result<()> {
         let rank = driver.rank;
         let (report, step_timeout) = (self.writer.clone(), self.step_timeout);
@@ -247,21 +253,44 @@ impl Follow {
         let silence = self.silence;
         let orders = self.own.as_ref().and_then(OwnRows::orders);
         let messages = read_router(stream, self.abort.clone(), orders)?;
-        loop {
-            match messages
-                .recv()
-                .unwrap_or_else(|_| Err(std::io::ErrorKind::UnexpectedEof.into()))
-            {
+        let depth = driver.depth();
+        let mut flight: VecDeque<Running> = VecDeque::with_capacity(depth);
+        let mut polls = 0u32;
+        let (tell, e): Failed = loop {
+            if !flight.is_empty() {
+                // An error here is the step's own: completing it reports it.
+                let done = flight.len() >= depth || driver.ready().unwrap_or(true);
+                if done {
+                    polls = 0;
+                    match self.complete(&mut driver, &mut flight) {
+                        Ok(()) => continue,
+                        Err(e) => break e,
+                    }
+                }
+            }
+            let msg = match flight.is_empty() {
+                true => messages
+                    .recv()
+                    .unwrap_or_else(|_| Err(std::io::ErrorKind::UnexpectedEof.into())),
+                false => match messages.try_recv() {
+                    Ok(msg) => msg,
+                    Err(TryRecvError::Empty) => {
+                        nap(&mut polls);
+                        continue;
+                    }
+                    Err(TryRecvError::Disconnected) => {
+                        Err(std::io::ErrorKind::UnexpectedEof.into())
+                    }
+                },
+            };
+            match msg {
                 Ok(Ctl::Step(desc)) => {
-                    self.progress.begin();
-                    let r = self.step(&mut driver, &desc);
-                    self.progress.end();
-                    if let Err((tell, e)) = r {
-                        let _ = self.writer.send(&tell);
-                        return Err(e);
+                    if let Err(e) = self.submit(&mut driver, &mut flight, desc) {
+                        break e;
                     }
                 }
                 Ok(Ctl::Shutdown) => {
+                    // The router asks only once every step is answered: nothing is in flight.
                     info!("router asked to stop; exiting");
                     return Ok(());
                 }
@@ -275,61 +304,141 @@ impl Follow {
                         d.cancel();
                     }
                 }
-                Ok(Ctl::Failed { reason, .. }) => bail!("the EP group stopped: {reason}"),
-                Ok(other) => bail!("unexpected control message {other:?}"),
+                Ok(Ctl::Failed { reason, .. }) => {
+                    break (None, anyhow!("the EP group stopped: {reason}"))
+                }
+                Ok(other) => break (None, anyhow!("unexpected control message {other:?}")),
                 Err(e)
                     if matches!(
                         e.kind(),
                         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                     ) =>
                 {
-                    bail!("the router (rank 0) sent nothing for {silence:?}: it is stuck or gone")
+                    break (
+                        None,
+                        anyhow!(
+                            "the router (rank 0) sent nothing for {silence:?}: it is stuck or gone"
+                        ),
+                    )
                 }
-                Err(e) => bail!("lost the connection to the router (rank 0): {e}"),
+                Err(e) => {
+                    break (
+                        None,
+                        anyhow!("lost the connection to the router (rank 0): {e}"),
+                    )
+                }
+            }
+        };
+        if let Some(tell) = tell {
+            let _ = self.writer.send(&tell);
+        }
+        // This rank's own rows in steps that will not finish.
+        let why = Failure::unavailable("broken", format!("EP group broken: {e:#}"));
+        for r in flight.drain(..) {
+            if let Some(step) = r.mine {
+                step.fail(&why);
             }
         }
+        Err(e)
     }
 
-    /// One step, with this rank's own rows when it brought some. A failure comes with what to
-    /// tell the router.
-    fn step<B: Backend>(
+    /// Submits a step behind those in flight, with this rank's own rows when it brought some.
+    /// A failure comes with what to tell the router.
+    fn submit<B: Backend>(
         &mut self,
         driver: &mut Driver<B>,
-        desc: &StepDesc,
-    ) -> Result<(), (Ctl, anyhow::Error)> {
+        flight: &mut VecDeque<Running>,
+        desc: StepDesc,
+    ) -> Result<(), Failed> {
         let rank = driver.rank;
         let mine = match &mut self.own {
-            Some(own) => own.before(desc).map_err(|e| {
+            Some(own) => own.before(&desc).map_err(|e| {
                 let reason = format!("step {}: {e}", desc.step);
                 (
-                    Ctl::Failed { rank, reason },
+                    Some(Ctl::Failed { rank, reason }),
                     anyhow::Error::new(e).context(format!("step {}", desc.step)),
                 )
             })?,
             None => None,
         };
-        match driver.run(desc) {
+        let started = Instant::now();
+        if flight.is_empty() {
+            self.progress.begin_at(started);
+        }
+        let r = driver.submit(&desc);
+        flight.push_back(Running {
+            desc,
+            started,
+            mine,
+        });
+        r.map_err(|e| broken(rank, e, flight))
+    }
+
+    /// Completes the oldest step in flight and hands this rank's own rows in it to delivery.
+    fn complete<B: Backend>(
+        &mut self,
+        driver: &mut Driver<B>,
+        flight: &mut VecDeque<Running>,
+    ) -> Result<(), Failed> {
+        let r = driver.complete().expect("a step in flight");
+        match r {
             Ok(_) => {
-                if let (Some(own), Some(step)) = (&mut self.own, mine) {
-                    own.after(step, desc.slot as usize);
+                let done = flight.pop_front().expect("a step in flight");
+                match flight.front() {
+                    Some(next) => self.progress.begin_at(next.started),
+                    None => self.progress.end(),
+                }
+                if let (Some(own), Some(step)) = (&mut self.own, done.mine) {
+                    own.after(step, done.desc.slot as usize);
                 }
                 Ok(())
             }
             Err(e) => {
-                let reason = e.to_string();
-                if let Some(step) = mine {
-                    let why = format!("EP group broken: {reason}");
-                    match &e {
-                        StepError::Corrupt { .. } => step.fail(&Failure::Wrong(why)),
-                        _ => step.fail(&Failure::unavailable("broken", why)),
-                    }
-                }
-                let tell = match e {
-                    StepError::Corrupt { .. } => Ctl::Corrupt { rank, reason },
-                    _ => Ctl::Failed { rank, reason },
-                };
-                Err((tell, e.into()))
+                self.progress.end();
+                Err(broken(driver.rank, e, flight))
             }
         }
+    }
+}
+
+/// What a failed step tells the router (None: nothing), and the error this rank exits with.
+type Failed = (Option<Ctl>, anyhow::Error);
+
+/// A step submitted on this rank and not yet completed.
+struct Running {
+    desc: StepDesc,
+    started: Instant,
+    /// This rank's own rows in it (--ingress all).
+    mine: Option<Step>,
+}
+
+/// A step failed: this rank's own rows in every step in flight fail with it (INTERNAL for a
+/// wrong result, UNAVAILABLE otherwise), and the router is told.
+fn broken(rank: usize, e: StepError, flight: &mut VecDeque<Running>) -> Failed {
+    let reason = e.to_string();
+    let why = format!("EP group broken: {reason}");
+    let why = match &e {
+        StepError::Corrupt { .. } => Failure::Wrong(why),
+        _ => Failure::unavailable("broken", why),
+    };
+    for r in flight.drain(..) {
+        if let Some(step) = r.mine {
+            step.fail(&why);
+        }
+    }
+    let tell = match e {
+        StepError::Corrupt { .. } => Ctl::Corrupt { rank, reason },
+        _ => Ctl::Failed { rank, reason },
+    };
+    (Some(tell), e.into())
+}
+
+/// Between polls of a step in flight: spins first (its end is often microseconds away), then
+/// naps.
+fn nap(polls: &mut u32) {
+    *polls += 1;
+    match *polls < 2000 {
+        true => std::hint::spin_loop(),
+        false => std::thread::sleep(Duration::from_micros(20)),
     }
 }

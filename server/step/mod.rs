@@ -133,12 +133,24 @@ pub trait Experts {
     fn compute(&mut self, desc: &StepDesc) -> Result<(), StepError>;
 }
 
+/// A rank's share of each step. A step is submitted, then completed, oldest first; a backend
+/// that runs on a device may hold up to `depth` steps submitted, so the next step's copies and
+/// launches are queued while one runs. A backend that computes on the host runs the whole step in
+/// `submit`.
 pub trait Backend {
-    /// Runs this rank's share of one step, from the ring's input to the ring's output.
-    fn step(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<PhaseTimes, StepError>;
+    /// Starts this rank's share of a step, from the ring's input.
+    fn submit(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<(), StepError>;
+    /// Whether the oldest submitted step has finished (never waits).
+    fn ready(&mut self) -> Result<bool, StepError>;
+    /// Completes the oldest submitted step: waits for it (within the step timeout), checks it and
+    /// publishes its output rows in the ring.
+    fn complete(&mut self) -> Result<PhaseTimes, StepError>;
+    /// Most steps it can hold submitted at once.
+    fn depth(&self) -> usize;
     /// (name, address, bytes) of every persistent buffer, for logs and the no-regrowth check.
     fn buffers(&self) -> Vec<(&'static str, usize, usize)>;
-    /// The last step's routing: `[world, experts]` token rows from each source rank per expert.
+    /// The last completed step's routing: `[world, experts]` token rows from each source rank per
+    /// expert.
     fn routed(&self) -> &[u32];
     /// The NCCL EP exchange's footprint on this GPU (the nccl-ep backend only).
     fn ep_footprint(&self) -> Option<crate::proto::NcclEpFootprint> {
@@ -147,8 +159,17 @@ pub trait Backend {
 }
 
 impl<B: Backend + ?Sized> Backend for Box<B> {
-    fn step(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<PhaseTimes, StepError> {
-        (**self).step(desc, home)
+    fn submit(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<(), StepError> {
+        (**self).submit(desc, home)
+    }
+    fn ready(&mut self) -> Result<bool, StepError> {
+        (**self).ready()
+    }
+    fn complete(&mut self) -> Result<PhaseTimes, StepError> {
+        (**self).complete()
+    }
+    fn depth(&self) -> usize {
+        (**self).depth()
     }
     fn buffers(&self) -> Vec<(&'static str, usize, usize)> {
         (**self).buffers()
@@ -186,6 +207,12 @@ pub struct Driver<B> {
     pub per_expert: bool,
     /// The ring's slots and tokens: a descriptor must fit them.
     ring: ring::RingShape,
+    /// Steps submitted and not yet completed, oldest first, with when each was submitted.
+    flight: std::collections::VecDeque<(StepDesc, Instant)>,
+    /// When the last step completed: a step queued behind it was busy only from then.
+    last_done: Instant,
+    /// Most steps in flight at once: 1 + `--steps-ahead`, within the backend's and the ring's.
+    depth: usize,
 }
 
 /// The phases one by one, each timed on the host: the step of a backend whose phases run there.
@@ -235,7 +262,9 @@ impl<B: Backend> Driver<B> {
         layer_ids: Vec<u32>,
         per_expert: bool,
         ring: ring::RingShape,
+        ahead: usize,
     ) -> Self {
+        let depth = (1 + ahead).min(backend.depth()).min(ring.slots).max(1);
         Self {
             backend,
             rank,
@@ -243,7 +272,20 @@ impl<B: Backend> Driver<B> {
             layer_ids,
             per_expert,
             ring,
+            flight: std::collections::VecDeque::with_capacity(depth),
+            last_done: Instant::now(),
+            depth,
         }
+    }
+
+    /// Most steps this rank holds in flight at once.
+    pub fn depth(&self) -> usize {
+        self.depth
+    }
+
+    /// Steps submitted and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.flight.len()
     }
 
     /// A descriptor came over the network: every index in it is checked before use.
@@ -287,10 +329,45 @@ impl<B: Backend> Driver<B> {
         })
     }
 
-    pub fn run(&mut self, desc: &StepDesc) -> Result<PhaseTimes, StepError> {
+    /// Starts a step behind those in flight (at most `depth` at once).
+    pub fn submit(&mut self, desc: &StepDesc) -> Result<(), StepError> {
         self.check(desc)?;
+        if self.flight.len() >= self.depth {
+            return Err(StepError::Invalid {
+                step: desc.step,
+                msg: format!("{} steps in flight already", self.flight.len()),
+            });
+        }
         let home = desc.home(self.world, self.rank, self.ring.home_stride());
-        let times = self.backend.step(desc, home)?;
+        let at = Instant::now();
+        self.backend.submit(desc, home)?;
+        if !self.flight.is_empty() {
+            metrics::counter!("epserve_steps_submitted_ahead_total").increment(1);
+        }
+        self.flight.push_back((desc.clone(), at));
+        Ok(())
+    }
+
+    /// Whether the oldest step in flight has finished (false when none is).
+    pub fn ready(&mut self) -> Result<bool, StepError> {
+        match self.flight.is_empty() {
+            true => Ok(false),
+            false => self.backend.ready(),
+        }
+    }
+
+    /// Completes the oldest step in flight (waiting for it, bounded by the step timeout) and
+    /// records it; None when none is in flight.
+    pub fn complete(&mut self) -> Option<Result<(StepDesc, PhaseTimes), StepError>> {
+        let (desc, at) = self.flight.pop_front()?;
+        let mut times = match self.backend.complete() {
+            Ok(t) => t,
+            Err(e) => return Some(Err(e)),
+        };
+        // Busy time, not time in flight: the steps' durations add up to the rank's busy time.
+        let now = Instant::now();
+        times.total = now - at.max(self.last_done);
+        self.last_done = now;
         crate::metrics::record_step(&crate::metrics::StepRecord {
             layer: self
                 .layer_ids
@@ -305,7 +382,16 @@ impl<B: Backend> Driver<B> {
             rank: self.rank,
             per_expert: self.per_expert,
         });
-        Ok(times)
+        Some(Ok((desc, times)))
+    }
+
+    /// One step on its own: submitted and completed (nothing else may be in flight).
+    pub fn run(&mut self, desc: &StepDesc) -> Result<PhaseTimes, StepError> {
+        assert!(self.flight.is_empty(), "run with steps in flight");
+        self.submit(desc)?;
+        self.complete()
+            .expect("submitted just now")
+            .map(|(_, times)| times)
     }
 }
 
@@ -317,9 +403,18 @@ mod tests {
     struct Count(usize);
 
     impl Backend for Count {
-        fn step(&mut self, _: &StepDesc, _: Range<usize>) -> Result<PhaseTimes, StepError> {
+        fn submit(&mut self, _: &StepDesc, _: Range<usize>) -> Result<(), StepError> {
             self.0 += 1;
+            Ok(())
+        }
+        fn ready(&mut self) -> Result<bool, StepError> {
+            Ok(true)
+        }
+        fn complete(&mut self) -> Result<PhaseTimes, StepError> {
             Ok(PhaseTimes::default())
+        }
+        fn depth(&self) -> usize {
+            2
         }
         fn buffers(&self) -> Vec<(&'static str, usize, usize)> {
             Vec::new()
@@ -338,7 +433,7 @@ mod tests {
             hidden: 8,
             top_k: 2,
         };
-        let mut d = Driver::new(Count(0), 1, 2, vec![3, 5], false, ring);
+        let mut d = Driver::new(Count(0), 1, 2, vec![3, 5], false, ring, 0);
         let ok = StepDesc {
             step: 1,
             layer: 1,
@@ -425,6 +520,75 @@ mod tests {
         assert_eq!(own.home(2, 1, 32), 32..64);
         assert_eq!(own.home(2, 0, 32), 0..0);
         assert_eq!(own.most_home(2), 32);
+    }
+
+    /// Holds what it is given until completed, like a device backend.
+    struct Queue(std::collections::VecDeque<u64>, Vec<u64>);
+
+    impl Backend for Queue {
+        fn submit(&mut self, d: &StepDesc, _: Range<usize>) -> Result<(), StepError> {
+            self.0.push_back(d.step);
+            Ok(())
+        }
+        fn ready(&mut self) -> Result<bool, StepError> {
+            Ok(!self.0.is_empty())
+        }
+        fn complete(&mut self) -> Result<PhaseTimes, StepError> {
+            self.1.push(self.0.pop_front().expect("a step submitted"));
+            Ok(PhaseTimes::default())
+        }
+        fn depth(&self) -> usize {
+            2
+        }
+        fn buffers(&self) -> Vec<(&'static str, usize, usize)> {
+            Vec::new()
+        }
+        fn routed(&self) -> &[u32] {
+            &[]
+        }
+    }
+
+    #[test]
+    fn steps_in_flight_are_bounded_by_the_depth_and_complete_in_order() {
+        let ring = ring::RingShape {
+            slots: 2,
+            world: 1,
+            max_tokens: 8,
+            hidden: 4,
+            top_k: 1,
+        };
+        let desc = |step| StepDesc {
+            step,
+            layer: 0,
+            tokens: 8,
+            slot: (step % 2) as u32,
+            client_routing: false,
+            input: Dtype::F32,
+            output: Dtype::F32,
+            homes: Vec::new(),
+        };
+        let queue = || Queue(Default::default(), Vec::new());
+        // --steps-ahead 0: one at a time, whatever the backend holds.
+        let mut one = Driver::new(queue(), 0, 1, vec![0], false, ring, 0);
+        assert_eq!(one.depth(), 1);
+        one.submit(&desc(1)).unwrap();
+        let e = one.submit(&desc(2)).unwrap_err().to_string();
+        assert!(e.contains("1 steps in flight already"), "{e}");
+        // 1 ahead: two in flight, completed oldest first; never more than the ring's slots.
+        let mut two = Driver::new(queue(), 0, 1, vec![0], false, ring, 5);
+        assert_eq!(two.depth(), 2);
+        assert!(!two.ready().unwrap(), "nothing in flight is not ready");
+        assert!(two.complete().is_none());
+        two.submit(&desc(1)).unwrap();
+        two.submit(&desc(2)).unwrap();
+        assert!(two.submit(&desc(3)).is_err());
+        assert_eq!(two.in_flight(), 2);
+        assert_eq!(two.complete().unwrap().unwrap().0.step, 1);
+        two.submit(&desc(3)).unwrap();
+        assert_eq!(two.complete().unwrap().unwrap().0.step, 2);
+        assert_eq!(two.complete().unwrap().unwrap().0.step, 3);
+        assert_eq!(two.backend.1, vec![1, 2, 3]);
+        assert_eq!(two.in_flight(), 0);
     }
 
     #[test]

@@ -201,6 +201,15 @@ impl Ring {
         }
         Ok(())
     }
+    /// Router, without waiting: the first rank whose output of step `seq` is not yet in place.
+    pub fn missing_output(&self, slot: usize, seq: u64) -> Option<usize> {
+        (0..self.shape.world).find(|&rank| {
+            self.shm
+                .flag(self.shape.out_flag(slot, rank))
+                .load(std::sync::atomic::Ordering::Acquire)
+                < seq
+        })
+    }
     /// Router: output rows from `row` on, in `d`. Disjoint rows may be read from several threads.
     pub fn read_output(&self, slot: usize, row: usize, d: Dtype, dst: &mut [u8]) {
         self.shm.read(self.shape.out_off(slot, row, d), dst);

@@ -89,6 +89,8 @@ pub struct CpuRank {
     deadline: Instant,
     s: Scratch,
     lanes: Lanes,
+    /// Steps run and not yet completed: this backend runs each step whole in `submit`.
+    done: std::collections::VecDeque<PhaseTimes>,
 }
 
 /// A block of one local expert's received rows, run by one lane.
@@ -154,6 +156,7 @@ impl CpuRank {
         let inter = spec.intermediate.max(spec.shared_intermediate);
         let lanes = Lanes::new(lanes, h, inter)?;
         let local = e / shape.world.max(1);
+        let slots = ring.shape.slots;
         let s = Scratch {
             x: vec![0.0; t * h],
             ids: vec![0; t * k],
@@ -183,6 +186,7 @@ impl CpuRank {
             deadline: Instant::now(),
             s,
             lanes,
+            done: std::collections::VecDeque::with_capacity(slots),
         })
     }
 
@@ -456,12 +460,22 @@ impl Experts for CpuRank {
 }
 
 impl Backend for CpuRank {
-    fn step(
-        &mut self,
-        desc: &StepDesc,
-        home: std::ops::Range<usize>,
-    ) -> Result<PhaseTimes, StepError> {
-        run_phases(self, desc, home)
+    fn submit(&mut self, desc: &StepDesc, home: std::ops::Range<usize>) -> Result<(), StepError> {
+        let times = run_phases(self, desc, home)?;
+        self.done.push_back(times);
+        Ok(())
+    }
+
+    fn ready(&mut self) -> Result<bool, StepError> {
+        Ok(!self.done.is_empty())
+    }
+
+    fn complete(&mut self) -> Result<PhaseTimes, StepError> {
+        Ok(self.done.pop_front().unwrap_or_default())
+    }
+
+    fn depth(&self) -> usize {
+        self.ring.shape.slots
     }
 
     fn routed(&self) -> &[u32] {

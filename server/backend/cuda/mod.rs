@@ -15,6 +15,7 @@ pub mod setup;
 pub mod shape;
 pub mod slots;
 pub mod step;
+mod transfer;
 
 pub use router::{sigmoid_group_in_regs, Logits, ROUTER_PIECES, TOPK_REGS_EXPERTS};
 

@@ -2,246 +2,21 @@
 //! the driver once, so its rows are copied by DMA in their wire dtype and converted on the GPU),
 //! one CUDA graph per (layer, bucket, routing source) captured at startup and replayed, and every
 //! wait on the GPU bounded by the step timeout (a lost peer would otherwise hang NCCL forever).
+//! Two steps may be in flight: the rows move on copy streams of their own, so the next step's
+//! input comes in, and the last one's output goes out, while a step computes.
 
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys;
-use cudarc::driver::{
-    result, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-    DriverError,
-};
+use cudarc::driver::{result, CudaEvent, CudaGraph, DevicePtr};
 
 use super::step::{GpuStep, Rows, Variant};
+use super::transfer::{pack_rows, ring_in, ring_out, unpack_rows, Copies, RingPin, Staging, DEPTH};
 use super::GpuError;
 use crate::dtype::Dtype;
 use crate::step::ring::Ring;
 use crate::step::{Backend, PhaseTimes, StepDesc, StepError};
-
-/// Page-locked host memory (the graph's copies need fixed, pinned addresses).
-pub struct Pinned<T> {
-    ptr: *mut T,
-    len: usize,
-}
-
-// SAFETY: plain host memory owned by this value; access is through &self / &mut self only.
-unsafe impl<T: Send> Send for Pinned<T> {}
-
-impl<T: DeviceRepr + Copy + Default> Pinned<T> {
-    /// Allocates `len` elements, set to the default (the context must be current).
-    pub fn new(len: usize) -> Result<Self, DriverError> {
-        let len = len.max(1);
-        // SAFETY: a fresh allocation of len elements; cuMemHostAlloc returns suitably aligned memory.
-        let ptr = unsafe { result::malloc_host(len * std::mem::size_of::<T>(), 0) }? as *mut T;
-        // SAFETY: ptr holds len elements of T, written before any read.
-        unsafe { std::slice::from_raw_parts_mut(ptr, len) }.fill(T::default());
-        Ok(Self { ptr, len })
-    }
-    /// The host data. Only valid to read while no copy into it is in flight: the rank reads it
-    /// after the step's completion event.
-    pub fn as_slice(&self) -> &[T] {
-        // SAFETY: ptr holds len initialised elements for the life of self.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-    pub fn as_mut_slice(&mut self) -> &mut [T] {
-        // SAFETY: as above, borrowed mutably through &mut self.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl<T> Drop for Pinned<T> {
-    fn drop(&mut self) {
-        // SAFETY: allocated by cuMemHostAlloc in `new`, freed once.
-        if let Err(e) = unsafe { result::free_host(self.ptr.cast()) } {
-            tracing::warn!("cuMemFreeHost: {e}");
-        }
-    }
-}
-
-/// Host copy `src[..len]` into `dst[off..]` on `stream` (pinned source: capturable).
-fn htod<T: DeviceRepr + Copy + Default>(
-    src: &Pinned<T>,
-    range: Range<usize>,
-    dst: &mut CudaSlice<T>,
-    stream: &CudaStream,
-) -> Result<(), DriverError> {
-    assert!(
-        range.end <= src.len && range.len() <= dst.len(),
-        "htod bounds"
-    );
-    let (d, _sync) = dst.device_ptr_mut(stream);
-    // SAFETY: the ranges are inside both buffers (asserted); the pinned source outlives the copy.
-    unsafe { result::memcpy_htod_async(d, &src.as_slice()[range], stream.cu_stream()) }
-}
-
-fn dtoh<T: DeviceRepr + Copy + Default>(
-    src: &CudaSlice<T>,
-    len: usize,
-    dst: &mut Pinned<T>,
-    stream: &CudaStream,
-) -> Result<(), DriverError> {
-    assert!(len <= src.len() && len <= dst.len, "dtoh bounds");
-    let (s, _sync) = src.device_ptr(stream);
-    // SAFETY: as in `htod`; the host reads `dst` only after the step's completion event.
-    unsafe { result::memcpy_dtoh_async(&mut dst.as_mut_slice()[..len], s, stream.cu_stream()) }
-}
-
-/// The step ring registered with the driver (page-locked in place), so rows move between it and
-/// the GPU by DMA with no host staging copy (without it the same copies still work, staged). Unregistered on drop, which must come before the
-/// ring is unmapped and after the last copy touching it.
-struct RingPin(usize);
-
-impl RingPin {
-    fn new(ring: &Ring) -> Result<Self, DriverError> {
-        let (_, addr, len) = ring.buffer();
-        // SAFETY: [addr, addr + len rounded up to a page) is the ring's own mapping (mmap maps
-        // whole pages, page-aligned), which the rank keeps mapped for longer than this value.
-        unsafe {
-            sys::cuMemHostRegister_v2(
-                addr as *mut std::ffi::c_void,
-                len.next_multiple_of(4096),
-                sys::CU_MEMHOSTREGISTER_PORTABLE,
-            )
-        }
-        .result()?;
-        Ok(Self(addr))
-    }
-}
-
-impl Drop for RingPin {
-    fn drop(&mut self) {
-        // SAFETY: registered once in `new`; no copy is in flight (the last step was waited for).
-        if let Err(e) =
-            unsafe { sys::cuMemHostUnregister(self.0 as *mut std::ffi::c_void) }.result()
-        {
-            tracing::warn!("cuMemHostUnregister: {e}");
-        }
-    }
-}
-
-/// `bytes` from host address `src` (inside the registered ring) into `dst`, on `stream`.
-fn ring_in<T>(
-    src: (usize, usize),
-    dst: &mut CudaSlice<T>,
-    stream: &CudaStream,
-) -> Result<(), DriverError> {
-    let (src, bytes) = src;
-    assert!(
-        bytes <= dst.len() * std::mem::size_of::<T>(),
-        "ring_in bounds"
-    );
-    if bytes == 0 {
-        return Ok(());
-    }
-    let (d, _sync) = dst.device_ptr_mut(stream);
-    // SAFETY: the span lies inside the ring's mapping (`Ring::hidden_span` checks the rows) and
-    // `dst` holds `bytes` (asserted); the router rewrites a slot only after every rank has
-    // published its output, which this rank does after the step's completion event.
-    unsafe {
-        sys::cuMemcpyHtoDAsync_v2(d, src as *const std::ffi::c_void, bytes, stream.cu_stream())
-    }
-    .result()
-}
-
-/// `bytes` of `src` into host address `dst` (inside the registered ring), on `stream`.
-fn ring_out<T>(
-    src: &CudaSlice<T>,
-    dst: (usize, usize),
-    stream: &CudaStream,
-) -> Result<(), DriverError> {
-    let (dst, bytes) = dst;
-    assert!(
-        bytes <= src.len() * std::mem::size_of::<T>(),
-        "ring_out bounds"
-    );
-    if bytes == 0 {
-        return Ok(());
-    }
-    let (s, _sync) = src.device_ptr(stream);
-    // SAFETY: as in `ring_in` (`Ring::output_span` checks the rows); the router reads these rows
-    // only after this rank publishes them, after the step's completion event.
-    unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut std::ffi::c_void, s, bytes, stream.cu_stream()) }
-        .result()
-}
-
-/// The home rows from the ring onto the GPU: bf16 rows as they are into `xb` (`Rows::Bf16`), f32
-/// rows into `x`, f16 ones through the wire buffer and a widening kernel into `x`. Outside the
-/// graph: the slot and rows vary per step.
-fn load_rows(
-    c: &mut GpuStep,
-    ring: &Ring,
-    slot: usize,
-    home: Range<usize>,
-    d: Dtype,
-) -> Result<(), DriverError> {
-    let (n, h, s) = (home.len(), c.shape.hidden, c.g.stream.clone());
-    let span = ring.hidden_span(slot, home, d);
-    match d {
-        Dtype::Bf16 => ring_in(span, &mut c.b.xb, &s),
-        Dtype::F32 => ring_in(span, &mut c.b.x, &s),
-        _ => {
-            ring_in(span, &mut c.b.wire, &s)?;
-            c.g.widen_rows(&c.b.wire, d == Dtype::F16, n, h, &mut c.b.x)
-        }
-    }
-}
-
-/// The step's output rows into the ring in `d`: f32 directly, 16-bit ones narrowed on the GPU.
-fn store_rows(
-    c: &mut GpuStep,
-    ring: &Ring,
-    slot: usize,
-    home: Range<usize>,
-    d: Dtype,
-) -> Result<(), DriverError> {
-    let (n, h, s) = (home.len(), c.shape.hidden, c.g.stream.clone());
-    let span = ring.output_span(slot, home, d);
-    match d {
-        Dtype::F32 => ring_out(&c.b.out, span, &s),
-        _ => {
-            c.g.narrow_rows(&c.b.out, d == Dtype::F16, n, h, &mut c.b.wire)?;
-            ring_out(&c.b.wire, span, &s)
-        }
-    }
-}
-
-/// Pinned staging of one step's small inputs and outputs (the rows go through the ring).
-struct Staging {
-    ids: Pinned<i32>,
-    w: Pinned<f32>,
-    /// `[n, 0, n]`: the home count and the shared expert's offsets.
-    n: Pinned<i32>,
-    m: Pinned<i32>,
-    /// NCCL EP's per-local-expert receive counts and HT padded total, for the overflow check.
-    recv: Pinned<i32>,
-    total: Pinned<i32>,
-}
-
-/// Everything a step enqueues, copies included: captured as is, or run eagerly.
-fn enqueue(
-    c: &mut GpuStep,
-    st: &mut Staging,
-    layer: usize,
-    bucket: usize,
-    v: Variant,
-) -> Result<(), GpuError> {
-    let s = c.g.stream.clone();
-    let k = c.shape.top_k;
-    htod(&st.n, 0..1, &mut c.b.n, &s)?;
-    if v.client {
-        htod(&st.ids, 0..bucket * k, &mut c.b.ids, &s)?;
-        htod(&st.w, 0..bucket * k, &mut c.b.w, &s)?;
-    }
-    c.run(layer, bucket, v)?;
-    let m = c.b.m.len();
-    dtoh(&c.b.m, m, &mut st.m, &s)?;
-    if let Some((counts, total)) = c.ex.receipts() {
-        dtoh(counts, counts.len(), &mut st.recv, &s)?;
-        dtoh(total, 1, &mut st.total, &s)?;
-    }
-    Ok(())
-}
 
 /// Waits for `ev` until `started + bound`, spinning briefly, then sleeping in short naps.
 fn wait_event(ev: &CudaEvent, started: Instant, bound: Duration) -> Result<(), GpuError> {
@@ -274,8 +49,10 @@ pub struct GpuRank {
     /// None once poisoned: a failed step leaks the device state rather than free memory a hung
     /// kernel may still touch (the process is about to exit).
     core: Option<GpuStep>,
-    /// Dropped only while not poisoned: a copy into it may still be in flight otherwise.
-    st: std::mem::ManuallyDrop<Staging>,
+    /// One set per step in flight. Dropped only while not poisoned and idle: a copy into it may
+    /// still be in flight otherwise.
+    st: std::mem::ManuallyDrop<Vec<Staging>>,
+    copies: Copies,
     /// Before `ring`, so it is unregistered before the ring is unmapped; None once poisoned.
     pinned: Option<RingPin>,
     ring: Arc<Ring>,
@@ -283,12 +60,29 @@ pub struct GpuRank {
     buckets: Vec<usize>,
     /// `[layer][bucket][Variant::index]`, when graphs are on.
     graphs: Vec<Option<Graph>>,
-    done: CudaEvent,
+    /// The compute stream's end, for the eager warm-up steps.
+    synced: CudaEvent,
+    /// Each staging set's step has reached the ring (recorded on the copy-out stream).
+    done: Vec<CudaEvent>,
+    /// Steps submitted and not yet completed, oldest first.
+    flight: std::collections::VecDeque<Flight>,
+    /// The staging set the next step takes (they alternate: steps complete in order).
+    next_set: usize,
     routed: Vec<u32>,
     /// Rows the routing sent each local expert this step (the receive check's side), kept so
     /// the per-step check allocates nothing.
     routed_local: Vec<i64>,
     step_timeout: Duration,
+}
+
+/// A step submitted on the GPU.
+struct Flight {
+    step: u64,
+    slot: usize,
+    tokens: usize,
+    bucket: usize,
+    set: usize,
+    started: Instant,
 }
 
 impl GpuRank {
@@ -303,22 +97,21 @@ impl GpuRank {
         step_timeout: Duration,
     ) -> Result<Self, GpuError> {
         let s = core.shape;
-        let (t, k) = (s.max_home, s.top_k);
+        let t = s.max_home;
         if buckets.last() != Some(&t) || buckets.windows(2).any(|w| w[0] >= w[1]) {
             return Err(GpuError::Config(format!(
                 "buckets {buckets:?} must ascend to the largest home slice ({t})"
             )));
         }
         core.g.ctx.bind_to_thread()?;
-        let st = Staging {
-            ids: Pinned::new(t * k)?,
-            w: Pinned::new(t * k)?,
-            n: Pinned::new(1)?,
-            m: Pinned::new(s.world * s.experts)?,
-            recv: Pinned::new(s.local())?,
-            total: Pinned::new(1)?,
-        };
-        let done = core.g.ctx.new_event(None)?;
+        let st = (0..DEPTH)
+            .map(|_| Staging::new(&s))
+            .collect::<Result<Vec<_>, _>>()?;
+        let done = (0..DEPTH)
+            .map(|_| core.g.ctx.new_event(None))
+            .collect::<Result<Vec<_>, _>>()?;
+        let synced = core.g.ctx.new_event(None)?;
+        let copies = Copies::new(&core)?;
         // The kernel refuses to pin a writable file mapping outside tmpfs (e.g. --shm-dir on
         // disk): then the driver stages the same copies through its own pinned buffers.
         let pinned = match RingPin::new(&ring) {
@@ -336,11 +129,15 @@ impl GpuRank {
             routed_local: vec![0; s.local()],
             core: Some(core),
             st: std::mem::ManuallyDrop::new(st),
+            copies,
             pinned,
             ring,
             buckets,
             graphs: Vec::new(),
+            synced,
             done,
+            flight: std::collections::VecDeque::with_capacity(DEPTH),
+            next_set: 0,
             step_timeout,
         };
         if let Some(f) = me.core().ex.footprint() {
@@ -355,7 +152,7 @@ impl GpuRank {
         let layers = me.core().layers.len();
         for bucket in me.buckets.clone() {
             for rows in [Rows::F32, Rows::Bf16] {
-                me.eager(0, bucket, Variant::new(rows, false))?;
+                me.eager(0, 0, bucket, Variant::new(rows, false))?;
                 me.finish(Instant::now(), Duration::from_secs(60))?;
             }
         }
@@ -376,22 +173,32 @@ impl GpuRank {
         self.core.as_mut().expect("the GPU rank is poisoned")
     }
 
-    fn eager(&mut self, layer: usize, bucket: usize, v: Variant) -> Result<(), GpuError> {
+    /// One step's small copies and phases, launched one by one (no graph).
+    fn eager(
+        &mut self,
+        set: usize,
+        layer: usize,
+        bucket: usize,
+        v: Variant,
+    ) -> Result<(), GpuError> {
         let c = self.core.as_mut().expect("the GPU rank is poisoned");
-        enqueue(c, &mut self.st, layer, bucket, v)
+        let st = &mut self.st[set];
+        st.copy_in(c, bucket, v)?;
+        c.run(layer, bucket, v)?;
+        st.copy_out(c)?;
+        Ok(())
     }
 
     fn capture(&mut self, layer: usize, bucket: usize, v: Variant) -> Result<CudaGraph, GpuError> {
-        let st = &mut self.st;
         let c = self.core.as_mut().expect("the GPU rank is poisoned");
-        c.capture(|c| enqueue(c, st, layer, bucket, v))
+        c.capture(|c| c.run(layer, bucket, v))
     }
 
-    /// Waits for everything enqueued so far, until `bound` after `started`.
+    /// Waits for everything enqueued on the compute stream so far, until `bound` after `started`.
     fn finish(&mut self, started: Instant, bound: Duration) -> Result<(), GpuError> {
         let stream = self.core().g.stream.clone();
-        self.done.record(&stream)?;
-        wait_event(&self.done, started, bound)
+        self.synced.record(&stream)?;
+        wait_event(&self.synced, started, bound)
     }
 
     /// After a failed step: abort the communicator (a hung NCCL kernel would block any other
@@ -421,7 +228,7 @@ impl GpuRank {
     /// What the exchange received against what the routing sent (this step's all-gathered
     /// counts), for an exchange that can differ (NCCL EP): a step that fails the check is
     /// counted by the exchange, and its output is not delivered.
-    fn check_receive(&mut self, step: u64, bucket: usize) -> Result<(), StepError> {
+    fn check_receive(&mut self, step: u64, bucket: usize, set: usize) -> Result<(), StepError> {
         let Some(c) = self.core.as_ref() else {
             return Ok(());
         };
@@ -436,17 +243,13 @@ impl GpuRank {
                 .map(|src| i64::from(self.routed[src * e + s.rank * l + j]))
                 .sum();
         }
-        let counts = &self.st.recv.as_slice()[..l];
-        c.ex.verify(
-            bucket,
-            &self.routed_local,
-            counts,
-            self.st.total.as_slice()[0],
-        )
-        .map_err(|msg| {
-            tracing::error!(step, "{msg}");
-            StepError::Corrupt { step, msg }
-        })
+        let st = &self.st[set];
+        let counts = &st.recv.as_slice()[..l];
+        c.ex.verify(bucket, &self.routed_local, counts, st.total.as_slice()[0])
+            .map_err(|msg| {
+                tracing::error!(step, "{msg}");
+                StepError::Corrupt { step, msg }
+            })
     }
 
     /// The smallest bucket holding `most_home` rows (every rank's home fits it).
@@ -454,12 +257,27 @@ impl GpuRank {
         self.buckets.iter().position(|&b| b >= most_home.max(1))
     }
 
-    fn run_step(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<usize, StepError> {
-        let started = Instant::now();
+    /// A device failure: the rank is poisoned and the step fails.
+    fn failed(&mut self, step: u64, e: GpuError) -> StepError {
+        self.poison();
+        match e {
+            GpuError::Timeout(after) => StepError::Timeout { step, after },
+            e => StepError::Device {
+                step,
+                source: Box::new(e),
+            },
+        }
+    }
+
+    /// Checks the step and fills the next staging set; the bucket's index and the set.
+    fn stage(&mut self, desc: &StepDesc, home: &Range<usize>) -> Result<(usize, usize), StepError> {
         let invalid = |msg: String| StepError::Invalid {
             step: desc.step,
             msg,
         };
+        if self.flight.len() >= DEPTH {
+            return Err(invalid(format!("{DEPTH} steps in flight already")));
+        }
         let (slot, n) = (desc.slot as usize, home.len());
         let bi = self
             .bucket_of(desc.most_home(self.ring.shape.world))
@@ -469,17 +287,20 @@ impl GpuRank {
                 "slot {slot} does not hold this step's input"
             )));
         }
-        let c = self.core.as_ref().expect("the GPU rank is poisoned");
+        let c = self
+            .core
+            .as_ref()
+            .ok_or_else(|| invalid("the GPU rank failed".into()))?;
         // The executor thread is not the one that created the context.
         c.g.ctx
             .bind_to_thread()
             .map_err(|e| invalid(format!("binding the CUDA context: {e}")))?;
         let (k, e, layers) = (c.shape.top_k, c.shape.experts, c.layers.len());
-        let layer = desc.layer as usize;
-        if layer >= layers {
-            return Err(invalid(format!("layer {layer} is not loaded")));
+        if desc.layer as usize >= layers {
+            return Err(invalid(format!("layer {} is not loaded", desc.layer)));
         }
-        let st: &mut Staging = &mut self.st;
+        let set = self.next_set;
+        let st: &mut Staging = &mut self.st[set];
         if desc.client_routing {
             self.ring.read_routing(
                 slot,
@@ -499,70 +320,135 @@ impl GpuRank {
             st.w.as_mut_slice()[n * k..bucket * k].fill(0.0);
         }
         st.n.as_mut_slice()[0] = n as i32;
+        Ok((bi, set))
+    }
+
+    /// Enqueues the whole step: its rows into the inbox on the copy-in stream (behind the step
+    /// before's use of it), the step on the compute stream, its output through the outbox on the
+    /// copy-out stream; then `done[set]`.
+    fn launch(
+        &mut self,
+        desc: &StepDesc,
+        home: Range<usize>,
+        bi: usize,
+        set: usize,
+    ) -> Result<(), GpuError> {
+        let (slot, n, layer) = (desc.slot as usize, home.len(), desc.layer as usize);
         let bucket = self.buckets[bi];
-        let ring = self.ring.clone();
-        let c = self.core.as_mut().expect("the GPU rank is poisoned");
         let rows = match desc.input {
             Dtype::Bf16 => Rows::Bf16,
             _ => Rows::F32,
         };
         let v = Variant::new(rows, desc.client_routing);
-        let mut launched =
-            load_rows(c, &ring, slot, home.clone(), desc.input).map_err(GpuError::from);
-        if launched.is_ok() {
-            launched = match self.graphs.is_empty() {
-                true => self.eager(layer, bucket, v),
-                false => {
-                    let per_bucket = Variant::ALL.len();
-                    let g = (layer * self.buckets.len() + bi) * per_bucket + v.index();
-                    let graph = self.graphs[g].as_ref().expect("captured at startup");
-                    graph.0.launch().map_err(GpuError::from)
-                }
-            };
+        let ring = self.ring.clone();
+        let cp = &self.copies;
+        let c = self.core.as_mut().expect("checked in stage");
+        let s = c.g.stream.clone();
+        cp.h2d.wait(&cp.inbox_free)?;
+        ring_in(
+            ring.hidden_span(slot, home.clone(), desc.input),
+            &mut c.b.inbox,
+            &cp.h2d,
+        )?;
+        cp.inbox_full.record(&cp.h2d)?;
+        s.wait(&cp.inbox_full)?;
+        unpack_rows(c, n, desc.input)?;
+        cp.inbox_free.record(&s)?;
+        match self.graphs.is_empty() {
+            true => self.eager(set, layer, bucket, v)?,
+            false => {
+                let per_bucket = Variant::ALL.len();
+                let g = (layer * self.buckets.len() + bi) * per_bucket + v.index();
+                let graph = self.graphs[g].as_ref().expect("captured at startup");
+                let st = &mut self.st[set];
+                let c = self.core.as_mut().expect("checked in stage");
+                st.copy_in(c, bucket, v)?;
+                graph.0.launch()?;
+                st.copy_out(c)?;
+            }
         }
-        if launched.is_ok() {
-            let c = self.core.as_mut().expect("the GPU rank is poisoned");
-            launched = store_rows(c, &ring, slot, home, desc.output).map_err(GpuError::from);
-        }
-        if let Err(e) = launched.and_then(|_| self.finish(started, self.step_timeout)) {
-            self.poison();
-            let step = desc.step;
-            return Err(match e {
-                GpuError::Timeout(after) => StepError::Timeout { step, after },
-                e => StepError::Device {
-                    step,
-                    source: Box::new(e),
-                },
-            });
-        }
-        for (r, &m) in self.routed.iter_mut().zip(self.st.m.as_slice()) {
-            *r = m.max(0) as u32;
-        }
-        self.check_receive(desc.step, bucket)?;
-        // Whole-device use, so an allocation by anyone in the process (NCCL included) shows.
-        if let Ok((free, total)) = result::mem_get_info() {
-            metrics::gauge!("epserve_device_memory_used_bytes").set((total - free) as f64);
-        }
-        Ok(bucket)
+        let cp = &self.copies;
+        let c = self.core.as_mut().expect("checked in stage");
+        s.wait(&cp.outbox_free)?;
+        pack_rows(c, n, desc.output)?;
+        cp.outbox_full.record(&s)?;
+        cp.d2h.wait(&cp.outbox_full)?;
+        ring_out(
+            &c.b.outbox,
+            ring.output_span(slot, home, desc.output),
+            &cp.d2h,
+        )?;
+        cp.outbox_free.record(&cp.d2h)?;
+        self.done[set].record(&cp.d2h)?;
+        Ok(())
     }
 }
 
 impl Backend for GpuRank {
-    fn step(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<PhaseTimes, StepError> {
-        let t0 = Instant::now();
-        let bucket = self.run_step(desc, home)?;
+    fn submit(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<(), StepError> {
+        let started = Instant::now();
+        let (bi, set) = self.stage(desc, &home)?;
+        if let Err(e) = self.launch(desc, home, bi, set) {
+            return Err(self.failed(desc.step, e));
+        }
+        self.next_set = (set + 1) % DEPTH;
+        self.flight.push_back(Flight {
+            step: desc.step,
+            slot: desc.slot as usize,
+            tokens: desc.tokens as usize,
+            bucket: self.buckets[bi],
+            set,
+            started,
+        });
+        Ok(())
+    }
+
+    fn ready(&mut self) -> Result<bool, StepError> {
+        let Some(f) = self.flight.front() else {
+            return Ok(false);
+        };
+        let step = f.step;
+        match self.done[f.set].try_is_complete() {
+            Ok(r) => Ok(r),
+            Err(e) => Err(self.failed(step, e.into())),
+        }
+    }
+
+    fn complete(&mut self) -> Result<PhaseTimes, StepError> {
+        let f = self.flight.pop_front().ok_or(StepError::Invalid {
+            step: 0,
+            msg: "no step in flight".into(),
+        })?;
+        if self.core.is_none() {
+            return Err(StepError::Invalid {
+                step: f.step,
+                msg: "the GPU rank failed".into(),
+            });
+        }
+        if let Err(e) = wait_event(&self.done[f.set], f.started, self.step_timeout) {
+            return Err(self.failed(f.step, e));
+        }
+        for (r, &m) in self.routed.iter_mut().zip(self.st[f.set].m.as_slice()) {
+            *r = m.max(0) as u32;
+        }
+        self.check_receive(f.step, f.bucket, f.set)?;
+        // Whole-device use, so an allocation by anyone in the process (NCCL included) shows.
+        if let Ok((free, total)) = result::mem_get_info() {
+            metrics::gauge!("epserve_device_memory_used_bytes").set((total - free) as f64);
+        }
         // The rows went into the ring by DMA before the step's completion event.
-        self.ring.publish_output(
-            desc.slot as usize,
-            self.core.as_ref().map_or(0, |c| c.shape.rank),
-            desc.step,
-        );
+        let rank = self.core.as_ref().map_or(0, |c| c.shape.rank);
+        self.ring.publish_output(f.slot, rank, f.step);
         let world = self.ring.shape.world;
         Ok(PhaseTimes {
-            total: t0.elapsed(),
-            padding: (bucket * world).saturating_sub(desc.tokens as usize),
+            total: f.started.elapsed(),
+            padding: (f.bucket * world).saturating_sub(f.tokens),
             ..PhaseTimes::default()
         })
+    }
+
+    fn depth(&self) -> usize {
+        DEPTH
     }
 
     fn routed(&self) -> &[u32] {
@@ -585,10 +471,15 @@ impl Backend for GpuRank {
 
 impl Drop for GpuRank {
     fn drop(&mut self) {
+        // A step still in flight may be copying into the staging or the ring: leave them be.
+        if !self.flight.is_empty() {
+            self.poison();
+        }
         // Graphs go before the buffers and communicator they reference.
         self.graphs.clear();
         if self.core.is_some() {
-            // SAFETY: dropped once, here; the stream was synchronised by the last step's event.
+            // SAFETY: dropped once, here; nothing is in flight (every step's completion event
+            // was waited for), so no copy touches the staging.
             unsafe { std::mem::ManuallyDrop::drop(&mut self.st) };
         }
     }

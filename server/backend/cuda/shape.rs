@@ -191,7 +191,7 @@ impl StepShape {
         let tiles = 2 * (max_tiles(rows, self.local()) + max_tiles(t, 1)) + 2;
         t * h * 4 * 2                       // x, out
             + t * e * 4 + t * k * 4         // logits, weights
-            + t * h * 2 * 2                 // xb, wire
+            + t * h * 2 + t * h * 4 * 2     // xb, inbox, outbox
             + expert_rows * h * 2           // send, recv, expert rows
             + rows * 3 * i * 2              // gate/up, act
             + t * (3 * si + h) * 2          // shared expert

@@ -144,9 +144,12 @@ pub struct Buffers {
     /// experts' and the bf16 router's input: a bf16 client's rows as they came, or made from `x`).
     pub x: CudaSlice<f32>,
     pub xb: CudaSlice<bf16>,
-    /// The home rows in a 16-bit wire dtype on their way between the GPU and the host ring (f16
-    /// in; bf16 or f16 out), outside the step's graph, so no peer ever reads it.
-    pub wire: CudaSlice<bf16>,
+    /// The home rows as they come from the host ring and as they leave for it, in the wire
+    /// dtype (room for f32 rows: `[T, hidden]` of 4 bytes each), outside the step's graph, so no
+    /// peer ever reads them. Each has its own copy stream: the next step's rows land in `inbox`
+    /// while a step runs, and its output leaves from `outbox` while the next runs.
+    pub inbox: CudaSlice<bf16>,
+    pub outbox: CudaSlice<bf16>,
     /// This step's home token count (one int).
     pub n: CudaSlice<i32>,
     /// 0 (one int, never written): where the shared expert's block starts.
@@ -180,7 +183,8 @@ impl Buffers {
         Ok(Self {
             x: a.zeros(t * h)?,
             xb: a.zeros(t * h)?,
-            wire: a.zeros(t * h)?,
+            inbox: a.zeros(t * h * 2)?,
+            outbox: a.zeros(t * h * 2)?,
             n: a.zeros(1)?,
             sh_off: a.zeros(1)?,
             logits: Logits::new(a, t, e)?,
