@@ -281,6 +281,17 @@ pub fn wait_seq(
 /// Polls before sleeping: a peer a few hundred nanoseconds behind costs no system call.
 const SPINS: u32 = 256;
 
+/// Between polls of something with no wake-up to wait on (a device event, or a step in flight
+/// while the channel that may bring the next one is watched too): spins first, since the end is
+/// often microseconds away, then naps.
+pub fn nap(polls: &mut u32) {
+    *polls += 1;
+    match *polls < 2000 {
+        true => std::hint::spin_loop(),
+        false => std::thread::sleep(Duration::from_micros(20)),
+    }
+}
+
 /// Linux futexes on a flag's low 32 bits, shared between processes (no FUTEX_PRIVATE_FLAG): the
 /// flags live in mappings of the same file.
 mod futex {

@@ -19,7 +19,7 @@ use super::rows::{copy_threads, deliver, pack};
 use super::{Failure, Offer, Step};
 use crate::dtype::Dtype;
 use crate::group::{recv, Ctl, GroupError, RouterLink};
-use crate::shm::{Abort, WaitError};
+use crate::shm::{nap, Abort, WaitError};
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver, PhaseTimes, StepDesc, StepError};
 use crate::watchdog::{AbortOnPanic, Progress};
@@ -430,16 +430,6 @@ struct Flight {
     deadline: Instant,
     /// This rank's share, once completed.
     own: Option<PhaseTimes>,
-}
-
-/// Between polls of a step in flight: spins first (a step's end is often microseconds away),
-/// then naps.
-fn nap(polls: &mut u32) {
-    *polls += 1;
-    match *polls < 2000 {
-        true => std::hint::spin_loop(),
-        false => std::thread::sleep(Duration::from_micros(20)),
-    }
 }
 
 /// The ring slots not held by a step in flight. A step holds an `in_flight` permit before it

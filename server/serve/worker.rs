@@ -18,7 +18,7 @@ use super::prepare::{Prepared, Weights};
 use crate::config::{Ingress, ServeArgs};
 use crate::group::{self, send, Ctl, CtlWriter, Joined};
 use crate::router::{Failure, Step};
-use crate::shm::Abort;
+use crate::shm::{nap, Abort};
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver, StepDesc, StepError};
 use crate::watchdog::{self, Progress};
@@ -431,14 +431,4 @@ fn broken(rank: usize, e: StepError, flight: &mut VecDeque<Running>) -> Failed {
         _ => Ctl::Failed { rank, reason },
     };
     (Some(tell), e.into())
-}
-
-/// Between polls of a step in flight: spins first (its end is often microseconds away), then
-/// naps.
-fn nap(polls: &mut u32) {
-    *polls += 1;
-    match *polls < 2000 {
-        true => std::hint::spin_loop(),
-        false => std::thread::sleep(Duration::from_micros(20)),
-    }
 }

@@ -29,12 +29,7 @@ fn wait_event(ev: &CudaEvent, started: Instant, bound: Duration) -> Result<(), G
         if Instant::now() >= deadline {
             return Err(GpuError::Timeout(bound));
         }
-        polls += 1;
-        if polls < 2000 {
-            std::hint::spin_loop();
-        } else {
-            std::thread::sleep(Duration::from_micros(20));
-        }
+        crate::shm::nap(&mut polls);
     }
 }
 
