@@ -399,18 +399,19 @@ impl<B: Backend> Driver<B> {
 mod tests {
     use super::*;
 
-    /// Counts the steps it is asked to run.
-    struct Count(usize);
+    /// Holds what it is given until completed, like a device backend.
+    struct Queue(std::collections::VecDeque<u64>, Vec<u64>);
 
-    impl Backend for Count {
-        fn submit(&mut self, _: &StepDesc, _: Range<usize>) -> Result<(), StepError> {
-            self.0 += 1;
+    impl Backend for Queue {
+        fn submit(&mut self, d: &StepDesc, _: Range<usize>) -> Result<(), StepError> {
+            self.0.push_back(d.step);
             Ok(())
         }
         fn ready(&mut self) -> Result<bool, StepError> {
-            Ok(true)
+            Ok(!self.0.is_empty())
         }
         fn complete(&mut self) -> Result<PhaseTimes, StepError> {
+            self.1.push(self.0.pop_front().expect("a step submitted"));
             Ok(PhaseTimes::default())
         }
         fn depth(&self) -> usize {
@@ -433,7 +434,15 @@ mod tests {
             hidden: 8,
             top_k: 2,
         };
-        let mut d = Driver::new(Count(0), 1, 2, vec![3, 5], false, ring, 0);
+        let mut d = Driver::new(
+            Queue(Default::default(), Vec::new()),
+            1,
+            2,
+            vec![3, 5],
+            false,
+            ring,
+            0,
+        );
         let ok = StepDesc {
             step: 1,
             layer: 1,
@@ -509,43 +518,17 @@ mod tests {
             let e = d.run(&bad).unwrap_err().to_string();
             assert!(e.contains(want), "{e}");
         }
-        assert_eq!(d.backend.0, 1);
+        assert_eq!(d.backend.1, vec![1]);
         let own = StepDesc {
             homes: vec![0, 32],
             tokens: 32,
             ..ok
         };
         d.run(&own).unwrap();
-        assert_eq!(d.backend.0, 2);
+        assert_eq!(d.backend.1, vec![1, 1]);
         assert_eq!(own.home(2, 1, 32), 32..64);
         assert_eq!(own.home(2, 0, 32), 0..0);
         assert_eq!(own.most_home(2), 32);
-    }
-
-    /// Holds what it is given until completed, like a device backend.
-    struct Queue(std::collections::VecDeque<u64>, Vec<u64>);
-
-    impl Backend for Queue {
-        fn submit(&mut self, d: &StepDesc, _: Range<usize>) -> Result<(), StepError> {
-            self.0.push_back(d.step);
-            Ok(())
-        }
-        fn ready(&mut self) -> Result<bool, StepError> {
-            Ok(!self.0.is_empty())
-        }
-        fn complete(&mut self) -> Result<PhaseTimes, StepError> {
-            self.1.push(self.0.pop_front().expect("a step submitted"));
-            Ok(PhaseTimes::default())
-        }
-        fn depth(&self) -> usize {
-            2
-        }
-        fn buffers(&self) -> Vec<(&'static str, usize, usize)> {
-            Vec::new()
-        }
-        fn routed(&self) -> &[u32] {
-            &[]
-        }
     }
 
     #[test]
