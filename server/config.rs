@@ -355,8 +355,9 @@ pub struct ServeArgs {
     pub cpu_threads: usize,
     /// Steps a rank holds queued behind the one running: 1 lets a GPU rank copy in and launch
     /// step N+1 while step N runs, and copy N's output out while N+1 runs; 0 runs one step at a
-    /// time. Default: 1 on the GPU backends, 0 on cpu, whose ranks compute a step whole on the
-    /// host (there a step queued behind another only delays the other's answers).
+    /// time. Default: 1 on nccl; 0 on cpu, whose ranks compute a step whole on the host (there a
+    /// step queued behind another only delays the other's answers), and on nccl-ep, until two
+    /// steps in flight have run on it (they have not yet: see docs/benchmarks.md).
     #[arg(long, env = "EPSERVE_STEPS_AHEAD",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1))]
     pub steps_ahead: Option<usize>,
@@ -411,8 +412,8 @@ impl ServeArgs {
     /// `--steps-ahead`, or its default for the backend the group runs.
     pub fn steps_ahead(&self, backend: BackendKind) -> usize {
         self.steps_ahead.unwrap_or(match backend {
-            BackendKind::Cpu => 0,
-            _ => 1,
+            BackendKind::Nccl => 1,
+            _ => 0,
         })
     }
 
@@ -515,6 +516,27 @@ mod tests {
         assert_eq!(threads("256").unwrap(), 256);
         let e = threads("257").unwrap_err().to_string();
         assert!(e.contains("not in 0..=256"), "{e}");
+    }
+
+    #[test]
+    fn steps_ahead_defaults_per_backend_and_is_bounded() {
+        use super::BackendKind::{Cpu, Nccl, NcclEp};
+        use clap::Parser;
+        let args = |extra: &[&str]| {
+            let argv = ["epserve", "serve"].iter().chain(extra).copied();
+            super::Cli::try_parse_from(argv).map(|c| match c.command {
+                super::Command::Serve(a) => a,
+                _ => unreachable!("parsed as serve"),
+            })
+        };
+        let auto = args(&[]).unwrap();
+        let ahead = [Cpu, Nccl, NcclEp].map(|b| auto.steps_ahead(b));
+        assert_eq!(ahead, [0, 1, 0]);
+        let one = args(&["--steps-ahead", "1"]).unwrap();
+        assert_eq!([Cpu, NcclEp].map(|b| one.steps_ahead(b)), [1, 1]);
+        assert_eq!(args(&["--steps-ahead", "0"]).unwrap().steps_ahead(Nccl), 0);
+        let e = args(&["--steps-ahead", "2"]).unwrap_err().to_string();
+        assert!(e.contains("not in 0..=1"), "{e}");
     }
 
     #[test]

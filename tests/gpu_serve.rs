@@ -390,7 +390,7 @@ fn graph_replays_are_bitwise_identical_and_steps_allocate_nothing() {
     assert_eq!(before, after, "device allocations changed across the steps");
 }
 
-/// Two steps in flight (`--steps-ahead 1`, the GPU default): the router sends a step while the
+/// Two steps in flight (`--steps-ahead 1`, the `nccl` default): the router sends a step while the
 /// one before runs, each rank queues it, and the rows move on their own copy streams. Against one
 /// step at a time (`--steps-ahead 0`), every request's tokens against the f64 reference (the
 /// steps' compositions differ between the two, so the bits may too); with 1, the router started
