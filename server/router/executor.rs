@@ -73,6 +73,7 @@ pub struct Executor<B> {
     closing: Arc<AtomicBool>,
     step_timeout: Duration,
     seq: u64,
+    /// The driver's: whether a step is running, and since when.
     pub progress: Arc<Progress>,
 }
 
@@ -112,6 +113,7 @@ impl<B: Backend> Executor<B> {
                 })?;
         }
         Ok(Self {
+            progress: driver.progress(),
             driver,
             ring,
             link: Control(Arc::new(Mutex::new(link))),
@@ -119,7 +121,6 @@ impl<B: Backend> Executor<B> {
             closing,
             step_timeout,
             seq: 0,
-            progress: Arc::new(Progress::default()),
         })
     }
 
@@ -143,9 +144,6 @@ impl<B: Backend> Executor<B> {
         heartbeat: Option<OwnedSemaphorePermit>,
     ) -> Result<(), ExecutorError> {
         let now = Instant::now();
-        if flight.is_empty() {
-            self.progress.begin_at(now);
-        }
         // Heartbeats get no span: one a second would drown the traces.
         let _span = (!step.segments.is_empty()).then(|| {
             tracing::info_span!("step", step = self.seq + 1, tokens = step.tokens()).entered()
@@ -155,7 +153,6 @@ impl<B: Backend> Executor<B> {
             slot,
             heartbeat,
             seq: self.seq + 1,
-            started: now,
             // One deadline for the whole step, whichever wait it ends up in.
             deadline: now + self.step_timeout,
             own: None,
@@ -302,10 +299,6 @@ impl<B: Backend> Executor<B> {
                 Ok(Some(times)) => {
                     polls = 0;
                     let f = flight.pop_front().expect("the front");
-                    match flight.front() {
-                        Some(next) => self.progress.begin_at(next.started),
-                        None => self.progress.end(),
-                    }
                     if f.heartbeat.is_some() {
                         free.put(f.slot);
                         continue;
@@ -403,9 +396,7 @@ impl<B: Backend> Executor<B> {
         let mut flight = VecDeque::with_capacity(1);
         let r = self.start(&mut flight, step, 0, None);
         let f = flight.front_mut().expect("started");
-        let r = r.and_then(|()| self.finish(f, true));
-        self.progress.end();
-        r?;
+        r.and_then(|()| self.finish(f, true))?;
         deliver(&self.ring, &f.step, 0, 0, 1);
         let finite = |out: &[u8]| crate::dtype::first_non_finite(Dtype::F32, out).is_none();
         match rx.try_recv() {
@@ -426,7 +417,6 @@ struct Flight {
     /// An idle heartbeat's hold on its slot (it delivers nothing).
     heartbeat: Option<OwnedSemaphorePermit>,
     seq: u64,
-    started: Instant,
     deadline: Instant,
     /// This rank's share, once completed.
     own: Option<PhaseTimes>,

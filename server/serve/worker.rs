@@ -145,7 +145,7 @@ pub fn run(
         args.steps_ahead(p.backend),
     );
     let writer = CtlWriter::new(stream.try_clone()?);
-    let progress = Arc::new(Progress::default());
+    let progress = driver.progress();
     let own = match (&mut clients, mapped.take()) {
         (Some(c), Some(ring)) => Some(c.serve(args, writer.clone(), ring, progress.clone())?),
         (Some(_), None) => bail!("the step ring was never mapped"),
@@ -361,16 +361,8 @@ impl Follow {
             })?,
             None => None,
         };
-        let started = Instant::now();
-        if flight.is_empty() {
-            self.progress.begin_at(started);
-        }
         let r = driver.submit(&desc);
-        flight.push_back(Running {
-            desc,
-            started,
-            mine,
-        });
+        flight.push_back(Running { desc, mine });
         r.map_err(|e| broken(rank, e, flight))
     }
 
@@ -384,19 +376,12 @@ impl Follow {
         match r {
             Ok(_) => {
                 let done = flight.pop_front().expect("a step in flight");
-                match flight.front() {
-                    Some(next) => self.progress.begin_at(next.started),
-                    None => self.progress.end(),
-                }
                 if let (Some(own), Some(step)) = (&mut self.own, done.mine) {
                     own.after(step, done.desc.slot as usize);
                 }
                 Ok(())
             }
-            Err(e) => {
-                self.progress.end();
-                Err(broken(driver.rank, e, flight))
-            }
+            Err(e) => Err(broken(driver.rank, e, flight)),
         }
     }
 }
@@ -407,7 +392,6 @@ type Failed = (Option<Ctl>, anyhow::Error);
 /// A step submitted on this rank and not yet completed.
 struct Running {
     desc: StepDesc,
-    started: Instant,
     /// This rank's own rows in it (--ingress all).
     mine: Option<Step>,
 }

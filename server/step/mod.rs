@@ -5,7 +5,10 @@
 pub mod ring;
 
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use crate::watchdog::Progress;
 
 use serde::{Deserialize, Serialize};
 
@@ -213,6 +216,8 @@ pub struct Driver<B> {
     last_done: Instant,
     /// Most steps in flight at once: 1 + `--steps-ahead`, within the backend's and the ring's.
     depth: usize,
+    /// Since when the oldest step in flight has run, for the watchdog and the liveness probe.
+    progress: Arc<Progress>,
 }
 
 /// The phases one by one, each timed on the host: the step of a backend whose phases run there.
@@ -275,7 +280,13 @@ impl<B: Backend> Driver<B> {
             flight: std::collections::VecDeque::with_capacity(depth),
             last_done: Instant::now(),
             depth,
+            progress: Arc::new(Progress::default()),
         }
+    }
+
+    /// Whether a step is running on this rank, and since when.
+    pub fn progress(&self) -> Arc<Progress> {
+        self.progress.clone()
     }
 
     /// Most steps this rank holds in flight at once.
@@ -284,6 +295,7 @@ impl<B: Backend> Driver<B> {
     }
 
     /// Steps submitted and not yet completed.
+    #[cfg(test)]
     pub fn in_flight(&self) -> usize {
         self.flight.len()
     }
@@ -340,10 +352,11 @@ impl<B: Backend> Driver<B> {
         }
         let home = desc.home(self.world, self.rank, self.ring.home_stride());
         let at = Instant::now();
-        self.backend.submit(desc, home)?;
-        if !self.flight.is_empty() {
-            metrics::counter!("epserve_steps_submitted_ahead_total").increment(1);
+        match self.flight.is_empty() {
+            true => self.progress.begin_at(at),
+            false => metrics::counter!("epserve_steps_submitted_ahead_total").increment(1),
         }
+        self.backend.submit(desc, home)?;
         self.flight.push_back((desc.clone(), at));
         Ok(())
     }
@@ -360,7 +373,12 @@ impl<B: Backend> Driver<B> {
     /// records it; None when none is in flight.
     pub fn complete(&mut self) -> Option<Result<(StepDesc, PhaseTimes), StepError>> {
         let (desc, at) = self.flight.pop_front()?;
-        let mut times = match self.backend.complete() {
+        let r = self.backend.complete();
+        match (&r, self.flight.front()) {
+            (Ok(_), Some(&(_, next))) => self.progress.begin_at(next),
+            _ => self.progress.end(),
+        }
+        let mut times = match r {
             Ok(t) => t,
             Err(e) => return Some(Err(e)),
         };
