@@ -28,6 +28,24 @@ run() {
 }
 # A metric's value on a Prometheus endpoint.
 metric() { curl -s "$1" | awk -v m="$2" '$1 == m {print $2}'; }
+# Rank 0's steps, its pack and deliver seconds and counts, and its requests answered OK.
+copy_times() {
+  curl -s "$1" | awk '
+    $1 == "epserve_steps_total{kind=\"work\"}" {s = $2}
+    $1 == "epserve_step_pack_seconds_sum" {ps = $2} $1 == "epserve_step_pack_seconds_count" {pc = $2}
+    $1 == "epserve_step_deliver_seconds_sum" {ds = $2} $1 == "epserve_step_deliver_seconds_count" {dc = $2}
+    $1 ~ /^epserve_requests_total\{.*status="OK"/ {r += $2}
+    END {print s + 0, ps + 0, pc + 0, ds + 0, dc + 0, r + 0}'
+}
+# A process's CPU seconds and minor page faults so far.
+proc_use() { awk '{print ($14 + $15) / 100, $10}' "/proc/$1/stat"; }
+# Its threads' CPU seconds so far, by thread name (threads that ended are not counted).
+thread_use() {
+  for t in /proc/"$1"/task/*; do
+    # The name may hold spaces: it sits between the first "(" and the last ")".
+    sed -E 's/^[0-9]+ \((.*)\) (.*)$/\1|\2/' "$t/stat" 2>/dev/null
+  done | awk -F'|' '{split($2, f, " "); cpu[$1] += (f[12] + f[13]) / 100} END {for (n in cpu) print n "|" cpu[n]}'
+}
 # The address a group's log says it serves gRPC on, once it does (polling LOG up to N times).
 serving_addr() {
   local a=""
@@ -156,16 +174,37 @@ if want serve; then
     addr=$(serving_addr "$out/serve-$name.log" 900)
     if [ -z "$addr" ]; then tail -20 "$out/serve-$name.log"; kill $pid; status=1; continue; fi
     m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$out/serve-$name.log" | head -1)
+    r0=$(pgrep -P $pid -f -- '--rank 0 ' | head -1)
     # SERVE_CONFIGS: "clients:tokens ..." (default 64 clients of 128 tokens, 16 of 2048).
     for cfg in ${SERVE_CONFIGS:-64:128 16:2048}; do
       set -- ${cfg/:/ }
       tag="$name-c$1-t$2"
       s0=$(metric "$m0" epserve_step_duration_seconds_sum); k0=$(metric "$m0" epserve_step_tokens_sum)
+      read -r -a copies0 <<<"$(copy_times "$m0")"; read -r -a use0 <<<"$(proc_use "$r0")"
+      thread_use "$r0" >"$out/threads0.txt"
       t0=$(date +%s.%N)
       .device/bin/epserve-loadtest --target "$addr" --echo --concurrency "$1" --tokens "$2" --dtype bf16 \
         --warmup 2s --duration 8s "${h2[@]}" --json "$out/serve-$tag.json" >"$out/serve-$tag.txt" 2>&1
       s1=$(metric "$m0" epserve_step_duration_seconds_sum); k1=$(metric "$m0" epserve_step_tokens_sum)
       t1=$(date +%s.%N)
+      read -r -a copies1 <<<"$(copy_times "$m0")"; read -r -a use1 <<<"$(proc_use "$r0")"
+      thread_use "$r0" >"$out/threads1.txt"
+      # Cores each kind of thread kept busy over the service's 10 s, busiest first.
+      awk -F'|' 'NR == FNR {a[$1] = $2; next} {printf "%s=%.2f\n", $1, ($2 - a[$1]) / 10}' \
+        "$out/threads0.txt" "$out/threads1.txt" | sort -t= -k2 -rn | head -12 | paste -sd' ' |
+        sed 's/^/== router threads, cores: /'
+      rm -f "$out/threads0.txt" "$out/threads1.txt"
+      # The router's copies per step (ms), and its CPU cores and page faults per request.
+      python3 - "${copies0[@]}" "${copies1[@]}" "${use0[@]}" "${use1[@]}" <<'PY'
+import sys
+a = [float(x) for x in sys.argv[1:]]
+c0, c1, (u0, f0, u1, f1) = a[0:6], a[6:12], a[12:16]
+steps, reqs = c1[0] - c0[0], c1[5] - c0[5]
+per = lambda i: round(1e3 * (c1[i] - c0[i]) / max(c1[i + 1] - c0[i + 1], 1), 3)
+print(f"== router: {steps:.0f} steps, pack {per(1)} ms and deliver {per(3)} ms per step; "
+      f"{(u1 - u0) / 10:.2f} cores busy over the service's 10 s, "
+      f"{(f1 - f0) / max(reqs, 1):.0f} minor faults per request")
+PY
       # GPU busy: step seconds over the service's 10 s; the step alone: its tokens over its seconds.
       echo "== serve $tag: router step seconds $s0 -> $s1, step tokens $k0 -> $k1 over $(python3 -c "print(round($t1 - $t0, 1))") s of wall (the service part is 10 s of it): busy $(python3 -c "print(round(($s1 - $s0) / 10, 3))"), the step alone $(python3 -c "print(round(($k1 - $k0) / ($s1 - $s0)))") tokens/s"
       cat "$out/serve-$tag.txt"

@@ -361,6 +361,14 @@ pub struct ServeArgs {
     #[arg(long, env = "EPSERVE_STEPS_AHEAD",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1))]
     pub steps_ahead: Option<usize>,
+    /// Slots of the step ring, the steps the router holds at once (packed, running or being
+    /// answered); each holds a whole step's rows in and out, in f32. Two let one step be packed
+    /// or answered while another runs; more let the next be packed while one is answered and
+    /// another runs, at that much more shared memory each. Three and four measured no faster
+    /// than two on one H200 (docs/benchmarks.md); 4x H200 has not been measured.
+    #[arg(long, env = "EPSERVE_RING_SLOTS", default_value_t = 2,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(2..=4))]
+    pub ring_slots: usize,
     #[arg(long, env = "EPSERVE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
     /// Export traces over OTLP/gRPC to this collector (e.g. http://otel-collector:4317).
@@ -518,17 +526,19 @@ mod tests {
         assert!(e.contains("not in 0..=256"), "{e}");
     }
 
+    fn serve_args(extra: &[&str]) -> Result<super::ServeArgs, clap::Error> {
+        use clap::Parser;
+        let argv = ["epserve", "serve"].iter().chain(extra).copied();
+        super::Cli::try_parse_from(argv).map(|c| match c.command {
+            super::Command::Serve(a) => a,
+            _ => unreachable!("parsed as serve"),
+        })
+    }
+
     #[test]
     fn steps_ahead_defaults_per_backend_and_is_bounded() {
         use super::BackendKind::{Cpu, Nccl, NcclEp};
-        use clap::Parser;
-        let args = |extra: &[&str]| {
-            let argv = ["epserve", "serve"].iter().chain(extra).copied();
-            super::Cli::try_parse_from(argv).map(|c| match c.command {
-                super::Command::Serve(a) => a,
-                _ => unreachable!("parsed as serve"),
-            })
-        };
+        let args = serve_args;
         let auto = args(&[]).unwrap();
         let ahead = [Cpu, Nccl, NcclEp].map(|b| auto.steps_ahead(b));
         assert_eq!(ahead, [0, 1, 0]);
@@ -537,6 +547,16 @@ mod tests {
         assert_eq!(args(&["--steps-ahead", "0"]).unwrap().steps_ahead(Nccl), 0);
         let e = args(&["--steps-ahead", "2"]).unwrap_err().to_string();
         assert!(e.contains("not in 0..=1"), "{e}");
+    }
+
+    #[test]
+    fn ring_slots_default_to_two_and_are_bounded() {
+        assert_eq!(serve_args(&[]).unwrap().ring_slots, 2);
+        assert_eq!(serve_args(&["--ring-slots", "4"]).unwrap().ring_slots, 4);
+        for bad in ["1", "5"] {
+            let e = serve_args(&["--ring-slots", bad]).unwrap_err().to_string();
+            assert!(e.contains("not in 2..=4"), "{e}");
+        }
     }
 
     #[test]

@@ -35,17 +35,29 @@ impl Dtype {
 /// from their bits without converting them.
 pub fn first_non_finite(d: Dtype, data: &[u8]) -> Option<usize> {
     match d {
-        Dtype::F32 => data.chunks_exact(4).position(|b| {
-            u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000
-        }),
-        Dtype::Bf16 => data
-            .chunks_exact(2)
-            .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 == 0x7f80),
-        Dtype::F16 => data
-            .chunks_exact(2)
-            .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00),
+        Dtype::F32 => first_of::<4>(data, |b| u32::from_le_bytes(b) & 0x7f80_0000 == 0x7f80_0000),
+        Dtype::Bf16 => first_of::<2>(data, |b| u16::from_le_bytes(b) & 0x7f80 == 0x7f80),
+        Dtype::F16 => first_of::<2>(data, |b| u16::from_le_bytes(b) & 0x7c00 == 0x7c00),
         Dtype::I32 | Dtype::I64 => None,
     }
+}
+
+/// The first `N`-byte value that is `bad`. Each block of values is checked whole, with no early
+/// exit, which the compiler vectorizes, and searched only when it holds one: a value-by-value
+/// search was a fifth of the router's CPU at 2048-token requests (~1.7 ms per 8 MB).
+fn first_of<const N: usize>(data: &[u8], bad: impl Fn([u8; N]) -> bool) -> Option<usize> {
+    const BLOCK: usize = 256;
+    let value = |b: &[u8]| -> [u8; N] { b.try_into().expect("chunks of N bytes") };
+    for (i, block) in data.chunks(BLOCK * N).enumerate() {
+        let any = block
+            .chunks_exact(N)
+            .fold(0u8, |a, b| a | u8::from(bad(value(b))));
+        if any != 0 {
+            let j = block.chunks_exact(N).position(|b| bad(value(b)));
+            return j.map(|j| i * BLOCK + j);
+        }
+    }
+    None
 }
 
 /// `src`, little-endian floats of `d`, widened into `dst` (as many values as `dst` holds).
@@ -136,6 +148,35 @@ mod tests {
             let inf = encode(&[f32::INFINITY], *d);
             one_bad[d.bytes()..2 * d.bytes()].copy_from_slice(&inf);
             assert_eq!(first_non_finite(*d, &one_bad), Some(1), "{d:?}");
+        }
+    }
+
+    /// The blockwise search against a value-by-value one: one NaN or infinity at every place
+    /// around the block edges, and at random places in longer rows, with a second one behind it.
+    #[test]
+    fn the_first_non_finite_value_is_found_wherever_it_is() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        for d in FLOATS {
+            let n = 3 * 256 + 17;
+            let vals: Vec<f32> = (0..n).map(|_| rng.random_range(-1e4f32..1e4)).collect();
+            let clean = encode(&vals, *d);
+            assert_eq!(first_non_finite(*d, &clean), None, "{d:?}");
+            let mut places: Vec<usize> = (0..n)
+                .filter(|i| i % 256 < 2 || i % 256 > 253 || i + 2 > n)
+                .collect();
+            places.extend((0..64).map(|_| rng.random_range(0..n)));
+            for (k, at) in places.into_iter().enumerate() {
+                let bad = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY][k % 3];
+                let mut v = vals.clone();
+                v[at] = bad;
+                if at + 300 < n {
+                    v[at + 300] = f32::NAN;
+                }
+                let enc = encode(&v, *d);
+                let want = v.iter().position(|x| !x.is_finite());
+                assert_eq!(want, Some(at));
+                assert_eq!(first_non_finite(*d, &enc), want, "{d:?} at {at}: {bad}");
+            }
         }
     }
 }

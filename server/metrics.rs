@@ -86,6 +86,18 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     );
     metrics::describe_histogram!("epserve_step_phase_seconds", "Step phases on this rank");
     metrics::describe_histogram!(
+        crate::router::PACK_SECONDS,
+        "A step's input rows copied from its requests into the step ring"
+    );
+    metrics::describe_histogram!(
+        crate::router::DELIVER_SECONDS,
+        "A finished step's output rows copied from the step ring to its requests"
+    );
+    metrics::describe_counter!(
+        crate::router::OUTPUT_BUFFERS_REUSED,
+        "Answers of 1 MiB or more written into a buffer kept from an earlier answer"
+    );
+    metrics::describe_histogram!(
         "epserve_rank_received_tokens",
         "Token rows this rank received per step"
     );

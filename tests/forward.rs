@@ -6,6 +6,7 @@
 mod common;
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use common::reference::{compare, RefLayer};
 use common::*;
@@ -261,25 +262,80 @@ async fn two_steps_in_flight_match_the_reference() {
     let spec = synthetic::preset(preset).unwrap();
     let refs = reference(&spec, seed);
     let mut outs = Vec::new();
-    for ahead in ["0", "1"] {
-        let group = launch(2, preset, seed, MAX_TOKENS, &["--steps-ahead", ahead]);
+    // One step at a time, two in flight, and two in flight with four ring slots (the next step
+    // packed while one is answered and two run).
+    for (ahead, slots) in [("0", "2"), ("1", "2"), ("1", "4")] {
+        let flags = ["--steps-ahead", ahead, "--ring-slots", slots];
+        let group = launch(2, preset, seed, MAX_TOKENS, &flags);
         outs.push(check_group(&group, &spec, &refs, 1000 + seed).await);
-        let router = &group.metrics_addrs(2)[0];
-        let started_ahead = prom::sum(
-            &prom::scrape(router),
-            "epserve_steps_submitted_ahead_total",
-            &[],
-        );
+        let addr = &group.metrics_addrs(2)[0];
+        let router = prom::scrape(addr);
+        let started_ahead = prom::sum(&router, "epserve_steps_submitted_ahead_total", &[]);
         match ahead {
             "0" => assert_eq!(started_ahead, 0.0),
             _ => assert!(started_ahead > 0.0, "no step was started ahead"),
         }
+        // Every step was packed and delivered once (the warm-up step too). A step's delivery is
+        // timed after its answers, so it may trail them a moment.
+        let steps = prom::sum(&router, "epserve_steps_total", &[("kind", "work")]);
+        let packed = prom::sum(&router, "epserve_step_pack_seconds_count", &[]);
+        assert_eq!(packed, steps, "steps packed");
+        let until = Instant::now() + Duration::from_secs(5);
+        let delivered = loop {
+            let n = prom::sum(
+                &prom::scrape(addr),
+                "epserve_step_deliver_seconds_count",
+                &[],
+            );
+            if n >= steps || Instant::now() > until {
+                break n;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(delivered, steps, "steps delivered");
     }
-    for (id, out) in &outs[1] {
-        let d = rel_diff(out, &outs[0][id]);
-        assert!(
-            d <= 1e-6,
-            "{id}: two steps in flight differ from one by {d:.3e}"
+    for out in &outs[1..] {
+        for (id, o) in out {
+            let d = rel_diff(o, &outs[0][id]);
+            assert!(
+                d <= 1e-6,
+                "{id}: steps in flight differ from one at a time by {d:.3e}"
+            );
+        }
+    }
+}
+
+/// Answers of a MiB or more are written into buffers kept from earlier answers. Requests of
+/// 4,400 down to 4,100 tokens in f32 (over 1 MiB out each), one after another, each shorter than
+/// the one before so that it lands in that one's buffer, in steps of 512 tokens so that each is
+/// filled over several steps: every token against the reference, so a row the delivery missed
+/// would show the earlier answer's bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_answers_reuse_buffers_and_match_the_reference() {
+    let (preset, seed) = ("tiny", 16);
+    let spec = synthetic::preset(preset).unwrap();
+    let refs = reference(&spec, seed);
+    let group = launch(2, preset, seed, 512, &[]);
+    let mut client = group.client().await;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let h = spec.hidden;
+    let sizes = [4400usize, 4300, 4200, 4100];
+    for (i, n) in sizes.into_iter().enumerate() {
+        let x: Vec<f32> = (0..n * h).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        let req = request(
+            &format!("big-{i}"),
+            spec.moe_layers[0],
+            f32_tensor(&x, [n, h]),
         );
+        let resp = client.forward(req).await.expect("forward").into_inner();
+        let out = decode(resp.output.as_ref().unwrap());
+        assert_eq!(out.len(), n * h, "big-{i}");
+        let x: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
+        let (err, excluded) = compare(&spec, &refs[0], &x, &out, None);
+        assert!(err <= 1e-5, "big-{i}: max relative error {err:.3e}");
+        assert!(excluded * 100 <= n, "big-{i}: {excluded} near-tie rows");
     }
+    let router = prom::scrape(&group.metrics_addrs(2)[0]);
+    let reused = prom::sum(&router, "epserve_output_buffers_reused_total", &[]);
+    assert_eq!(reused, (sizes.len() - 1) as f64, "answers in a kept buffer");
 }

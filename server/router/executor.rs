@@ -2,7 +2,8 @@
 //! step's input into a free slot, the executor thread publishes it, sends the descriptor to every
 //! rank, runs its own share and waits for every rank's output, and a delivery thread reads the
 //! outputs and answers the finished requests, then frees the slot. So while the ranks run step N,
-//! step N+1 is being packed and step N-1's answers delivered. Steps run in order, one at a time.
+//! step N+1 is being packed and step N-1's answers delivered. Steps complete in order; up to the
+//! driver's depth of them are on the ranks at once (`--steps-ahead`).
 
 use std::collections::VecDeque;
 use std::io::ErrorKind;
@@ -15,7 +16,8 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
 
-use super::rows::{copy_threads, deliver, pack};
+use super::rows::{copy_threads, deliver, out_bufs, pack};
+use super::OutBufs;
 use super::{Failure, Offer, Step};
 use crate::dtype::Dtype;
 use crate::group::{recv, Ctl, GroupError, RouterLink};
@@ -75,6 +77,7 @@ pub struct Executor<B> {
     seq: u64,
     /// The driver's: whether a step is running, and since when.
     pub progress: Arc<Progress>,
+    bufs: Arc<OutBufs>,
 }
 
 impl<B: Backend> Executor<B> {
@@ -114,6 +117,7 @@ impl<B: Backend> Executor<B> {
         }
         Ok(Self {
             progress: driver.progress(),
+            bufs: out_bufs(&ring),
             driver,
             ring,
             link: Control(Arc::new(Mutex::new(link))),
@@ -243,12 +247,13 @@ impl<B: Backend> Executor<B> {
         };
         let delivery = {
             let (ring, free, permits) = (self.ring.clone(), free.clone(), in_flight.clone());
+            let bufs = self.bufs.clone();
             let guard = AbortOnPanic(self.abort.clone(), "the step delivery panicked");
             std::thread::Builder::new()
                 .name("step-deliver".into())
                 .spawn(move || {
                     let _guard = guard;
-                    deliver_steps(done_rx, &ring, &free, &permits)
+                    deliver_steps(done_rx, &ring, &free, &permits, &bufs)
                 })
                 .map_err(|e| ExecutorError::Broken(format!("spawning the delivery: {e}")))?
         };
@@ -397,7 +402,7 @@ impl<B: Backend> Executor<B> {
         let r = self.start(&mut flight, step, 0, None);
         let f = flight.front_mut().expect("started");
         r.and_then(|()| self.finish(f, true))?;
-        deliver(&self.ring, &f.step, 0, 0, 1);
+        deliver(&self.ring, &f.step, 0, 0, 1, &self.bufs);
         let finite = |out: &[u8]| crate::dtype::first_non_finite(Dtype::F32, out).is_none();
         match rx.try_recv() {
             Ok(Ok(out)) if finite(&out) => Ok(()),
@@ -497,10 +502,11 @@ fn deliver_steps(
     ring: &Ring,
     free: &Slots,
     in_flight: &tokio::sync::Semaphore,
+    bufs: &Arc<OutBufs>,
 ) {
     let threads = copy_threads();
     for (step, slot) in done {
-        deliver(ring, &step, slot, 0, threads);
+        deliver(ring, &step, slot, 0, threads, bufs);
         free.put(slot);
         in_flight.add_permits(1);
         metrics::gauge!(crate::router::STEPS_IN_FLIGHT).decrement(1.0);

@@ -7,6 +7,7 @@ mod batcher;
 mod coordinator;
 mod executor;
 mod failure;
+mod out_bufs;
 pub(crate) mod rows;
 
 pub use admission::{Admission, Permit};
@@ -14,6 +15,8 @@ pub use batcher::{run_batcher, BatchConfig};
 pub use coordinator::{run_coordinator, CoordConfig, Offer};
 pub use executor::{Control, Executor, ExecutorError, PeerEvents};
 pub use failure::Failure;
+pub use out_bufs::{OutBufs, REUSED as OUTPUT_BUFFERS_REUSED};
+pub use rows::{DELIVER_SECONDS, PACK_SECONDS};
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -128,16 +131,16 @@ impl Job {
 
     /// The output buffer, taken out for the delivery to fill outside the lock; allocated on
     /// first use.
-    fn take_out(&self, row_bytes: usize) -> Vec<u8> {
+    fn take_out(&self, row_bytes: usize, bufs: &OutBufs) -> Vec<u8> {
         let mut s = self.sink();
         if s.out.is_empty() {
-            s.out = vec![0; self.input.tokens * row_bytes];
+            s.out = bufs.take(self.input.tokens * row_bytes);
         }
         std::mem::take(&mut s.out)
     }
 
     /// Puts the buffer back with `rows` more filled in; answers once every row is in.
-    fn put_out(&self, out: Vec<u8>, rows: usize) {
+    fn put_out(&self, out: Vec<u8>, rows: usize, bufs: &Arc<OutBufs>) {
         let mut s = self.sink();
         s.out = out;
         s.done += rows;
@@ -146,7 +149,7 @@ impl Job {
                 metrics::histogram!("epserve_request_in_step_seconds")
                     .record(t.elapsed().as_secs_f64());
             }
-            let out = Bytes::from(std::mem::take(&mut s.out));
+            let out = bufs.answer(std::mem::take(&mut s.out));
             if let Some(tx) = s.reply.take() {
                 let _ = tx.send(Ok(out));
             }

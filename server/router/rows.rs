@@ -1,10 +1,16 @@
 //! Copies between requests and the step ring: a step's input rows in, its output rows out,
 //! straight from and into the requests' own buffers, on several threads when a step is large.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
-use super::Step;
+use super::{OutBufs, Step};
 use crate::step::ring::Ring;
+
+/// A step's input rows copied from its requests into the ring, on this rank.
+pub const PACK_SECONDS: &str = "epserve_step_pack_seconds";
+/// A finished step's output rows copied out of the ring to its requests, on this rank.
+pub const DELIVER_SECONDS: &str = "epserve_step_deliver_seconds";
 
 /// Below this many bytes a step's rows are copied on one thread: starting more costs more than
 /// it saves.
@@ -16,6 +22,13 @@ const PIECE_BYTES: usize = 1 << 20;
 /// not one core's copy rate, bounds what a step of MB requests costs the router.
 pub(crate) fn copy_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+}
+
+/// The answers' buffers of one rank: it keeps unused ones up to one slot's output rows in f32
+/// (the most one step delivers), and at least 64 MiB (the default largest request), for answers
+/// larger than a step.
+pub(crate) fn out_bufs(ring: &Ring) -> Arc<OutBufs> {
+    OutBufs::new((ring.shape.max_tokens * ring.shape.hidden * 4).max(64 << 20))
 }
 
 /// Runs `f` on every item, on up to `threads` threads when `bytes` is large.
@@ -46,6 +59,7 @@ fn copy_all<T: Send>(threads: usize, bytes: usize, items: Vec<T>, f: impl Fn(T) 
 
 /// Writes a step's input rows into `slot` from row `base` on, straight from the requests' bytes.
 pub(crate) fn pack(ring: &Ring, step: &Step, slot: usize, base: usize, threads: usize) {
+    let t = Instant::now();
     let (h, k) = (ring.shape.hidden, ring.shape.top_k);
     let row_bytes = h * step.input.bytes();
     let per = (PIECE_BYTES / row_bytes).max(1);
@@ -65,18 +79,27 @@ pub(crate) fn pack(ring: &Ring, step: &Step, slot: usize, base: usize, threads: 
     copy_all(threads, (row - base) * row_bytes, pieces, |(r, src)| {
         ring.write_hidden(slot, r, step.input, src)
     });
+    metrics::histogram!(PACK_SECONDS).record(t.elapsed().as_secs_f64());
 }
 
 /// Hands a finished step's output rows in `slot`, from row `base` on, to its requests, in their
-/// output dtype.
-pub(crate) fn deliver(ring: &Ring, step: &Step, slot: usize, base: usize, threads: usize) {
+/// output dtype, in buffers from `bufs`.
+pub(crate) fn deliver(
+    ring: &Ring,
+    step: &Step,
+    slot: usize,
+    base: usize,
+    threads: usize,
+    bufs: &Arc<OutBufs>,
+) {
+    let t = Instant::now();
     let row_bytes = ring.shape.hidden * step.output.bytes();
     let per = (PIECE_BYTES / row_bytes).max(1);
     // A request has one segment per step: its buffer is filled outside its lock, then put back.
     let mut outs: Vec<Vec<u8>> = step
         .segments
         .iter()
-        .map(|s| s.job.take_out(row_bytes))
+        .map(|s| s.job.take_out(row_bytes, bufs))
         .collect();
     let mut pieces: Vec<(usize, &mut [u8])> = Vec::new();
     let mut row = base;
@@ -91,6 +114,7 @@ pub(crate) fn deliver(ring: &Ring, step: &Step, slot: usize, base: usize, thread
         ring.read_output(slot, r, step.output, dst)
     });
     for (seg, out) in step.segments.iter().zip(outs) {
-        seg.job.put_out(out, seg.rows.len());
+        seg.job.put_out(out, seg.rows.len(), bufs);
     }
+    metrics::histogram!(DELIVER_SECONDS).record(t.elapsed().as_secs_f64());
 }

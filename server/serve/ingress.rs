@@ -13,7 +13,6 @@ use tracing::{error, info, warn};
 use super::grpc::{set_ready, watch_liveness, Front};
 use super::own_rows::{lock, Offered, OwnRows};
 use super::prepare::Prepared;
-use super::RING_SLOTS;
 use crate::config::ServeArgs;
 use crate::group::{Ctl, CtlWriter};
 use crate::infer::Phase;
@@ -55,7 +54,7 @@ impl Clients {
             jobs: Some(jobs),
             abort,
             offered: Arc::default(),
-            permits: Arc::new(Semaphore::new(RING_SLOTS)),
+            permits: Arc::new(Semaphore::new(p.ring.slots)),
             batch_stop: CancellationToken::new(),
             drain: CancellationToken::new(),
             rank,
@@ -99,7 +98,7 @@ impl Clients {
         let batch = BatchConfig {
             max_tokens_per_step: stride,
             max_wait: Duration::from_micros(args.max_batch_wait_us),
-            depth: RING_SLOTS,
+            depth: ring.shape.slots,
             gauge: OFFERS_PENDING,
         };
         let (offer_tx, offer_rx) = mpsc::channel(1);

@@ -18,10 +18,6 @@ use anyhow::{anyhow, Context};
 
 use crate::config::{BackendKind, ServeArgs};
 
-/// Steps in flight. Three (one packed, one running, one delivered at once) measured no faster than
-/// two on 4x H200 (docs/benchmarks.md) and take half as much shared memory again.
-const RING_SLOTS: usize = 2;
-
 /// `epserve serve`: one rank's whole life.
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let member = args.member().map_err(|e| anyhow!(e))?;

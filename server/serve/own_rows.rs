@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
-use crate::router::rows::{copy_threads, deliver, pack};
+use crate::router::rows::{copy_threads, deliver, out_bufs, pack};
 use crate::router::{Failure, Step, OFFERS_PENDING};
 use crate::step::ring::Ring;
 use crate::step::{StepDesc, StepKey};
@@ -161,9 +161,9 @@ impl OwnRows {
             std::thread::Builder::new()
                 .name("step-deliver".into())
                 .spawn(move || {
-                    let threads = copy_threads();
+                    let (threads, bufs) = (copy_threads(), out_bufs(&ring));
                     for (step, slot) in rx {
-                        deliver(&ring, &step, slot, base, threads);
+                        deliver(&ring, &step, slot, base, threads, &bufs);
                         gate.free(slot);
                     }
                 })?

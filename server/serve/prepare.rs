@@ -6,7 +6,6 @@ use std::time::Instant;
 use anyhow::{anyhow, bail};
 use tracing::info;
 
-use super::RING_SLOTS;
 use crate::backend::cpu::SegmentShape;
 use crate::backend::gpu;
 use crate::config::{graph_buckets, BackendKind, EpSettings, Member, OnOff, ServeArgs};
@@ -114,6 +113,7 @@ pub fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<(Prepared, We
             args.max_tokens_per_step.to_string(),
         ),
         ("ingress".into(), args.ingress.name().into()),
+        ("ring_slots".into(), args.ring_slots.to_string()),
     ];
     fingerprint.extend(spec.fingerprint());
     if matches!(backend, BackendKind::Nccl | BackendKind::NcclEp) {
@@ -157,7 +157,13 @@ pub fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<(Prepared, We
         hidden: spec.hidden,
         max_home,
     };
-    let ring = RingShape::new(RING_SLOTS, member.world, max_home, spec.hidden, spec.top_k);
+    let ring = RingShape::new(
+        args.ring_slots,
+        member.world,
+        max_home,
+        spec.hidden,
+        spec.top_k,
+    );
     let t0 = Instant::now();
     let experts = placement.experts_of(member.rank);
     let weights = source.load(&spec, experts.clone())?;

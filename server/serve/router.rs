@@ -16,7 +16,6 @@ use super::bringup::{bring_up, Side, Site};
 use super::grpc::{set_ready, watch_liveness, Front};
 use super::prepare::{Prepared, Weights};
 use super::stop::{wait_for_stop, Stop};
-use super::RING_SLOTS;
 use crate::backend::gpu;
 use crate::config::Ingress;
 use crate::config::ServeArgs;
@@ -66,7 +65,7 @@ async fn router_main(
         front.health.clone(),
         front.addr,
     );
-    let (world, stride) = (p.member.world, p.ring.home_stride());
+    let (world, stride, slots) = (p.member.world, p.ring.home_stride(), p.ring.slots);
     // --ingress all: the other ranks' offers and drain messages, from their control connections.
     let (offers_tx, offers_rx) = mpsc::unbounded_channel();
     let events = (args.ingress == Ingress::All).then(|| PeerEvents {
@@ -113,7 +112,7 @@ async fn router_main(
     let (handle, heartbeat) = (tokio::runtime::Handle::current(), args.heartbeat_interval);
     let exec_abort = abort.clone();
     // One permit per ring slot: a step holds one from when it is formed until it is delivered.
-    let in_flight = Arc::new(tokio::sync::Semaphore::new(RING_SLOTS));
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(slots));
     metrics::gauge!(crate::router::STEPS_IN_FLIGHT).set(0.0);
     let permits = in_flight.clone();
     let exec_thread = std::thread::Builder::new()
@@ -131,7 +130,7 @@ async fn router_main(
             let batch = BatchConfig {
                 max_tokens_per_step: args.max_tokens_per_step,
                 max_wait,
-                depth: RING_SLOTS,
+                depth: slots,
                 gauge: crate::router::STEPS_IN_FLIGHT,
             };
             let b = run_batcher(
@@ -149,11 +148,11 @@ async fn router_main(
             let batch = BatchConfig {
                 max_tokens_per_step: stride,
                 max_wait,
-                depth: RING_SLOTS,
+                depth: slots,
                 gauge: OFFERS_PENDING,
             };
             let (own_tx, own_rx) = mpsc::channel(1);
-            let own_permits = Arc::new(tokio::sync::Semaphore::new(RING_SLOTS));
+            let own_permits = Arc::new(tokio::sync::Semaphore::new(slots));
             let b = run_batcher(
                 batch,
                 job_rx,
@@ -166,7 +165,7 @@ async fn router_main(
             let cfg = CoordConfig {
                 world,
                 stride,
-                depth: RING_SLOTS,
+                depth: slots,
             };
             let c = run_coordinator(
                 cfg,
