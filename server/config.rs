@@ -364,8 +364,9 @@ pub struct ServeArgs {
     /// Slots of the step ring, the steps the router holds at once (packed, running or being
     /// answered); each holds a whole step's rows in and out, in f32. Two let one step be packed
     /// or answered while another runs; more let the next be packed while one is answered and
-    /// another runs, at that much more shared memory each. Three and four measured no faster
-    /// than two on one H200 (docs/benchmarks.md); 4x H200 has not been measured.
+    /// another runs, at that much more shared memory each. Three measured no faster than two on
+    /// 4x H200 with one step in flight, nor three and four on one H200 with two
+    /// (docs/benchmarks.md).
     #[arg(long, env = "EPSERVE_RING_SLOTS", default_value_t = 2,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(2..=4))]
     pub ring_slots: usize,
