@@ -1,7 +1,7 @@
 //! Output buffers of answered requests, kept for the next answers. A fresh buffer of megabytes
 //! costs the delivery a page fault for every 4 KiB it writes, because the allocator hands large
-//! freed blocks back to the kernel: on 1x H200 the router took ~1,900 minor faults per 8 MB answer
-//! and 2-5 ms to deliver a 16 MB step. A reused buffer is already mapped.
+//! freed blocks back to the kernel: on 1x H200 the router took 1,400-2,100 minor faults per
+//! request of 8 MB and 2-5 ms to deliver a 16 MB step. A reused buffer is already mapped.
 
 use std::sync::{Arc, Mutex};
 
