@@ -539,14 +539,18 @@ mod tests {
     #[test]
     fn steps_ahead_defaults_per_backend_and_is_bounded() {
         use super::BackendKind::{Cpu, Nccl, NcclEp};
-        let args = serve_args;
-        let auto = args(&[]).unwrap();
+        let auto = serve_args(&[]).unwrap();
         let ahead = [Cpu, Nccl, NcclEp].map(|b| auto.steps_ahead(b));
         assert_eq!(ahead, [0, 1, 0]);
-        let one = args(&["--steps-ahead", "1"]).unwrap();
+        let one = serve_args(&["--steps-ahead", "1"]).unwrap();
         assert_eq!([Cpu, NcclEp].map(|b| one.steps_ahead(b)), [1, 1]);
-        assert_eq!(args(&["--steps-ahead", "0"]).unwrap().steps_ahead(Nccl), 0);
-        let e = args(&["--steps-ahead", "2"]).unwrap_err().to_string();
+        assert_eq!(
+            serve_args(&["--steps-ahead", "0"])
+                .unwrap()
+                .steps_ahead(Nccl),
+            0
+        );
+        let e = serve_args(&["--steps-ahead", "2"]).unwrap_err().to_string();
         assert!(e.contains("not in 0..=1"), "{e}");
     }
 

@@ -17,8 +17,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
 
 use super::rows::{copy_threads, deliver, out_bufs, pack};
-use super::OutBufs;
-use super::{Failure, Offer, Step};
+use super::{Failure, Offer, OutBufs, Step};
 use crate::dtype::Dtype;
 use crate::group::{recv, Ctl, GroupError, RouterLink};
 use crate::shm::{nap, Abort, WaitError};

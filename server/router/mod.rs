@@ -15,7 +15,7 @@ pub use batcher::{run_batcher, BatchConfig};
 pub use coordinator::{run_coordinator, CoordConfig, Offer};
 pub use executor::{Control, Executor, ExecutorError, PeerEvents};
 pub use failure::Failure;
-pub use out_bufs::{OutBufs, REUSED as OUTPUT_BUFFERS_REUSED};
+pub use out_bufs::{OutBufs, OUTPUT_BUFFERS_REUSED};
 pub use rows::{DELIVER_SECONDS, PACK_SECONDS};
 
 use std::ops::Range;

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 
 /// Answers written into a buffer kept from an earlier answer.
-pub const REUSED: &str = "epserve_output_buffers_reused_total";
+pub const OUTPUT_BUFFERS_REUSED: &str = "epserve_output_buffers_reused_total";
 
 /// Below this an answer's buffer comes from the allocator, which reuses small blocks itself (no
 /// faults were measured for 512 KiB answers).
@@ -45,7 +45,7 @@ impl OutBufs {
                 let mut buf = free.swap_remove(i);
                 drop(free);
                 buf.resize(len, 0);
-                metrics::counter!(REUSED).increment(1);
+                metrics::counter!(OUTPUT_BUFFERS_REUSED).increment(1);
                 return buf;
             }
         }
