@@ -83,7 +83,7 @@ if want ep; then
       run gpu_nccl_ep timeout 300 .device/bin/gpu_nccl_ep --ignored --nocapture --test-threads 1) || status=1
     grep -E "^(test |NCCL|[0-9]+ GPUs|LL|step)" "$out/gpu_nccl_ep.log" || true
     (source /tmp/nccl230/env.sh && export NCCL_DEBUG=WARN &&
-      run gpu_serve_ep timeout 500 .device/bin/gpu_serve --ignored --nocapture --test-threads 1 matches_the_nccl_backend) || status=1
+      run gpu_serve_ep timeout 500 .device/bin/gpu_serve --ignored --nocapture --test-threads 1 matches_the_nccl_backend nccl_ep_two_steps_in_flight) || status=1
     grep -E "^(test |nccl-ep)" "$out/gpu_serve_ep.log" || true
   else
     echo "== gpu_nccl_ep: skipped (no .device/nccl230.tar.xz)"
@@ -218,8 +218,8 @@ PY
       cat "$out/serve-$tag-open70.txt"
     done
     # Where a request's time went (queue, in step, whole call), per rank-0 histogram.
-    curl -s "$m0" | grep -E '^epserve_(request|step|steps|ingress|egress)' >"$out/serve-$name-metrics.txt"
-    echo "== serve $name: steps started ahead $(metric "$m0" epserve_steps_submitted_ahead_total)"
+    curl -s "$m0" | grep -E '^epserve_(request|step|steps|ingress|egress|partial)' >"$out/serve-$name-metrics.txt"
+    echo "== serve $name: steps started ahead $(metric "$m0" epserve_steps_submitted_ahead_total), partial steps formed behind another $(metric "$m0" epserve_partial_steps_behind_total)"
     kill -TERM $pid; wait $pid
     rm -rf "$shm"
    done

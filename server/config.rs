@@ -355,9 +355,8 @@ pub struct ServeArgs {
     pub cpu_threads: usize,
     /// Steps a rank holds queued behind the one running: 1 lets a GPU rank copy in and launch
     /// step N+1 while step N runs, and copy N's output out while N+1 runs; 0 runs one step at a
-    /// time. Default: 1 on nccl; 0 on cpu, whose ranks compute a step whole on the host (there a
-    /// step queued behind another only delays the other's answers), and on nccl-ep, until two
-    /// steps in flight have run on it (they have not yet: see docs/benchmarks.md).
+    /// time. Default: 1 on the GPU backends; 0 on cpu, whose ranks compute a step whole on the
+    /// host (there a step queued behind another only delays the other's answers).
     #[arg(long, env = "EPSERVE_STEPS_AHEAD",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1))]
     pub steps_ahead: Option<usize>,
@@ -421,7 +420,7 @@ impl ServeArgs {
     /// `--steps-ahead`, or its default for the backend the group runs.
     pub fn steps_ahead(&self, backend: BackendKind) -> usize {
         self.steps_ahead.unwrap_or(match backend {
-            BackendKind::Nccl => 1,
+            BackendKind::Nccl | BackendKind::NcclEp => 1,
             _ => 0,
         })
     }
@@ -541,15 +540,11 @@ mod tests {
         use super::BackendKind::{Cpu, Nccl, NcclEp};
         let auto = serve_args(&[]).unwrap();
         let ahead = [Cpu, Nccl, NcclEp].map(|b| auto.steps_ahead(b));
-        assert_eq!(ahead, [0, 1, 0]);
+        assert_eq!(ahead, [0, 1, 1]);
         let one = serve_args(&["--steps-ahead", "1"]).unwrap();
         assert_eq!([Cpu, NcclEp].map(|b| one.steps_ahead(b)), [1, 1]);
-        assert_eq!(
-            serve_args(&["--steps-ahead", "0"])
-                .unwrap()
-                .steps_ahead(Nccl),
-            0
-        );
+        let zero = serve_args(&["--steps-ahead", "0"]).unwrap();
+        assert_eq!([Nccl, NcclEp].map(|b| zero.steps_ahead(b)), [0, 0]);
         let e = serve_args(&["--steps-ahead", "2"]).unwrap_err().to_string();
         assert!(e.contains("not in 0..=1"), "{e}");
     }

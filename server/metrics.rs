@@ -84,6 +84,11 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         "epserve_steps_submitted_ahead_total",
         "Steps this rank started while the step before was still running (--steps-ahead)"
     );
+    metrics::describe_counter!(
+        crate::router::PARTIAL_STEPS_BEHIND,
+        "Router: partial steps formed while another step was in the pipeline, just in time for \
+         the ranks"
+    );
     metrics::describe_histogram!("epserve_step_phase_seconds", "Step phases on this rank");
     metrics::describe_histogram!(
         crate::router::PACK_SECONDS,

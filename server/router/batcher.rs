@@ -1,8 +1,10 @@
 //! The batching actor: owns the queue; forms a step when the head request's layer has a full step
 //! queued and the pipeline has room (up to `depth` steps packed, running or being delivered), or
-//! when the head has waited `max_wait` and the pipeline is empty. A partial step is not formed
-//! behind a running one: it would leave for the ranks no sooner, and waiting lets it fill. Requests
-//! whose client left or whose deadline passed leave the queue without entering a step.
+//! when the head has waited `max_wait` and either the pipeline is empty or, with a `Pace`, the
+//! step ahead is due to leave the ranks within a packing time. A partial step is not formed
+//! sooner behind a running one: waiting lets it fill, and it could not start before the ranks
+//! are free. Requests whose client left or whose deadline passed leave the queue without entering
+//! a step.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -12,11 +14,12 @@ use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::pace::{Pace, PARTIAL_STEPS_BEHIND};
 use super::{Failure, Job, Segment, Step};
 use crate::shm::Abort;
 use crate::step::StepKey;
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone)]
 pub struct BatchConfig {
     pub max_tokens_per_step: usize,
     pub max_wait: Duration,
@@ -24,6 +27,9 @@ pub struct BatchConfig {
     pub depth: usize,
     /// The gauge those permits count (`STEPS_IN_FLIGHT`, or `OFFERS_PENDING` under --ingress all).
     pub gauge: &'static str,
+    /// The executor's reports, when its steps are the ones formed here: a partial step may then
+    /// be formed just in time behind a running one.
+    pub pace: Option<Arc<Pace>>,
 }
 
 struct Queued {
@@ -101,25 +107,47 @@ pub async fn run_batcher(
         // Draining: nothing more arrives, so waiting to fill is pointless.
         let due = head.map(|(_, since)| if open { since + cfg.max_wait } else { since });
         let ready = full || due.is_some_and(|d| d <= Instant::now());
+        // A partial step behind another one: in how long (None: not until the pipeline empties
+        // or the pace changes).
+        let pace = cfg.pace.as_deref().filter(|_| ready && !full);
+        let behind = pace.and_then(|p| p.partial_in(cfg.max_wait));
+        let need = match full || behind == Some(Duration::ZERO) {
+            true => 1,
+            false => cfg.depth,
+        };
         let next_deadline = queue
             .iter()
             .filter(|q| q.next_row == 0)
             .filter_map(|q| q.job.input.deadline)
             .min();
-        let wake_at = [due.filter(|_| !ready), next_deadline.map(Instant::from_std)]
-            .into_iter()
-            .flatten()
-            .min();
+        let wake_at = [
+            due.filter(|_| !ready),
+            next_deadline.map(Instant::from_std),
+            behind.filter(|d| !d.is_zero()).map(|d| Instant::now() + d),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
         tokio::select! {
             job = jobs.recv(), if open => match job {
                 Some(job) => queue.push_back(Queued { job, next_row: 0, since: Instant::now() }),
                 None => stop.cancel(),
             },
-            // A full step may queue behind a running one; a partial one waits for an empty pipeline.
-            permit = ready_for_step(&in_flight, if full { 1 } else { cfg.depth }, &steps, cfg.gauge), if ready => match permit {
-                Some(permit) => permit.send(take_step(&mut queue, cfg.max_tokens_per_step)),
+            // A full step may queue behind a running one; a partial one waits for an empty
+            // pipeline, or for the step ahead to be due to end.
+            permit = ready_for_step(&in_flight, need, &steps, cfg.gauge), if ready => match permit {
+                Some(permit) => {
+                    if !full && in_flight.available_permits() + 1 < cfg.depth {
+                        metrics::counter!(PARTIAL_STEPS_BEHIND).increment(1);
+                    }
+                    if let Some(p) = &cfg.pace {
+                        p.formed();
+                    }
+                    permit.send(take_step(&mut queue, cfg.max_tokens_per_step))
+                }
                 None => break,
             },
+            _ = changed(pace) => {}
             _ = tokio::time::sleep_until(wake_at.unwrap_or_else(Instant::now)), if wake_at.is_some() => {}
             _ = wake.notified() => {}
             _ = stop.cancelled(), if open => {}
@@ -142,6 +170,14 @@ pub async fn run_batcher(
     }
     for q in queue {
         q.job.fail(status.clone());
+    }
+}
+
+/// Resolves when the executor reports on its steps; never without a pace.
+async fn changed(pace: Option<&Pace>) {
+    match pace {
+        Some(p) => p.changed.notified().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -247,6 +283,16 @@ mod tests {
         depth: usize,
         steps: usize,
     ) -> Harness {
+        harness_with(max_tokens_per_step, max_wait_ms, depth, steps, None)
+    }
+
+    fn harness_with(
+        max_tokens_per_step: usize,
+        max_wait_ms: u64,
+        depth: usize,
+        steps: usize,
+        pace: Option<Arc<Pace>>,
+    ) -> Harness {
         let (jobs, jrx) = mpsc::channel(64);
         let (stx, steps) = mpsc::channel(steps);
         let cfg = BatchConfig {
@@ -254,6 +300,7 @@ mod tests {
             max_wait: Duration::from_millis(max_wait_ms),
             depth,
             gauge: crate::router::STEPS_IN_FLIGHT,
+            pace,
         };
         let in_flight = Arc::new(Semaphore::new(depth));
         let (wake, stop) = (Arc::new(Notify::new()), CancellationToken::new());
@@ -385,6 +432,43 @@ mod tests {
         assert!(srx.try_recv().is_err(), "one step is still in flight");
         in_flight.add_permits(1);
         assert_eq!(srx.recv().await.unwrap().tokens(), 1);
+        stop.cancel();
+        task.await.unwrap();
+    }
+
+    /// With the executor's pace, a partial step forms behind a running one once that one is due
+    /// to end within a packing time (and max_wait), not before it is on the ranks.
+    #[tokio::test(start_paused = true)]
+    async fn with_a_pace_a_partial_step_forms_just_in_time_behind_a_running_one() {
+        let pace = Arc::new(Pace::default());
+        // An earlier step: 10 ms on the ranks, 2 ms to pack.
+        pace.formed();
+        pace.packed(Duration::from_millis(2));
+        pace.submitted();
+        pace.finished(Duration::from_millis(10));
+        let h = harness_with(4, 1, 2, 4, Some(pace.clone()));
+        let (jtx, mut srx, stop, task) = (h.jobs, h.steps, h.stop, h.task);
+        let mut keep = Vec::new();
+        for (j, rx) in [job(0, 4, None), job(0, 1, None)] {
+            jtx.send(j).await.unwrap();
+            keep.push(rx);
+        }
+        assert_eq!(srx.recv().await.unwrap().tokens(), 4);
+        // The full step is being packed: the 1-token rest waits, though a permit is free.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(srx.try_recv().is_err());
+        // On the ranks now: the rest forms 10 - 2 - 1 ms later, while the full step still holds
+        // its permit.
+        pace.submitted();
+        let t0 = Instant::now();
+        let s = srx.recv().await.unwrap();
+        let waited = t0.elapsed();
+        assert_eq!(s.tokens(), 1);
+        assert!(
+            waited >= Duration::from_millis(6) && waited <= Duration::from_millis(7),
+            "{waited:?}"
+        );
+        assert_eq!(h.in_flight.available_permits(), 0);
         stop.cancel();
         task.await.unwrap();
     }

@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
 
 use super::rows::{copy_threads, deliver, out_bufs, pack};
-use super::{Failure, Offer, OutBufs, Step};
+use super::{Failure, Offer, OutBufs, Pace, Step};
 use crate::dtype::Dtype;
 use crate::group::{recv, Ctl, GroupError, RouterLink};
 use crate::shm::{nap, Abort, WaitError};
@@ -76,6 +76,8 @@ pub struct Executor<B> {
     seq: u64,
     /// The driver's: whether a step is running, and since when.
     pub progress: Arc<Progress>,
+    /// Its steps' packing, start and end, for the batcher.
+    pub pace: Arc<Pace>,
     bufs: Arc<OutBufs>,
 }
 
@@ -116,6 +118,7 @@ impl<B: Backend> Executor<B> {
         }
         Ok(Self {
             progress: driver.progress(),
+            pace: Arc::default(),
             bufs: out_bufs(&ring),
             driver,
             ring,
@@ -147,6 +150,7 @@ impl<B: Backend> Executor<B> {
         heartbeat: Option<OwnedSemaphorePermit>,
     ) -> Result<(), ExecutorError> {
         let now = Instant::now();
+        let formed = heartbeat.is_none();
         // Heartbeats get no span: one a second would drown the traces.
         let _span = (!step.segments.is_empty()).then(|| {
             tracing::info_span!("step", step = self.seq + 1, tokens = step.tokens()).entered()
@@ -182,6 +186,9 @@ impl<B: Backend> Executor<B> {
         };
         self.link.broadcast(&Ctl::Step(desc.clone()))?;
         self.driver.submit(&desc)?;
+        if formed {
+            self.pace.submitted();
+        }
         Ok(())
     }
 
@@ -236,11 +243,18 @@ impl<B: Backend> Executor<B> {
         let (done, done_rx) = std::sync::mpsc::sync_channel::<(Step, usize)>(depth);
         let packer = {
             let (ring, free, abort) = (self.ring.clone(), free.clone(), self.abort.clone());
-            let control = self.link.clone();
+            let (control, pace) = (self.link.clone(), self.pace.clone());
             std::thread::Builder::new()
                 .name("step-pack".into())
                 .spawn(move || {
-                    pack_steps(steps, packed_tx, &ring, &free, &control, &runtime, &abort)
+                    let to = Packer {
+                        ring: &ring,
+                        free: &free,
+                        control: &control,
+                        pace: &pace,
+                        abort: &abort,
+                    };
+                    to.run(steps, packed_tx, &runtime)
                 })
                 .map_err(|e| ExecutorError::Broken(format!("spawning the packer: {e}")))?
         };
@@ -308,6 +322,7 @@ impl<B: Backend> Executor<B> {
                         continue;
                     }
                     tracing::debug!(tokens = f.step.tokens(), ?times, "step");
+                    self.pace.finished(times.total);
                     // The delivery thread only ends after this loop, so the send cannot fail.
                     let _ = done.send((f.step, f.slot));
                 }
@@ -446,42 +461,53 @@ impl Slots {
     }
 }
 
-/// The packer: each step from the batcher into a free slot, on to the executor. Under
-/// --ingress all the other ranks are told the slot first (`Ctl::Pack`), so they pack their rows
-/// while the step before runs, as this thread does. When the executor is gone (the group broke),
-/// the step in hand and every later one fail.
-fn pack_steps(
-    mut steps: mpsc::Receiver<Step>,
-    packed: std::sync::mpsc::SyncSender<(Step, usize)>,
-    ring: &Ring,
-    free: &Slots,
-    control: &Control,
-    runtime: &tokio::runtime::Handle,
-    abort: &Arc<Abort>,
-) {
-    let _guard = AbortOnPanic(abort.clone(), "the step packer panicked");
-    let threads = copy_threads();
-    while let Some(step) = runtime.block_on(steps.recv()) {
-        let slot = free.take();
-        if step.homes.iter().skip(1).any(|&n| n > 0) {
-            let order = Ctl::Pack {
-                slot: slot as u32,
-                key: step.key(),
-                homes: step.homes.clone(),
-            };
-            if let Err(e) = control.broadcast(&order) {
-                abort.trigger(format!("sending a step's slot to the ranks: {e}"));
+/// The packer's share of the executor's state.
+struct Packer<'a> {
+    ring: &'a Ring,
+    free: &'a Slots,
+    control: &'a Control,
+    pace: &'a Pace,
+    abort: &'a Arc<Abort>,
+}
+
+impl Packer<'_> {
+    /// Each step from the batcher into a free slot, on to the executor. Under --ingress all the
+    /// other ranks are told the slot first (`Ctl::Pack`), so they pack their rows while the step
+    /// before runs, as this thread does. When the executor is gone (the group broke), the step
+    /// in hand and every later one fail.
+    fn run(
+        &self,
+        mut steps: mpsc::Receiver<Step>,
+        packed: std::sync::mpsc::SyncSender<(Step, usize)>,
+        runtime: &tokio::runtime::Handle,
+    ) {
+        let abort = self.abort;
+        let _guard = AbortOnPanic(abort.clone(), "the step packer panicked");
+        let threads = copy_threads();
+        while let Some(step) = runtime.block_on(steps.recv()) {
+            let slot = self.free.take();
+            let t0 = Instant::now();
+            if step.homes.iter().skip(1).any(|&n| n > 0) {
+                let order = Ctl::Pack {
+                    slot: slot as u32,
+                    key: step.key(),
+                    homes: step.homes.clone(),
+                };
+                if let Err(e) = self.control.broadcast(&order) {
+                    abort.trigger(format!("sending a step's slot to the ranks: {e}"));
+                }
+            }
+            pack(self.ring, &step, slot, 0, threads);
+            self.pace.packed(t0.elapsed());
+            if let Err(std::sync::mpsc::SendError((step, _))) = packed.send((step, slot)) {
+                fail_step(&step, abort);
+                break;
             }
         }
-        pack(ring, &step, slot, 0, threads);
-        if let Err(std::sync::mpsc::SendError((step, _))) = packed.send((step, slot)) {
+        steps.close();
+        while let Ok(step) = steps.try_recv() {
             fail_step(&step, abort);
-            break;
         }
-    }
-    steps.close();
-    while let Ok(step) = steps.try_recv() {
-        fail_step(&step, abort);
     }
 }
 

@@ -8,6 +8,7 @@ mod coordinator;
 mod executor;
 mod failure;
 mod out_bufs;
+mod pace;
 pub(crate) mod rows;
 
 pub use admission::{Admission, Permit};
@@ -16,6 +17,7 @@ pub use coordinator::{run_coordinator, CoordConfig, Offer};
 pub use executor::{Control, Executor, ExecutorError, PeerEvents};
 pub use failure::Failure;
 pub use out_bufs::{OutBufs, OUTPUT_BUFFERS_REUSED};
+pub use pace::{Pace, PARTIAL_STEPS_BEHIND};
 pub use rows::{DELIVER_SECONDS, PACK_SECONDS};
 
 use std::ops::Range;

@@ -100,6 +100,7 @@ impl Clients {
             max_wait: Duration::from_micros(args.max_batch_wait_us),
             depth: ring.shape.slots,
             gauge: OFFERS_PENDING,
+            pace: None,
         };
         let (offer_tx, offer_rx) = mpsc::channel(1);
         let f = &self.front;

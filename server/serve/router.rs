@@ -107,6 +107,7 @@ async fn router_main(
         }
     };
     let progress = exec.progress.clone();
+    let pace = exec.pace.clone();
     let control = exec.control();
     let (step_tx, step_rx) = mpsc::channel(1);
     let (handle, heartbeat) = (tokio::runtime::Handle::current(), args.heartbeat_interval);
@@ -132,6 +133,7 @@ async fn router_main(
                 max_wait,
                 depth: slots,
                 gauge: crate::router::STEPS_IN_FLIGHT,
+                pace: Some(pace),
             };
             let b = run_batcher(
                 batch,
@@ -150,6 +152,8 @@ async fn router_main(
                 max_wait,
                 depth: slots,
                 gauge: OFFERS_PENDING,
+                // The coordinator forms the group's steps from these offers.
+                pace: None,
             };
             let (own_tx, own_rx) = mpsc::channel(1);
             let own_permits = Arc::new(tokio::sync::Semaphore::new(slots));
