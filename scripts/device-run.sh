@@ -14,6 +14,9 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 # NVLink multicast stays off on these machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export EPSERVE_BIN=$PWD/.device/bin/epserve
+# The load generator (and its echo) of the cpu, serve and ingress parts; LOADTEST names another
+# build's, to compare with the one it came with.
+loadtest=${LOADTEST:-.device/bin/epserve-loadtest}
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$out/gpus.txt"
 status=0
 run() {
@@ -127,7 +130,7 @@ if want cpu; then
       set -- ${cfg/:/ }
       s0=$(metric "$m0" epserve_step_duration_seconds_sum); k0=$(metric "$m0" epserve_step_tokens_sum)
       n0=$(metric "$m0" epserve_step_duration_seconds_count); curl -s "$m0" >"$out/cpu-m0.txt"
-      .device/bin/epserve-loadtest --target "$addr" --echo --api "$1" --concurrency "$2" --tokens 16 \
+      "$loadtest" --target "$addr" --echo --api "$1" --concurrency "$2" --tokens 16 \
         --dtype bf16 --warmup 1s --duration 5s >"$out/cpu-run.txt" 2>&1
       s1=$(metric "$m0" epserve_step_duration_seconds_sum); k1=$(metric "$m0" epserve_step_tokens_sum)
       n1=$(metric "$m0" epserve_step_duration_seconds_count); curl -s "$m0" >"$out/cpu-m1.txt"
@@ -183,7 +186,7 @@ if want serve; then
       read -r -a copies0 <<<"$(copy_times "$m0")"; read -r -a use0 <<<"$(proc_use "$r0")"
       thread_use "$r0" >"$out/threads0.txt"
       t0=$(date +%s.%N)
-      .device/bin/epserve-loadtest --target "$addr" --echo --concurrency "$1" --tokens "$2" --dtype bf16 \
+      "$loadtest" --target "$addr" --echo --concurrency "$1" --tokens "$2" --dtype bf16 \
         --warmup 2s --duration 8s "${h2[@]}" --json "$out/serve-$tag.json" >"$out/serve-$tag.txt" 2>&1
       s1=$(metric "$m0" epserve_step_duration_seconds_sum); k1=$(metric "$m0" epserve_step_tokens_sum)
       t1=$(date +%s.%N)
@@ -212,7 +215,7 @@ PY
       # skips it.
       [ "${SERVE_OPEN:-1}" = 0 ] && continue
       rate=$(python3 -c "import json; print(round(0.7 * json.load(open('$out/serve-$tag.json'))['service']['requests_per_s'], 1))")
-      .device/bin/epserve-loadtest --target "$addr" --echo --rate "$rate" --tokens "$2" --dtype bf16 \
+      "$loadtest" --target "$addr" --echo --rate "$rate" --tokens "$2" --dtype bf16 \
         --warmup 2s --duration 8s "${h2[@]}" --json "$out/serve-$tag-open70.json" >"$out/serve-$tag-open70.txt" 2>&1
       echo "== serve $tag: open loop at $rate req/s (70% of the closed loop), then the echo at the same rate"
       cat "$out/serve-$tag-open70.txt"
@@ -261,7 +264,7 @@ if want ingress; then
       pids=()
       for r in $(seq 0 $((n - 1))); do
         echo_flag=$([ $mode = router ] && echo --echo || true)
-        .device/bin/epserve-loadtest --target 127.0.0.1:$((50100 + r)) $echo_flag --concurrency "$c" \
+        "$loadtest" --target 127.0.0.1:$((50100 + r)) $echo_flag --concurrency "$c" \
           --tokens 2048 --dtype bf16 --warmup 2s --duration 8s --json "$out/$tag-r$r.json" >"$out/$tag-r$r.txt" 2>&1 &
         pids+=($!)
       done

@@ -3,6 +3,7 @@
 pub mod api;
 pub mod backend;
 pub mod bench;
+pub mod bufs;
 pub mod config;
 pub mod dtype;
 pub mod group;

@@ -99,8 +99,12 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         "A finished step's output rows copied from the step ring to its requests"
     );
     metrics::describe_counter!(
-        crate::router::OUTPUT_BUFFERS_REUSED,
+        crate::bufs::OUTPUT_BUFFERS_REUSED,
         "Answers of 1 MiB or more written into a buffer kept from an earlier answer"
+    );
+    metrics::describe_counter!(
+        crate::bufs::REQUEST_BUFFERS_REUSED,
+        "Unary requests of 1 MiB or more read into a buffer kept from an earlier request"
     );
     metrics::describe_histogram!(
         "epserve_rank_received_tokens",

@@ -311,7 +311,7 @@ async fn two_steps_in_flight_match_the_reference() {
 /// filled over several steps: every token against the reference, so a row the delivery missed
 /// would show the earlier answer's bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn large_answers_reuse_buffers_and_match_the_reference() {
+async fn large_requests_and_answers_reuse_buffers_and_match_the_reference() {
     let (preset, seed) = ("tiny", 16);
     let spec = synthetic::preset(preset).unwrap();
     let refs = reference(&spec, seed);
@@ -338,4 +338,12 @@ async fn large_answers_reuse_buffers_and_match_the_reference() {
     let router = prom::scrape(&group.metrics_addrs(2)[0]);
     let reused = prom::sum(&router, "epserve_output_buffers_reused_total", &[]);
     assert_eq!(reused, (sizes.len() - 1) as f64, "answers in a kept buffer");
+    // The requests (over 1 MiB each) were read by the unary path into kept buffers too. A request
+    // lets its buffer go once its step is done with it, which may be a moment after its answer
+    // left: at least one of the three that followed found one.
+    let reused = prom::sum(&router, "epserve_request_buffers_reused_total", &[]);
+    assert!(
+        (1.0..=(sizes.len() - 1) as f64).contains(&reused),
+        "requests in a kept buffer: {reused}"
+    );
 }

@@ -7,6 +7,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use epserve::api::unary::{Limits, Unary, WithUnary};
+use epserve::bufs::{Bufs, REQUEST_BUFFERS_REUSED};
 use epserve::proto::moe_service_server::{MoeService, MoeServiceServer};
 use epserve::proto::{
     DType, ForwardRequest, ForwardResponse, GetModelInfoRequest, ModelInfo, ProbeRequest,
@@ -51,6 +53,22 @@ impl Echo {
             output,
             error: None,
         }
+    }
+}
+
+/// The echo's `Forward` framed as the service frames it (`epserve::api::unary`), so that the
+/// ceiling it measures is the service's transport, not tonic's codec.
+#[derive(Clone)]
+struct Forward(Arc<Echo>);
+
+impl Unary for Forward {
+    type Req = ForwardRequest;
+    type Resp = ForwardResponse;
+    type Hold = ();
+    const PATH: &'static str = "/epserve.v1.MoeService/Forward";
+
+    async fn call(self, req: Request<ForwardRequest>) -> Result<(ForwardResponse, ()), Status> {
+        Ok((self.0.answer(req.into_inner()).await, ()))
     }
 }
 
@@ -120,9 +138,18 @@ pub async fn spawn(
 ) -> anyhow::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
-    let svc = MoeServiceServer::new(echo)
-        .max_decoding_message_size(1 << 30)
-        .max_encoding_message_size(1 << 30);
+    let limits = Limits {
+        max_request: 1 << 30,
+        max_response: 1 << 30,
+        bufs: Bufs::new(256 << 20, REQUEST_BUFFERS_REUSED),
+    };
+    let svc = WithUnary::new(
+        MoeServiceServer::new(echo.clone())
+            .max_decoding_message_size(1 << 30)
+            .max_encoding_message_size(1 << 30),
+        Forward(Arc::new(echo)),
+        limits,
+    );
     // Small answers must not wait for Nagle, or the ceiling would be a TCP artefact.
     let incoming = tokio_stream::StreamExt::map(
         tokio_stream::wrappers::TcpListenerStream::new(listener),

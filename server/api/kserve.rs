@@ -10,6 +10,7 @@ use bytes::Bytes;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::stream::{self, ResponseStream};
+use super::unary::Unary;
 use super::{code_name, status, Call, Done};
 use crate::infer::tensor::{self, Dtype, View, FLOATS, IDS};
 use crate::infer::{rejected, Infer, Request as Entry};
@@ -386,6 +387,27 @@ fn stream_error(r: &ModelInferRequest, s: &Status) -> ModelStreamInferResponse {
     }
 }
 
+/// `ModelInfer` as `unary` serves it (see `moe::Forward`).
+#[derive(Clone)]
+pub struct ModelInfer(pub Arc<KserveApi>);
+
+impl Unary for ModelInfer {
+    type Req = ModelInferRequest;
+    type Resp = ModelInferResponse;
+    type Hold = Option<Permit>;
+    const PATH: &'static str = "/inference.GRPCInferenceService/ModelInfer";
+
+    async fn call(
+        self,
+        req: Request<ModelInferRequest>,
+    ) -> Result<(ModelInferResponse, Option<Permit>), Status> {
+        let call = Call::of(&req)?;
+        self.0
+            .infer_one(req.into_inner(), &call, "ModelInfer")
+            .await
+    }
+}
+
 #[tonic::async_trait]
 impl GrpcInferenceService for Arc<KserveApi> {
     async fn server_live(
@@ -445,14 +467,14 @@ impl GrpcInferenceService for Arc<KserveApi> {
         }))
     }
 
+    /// Served by `ModelInfer` behind `unary::WithUnary`; tonic's own path, should anything route
+    /// here.
     async fn model_infer(
         &self,
         req: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
-        let call = Call::of(&req)?;
-        self.infer_one(req.into_inner(), &call, "ModelInfer")
-            .await
-            .map(|(resp, _permit)| Response::new(resp))
+        let (resp, _permit) = ModelInfer(self.clone()).call(req).await?;
+        Ok(Response::new(resp))
     }
 
     type ModelStreamInferStream = ResponseStream<ModelStreamInferResponse>;

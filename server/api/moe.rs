@@ -6,6 +6,7 @@ use std::time::Instant;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::stream::{self, ResponseStream};
+use super::unary::Unary;
 use super::{Call, Done};
 use crate::infer::tensor::{self, Dtype, View, FLOATS, IDS};
 use crate::infer::{rejected, Infer, Request as Entry};
@@ -217,16 +218,35 @@ fn error_response(id: String, s: &Status) -> ForwardResponse {
     }
 }
 
+/// `Forward` as `unary` serves it: the request read into a kept buffer, the answer's bytes sent
+/// as they are, the admission permit held until they are handed to the transport.
+#[derive(Clone)]
+pub struct Forward(pub Arc<MoeApi>);
+
+impl Unary for Forward {
+    type Req = ForwardRequest;
+    type Resp = ForwardResponse;
+    type Hold = Option<Permit>;
+    const PATH: &'static str = "/epserve.v1.MoeService/Forward";
+
+    async fn call(
+        self,
+        req: Request<ForwardRequest>,
+    ) -> Result<(ForwardResponse, Option<Permit>), Status> {
+        let call = Call::of(&req)?;
+        self.0.forward_one(req.into_inner(), &call, "Forward").await
+    }
+}
+
 #[tonic::async_trait]
 impl MoeService for Arc<MoeApi> {
+    /// Served by `Forward` behind `unary::WithUnary`; tonic's own path, should anything route here.
     async fn forward(
         &self,
         req: Request<ForwardRequest>,
     ) -> Result<Response<ForwardResponse>, Status> {
-        let call = Call::of(&req)?;
-        self.forward_one(req.into_inner(), &call, "Forward")
-            .await
-            .map(|(resp, _permit)| Response::new(resp))
+        let (resp, _permit) = Forward(self.clone()).call(req).await?;
+        Ok(Response::new(resp))
     }
 
     type ForwardStreamStream = ResponseStream<ForwardResponse>;

@@ -17,7 +17,8 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
 
 use super::rows::{copy_threads, deliver, out_bufs, pack};
-use super::{Failure, Offer, OutBufs, Pace, Step};
+use super::{Failure, Offer, Pace, Step};
+use crate::bufs::Bufs;
 use crate::dtype::Dtype;
 use crate::group::{recv, Ctl, GroupError, RouterLink};
 use crate::shm::{nap, Abort, WaitError};
@@ -78,7 +79,7 @@ pub struct Executor<B> {
     pub progress: Arc<Progress>,
     /// Its steps' packing, start and end, for the batcher.
     pub pace: Arc<Pace>,
-    bufs: Arc<OutBufs>,
+    bufs: Arc<Bufs>,
 }
 
 impl<B: Backend> Executor<B> {
@@ -527,7 +528,7 @@ fn deliver_steps(
     ring: &Ring,
     free: &Slots,
     in_flight: &tokio::sync::Semaphore,
-    bufs: &Arc<OutBufs>,
+    bufs: &Arc<Bufs>,
 ) {
     let threads = copy_threads();
     for (step, slot) in done {

@@ -7,7 +7,6 @@ mod batcher;
 mod coordinator;
 mod executor;
 mod failure;
-mod out_bufs;
 mod pace;
 pub(crate) mod rows;
 
@@ -16,7 +15,6 @@ pub use batcher::{run_batcher, BatchConfig};
 pub use coordinator::{run_coordinator, CoordConfig, Offer};
 pub use executor::{Control, Executor, ExecutorError, PeerEvents};
 pub use failure::Failure;
-pub use out_bufs::{OutBufs, OUTPUT_BUFFERS_REUSED};
 pub use pace::{Pace, PARTIAL_STEPS_BEHIND};
 pub use rows::{DELIVER_SECONDS, PACK_SECONDS};
 
@@ -27,6 +25,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use tokio::sync::oneshot;
 
+use crate::bufs::Bufs;
 use crate::dtype::Dtype;
 use crate::step::StepKey;
 
@@ -133,7 +132,7 @@ impl Job {
 
     /// The output buffer, taken out for the delivery to fill outside the lock; allocated on
     /// first use.
-    fn take_out(&self, row_bytes: usize, bufs: &OutBufs) -> Vec<u8> {
+    fn take_out(&self, row_bytes: usize, bufs: &Bufs) -> Vec<u8> {
         let mut s = self.sink();
         if s.out.is_empty() {
             s.out = bufs.take(self.input.tokens * row_bytes);
@@ -142,7 +141,7 @@ impl Job {
     }
 
     /// Puts the buffer back with `rows` more filled in; answers once every row is in.
-    fn put_out(&self, out: Vec<u8>, rows: usize, bufs: &Arc<OutBufs>) {
+    fn put_out(&self, out: Vec<u8>, rows: usize, bufs: &Arc<Bufs>) {
         let mut s = self.sink();
         s.out = out;
         s.done += rows;
@@ -151,7 +150,7 @@ impl Job {
                 metrics::histogram!("epserve_request_in_step_seconds")
                     .record(t.elapsed().as_secs_f64());
             }
-            let out = bufs.answer(std::mem::take(&mut s.out));
+            let out = bufs.freeze(std::mem::take(&mut s.out));
             if let Some(tx) = s.reply.take() {
                 let _ = tx.send(Ok(out));
             }

@@ -4,7 +4,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::{OutBufs, Step};
+use super::Step;
+use crate::bufs::{Bufs, OUTPUT_BUFFERS_REUSED};
 use crate::step::ring::Ring;
 
 /// A step's input rows copied from its requests into the ring, on this rank.
@@ -27,8 +28,11 @@ pub(crate) fn copy_threads() -> usize {
 /// The answers' buffers of one rank: it keeps unused ones up to one slot's output rows in f32
 /// (the most one step delivers), and at least 64 MiB (the default largest request), for answers
 /// larger than a step.
-pub(crate) fn out_bufs(ring: &Ring) -> Arc<OutBufs> {
-    OutBufs::new((ring.shape.max_tokens * ring.shape.hidden * 4).max(64 << 20))
+pub(crate) fn out_bufs(ring: &Ring) -> Arc<Bufs> {
+    Bufs::new(
+        (ring.shape.max_tokens * ring.shape.hidden * 4).max(64 << 20),
+        OUTPUT_BUFFERS_REUSED,
+    )
 }
 
 /// Runs `f` on every item, on up to `threads` threads when `bytes` is large.
@@ -90,7 +94,7 @@ pub(crate) fn deliver(
     slot: usize,
     base: usize,
     threads: usize,
-    bufs: &Arc<OutBufs>,
+    bufs: &Arc<Bufs>,
 ) {
     let t = Instant::now();
     let row_bytes = ring.shape.hidden * step.output.bytes();

@@ -16,8 +16,11 @@ use tonic_health::ServingStatus;
 use tracing::warn;
 
 use super::prepare::Prepared;
-use crate::api::kserve::KserveApi;
+use crate::api::kserve::{KserveApi, ModelInfer};
+use crate::api::moe::Forward;
+use crate::api::unary::{Limits, WithUnary};
 use crate::api::MoeApi;
+use crate::bufs::{Bufs, REQUEST_BUFFERS_REUSED};
 use crate::config::ServeArgs;
 use crate::infer::Infer;
 use crate::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
@@ -174,12 +177,29 @@ pub async fn serve_grpc(
         .register_encoded_file_descriptor_set(crate::inference::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
-    let moe = MoeServiceServer::new(api)
-        .max_decoding_message_size(max_request_bytes)
-        .max_encoding_message_size(max_request_bytes.saturating_mul(2));
-    let kserve = GrpcInferenceServiceServer::new(kserve)
-        .max_decoding_message_size(max_request_bytes)
-        .max_encoding_message_size(max_request_bytes.saturating_mul(2));
+    // An answer is at most twice its request (f32 out of bf16 in).
+    let max_response = max_request_bytes.saturating_mul(2);
+    // The unary calls' own framing, with the limits tonic's services have. Unused request
+    // buffers are kept up to four of the largest requests.
+    let unary = Limits {
+        max_request: max_request_bytes,
+        max_response,
+        bufs: Bufs::new(max_request_bytes.saturating_mul(4), REQUEST_BUFFERS_REUSED),
+    };
+    let moe = WithUnary::new(
+        MoeServiceServer::new(api.clone())
+            .max_decoding_message_size(max_request_bytes)
+            .max_encoding_message_size(max_response),
+        Forward(api),
+        unary.clone(),
+    );
+    let kserve = WithUnary::new(
+        GrpcInferenceServiceServer::new(kserve.clone())
+            .max_decoding_message_size(max_request_bytes)
+            .max_encoding_message_size(max_response),
+        ModelInfer(kserve),
+        unary,
+    );
     let routes = tonic::service::Routes::new(health)
         .add_service(reflection)
         .add_service(moe)

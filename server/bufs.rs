@@ -1,7 +1,8 @@
-//! Output buffers of answered requests, kept for the next answers. A fresh buffer of megabytes
-//! costs the delivery a page fault for every 4 KiB it writes, because the allocator hands large
-//! freed blocks back to the kernel: on 1x H200 the router took 1,400-2,100 minor faults per
-//! request of 8 MB and 2-5 ms to deliver a 16 MB step. A reused buffer is already mapped.
+//! Buffers of megabytes kept for reuse: answers (the step's delivery writes them) and requests
+//! (the gRPC front reads them off the wire, `api::unary`). A fresh buffer of megabytes costs a
+//! page fault for every 4 KiB written into it, because the allocator hands large freed blocks
+//! back to the kernel: on 1x H200 the router took 1,400-2,100 minor faults per answer of 8 MB and
+//! 2-5 ms to deliver a 16 MB step. A reused buffer is already mapped.
 
 use std::sync::{Arc, Mutex};
 
@@ -9,23 +10,28 @@ use bytes::Bytes;
 
 /// Answers written into a buffer kept from an earlier answer.
 pub const OUTPUT_BUFFERS_REUSED: &str = "epserve_output_buffers_reused_total";
+/// Requests read off the wire into a buffer kept from an earlier request.
+pub const REQUEST_BUFFERS_REUSED: &str = "epserve_request_buffers_reused_total";
 
-/// Below this an answer's buffer comes from the allocator, which reuses small blocks itself (no
-/// faults were measured for 512 KiB answers).
+/// Below this a buffer comes from the allocator, which reuses small blocks itself (no faults
+/// were measured for 512 KiB answers).
 const MIN_BYTES: usize = 1 << 20;
 
-pub struct OutBufs {
+pub struct Bufs {
     free: Mutex<Vec<Vec<u8>>>,
     /// Most bytes kept while unused.
     cap: usize,
+    /// The counter of buffers taken from `free`.
+    reused: &'static str,
 }
 
-impl OutBufs {
-    /// Keeps up to `cap` bytes of unused buffers.
-    pub fn new(cap: usize) -> Arc<Self> {
+impl Bufs {
+    /// Keeps up to `cap` bytes of unused buffers; counts reuses under `reused`.
+    pub fn new(cap: usize, reused: &'static str) -> Arc<Self> {
         Arc::new(Self {
             free: Mutex::new(Vec::new()),
             cap,
+            reused,
         })
     }
 
@@ -33,8 +39,8 @@ impl OutBufs {
         self.free.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A buffer of `len` bytes. A reused one still holds an earlier answer's bytes: the delivery
-    /// writes every row before the answer leaves.
+    /// A buffer of `len` bytes. A reused one still holds earlier bytes: the caller writes every
+    /// byte before it lets the buffer go.
     pub fn take(&self, len: usize) -> Vec<u8> {
         if len >= MIN_BYTES {
             let mut free = self.free();
@@ -45,15 +51,15 @@ impl OutBufs {
                 let mut buf = free.swap_remove(i);
                 drop(free);
                 buf.resize(len, 0);
-                metrics::counter!(OUTPUT_BUFFERS_REUSED).increment(1);
+                metrics::counter!(self.reused).increment(1);
                 return buf;
             }
         }
         vec![0; len]
     }
 
-    /// The finished answer as `Bytes`; its buffer comes back here once the transport drops it.
-    pub fn answer(self: &Arc<Self>, buf: Vec<u8>) -> Bytes {
+    /// The filled buffer as `Bytes`; it comes back here once its last handle is dropped.
+    pub fn freeze(self: &Arc<Self>, buf: Vec<u8>) -> Bytes {
         if buf.capacity() < MIN_BYTES {
             return Bytes::from(buf);
         }
@@ -74,8 +80,8 @@ impl OutBufs {
     }
 }
 
-/// An answer's bytes, given back to the pool when dropped.
-struct Kept(Vec<u8>, Arc<OutBufs>);
+/// A buffer's bytes, given back to the pool when dropped.
+struct Kept(Vec<u8>, Arc<Bufs>);
 
 impl AsRef<[u8]> for Kept {
     fn as_ref(&self) -> &[u8] {
@@ -95,11 +101,11 @@ mod tests {
 
     #[test]
     fn a_dropped_answer_is_reused_for_the_next_that_fits() {
-        let pool = OutBufs::new(8 * MIN_BYTES);
+        let pool = Bufs::new(8 * MIN_BYTES, OUTPUT_BUFFERS_REUSED);
         let mut buf = pool.take(2 * MIN_BYTES);
         buf.fill(7);
         let ptr = buf.as_ptr();
-        let answer = pool.answer(buf);
+        let answer = pool.freeze(buf);
         assert_eq!(answer.len(), 2 * MIN_BYTES);
         assert!(answer.iter().all(|&b| b == 7));
         assert_eq!(pool.held(), 0);
@@ -118,22 +124,22 @@ mod tests {
 
     #[test]
     fn the_smallest_fitting_buffer_is_taken() {
-        let pool = OutBufs::new(16 * MIN_BYTES);
+        let pool = Bufs::new(16 * MIN_BYTES, OUTPUT_BUFFERS_REUSED);
         let big = pool.take(4 * MIN_BYTES);
         let small = pool.take(2 * MIN_BYTES);
         let small_ptr = small.as_ptr();
-        drop((pool.answer(big), pool.answer(small)));
+        drop((pool.freeze(big), pool.freeze(small)));
         let again = pool.take(MIN_BYTES);
         assert_eq!(again.as_ptr(), small_ptr);
     }
 
     #[test]
     fn what_it_keeps_is_bounded_and_small_answers_are_not_kept() {
-        let pool = OutBufs::new(3 * MIN_BYTES);
+        let pool = Bufs::new(3 * MIN_BYTES, OUTPUT_BUFFERS_REUSED);
         let bufs: Vec<_> = (0..3).map(|_| pool.take(2 * MIN_BYTES)).collect();
-        drop(bufs.into_iter().map(|b| pool.answer(b)).collect::<Vec<_>>());
+        drop(bufs.into_iter().map(|b| pool.freeze(b)).collect::<Vec<_>>());
         assert_eq!(pool.held(), 2 * MIN_BYTES, "one fits under the cap");
-        drop(pool.answer(pool.take(MIN_BYTES - 1)));
+        drop(pool.freeze(pool.take(MIN_BYTES - 1)));
         assert_eq!(pool.held(), 2 * MIN_BYTES);
     }
 }

@@ -1,0 +1,577 @@
+//! Unary calls that carry one large tensor each way (Forward, ModelInfer), framed here rather
+//! than by tonic's codec, which copies every message twice: into a fresh buffer as it arrives,
+//! and into another as it leaves, and at megabytes both fault in page by page (on 1x H200 at
+//! 2048-token requests, memcpy was 22% and page faults 12% of the router's CPU). Here a request
+//! is read into a kept buffer (`bufs`), its tensors stay slices of it, and an answer's tensor
+//! bytes go to the transport as they are, behind the rest of the message: a decoder merges a
+//! second occurrence of a message field into the first and appends one of a repeated field, so
+//! every protobuf decoder reads the message it would have read from tonic.
+//!
+//! What tonic's server did is kept: its limits and their messages, its refusals of compressed
+//! requests, the status of a failed call as trailers only, and the call's metadata. A request
+//! holds its `Hold` (its admission permit) until the answer is handed to the transport whole.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::future::{poll_fn, Future};
+use std::pin::{pin, Pin};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
+use prost::Message;
+use tonic::body::Body;
+use tonic::metadata::MetadataMap;
+use tonic::server::NamedService;
+use tonic::Status;
+
+use crate::bufs::Bufs;
+use crate::inference::ModelInferResponse;
+use crate::proto::ForwardResponse;
+
+/// Bytes below this are copied in behind the message's head (one frame) rather than sent apart.
+const SPLICE_MIN: usize = 64 << 10;
+
+/// A response whose large bytes fields can travel apart from the rest of it.
+pub trait Spliced: Message {
+    /// Takes the large bytes out, each with its field path (outermost field first), in the
+    /// order they are appended.
+    fn take_large(&mut self) -> Vec<(&'static [u32], Bytes)>;
+}
+
+impl Spliced for ForwardResponse {
+    fn take_large(&mut self) -> Vec<(&'static [u32], Bytes)> {
+        // output = 2, Tensor.data = 3.
+        match &mut self.output {
+            Some(t) if !t.data.is_empty() => vec![(&[2, 3], std::mem::take(&mut t.data))],
+            _ => Vec::new(),
+        }
+    }
+}
+
+impl Spliced for ModelInferResponse {
+    fn take_large(&mut self) -> Vec<(&'static [u32], Bytes)> {
+        // raw_output_contents = 6, repeated: appended in order.
+        self.raw_output_contents
+            .drain(..)
+            .map(|b| (&[6][..], b))
+            .collect()
+    }
+}
+
+/// One unary method served here instead of by the tonic service it belongs to.
+pub trait Unary: Clone + Send + Sync + 'static {
+    type Req: Message + Default + Send + 'static;
+    type Resp: Spliced + Send + 'static;
+    /// Held until the answer has been handed to the transport (an admission permit).
+    type Hold: Send + 'static;
+    /// `/package.Service/Method`.
+    const PATH: &'static str;
+    fn call(
+        self,
+        req: tonic::Request<Self::Req>,
+    ) -> impl Future<Output = Result<(Self::Resp, Self::Hold), Status>> + Send;
+}
+
+/// The limits a tonic service would have been given, and where requests are read into.
+#[derive(Clone)]
+pub struct Limits {
+    /// Largest request message (tonic's `max_decoding_message_size`).
+    pub max_request: usize,
+    /// Largest response message (tonic's `max_encoding_message_size`).
+    pub max_response: usize,
+    pub bufs: Arc<Bufs>,
+}
+
+/// The tonic service `S` with its method `U::PATH` served by `U` here.
+#[derive(Clone)]
+pub struct WithUnary<S, U> {
+    inner: S,
+    unary: U,
+    limits: Limits,
+}
+
+impl<S, U> WithUnary<S, U> {
+    pub fn new(inner: S, unary: U, limits: Limits) -> Self {
+        Self {
+            inner,
+            unary,
+            limits,
+        }
+    }
+}
+
+impl<S: NamedService, U> NamedService for WithUnary<S, U> {
+    const NAME: &'static str = S::NAME;
+}
+
+type Answer = http::Response<Body>;
+
+impl<S, U> tonic::codegen::Service<http::Request<Body>> for WithUnary<S, U>
+where
+    S: tonic::codegen::Service<http::Request<Body>, Response = Answer, Error = Infallible>,
+    S::Future: Send + 'static,
+    U: Unary,
+{
+    type Response = Answer;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Answer, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        if req.uri().path() != U::PATH {
+            return Box::pin(self.inner.call(req));
+        }
+        let (unary, limits) = (self.unary.clone(), self.limits.clone());
+        Box::pin(async move {
+            Ok(serve(unary, &limits, req)
+                .await
+                .unwrap_or_else(|s| s.into_http()))
+        })
+    }
+}
+
+async fn serve<U: Unary, B>(
+    unary: U,
+    limits: &Limits,
+    req: http::Request<B>,
+) -> Result<Answer, Status>
+where
+    B: HttpBody<Data = Bytes>,
+    B::Error: Into<tonic::codegen::StdError>,
+{
+    let (parts, body) = req.into_parts();
+    if let Some(e) = parts
+        .headers
+        .get("grpc-encoding")
+        .filter(|e| *e != "identity")
+    {
+        let e = String::from_utf8_lossy(e.as_bytes());
+        let mut s = Status::unimplemented(format!(
+            "Content is compressed with `{e}` which isn't supported"
+        ));
+        s.metadata_mut().insert(
+            "grpc-accept-encoding",
+            tonic::metadata::MetadataValue::from_static("identity"),
+        );
+        return Err(s);
+    }
+    let msg = read_message(body, limits.max_request, &limits.bufs).await?;
+    let msg = U::Req::decode(msg).map_err(|e| Status::internal(e.to_string()))?;
+    let req = tonic::Request::from_parts(
+        MetadataMap::from_headers(parts.headers),
+        parts.extensions,
+        msg,
+    );
+    let (resp, hold) = unary.call(req).await?;
+    respond(resp, limits.max_response, hold)
+}
+
+/// The one message of a unary call's body, read into a kept buffer when large.
+pub async fn read_message<B>(body: B, max: usize, bufs: &Arc<Bufs>) -> Result<Bytes, Status>
+where
+    B: HttpBody<Data = Bytes>,
+    B::Error: Into<tonic::codegen::StdError>,
+{
+    let mut body = pin!(body);
+    let mut head = [0u8; 5];
+    let mut have = 0;
+    // The message, once its length is known, and how much of it has arrived.
+    let mut msg: Option<(Vec<u8>, usize)> = None;
+    while let Some(frame) = poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
+        let frame = frame.map_err(|e| Status::from_error(e.into()))?;
+        // A request's trailers carry nothing a unary call uses.
+        let Ok(mut data) = frame.into_data() else {
+            continue;
+        };
+        while data.has_remaining() {
+            match &mut msg {
+                None => {
+                    let n = (5 - have).min(data.len());
+                    head[have..have + n].copy_from_slice(&data[..n]);
+                    data.advance(n);
+                    have += n;
+                    if have == 5 {
+                        let len = message_len(&head, max)?;
+                        msg = Some((bufs.take(len), 0));
+                    }
+                }
+                Some((buf, filled)) if *filled < buf.len() => {
+                    let n = (buf.len() - *filled).min(data.len());
+                    buf[*filled..*filled + n].copy_from_slice(&data[..n]);
+                    data.advance(n);
+                    *filled += n;
+                }
+                Some(_) => {
+                    return Err(Status::invalid_argument(
+                        "a unary call carries one message; this one carried more",
+                    ))
+                }
+            }
+        }
+    }
+    match msg {
+        Some((buf, filled)) if filled == buf.len() => Ok(bufs.freeze(buf)),
+        None if have == 0 => Err(Status::internal("Missing request message.")),
+        _ => Err(Status::internal("Unexpected EOF decoding stream.")),
+    }
+}
+
+/// The length in a message's 5-byte prefix, refused (in tonic's words) if compressed or too long.
+fn message_len(head: &[u8; 5], max: usize) -> Result<usize, Status> {
+    match head[0] {
+        0 => {}
+        1 => {
+            return Err(Status::internal(
+                "protocol error: received message with compressed-flag but no grpc-encoding was specified",
+            ))
+        }
+        f => {
+            return Err(Status::internal(format!(
+                "protocol error: received message with invalid compression flag: {f} (valid flags are 0 and 1), while sending request"
+            )))
+        }
+    }
+    let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+    if len > max {
+        return Err(Status::out_of_range(format!(
+            "Error, decoded message length too large: found {len} bytes, the limit is: {max} bytes"
+        )));
+    }
+    Ok(len)
+}
+
+/// The bytes a field path adds around `len` bytes: each level's key and length.
+fn splice_len(path: &[u32], len: usize) -> usize {
+    path.iter().rev().fold(len, |inner, &f| {
+        key_len(f) + encoded_len_varint(inner as u64) + inner
+    })
+}
+
+/// Writes the keys and lengths that put `len` bytes at `path`.
+fn put_splice_head(buf: &mut BytesMut, path: &[u32], len: usize) {
+    for (i, &f) in path.iter().enumerate() {
+        encode_key(f, WireType::LengthDelimited, buf);
+        encode_varint(splice_len(&path[i + 1..], len) as u64, buf);
+    }
+}
+
+/// The answer's gRPC frame: its head (the message without its large bytes, and the keys and
+/// lengths that splice them back), the large bytes as they are, then `grpc-status: 0`.
+fn respond<M: Spliced, H: Send + 'static>(mut m: M, max: usize, hold: H) -> Result<Answer, Status> {
+    let large = m.take_large();
+    let len = m.encoded_len()
+        + large
+            .iter()
+            .map(|(p, b)| splice_len(p, b.len()))
+            .sum::<usize>();
+    if len > max || u32::try_from(len).is_err() {
+        return Err(Status::out_of_range(format!(
+            "Error, encoded message length too large: found {len} bytes, the limit is: {max} bytes"
+        )));
+    }
+    let mut head = BytesMut::with_capacity(5 + m.encoded_len() + 16 * large.len());
+    head.put_u8(0);
+    head.put_u32(len as u32);
+    m.encode(&mut head).expect("a BytesMut grows");
+    let mut chunks = VecDeque::new();
+    for (path, bytes) in large {
+        put_splice_head(&mut head, path, bytes.len());
+        if bytes.len() < SPLICE_MIN {
+            head.put_slice(&bytes);
+        } else {
+            chunks.push_back(head.split().freeze());
+            chunks.push_back(bytes);
+        }
+    }
+    if !head.is_empty() {
+        chunks.push_back(head.freeze());
+    }
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+    let body = Frames {
+        chunks,
+        trailers: Some(trailers),
+        _hold: Box::new(hold),
+    };
+    let mut answer = http::Response::new(Body::new(body));
+    answer.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    Ok(answer)
+}
+
+/// A response body of ready chunks and trailers, holding `_hold` until it is dropped.
+struct Frames {
+    chunks: VecDeque<Bytes>,
+    trailers: Option<http::HeaderMap>,
+    _hold: Box<dyn Send>,
+}
+
+impl HttpBody for Frames {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let frame = match self.chunks.pop_front() {
+            Some(c) => Some(Frame::data(c)),
+            None => self.trailers.take().map(Frame::trailers),
+        };
+        Poll::Ready(frame.map(Ok))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.chunks.is_empty() && self.trailers.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.chunks.iter().map(|c| c.len() as u64).sum())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bufs::REQUEST_BUFFERS_REUSED;
+    use crate::inference::model_infer_response::InferOutputTensor;
+    use crate::proto::{Error, Tensor};
+    use rand::{Rng, SeedableRng};
+    use tonic::Code;
+
+    fn bytes(rng: &mut impl Rng, len: usize) -> Bytes {
+        (0..len)
+            .map(|_| rng.random::<u8>())
+            .collect::<Vec<_>>()
+            .into()
+    }
+
+    /// Lengths either side of every threshold: inline, spliced, varints of 1 to 4 bytes.
+    const LENS: &[usize] = &[
+        0,
+        1,
+        127,
+        128,
+        16_383,
+        16_384,
+        SPLICE_MIN - 1,
+        SPLICE_MIN,
+        3 << 20,
+    ];
+
+    /// A body of these chunks, as the transport would hand them over.
+    fn body(chunks: Vec<Bytes>) -> Frames {
+        Frames {
+            chunks: chunks.into(),
+            trailers: None,
+            _hold: Box::new(()),
+        }
+    }
+
+    /// The answer's data frames, its trailers, and the frames' own buffers.
+    async fn drain(a: Answer) -> (Vec<Bytes>, http::HeaderMap) {
+        assert_eq!(a.headers()["content-type"], "application/grpc");
+        let mut b = pin!(a.into_body());
+        let (mut data, mut trailers) = (Vec::new(), None);
+        while let Some(f) = poll_fn(|cx| b.as_mut().poll_frame(cx)).await {
+            match f.unwrap().into_data() {
+                Ok(d) => data.push(d),
+                Err(f) => trailers = f.into_trailers().ok(),
+            }
+        }
+        (data, trailers.expect("trailers"))
+    }
+
+    /// The message in a gRPC frame, its 5-byte prefix checked.
+    fn unframe(chunks: &[Bytes]) -> Bytes {
+        let all: Vec<u8> = chunks.iter().flat_map(|c| c.iter().copied()).collect();
+        assert_eq!(all[0], 0, "not compressed");
+        let len = u32::from_be_bytes(all[1..5].try_into().unwrap()) as usize;
+        assert_eq!(len, all.len() - 5);
+        Bytes::from(all[5..].to_vec())
+    }
+
+    /// Every spliced answer decodes to the message it was, and large bytes leave as the very
+    /// buffers they were (no copy): checked for each length class on random messages.
+    #[tokio::test]
+    async fn spliced_answers_decode_as_the_messages_they_were() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for &len in LENS {
+            let data = bytes(&mut rng, len);
+            let m = ForwardResponse {
+                id: "r".repeat(rng.random_range(0..300)),
+                output: Some(Tensor {
+                    dtype: rng.random_range(0..4),
+                    shape: vec![rng.random_range(0..1 << 40), 7168],
+                    data: data.clone(),
+                }),
+                error: rng.random_bool(0.5).then(|| Error {
+                    code: 3,
+                    message: "m".into(),
+                }),
+            };
+            let (chunks, trailers) = drain(respond(m.clone(), usize::MAX, ()).unwrap()).await;
+            assert_eq!(trailers["grpc-status"], "0");
+            assert_eq!(
+                ForwardResponse::decode(unframe(&chunks)).unwrap(),
+                m,
+                "{len}"
+            );
+            let shared = chunks
+                .iter()
+                .any(|c| c.as_ptr() == data.as_ptr() && c.len() == len);
+            assert_eq!(shared, len >= SPLICE_MIN, "{len}: sent as it was");
+
+            let raw: Vec<Bytes> = (0..rng.random_range(0..4))
+                .map(|i| bytes(&mut rng, LENS[(i + len) % LENS.len()]))
+                .collect();
+            let m = ModelInferResponse {
+                model_name: "layer-0".into(),
+                model_version: "1".into(),
+                id: "k".into(),
+                outputs: vec![InferOutputTensor {
+                    name: "output".into(),
+                    datatype: "BF16".into(),
+                    shape: vec![2, 3],
+                    ..Default::default()
+                }],
+                raw_output_contents: raw,
+                ..Default::default()
+            };
+            let (chunks, _) = drain(respond(m.clone(), usize::MAX, ()).unwrap()).await;
+            assert_eq!(ModelInferResponse::decode(unframe(&chunks)).unwrap(), m);
+        }
+        // A message with no output at all goes out as tonic would send it.
+        let m = ForwardResponse::default();
+        let (chunks, _) = drain(respond(m.clone(), usize::MAX, ()).unwrap()).await;
+        assert_eq!(unframe(&chunks), m.encode_to_vec());
+    }
+
+    #[test]
+    fn an_answer_over_the_limit_is_out_of_range() {
+        let m = ForwardResponse {
+            output: Some(Tensor {
+                data: vec![0; 1000].into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        // The head repeats `output`'s key: a few bytes over tonic's encoding, never more.
+        let fits = respond(m.clone(), usize::MAX, ())
+            .unwrap()
+            .size_hint()
+            .exact()
+            .unwrap()
+            - 5;
+        assert!((m.encoded_len()..m.encoded_len() + 8).contains(&(fits as usize)));
+        let fits = fits as usize;
+        assert!(respond(m.clone(), fits, ()).is_ok());
+        let e = respond(m, fits - 1, ()).unwrap_err();
+        assert_eq!(e.code(), Code::OutOfRange);
+        assert!(
+            e.message().contains("encoded message length too large"),
+            "{e:?}"
+        );
+    }
+
+    /// The admission permit is held while the answer is being handed over, and let go with it.
+    #[tokio::test]
+    async fn the_hold_lasts_as_long_as_the_answer_body() {
+        let hold = Arc::new(());
+        let a = respond(ForwardResponse::default(), usize::MAX, hold.clone()).unwrap();
+        assert_eq!(Arc::strong_count(&hold), 2);
+        drop(drain(a).await);
+        assert_eq!(Arc::strong_count(&hold), 1);
+    }
+
+    fn framed(msg: &[u8]) -> Vec<u8> {
+        let mut f = vec![0];
+        f.extend((msg.len() as u32).to_be_bytes());
+        f.extend(msg);
+        f
+    }
+
+    /// Cuts `bytes` at random places, as frames may arrive.
+    fn cut(rng: &mut impl Rng, bytes: &[u8]) -> Vec<Bytes> {
+        let mut at = 0;
+        let mut out = Vec::new();
+        while at < bytes.len() {
+            let most = 1usize << rng.random_range(0..21);
+            let n = rng.random_range(1..=(bytes.len() - at).min(most));
+            out.push(Bytes::copy_from_slice(&bytes[at..at + n]));
+            at += n;
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn a_message_is_read_whole_across_any_frame_boundaries() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        let bufs = Bufs::new(64 << 20, REQUEST_BUFFERS_REUSED);
+        for &len in LENS {
+            let msg = bytes(&mut rng, len);
+            for _ in 0..3 {
+                let chunks = cut(&mut rng, &framed(&msg));
+                let got = read_message(body(chunks), len, &bufs).await.unwrap();
+                assert_eq!(got, msg, "{len}");
+            }
+        }
+        // A large request lands in the buffer the one before it left behind.
+        let first = read_message(body(vec![framed(&[1; 2 << 20]).into()]), 4 << 20, &bufs)
+            .await
+            .unwrap();
+        let at = first.as_ptr();
+        drop(first);
+        let second = read_message(body(vec![framed(&[2; 2 << 20]).into()]), 4 << 20, &bufs)
+            .await
+            .unwrap();
+        assert_eq!(second.as_ptr(), at);
+        assert!(second.iter().all(|&b| b == 2));
+    }
+
+    /// Bad framing gets the status tonic gave it, and nothing is read past it.
+    #[tokio::test]
+    async fn bad_framing_gets_a_clear_status() {
+        let bufs = Bufs::new(0, REQUEST_BUFFERS_REUSED);
+        let read = |chunks: Vec<Vec<u8>>, max| {
+            let bufs = bufs.clone();
+            async move {
+                let chunks = chunks.into_iter().map(Bytes::from).collect();
+                read_message(body(chunks), max, &bufs).await.unwrap_err()
+            }
+        };
+        let e = read(vec![framed(&[0; 11])], 10).await;
+        assert_eq!(e.code(), Code::OutOfRange);
+        assert!(e
+            .message()
+            .contains("decoded message length too large: found 11 bytes, the limit is: 10"));
+        let mut compressed = framed(&[0; 4]);
+        compressed[0] = 1;
+        let e = read(vec![compressed], 10).await;
+        assert_eq!(e.code(), Code::Internal);
+        assert!(e.message().contains("compressed-flag"), "{e:?}");
+        let e = read(vec![], 10).await;
+        assert_eq!(
+            (e.code(), e.message()),
+            (Code::Internal, "Missing request message.")
+        );
+        for short in [vec![0, 0, 0], framed(&[5; 8])[..9].to_vec()] {
+            let e = read(vec![short], 10).await;
+            assert_eq!(
+                (e.code(), e.message()),
+                (Code::Internal, "Unexpected EOF decoding stream.")
+            );
+        }
+        let e = read(vec![framed(&[1]), framed(&[2])], 10).await;
+        assert_eq!(e.code(), Code::InvalidArgument);
+        assert!(e.message().contains("one message"), "{e:?}");
+    }
+}
