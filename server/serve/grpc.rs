@@ -180,11 +180,14 @@ pub async fn serve_grpc(
     // An answer is at most twice its request (f32 out of bf16 in).
     let max_response = max_request_bytes.saturating_mul(2);
     // The unary calls' own framing, with the limits tonic's services have. Unused request
-    // buffers are kept up to four of the largest requests.
+    // buffers are kept up to four of the largest requests, and 256 MiB.
     let unary = Limits {
         max_request: max_request_bytes,
         max_response,
-        bufs: Bufs::new(max_request_bytes.saturating_mul(4), REQUEST_BUFFERS_REUSED),
+        bufs: Bufs::new(
+            max_request_bytes.saturating_mul(4).min(256 << 20),
+            REQUEST_BUFFERS_REUSED,
+        ),
     };
     let moe = WithUnary::new(
         MoeServiceServer::new(api.clone())
