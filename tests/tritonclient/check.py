@@ -117,6 +117,8 @@ def run(addr, pb, pb_grpc):
     rng = np.random.default_rng(15)
     for layer in info.moe_layers:
         model = f"layer-{layer}"
+        # 300 rows of FP32 answer 76.8 KB, which leave spliced after the rest of the message
+        # (server/api/unary.rs); 1 and 7 rows leave in one piece.
         for n in (1, 7, 300):
             x = rng.uniform(-1, 1, (n, H)).astype(np.float32)
             # FP32: equal to Forward per token (the same f32 backend).
