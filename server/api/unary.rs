@@ -265,7 +265,8 @@ fn put_splice_head(buf: &mut BytesMut, path: &[u32], len: usize) {
 /// lengths that splice them back), the large bytes as they are, then `grpc-status: 0`.
 fn respond<M: Spliced, H: Send + 'static>(mut m: M, max: usize, hold: H) -> Result<Answer, Status> {
     let large = m.take_large();
-    let len = m.encoded_len()
+    let head_len = m.encoded_len();
+    let len = head_len
         + large
             .iter()
             .map(|(p, b)| splice_len(p, b.len()))
@@ -275,7 +276,7 @@ fn respond<M: Spliced, H: Send + 'static>(mut m: M, max: usize, hold: H) -> Resu
             "Error, encoded message length too large: found {len} bytes, the limit is: {max} bytes"
         )));
     }
-    let mut head = BytesMut::with_capacity(5 + m.encoded_len() + 16 * large.len());
+    let mut head = BytesMut::with_capacity(5 + head_len + 16 * large.len());
     head.put_u8(0);
     head.put_u32(len as u32);
     m.encode(&mut head).expect("a BytesMut grows");
