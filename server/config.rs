@@ -105,6 +105,28 @@ impl BackendKind {
     }
 }
 
+/// `--expert-dtype`: how experts are held and computed (`model::ExpertDtype`), or auto.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertDtypeArg {
+    /// FP8 checkpoints as they ship (fp8, where the recipe applies), everything else bf16.
+    Auto,
+    /// DeepSeek-V3's FP8 recipe; other checkpoints and synthetic models quantised at load.
+    Fp8,
+    /// Weights as values (FP8 checkpoints dequantised at load).
+    Bf16,
+}
+
+impl ExpertDtypeArg {
+    /// The dtype asked for; None for auto.
+    pub fn asked(self) -> Option<crate::model::ExpertDtype> {
+        match self {
+            ExpertDtypeArg::Auto => None,
+            ExpertDtypeArg::Fp8 => Some(crate::model::ExpertDtype::Fp8),
+            ExpertDtypeArg::Bf16 => Some(crate::model::ExpertDtype::Bf16),
+        }
+    }
+}
+
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnOff {
     On,
@@ -235,7 +257,8 @@ fn duration(s: &str) -> Result<Duration, String> {
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// `synthetic:NAME` (tiny, tiny-qwen3, tiny-deepseek, qwen3-30b-a3b, mixtral-8x7b, deepseek-v3)
+    /// `synthetic:NAME` (tiny, tiny-qwen3, tiny-deepseek, small-deepseek, qwen3-30b-a3b,
+    /// mixtral-8x7b, deepseek-v3)
     /// or a Hugging Face checkpoint directory.
     #[arg(long, env = "EPSERVE_MODEL", default_value = "synthetic:tiny")]
     pub model: String,
@@ -245,6 +268,12 @@ pub struct ServeArgs {
     /// Seed of synthetic weights.
     #[arg(long, env = "EPSERVE_SEED", default_value_t = 0)]
     pub seed: u64,
+    /// Experts' weights and math: fp8 is DeepSeek-V3's recipe (E4M3 weights in 128x128 blocks
+    /// with f32 scales, activations quantised per token per 128 channels; hidden and
+    /// intermediate sizes multiples of 128), bf16 holds them as values; auto keeps an FP8
+    /// checkpoint's FP8 and runs everything else bf16. cpu backend only for fp8 so far.
+    #[arg(long, env = "EPSERVE_EXPERT_DTYPE", value_enum, default_value = "auto")]
+    pub expert_dtype: ExpertDtypeArg,
     #[arg(long, env = "EPSERVE_BACKEND", value_enum, default_value = "cpu")]
     pub backend: BackendKind,
     /// GPU of this rank (else LOCAL_RANK, else the rank modulo the visible GPUs).

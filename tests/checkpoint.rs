@@ -6,7 +6,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::reference::{compare, RefFfn, RefLayer};
+use common::reference::{compare, compare_tokens, RefFfn, RefLayer};
 use common::*;
 use epserve::model::{MoeSpec, Routing};
 use rand::{Rng, SeedableRng};
@@ -210,6 +210,7 @@ fn write_model(dir: &std::path::Path, a: &Arch, seed: u64) -> (MoeSpec, Vec<RefL
             bias,
             experts,
             shared,
+            fp8: false,
         });
     }
     ck.write(dir, 2);
@@ -273,14 +274,37 @@ fn write_model(dir: &std::path::Path, a: &Arch, seed: u64) -> (MoeSpec, Vec<RefL
     (spec, refs)
 }
 
+/// The FP8 recipe's reference of a checkpoint: experts it ships in FP8 as they are (their values
+/// are the dequantised FP8), every other expert matrix quantised in 128x128 blocks.
+fn fp8_reference(refs: &mut [RefLayer], a: &Arch) {
+    for r in refs {
+        match a.fp8_block {
+            Some(_) => {
+                if let Some(f) = r.shared.as_mut() {
+                    f.quantize(a.hidden);
+                }
+                r.fp8 = true;
+            }
+            None => r.quantize_experts(a.hidden),
+        }
+    }
+}
+
 async fn check(a: Arch, seed: u64) {
+    check_as(a, seed, &[], "bf16").await;
+}
+
+/// Serves the checkpoint with `extra` flags, expecting experts of `dtype`, and checks every
+/// token of each MoE layer against the reference of that dtype.
+async fn check_as(a: Arch, seed: u64, extra: &[&str], dtype: &str) {
     let dir = TempDir::new(a.model_type);
-    let (spec, refs) = write_model(&dir.0, &a, seed);
-    let group = Group::launch(
-        2,
-        &dir.0.display().to_string(),
-        &["--max-tokens-per-step", "32"],
-    );
+    let (spec, mut refs) = write_model(&dir.0, &a, seed);
+    if dtype == "fp8" {
+        fp8_reference(&mut refs, &a);
+    }
+    let mut args = vec!["--max-tokens-per-step", "32"];
+    args.extend_from_slice(extra);
+    let group = Group::launch(2, &dir.0.display().to_string(), &args);
     let mut c = group.client().await;
     let info = c
         .get_model_info(epserve::proto::GetModelInfoRequest {})
@@ -288,8 +312,12 @@ async fn check(a: Arch, seed: u64) {
         .unwrap()
         .into_inner();
     assert_eq!(
-        (info.moe_layers.clone(), info.architecture.as_str()),
-        (spec.moe_layers.clone(), a.model_type)
+        (
+            info.moe_layers.clone(),
+            info.architecture.as_str(),
+            info.expert_dtype.as_str()
+        ),
+        (spec.moe_layers.clone(), a.model_type, dtype)
     );
     let mut rng = ChaCha8Rng::seed_from_u64(seed + 1);
     for (slot, &layer) in spec.moe_layers.iter().enumerate() {
@@ -303,16 +331,17 @@ async fn check(a: Arch, seed: u64) {
             .unwrap()
             .into_inner();
         let xs: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
-        let (err, excluded) = compare(
-            &spec,
-            &refs[slot],
-            &xs,
-            &decode(out.output.as_ref().unwrap()),
-            None,
-        );
+        let out = decode(out.output.as_ref().unwrap());
+        let (err, excluded) = compare(&spec, &refs[slot], &xs, &out, None);
         assert!(
             err <= 1e-5 && excluded <= 1,
             "{} layer {layer}: error {err:.3e}, {excluded} near-ties",
+            a.model_type
+        );
+        let (err, token, _) = compare_tokens(&spec, &refs[slot], &xs, &out, None);
+        assert!(
+            err <= 1e-5,
+            "{} layer {layer}: token {token} is {err:.3e} from the reference",
             a.model_type
         );
     }
@@ -363,6 +392,48 @@ async fn deepseek_v3_checkpoint_with_fp8_experts() {
         22,
     )
     .await;
+}
+
+/// DeepSeek-V3 as it ships: FP8 experts in 128x128 blocks, served as FP8 by default (`auto`),
+/// the routed experts' bytes as shipped and the bf16 shared expert quantised at load.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deepseek_v3_fp8_checkpoint_served_fp8() {
+    check_as(deepseek_fp8_128(), 24, &[], "fp8").await;
+}
+
+/// The same checkpoint with `--expert-dtype bf16`: dequantised at load, as before FP8 experts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deepseek_v3_fp8_checkpoint_dequantised_on_request() {
+    check_as(deepseek_fp8_128(), 25, &["--expert-dtype", "bf16"], "bf16").await;
+}
+
+fn deepseek_fp8_128() -> Arch {
+    Arch {
+        model_type: "deepseek_v3",
+        hidden: 256,
+        inter: 128,
+        experts: 16,
+        top_k: 4,
+        layers: 2,
+        dense: vec![0],
+        fp8_block: Some(128),
+    }
+}
+
+/// A bf16 Mixtral checkpoint with `--expert-dtype fp8`: quantised in 128x128 blocks at load.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mixtral_checkpoint_quantised_to_fp8_at_load() {
+    let a = Arch {
+        model_type: "mixtral",
+        hidden: 128,
+        inter: 256,
+        experts: 8,
+        top_k: 2,
+        layers: 2,
+        dense: vec![],
+        fp8_block: None,
+    };
+    check_as(a, 26, &["--expert-dtype", "fp8"], "fp8").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

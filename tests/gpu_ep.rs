@@ -350,6 +350,7 @@ fn expert_parallel_layer_matches_the_f64_reference_and_replays_bitwise() {
             })
             .collect(),
         shared: None,
+        fp8: false,
     };
     let spec = MoeSpec {
         architecture: "mixtral".into(),

@@ -116,6 +116,9 @@ pub mod gpu {
             pub fn buffer_bytes(&self) -> usize {
                 match *self {}
             }
+            pub fn expert_bytes(&self) -> usize {
+                match *self {}
+            }
             pub fn join(
                 self,
                 _nccl_id: &[u8],

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
-use super::{Ffn, LayerWeights, ModelError, MoeSpec, RankWeights, Routing};
+use super::fp8;
+use super::{ExpertDtype, Ffn, LayerWeights, ModelError, MoeSpec, RankWeights, Routing};
 
 pub const SUPPORTED: &[&str] = &[
     "mixtral (MixtralForCausalLM)",
@@ -120,8 +121,8 @@ impl Cfg<'_> {
 /// FP8 block quantisation (DeepSeek-V3's `quantization_config`).
 #[derive(Clone, Copy, Debug)]
 pub struct Fp8Blocks {
-    rows: usize,
-    cols: usize,
+    pub rows: usize,
+    pub cols: usize,
 }
 
 /// `quantization_config`: none, or FP8 with a block size (as DeepSeek-V3 ships).
@@ -461,8 +462,11 @@ impl Checkpoint {
         Ok(Self { maps, index, fp8 })
     }
 
-    /// Copies one tensor out as f32, checking its shape.
-    fn read(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+    /// One tensor's view and the file it is in.
+    fn tensor(
+        &self,
+        name: &str,
+    ) -> Result<(&Path, safetensors::tensor::TensorView<'_>), ModelError> {
         let (path, map) = self
             .index
             .get(name)
@@ -471,12 +475,24 @@ impl Checkpoint {
                 path: "checkpoint".into(),
                 msg: format!("tensor '{name}' not found"),
             })?;
+        let st = SafeTensors::deserialize(map).map_err(|e| ModelError::Checkpoint {
+            path: path.display().to_string(),
+            msg: e.to_string(),
+        })?;
+        let t = st.tensor(name).map_err(|e| ModelError::Checkpoint {
+            path: path.display().to_string(),
+            msg: e.to_string(),
+        })?;
+        Ok((path, t))
+    }
+
+    /// Copies one tensor out as f32, checking its shape.
+    fn read(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let (path, t) = self.tensor(name)?;
         let err = |msg: String| ModelError::Checkpoint {
             path: path.display().to_string(),
             msg,
         };
-        let st = SafeTensors::deserialize(map).map_err(|e| err(e.to_string()))?;
-        let t = st.tensor(name).map_err(|e| err(e.to_string()))?;
         if t.shape() != shape {
             return Err(err(format!(
                 "tensor '{name}' has shape {:?}, expected {shape:?}",
@@ -497,23 +513,7 @@ impl Checkpoint {
                 .chunks_exact(2)
                 .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
-            Dtype::F8_E4M3 => {
-                let blocks = self.fp8.ok_or_else(|| {
-                    err(format!(
-                        "tensor '{name}' is F8_E4M3 but config.json has no quantization_config.weight_block_size"
-                    ))
-                })?;
-                let (r, c) = (shape[0], shape[1]);
-                let (br, bc) = (r.div_ceil(blocks.rows), c.div_ceil(blocks.cols));
-                let scale = self.read(&format!("{name}_scale_inv"), &[br, bc])?;
-                d.iter()
-                    .enumerate()
-                    .map(|(i, &b)| {
-                        let (row, col) = (i / c, i % c);
-                        fp8_e4m3(b) * scale[(row / blocks.rows) * bc + col / blocks.cols]
-                    })
-                    .collect()
-            }
+            Dtype::F8_E4M3 => return self.read_dequantized(name, shape),
             other => {
                 return Err(err(format!(
                     "tensor '{name}' has unsupported dtype {other:?}"
@@ -523,14 +523,125 @@ impl Checkpoint {
         Ok(out)
     }
 
-    fn ffn(&self, names: [String; 3], hidden: usize, inter: usize) -> Result<Ffn, ModelError> {
+    /// An F8_E4M3 weight's bytes, its `weight_scale_inv` and their block size, checked: 2-D
+    /// only, every byte a finite E4M3 value, every scale finite and not negative.
+    fn fp8_parts(
+        &self,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<(Vec<u8>, Vec<f32>, Fp8Blocks), ModelError> {
+        let (path, t) = self.tensor(name)?;
+        let err = |msg: String| ModelError::Checkpoint {
+            path: path.display().to_string(),
+            msg,
+        };
+        let (&[r, c], &[_, _]) = (shape, t.shape()) else {
+            return Err(err(format!(
+                "tensor '{name}' is F8_E4M3 with shape {:?}: FP8 is read only for 2-D weights with block scales",
+                t.shape()
+            )));
+        };
+        if t.shape() != shape {
+            return Err(err(format!(
+                "tensor '{name}' has shape {:?}, expected {shape:?}",
+                t.shape()
+            )));
+        }
+        let blocks = self.fp8.ok_or_else(|| {
+            err(format!(
+                "tensor '{name}' is F8_E4M3 but config.json has no quantization_config.weight_block_size"
+            ))
+        })?;
+        let q = t.data().to_vec();
+        if let Some(i) = q.iter().position(|&b| b & 0x7F == 0x7F) {
+            return Err(err(format!(
+                "tensor '{name}' holds an FP8 NaN at row {}, column {}",
+                i / c,
+                i % c
+            )));
+        }
+        let (br, bc) = (r.div_ceil(blocks.rows), c.div_ceil(blocks.cols));
+        let scale_name = format!("{name}_scale_inv");
+        let scales = self.read(&scale_name, &[br, bc])?;
+        if let Some(i) = scales.iter().position(|s| !s.is_finite() || *s < 0.0) {
+            return Err(err(format!(
+                "tensor '{scale_name}' holds {} at block ({}, {}): scales must be finite and not negative",
+                scales[i],
+                i / bc,
+                i % bc
+            )));
+        }
+        Ok((q, scales, blocks))
+    }
+
+    /// An F8_E4M3 weight dequantised (`q * scale` of its block), any block size.
+    fn read_dequantized(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let (q, scales, blocks) = self.fp8_parts(name, shape)?;
+        let c = shape[1];
+        let bc = c.div_ceil(blocks.cols);
+        Ok(q.iter()
+            .enumerate()
+            .map(|(i, &b)| {
+                let (row, col) = (i / c, i % c);
+                fp8::decode(b) * scales[(row / blocks.rows) * bc + col / blocks.cols]
+            })
+            .collect())
+    }
+
+    /// A weight as FP8 blocks: an F8_E4M3 tensor as shipped (128x128 blocks: `ExpertDtype::
+    /// resolve` keeps FP8 for no other), any other dtype quantised at load.
+    fn read_fp8(&self, name: &str, shape: [usize; 2]) -> Result<fp8::Blocks, ModelError> {
+        let (path, t) = self.tensor(name)?;
+        if t.dtype() != Dtype::F8_E4M3 {
+            return Ok(fp8::Blocks::quantize(
+                &self.read(name, &shape)?,
+                shape[0],
+                shape[1],
+            ));
+        }
+        let (q, scales, blocks) = self.fp8_parts(name, &shape)?;
+        if (blocks.rows, blocks.cols) != (fp8::BLOCK, fp8::BLOCK) {
+            return Err(ModelError::Checkpoint {
+                path: path.display().to_string(),
+                msg: format!(
+                    "tensor '{name}' has {}x{} FP8 blocks; FP8 experts take {b}x{b}",
+                    blocks.rows,
+                    blocks.cols,
+                    b = fp8::BLOCK
+                ),
+            });
+        }
+        Ok(fp8::Blocks {
+            rows: shape[0],
+            cols: shape[1],
+            q,
+            scales,
+        })
+    }
+
+    /// One FFN from its gate, up and down tensors, held as `dtype` says.
+    fn ffn(
+        &self,
+        names: [String; 3],
+        hidden: usize,
+        inter: usize,
+        dtype: ExpertDtype,
+    ) -> Result<Ffn, ModelError> {
         let [g, u, d] = names;
-        Ok(Ffn::from_parts(
-            self.read(&g, &[inter, hidden])?,
-            self.read(&u, &[inter, hidden])?,
-            self.read(&d, &[hidden, inter])?,
-            inter,
-        ))
+        Ok(match dtype {
+            ExpertDtype::Bf16 => Ffn::from_parts(
+                self.read(&g, &[inter, hidden])?,
+                self.read(&u, &[inter, hidden])?,
+                self.read(&d, &[hidden, inter])?,
+                inter,
+            ),
+            ExpertDtype::Fp8 => Ffn::from_fp8(
+                self.read_fp8(&g, [inter, hidden])?,
+                self.read_fp8(&u, [inter, hidden])?,
+                self.read_fp8(&d, [hidden, inter])?,
+                inter,
+            ),
+        })
     }
 }
 
@@ -538,25 +649,11 @@ fn maps_path(maps: &[(PathBuf, memmap2::Mmap)], i: usize) -> String {
     maps[i].0.display().to_string()
 }
 
-/// OCP FP8 E4M3FN (no infinities; 0x7F/0xFF are NaN).
-pub fn fp8_e4m3(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let exp = i32::from((b >> 3) & 0xF);
-    let man = f32::from(b & 0x7);
-    if exp == 0xF && b & 0x7 == 0x7 {
-        return f32::NAN;
-    }
-    if exp == 0 {
-        sign * man / 8.0 * 2f32.powi(-6)
-    } else {
-        sign * (1.0 + man / 8.0) * 2f32.powi(exp - 7)
-    }
-}
-
 pub fn load_weights(
     dir: &Path,
     spec: &MoeSpec,
     experts: Range<usize>,
+    dtype: ExpertDtype,
 ) -> Result<RankWeights, ModelError> {
     let (_, fp8) = load_spec(dir)?;
     let ckpt = Checkpoint::open(dir, fp8)?;
@@ -575,13 +672,13 @@ pub fn load_weights(
             .clone()
             .map(|e| {
                 let names = [Part::Gate, Part::Up, Part::Down].map(|p| expert_name(arch, l, e, p));
-                ckpt.ffn(names, h, spec.intermediate)
+                ckpt.ffn(names, h, spec.intermediate, dtype)
             })
             .collect::<Result<Vec<_>, _>>()?;
         let shared = if spec.shared_intermediate > 0 {
             let names = [Part::Gate, Part::Up, Part::Down]
                 .map(|p| format!("model.layers.{l}.mlp.shared_experts.{}.weight", proj(p)));
-            Some(ckpt.ffn(names, h, spec.shared_intermediate)?)
+            Some(ckpt.ffn(names, h, spec.shared_intermediate, dtype)?)
         } else {
             None
         };
@@ -592,7 +689,11 @@ pub fn load_weights(
             shared,
         });
     }
-    Ok(RankWeights { layers, experts })
+    Ok(RankWeights {
+        layers,
+        experts,
+        dtype,
+    })
 }
 
 #[cfg(test)]
@@ -810,13 +911,84 @@ mod tests {
         std::fs::remove_dir_all(&d).unwrap();
     }
 
+    /// One F8_E4M3 tensor `w` (`shape`, `bytes`) with its `w_scale_inv` (`scales`, `[r, c]`).
+    fn fp8_checkpoint(
+        shape: Vec<usize>,
+        bytes: Vec<u8>,
+        scales: (&[f32], [usize; 2]),
+        block: usize,
+    ) -> (PathBuf, Checkpoint) {
+        let d = dir_with("fp8", &serde_json::json!({}));
+        let s: Vec<u8> = scales.0.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let views = vec![
+            (
+                "w".to_string(),
+                safetensors::tensor::TensorView::new(Dtype::F8_E4M3, shape, &bytes).unwrap(),
+            ),
+            (
+                "w_scale_inv".to_string(),
+                safetensors::tensor::TensorView::new(Dtype::F32, scales.1.to_vec(), &s).unwrap(),
+            ),
+        ];
+        std::fs::write(
+            d.join("m.safetensors"),
+            safetensors::serialize(views, None).unwrap(),
+        )
+        .unwrap();
+        let blocks = Fp8Blocks {
+            rows: block,
+            cols: block,
+        };
+        let c = Checkpoint::open(&d, Some(blocks)).unwrap();
+        (d, c)
+    }
+
     #[test]
-    fn fp8_e4m3_known_values() {
-        assert_eq!(fp8_e4m3(0x38), 1.0); // exp 7, man 0
-        assert_eq!(fp8_e4m3(0xB8), -1.0);
-        assert_eq!(fp8_e4m3(0x7E), 448.0); // largest finite
-        assert_eq!(fp8_e4m3(0x01), 2f32.powi(-9)); // smallest subnormal
-        assert_eq!(fp8_e4m3(0x3C), 1.5);
-        assert!(fp8_e4m3(0x7F).is_nan());
+    fn fp8_weights_are_kept_as_shipped_and_bad_ones_refused_by_name() {
+        // As shipped: 128x128 blocks, the bytes and scales kept; a value reads as q * scale.
+        let bytes: Vec<u8> = (0..256 * 128).map(|i| (i % 0x7E) as u8).collect();
+        let (d, c) = fp8_checkpoint(vec![256, 128], bytes.clone(), (&[0.5, 2.0], [2, 1]), 128);
+        let b = c.read_fp8("w", [256, 128]).unwrap();
+        assert_eq!((b.q, b.scales.clone()), (bytes, vec![0.5, 2.0]));
+        let v = c.read("w", &[256, 128]).unwrap();
+        assert_eq!(
+            v[200 * 128 + 3],
+            fp8::decode(((200 * 128 + 3) % 0x7E) as u8) * 2.0
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+        // Other block sizes are read as values, never kept as FP8 experts.
+        let (d, c) = fp8_checkpoint(vec![32, 32], vec![0x38; 1024], (&[1.0; 4], [2, 2]), 16);
+        assert_eq!(c.read("w", &[32, 32]).unwrap(), vec![1.0; 1024]);
+        let e = c.read_fp8("w", [32, 32]).unwrap_err().to_string();
+        assert!(
+            e.contains("has 16x16 FP8 blocks; FP8 experts take 128x128"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+        // Not 2-D (a 1-D bias stored in FP8): refused by name, no panic.
+        let (d, c) = fp8_checkpoint(vec![16], vec![0x38; 16], (&[1.0], [1, 1]), 128);
+        let e = c.read("w", &[16]).unwrap_err().to_string();
+        assert!(
+            e.contains("tensor 'w' is F8_E4M3 with shape [16]: FP8 is read only for 2-D"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+        // A NaN byte, and a negative or non-finite scale.
+        let mut nan = vec![0x38u8; 128 * 128];
+        nan[130] = 0xFF;
+        let (d, c) = fp8_checkpoint(vec![128, 128], nan, (&[1.0], [1, 1]), 128);
+        let e = c.read("w", &[128, 128]).unwrap_err().to_string();
+        assert!(e.contains("holds an FP8 NaN at row 1, column 2"), "{e}");
+        std::fs::remove_dir_all(&d).unwrap();
+        for bad in [-1.0, f32::INFINITY, f32::NAN] {
+            let (d, c) =
+                fp8_checkpoint(vec![128, 128], vec![0x38; 128 * 128], (&[bad], [1, 1]), 128);
+            let e = c.read_fp8("w", [128, 128]).unwrap_err().to_string();
+            assert!(
+                e.contains("tensor 'w_scale_inv' holds") && e.contains("at block (0, 0)"),
+                "{e}"
+            );
+            std::fs::remove_dir_all(&d).unwrap();
+        }
     }
 }

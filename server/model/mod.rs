@@ -1,9 +1,11 @@
 //! The MoE model: one `MoeSpec` for every source, the weights a rank holds, and routing.
 
+pub mod fp8;
 pub mod hf;
 pub mod routing;
 pub mod synthetic;
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 /// How a token picks its experts.
@@ -190,13 +192,111 @@ impl Placement {
     }
 }
 
+/// How a rank holds and computes its experts (`--expert-dtype`, resolved by `ExpertDtype::resolve`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertDtype {
+    /// Weights as values: f32 on the CPU backend, bf16 on the GPU ones; an FP8 checkpoint is
+    /// dequantised at load.
+    Bf16,
+    /// DeepSeek-V3's recipe (`fp8`): FP8 weights in 128x128 blocks, activations quantised per
+    /// token per 128 channels before each expert GEMM.
+    Fp8,
+}
+
+impl ExpertDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertDtype::Bf16 => "bf16",
+            ExpertDtype::Fp8 => "fp8",
+        }
+    }
+
+    /// What `asked` (None: auto) means for `spec` loaded from a checkpoint that ships FP8 in
+    /// `shipped` blocks (None: it does not). Auto keeps FP8 where it ships and the recipe applies
+    /// (128x128 blocks, sizes in multiples of 128), else bf16, with a note saying why; `fp8` where
+    /// the recipe does not apply is refused with the sizes that stop it.
+    pub fn resolve(
+        asked: Option<ExpertDtype>,
+        spec: &MoeSpec,
+        shipped: Option<(usize, usize)>,
+    ) -> Result<(ExpertDtype, Option<String>), ModelError> {
+        let b = fp8::BLOCK;
+        let mut stops: Vec<String> = [
+            ("hidden size", spec.hidden),
+            ("intermediate size", spec.intermediate),
+            ("shared intermediate size", spec.shared_intermediate),
+        ]
+        .into_iter()
+        .filter(|&(_, n)| n % b != 0)
+        .map(|(what, n)| format!("{what} {n}"))
+        .collect();
+        if let Some((r, c)) = shipped.filter(|&blocks| blocks != (b, b)) {
+            stops.push(format!("the checkpoint's {r}x{c} FP8 blocks"));
+        }
+        let why = || {
+            format!(
+                "FP8 experts need {b}x{b} weight blocks and sizes in multiples of {b}: {}",
+                stops.join(", ")
+            )
+        };
+        match (asked, shipped) {
+            (Some(ExpertDtype::Bf16), _) => Ok((ExpertDtype::Bf16, None)),
+            (Some(ExpertDtype::Fp8), _) if !stops.is_empty() => Err(ModelError::Unsupported(
+                format!("--expert-dtype fp8: {}", why()),
+            )),
+            (Some(ExpertDtype::Fp8), _) => Ok((ExpertDtype::Fp8, None)),
+            (None, Some(_)) if !stops.is_empty() => Ok((
+                ExpertDtype::Bf16,
+                Some(format!(
+                    "--expert-dtype auto: the checkpoint ships FP8, dequantised to bf16 ({})",
+                    why()
+                )),
+            )),
+            (None, Some(_)) => Ok((ExpertDtype::Fp8, None)),
+            (None, None) => Ok((ExpertDtype::Bf16, None)),
+        }
+    }
+}
+
+/// One weight matrix as a rank holds it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Matrix {
+    F32(Vec<f32>),
+    Fp8(fp8::Blocks),
+}
+
+impl Matrix {
+    pub fn bytes(&self) -> usize {
+        match self {
+            Matrix::F32(v) => 4 * v.len(),
+            Matrix::Fp8(b) => b.bytes(),
+        }
+    }
+
+    /// Every value as f32 (FP8 dequantised), for a path that computes in another format.
+    pub fn values(&self) -> Cow<'_, [f32]> {
+        match self {
+            Matrix::F32(v) => Cow::Borrowed(v),
+            Matrix::Fp8(b) => Cow::Owned(b.dequantize()),
+        }
+    }
+
+    /// As FP8 blocks (`[rows, cols]`): kept if already, quantised if values.
+    fn into_fp8(self, rows: usize, cols: usize) -> fp8::Blocks {
+        match self {
+            Matrix::F32(v) => fp8::Blocks::quantize(&v, rows, cols),
+            Matrix::Fp8(b) => b,
+        }
+    }
+}
+
 /// One SwiGLU FFN: `down(silu(gate x) * up x)`.
 #[derive(Clone, Debug)]
 pub struct Ffn {
     /// `[2 * inter, hidden]`: the gate rows, then the up rows (one GEMM computes both).
-    pub gate_up: Vec<f32>,
+    pub gate_up: Matrix,
     /// `[hidden, inter]`.
-    pub down: Vec<f32>,
+    pub down: Matrix,
     pub inter: usize,
 }
 
@@ -205,13 +305,34 @@ impl Ffn {
         let mut gate_up = gate;
         gate_up.extend_from_slice(&up);
         Self {
-            gate_up,
-            down,
+            gate_up: Matrix::F32(gate_up),
+            down: Matrix::F32(down),
             inter,
         }
     }
+
+    /// From FP8 blocks as a checkpoint ships them: gate and up `[inter, hidden]`, down
+    /// `[hidden, inter]`.
+    pub fn from_fp8(gate: fp8::Blocks, up: fp8::Blocks, down: fp8::Blocks, inter: usize) -> Self {
+        Self {
+            gate_up: Matrix::Fp8(gate.stack(up)),
+            down: Matrix::Fp8(down),
+            inter,
+        }
+    }
+
     pub fn bytes(&self) -> usize {
-        (self.gate_up.len() + self.down.len()) * 4
+        self.gate_up.bytes() + self.down.bytes()
+    }
+
+    /// Both matrices as FP8 blocks (values quantised by 128x128 block).
+    pub fn into_fp8(self, hidden: usize) -> Self {
+        let i = self.inter;
+        Self {
+            gate_up: Matrix::Fp8(self.gate_up.into_fp8(2 * i, hidden)),
+            down: Matrix::Fp8(self.down.into_fp8(hidden, i)),
+            inter: i,
+        }
     }
 }
 
@@ -227,17 +348,34 @@ pub struct LayerWeights {
     pub shared: Option<Ffn>,
 }
 
+impl LayerWeights {
+    /// Routed and shared experts as FP8 blocks; the router stays as it is.
+    pub fn into_fp8(self, hidden: usize) -> Self {
+        Self {
+            experts: self
+                .experts
+                .into_iter()
+                .map(|f| f.into_fp8(hidden))
+                .collect(),
+            shared: self.shared.map(|f| f.into_fp8(hidden)),
+            ..self
+        }
+    }
+}
+
 /// The weights one rank holds, one entry per MoE layer.
 pub struct RankWeights {
     pub layers: Vec<LayerWeights>,
     pub experts: Range<usize>,
+    pub dtype: ExpertDtype,
 }
 
 impl RankWeights {
+    /// Bytes of routed and shared experts, as held (f32 or FP8 with its scales).
     pub fn expert_bytes(&self) -> usize {
         self.layers
             .iter()
-            .flat_map(|l| l.experts.iter())
+            .flat_map(|l| l.experts.iter().chain(&l.shared))
             .map(Ffn::bytes)
             .sum()
     }
@@ -294,18 +432,108 @@ impl ModelSource {
         }
     }
 
-    /// The weights of `experts` (and all routers) for every layer of `spec`.
-    pub fn load(&self, spec: &MoeSpec, experts: Range<usize>) -> Result<RankWeights, ModelError> {
+    /// The FP8 block size the checkpoint ships its weights in, if it ships FP8.
+    pub fn shipped_fp8(&self) -> Result<Option<(usize, usize)>, ModelError> {
+        match self {
+            ModelSource::Synthetic { .. } => Ok(None),
+            ModelSource::HuggingFace(dir) => Ok(hf::load_spec(dir)?.1.map(|b| (b.rows, b.cols))),
+        }
+    }
+
+    /// The weights of `experts` (and all routers) for every layer of `spec`, experts held as
+    /// `dtype` says: FP8 blocks as shipped or quantised at load, or values.
+    pub fn load(
+        &self,
+        spec: &MoeSpec,
+        experts: Range<usize>,
+        dtype: ExpertDtype,
+    ) -> Result<RankWeights, ModelError> {
         match self {
             ModelSource::Synthetic { seed, .. } => Ok(RankWeights {
                 layers: spec
                     .moe_layers
                     .iter()
-                    .map(|&l| synthetic::layer(spec, *seed, l, experts.clone()))
+                    .map(|&l| {
+                        let w = synthetic::layer(spec, *seed, l, experts.clone());
+                        match dtype {
+                            ExpertDtype::Fp8 => w.into_fp8(spec.hidden),
+                            ExpertDtype::Bf16 => w,
+                        }
+                    })
                     .collect(),
                 experts,
+                dtype,
             }),
-            ModelSource::HuggingFace(dir) => hf::load_weights(dir, spec, experts),
+            ModelSource::HuggingFace(dir) => hf::load_weights(dir, spec, experts, dtype),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expert_dtype_auto_keeps_shipped_fp8_where_the_recipe_applies() {
+        let v3 = synthetic::preset("small-deepseek").unwrap();
+        let tiny = synthetic::preset("tiny").unwrap();
+        let (fp8, bf16) = (Some(ExpertDtype::Fp8), Some(ExpertDtype::Bf16));
+        let r = |asked, spec: &MoeSpec, shipped| ExpertDtype::resolve(asked, spec, shipped);
+        // auto: FP8 as shipped in 128x128 blocks, else bf16 with the reason.
+        assert_eq!(
+            r(None, &v3, Some((128, 128))).unwrap(),
+            (ExpertDtype::Fp8, None)
+        );
+        assert_eq!(r(None, &v3, None).unwrap(), (ExpertDtype::Bf16, None));
+        let (d, note) = r(None, &v3, Some((64, 64))).unwrap();
+        assert_eq!(d, ExpertDtype::Bf16);
+        assert!(note.unwrap().contains("the checkpoint's 64x64 FP8 blocks"));
+        let (d, note) = r(None, &tiny, Some((128, 128))).unwrap();
+        assert_eq!(d, ExpertDtype::Bf16);
+        assert!(note.unwrap().contains("hidden size 64"));
+        // fp8: quantised at load where nothing ships FP8; refused where the recipe cannot apply.
+        assert_eq!(r(fp8, &v3, None).unwrap(), (ExpertDtype::Fp8, None));
+        let e = r(fp8, &tiny, None).unwrap_err().to_string();
+        assert!(
+            e.contains("hidden size 64") && !e.contains("intermediate size"),
+            "{e}"
+        );
+        let mut odd = v3.clone();
+        odd.intermediate = 96;
+        odd.shared_intermediate = 96;
+        let e = r(fp8, &odd, Some((128, 64))).unwrap_err().to_string();
+        assert!(
+            e.contains("intermediate size 96, shared intermediate size 96, the checkpoint's 128x64 FP8 blocks"),
+            "{e}"
+        );
+        // bf16: always, FP8 checkpoints dequantised.
+        assert_eq!(
+            r(bf16, &v3, Some((128, 128))).unwrap(),
+            (ExpertDtype::Bf16, None)
+        );
+        assert_eq!(r(bf16, &tiny, None).unwrap(), (ExpertDtype::Bf16, None));
+    }
+
+    #[test]
+    fn fp8_weights_hold_a_quarter_of_f32_and_survive_stacking() {
+        let spec = synthetic::preset("small-deepseek").unwrap();
+        let w = synthetic::layer(&spec, 3, 1, 0..2);
+        let f32_bytes: usize = w.experts.iter().chain(&w.shared).map(Ffn::bytes).sum();
+        let q = w.clone().into_fp8(spec.hidden);
+        let fp8_bytes: usize = q.experts.iter().chain(&q.shared).map(Ffn::bytes).sum();
+        // One byte a weight and one f32 scale per 16384 weights, against four bytes a weight.
+        assert_eq!(fp8_bytes * 4 * 16384, f32_bytes * (16384 + 4));
+        // gate/up stacked then quantised = each quantised then stacked (128-row blocks).
+        let (h, i) = (spec.hidden, spec.intermediate);
+        let Matrix::F32(gu) = &w.experts[0].gate_up else {
+            panic!()
+        };
+        let apart = fp8::Blocks::quantize(&gu[..i * h], i, h).stack(fp8::Blocks::quantize(
+            &gu[i * h..],
+            i,
+            h,
+        ));
+        assert_eq!(q.experts[0].gate_up, Matrix::Fp8(apart));
+        assert_eq!(q.router, w.router, "the router stays as it is");
     }
 }

@@ -10,7 +10,7 @@ use crate::backend::cpu::SegmentShape;
 use crate::backend::gpu;
 use crate::config::{graph_buckets, BackendKind, EpSettings, Member, OnOff, ServeArgs};
 use crate::group::Fingerprint;
-use crate::model::{ModelSource, MoeSpec, Placement, RankWeights};
+use crate::model::{ExpertDtype, ModelSource, MoeSpec, Placement, RankWeights};
 use crate::proto::{DType, ExpertRange, ModelInfo};
 use crate::step::max_home_tokens;
 use crate::step::ring::RingShape;
@@ -35,6 +35,33 @@ pub struct Prepared {
     pub buckets: Vec<usize>,
     /// Persistent exchange memory per rank (GetModelInfo).
     pub exchange_bytes: u64,
+    pub expert_dtype: ExpertDtype,
+    /// Bytes of this rank's experts where it computes them: host memory (cpu) or its GPU.
+    pub expert_bytes: u64,
+}
+
+/// `--expert-dtype` for this model on this backend: `ExpertDtype::resolve`, and FP8 on the cpu
+/// backend alone until the GPU backends have FP8 kernels (auto falls back to bf16 there).
+fn resolve_expert_dtype(
+    args: &ServeArgs,
+    spec: &MoeSpec,
+    source: &ModelSource,
+    backend: BackendKind,
+) -> anyhow::Result<ExpertDtype> {
+    let asked = args.expert_dtype.asked();
+    let (dtype, note) = ExpertDtype::resolve(asked, spec, source.shipped_fp8()?)?;
+    if let Some(n) = note {
+        info!("{n}");
+    }
+    if dtype == ExpertDtype::Fp8 && backend != BackendKind::Cpu {
+        let name = backend_name(backend);
+        if asked.is_some() {
+            bail!("--expert-dtype fp8 runs on the cpu backend only so far, not on {name}");
+        }
+        info!("--expert-dtype auto: the checkpoint ships FP8, dequantised to bf16 ({name} has no FP8 experts yet)");
+        return Ok(ExpertDtype::Bf16);
+    }
+    Ok(dtype)
 }
 
 /// `auto` becomes `nccl-ep` where its gates pass, else `nccl` where GPUs and NCCL are found,
@@ -101,6 +128,7 @@ pub fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<(Prepared, We
     spec.validate()?;
     let placement = Placement::new(spec.num_experts, member.world)?;
     let backend = resolve_backend(args.backend, member.world)?;
+    let expert_dtype = resolve_expert_dtype(args, &spec, &source, backend)?;
     let max_home = max_home_tokens(args.max_tokens_per_step, member.world);
     let buckets = graph_buckets(&args.graph_buckets, max_home).map_err(|e| anyhow!(e))?;
     let mut fingerprint = vec![
@@ -114,6 +142,7 @@ pub fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<(Prepared, We
         ),
         ("ingress".into(), args.ingress.name().into()),
         ("ring_slots".into(), args.ring_slots.to_string()),
+        ("expert_dtype".into(), expert_dtype.name().into()),
     ];
     fingerprint.extend(spec.fingerprint());
     if matches!(backend, BackendKind::Nccl | BackendKind::NcclEp) {
@@ -166,16 +195,18 @@ pub fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<(Prepared, We
     );
     let t0 = Instant::now();
     let experts = placement.experts_of(member.rank);
-    let weights = source.load(&spec, experts.clone())?;
+    let weights = source.load(&spec, experts.clone(), expert_dtype)?;
+    let host_bytes = weights.expert_bytes() as u64;
     info!(
         rank = member.rank,
         experts = ?experts,
         layers = spec.moe_layers.len(),
-        expert_mib = weights.expert_bytes() >> 20,
+        expert_dtype = %expert_dtype.name(),
+        expert_bytes = host_bytes,
         seconds = t0.elapsed().as_secs_f32(),
         "weights loaded"
     );
-    let (weights, exchange_bytes) = match backend {
+    let (weights, exchange_bytes, expert_bytes) = match backend {
         BackendKind::Nccl | BackendKind::NcclEp => {
             let seat = gpu::Seat {
                 ordinal: device_ordinal(args, member.rank)?,
@@ -185,10 +216,10 @@ pub fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<(Prepared, We
                 ep,
             };
             let dev = gpu::Device::open(seat, &spec, weights)?;
-            let bytes = dev.buffer_bytes() as u64;
-            (Weights::Gpu(Box::new(dev)), bytes)
+            let (bytes, experts) = (dev.buffer_bytes() as u64, dev.expert_bytes() as u64);
+            (Weights::Gpu(Box::new(dev)), bytes, experts)
         }
-        _ => (Weights::Host(weights), segment.bytes() as u64),
+        _ => (Weights::Host(weights), segment.bytes() as u64, host_bytes),
     };
     let p = Prepared {
         member,
@@ -201,6 +232,8 @@ pub fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<(Prepared, We
         ring,
         buckets,
         exchange_bytes,
+        expert_dtype,
+        expert_bytes,
     };
     Ok((p, weights))
 }
@@ -237,5 +270,7 @@ pub fn model_info(p: &Prepared, args: &ServeArgs) -> ModelInfo {
         ingress_mode: args.ingress.name().into(),
         // Known when the group forms (MoeApi::set_ingress).
         ingress: Vec::new(),
+        expert_dtype: p.expert_dtype.name().into(),
+        expert_bytes_per_rank: p.expert_bytes,
     }
 }

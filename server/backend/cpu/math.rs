@@ -5,13 +5,21 @@
 //! below where a GEMM pays for threading itself, but a step holds many independent blocks (each
 //! local expert's rows, the shared expert's tokens). With one lane the blocks run on the step's own
 //! thread, in order, as they always did.
+//!
+//! FP8 experts (`model::fp8`'s recipe) run in f64 over exactly dequantised operands: every
+//! product of two E4M3 values times two f32 scales is exact in f64 and the sums round at 1e-16,
+//! so the result does not depend on summation order. That makes this backend the recipe itself,
+//! what the f64 reference in tests and the GPU's f32 accumulation are compared with: an f32 sum
+//! here would move values across FP8 rounding boundaries (one E4M3 step is 6-12%) in a way no
+//! other implementation could reproduce.
 
 use std::sync::{Mutex, MutexGuard};
 
 use ndarray::linalg::general_mat_mul;
-use ndarray::{ArrayView2, ArrayViewMut2};
+use ndarray::{s, ArrayView2, ArrayViewMut2};
 
-use crate::model::Ffn;
+use crate::model::fp8::{self, BLOCK};
+use crate::model::{ExpertDtype, Ffn, Matrix};
 
 /// Most rows of one block: bounds each lane's scratch whatever the step's skew.
 const CHUNK: usize = 256;
@@ -26,43 +34,79 @@ pub struct Scratch {
     gu: Vec<f32>,
     act: Vec<f32>,
     pub y: Vec<f32>,
+    /// FP8 experts only.
+    fp8: Option<Fp8Scratch>,
+}
+
+/// The f64 images the FP8 path computes on: a block's quantised rows (then its quantised SwiGLU
+/// output), the gate/up output, one 128-row block of weights, one 128-column block of output;
+/// and one row of SwiGLU output in f32, before it is quantised.
+struct Fp8Scratch {
+    x: Vec<f64>,
+    gu: Vec<f64>,
+    w: Vec<f64>,
+    y: Vec<f64>,
+    act: Vec<f32>,
+}
+
+impl Fp8Scratch {
+    fn new(hidden: usize, inter: usize) -> Self {
+        let wide = hidden.max(inter);
+        Self {
+            x: vec![0.0; CHUNK * wide],
+            gu: vec![0.0; CHUNK * 2 * inter],
+            w: vec![0.0; BLOCK * wide],
+            y: vec![0.0; CHUNK * BLOCK],
+            act: vec![0.0; inter],
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        8 * (self.x.len() + self.gu.len() + self.w.len() + self.y.len()) + 4 * self.act.len()
+    }
 }
 
 impl Scratch {
-    fn new(hidden: usize, inter: usize) -> Self {
+    fn new(hidden: usize, inter: usize, dtype: ExpertDtype) -> Self {
         Self {
             rows: vec![0.0; CHUNK * hidden],
             meta: vec![0; CHUNK * 3],
             gu: vec![0.0; CHUNK * 2 * inter],
             act: vec![0.0; CHUNK * inter],
             y: vec![0.0; CHUNK * hidden],
+            fp8: (dtype == ExpertDtype::Fp8).then(|| Fp8Scratch::new(hidden, inter)),
         }
     }
 
     /// `y[..m * h] = f(rows[..m * h])`.
     pub fn forward(&mut self, f: &Ffn, m: usize, h: usize) {
-        ffn_forward(
-            f,
-            &self.rows,
-            m,
-            h,
-            &mut self.gu,
-            &mut self.act,
-            &mut self.y,
-        );
+        let Self {
+            rows,
+            gu,
+            act,
+            y,
+            fp8,
+            ..
+        } = self;
+        ffn_forward(f, rows, m, h, gu, act, fp8.as_mut(), y);
     }
 
     /// `y[..m * h] = f(x)` for `x` of `m` rows.
     pub fn forward_from(&mut self, f: &Ffn, x: &[f32], m: usize, h: usize) {
-        ffn_forward(f, x, m, h, &mut self.gu, &mut self.act, &mut self.y);
+        let Self {
+            gu, act, y, fp8, ..
+        } = self;
+        ffn_forward(f, x, m, h, gu, act, fp8.as_mut(), y);
     }
 
     fn bytes(&self) -> usize {
         4 * (self.rows.len() + self.meta.len() + self.gu.len() + self.act.len() + self.y.len())
+            + self.fp8.as_ref().map_or(0, Fp8Scratch::bytes)
     }
 }
 
-/// `y[m, h] = down(silu(gate x) * up x)` for `x[m, h]`.
+/// `y[m, h] = down(silu(gate x) * up x)` for `x[m, h]`, in the experts' format.
+#[allow(clippy::too_many_arguments)]
 fn ffn_forward(
     f: &Ffn,
     x: &[f32],
@@ -70,11 +114,35 @@ fn ffn_forward(
     h: usize,
     gu: &mut [f32],
     act: &mut [f32],
+    fp8: Option<&mut Fp8Scratch>,
     y: &mut [f32],
 ) {
-    let i = f.inter;
+    match (&f.gate_up, &f.down, fp8) {
+        (Matrix::F32(gate_up), Matrix::F32(down), _) => {
+            ffn_f32(gate_up, down, f.inter, x, m, h, gu, act, y)
+        }
+        (Matrix::Fp8(gate_up), Matrix::Fp8(down), Some(s)) => {
+            ffn_fp8(gate_up, down, f.inter, x, m, h, s, y)
+        }
+        _ => unreachable!("an FFN's matrices share the format the lanes were sized for"),
+    }
+}
+
+/// The f32 path: two GEMMs and SwiGLU between them.
+#[allow(clippy::too_many_arguments)]
+fn ffn_f32(
+    gate_up: &[f32],
+    down: &[f32],
+    i: usize,
+    x: &[f32],
+    m: usize,
+    h: usize,
+    gu: &mut [f32],
+    act: &mut [f32],
+    y: &mut [f32],
+) {
     let xa = ArrayView2::from_shape((m, h), &x[..m * h]).expect("x shape");
-    let wgu = ArrayView2::from_shape((2 * i, h), &f.gate_up).expect("gate_up shape");
+    let wgu = ArrayView2::from_shape((2 * i, h), gate_up).expect("gate_up shape");
     let mut gua = ArrayViewMut2::from_shape((m, 2 * i), &mut gu[..m * 2 * i]).expect("gu shape");
     general_mat_mul(1.0, &xa, &wgu.t(), 0.0, &mut gua);
     for (row, a) in gu[..m * 2 * i]
@@ -87,9 +155,63 @@ fn ffn_forward(
         }
     }
     let aa = ArrayView2::from_shape((m, i), &act[..m * i]).expect("act shape");
-    let wd = ArrayView2::from_shape((h, i), &f.down).expect("down shape");
+    let wd = ArrayView2::from_shape((h, i), down).expect("down shape");
     let mut ya = ArrayViewMut2::from_shape((m, h), &mut y[..m * h]).expect("y shape");
     general_mat_mul(1.0, &aa, &wd.t(), 0.0, &mut ya);
+}
+
+/// The FP8 recipe: rows quantised per 128 channels, gate/up against FP8 weight blocks, SwiGLU,
+/// its output (as f32, as a GPU holds it) quantised the same way, down against FP8 blocks. Each
+/// GEMM runs one 128-row weight block at a time, so scratch holds one block, not an expert.
+#[allow(clippy::too_many_arguments)]
+fn ffn_fp8(
+    gate_up: &fp8::Blocks,
+    down: &fp8::Blocks,
+    i: usize,
+    x: &[f32],
+    m: usize,
+    h: usize,
+    sc: &mut Fp8Scratch,
+    y: &mut [f32],
+) {
+    for (r, q) in x[..m * h]
+        .chunks_exact(h)
+        .zip(sc.x[..m * h].chunks_exact_mut(h))
+    {
+        fp8::quantize_row(r, q);
+    }
+    let mut gu = ArrayViewMut2::from_shape((m, 2 * i), &mut sc.gu[..m * 2 * i]).expect("gu shape");
+    let xa = ArrayView2::from_shape((m, h), &sc.x[..m * h]).expect("x shape");
+    for b in 0..2 * i / BLOCK {
+        gate_up.dequantize_block_rows(b, &mut sc.w);
+        let w = ArrayView2::from_shape((BLOCK, h), &sc.w[..BLOCK * h]).expect("w shape");
+        let mut out = gu.slice_mut(s![.., b * BLOCK..(b + 1) * BLOCK]);
+        general_mat_mul(1.0, &xa, &w.t(), 0.0, &mut out);
+    }
+    let act = &mut sc.act[..i];
+    for (row, q) in sc.gu[..m * 2 * i]
+        .chunks_exact(2 * i)
+        .zip(sc.x[..m * i].chunks_exact_mut(i))
+    {
+        let (g, u) = row.split_at(i);
+        for ((a, &g), &u) in act.iter_mut().zip(g).zip(u) {
+            *a = (g / (1.0 + (-g).exp()) * u) as f32;
+        }
+        fp8::quantize_row(act, q);
+    }
+    let aa = ArrayView2::from_shape((m, i), &sc.x[..m * i]).expect("act shape");
+    for b in 0..h / BLOCK {
+        down.dequantize_block_rows(b, &mut sc.w);
+        let w = ArrayView2::from_shape((BLOCK, i), &sc.w[..BLOCK * i]).expect("w shape");
+        let mut out =
+            ArrayViewMut2::from_shape((m, BLOCK), &mut sc.y[..m * BLOCK]).expect("y shape");
+        general_mat_mul(1.0, &aa, &w.t(), 0.0, &mut out);
+        for (yr, o) in y[..m * h].chunks_exact_mut(h).zip(sc.y.chunks_exact(BLOCK)) {
+            for (y, &o) in yr[b * BLOCK..(b + 1) * BLOCK].iter_mut().zip(o) {
+                *y = o as f32;
+            }
+        }
+    }
 }
 
 /// This rank's threads for the step's blocks, and their scratch.
@@ -102,8 +224,13 @@ pub struct Lanes {
 }
 
 impl Lanes {
-    /// `lanes` threads (at least one), with scratch for FFNs up to `inter` wide.
-    pub fn new(lanes: usize, hidden: usize, inter: usize) -> std::io::Result<Self> {
+    /// `lanes` threads (at least one), with scratch for FFNs up to `inter` wide in `dtype`.
+    pub fn new(
+        lanes: usize,
+        hidden: usize,
+        inter: usize,
+        dtype: ExpertDtype,
+    ) -> std::io::Result<Self> {
         let lanes = lanes.max(1);
         let pool = match lanes {
             1 => None,
@@ -116,7 +243,7 @@ impl Lanes {
             ),
         };
         let scratch = (0..lanes)
-            .map(|_| Mutex::new(Scratch::new(hidden, inter)))
+            .map(|_| Mutex::new(Scratch::new(hidden, inter, dtype)))
             .collect();
         Ok(Self { pool, scratch })
     }
@@ -204,11 +331,7 @@ mod tests {
                 .map(|k| (((k as u32).wrapping_mul(2654435761) ^ s) % 1000) as f32 / 1000.0 - 0.5)
                 .collect()
         };
-        Ffn {
-            inter: i,
-            gate_up: v(2 * i * h, seed),
-            down: v(h * i, seed + 1),
-        }
+        Ffn::from_parts(v(i * h, seed), v(i * h, seed + 2), v(h * i, seed + 1), i)
     }
 
     /// Every block is run once, on whichever lane, and the blocks' results do not depend on the
@@ -219,7 +342,7 @@ mod tests {
         let f = ffn(h, i, 7);
         let x: Vec<f32> = (0..n * h).map(|k| ((k % 13) as f32 - 6.0) / 6.0).collect();
         let run = |lanes: usize| {
-            let l = Lanes::new(lanes, h, i).unwrap();
+            let l = Lanes::new(lanes, h, i, ExpertDtype::Bf16).unwrap();
             assert_eq!(l.count(), lanes);
             let mut out = vec![1.0f32; n * h];
             let per = l.block_rows(n);
@@ -239,7 +362,7 @@ mod tests {
         let one = run(1);
         assert_eq!(one, run(4));
         // Against the same FFN on all rows at once: the rows are independent.
-        let mut s = Scratch::new(h, i);
+        let mut s = Scratch::new(h, i, ExpertDtype::Bf16);
         for first in (0..n).step_by(CHUNK) {
             let m = CHUNK.min(n - first);
             s.forward_from(&f, &x[first * h..(first + m) * h], m, h);
@@ -251,12 +374,64 @@ mod tests {
 
     #[test]
     fn blocks_are_about_one_per_lane_within_bounds() {
-        let l = Lanes::new(4, 4, 4).unwrap();
+        let l = Lanes::new(4, 4, 4, ExpertDtype::Bf16).unwrap();
         assert_eq!(l.block_rows(256), 64);
         assert_eq!(l.block_rows(10), MIN_ROWS);
         assert_eq!(l.block_rows(100_000), CHUNK);
-        assert_eq!(Lanes::new(1, 4, 4).unwrap().block_rows(10), CHUNK);
+        assert_eq!(
+            Lanes::new(1, 4, 4, ExpertDtype::Bf16)
+                .unwrap()
+                .block_rows(10),
+            CHUNK
+        );
         assert!(default_lanes(1) >= default_lanes(2) && default_lanes(1_000_000) == 1);
         assert!((1..=DEFAULT_MAX_LANES).contains(&default_lanes(1)));
+    }
+
+    /// The FP8 path against the recipe written out in f64, row by row with no blocking: the
+    /// dequantised weights, each row quantised per 128 channels, SwiGLU, its output quantised.
+    #[test]
+    fn fp8_ffn_is_the_recipe_row_by_row() {
+        let (h, i, m) = (256, 384, 37);
+        let f = ffn(h, i, 11).into_fp8(h);
+        let (Matrix::Fp8(gu), Matrix::Fp8(down)) = (&f.gate_up, &f.down) else {
+            panic!("into_fp8 keeps FP8 blocks");
+        };
+        // Exact in f64, as the recipe's products are (f32 would round q * s).
+        let exact = |b: &fp8::Blocks| -> Vec<f64> {
+            (0..b.rows * b.cols)
+                .map(|k| {
+                    f64::from(fp8::decode(b.q[k])) * f64::from(b.scale(k / b.cols, k % b.cols))
+                })
+                .collect()
+        };
+        let (wgu, wd) = (exact(gu), exact(down));
+        let x: Vec<f32> = (0..m * h)
+            .map(|k| ((k * 7 % 101) as f32 - 50.0) / 25.0 * if k % 97 == 0 { 40.0 } else { 1.0 })
+            .collect();
+        let mut s = Scratch::new(h, i, ExpertDtype::Fp8);
+        s.forward_from(&f, &x, m, h);
+        for r in 0..m {
+            let mut q = vec![0f64; h];
+            fp8::quantize_row(&x[r * h..(r + 1) * h], &mut q);
+            let dot = |w: &[f64], a: &[f64]| -> f64 { w.iter().zip(a).map(|(w, a)| w * a).sum() };
+            let act: Vec<f32> = (0..i)
+                .map(|j| {
+                    let g = dot(&wgu[j * h..(j + 1) * h], &q);
+                    let u = dot(&wgu[(i + j) * h..(i + j + 1) * h], &q);
+                    (g / (1.0 + (-g).exp()) * u) as f32
+                })
+                .collect();
+            let mut qa = vec![0f64; i];
+            fp8::quantize_row(&act, &mut qa);
+            for o in 0..h {
+                let want = dot(&wd[o * i..(o + 1) * i], &qa);
+                let got = f64::from(s.y[r * h + o]);
+                assert!(
+                    (got - want).abs() <= 1e-6 * want.abs().max(1e-3),
+                    "row {r} column {o}: {got} against {want}"
+                );
+            }
+        }
     }
 }

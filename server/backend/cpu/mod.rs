@@ -154,7 +154,7 @@ impl CpuRank {
             .collect::<std::io::Result<Vec<_>>>()?;
         let (t, h, k, e) = (shape.max_home, shape.hidden, shape.top_k, shape.experts);
         let inter = spec.intermediate.max(spec.shared_intermediate);
-        let lanes = Lanes::new(lanes, h, inter)?;
+        let lanes = Lanes::new(lanes, h, inter, weights.dtype)?;
         let local = e / shape.world.max(1);
         let slots = ring.shape.slots;
         let s = Scratch {

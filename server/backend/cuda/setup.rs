@@ -134,6 +134,11 @@ impl Device {
         self.shape.buffer_bytes()
     }
 
+    /// Device bytes of the experts' weights, routed and shared.
+    pub fn expert_bytes(&self) -> usize {
+        self.layers.iter().map(DeviceLayer::expert_bytes).sum()
+    }
+
     /// Joins the communicator (bounded by `deadline`: a rank that never arrives would block NCCL
     /// init forever), allocates the step buffers, warms up and captures every bucket's graphs.
     pub fn join(

@@ -18,7 +18,7 @@ use super::shape::StepShape;
 use super::slots::SlotExchange;
 use super::{max_tiles, Blocks, Gpu, Logits, ROUTER_PIECES};
 use super::{Alloc, GpuError};
-use crate::model::{Ffn, LayerWeights, Routing};
+use crate::model::{Ffn, LayerWeights, Matrix, Routing};
 
 /// One MoE layer on the device: the router in f32 (and as bf16 pieces, for bf16 rows), this
 /// rank's experts in bf16.
@@ -34,8 +34,12 @@ pub struct DeviceLayer {
     shared: Option<(CudaSlice<bf16>, CudaSlice<bf16>)>,
 }
 
-fn to_bf16<'a>(parts: impl Iterator<Item = &'a [f32]>) -> Vec<bf16> {
-    parts.flatten().map(|&v| bf16::from_f32(v)).collect()
+fn to_bf16<'a>(parts: impl Iterator<Item = &'a Matrix>) -> Vec<bf16> {
+    let mut out = Vec::new();
+    for m in parts {
+        out.extend(m.values().iter().map(|&v| bf16::from_f32(v)));
+    }
+    out
 }
 
 /// Where a step's home rows are when its graph starts.
@@ -82,6 +86,12 @@ fn pieces(g: &Gpu, a: &mut Alloc, router: &CudaSlice<f32>) -> Result<CudaSlice<b
 }
 
 impl DeviceLayer {
+    /// Device bytes of its routed and shared experts.
+    pub fn expert_bytes(&self) -> usize {
+        let shared = self.shared.as_ref().map_or(0, |(gu, d)| gu.len() + d.len());
+        (self.w_gu.len() + self.w_down.len() + shared) * std::mem::size_of::<bf16>()
+    }
+
     pub fn upload(
         g: &Gpu,
         a: &mut Alloc,
@@ -90,8 +100,8 @@ impl DeviceLayer {
     ) -> Result<Self, DriverError> {
         let ffn = |a: &mut Alloc, f: &Ffn| -> Result<_, DriverError> {
             Ok((
-                a.upload(&to_bf16(std::iter::once(&f.gate_up[..])))?,
-                a.upload(&to_bf16(std::iter::once(&f.down[..])))?,
+                a.upload(&to_bf16(std::iter::once(&f.gate_up)))?,
+                a.upload(&to_bf16(std::iter::once(&f.down)))?,
             ))
         };
         let router = a.upload(&l.router)?;
@@ -102,8 +112,8 @@ impl DeviceLayer {
                 Some(b) => a.upload(b)?,
                 None => a.zeros(experts)?,
             },
-            w_gu: a.upload(&to_bf16(l.experts.iter().map(|f| &f.gate_up[..])))?,
-            w_down: a.upload(&to_bf16(l.experts.iter().map(|f| &f.down[..])))?,
+            w_gu: a.upload(&to_bf16(l.experts.iter().map(|f| &f.gate_up)))?,
+            w_down: a.upload(&to_bf16(l.experts.iter().map(|f| &f.down)))?,
             shared: l.shared.as_ref().map(|f| ffn(a, f)).transpose()?,
         })
     }
