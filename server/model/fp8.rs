@@ -1,7 +1,11 @@
 //! FP8 experts as DeepSeek-V3 ships them: OCP E4M3FN values with one f32 scale per 128x128
 //! weight block (`dequantised = q * scale`), and activations quantised per token per 128
 //! channels (`s = amax / 448`, `q = e4m3(x / s)`, round to nearest even). The rule is written
-//! once here; the CPU backend, the loader and the GPU's packing all use it.
+//! once here; the CPU backend, the loader and the GPU's kernels (`kernels/fp8.cu`) follow it.
+//!
+//! Where the activations are bf16, as in DeepSeek-V3's own inference: an expert's input rows
+//! are bf16 (they cross the exchange so), and so are the gate/up GEMM's outputs; SwiGLU runs in
+//! f32 on those and is quantised as it comes (`bf16` rounds a value as those steps do).
 
 /// Rows and columns of one weight block; channels of one activation group.
 pub const BLOCK: usize = 128;
@@ -47,6 +51,11 @@ pub fn encode(x: f32) -> u8 {
     let (e, m) = if m == 16 { (e + 1, 8) } else { (e, m) };
     let code = (((e + 7) as u32) << 3 | (m - 8)).min(0x7E);
     sign | code as u8
+}
+
+/// `x` rounded to bf16 (nearest even), as the recipe's bf16 activations hold it.
+pub fn bf16(x: f32) -> f32 {
+    half::bf16::from_f32(x).to_f32()
 }
 
 /// The scale of a group whose largest magnitude is `amax`: values divided by it span ±448. A

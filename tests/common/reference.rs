@@ -2,7 +2,8 @@
 //! expert, weighted sum), written from the Hugging Face definitions, not from the server's code;
 //! with FP8 experts, DeepSeek-V3's recipe (its reference inference code): weights in 128x128
 //! blocks scaled by amax / 448, activations quantised per token per 128 channels before each
-//! expert GEMM, then f64 math on the quantised values.
+//! expert GEMM, then f64 math on the quantised values; activations bf16 where DeepSeek-V3's
+//! inference holds them so (an expert's input, the gate/up outputs).
 
 use epserve::model::{LayerWeights, Matrix, MoeSpec, Routing};
 
@@ -172,13 +173,18 @@ fn dot(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-/// One expert; with `fp8`, its input and its SwiGLU output (as f32, where the recipe quantises
-/// it) quantised per 128 channels.
+/// A value rounded to f32, then to bf16 (nearest even), as a GPU's f32 accumulator is stored.
+fn bf16(v: f64) -> f64 {
+    half::bf16::from_f32(v as f32).to_f64()
+}
+
+/// One expert; with `fp8`, its input (in bf16) and its SwiGLU output (of gate/up in bf16, as
+/// f32) quantised per 128 channels.
 fn ffn(f: &RefFfn, x: &[f64], fp8: bool) -> Vec<f64> {
     let h = x.len();
     let q;
     let x = if fp8 {
-        q = fp8::quantize_row(&x.iter().map(|&v| v as f32).collect::<Vec<_>>());
+        q = fp8::quantize_row(&x.iter().map(|&v| bf16(v) as f32).collect::<Vec<_>>());
         &q
     } else {
         x
@@ -187,6 +193,7 @@ fn ffn(f: &RefFfn, x: &[f64], fp8: bool) -> Vec<f64> {
         .map(|i| {
             let g = dot(&f.gate[i * h..(i + 1) * h], x);
             let u = dot(&f.up[i * h..(i + 1) * h], x);
+            let (g, u) = if fp8 { (bf16(g), bf16(u)) } else { (g, u) };
             g / (1.0 + (-g).exp()) * u
         })
         .collect();

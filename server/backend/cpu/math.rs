@@ -40,7 +40,7 @@ pub struct Scratch {
 
 /// The f64 images the FP8 path computes on: a block's quantised rows (then its quantised SwiGLU
 /// output), the gate/up output, one 128-row block of weights, one 128-column block of output;
-/// and one row of SwiGLU output in f32, before it is quantised.
+/// and one row in f32 before it is quantised (an input row in bf16, or SwiGLU's output).
 struct Fp8Scratch {
     x: Vec<f64>,
     gu: Vec<f64>,
@@ -57,7 +57,7 @@ impl Fp8Scratch {
             gu: vec![0.0; CHUNK * 2 * inter],
             w: vec![0.0; BLOCK * wide],
             y: vec![0.0; CHUNK * BLOCK],
-            act: vec![0.0; inter],
+            act: vec![0.0; wide],
         }
     }
 
@@ -160,9 +160,10 @@ fn ffn_f32(
     general_mat_mul(1.0, &aa, &wd.t(), 0.0, &mut ya);
 }
 
-/// The FP8 recipe: rows quantised per 128 channels, gate/up against FP8 weight blocks, SwiGLU,
-/// its output (as f32, as a GPU holds it) quantised the same way, down against FP8 blocks. Each
-/// GEMM runs one 128-row weight block at a time, so scratch holds one block, not an expert.
+/// The FP8 recipe (`model::fp8`): rows in bf16 quantised per 128 channels, gate/up against FP8
+/// weight blocks, its output in bf16, SwiGLU (in f32, as a GPU holds it) quantised the same way,
+/// down against FP8 blocks. Each GEMM runs one 128-row weight block at a time, so scratch holds
+/// one block, not an expert.
 #[allow(clippy::too_many_arguments)]
 fn ffn_fp8(
     gate_up: &fp8::Blocks,
@@ -178,7 +179,9 @@ fn ffn_fp8(
         .chunks_exact(h)
         .zip(sc.x[..m * h].chunks_exact_mut(h))
     {
-        fp8::quantize_row(r, q);
+        let row = &mut sc.act[..h];
+        row.iter_mut().zip(r).for_each(|(b, &v)| *b = fp8::bf16(v));
+        fp8::quantize_row(row, q);
     }
     let mut gu = ArrayViewMut2::from_shape((m, 2 * i), &mut sc.gu[..m * 2 * i]).expect("gu shape");
     let xa = ArrayView2::from_shape((m, h), &sc.x[..m * h]).expect("x shape");
@@ -194,7 +197,9 @@ fn ffn_fp8(
         .zip(sc.x[..m * i].chunks_exact_mut(i))
     {
         let (g, u) = row.split_at(i);
+        let bf16 = |v: f64| f64::from(fp8::bf16(v as f32));
         for ((a, &g), &u) in act.iter_mut().zip(g).zip(u) {
+            let (g, u) = (bf16(g), bf16(u));
             *a = (g / (1.0 + (-g).exp()) * u) as f32;
         }
         fp8::quantize_row(act, q);
@@ -389,7 +394,8 @@ mod tests {
     }
 
     /// The FP8 path against the recipe written out in f64, row by row with no blocking: the
-    /// dequantised weights, each row quantised per 128 channels, SwiGLU, its output quantised.
+    /// dequantised weights, each row in bf16 quantised per 128 channels, gate/up in bf16,
+    /// SwiGLU, its output quantised.
     #[test]
     fn fp8_ffn_is_the_recipe_row_by_row() {
         let (h, i, m) = (256, 384, 37);
@@ -411,14 +417,19 @@ mod tests {
             .collect();
         let mut s = Scratch::new(h, i, ExpertDtype::Fp8);
         s.forward_from(&f, &x, m, h);
+        let bf16 = |v: f64| f64::from(fp8::bf16(v as f32));
         for r in 0..m {
             let mut q = vec![0f64; h];
-            fp8::quantize_row(&x[r * h..(r + 1) * h], &mut q);
+            let row: Vec<f32> = x[r * h..(r + 1) * h]
+                .iter()
+                .map(|&v| fp8::bf16(v))
+                .collect();
+            fp8::quantize_row(&row, &mut q);
             let dot = |w: &[f64], a: &[f64]| -> f64 { w.iter().zip(a).map(|(w, a)| w * a).sum() };
             let act: Vec<f32> = (0..i)
                 .map(|j| {
-                    let g = dot(&wgu[j * h..(j + 1) * h], &q);
-                    let u = dot(&wgu[(i + j) * h..(i + j + 1) * h], &q);
+                    let g = bf16(dot(&wgu[j * h..(j + 1) * h], &q));
+                    let u = bf16(dot(&wgu[(i + j) * h..(i + j + 1) * h], &q));
                     (g / (1.0 + (-g).exp()) * u) as f32
                 })
                 .collect();
