@@ -115,12 +115,47 @@ impl HopperTile {
     }
 }
 
+/// The FP8 instances `kernels/hopper_fp8.cu` compiles (DeepGEMM's `sm90_fp8_gemm_1d2d`), as
+/// `HOPPER_TILES` are for bf16: psum for the contiguous layout (its row tile must be the bf16
+/// psum tile's, the exchange's block alignment), masked for the strided one. 128-wide N tiles:
+/// at 256 the 2-warpgroup instance spills (ptxas: 2.3 kB of spill stores).
+const HOPPER_FP8_TILES: [HopperTile; 2] = [
+    HopperTile {
+        name: "PSUM",
+        gemm_type: 5,
+        block_m: 128,
+        block_n: 128,
+        stages: 5,
+        math_threads: 256,
+    },
+    HopperTile {
+        name: "MASKED",
+        gemm_type: 2,
+        block_m: 64,
+        block_n: 128,
+        stages: 8,
+        math_threads: 128,
+    },
+];
+
+impl HopperTile {
+    /// The Itanium-mangled name of `deep_gemm::sm90_fp8_gemm_1d2d_impl<K, 0, 0, 0, groups, M, N,
+    /// 128, 128, 128, 128, stages, 128, math, 1, false, ctas, type, cutlass::bfloat16_t, 128>`.
+    fn fp8_symbol(&self) -> String {
+        format!(
+            "_ZN9deep_gemm23sm90_fp8_gemm_1d2d_implILN4cute4UMMA5MajorE0ELj0ELj0ELj0ELj{HOPPER_GROUPS}ELj{}ELj{}ELj128ELj128ELj128ELj128ELj{}ELj128ELj{}ELj1ELb0ELj{HOPPER_CTAS}ELNS_8GemmTypeE{}EN7cutlass10bfloat16_tELj128EEEvPfPijjj14CUtensorMap_stS9_S9_S9_",
+            self.block_m, self.block_n, self.stages, self.math_threads, self.gemm_type
+        )
+    }
+}
+
 const HOW_DEEP_GEMM: &str = "the Hopper expert GEMM needs DeepGEMM's headers: run \
 `eval \"$(scripts/cuda-toolchain.sh)\"` (it fetches the pinned sgl-deep-gemm wheel and sets \
 DEEP_GEMM_INCLUDE)";
 
-/// Compiles `kernels/epserve.cu` and `kernels/hopper.cu` into one fatbin each (sm_90a code, and
-/// compute_90a PTX for the first) for `include_bytes!`.
+/// Compiles `kernels/epserve.cu`, `kernels/fp8.cu`, `kernels/hopper.cu` and
+/// `kernels/hopper_fp8.cu` into one fatbin each (sm_90a code, and compute_90a PTX for the first)
+/// for `include_bytes!`.
 fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=kernels");
     println!("cargo:rerun-if-env-changed=DEEP_GEMM_INCLUDE");
@@ -160,6 +195,12 @@ fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
     .arg(out.join("epserve_kernels.fatbin"))
     .arg("kernels/epserve.cu");
     run(cmd, "kernels/epserve.cu")?;
+    let mut cmd = nvcc_cmd("-std=c++17");
+    cmd.args(["-gencode=arch=compute_90a,code=sm_90a"])
+        .arg("-o")
+        .arg(out.join("fp8_kernels.fatbin"))
+        .arg("kernels/fp8.cu");
+    run(cmd, "kernels/fp8.cu")?;
 
     // Set by the toolchain script, the one place that pins DeepGEMM's version.
     let deep_gemm = std::env::var_os("DEEP_GEMM_INCLUDE")
@@ -175,45 +216,86 @@ fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
         )
         .into());
     }
-    let defines =
-        format!("#define EPSERVE_GROUPS {HOPPER_GROUPS}\n#define EPSERVE_CTAS {HOPPER_CTAS}\n");
-    let instances: String = std::iter::once(defines)
-        .chain(HOPPER_TILES.iter().map(|t| {
+    let table = |groups: &str, ctas: &str, instance: &str, tiles: &[HopperTile]| -> String {
+        std::iter::once(format!(
+            "#define {groups} {HOPPER_GROUPS}\n#define {ctas} {HOPPER_CTAS}\n"
+        ))
+        .chain(tiles.iter().map(|t| {
             format!(
-                "EPSERVE_INSTANCE({}, {}, {}, {}, {})\n",
+                "{instance}({}, {}, {}, {}, {})\n",
                 t.gemm_type, t.block_m, t.block_n, t.stages, t.math_threads
             )
         }))
-        .collect();
-    std::fs::write(out.join("hopper_instances.inc"), instances)?;
-    let hopper = out.join("hopper_kernels.fatbin");
-    let mut cmd = nvcc_cmd("-std=c++20");
-    cmd.args([
-        "--expt-relaxed-constexpr",
-        "-gencode=arch=compute_90a,code=sm_90a",
-    ])
-    .arg("-isystem")
-    .arg(&deep_gemm)
-    .arg("-I")
-    .arg(out)
-    .arg("-o")
-    .arg(&hopper)
-    .arg("kernels/hopper.cu");
-    run(cmd, "kernels/hopper.cu")?;
-    let bin = std::fs::read(&hopper)?;
-    let mut consts = format!(
-        "pub const GROUPS: usize = {HOPPER_GROUPS};\npub const CTAS: u32 = {HOPPER_CTAS};\n"
-    );
-    for t in &HOPPER_TILES {
-        let sym = t.symbol();
-        if !bin.windows(sym.len()).any(|w| w == sym.as_bytes()) {
-            return Err(format!("kernels/hopper.cu did not produce {sym}: the DeepGEMM headers or nvcc mangle it differently; update HopperTile::symbol").into());
+        .collect()
+    };
+    std::fs::write(
+        out.join("hopper_instances.inc"),
+        table(
+            "EPSERVE_GROUPS",
+            "EPSERVE_CTAS",
+            "EPSERVE_INSTANCE",
+            &HOPPER_TILES,
+        ),
+    )?;
+    std::fs::write(
+        out.join("hopper_fp8_instances.inc"),
+        table(
+            "EPSERVE_FP8_GROUPS",
+            "EPSERVE_FP8_CTAS",
+            "EPSERVE_FP8_INSTANCE",
+            &HOPPER_FP8_TILES,
+        ),
+    )?;
+    let deep_gemm_cmd = |source: &str, fatbin: &Path| {
+        let mut cmd = nvcc_cmd("-std=c++20");
+        cmd.args([
+            "--expt-relaxed-constexpr",
+            "-gencode=arch=compute_90a,code=sm_90a",
+        ])
+        .arg("-isystem")
+        .arg(&deep_gemm)
+        .arg("-I")
+        .arg(out)
+        .arg("-o")
+        .arg(fatbin)
+        .arg(source);
+        cmd
+    };
+    let consts = |source: &str,
+                  fatbin: &Path,
+                  tiles: &[HopperTile],
+                  symbol: fn(&HopperTile) -> String|
+     -> Result<String, Box<dyn std::error::Error>> {
+        run(deep_gemm_cmd(source, fatbin), source)?;
+        let bin = std::fs::read(fatbin)?;
+        let mut consts = format!(
+            "pub const GROUPS: usize = {HOPPER_GROUPS};\npub const CTAS: u32 = {HOPPER_CTAS};\n"
+        );
+        for t in tiles {
+            let sym = symbol(t);
+            if !bin.windows(sym.len()).any(|w| w == sym.as_bytes()) {
+                return Err(format!("{source} did not produce {sym}: the DeepGEMM headers or nvcc mangle it differently; update HopperTile's symbols").into());
+            }
+            consts.push_str(&format!(
+                "pub const {}: Tile = Tile {{ symbol: \"{sym}\", block_m: {}, block_n: {}, stages: {}, math_threads: {} }};\n",
+                t.name, t.block_m, t.block_n, t.stages, t.math_threads
+            ));
         }
-        consts.push_str(&format!(
-            "pub const {}: Tile = Tile {{ symbol: \"{sym}\", block_m: {}, block_n: {}, stages: {}, math_threads: {} }};\n",
-            t.name, t.block_m, t.block_n, t.stages, t.math_threads
-        ));
-    }
-    std::fs::write(out.join("hopper_tiles.rs"), consts)?;
+        Ok(consts)
+    };
+    let bf16 = consts(
+        "kernels/hopper.cu",
+        &out.join("hopper_kernels.fatbin"),
+        &HOPPER_TILES,
+        HopperTile::symbol,
+    )?;
+    std::fs::write(out.join("hopper_tiles.rs"), bf16)?;
+    let fp8 = consts(
+        "kernels/hopper_fp8.cu",
+        &out.join("hopper_fp8_kernels.fatbin"),
+        &HOPPER_FP8_TILES,
+        HopperTile::fp8_symbol,
+    )?;
+    std::fs::write(out.join("hopper_fp8_tiles.rs"), fp8)?;
     Ok(())
 }

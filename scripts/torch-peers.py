@@ -6,7 +6,9 @@ On the GPU machine (torch is there), one process per GPU:
 Per config (tokens per rank, hidden, intermediate, experts, top-k as in server/bench.rs), uniform
 random routing over distinct experts, bf16:
   - experts: this rank's SwiGLU FFN over the rows it receives, with torch._grouped_mm (CUTLASS
-    grouped GEMM), beside dense cuBLAS (torch.mm) on the same rows;
+    grouped GEMM), beside dense cuBLAS (torch.mm) on the same rows; and in FP8 (W8A8, row-wise
+    scales: torch._scaled_grouped_mm, dense torch._scaled_mm), activations quantised in the
+    timed region as epserve's FP8 experts phase quantises them;
   - layer: the whole EP layer as a PyTorch user writes it: router GEMM + top-k, all_to_all_single
     of counts and rows, grouped FFN, all_to_all_single back, weighted sum.
 Times are medians over iterations of the slowest rank (CUDA events, ranks aligned by a barrier).
@@ -24,7 +26,26 @@ CONFIGS = {
     "decode": (128, 7168, 2048, 256, 8),
     "small": (1024, 2048, 768, 128, 8),
     "prefill": (4096, 7168, 2048, 256, 8),
+    # One EP4 rank's experts on one GPU (server/bench.rs): 16 rows per expert, and 512.
+    "decode-rank": (128, 7168, 2048, 64, 8),
+    "prefill-rank": (4096, 7168, 2048, 64, 8),
 }
+
+
+def fp8_rowwise(t):
+    """E4M3 rows of t with one f32 scale per row (amax / 448)."""
+    s = t.abs().amax(-1).float().clamp(min=1e-12) / 448.0
+    return (t.float() / s.unsqueeze(-1)).to(torch.float8_e4m3fn), s
+
+
+def ffn_fp8(x, offs, gu, down):
+    """The SwiGLU FFN in FP8: rows and activations quantised per row, weights per column."""
+    (gu_q, gu_s), (dn_q, dn_s) = gu, down
+    xq, xs = fp8_rowwise(x)
+    h = torch._scaled_grouped_mm(xq, gu_q.transpose(-2, -1), xs, gu_s, offs=offs, out_dtype=torch.bfloat16)
+    g, u = h.chunk(2, dim=-1)
+    aq, as_ = fp8_rowwise(F.silu(g) * u)
+    return torch._scaled_grouped_mm(aq, dn_q.transpose(-2, -1), as_, dn_s, offs=offs, out_dtype=torch.bfloat16)
 
 
 def timed(fn, iters, warmup):
@@ -128,6 +149,40 @@ def main():
         layer_ms = timed(lambda: layer(x, w_router, w_gu, w_down, k, world), args.iters, args.warmup)
         flops = rows.shape[0] * 3 * 2 * h * i
         weight_bytes = local * 3 * h * i * 2
+        fp8 = {}
+        try:
+            gu8, dn8 = fp8_rowwise(w_gu), fp8_rowwise(w_down)
+            fp8_ms = timed(lambda: ffn_fp8(rows, offs, gu8, dn8), args.iters, args.warmup)
+            # The two GEMMs alone, operands quantised beforehand (the anchors' figure).
+            xq, xs = fp8_rowwise(rows)
+            aq, as_ = fp8_rowwise(torch.randn(rows.shape[0], i, device="cuda", dtype=torch.bfloat16, generator=g))
+
+            def gemms_fp8():
+                torch._scaled_grouped_mm(xq, gu8[0].transpose(-2, -1), xs, gu8[1], offs=offs, out_dtype=torch.bfloat16)
+                return torch._scaled_grouped_mm(aq, dn8[0].transpose(-2, -1), as_, dn8[1], offs=offs, out_dtype=torch.bfloat16)
+
+            gemms_ms = timed(gemms_fp8, args.iters, args.warmup)
+            (g0, gs0), (d0, ds0) = fp8_rowwise(w_gu_dense), fp8_rowwise(w_down_dense)
+
+            def dense_fp8():
+                xq, xs = fp8_rowwise(rows)
+                gu = torch._scaled_mm(xq, g0.t(), scale_a=xs[:, None], scale_b=gs0[None, :], out_dtype=torch.bfloat16)
+                a, b = gu.chunk(2, dim=-1)
+                aq, as_ = fp8_rowwise(F.silu(a) * b)
+                return torch._scaled_mm(aq, d0.t(), scale_a=as_[:, None], scale_b=ds0[None, :], out_dtype=torch.bfloat16)
+
+            dense8_ms = timed(dense_fp8, args.iters, args.warmup)
+            fp8 = {
+                "scaled_grouped_mm_us": fp8_ms * 1e3,
+                "scaled_grouped_mm_tflops": flops / (fp8_ms * 1e-3) / 1e12,
+                "scaled_grouped_mm_weight_tbps": weight_bytes / 2 / (fp8_ms * 1e-3) / 1e12,
+                "scaled_grouped_mm_gemms_only_us": gemms_ms * 1e3,
+                "scaled_grouped_mm_gemms_only_tflops": flops / (gemms_ms * 1e-3) / 1e12,
+                "dense_fp8_us": dense8_ms * 1e3,
+                "dense_fp8_tflops": flops / (dense8_ms * 1e-3) / 1e12,
+            }
+        except Exception as e:  # an FP8 path this torch build lacks: say so, keep the rest
+            fp8 = {"fp8_error": repr(e)}
         r = {
             "config": name,
             "world": world,
@@ -139,6 +194,7 @@ def main():
             "dense_tflops": flops / (dense_ms * 1e-3) / 1e12,
             "layer_us": layer_ms * 1e3,
             "layer_tokens_per_s_per_gpu": t / (layer_ms * 1e-3),
+            **fp8,
         }
         results.append(r)
         if rank == 0:

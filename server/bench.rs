@@ -17,6 +17,8 @@ pub struct BenchConfig {
     pub experts: usize,
     /// One shared expert of this intermediate size over every token (0: none).
     pub shared_inter: usize,
+    /// How the experts' weights are held and computed.
+    pub expert_dtype: crate::model::ExpertDtype,
 }
 
 impl BenchConfig {
@@ -45,6 +47,7 @@ pub fn config(name: &str) -> anyhow::Result<BenchConfig> {
         top_k: 8,
         experts,
         shared_inter: 0,
+        expert_dtype: crate::model::ExpertDtype::Bf16,
     };
     Ok(match name {
         // DeepSeek-V3 shapes (its routed experts; the figures).
@@ -57,11 +60,19 @@ pub fn config(name: &str) -> anyhow::Result<BenchConfig> {
         // A large decode batch: experts of 32 rows on average on 2 ranks, 64 on 4.
         "decode-512" => c(512, 7168, 2048, 256),
         "prefill" => c(4096, 7168, 2048, 256),
+        "prefill-shared" => BenchConfig {
+            shared_inter: 2048,
+            ..c(4096, 7168, 2048, 256)
+        },
+        // One EP4 rank's expert work on one GPU: DeepSeek-V3's experts, 64 of them (256 over 4
+        // ranks); top-8 gives each 16 rows at decode and 512 at prefill, as at EP4.
+        "decode-rank" => c(128, 7168, 2048, 64),
+        "prefill-rank" => c(4096, 7168, 2048, 64),
         // Qwen3-30B-A3B shapes.
         "small" => c(1024, 2048, 768, 128),
         other => {
             anyhow::bail!(
-                "unknown bench config '{other}' (decode, decode-shared, decode-512, prefill, small)"
+                "unknown bench config '{other}' (decode, decode-shared, decode-512, prefill, prefill-shared, decode-rank, prefill-rank, small)"
             )
         }
     })
@@ -160,7 +171,9 @@ pub fn summarize(c: &BenchConfig, ranks: &[RankResult]) -> Summary {
         }),
         expert_weight_gbps: mean(&|r| {
             let local = (c.experts / ranks.len().max(1)) as f64;
-            gbps(local * (3 * c.hidden * c.inter * 2) as f64, r.experts_us)
+            let d = c.expert_dtype;
+            let bytes = d.weight_bytes(2 * c.inter, c.hidden) + d.weight_bytes(c.hidden, c.inter);
+            gbps(local * bytes as f64, r.experts_us)
         }),
         dense_tflops: mean(&|r| r.dense_rows as f64 * flops_per_row / (r.dense_us * 1e-6) / 1e12),
         tokens_per_s_per_gpu: c.tokens_per_rank as f64 / (step_us * 1e-6),
@@ -169,14 +182,15 @@ pub fn summarize(c: &BenchConfig, ranks: &[RankResult]) -> Summary {
 
 pub fn table(results: &[ConfigResult]) -> String {
     let mut s = String::from(
-        "| config | backend | ranks | tokens/rank | step µs | gating | prepare | dispatch | experts | combine | dispatch GB/s (payload / wire) | combine GB/s | expert TFLOP/s | expert weights GB/s | dense cuBLAS TFLOP/s | tokens/s/GPU |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| config | backend | experts | ranks | tokens/rank | step µs | gating | prepare | dispatch | experts | combine | dispatch GB/s (payload / wire) | combine GB/s | expert TFLOP/s | expert weights GB/s | dense bf16 cuBLAS TFLOP/s | tokens/s/GPU |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in results {
         let m = &r.summary;
         s += &format!(
-            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} / {} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} |\n",
+            "| {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} / {} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} |\n",
             r.config.name,
             r.backend,
+            r.config.expert_dtype.name(),
             r.world,
             r.config.tokens_per_rank,
             m.step_us,
@@ -213,7 +227,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The named configs, once the arguments are known to be sound.
+/// The named configs, each once per `--expert-dtype`, once the arguments are known to be sound.
 fn plan(args: &BenchArgs) -> anyhow::Result<Vec<BenchConfig>> {
     if args.iters == 0 {
         anyhow::bail!("--iters must be at least 1");
@@ -225,7 +239,23 @@ fn plan(args: &BenchArgs) -> anyhow::Result<Vec<BenchConfig>> {
     {
         anyhow::bail!("unknown bench backend '{b}' (nccl, nccl-ep)");
     }
-    args.configs.iter().map(|c| config(c)).collect()
+    let dtypes = args
+        .expert_dtype
+        .iter()
+        .map(|d| {
+            d.asked()
+                .ok_or_else(|| anyhow::anyhow!("bench --expert-dtype takes fp8 and bf16, not auto"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let mut out = Vec::new();
+    for name in &args.configs {
+        let c = config(name)?;
+        out.extend(dtypes.iter().map(|&expert_dtype| BenchConfig {
+            expert_dtype,
+            ..c.clone()
+        }));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -283,5 +313,21 @@ mod tests {
         assert!((s.dense_tflops - 2.0 * s.expert_tflops).abs() < 1e-6);
         assert!((s.tokens_per_s_per_gpu - 1024.0 / 100e-6).abs() < 1e-3);
         assert!(table(&[]).starts_with("| config"));
+        // Weights read once: 2 bytes a weight in bf16; 1 and a scale per 128x128 block in FP8.
+        let weights = 128.0 * 3.0 * 2048.0 * 768.0;
+        assert!((s.expert_weight_gbps - 2.0 * weights / 50e-6 / 1e9).abs() < 1e-6);
+        let fp8 = BenchConfig {
+            expert_dtype: crate::model::ExpertDtype::Fp8,
+            ..c
+        };
+        let q = summarize(
+            &fp8,
+            &[RankResult {
+                experts_us: 50.0,
+                ..RankResult::default()
+            }],
+        );
+        let scales = 128.0 * 4.0 * (12.0 * 16.0 + 16.0 * 6.0);
+        assert!((q.expert_weight_gbps - (weights + scales) / 50e-6 / 1e9).abs() < 1e-6);
     }
 }

@@ -29,7 +29,8 @@ pub enum Command {
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// Named configs, comma-separated: decode, decode-shared, decode-512, prefill, small.
+    /// Named configs, comma-separated: decode, decode-shared, decode-512, prefill,
+    /// prefill-shared, decode-rank, prefill-rank (one EP4 rank's experts on one GPU), small.
     #[arg(
         long,
         env = "EPSERVE_BENCH_CONFIGS",
@@ -45,6 +46,10 @@ pub struct BenchArgs {
         default_value = "nccl"
     )]
     pub backends: Vec<String>,
+    /// Experts' dtypes to time each config in, comma-separated: bf16, fp8 (`--expert-dtype`'s
+    /// meaning; random weights either way).
+    #[arg(long, value_delimiter = ',', default_value = "bf16")]
+    pub expert_dtype: Vec<ExpertDtypeArg>,
     /// `nccl-ep` variants, comma-separated: ht, ll (each over every config), each with zero-copy
     /// on and off as `--zero-copy` lists.
     #[arg(long, value_delimiter = ',', default_value = "ht,ll")]
@@ -271,7 +276,7 @@ pub struct ServeArgs {
     /// Experts' weights and math: fp8 is DeepSeek-V3's recipe (E4M3 weights in 128x128 blocks
     /// with f32 scales, activations quantised per token per 128 channels; hidden and
     /// intermediate sizes multiples of 128), bf16 holds them as values; auto keeps an FP8
-    /// checkpoint's FP8 and runs everything else bf16. cpu backend only for fp8 so far.
+    /// checkpoint's FP8 and runs everything else bf16. fp8 runs on the cpu and nccl backends so far.
     #[arg(long, env = "EPSERVE_EXPERT_DTYPE", value_enum, default_value = "auto")]
     pub expert_dtype: ExpertDtypeArg,
     #[arg(long, env = "EPSERVE_BACKEND", value_enum, default_value = "cpu")]

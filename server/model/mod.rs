@@ -193,7 +193,8 @@ impl Placement {
 }
 
 /// How a rank holds and computes its experts (`--expert-dtype`, resolved by `ExpertDtype::resolve`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ExpertDtype {
     /// Weights as values: f32 on the CPU backend, bf16 on the GPU ones; an FP8 checkpoint is
     /// dequantised at load.
@@ -208,6 +209,16 @@ impl ExpertDtype {
         match self {
             ExpertDtype::Bf16 => "bf16",
             ExpertDtype::Fp8 => "fp8",
+        }
+    }
+
+    /// Device bytes of a `rows x cols` weight matrix held this way (FP8: its block scales too).
+    pub fn weight_bytes(self, rows: usize, cols: usize) -> usize {
+        match self {
+            ExpertDtype::Bf16 => 2 * rows * cols,
+            ExpertDtype::Fp8 => {
+                rows * cols + 4 * rows.div_ceil(fp8::BLOCK) * cols.div_ceil(fp8::BLOCK)
+            }
         }
     }
 

@@ -40,8 +40,8 @@ pub struct Prepared {
     pub expert_bytes: u64,
 }
 
-/// `--expert-dtype` for this model on this backend: `ExpertDtype::resolve`, and FP8 on the cpu
-/// backend alone until the GPU backends have FP8 kernels (auto falls back to bf16 there).
+/// `--expert-dtype` for this model on this backend: `ExpertDtype::resolve`, and FP8 on `cpu` and
+/// `nccl` alone until it has run on `nccl-ep` (auto falls back to bf16 there).
 fn resolve_expert_dtype(
     args: &ServeArgs,
     spec: &MoeSpec,
@@ -53,12 +53,12 @@ fn resolve_expert_dtype(
     if let Some(n) = note {
         info!("{n}");
     }
-    if dtype == ExpertDtype::Fp8 && backend != BackendKind::Cpu {
+    if dtype == ExpertDtype::Fp8 && backend == BackendKind::NcclEp {
         let name = backend_name(backend);
         if asked.is_some() {
-            bail!("--expert-dtype fp8 runs on the cpu backend only so far, not on {name}");
+            bail!("--expert-dtype fp8 runs on the cpu and nccl backends so far, not on {name}");
         }
-        info!("--expert-dtype auto: the checkpoint ships FP8, dequantised to bf16 ({name} has no FP8 experts yet)");
+        info!("--expert-dtype auto: the checkpoint ships FP8, dequantised to bf16 ({name} has not run FP8 experts yet)");
         return Ok(ExpertDtype::Bf16);
     }
     Ok(dtype)

@@ -134,7 +134,7 @@ fn rank_main(
         max_home: c.tokens_per_rank,
         ep,
     };
-    let dev = Device::random(seat, &c.spec(), 7)?;
+    let dev = Device::random(seat, &c.spec(), c.expert_dtype, 7)?;
     let deadline = Instant::now() + Duration::from_secs(300);
     let (mut core, mut a) = dev.connect(id, deadline)?;
     let shape = core.shape;

@@ -770,6 +770,7 @@ mod tests {
             shared_inter: 0,
             max_home: 64,
             ep: None,
+            expert_dtype: crate::model::ExpertDtype::Bf16,
         }
     }
 

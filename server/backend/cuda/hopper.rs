@@ -14,12 +14,12 @@ use cudarc::nvrtc::Ptx;
 use half::bf16;
 
 /// One compiled instance: its symbol and the tile it was compiled for.
-struct Tile {
-    symbol: &'static str,
-    block_m: u32,
-    block_n: u32,
-    stages: u32,
-    math_threads: u32,
+pub(super) struct Tile {
+    pub(super) symbol: &'static str,
+    pub(super) block_m: u32,
+    pub(super) block_n: u32,
+    pub(super) stages: u32,
+    pub(super) math_threads: u32,
 }
 
 mod tiles {
@@ -106,9 +106,41 @@ pub(super) fn tensor_map(
     outer: usize,
     box_rows: u32,
 ) -> Result<TensorMap, DriverError> {
-    let dims = [inner as u64, outer as u64];
-    let strides = [(inner * 2) as u64];
-    let boxes = [SWIZZLE_COLS, box_rows];
+    tensor_map_2d(
+        base,
+        Elem::Bf16,
+        [inner, outer],
+        [SWIZZLE_COLS, box_rows],
+        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+    )
+}
+
+/// What a tensor map's elements are.
+#[derive(Clone, Copy)]
+pub(super) enum Elem {
+    Bf16,
+    /// E4M3 bytes (TMA moves them as bytes).
+    Fp8,
+    F32,
+}
+
+/// A 2-D tensor map of `dims[1]` rows of `dims[0]` elements at `base` (rows packed), in boxes
+/// of `boxes[0] x boxes[1]`; out-of-bounds loads read zeros and out-of-bounds stores are dropped.
+pub(super) fn tensor_map_2d(
+    base: u64,
+    elem: Elem,
+    dims: [usize; 2],
+    boxes: [u32; 2],
+    swizzle: sys::CUtensorMapSwizzle,
+) -> Result<TensorMap, DriverError> {
+    use sys::CUtensorMapDataType as T;
+    let (dtype, bytes) = match elem {
+        Elem::Bf16 => (T::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
+        Elem::Fp8 => (T::CU_TENSOR_MAP_DATA_TYPE_UINT8, 1),
+        Elem::F32 => (T::CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4),
+    };
+    let dims_u64 = [dims[0] as u64, dims[1] as u64];
+    let strides = [(dims[0] * bytes) as u64];
     let elems = [1u32, 1];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
     // SAFETY: every array has the rank (2) entries the call reads, or rank - 1 for the strides;
@@ -116,15 +148,15 @@ pub(super) fn tensor_map(
     unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            dtype,
             2,
             base as *mut std::ffi::c_void,
-            dims.as_ptr(),
+            dims_u64.as_ptr(),
             strides.as_ptr(),
             boxes.as_ptr(),
             elems.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            swizzle,
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )

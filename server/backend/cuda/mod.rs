@@ -7,6 +7,8 @@ mod blas;
 pub mod decode_gemm;
 pub mod ep;
 pub mod exchange;
+pub mod fp8;
+mod fp8_ffn;
 pub mod hopper;
 pub mod nccl;
 pub mod rank;
@@ -135,6 +137,8 @@ pub struct Gpu {
     pub k: Kernels,
     /// The Hopper grouped GEMM (DeepGEMM's kernels).
     pub hopper: hopper::Hopper,
+    /// FP8 experts: activation quantisation and DeepGEMM's FP8 grouped GEMM.
+    pub fp8: fp8::Fp8,
     /// Decode's expert GEMM (experts of a few rows, the masked layout).
     pub decode: decode_gemm::DecodeGemm,
     /// cuBLAS on `stream` (the router GEMM), then the workspace it owns (dropped after it).
@@ -189,6 +193,7 @@ impl Gpu {
             bf16_pieces: f("bf16_pieces")?,
         };
         let hopper = hopper::Hopper::load(&ctx)?;
+        let fp8 = fp8::Fp8::load(&ctx)?;
         // Through `Alloc`, as every device allocation, so it is counted.
         let mut a = Alloc::new(stream.clone());
         let decode = decode_gemm::DecodeGemm::load(&ctx, &module, &mut a)?;
@@ -206,6 +211,7 @@ impl Gpu {
             stream,
             k,
             hopper,
+            fp8,
             decode,
             blas,
             _blas_workspace: workspace,

@@ -15,7 +15,7 @@ use super::step::{DeviceLayer, GpuStep};
 use super::Alloc;
 use super::Gpu;
 use crate::backend::gpu::Seat;
-use crate::model::{MoeSpec, RankWeights};
+use crate::model::{ExpertDtype, MoeSpec, RankWeights};
 use crate::step::ring::Ring;
 use crate::step::Backend;
 
@@ -70,19 +70,24 @@ pub struct Device {
 
 impl Device {
     pub fn open(seat: Seat, spec: &MoeSpec, weights: RankWeights) -> anyhow::Result<Self> {
-        Self::new(seat, spec, |g, alloc, _shape| {
+        Self::new(seat, spec, weights.dtype, |g, alloc, shape| {
             weights
                 .layers
                 .iter()
-                .map(|l| DeviceLayer::upload(g, alloc, l, spec.num_experts))
+                .map(|l| DeviceLayer::upload(g, alloc, l, shape))
                 .collect::<Result<Vec<_>, _>>()
                 .context("uploading the weights")
         })
     }
 
     /// As `open`, with random weights made on the GPU (`epserve bench`: timing, not numerics).
-    pub fn random(seat: Seat, spec: &MoeSpec, seed: u64) -> anyhow::Result<Self> {
-        Self::new(seat, spec, |g, alloc, shape| {
+    pub fn random(
+        seat: Seat,
+        spec: &MoeSpec,
+        dtype: ExpertDtype,
+        seed: u64,
+    ) -> anyhow::Result<Self> {
+        Self::new(seat, spec, dtype, |g, alloc, shape| {
             (0..spec.moe_layers.len() as u64)
                 .map(|l| DeviceLayer::random(g, alloc, shape, seed + 10 * l))
                 .collect::<Result<Vec<_>, _>>()
@@ -93,6 +98,7 @@ impl Device {
     fn new(
         seat: Seat,
         spec: &MoeSpec,
+        dtype: ExpertDtype,
         layers: impl FnOnce(&Gpu, &mut Alloc, &StepShape) -> anyhow::Result<Vec<DeviceLayer>>,
     ) -> anyhow::Result<Self> {
         let Seat {
@@ -105,6 +111,7 @@ impl Device {
         crate::backend::check_gpu_limits(spec).map_err(|e| anyhow!(e))?;
         let mut shape = StepShape::new(spec, world, rank, max_home);
         shape.ep = ep.map(|e| EpShape::new(e.ll_max, e.zero_copy));
+        shape.expert_dtype = dtype;
         if let Some(e) = shape.ep {
             super::ep::validate(&shape, e.align).map_err(|e| anyhow!(e))?;
         }

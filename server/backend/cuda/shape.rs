@@ -2,7 +2,7 @@
 //! for each exchange, and the device bytes they take. Plain numbers: no device, no exchange.
 
 use super::{hopper, max_tiles, GEMM_TILE, MAX_EXPERTS};
-use crate::model::MoeSpec;
+use crate::model::{fp8, ExpertDtype, MoeSpec};
 
 /// Everything that sizes the step's buffers.
 #[derive(Clone, Copy, Debug)]
@@ -19,6 +19,8 @@ pub struct StepShape {
     pub max_home: usize,
     /// The NCCL EP exchange, or (None) the NCCL slot exchange.
     pub ep: Option<EpShape>,
+    /// bf16 experts, or FP8 (their rows quantised before each GEMM, into buffers of their own).
+    pub expert_dtype: ExpertDtype,
 }
 
 /// How the NCCL EP exchange is laid out.
@@ -66,6 +68,7 @@ impl StepShape {
             shared_inter: spec.shared_intermediate,
             max_home,
             ep: None,
+            expert_dtype: ExpertDtype::Bf16,
         }
     }
     pub fn local(&self) -> usize {
@@ -160,6 +163,29 @@ impl StepShape {
                 self.experts, self.world
             ));
         }
+        if self.expert_dtype == ExpertDtype::Fp8 {
+            for (what, n) in [
+                ("hidden", self.hidden),
+                ("intermediate", self.inter),
+                ("shared intermediate", self.shared_inter),
+            ] {
+                if n % fp8::BLOCK != 0 {
+                    bad.push(format!(
+                        "FP8 experts: {what} size {n} is not a multiple of 128"
+                    ));
+                }
+            }
+            // NCCL EP's low-latency rows: each expert's block is world x ll_max rows.
+            if let Some(e) = self.ep.filter(|e| e.ll_max > 0) {
+                let stride = self.world * e.ll_max;
+                if stride % super::fp8::MASKED_ROWS != 0 {
+                    bad.push(format!(
+                        "FP8 experts: NCCL EP low-latency blocks of {stride} rows are not a multiple of {}",
+                        super::fp8::MASKED_ROWS
+                    ));
+                }
+            }
+        }
         match bad.is_empty() {
             true => Ok(()),
             false => Err(format!(
@@ -196,6 +222,31 @@ impl StepShape {
             + rows * 3 * i * 2              // gate/up, act
             + t * (3 * si + h) * 2          // shared expert
             + (ints + tiles) * 4
+            + self.fp8_bytes()
+    }
+
+    /// FP8 experts' quantised rows: the expert rows and their activations, the shared expert's
+    /// home rows and its activations, each with one f32 scale per 128 values (rows rounded up
+    /// to 4): `cuda::fp8::Fp8Rows`.
+    pub fn fp8_rows(&self) -> [(usize, usize); 4] {
+        let (rows, t) = (self.row_space(), self.max_home);
+        [
+            (rows, self.hidden),
+            (rows, self.inter),
+            (t, self.hidden),
+            (t, self.shared_inter),
+        ]
+    }
+
+    fn fp8_bytes(&self) -> usize {
+        match self.expert_dtype {
+            ExpertDtype::Bf16 => 0,
+            ExpertDtype::Fp8 => self
+                .fp8_rows()
+                .iter()
+                .map(|&(r, k)| r * k + r.next_multiple_of(4) * (k / fp8::BLOCK) * 4)
+                .sum(),
+        }
     }
 }
 
@@ -215,6 +266,7 @@ mod tests {
             shared_inter: 0,
             max_home: 100,
             ep: None,
+            expert_dtype: ExpertDtype::Bf16,
         };
         let (slots, rows, local) = (s.slot_space(s.max_home), s.recv_rows(s.max_home), s.local());
         assert_eq!(slots, 4 * 100 * 4);

@@ -12,26 +12,89 @@ use half::bf16;
 use super::decode_gemm::{DecodeGemm, Out};
 use super::ep::EpExchange;
 use super::exchange::{Exchange, ExpertRows, Home};
+use super::fp8::Fp8Weights;
+use super::fp8_ffn::{self, Fp8Bufs};
 use super::hopper::{self, Gemm, Hopper, Layout};
 use super::nccl::Comm;
 use super::shape::StepShape;
 use super::slots::SlotExchange;
 use super::{max_tiles, Blocks, Gpu, Logits, ROUTER_PIECES};
 use super::{Alloc, GpuError};
-use crate::model::{Ffn, LayerWeights, Matrix, Routing};
+use crate::model::{ExpertDtype, Ffn, LayerWeights, Matrix, Routing};
 
 /// One MoE layer on the device: the router in f32 (and as bf16 pieces, for bf16 rows), this
-/// rank's experts in bf16.
+/// rank's experts and the shared expert in the experts' dtype.
 pub struct DeviceLayer {
     router: CudaSlice<f32>,
     /// `[3][experts][hidden]`: `Gpu::bf16_pieces` of `router`.
     pieces: CudaSlice<bf16>,
     bias: CudaSlice<f32>,
-    /// `[local][2 * inter][hidden]`.
-    w_gu: CudaSlice<bf16>,
-    /// `[local][hidden][inter]`.
-    w_down: CudaSlice<bf16>,
-    shared: Option<(CudaSlice<bf16>, CudaSlice<bf16>)>,
+    experts: DeviceFfn,
+    shared: Option<DeviceFfn>,
+}
+
+/// A grouped SwiGLU FFN's weights on the device: gate/up `[groups][2 * inter][hidden]` and down
+/// `[groups][hidden][inter]`, in bf16 or in FP8 with their 128x128 block scales.
+pub enum DeviceFfn {
+    Bf16 {
+        gate_up: CudaSlice<bf16>,
+        down: CudaSlice<bf16>,
+    },
+    Fp8 {
+        gate_up: Fp8Weights,
+        down: Fp8Weights,
+    },
+}
+
+impl DeviceFfn {
+    fn bytes(&self) -> usize {
+        match self {
+            DeviceFfn::Bf16 { gate_up, down } => (gate_up.len() + down.len()) * 2,
+            DeviceFfn::Fp8 { gate_up, down } => gate_up.bytes() + down.bytes(),
+        }
+    }
+
+    /// `ffns` (`groups` of intermediate size `inter`) uploaded in `dtype`.
+    fn upload<'a>(
+        a: &mut Alloc,
+        ffns: impl ExactSizeIterator<Item = &'a Ffn> + Clone,
+        (hidden, inter): (usize, usize),
+        dtype: ExpertDtype,
+    ) -> Result<Self, DriverError> {
+        Ok(match dtype {
+            ExpertDtype::Bf16 => DeviceFfn::Bf16 {
+                gate_up: a.upload(&to_bf16(ffns.clone().map(|f| &f.gate_up)))?,
+                down: a.upload(&to_bf16(ffns.map(|f| &f.down)))?,
+            },
+            ExpertDtype::Fp8 => {
+                let (gate_up, down) = fp8_ffn::upload(a, ffns, hidden, inter)?;
+                DeviceFfn::Fp8 { gate_up, down }
+            }
+        })
+    }
+
+    /// Random weights made on the GPU (`epserve bench`: timing, not numerics).
+    fn random(
+        g: &Gpu,
+        a: &mut Alloc,
+        (groups, hidden, inter): (usize, usize, usize),
+        seed: u64,
+        dtype: ExpertDtype,
+    ) -> Result<Self, DriverError> {
+        Ok(match dtype {
+            ExpertDtype::Bf16 => {
+                let mut gate_up = a.zeros::<bf16>(groups * 2 * inter * hidden)?;
+                let mut down = a.zeros::<bf16>(groups * hidden * inter)?;
+                g.fill_uniform_bf16(&mut gate_up, seed, (3.0 / hidden as f32).sqrt())?;
+                g.fill_uniform_bf16(&mut down, seed + 1, (3.0 / inter as f32).sqrt())?;
+                DeviceFfn::Bf16 { gate_up, down }
+            }
+            ExpertDtype::Fp8 => {
+                let (gate_up, down) = fp8_ffn::random(g, a, (groups, hidden, inter), seed)?;
+                DeviceFfn::Fp8 { gate_up, down }
+            }
+        })
+    }
 }
 
 fn to_bf16<'a>(parts: impl Iterator<Item = &'a Matrix>) -> Vec<bf16> {
@@ -86,63 +149,50 @@ fn pieces(g: &Gpu, a: &mut Alloc, router: &CudaSlice<f32>) -> Result<CudaSlice<b
 }
 
 impl DeviceLayer {
-    /// Device bytes of its routed and shared experts.
+    /// Device bytes of its routed and shared experts, scales included.
     pub fn expert_bytes(&self) -> usize {
-        let shared = self.shared.as_ref().map_or(0, |(gu, d)| gu.len() + d.len());
-        (self.w_gu.len() + self.w_down.len() + shared) * std::mem::size_of::<bf16>()
+        self.experts.bytes() + self.shared.as_ref().map_or(0, DeviceFfn::bytes)
     }
 
+    /// The layer's router and this rank's experts, the experts in `dtype`.
     pub fn upload(
         g: &Gpu,
         a: &mut Alloc,
         l: &LayerWeights,
-        experts: usize,
+        s: &StepShape,
     ) -> Result<Self, DriverError> {
-        let ffn = |a: &mut Alloc, f: &Ffn| -> Result<_, DriverError> {
-            Ok((
-                a.upload(&to_bf16(std::iter::once(&f.gate_up)))?,
-                a.upload(&to_bf16(std::iter::once(&f.down)))?,
-            ))
-        };
+        let (h, dtype) = (s.hidden, s.expert_dtype);
         let router = a.upload(&l.router)?;
         Ok(Self {
             pieces: pieces(g, a, &router)?,
             router,
             bias: match &l.bias {
                 Some(b) => a.upload(b)?,
-                None => a.zeros(experts)?,
+                None => a.zeros(s.experts)?,
             },
-            w_gu: a.upload(&to_bf16(l.experts.iter().map(|f| &f.gate_up)))?,
-            w_down: a.upload(&to_bf16(l.experts.iter().map(|f| &f.down)))?,
-            shared: l.shared.as_ref().map(|f| ffn(a, f)).transpose()?,
+            experts: DeviceFfn::upload(a, l.experts.iter(), (h, s.inter), dtype)?,
+            shared: l
+                .shared
+                .as_ref()
+                .map(|f| DeviceFfn::upload(a, std::iter::once(f), (h, f.inter), dtype))
+                .transpose()?,
         })
     }
 
     /// Random weights made on the GPU (for `epserve bench`: timing, not numerics).
     pub fn random(g: &Gpu, a: &mut Alloc, s: &StepShape, seed: u64) -> Result<Self, DriverError> {
-        let (h, i, l) = (s.hidden, s.inter, s.local());
+        let (h, i, l, dtype) = (s.hidden, s.inter, s.local(), s.expert_dtype);
         let mut router = a.zeros::<f32>(s.experts * h)?;
-        let mut w_gu = a.zeros::<bf16>(l * 2 * i * h)?;
-        let mut w_down = a.zeros::<bf16>(l * h * i)?;
         g.fill_uniform_f32(&mut router, seed, (3.0 / h as f32).sqrt())?;
-        g.fill_uniform_bf16(&mut w_gu, seed + 1, (3.0 / h as f32).sqrt())?;
-        g.fill_uniform_bf16(&mut w_down, seed + 2, (3.0 / i as f32).sqrt())?;
         let shared = match s.shared_inter {
             0 => None,
-            si => {
-                let mut gu = a.zeros::<bf16>(2 * si * h)?;
-                let mut dn = a.zeros::<bf16>(h * si)?;
-                g.fill_uniform_bf16(&mut gu, seed + 3, (3.0 / h as f32).sqrt())?;
-                g.fill_uniform_bf16(&mut dn, seed + 4, (3.0 / si as f32).sqrt())?;
-                Some((gu, dn))
-            }
+            si => Some(DeviceFfn::random(g, a, (1, h, si), seed + 3, dtype)?),
         };
         Ok(Self {
             pieces: pieces(g, a, &router)?,
             router,
             bias: a.zeros(s.experts)?,
-            w_gu,
-            w_down,
+            experts: DeviceFfn::random(g, a, (l, h, i), seed + 1, dtype)?,
             shared,
         })
     }
@@ -183,6 +233,8 @@ pub struct Buffers {
     sh_ends: CudaSlice<i32>,
     /// Combined home rows `[T, hidden]` in f32.
     pub out: CudaSlice<f32>,
+    /// FP8 experts: their quantised rows.
+    fp8: Option<Fp8Bufs>,
 }
 
 impl Buffers {
@@ -211,6 +263,10 @@ impl Buffers {
             sy: a.zeros(if si > 0 { t * h } else { 0 })?,
             sh_ends: a.zeros(hopper::MAX_GROUPS)?,
             out: a.zeros(t * h)?,
+            fp8: match s.expert_dtype {
+                ExpertDtype::Fp8 => Some(Fp8Bufs::new(a, s)?),
+                ExpertDtype::Bf16 => None,
+            },
         })
     }
 }
@@ -342,16 +398,42 @@ impl GpuStep {
             act,
             tiles,
             n_tiles,
+            fp8,
             ..
         } = &mut self.b;
+        // Rows an expert gets on average from a full bucket on every rank.
+        let mean_rows = (s.world * bucket * s.top_k).div_ceil(s.experts);
+        let rows = self.ex.expert_rows(g, bucket)?;
+        let (gate_up, down) = match (&l.experts, fp8) {
+            (DeviceFfn::Fp8 { gate_up, down }, Some(b)) => {
+                let w = (gate_up, down);
+                return match rows {
+                    ExpertRows::Blocks {
+                        x,
+                        cap,
+                        ends,
+                        total,
+                        weights,
+                        ..
+                    } => fp8_ffn::contiguous(g, w, cap, (ends, total), weights, b, gu, x),
+                    ExpertRows::Strided {
+                        x, stride, counts, ..
+                    } => fp8_ffn::strided(g, w, (stride, counts), mean_rows, b, gu, x),
+                };
+            }
+            (DeviceFfn::Bf16 { gate_up, down }, _) => (gate_up, down),
+            (DeviceFfn::Fp8 { .. }, None) => {
+                return Err(GpuError::Config("FP8 experts without FP8 buffers".into()))
+            }
+        };
         let w = FfnWeights {
-            gate_up: &l.w_gu,
-            down: &l.w_down,
+            gate_up,
+            down,
             groups: s.local(),
             inter: s.inter,
         };
         let scratch = (tiles, n_tiles, gu, act);
-        match self.ex.expert_rows(g, bucket)? {
+        match rows {
             ExpertRows::Blocks {
                 x,
                 cap,
@@ -375,8 +457,6 @@ impl GpuStep {
                 bounds,
                 valid,
             } => {
-                // Rows an expert gets on average from a full bucket on every rank.
-                let mean_rows = (s.world * bucket * s.top_k).div_ceil(s.experts);
                 let rows = Strided {
                     stride,
                     counts,
@@ -393,8 +473,24 @@ impl GpuStep {
     /// summed with the shared expert's rows.
     pub fn combine(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
         let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
-        if let Some((w_gu, w_down)) = &l.shared {
-            shared_ffn(g, s, (w_gu, w_down), bucket, b)?;
+        match (&l.shared, &mut b.fp8) {
+            (None, _) => {}
+            (Some(DeviceFfn::Bf16 { gate_up, down }), _) => {
+                shared_ffn(g, s, (gate_up, down), bucket, b)?
+            }
+            (Some(DeviceFfn::Fp8 { gate_up, down }), Some(f)) => fp8_ffn::shared(
+                g,
+                (gate_up, down),
+                bucket,
+                (&b.xb, &b.n),
+                (&b.sh_off, &mut b.sh_ends),
+                f,
+                &mut b.sgu,
+                &mut b.sy,
+            )?,
+            (Some(DeviceFfn::Fp8 { .. }), None) => {
+                return Err(GpuError::Config("FP8 experts without FP8 buffers".into()))
+            }
         }
         let shared = l.shared.as_ref().map(|_| &b.sy);
         self.ex

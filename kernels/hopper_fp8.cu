@@ -1,0 +1,24 @@
+// DeepGEMM's SM90 FP8 m-grouped GEMM with 1x128 activation scales and 128x128 weight scales
+// (`sm90_fp8_gemm_1d2d`), compiled ahead of time from the pinned headers as kernels/hopper.cu is.
+// Every parameter is fixed here except the shapes; the host builds the TMA descriptors
+// (server/backend/cuda/fp8.rs).
+//
+// Each instance: A [rows, K] and B [groups * N, K] K-major E4M3, D [rows, N] bf16; SFA f32
+// [K / 128][rows rounded up to 4] (MN-major; masked: [groups * K / 128][stride]); SFB f32
+// [groups][N / 128][K / 128] (K-major, a checkpoint's `weight_scale_inv` as shipped); 128-deep
+// K stages; 128-byte swizzles; EPSERVE_FP8_GROUPS groups at most; EPSERVE_FP8_CTAS persistent
+// CTAs; no multicast. Which layouts, tiles and stages: build.rs's HOPPER_FP8_TILES.
+#include <deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh>
+
+using namespace deep_gemm;
+using cute::UMMA::Major;
+
+#define EPSERVE_FP8_INSTANCE(type, block_m, block_n, stages, math_threads)                             \
+  (void)&sm90_fp8_gemm_1d2d_impl<Major::K, 0, 0, 0, EPSERVE_FP8_GROUPS, block_m, block_n, 128, 128, 128, \
+                                 128, stages, 128, math_threads, 1, false, EPSERVE_FP8_CTAS,             \
+                                 static_cast<GemmType>(type), cutlass::bfloat16_t, 128>;
+
+[[maybe_unused]] static void instantiate() {
+// EPSERVE_FP8_GROUPS, EPSERVE_FP8_CTAS, then one EPSERVE_FP8_INSTANCE per tile.
+#include "hopper_fp8_instances.inc"
+}

@@ -1,0 +1,362 @@
+//! FP8 experts on Hopper, DeepSeek-V3's recipe (`model::fp8`): the activation quantisation
+//! kernels (`kernels/fp8.cu`: rows, and SwiGLU's output, per 128 channels) and DeepGEMM's SM90
+//! FP8 m-grouped GEMM with 1x128 activation and 128x128 weight scales, compiled ahead of time by
+//! build.rs from the pinned headers (`kernels/hopper_fp8.cu`; which tiles: `HOPPER_FP8_TILES`).
+//! The layouts are the bf16 kernels' (`hopper::Layout`): per-expert row counts stay on the
+//! device, so a captured step graph stays valid whatever the routing.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    DriverError, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use half::bf16;
+
+use super::hopper::{tensor_map, tensor_map_2d, Elem, Layout, Tile, ALIGN};
+use super::Alloc;
+use crate::model::fp8::BLOCK;
+
+mod tiles {
+    use super::Tile;
+    // GROUPS, CTAS, then PSUM and MASKED: build.rs's HOPPER_FP8_TILES.
+    include!(concat!(env!("OUT_DIR"), "/hopper_fp8_tiles.rs"));
+}
+
+static QUANTIZE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fp8_kernels.fatbin"));
+static GEMM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/hopper_fp8_kernels.fatbin"));
+
+/// The most experts one launch takes; `sizes` arrays have this many entries.
+pub const MAX_GROUPS: usize = tiles::GROUPS;
+/// The masked instance's row tile: a masked stride must be a multiple.
+pub const MASKED_ROWS: usize = tiles::MASKED.block_m as usize;
+/// The largest K the instances' shared memory is sized for (its weight scales are staged whole).
+const MAX_K: usize = 32768;
+/// Warps of one quantisation block, one row's 128-channel groups in turn (`kernels/fp8.cu`'s
+/// kWarps).
+const QUANT_WARPS: usize = 4;
+
+/// Rows of E4M3 values with their scales, an FP8 GEMM's A operand: `q [cap, k]`, `sf` per 128
+/// channels, MN-major (`[k / 128][ld]`, ld = cap rounded up to 4; in the masked layout each
+/// expert's `[k / 128][stride]` block in turn).
+pub struct Fp8Rows {
+    pub q: CudaSlice<u8>,
+    pub sf: CudaSlice<f32>,
+    pub cap: usize,
+    pub k: usize,
+}
+
+impl Fp8Rows {
+    pub fn zeros(a: &mut Alloc, cap: usize, k: usize) -> Result<Self, DriverError> {
+        Ok(Self {
+            q: a.zeros(cap * k)?,
+            sf: a.zeros(k / BLOCK * cap.next_multiple_of(4))?,
+            cap,
+            k,
+        })
+    }
+
+    fn ld(&self) -> usize {
+        self.cap.next_multiple_of(4)
+    }
+}
+
+/// Experts' weights in FP8 as checkpoints ship them: `q [groups][n][k]` and one f32 scale per
+/// 128x128 block, `sf [groups][n / 128][k / 128]`.
+pub struct Fp8Weights {
+    pub q: CudaSlice<u8>,
+    pub sf: CudaSlice<f32>,
+    pub groups: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+impl Fp8Weights {
+    pub fn bytes(&self) -> usize {
+        self.q.len() + 4 * self.sf.len()
+    }
+}
+
+/// Which rows a quantisation pass writes: those below the device count (the contiguous
+/// layout's padded total), or each expert's `counts[e]` rows of its `stride` (masked).
+#[derive(Clone, Copy)]
+pub enum Live<'a> {
+    Upto(&'a CudaSlice<i32>),
+    Masked {
+        counts: &'a CudaSlice<i32>,
+        stride: usize,
+    },
+}
+
+struct Instance {
+    f: CudaFunction,
+    block_m: u32,
+    block_n: u32,
+    threads: u32,
+    smem: u32,
+}
+
+impl Instance {
+    fn load(m: &Arc<CudaModule>, t: Tile) -> Result<Self, DriverError> {
+        let f = m.load_function(t.symbol)?;
+        // As the kernel lays it out: D tile; each stage's A and B tiles; each stage's A scales
+        // (128-byte aligned); the weight scales of one column block (one row of K / 128, as
+        // BLOCK_K is a multiple of BLOCK_N's 128); two barriers (8 bytes each) per stage.
+        let d = (t.block_m * t.block_n * 2).next_multiple_of(1024);
+        let stage = (t.block_m + t.block_n) * BLOCK as u32;
+        let sfa = (t.block_m * 4).next_multiple_of(128);
+        let sfb = ((MAX_K / BLOCK) as u32 * 4).next_multiple_of(8);
+        let smem = d + t.stages * (stage + sfa) + sfb + t.stages * 16;
+        f.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )?;
+        Ok(Self {
+            f,
+            block_m: t.block_m,
+            block_n: t.block_n,
+            threads: 128 + t.math_threads,
+            smem,
+        })
+    }
+}
+
+pub struct Fp8 {
+    quantize_rows: CudaFunction,
+    swiglu_quantize: CudaFunction,
+    fill: CudaFunction,
+    psum: Instance,
+    masked: Instance,
+}
+
+impl Fp8 {
+    /// Random E4M3 codes (never NaN) in `q`, for `epserve bench`'s weights: timing, not
+    /// numerics.
+    pub fn fill_random(
+        &self,
+        q: &mut CudaSlice<u8>,
+        seed: u64,
+        stream: &CudaStream,
+    ) -> Result<(), DriverError> {
+        let n = q.len() as u64;
+        let mut b = stream.launch_builder(&self.fill);
+        b.arg(q).arg(&n).arg(&seed);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(4 * 256).clamp(1, 65535) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel writes q[0..n) only (a grid-stride loop).
+        unsafe { b.launch(cfg) }.map(drop)
+    }
+
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, DriverError> {
+        let q = ctx.load_module(Ptx::from_binary(QUANTIZE.to_vec()))?;
+        let m = ctx.load_module(Ptx::from_binary(GEMM.to_vec()))?;
+        // The contiguous layout aligns each expert's block to the bf16 psum tile.
+        assert_eq!(tiles::PSUM.block_m as usize, ALIGN, "FP8 psum tile");
+        Ok(Self {
+            quantize_rows: q.load_function("fp8_quantize_rows")?,
+            swiglu_quantize: q.load_function("fp8_swiglu_quantize")?,
+            fill: q.load_function("fp8_fill_random")?,
+            psum: Instance::load(&m, tiles::PSUM)?,
+            masked: Instance::load(&m, tiles::MASKED)?,
+        })
+    }
+
+    /// Whether the FP8 GEMM takes this shape and layout.
+    pub fn fits(layout: Layout, groups: usize, n: usize, k: usize) -> bool {
+        let layout_ok = match layout {
+            Layout::Psum => true,
+            Layout::Masked { stride, .. } => {
+                stride > 0 && stride % tiles::MASKED.block_m as usize == 0
+            }
+        };
+        layout_ok && groups <= MAX_GROUPS && k % BLOCK == 0 && k <= MAX_K && n % BLOCK == 0
+    }
+
+    /// One block a row (its warps take the row's groups in turn).
+    fn quant_cfg(rows: usize) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (rows.max(1) as u32, 1, 1),
+            block_dim: (32 * QUANT_WARPS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    /// `out` = `x [rows, out.k]` (bf16) quantised, the `live` rows of the first `rows`.
+    pub fn quantize(
+        &self,
+        x: &CudaSlice<bf16>,
+        rows: usize,
+        live: Live,
+        out: &mut Fp8Rows,
+        stream: &CudaStream,
+    ) -> Result<(), DriverError> {
+        assert!(
+            x.len() >= rows * out.k && rows <= out.cap && out.k % BLOCK == 0,
+            "FP8 quantisation of {rows} rows ({} values) into [{}, {}]",
+            x.len(),
+            out.cap,
+            out.k
+        );
+        let (k, ld) = (out.k as i32, out.ld() as i32);
+        let none = 0u64;
+        let mut b = stream.launch_builder(&self.quantize_rows);
+        b.arg(x);
+        let stride = push_live(&mut b, live, &none, rows);
+        b.arg(&stride)
+            .arg(&k)
+            .arg(&ld)
+            .arg(&mut out.q)
+            .arg(&mut out.sf);
+        // SAFETY: x holds `rows` rows of k, q cap >= rows rows of k bytes, sf k / 128 rows of
+        // ld (or, masked, rows / stride blocks of k / 128 rows of stride, no more); counts
+        // holds rows / stride entries.
+        unsafe { b.launch(Self::quant_cfg(rows)) }.map(drop)
+    }
+
+    /// `out` = SwiGLU of `gu [rows, 2 * out.k]` (gate, then up; times `weights[r]` where
+    /// given), quantised, the `live` rows of the first `rows`.
+    pub fn swiglu_quantize(
+        &self,
+        gu: &CudaSlice<bf16>,
+        rows: usize,
+        live: Live,
+        weights: Option<&CudaSlice<f32>>,
+        out: &mut Fp8Rows,
+        stream: &CudaStream,
+    ) -> Result<(), DriverError> {
+        assert!(
+            gu.len() >= rows * 2 * out.k
+                && rows <= out.cap
+                && out.k % BLOCK == 0
+                && weights.is_none_or(|w| w.len() >= rows),
+            "FP8 SwiGLU of {rows} rows ({} values) into [{}, {}]",
+            gu.len(),
+            out.cap,
+            out.k
+        );
+        let (i, ld) = (out.k as i32, out.ld() as i32);
+        let none = 0u64;
+        let mut b = stream.launch_builder(&self.swiglu_quantize);
+        b.arg(gu);
+        let stride = push_live(&mut b, live, &none, rows);
+        b.arg(&stride).arg(&i);
+        match weights {
+            Some(w) => b.arg(w),
+            None => b.arg(&none),
+        };
+        b.arg(&ld).arg(&mut out.q).arg(&mut out.sf);
+        // SAFETY: gu holds `rows` rows of 2k, q cap >= rows rows of k bytes, sf as in
+        // `quantize`, weights (or a null pointer) `rows` floats.
+        unsafe { b.launch(Self::quant_cfg(rows)) }.map(drop)
+    }
+
+    /// `y[rows of e] = dequant(x[rows of e]) . dequant(w_e)^T` for every expert e over the
+    /// first `rows` rows, `y [rows, w.n]` bf16; `sizes` (`MAX_GROUPS` ints) are `ends` (psum)
+    /// or `counts` (masked). Rows of an expert's last tile past its count are written too,
+    /// never another expert's rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        x: &Fp8Rows,
+        rows: usize,
+        w: &Fp8Weights,
+        layout: Layout,
+        sizes: &CudaSlice<i32>,
+        y: &mut CudaSlice<bf16>,
+        stream: &CudaStream,
+    ) -> Result<(), DriverError> {
+        let (n, k, groups) = (w.n, w.k, w.groups);
+        assert!(
+            Self::fits(layout, groups, n, k) && x.k == k && rows <= x.cap,
+            "the FP8 GEMM does not take n {n} k {k} (rows of {}) over {groups} groups in {layout:?}",
+            x.k
+        );
+        assert!(
+            y.len() >= rows * n
+                && w.q.len() >= groups * n * k
+                && w.sf.len() >= groups * (n / BLOCK) * (k / BLOCK)
+                && sizes.len() >= MAX_GROUPS,
+            "FP8 GEMM operands smaller than their shapes"
+        );
+        let (inst, shape_m, sf_dims) = match layout {
+            Layout::Psum => (&self.psum, 0, [x.ld(), k / BLOCK]),
+            Layout::Masked { stride, .. } => {
+                assert!(stride * groups <= rows, "masked rows past the buffer");
+                (&self.masked, stride as u32, [stride, groups * (k / BLOCK)])
+            }
+        };
+        let no_swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE;
+        let swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
+        let box_k = BLOCK as u32;
+        let a = tensor_map_2d(
+            x.q.device_ptr(stream).0,
+            Elem::Fp8,
+            [k, rows],
+            [box_k, inst.block_m],
+            swizzle,
+        )?;
+        let b = tensor_map_2d(
+            w.q.device_ptr(stream).0,
+            Elem::Fp8,
+            [k, groups * n],
+            [box_k, inst.block_n],
+            swizzle,
+        )?;
+        let d = tensor_map(y.device_ptr_mut(stream).0, n, rows, inst.block_m)?;
+        let sfa = tensor_map_2d(
+            x.sf.device_ptr(stream).0,
+            Elem::F32,
+            sf_dims,
+            [inst.block_m, 1],
+            no_swizzle,
+        )?;
+        let (n32, k32) = (n as u32, k as u32);
+        let mut l = stream.launch_builder(&inst.f);
+        l.arg(&w.sf)
+            .arg(sizes)
+            .arg(&shape_m)
+            .arg(&n32)
+            .arg(&k32)
+            .arg(&a)
+            .arg(&b)
+            .arg(&d)
+            .arg(&sfa);
+        let cfg = LaunchConfig {
+            grid_dim: (tiles::CTAS, 1, 1),
+            block_dim: (inst.threads, 1, 1),
+            shared_mem_bytes: inst.smem,
+        };
+        // SAFETY: the tensor maps span x (rows x k bytes, its scales), w (groups x n x k bytes)
+        // and y (rows x n), each checked above; w.sf holds groups x n/128 x k/128 floats and
+        // `sizes` MAX_GROUPS ints, as the instances read.
+        unsafe { l.launch(cfg) }.map(drop)
+    }
+}
+
+/// The live-row arguments (`n_rows`, `counts`) of a quantisation kernel; returns its `stride`.
+fn push_live<'a>(
+    b: &mut cudarc::driver::LaunchArgs<'a>,
+    live: Live<'a>,
+    none: &'a u64,
+    cap: usize,
+) -> i32 {
+    match live {
+        Live::Upto(n) => {
+            b.arg(n).arg(none);
+            1
+        }
+        Live::Masked { counts, stride } => {
+            assert!(
+                stride > 0 && cap % stride == 0 && counts.len() >= cap / stride,
+                "masked rows: {cap} in strides of {stride}, {} counts",
+                counts.len()
+            );
+            b.arg(none).arg(counts);
+            stride as i32
+        }
+    }
+}

@@ -1,0 +1,183 @@
+//! FP8 experts in the step (DeepSeek-V3's recipe, `model::fp8`): weights on the device as
+//! shipped (E4M3 with 128x128 block scales), and each grouped SwiGLU FFN as rows quantised per
+//! 128 channels, DeepGEMM's FP8 gate/up GEMM, SwiGLU quantised in the same pass, the FP8 down
+//! GEMM, in the layouts the exchange gives (`exchange::ExpertRows`). Outputs are bf16, as the
+//! bf16 path's, so combine is unchanged.
+
+use std::borrow::Cow;
+
+use cudarc::driver::{CudaSlice, DriverError};
+use half::bf16;
+
+use super::fp8::{Fp8Rows, Fp8Weights, Live};
+use super::hopper::Layout;
+use super::shape::StepShape;
+use super::{Alloc, Gpu, GpuError};
+use crate::model::fp8::{Blocks, BLOCK};
+use crate::model::{Ffn, Matrix};
+
+/// A matrix as FP8 blocks: as held, or quantised here if held as values.
+fn blocks(m: &Matrix, rows: usize, cols: usize) -> Cow<'_, Blocks> {
+    match m {
+        Matrix::Fp8(b) => Cow::Borrowed(b),
+        Matrix::F32(v) => Cow::Owned(Blocks::quantize(v, rows, cols)),
+    }
+}
+
+/// `ffns`' gate/up and down weights stacked (`[groups][2 * inter][hidden]`,
+/// `[groups][hidden][inter]`) with their scales, uploaded.
+pub fn upload<'a>(
+    a: &mut Alloc,
+    ffns: impl ExactSizeIterator<Item = &'a Ffn>,
+    hidden: usize,
+    inter: usize,
+) -> Result<(Fp8Weights, Fp8Weights), DriverError> {
+    let groups = ffns.len();
+    let (mut gq, mut gs, mut dq, mut ds) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for f in ffns {
+        let gu = blocks(&f.gate_up, 2 * inter, hidden);
+        let down = blocks(&f.down, hidden, inter);
+        gq.extend_from_slice(&gu.q);
+        gs.extend_from_slice(&gu.scales);
+        dq.extend_from_slice(&down.q);
+        ds.extend_from_slice(&down.scales);
+    }
+    let weights = |a: &mut Alloc, q: &[u8], sf: &[f32], n, k| -> Result<_, DriverError> {
+        Ok(Fp8Weights {
+            q: a.upload(q)?,
+            sf: a.upload(sf)?,
+            groups,
+            n,
+            k,
+        })
+    };
+    Ok((
+        weights(a, &gq, &gs, 2 * inter, hidden)?,
+        weights(a, &dq, &ds, hidden, inter)?,
+    ))
+}
+
+/// Random FP8 weights made on the GPU (for `epserve bench`: timing, not numerics).
+pub fn random(
+    g: &Gpu,
+    a: &mut Alloc,
+    (groups, hidden, inter): (usize, usize, usize),
+    seed: u64,
+) -> Result<(Fp8Weights, Fp8Weights), DriverError> {
+    let mut one = |n: usize, k: usize, seed: u64| -> Result<Fp8Weights, DriverError> {
+        let mut q = a.zeros::<u8>(groups * n * k)?;
+        let mut sf = a.zeros::<f32>(groups * (n / BLOCK) * (k / BLOCK))?;
+        g.fp8.fill_random(&mut q, seed, &g.stream)?;
+        g.fill_uniform_f32(&mut sf, seed + 1, (3.0 / k as f32).sqrt() / 448.0)?;
+        Ok(Fp8Weights {
+            q,
+            sf,
+            groups,
+            n,
+            k,
+        })
+    };
+    Ok((one(2 * inter, hidden, seed)?, one(hidden, inter, seed + 2)?))
+}
+
+/// The step's quantised rows: the expert rows and their activations, the shared expert's home
+/// rows and its activations (`StepShape::fp8_rows`).
+pub struct Fp8Bufs {
+    x: Fp8Rows,
+    act: Fp8Rows,
+    shared_x: Fp8Rows,
+    shared_act: Fp8Rows,
+}
+
+impl Fp8Bufs {
+    pub fn new(a: &mut Alloc, s: &StepShape) -> Result<Self, DriverError> {
+        let [x, act, sx, sa] = s.fp8_rows();
+        Ok(Self {
+            x: Fp8Rows::zeros(a, x.0, x.1)?,
+            act: Fp8Rows::zeros(a, act.0, act.1)?,
+            shared_x: Fp8Rows::zeros(a, sx.0, sx.1)?,
+            shared_act: Fp8Rows::zeros(a, sa.0, sa.1)?,
+        })
+    }
+}
+
+/// One FFN over `rows` rows of `x` in `layout`, in place: quantise, gate/up into `gu`, SwiGLU
+/// (times `weights` where given) quantised, down back into `x`.
+#[allow(clippy::too_many_arguments)]
+fn ffn(
+    g: &Gpu,
+    (gate_up, down): (&Fp8Weights, &Fp8Weights),
+    (layout, live, sizes): (Layout, Live, &CudaSlice<i32>),
+    rows: usize,
+    weights: Option<&CudaSlice<f32>>,
+    (xq, aq): (&mut Fp8Rows, &mut Fp8Rows),
+    gu: &mut CudaSlice<bf16>,
+    x: &mut CudaSlice<bf16>,
+) -> Result<(), DriverError> {
+    let s = &g.stream;
+    g.fp8.quantize(x, rows, live, xq, s)?;
+    g.fp8.gemm(xq, rows, gate_up, layout, sizes, gu, s)?;
+    g.fp8.swiglu_quantize(gu, rows, live, weights, aq, s)?;
+    g.fp8.gemm(aq, rows, down, layout, sizes, x, s)
+}
+
+/// The routed experts over contiguous expert-major blocks (`ExpertRows::Blocks`): DeepGEMM's
+/// psum layout; a row's routing weight scales its activation (the down projection is linear).
+#[allow(clippy::too_many_arguments)]
+pub fn contiguous(
+    g: &Gpu,
+    w: (&Fp8Weights, &Fp8Weights),
+    cap: usize,
+    (ends, total): (&CudaSlice<i32>, &CudaSlice<i32>),
+    weights: Option<&CudaSlice<f32>>,
+    b: &mut Fp8Bufs,
+    gu: &mut CudaSlice<bf16>,
+    x: &mut CudaSlice<bf16>,
+) -> Result<(), GpuError> {
+    let at = (Layout::Psum, Live::Upto(total), ends);
+    ffn(g, w, at, cap, weights, (&mut b.x, &mut b.act), gu, x)?;
+    Ok(())
+}
+
+/// The routed experts over fixed strides (`ExpertRows::Strided`): DeepGEMM's masked layout;
+/// combine weighs.
+#[allow(clippy::too_many_arguments)]
+pub fn strided(
+    g: &Gpu,
+    w: (&Fp8Weights, &Fp8Weights),
+    (stride, counts): (usize, &CudaSlice<i32>),
+    mean_rows: usize,
+    b: &mut Fp8Bufs,
+    gu: &mut CudaSlice<bf16>,
+    x: &mut CudaSlice<bf16>,
+) -> Result<(), GpuError> {
+    let layout = Layout::Masked { stride, mean_rows };
+    let at = (layout, Live::Masked { counts, stride }, counts);
+    let rows = w.0.groups * stride;
+    ffn(g, w, at, rows, None, (&mut b.x, &mut b.act), gu, x)?;
+    Ok(())
+}
+
+/// The shared expert over the bucket's `n` home rows (`xb`) into `y`: one psum block from row 0
+/// (`ends`, made here from `zero`).
+#[allow(clippy::too_many_arguments)]
+pub fn shared(
+    g: &Gpu,
+    w: (&Fp8Weights, &Fp8Weights),
+    bucket: usize,
+    (xb, n): (&CudaSlice<bf16>, &CudaSlice<i32>),
+    (zero, ends): (&CudaSlice<i32>, &mut CudaSlice<i32>),
+    b: &mut Fp8Bufs,
+    gu: &mut CudaSlice<bf16>,
+    y: &mut CudaSlice<bf16>,
+) -> Result<(), GpuError> {
+    g.psum_ends(zero, n, ends)?;
+    let s = &g.stream;
+    let (xq, aq) = (&mut b.shared_x, &mut b.shared_act);
+    let live = Live::Upto(n);
+    g.fp8.quantize(xb, bucket, live, xq, s)?;
+    g.fp8.gemm(xq, bucket, w.0, Layout::Psum, ends, gu, s)?;
+    g.fp8.swiglu_quantize(gu, bucket, live, None, aq, s)?;
+    g.fp8.gemm(aq, bucket, w.1, Layout::Psum, ends, y, s)?;
+    Ok(())
+}

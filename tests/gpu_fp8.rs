@@ -1,0 +1,354 @@
+//! FP8 experts' kernels against the CPU's recipe (`epserve::model::fp8`) on random data: the
+//! activation quantisation bit for bit, SwiGLU's quantisation within the rounding of its inputs,
+//! and DeepGEMM's FP8 grouped GEMM against f64 over the same quantised operands, per expert, in
+//! both layouts, with empty, ragged and hot experts. They need a GPU: run them with `--ignored`
+//! on a GPU machine (scripts/gpu-check.sh).
+#![cfg(feature = "cuda")]
+
+use epserve::backend::cuda::fp8::{Fp8Rows, Fp8Weights, Live};
+use epserve::backend::cuda::hopper::{self, Layout};
+use epserve::backend::cuda::{Alloc, Gpu};
+use epserve::model::fp8;
+use half::bf16;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const B: usize = fp8::BLOCK;
+
+fn gpu() -> Gpu {
+    Gpu::new(0).expect("a CUDA device (these tests run with --ignored on a GPU machine)")
+}
+
+/// Random bf16 rows, one 128-channel group of zeros and one row 1000 times the rest.
+fn rows(r: &mut ChaCha8Rng, n: usize, k: usize) -> Vec<bf16> {
+    let mut v: Vec<f32> = (0..n * k).map(|_| r.random_range(-2.0f32..2.0)).collect();
+    if n > 3 {
+        v[k..k + B].fill(0.0);
+        v[3 * k..4 * k].iter_mut().for_each(|x| *x *= 1000.0);
+    }
+    v.into_iter().map(bf16::from_f32).collect()
+}
+
+/// The CPU rule on one row: (codes, scales).
+fn cpu_row(x: &[bf16]) -> (Vec<u8>, Vec<f32>) {
+    let mut q = Vec::new();
+    let mut sf = Vec::new();
+    for g in x.chunks(B) {
+        let v: Vec<f32> = g.iter().map(|x| x.to_f32()).collect();
+        let s = fp8::scale_of(v.iter().fold(0f32, |m, x| m.max(x.abs())));
+        q.extend(
+            v.iter()
+                .map(|&x| if s == 0.0 { 0 } else { fp8::encode(x / s) }),
+        );
+        sf.push(s);
+    }
+    (q, sf)
+}
+
+/// The scale of row `r`, group `g`, where the kernels put it.
+fn scale_at(sf: &[f32], r: usize, g: usize, groups: usize, live: (usize, usize), ld: usize) -> f32 {
+    match live {
+        (0, _) => sf[g * ld + r],
+        (stride, _) => sf[((r / stride) * groups + g) * stride + r % stride],
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn quantize_rows_matches_the_cpu_rule_bit_for_bit() {
+    let g = gpu();
+    let s = &g.stream;
+    let mut r = ChaCha8Rng::seed_from_u64(1);
+    let (cap, k) = (256usize, 7 * B);
+    let x = rows(&mut r, cap, k);
+    let dx = s.clone_htod(&x).unwrap();
+    let mut a = Alloc::new(s.clone());
+    // Contiguous: the first 201 rows; masked: expert e's counts[e] rows of 64.
+    let counts = [0i32, 64, 13, 1];
+    for (live_rows, stride) in [(201usize, 0usize), (0, 64)] {
+        let mut out = Fp8Rows::zeros(&mut a, cap, k).unwrap();
+        let n = s.clone_htod(&[live_rows as i32]).unwrap();
+        let c = s.clone_htod(&counts).unwrap();
+        let live = match stride {
+            0 => Live::Upto(&n),
+            st => Live::Masked {
+                counts: &c,
+                stride: st,
+            },
+        };
+        g.fp8.quantize(&dx, cap, live, &mut out, s).unwrap();
+        let (q, sf) = (
+            s.clone_dtoh(&out.q).unwrap(),
+            s.clone_dtoh(&out.sf).unwrap(),
+        );
+        for row in 0..cap {
+            let is_live = match stride {
+                0 => row < live_rows,
+                st => (row % st) < counts[row / st] as usize,
+            };
+            let got = &q[row * k..(row + 1) * k];
+            if !is_live {
+                assert!(got.iter().all(|&b| b == 0), "row {row} is not live");
+                continue;
+            }
+            let (want_q, want_sf) = cpu_row(&x[row * k..(row + 1) * k]);
+            assert_eq!(got, &want_q[..], "codes of row {row} (stride {stride})");
+            for (gi, &w) in want_sf.iter().enumerate() {
+                let at = scale_at(&sf, row, gi, k / B, (stride, 0), cap.next_multiple_of(4));
+                assert_eq!(at, w, "scale of row {row} group {gi} (stride {stride})");
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn swiglu_quantize_matches_the_cpu_rule() {
+    let g = gpu();
+    let s = &g.stream;
+    let mut r = ChaCha8Rng::seed_from_u64(2);
+    let (cap, i) = (96usize, 3 * B);
+    let gu = rows(&mut r, cap, 2 * i);
+    let w: Vec<f32> = (0..cap).map(|_| r.random_range(0.1f32..1.0)).collect();
+    let (dgu, dw) = (s.clone_htod(&gu).unwrap(), s.clone_htod(&w).unwrap());
+    let n = s.clone_htod(&[cap as i32]).unwrap();
+    let mut a = Alloc::new(s.clone());
+    let mut out = Fp8Rows::zeros(&mut a, cap, i).unwrap();
+    g.fp8
+        .swiglu_quantize(&dgu, cap, Live::Upto(&n), Some(&dw), &mut out, s)
+        .unwrap();
+    let (q, sf) = (
+        s.clone_dtoh(&out.q).unwrap(),
+        s.clone_dtoh(&out.sf).unwrap(),
+    );
+    let ld = cap.next_multiple_of(4);
+    for row in 0..cap {
+        let src = &gu[row * 2 * i..(row + 1) * 2 * i];
+        let act: Vec<f32> = (0..i)
+            .map(|c| {
+                let (a, u) = (src[c].to_f32(), src[i + c].to_f32());
+                a / (1.0 + (-a).exp()) * u * w[row]
+            })
+            .collect();
+        for gi in 0..i / B {
+            let group = &act[gi * B..(gi + 1) * B];
+            let want_s = fp8::scale_of(group.iter().fold(0f32, |m, x| m.max(x.abs())));
+            let got_s = sf[gi * ld + row];
+            // expf on the GPU and the CPU may differ in the last place, and so the amax.
+            assert!(
+                (got_s - want_s).abs() <= want_s * 1e-6,
+                "row {row} group {gi}: scale {got_s} against {want_s}"
+            );
+            for (c, &v) in group.iter().enumerate() {
+                let got = fp8::decode(q[row * i + gi * B + c]) * got_s;
+                // Within half a step of E4M3 (1/16 of the value), plus the subnormal step.
+                let tol = v.abs() / 16.0 * 1.001 + got_s * 2f32.powi(-10);
+                assert!(
+                    (got - v).abs() <= tol,
+                    "row {row} column {}: {got} against {v}",
+                    gi * B + c
+                );
+            }
+        }
+    }
+}
+
+/// Random FP8 weights as a checkpoint ships them: codes (no NaN) and a positive scale per
+/// 128x128 block.
+fn weights(r: &mut ChaCha8Rng, groups: usize, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+    let q = (0..groups * n * k)
+        .map(|_| {
+            let b: u8 = r.random();
+            if b & 0x7F == 0x7F {
+                0x38
+            } else {
+                b
+            }
+        })
+        .collect();
+    let sf = (0..groups * (n / B) * (k / B))
+        .map(|_| r.random_range(0.5f32..2.0) / 448.0 / (k as f32).sqrt())
+        .collect();
+    (q, sf)
+}
+
+/// Worst error of expert `e`'s output rows `rows` against f64 over the quantised operands the
+/// GPU used (its codes and scales, read back), per row: max |got - want| over the row's largest
+/// |want| (bf16 outputs and f32 accumulation err with the row's scale, not each element's).
+#[allow(clippy::too_many_arguments)]
+fn expert_error(
+    xq: &[u8],
+    sfa: impl Fn(usize, usize) -> f32,
+    (wq, wsf): (&[u8], &[f32]),
+    y: &[bf16],
+    e: usize,
+    rows: std::ops::Range<usize>,
+    n: usize,
+    k: usize,
+) -> f64 {
+    let dq = |b: u8| f64::from(fp8::decode(b));
+    let mut worst = 0f64;
+    for row in rows {
+        let (mut diff, mut top) = (0f64, 0f64);
+        for c in 0..n {
+            let mut want = 0f64;
+            for kb in 0..k / B {
+                let part: f64 = (kb * B..(kb + 1) * B)
+                    .map(|q| dq(xq[row * k + q]) * dq(wq[(e * n + c) * k + q]))
+                    .sum();
+                let sw = wsf[(e * (n / B) + c / B) * (k / B) + kb];
+                want += part * f64::from(sfa(row, kb)) * f64::from(sw);
+            }
+            diff = diff.max((y[row * n + c].to_f64() - want).abs());
+            top = top.max(want.abs());
+        }
+        worst = worst.max(diff / top.max(1e-30));
+    }
+    worst
+}
+
+fn upload_weights(g: &Gpu, q: &[u8], sf: &[f32], groups: usize, n: usize, k: usize) -> Fp8Weights {
+    Fp8Weights {
+        q: g.stream.clone_htod(q).unwrap(),
+        sf: g.stream.clone_htod(sf).unwrap(),
+        groups,
+        n,
+        k,
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn fp8_psum_gemm_matches_f64_per_expert() {
+    // An empty expert, counts off the 128-row tile, a hot expert; N = 384 is three column
+    // tiles, K = 640 five 128-deep stages.
+    let g = gpu();
+    let s = &g.stream;
+    let mut r = ChaCha8Rng::seed_from_u64(3);
+    let (n, k) = (384usize, 5 * B);
+    let counts = [5usize, 0, 700, 128, 1, 77];
+    let e = counts.len();
+    let mut offsets = vec![0i32];
+    for c in &counts {
+        let next = offsets.last().unwrap() + c.next_multiple_of(hopper::ALIGN) as i32;
+        offsets.push(next);
+    }
+    let cap = *offsets.last().unwrap() as usize + 64;
+    let x = rows(&mut r, cap, k);
+    let (wq, wsf) = weights(&mut r, e, n, k);
+    let w = upload_weights(&g, &wq, &wsf, e, n, k);
+    let counts32: Vec<i32> = counts.iter().map(|&c| c as i32).collect();
+    let (doff, dcnt) = (
+        s.clone_htod(&offsets).unwrap(),
+        s.clone_htod(&counts32).unwrap(),
+    );
+    let mut ends = s.alloc_zeros::<i32>(hopper::MAX_GROUPS).unwrap();
+    g.psum_ends(&doff, &dcnt, &mut ends).unwrap();
+    let total = s.clone_htod(&[offsets[e]]).unwrap();
+    let mut a = Alloc::new(s.clone());
+    let mut xr = Fp8Rows::zeros(&mut a, cap, k).unwrap();
+    g.fp8
+        .quantize(
+            &s.clone_htod(&x).unwrap(),
+            cap,
+            Live::Upto(&total),
+            &mut xr,
+            s,
+        )
+        .unwrap();
+    let mut y = s.clone_htod(&vec![bf16::from_f32(7.0); cap * n]).unwrap();
+    g.fp8
+        .gemm(&xr, cap, &w, Layout::Psum, &ends, &mut y, s)
+        .unwrap();
+    let y = s.clone_dtoh(&y).unwrap();
+    let (xq, xsf) = (s.clone_dtoh(&xr.q).unwrap(), s.clone_dtoh(&xr.sf).unwrap());
+    let ld = cap.next_multiple_of(4);
+    for ei in 0..e {
+        let first = offsets[ei] as usize;
+        let err = expert_error(
+            &xq,
+            |row, kb| xsf[kb * ld + row],
+            (&wq, &wsf),
+            &y,
+            ei,
+            first..first + counts[ei],
+            n,
+            k,
+        );
+        assert!(
+            err <= 1e-2,
+            "expert {ei} ({} rows): worst row error {err:.3e}",
+            counts[ei]
+        );
+    }
+    assert!(
+        y[offsets[e] as usize * n..]
+            .iter()
+            .all(|v| v.to_f32() == 7.0),
+        "rows past the last expert's tiles are not written"
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn fp8_masked_gemm_matches_f64_per_expert() {
+    // NCCL EP's low-latency layout: expert e's rows at e x 128; empty, one row, the whole
+    // stride, counts off the 64-row tile.
+    let g = gpu();
+    let s = &g.stream;
+    let mut r = ChaCha8Rng::seed_from_u64(4);
+    let (stride, n, k) = (128usize, 256usize, 4 * B);
+    let counts = [0i32, 1, 128, 77, 64, 100];
+    let e = counts.len();
+    let cap = e * stride;
+    let x = rows(&mut r, cap, k);
+    let (wq, wsf) = weights(&mut r, e, n, k);
+    let w = upload_weights(&g, &wq, &wsf, e, n, k);
+    let mut sizes = counts.to_vec();
+    sizes.resize(hopper::MAX_GROUPS, 0);
+    let sizes = s.clone_htod(&sizes).unwrap();
+    let mut a = Alloc::new(s.clone());
+    let mut xr = Fp8Rows::zeros(&mut a, cap, k).unwrap();
+    let live = Live::Masked {
+        counts: &sizes,
+        stride,
+    };
+    g.fp8
+        .quantize(&s.clone_htod(&x).unwrap(), cap, live, &mut xr, s)
+        .unwrap();
+    let mut y = s.clone_htod(&vec![bf16::from_f32(7.0); cap * n]).unwrap();
+    let layout = Layout::Masked {
+        stride,
+        mean_rows: 64,
+    };
+    g.fp8.gemm(&xr, cap, &w, layout, &sizes, &mut y, s).unwrap();
+    let y = s.clone_dtoh(&y).unwrap();
+    let (xq, xsf) = (s.clone_dtoh(&xr.q).unwrap(), s.clone_dtoh(&xr.sf).unwrap());
+    let groups = k / B;
+    for (ei, &c) in counts.iter().enumerate() {
+        let first = ei * stride;
+        let sfa =
+            |row: usize, kb: usize| xsf[((row / stride) * groups + kb) * stride + row % stride];
+        let err = expert_error(
+            &xq,
+            sfa,
+            (&wq, &wsf),
+            &y,
+            ei,
+            first..first + c as usize,
+            n,
+            k,
+        );
+        assert!(
+            err <= 1e-2,
+            "expert {ei} ({c} rows): worst row error {err:.3e}"
+        );
+        let untouched = first + (c as usize).next_multiple_of(64);
+        assert!(
+            y[untouched * n..(ei + 1) * stride * n]
+                .iter()
+                .all(|v| v.to_f32() == 7.0),
+            "expert {ei}: rows past its last tile are not written"
+        );
+    }
+}
