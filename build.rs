@@ -117,15 +117,17 @@ impl HopperTile {
 
 /// The FP8 instances `kernels/hopper_fp8.cu` compiles (DeepGEMM's `sm90_fp8_gemm_1d2d`), as
 /// `HOPPER_TILES` are for bf16: psum for the contiguous layout (its row tile must be the bf16
-/// psum tile's, the exchange's block alignment), masked for the strided one. 128-wide N tiles:
-/// at 256 the 2-warpgroup instance spills (ptxas: 2.3 kB of spill stores).
+/// psum tile's, the exchange's block alignment), masked for the strided one. psum's N tile: 192
+/// (4 stages) ran prefill-rank's experts 4.5% faster than 128 (5 stages) on one H200, decode
+/// 0.7% slower (docs/benchmarks.md, "FP8 experts"); 256 spills (2.3 kB), and the D store's
+/// 64-column boxes rule out 160 and 224.
 const HOPPER_FP8_TILES: [HopperTile; 2] = [
     HopperTile {
         name: "PSUM",
         gemm_type: 5,
         block_m: 128,
-        block_n: 128,
-        stages: 5,
+        block_n: 192,
+        stages: 4,
         math_threads: 256,
     },
     HopperTile {

@@ -101,12 +101,14 @@ impl Instance {
     fn load(m: &Arc<CudaModule>, t: Tile) -> Result<Self, DriverError> {
         let f = m.load_function(t.symbol)?;
         // As the kernel lays it out: D tile; each stage's A and B tiles; each stage's A scales
-        // (128-byte aligned); the weight scales of one column block (one row of K / 128, as
-        // BLOCK_K is a multiple of BLOCK_N's 128); two barriers (8 bytes each) per stage.
+        // (128-byte aligned); the weight scales of one column block (a row of K / 128, or two
+        // where a column tile can straddle two 128-column scale blocks); two barriers (8 bytes
+        // each) per stage.
         let d = (t.block_m * t.block_n * 2).next_multiple_of(1024);
         let stage = (t.block_m + t.block_n) * BLOCK as u32;
         let sfa = (t.block_m * 4).next_multiple_of(128);
-        let sfb = ((MAX_K / BLOCK) as u32 * 4).next_multiple_of(8);
+        let sfb_rows = if BLOCK as u32 % t.block_n == 0 { 1 } else { 2 };
+        let sfb = ((MAX_K / BLOCK) as u32 * sfb_rows * 4).next_multiple_of(8);
         let smem = d + t.stages * (stage + sfa) + sfb + t.stages * 16;
         f.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
