@@ -60,10 +60,12 @@ serving_addr() {
 }
 if want tests; then
   run gpu_kernels .device/bin/gpu_kernels --ignored --test-threads 1
+  run gpu_fp8 .device/bin/gpu_fp8 --ignored --test-threads 1
   run gpu_nccl .device/bin/gpu_nccl --ignored --test-threads 1
   run gpu_ep .device/bin/gpu_ep --ignored --nocapture --test-threads 1
   # TMPDIR on tmpfs: the tests' step rings can be registered with the driver there.
-  TMPDIR=/dev/shm run gpu_serve .device/bin/gpu_serve --ignored --nocapture --test-threads 1 --skip matches_the_nccl_backend --skip fault_drill
+  # nccl-ep's tests run in the ep part, on the carried NCCL 2.30.
+  TMPDIR=/dev/shm run gpu_serve .device/bin/gpu_serve --ignored --nocapture --test-threads 1 --skip matches_the_nccl_backend --skip fault_drill --skip nccl_ep_
 fi
 if want drill; then
   # A rank stopped and killed under load, on both GPU backends (nccl-ep on the carried NCCL 2.30).
@@ -86,7 +88,7 @@ if want ep; then
       run gpu_nccl_ep timeout 300 .device/bin/gpu_nccl_ep --ignored --nocapture --test-threads 1) || status=1
     grep -E "^(test |NCCL|[0-9]+ GPUs|LL|step)" "$out/gpu_nccl_ep.log" || true
     (source /tmp/nccl230/env.sh && export NCCL_DEBUG=WARN &&
-      run gpu_serve_ep timeout 500 .device/bin/gpu_serve --ignored --nocapture --test-threads 1 matches_the_nccl_backend nccl_ep_two_steps_in_flight) || status=1
+      run gpu_serve_ep timeout 500 .device/bin/gpu_serve --ignored --nocapture --test-threads 1 matches_the_nccl_backend nccl_ep_two_steps_in_flight nccl_ep_fp8) || status=1
     grep -E "^(test |nccl-ep)" "$out/gpu_serve_ep.log" || true
   else
     echo "== gpu_nccl_ep: skipped (no .device/nccl230.tar.xz)"

@@ -276,7 +276,7 @@ pub struct ServeArgs {
     /// Experts' weights and math: fp8 is DeepSeek-V3's recipe (E4M3 weights in 128x128 blocks
     /// with f32 scales, activations quantised per token per 128 channels; hidden and
     /// intermediate sizes multiples of 128), bf16 holds them as values; auto keeps an FP8
-    /// checkpoint's FP8 and runs everything else bf16. fp8 runs on the cpu and nccl backends so far.
+    /// checkpoint's FP8 and runs everything else bf16.
     #[arg(long, env = "EPSERVE_EXPERT_DTYPE", value_enum, default_value = "auto")]
     pub expert_dtype: ExpertDtypeArg,
     #[arg(long, env = "EPSERVE_BACKEND", value_enum, default_value = "cpu")]

@@ -504,6 +504,39 @@ fn nccl_ep_two_steps_in_flight_match_the_f64_reference() {
     two_steps_in_flight("nccl-ep", &["--ep-mode", "ht"]);
 }
 
+/// FP8 experts on `nccl-ep`: low-latency (DeepGEMM's masked layout over NCCL EP's expert-major
+/// rows) and high-throughput (the psum layout over its aligned blocks, in registered windows),
+/// every token against the f64 reference of the recipe, as `fp8_experts_match_the_f64_reference`
+/// checks `nccl`. Needs 2 GPUs or more, NCCL 2.30 and NCCL EP (scripts/device-run.sh ep).
+#[test]
+#[ignore = "needs GPUs, NCCL 2.30 and NCCL EP"]
+fn nccl_ep_fp8_experts_match_the_f64_reference() {
+    let world = *gpu_counts().last().unwrap();
+    if let Err(why) = epserve::backend::gpu::ep_gates(world) {
+        panic!("nccl-ep cannot run here ({why}): run with NCCL 2.30 and NCCL EP");
+    }
+    let (spec, _) = reference_layers();
+    let layers: Vec<RefLayer> = spec
+        .moe_layers
+        .iter()
+        .map(|&l| {
+            RefLayer::from_weights_fp8(
+                &synthetic::layer(&spec, 0, l, 0..spec.num_experts),
+                spec.hidden,
+            )
+        })
+        .collect();
+    let reqs = requests(17, REQUESTS);
+    for mode in ["ll", "ht"] {
+        let flags = ["--expert-dtype", "fp8", "--ep-mode", mode];
+        let g = launch_with(world, "nccl-ep", "on", &flags);
+        assert_eq!(model_info(&g).expert_dtype, "fp8");
+        let out = run_all(&g, &reqs, 32);
+        let what = format!("{MODEL} fp8, nccl-ep {mode}, {world} GPU(s)");
+        check_f64(&what, &spec, &layers, &reqs, &out, TOKEN_TOL);
+    }
+}
+
 fn two_steps_in_flight(backend: &str, extra: &[&str]) {
     let (spec, layers) = reference_layers();
     let reqs = requests(13, REQUESTS);

@@ -40,26 +40,16 @@ pub struct Prepared {
     pub expert_bytes: u64,
 }
 
-/// `--expert-dtype` for this model on this backend: `ExpertDtype::resolve`, and FP8 on `cpu` and
-/// `nccl` alone until it has run on `nccl-ep` (auto falls back to bf16 there).
+/// `--expert-dtype` for this model (`ExpertDtype::resolve`), saying why where auto falls back.
 fn resolve_expert_dtype(
     args: &ServeArgs,
     spec: &MoeSpec,
     source: &ModelSource,
-    backend: BackendKind,
 ) -> anyhow::Result<ExpertDtype> {
-    let asked = args.expert_dtype.asked();
-    let (dtype, note) = ExpertDtype::resolve(asked, spec, source.shipped_fp8()?)?;
+    let (dtype, note) =
+        ExpertDtype::resolve(args.expert_dtype.asked(), spec, source.shipped_fp8()?)?;
     if let Some(n) = note {
         info!("{n}");
-    }
-    if dtype == ExpertDtype::Fp8 && backend == BackendKind::NcclEp {
-        let name = backend_name(backend);
-        if asked.is_some() {
-            bail!("--expert-dtype fp8 runs on the cpu and nccl backends so far, not on {name}");
-        }
-        info!("--expert-dtype auto: the checkpoint ships FP8, dequantised to bf16 ({name} has not run FP8 experts yet)");
-        return Ok(ExpertDtype::Bf16);
     }
     Ok(dtype)
 }
@@ -128,7 +118,7 @@ pub fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<(Prepared, We
     spec.validate()?;
     let placement = Placement::new(spec.num_experts, member.world)?;
     let backend = resolve_backend(args.backend, member.world)?;
-    let expert_dtype = resolve_expert_dtype(args, &spec, &source, backend)?;
+    let expert_dtype = resolve_expert_dtype(args, &spec, &source)?;
     let max_home = max_home_tokens(args.max_tokens_per_step, member.world);
     let buckets = graph_buckets(&args.graph_buckets, max_home).map_err(|e| anyhow!(e))?;
     let mut fingerprint = vec![
