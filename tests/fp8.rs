@@ -76,10 +76,7 @@ fn cases(spec: &MoeSpec, rng: &mut ChaCha8Rng) -> Vec<Case> {
             req.output_dtype = DType::F32 as i32;
             let routing = route.map(|ids| {
                 let w: Vec<f32> = (0..n * k).map(|j| 0.1 + (j % 7) as f32 / 10.0).collect();
-                let ids_i32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
-                req.topk_ids = Some(i32_tensor(&ids_i32, [n, k]));
-                req.topk_weights = Some(f32_tensor(&w, [n, k]));
-                (ids, w.iter().map(|&v| f64::from(v)).collect())
+                set_routing(&mut req, ids, &w, k)
             });
             out.push(Case {
                 req,

@@ -300,7 +300,21 @@ fn shared_expert_model_matches_the_f64_reference() {
     const SHARED: &str = "synthetic:tiny-deepseek";
     let (spec, layers) = reference_layers_of(SHARED);
     assert!(spec.shared_intermediate > 0, "{SHARED} has a shared expert");
-    let mut r = ChaCha8Rng::seed_from_u64(31);
+    mixed_steps(SHARED, &spec, &layers, 31, &[], TOKEN_TOL);
+}
+
+/// `model` on `nccl` with `extra` flags, 1 and more GPUs, graphs on and off: `F64_REQUESTS`
+/// seeded requests, one in ten of 600 to 900 tokens (steps of more than 256 home rows per rank)
+/// among ones of 1 to 64, every token against `layers` within `tol`.
+fn mixed_steps(
+    model: &str,
+    spec: &MoeSpec,
+    layers: &[RefLayer],
+    seed: u64,
+    extra: &[&str],
+    tol: f64,
+) {
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
     let reqs: Vec<ForwardRequest> = (0..F64_REQUESTS)
         .map(|i| {
             let n = match i % 10 {
@@ -316,7 +330,7 @@ fn shared_expert_model_matches_the_f64_reference() {
         .collect();
     for ranks in gpu_counts() {
         for graphs in ["on", "off"] {
-            let args = [
+            let mut args = vec![
                 "--layers",
                 "2",
                 "--backend",
@@ -328,10 +342,11 @@ fn shared_expert_model_matches_the_f64_reference() {
                 "--max-tokens-per-step",
                 "2048",
             ];
-            let g = Group::launch(ranks, SHARED, &args);
+            args.extend_from_slice(extra);
+            let g = Group::launch(ranks, model, &args);
             let out = run_all(&g, &reqs, 16);
-            let what = format!("{SHARED}, nccl, {ranks} GPU(s), graphs {graphs}");
-            check_f64(&what, &spec, &layers, &reqs, &out, TOKEN_TOL);
+            let what = format!("{model} {extra:?}, nccl, {ranks} GPU(s), graphs {graphs}");
+            check_f64(&what, spec, layers, &reqs, &out, tol);
         }
     }
 }
@@ -385,42 +400,14 @@ fn fp8_experts_match_the_f64_reference() {
     const SMALL_TOL: f64 = 6e-2;
     let (spec, _) = reference_layers_of(SMALL);
     let layers = fp8_layers(&spec);
-    let mut r = ChaCha8Rng::seed_from_u64(37);
-    let reqs: Vec<ForwardRequest> = (0..F64_REQUESTS)
-        .map(|i| {
-            let n = match i % 10 {
-                0 => r.random_range(600..=900usize),
-                _ => r.random_range(1..=64usize),
-            };
-            let x: Vec<f32> = (0..n * spec.hidden)
-                .map(|_| r.random_range(-1.0..1.0))
-                .collect();
-            let layer = spec.moe_layers[r.random_range(0..spec.moe_layers.len())];
-            request(&format!("q{i}"), layer, f32_tensor(&x, [n, spec.hidden]))
-        })
-        .collect();
-    for ranks in gpu_counts() {
-        for graphs in ["on", "off"] {
-            let args = [
-                "--layers",
-                "2",
-                "--backend",
-                "nccl",
-                "--expert-dtype",
-                "fp8",
-                "--cuda-graphs",
-                graphs,
-                "--step-timeout",
-                "60s",
-                "--max-tokens-per-step",
-                "2048",
-            ];
-            let g = Group::launch(ranks, SMALL, &args);
-            let out = run_all(&g, &reqs, 16);
-            let what = format!("{SMALL} fp8, nccl, {ranks} GPU(s), graphs {graphs}");
-            check_f64(&what, &spec, &layers, &reqs, &out, SMALL_TOL);
-        }
-    }
+    mixed_steps(
+        SMALL,
+        &spec,
+        &layers,
+        37,
+        &["--expert-dtype", "fp8"],
+        SMALL_TOL,
+    );
 }
 
 #[test]

@@ -35,43 +35,22 @@ pub fn preset(name: &str) -> Result<MoeSpec, ModelError> {
         renormalize,
         scaling: 2.5,
     };
+    // DeepSeek-V3's routing over 16 experts: 4 groups, the best 2.
+    let deepseek_small = Routing::SigmoidGroupTopK {
+        n_group: 4,
+        topk_group: 2,
+        renormalize: true,
+        scaling: 2.5,
+    };
     Ok(match name {
         // Mixtral semantics at toy size.
         "tiny" => spec("mixtral", 64, 128, 8, 2, 0..2, softmax(true), 0),
         // Qwen3-MoE semantics without renormalisation (norm_topk_prob = false).
         "tiny-qwen3" => spec("qwen3_moe", 64, 96, 16, 4, 0..2, softmax(false), 0),
         // DeepSeek-V3 semantics: groups, bias, scaling, one shared expert; layer 0 is dense.
-        "tiny-deepseek" => spec(
-            "deepseek_v3",
-            64,
-            64,
-            16,
-            4,
-            1..3,
-            Routing::SigmoidGroupTopK {
-                n_group: 4,
-                topk_group: 2,
-                renormalize: true,
-                scaling: 2.5,
-            },
-            1,
-        ),
+        "tiny-deepseek" => spec("deepseek_v3", 64, 64, 16, 4, 1..3, deepseek_small, 1),
         // tiny-deepseek at the sizes FP8 blocks take (multiples of 128).
-        "small-deepseek" => spec(
-            "deepseek_v3",
-            256,
-            128,
-            16,
-            4,
-            1..3,
-            Routing::SigmoidGroupTopK {
-                n_group: 4,
-                topk_group: 2,
-                renormalize: true,
-                scaling: 2.5,
-            },
-            1,
-        ),
+        "small-deepseek" => spec("deepseek_v3", 256, 128, 16, 4, 1..3, deepseek_small, 1),
         "qwen3-30b-a3b" => spec("qwen3_moe", 2048, 768, 128, 8, 0..48, softmax(true), 0),
         "mixtral-8x7b" => spec("mixtral", 4096, 14336, 8, 2, 0..32, softmax(true), 0),
         "deepseek-v3" => spec("deepseek_v3", 7168, 2048, 256, 8, 3..61, deepseek(true), 1),

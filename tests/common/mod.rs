@@ -374,9 +374,21 @@ pub fn client_routing(
         ids.extend(row);
         w.extend((0..k).map(|_| rng.random_range(0.05f32..1.0)));
     }
+    set_routing(req, ids, &w, k)
+}
+
+/// Client routing `ids` and `w` (`[n, k]`) set on `req`; returned (weights as f64) for the
+/// reference.
+pub fn set_routing(
+    req: &mut ForwardRequest,
+    ids: Vec<usize>,
+    w: &[f32],
+    k: usize,
+) -> (Vec<usize>, Vec<f64>) {
+    let n = ids.len() / k;
     let ids_i32: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
     req.topk_ids = Some(i32_tensor(&ids_i32, [n, k]));
-    req.topk_weights = Some(f32_tensor(&w, [n, k]));
+    req.topk_weights = Some(f32_tensor(w, [n, k]));
     (ids, w.iter().map(|&v| f64::from(v)).collect())
 }
 
