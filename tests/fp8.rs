@@ -89,20 +89,7 @@ fn cases(spec: &MoeSpec, rng: &mut ChaCha8Rng) -> Vec<Case> {
             for bf16 in [false, true] {
                 for client in [false, true] {
                     let x: Vec<f32> = (0..n * h).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-                    let route = client.then(|| {
-                        let mut ids = Vec::new();
-                        for _ in 0..n {
-                            let mut row: Vec<usize> = Vec::new();
-                            while row.len() < k {
-                                let c = rng.random_range(0..e);
-                                if !row.contains(&c) {
-                                    row.push(c);
-                                }
-                            }
-                            ids.extend(row);
-                        }
-                        ids
-                    });
+                    let route = client.then(|| random_ids(rng, n, k, e));
                     push(
                         format!("l{layer}-n{n}-bf16{bf16}-client{client}"),
                         x,

@@ -362,7 +362,14 @@ pub fn client_routing(
     k: usize,
     e: usize,
 ) -> (Vec<usize>, Vec<f64>) {
-    let (mut ids, mut w) = (Vec::new(), Vec::new());
+    let ids = random_ids(rng, n, k, e);
+    let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(0.05f32..1.0)).collect();
+    set_routing(req, ids, &w, k)
+}
+
+/// `k` distinct experts of `e` for each of `n` tokens, `[n, k]`.
+pub fn random_ids(rng: &mut impl rand::Rng, n: usize, k: usize, e: usize) -> Vec<usize> {
+    let mut ids = Vec::with_capacity(n * k);
     for _ in 0..n {
         let mut row: Vec<usize> = Vec::new();
         while row.len() < k {
@@ -372,9 +379,8 @@ pub fn client_routing(
             }
         }
         ids.extend(row);
-        w.extend((0..k).map(|_| rng.random_range(0.05f32..1.0)));
     }
-    set_routing(req, ids, &w, k)
+    ids
 }
 
 /// Client routing `ids` and `w` (`[n, k]`) set on `req`; returned (weights as f64) for the
