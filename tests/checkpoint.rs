@@ -501,3 +501,73 @@ async fn rank_memory_follows_its_own_experts() {
         rss[&4]
     );
 }
+
+/// `epserve serve` of one rank on `dir`: its exit status and log, once it has exited.
+fn serve_exit(dir: &std::path::Path) -> (std::process::ExitStatus, String) {
+    let shm = TempDir::new("shm");
+    let args = [
+        "serve",
+        "--model",
+        &dir.display().to_string(),
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--shm-dir",
+        &shm.0.display().to_string(),
+    ];
+    let mut p = Proc::spawn(&args.map(String::from));
+    let status = p
+        .wait_exit(std::time::Duration::from_secs(60))
+        .expect("the rank exits");
+    (status, p.log_text())
+}
+
+/// Checkpoints that once panicked a rank (an FP8 tensor that is not 2-D, read as a weight) or
+/// wrapped a layer count (2^32 + 1 layers served one): each refused at startup with exit 1,
+/// naming the tensor or the key.
+#[test]
+fn a_1d_fp8_tensor_and_a_wrapping_layer_count_are_refused_by_name() {
+    let dir = TempDir::new("fp8-1d");
+    let (h, e) = (128usize, 16usize);
+    let config = serde_json::json!({"model_type": "deepseek_v3", "hidden_size": h,
+        "n_routed_experts": e, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+        "moe_intermediate_size": 128, "num_hidden_layers": 2, "first_k_dense_replace": 1,
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}});
+    std::fs::write(dir.0.join("config.json"), config.to_string()).unwrap();
+    let router = vec![0u8; e * h * 2];
+    let bias = vec![0x38u8; e];
+    let views = vec![
+        (
+            "model.layers.1.mlp.gate.weight".to_string(),
+            TensorView::new(Dtype::BF16, vec![e, h], &router).unwrap(),
+        ),
+        (
+            "model.layers.1.mlp.gate.e_score_correction_bias".to_string(),
+            TensorView::new(Dtype::F8_E4M3, vec![e], &bias).unwrap(),
+        ),
+    ];
+    std::fs::write(
+        dir.0.join("model.safetensors"),
+        safetensors::serialize(views, None).unwrap(),
+    )
+    .unwrap();
+    let (status, log) = serve_exit(&dir.0);
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.contains(
+            "tensor 'model.layers.1.mlp.gate.e_score_correction_bias' is F8_E4M3 with shape [16]"
+        ),
+        "{log}"
+    );
+    assert!(!log.contains("panicked"), "{log}");
+
+    let config = serde_json::json!({"model_type": "mixtral", "num_hidden_layers": 4294967297u64});
+    std::fs::write(dir.0.join("config.json"), config.to_string()).unwrap();
+    let (status, log) = serve_exit(&dir.0);
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(
+        log.contains("'num_hidden_layers' is 4294967297, expected at most 65536"),
+        "{log}"
+    );
+}

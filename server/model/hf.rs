@@ -56,14 +56,20 @@ impl Cfg<'_> {
         }
         Ok(found.map(|(_, v)| v))
     }
-    /// A non-negative integer; `default` when absent (None: required).
+    /// A non-negative integer up to `limit(key)`; `default` when absent (None: required).
     fn usize(&self, key: &str, default: Option<usize>) -> Result<usize, ModelError> {
+        let max = limit(key);
         match self.get(key)? {
             None => default.ok_or_else(|| invalid(format!("config.json: '{key}' is missing"))),
-            Some(v) => v
-                .as_u64()
-                .and_then(|x| usize::try_from(x).ok())
-                .ok_or_else(|| wrong(key, v, "a non-negative integer")),
+            Some(v) => {
+                let n = v
+                    .as_u64()
+                    .ok_or_else(|| wrong(key, v, "a non-negative integer"))?;
+                usize::try_from(n)
+                    .ok()
+                    .filter(|&n| n <= max)
+                    .ok_or_else(|| wrong(key, v, &format!("at most {max}")))
+            }
         }
     }
     fn bool(&self, key: &str, default: bool) -> Result<bool, ModelError> {
@@ -115,6 +121,20 @@ impl Cfg<'_> {
             "config.json: {key} '{v}' is not supported ({what}: {})",
             allowed.join(", ")
         )))
+    }
+}
+
+/// The largest value an integer of config.json may take: far past any released model, and small
+/// enough that nothing derived from it wraps (layer indices are u32) or is built a billion times
+/// over (the MoE layers are listed one by one).
+fn limit(key: &str) -> usize {
+    match key {
+        "num_hidden_layers"
+        | "first_k_dense_replace"
+        | "moe_layer_freq"
+        | "decoder_sparse_step" => 1 << 16,
+        "hidden_size" | "intermediate_size" | "moe_intermediate_size" => 1 << 20,
+        _ => 1 << 16,
     }
 }
 
@@ -848,6 +868,27 @@ mod tests {
                 "weight_block_size",
             ),
             (serde_json::json!({"model_type": 3}), "'model_type' is 3"),
+            // Counts that wrapped as u32 (2^32 + 1 layers served one) or allocated without end.
+            (
+                serde_json::json!({"model_type": "mixtral", "num_hidden_layers": 4294967297u64}),
+                "'num_hidden_layers' is 4294967297, expected at most 65536",
+            ),
+            (
+                serde_json::json!({"model_type": "qwen3_moe", "num_hidden_layers": 1_000_000_000_000u64}),
+                "'num_hidden_layers' is 1000000000000, expected at most 65536",
+            ),
+            (
+                serde_json::json!({"model_type": "deepseek_v3", "first_k_dense_replace": 4294967295u64}),
+                "'first_k_dense_replace' is 4294967295",
+            ),
+            (
+                serde_json::json!({"model_type": "deepseek_v3", "moe_layer_freq": 4294967296u64}),
+                "'moe_layer_freq' is 4294967296",
+            ),
+            (
+                serde_json::json!({"model_type": "mixtral", "hidden_size": 1u64 << 40}),
+                "'hidden_size' is 1099511627776, expected at most 1048576",
+            ),
         ];
         for (config, want) in cases {
             let e = err(config.clone());
