@@ -559,6 +559,28 @@ fn bad_requests() -> Vec<(&'static str, &'static str, ModelInferRequest)> {
             with(&|r| r.model_name = "layer-9".into()),
         ),
         (
+            "unknown model",
+            "… (100000 bytes) (models: layer-0, layer-1)",
+            with(&|r| r.model_name = "m".repeat(100_000)),
+        ),
+        (
+            "input other than hidden_states, topk_ids, topk_weights",
+            "… (100000 bytes) (inputs: hidden_states, topk_ids, topk_weights)",
+            with(&|r| r.inputs[0].name = "i".repeat(100_000)),
+        ),
+        (
+            "parameter not understood (request, input or output)",
+            "… (100000 bytes) is not supported (supported: output_datatype, timeout)",
+            with(&|r| {
+                r.parameters.insert("p".repeat(100_000), string_param("x"));
+            }),
+        ),
+        (
+            "shape not [n, hidden]",
+            "shape [1, 1, 1, 1, 1, 1, 1, 1, …] (100000 dims) must be [n, 64]",
+            with(&|r| r.inputs[0].shape = vec![1; 100_000]),
+        ),
+        (
             "model version other than 1",
             "model \"layer-0\" has no version \"2\" (versions: 1)",
             with(&|r| r.model_version = "2".into()),
@@ -720,6 +742,11 @@ async fn bad_requests_are_named_and_the_service_keeps_serving() {
                     err.message()
                 );
             }
+            assert!(
+                err.message().len() < 2048,
+                "{case}: a status of {} bytes",
+                err.message().len()
+            );
             let ok = c
                 .model_infer(good(3))
                 .await

@@ -70,6 +70,16 @@ fn bad_requests() -> Vec<(&'static str, &'static str, ForwardRequest)> {
         "shape [-2, 64] must be [n, 64]",
         request("x", 0, neg),
     ));
+    // A 100,000-dim shape: quoted as its first 8 dims and its rank, so the status stays small.
+    let wide = Tensor {
+        shape: vec![1; 100_000],
+        ..f32_tensor(&[0.5; H], [1, H])
+    };
+    v.push((
+        "shape not [n, hidden]",
+        "shape [1, 1, 1, 1, 1, 1, 1, 1, …] (100000 dims) must be [n, 64]",
+        request("x", 0, wide),
+    ));
     v.push((
         "zero tokens",
         "no tokens",
@@ -208,6 +218,11 @@ async fn bad_requests_are_named_and_the_service_keeps_serving() {
                     err.message()
                 );
             }
+            assert!(
+                err.message().len() < 2048,
+                "{case}: a status of {} bytes",
+                err.message().len()
+            );
             let ok = c
                 .forward(good(3))
                 .await

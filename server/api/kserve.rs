@@ -12,6 +12,7 @@ use tonic::{Request, Response, Status, Streaming};
 use super::stream::{self, ResponseStream};
 use super::unary::Unary;
 use super::{code_name, status, Call, Done};
+use crate::infer::quote::quote;
 use crate::infer::tensor::{self, Dtype, View, FLOATS, IDS};
 use crate::infer::{rejected, Infer, Request as Entry};
 use crate::inference::grpc_inference_service_server::GrpcInferenceService;
@@ -72,7 +73,10 @@ fn datatype(s: &str, what: &str, accepted: &[Dtype]) -> Result<Dtype, Failure> {
         "BOOL" | "UINT8" | "UINT16" | "UINT32" | "UINT64" | "INT8" | "INT16" | "FP64" | "BYTES" => {
             Err(tensor::not_accepted(what, s, accepted, name))
         }
-        _ => Err(Failure::invalid(format!("{what}: unknown datatype {s:?}"))),
+        _ => Err(Failure::invalid(format!(
+            "{what}: unknown datatype {}",
+            quote(s)
+        ))),
     }
 }
 
@@ -149,7 +153,8 @@ fn no_parameters(what: &str, p: &HashMap<String, InferParameter>) -> Result<(), 
     match p.keys().min() {
         None => Ok(()),
         Some(k) => Err(Failure::invalid(format!(
-            "{what}: parameter {k:?} is not supported"
+            "{what}: parameter {} is not supported",
+            quote(k)
         ))),
     }
 }
@@ -180,14 +185,16 @@ fn settings(
             }
             ("output_datatype" | "timeout", _) => {
                 return Err(Failure::invalid(format!(
-                    "parameter {k:?}: a {} value is not valid here (output_datatype: a string; \
+                    "parameter {}: a {} value is not valid here (output_datatype: a string; \
                      timeout: microseconds, a non-negative int64)",
+                    quote(k),
                     param_name(v)
                 )))
             }
             _ => {
                 return Err(Failure::invalid(format!(
-                    "parameter {k:?} is not supported (supported: {PARAMETERS})"
+                    "parameter {} is not supported (supported: {PARAMETERS})",
+                    quote(k)
                 )))
             }
         }
@@ -213,13 +220,16 @@ impl KserveApi {
             .ok_or_else(|| {
                 let names: Vec<String> = layers.iter().map(|&l| model_name(l)).collect();
                 Failure::NotFound(format!(
-                    "unknown model {model:?} (models: {})",
+                    "unknown model {} (models: {})",
+                    quote(model),
                     names.join(", ")
                 ))
             })?;
         if !version.is_empty() && version != VERSION {
             return Err(Failure::NotFound(format!(
-                "model {model:?} has no version {version:?} (versions: {VERSION})"
+                "model {} has no version {} (versions: {VERSION})",
+                quote(model),
+                quote(version)
             )));
         }
         Ok(layer)
@@ -261,8 +271,8 @@ impl KserveApi {
         for o in &r.outputs {
             if o.name != OUTPUT {
                 return Err(Failure::invalid(format!(
-                    "unknown output {:?} (outputs: {OUTPUT})",
-                    o.name
+                    "unknown output {} (outputs: {OUTPUT})",
+                    quote(&o.name)
                 )));
             }
             no_parameters(&format!("output {OUTPUT}"), &o.parameters)?;
@@ -284,8 +294,8 @@ impl KserveApi {
                 .position(|(n, _)| *n == t.name)
                 .ok_or_else(|| {
                     Failure::invalid(format!(
-                        "unknown input {:?} (inputs: {HIDDEN}, {IDS_IN}, {WEIGHTS})",
-                        t.name
+                        "unknown input {} (inputs: {HIDDEN}, {IDS_IN}, {WEIGHTS})",
+                        quote(&t.name)
                     ))
                 })?;
             if found[slot].is_some() {

@@ -3,6 +3,7 @@
 //! `Request`, calls `validate` then `submit`, and maps a `Failure` to its own status; none of
 //! them repeats admission or batching.
 
+pub mod quote;
 pub mod tensor;
 
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};

@@ -4,6 +4,7 @@
 
 use bytes::Bytes;
 
+use super::quote::dims;
 use crate::router::{Failure, Rows};
 
 pub use crate::dtype::{encode, Dtype, FLOATS, IDS};
@@ -44,21 +45,21 @@ fn check_2d(
     );
     if !shape_ok || t.shape[1] as usize != cols || rows.is_some_and(|r| r != n) {
         return Err(bad(format!(
-            "{what}: shape {:?} must be {expected}",
-            t.shape
+            "{what}: shape {} must be {expected}",
+            dims(t.shape)
         )));
     }
     if n == 0 {
-        return Err(bad(format!("{what}: no tokens (shape {:?})", t.shape)));
+        return Err(bad(format!("{what}: no tokens (shape {})", dims(t.shape))));
     }
     let want = n
         .checked_mul(cols)
         .and_then(|x| x.checked_mul(t.dtype.bytes()));
     if want != Some(t.data.len()) {
         return Err(bad(format!(
-            "{what}: {} bytes of data for shape {:?} of {} (expected {})",
+            "{what}: {} bytes of data for shape {} of {} (expected {})",
             t.data.len(),
-            t.shape,
+            dims(t.shape),
             names(t.dtype),
             want.map_or("an overflowing size".into(), |w| w.to_string())
         )));

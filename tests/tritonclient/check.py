@@ -178,6 +178,8 @@ def run(addr, pb, pb_grpc):
     nan.set_data_from_numpy(np.full((1, H), np.nan, np.float32))
     refused("INVALID_ARGUMENT", "non-finite value at row 0, column 0", model, [nan])
     refused("NOT_FOUND", "unknown model", "layer-999", [good()])
+    # A 100 KB name is quoted cut short: grpcio drops a status message over 16 KiB.
+    refused("NOT_FOUND", "(100000 bytes) (models:", "m" * 100_000, [good()])
     refused("NOT_FOUND", "has no version", model, [good()], model_version="7")
     refused("INVALID_ARGUMENT", "unknown output", model, [good()],
             outputs=[triton.InferRequestedOutput("logits")])
