@@ -9,6 +9,7 @@ pub mod dtype;
 pub mod group;
 pub mod infer;
 pub mod launch;
+pub mod listen;
 pub mod metrics;
 pub mod model;
 pub mod router;

@@ -163,11 +163,10 @@ pub async fn serve(
         .map_err(|e| anyhow::anyhow!("binding the metrics address {addr}: {e}"))?;
     let bound = listener.local_addr()?;
     info!("rank {rank} metrics on http://{bound}/metrics");
+    let mut acceptor = crate::listen::Acceptor::new(listener, "metrics");
     tokio::spawn(async move {
         loop {
-            let Ok((mut sock, _)) = listener.accept().await else {
-                continue;
-            };
+            let (mut sock, _) = acceptor.accept().await;
             let handle = handle.clone();
             tokio::spawn(async move {
                 let mut buf = vec![0u8; 4096];

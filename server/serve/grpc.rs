@@ -211,17 +211,10 @@ pub async fn serve_grpc(
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     http2.serve(&mut builder);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut acceptor = crate::listen::Acceptor::new(listener, "gRPC");
     loop {
         tokio::select! {
-            accepted = listener.accept() => {
-                let (tcp, peer) = match accepted {
-                    Ok(x) => x,
-                    Err(e) => {
-                        warn!("gRPC accept: {e}");
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                        continue;
-                    }
-                };
+            (tcp, peer) = acceptor.accept() => {
                 let _ = tcp.set_nodelay(true);
                 let conn = builder.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(routes.clone()));
                 let conn = graceful.watch(conn.into_owned());
@@ -234,7 +227,7 @@ pub async fn serve_grpc(
             _ = stop.cancelled() => break,
         }
     }
-    drop(listener);
+    drop(acceptor);
     // Every admitted call is answered by now; this only waits for connections to close.
     if tokio::time::timeout(Duration::from_secs(5), graceful.shutdown())
         .await

@@ -22,6 +22,10 @@ use crate::config::{BackendKind, ServeArgs};
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let member = args.member().map_err(|e| anyhow!(e))?;
     let rank = member.rank;
+    match crate::listen::raise_open_files() {
+        Ok((before, now)) => tracing::info!(rank, before, now, "open files limit (soft)"),
+        Err(e) => tracing::warn!(rank, "open files limit: {e}"),
+    }
     // The router binds its rendezvous port before anything slow, so ranks can connect while it
     // loads; given port 0 it says on stdout which port it got (how `launch` avoids port races).
     let listener = match rank {

@@ -52,10 +52,25 @@ impl Proc {
     }
 
     pub fn spawn_env(args: &[String], env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(bin())
-            .args(args)
+        let mut cmd = Command::new(bin());
+        cmd.args(args).envs(env.iter().copied());
+        Self::spawn_command(cmd)
+    }
+
+    /// The binary with `args` under a limit of `nofile` open files (soft and hard), set by the
+    /// shell that then becomes it (same pid).
+    pub fn spawn_limited(args: &[String], nofile: u64) -> Self {
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg(format!("ulimit -n {nofile} && exec \"$0\" \"$@\""))
+            .arg(bin())
+            .args(args);
+        Self::spawn_command(cmd)
+    }
+
+    fn spawn_command(mut cmd: Command) -> Self {
+        let mut child = cmd
             .env("RUST_LOG", "info")
-            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
