@@ -505,18 +505,8 @@ async fn rank_memory_follows_its_own_experts() {
 /// `epserve serve` of one rank on `dir`: its exit status and log, once it has exited.
 fn serve_exit(dir: &std::path::Path) -> (std::process::ExitStatus, String) {
     let shm = TempDir::new("shm");
-    let args = [
-        "serve",
-        "--model",
-        &dir.display().to_string(),
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--shm-dir",
-        &shm.0.display().to_string(),
-    ];
-    let mut p = Proc::spawn(&args.map(String::from));
+    let model = dir.display().to_string();
+    let mut p = Proc::spawn(&serve_args(&shm, &["--model", &model]));
     let status = p
         .wait_exit(std::time::Duration::from_secs(60))
         .expect("the rank exits");

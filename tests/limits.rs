@@ -53,20 +53,7 @@ async fn round_trips(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exhausted_descriptors_neither_spin_nor_flood_nor_stall_a_connected_client() {
     let shm = TempDir::new("shm");
-    let args: Vec<String> = [
-        "serve",
-        "--rendezvous",
-        "127.0.0.1:0",
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--shm-dir",
-        &shm.0.display().to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let args = serve_args(&shm, &["--rendezvous", "127.0.0.1:0"]);
     let mut p = Proc::spawn_limited(&args, NOFILE);
     let addr = p
         .wait_for("serving gRPC on", Duration::from_secs(60))

@@ -185,26 +185,37 @@ impl Drop for Proc {
 
 /// `epserve serve` as rank `rank` of `world`, on free ports, with `extra` flags.
 pub fn serve(rank: usize, world: usize, rendezvous: &str, shm: &TempDir, extra: &[&str]) -> Proc {
+    let mut args = serve_args(shm, extra);
+    args.extend(
+        [
+            "--rank",
+            &rank.to_string(),
+            "--world-size",
+            &world.to_string(),
+            "--rendezvous",
+            rendezvous,
+        ]
+        .map(String::from),
+    );
+    Proc::spawn(&args)
+}
+
+/// `serve` on free ports (gRPC, metrics) with its segments in `shm`, then `extra` flags.
+pub fn serve_args(shm: &TempDir, extra: &[&str]) -> Vec<String> {
+    let shm = shm.0.display().to_string();
     let mut args: Vec<String> = [
         "serve",
-        "--rank",
-        &rank.to_string(),
-        "--world-size",
-        &world.to_string(),
-        "--rendezvous",
-        rendezvous,
         "--listen",
         "127.0.0.1:0",
         "--metrics-listen",
         "127.0.0.1:0",
         "--shm-dir",
-        &shm.0.display().to_string(),
+        &shm,
     ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    .map(String::from)
+    .to_vec();
     args.extend(extra.iter().map(|s| s.to_string()));
-    Proc::spawn(&args)
+    args
 }
 
 /// Flags for lifecycle tests: a stopped rank shows within half a second.
