@@ -38,6 +38,12 @@ pub struct Http2 {
     #[arg(long, env = "EPSERVE_HTTP2_MAX_FRAME_SIZE", default_value_t = 1 << 20,
           value_parser = clap::value_parser!(u32).range(16_384..=16_777_215))]
     pub http2_max_frame_size: u32,
+    /// Largest header list (a call's metadata) this end accepts, in bytes. Past it a call is
+    /// refused on its own; below h2's own ceiling on a header block's frames (which closes the
+    /// whole connection, every other call on it too), so that ceiling is not what a client meets.
+    #[arg(long, env = "EPSERVE_HTTP2_MAX_HEADER_LIST_SIZE", default_value_t = 1 << 20,
+          value_parser = clap::value_parser!(u32).range(16_384..=16_777_216))]
+    pub http2_max_header_list_size: u32,
     /// PING a connection this often, to find a dead peer behind a silent network; 0s: never.
     #[arg(long, env = "EPSERVE_HTTP2_KEEPALIVE_INTERVAL", default_value = "30s", value_parser = duration)]
     pub http2_keepalive_interval: Duration,
@@ -74,6 +80,7 @@ impl Http2 {
             .initial_connection_window_size(self.http2_connection_window)
             .adaptive_window(self.adaptive())
             .max_frame_size(self.http2_max_frame_size)
+            .max_header_list_size(self.http2_max_header_list_size)
             .keep_alive_interval(self.keepalive())
             .keep_alive_timeout(self.http2_keepalive_timeout)
             .timer(hyper_util::rt::TokioTimer::new());
@@ -85,6 +92,7 @@ impl Http2 {
             .initial_connection_window_size(self.http2_connection_window)
             .http2_adaptive_window(Some(self.adaptive()))
             .max_frame_size(self.http2_max_frame_size)
+            .http2_max_header_list_size(self.http2_max_header_list_size)
             .http2_keepalive_interval(self.keepalive())
             .http2_keepalive_timeout(Some(self.http2_keepalive_timeout))
             .tcp_nodelay(true)

@@ -412,3 +412,53 @@ async fn exchange_buffers_never_move_or_grow() {
     let after: Vec<Vec<String>> = ranks.iter().map(|&p| shm_maps(p)).collect();
     assert_eq!(before, after, "exchange mappings changed across steps");
 }
+
+/// One call's oversize metadata is that call's affair: 100 KiB of metadata on a unary call
+/// (under `--http2-max-header-list-size`, 1 MiB) is served, and a stream open beside it on the
+/// same HTTP/2 connection carries on (h2's ceiling on a header block's frames used to close the
+/// whole connection: every call on it failed UNAVAILABLE). The gRPC port speaks HTTP/2 only: an
+/// HTTP/1.1 GET gets no `200` to read as healthy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversize_metadata_stays_with_its_call_and_http1_is_not_answered() {
+    let group = Group::launch(2, "synthetic:tiny", &[]);
+    let mut c = group.client().await;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let mut answers = c
+        .forward_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let item = |id: &str| request(id, 0, f32_tensor(&[0.5; 2 * 64], [2, 64]));
+    tx.send(item("before")).await.unwrap();
+    assert_eq!(answers.message().await.unwrap().unwrap().id, "before");
+
+    let mut big = tonic::Request::new(item("big"));
+    big.metadata_mut()
+        .insert("x-big", "m".repeat(100 << 10).parse().unwrap());
+    match c.forward(big).await {
+        Ok(r) => assert_eq!(r.into_inner().id, "big"),
+        Err(s) => assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s:?}"),
+    }
+    tx.send(item("after")).await.unwrap();
+    let after = answers.message().await.expect("the sibling stream");
+    assert_eq!(after.unwrap().id, "after");
+    let ok = c
+        .forward(item("next"))
+        .await
+        .expect("the connection serves");
+    assert_eq!(ok.into_inner().id, "next");
+
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(&group.addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: epserve\r\n\r\n")
+        .unwrap();
+    let mut reply = Vec::new();
+    let _ = s.read_to_end(&mut reply);
+    assert!(
+        !reply.starts_with(b"HTTP/1.1 200"),
+        "HTTP/1.1 answered: {}",
+        String::from_utf8_lossy(&reply)
+    );
+}

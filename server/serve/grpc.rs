@@ -208,7 +208,10 @@ pub async fn serve_grpc(
         .add_service(moe)
         .add_service(kserve)
         .prepare();
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    // gRPC is HTTP/2: an HTTP/1.1 request (a load balancer's GET probe) is not answered, rather
+    // than answered 200 with a gRPC error it would read as healthy.
+    let mut builder =
+        hyper_util::server::conn::auto::Builder::new(TokioExecutor::new()).http2_only();
     http2.serve(&mut builder);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut acceptor = crate::listen::Acceptor::new(listener, "gRPC");
