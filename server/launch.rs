@@ -19,8 +19,9 @@ use crate::config::{Ingress, LaunchArgs};
 /// Grace between SIGTERM and SIGKILL when stopping the group after a failure.
 const KILL_GRACE: Duration = Duration::from_secs(5);
 
-/// Flags `launch` sets per rank itself.
-const PER_RANK: &[&str] = &["--ranks", "--metrics-listen", "--listen"];
+/// Flags `launch` sets per rank itself, and the group token, which ranks get in their
+/// environment (`EPSERVE_GROUP_TOKEN`), not on their command lines where `ps` shows it.
+const PER_RANK: &[&str] = &["--ranks", "--metrics-listen", "--listen", "--group-token"];
 
 /// The serve flags the user gave `launch`, minus the per-rank ones.
 fn passthrough() -> Vec<String> {
@@ -119,6 +120,9 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                 .args(["--metrics-listen", &rank_addr(args.serve.metrics_listen, rank, "--metrics-listen")?.to_string()])
                 .args(["--listen", &listen(rank)?.to_string()])
                 .kill_on_drop(true);
+            if let Some(token) = &args.serve.group_token {
+                cmd.env("EPSERVE_GROUP_TOKEN", token);
+            }
             if rendezvous.is_none() {
                 cmd.stdout(Stdio::piped());
             }

@@ -223,3 +223,51 @@ fn strays_at_the_rendezvous_are_closed_and_the_group_forms() {
     }
     drop(silent);
 }
+
+/// Without `--group-token`, a hello that names no seat of the group (another world size, a rank
+/// out of range) is a stray: refused and closed, and the group still forms. (It aborted the
+/// group: any local process could stop a forming group with one hello.)
+#[test]
+fn without_a_token_a_seatless_hello_is_a_stray() {
+    let shm = TempDir::new("seatless");
+    let (mut r0, addr) = router(2, &shm, &["--rendezvous-timeout", "60s"]);
+    // Ranks of a group of 4 (a real process checks its own rank against its own world size, so
+    // an out-of-range rank of this world cannot be started; it takes the same path).
+    let mut first = serve(1, 4, &addr, &shm, &["--rendezvous-timeout", "20s"]);
+    let mut last = serve(3, 4, &addr, &shm, &["--rendezvous-timeout", "20s"]);
+    for p in [&mut first, &mut last] {
+        let status = p
+            .wait_exit(Duration::from_secs(30))
+            .expect("a refused rank exits");
+        assert!(!status.success(), "{}", p.log_text());
+    }
+    let _r1 = serve(1, 2, &addr, &shm, &[]);
+    r0.wait_for("serving gRPC on", Duration::from_secs(60))
+        .unwrap();
+    let log = r0.log_text();
+    assert!(
+        log.contains("config mismatch: rank 1 has world_size=4, rank 0 has 2")
+            && log.contains("config mismatch: rank 3 has world_size=4, rank 0 has 2")
+            && log.contains("a stray"),
+        "{log}"
+    );
+}
+
+/// `launch --group-token` hands the token to its ranks in their environment: no rank's command
+/// line (what `ps` shows) holds it.
+#[test]
+fn launch_keeps_the_group_token_off_the_ranks_command_lines() {
+    let secret = "not-on-argv-3141";
+    let g = Group::launch(2, "synthetic:tiny", &["--group-token", secret]);
+    let pids = g.proc.children();
+    assert_eq!(pids.len(), 2);
+    for pid in pids {
+        let argv = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        let argv = String::from_utf8_lossy(&argv).replace('\0', " ");
+        assert!(argv.contains(" serve "), "{argv}");
+        assert!(
+            !argv.contains(secret),
+            "rank {pid}'s argv holds the token: {argv}"
+        );
+    }
+}

@@ -426,12 +426,30 @@ fn admit(
         return Ok(None);
     }
     let w = want.world;
-    let problem = if world != w {
+    // Without a token anyone who reaches the port can say hello: one that names no seat of this
+    // group (another world size, a rank out of range) is a stray, refused and closed, rather
+    // than a reason to fail the group. With a token, whoever holds it is one of ours.
+    let seatless = if world != w {
         Some(format!(
             "config mismatch: rank {rank} has world_size={world}, rank 0 has {w}"
         ))
     } else if rank == 0 || rank >= w {
         Some(format!("rank {rank} is out of range for world size {w}"))
+    } else {
+        None
+    };
+    if let Some(reason) = seatless.as_ref().filter(|_| want.token.is_empty()) {
+        tracing::warn!(%peer, "rendezvous: {reason}; closing (no --group-token: a stray)");
+        let _ = send(
+            &mut stream,
+            &Ctl::Reject {
+                reason: reason.clone(),
+            },
+        );
+        return Ok(None);
+    }
+    let problem = if seatless.is_some() {
+        seatless
     } else if slots[rank - 1].is_some() {
         Some(format!("rank {rank} joined twice"))
     } else if let Some((field, ours, theirs)) = first_difference(want.fingerprint, &theirs) {
