@@ -509,6 +509,16 @@ impl Checkpoint {
     /// Copies one tensor out as f32, checking its shape.
     fn read(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
         let (path, t) = self.tensor(name)?;
+        self.values((path, &t), name, shape)
+    }
+
+    /// `read`, of a tensor already found.
+    fn values(
+        &self,
+        (path, t): (&Path, &safetensors::tensor::TensorView<'_>),
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Vec<f32>, ModelError> {
         let err = |msg: String| ModelError::Checkpoint {
             path: path.display().to_string(),
             msg,
@@ -533,7 +543,7 @@ impl Checkpoint {
                 .chunks_exact(2)
                 .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
-            Dtype::F8_E4M3 => return self.read_dequantized(name, shape),
+            Dtype::F8_E4M3 => return self.read_dequantized((path, t), name, shape),
             other => {
                 return Err(err(format!(
                     "tensor '{name}' has unsupported dtype {other:?}"
@@ -547,10 +557,10 @@ impl Checkpoint {
     /// only, every byte a finite E4M3 value, every scale finite and not negative.
     fn fp8_parts(
         &self,
+        (path, t): (&Path, &safetensors::tensor::TensorView<'_>),
         name: &str,
         shape: &[usize],
     ) -> Result<(Vec<u8>, Vec<f32>, Fp8Blocks), ModelError> {
-        let (path, t) = self.tensor(name)?;
         let err = |msg: String| ModelError::Checkpoint {
             path: path.display().to_string(),
             msg,
@@ -595,8 +605,13 @@ impl Checkpoint {
     }
 
     /// An F8_E4M3 weight dequantised (`q * scale` of its block), any block size.
-    fn read_dequantized(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
-        let (q, scales, blocks) = self.fp8_parts(name, shape)?;
+    fn read_dequantized(
+        &self,
+        tensor: (&Path, &safetensors::tensor::TensorView<'_>),
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Vec<f32>, ModelError> {
+        let (q, scales, blocks) = self.fp8_parts(tensor, name, shape)?;
         let c = shape[1];
         let bc = c.div_ceil(blocks.cols);
         Ok(q.iter()
@@ -614,12 +629,12 @@ impl Checkpoint {
         let (path, t) = self.tensor(name)?;
         if t.dtype() != Dtype::F8_E4M3 {
             return Ok(fp8::Blocks::quantize(
-                &self.read(name, &shape)?,
+                &self.values((path, &t), name, &shape)?,
                 shape[0],
                 shape[1],
             ));
         }
-        let (q, scales, blocks) = self.fp8_parts(name, &shape)?;
+        let (q, scales, blocks) = self.fp8_parts((path, &t), name, &shape)?;
         if (blocks.rows, blocks.cols) != (fp8::BLOCK, fp8::BLOCK) {
             return Err(ModelError::Checkpoint {
                 path: path.display().to_string(),

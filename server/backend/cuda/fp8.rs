@@ -8,13 +8,13 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    DriverError, LaunchConfig, PushKernelArg,
+    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError,
+    LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 
-use super::hopper::{tensor_map, tensor_map_2d, Elem, Layout, Tile, ALIGN};
+use super::hopper::{tensor_map, tensor_map_2d, Elem, Instance, Layout, Tile, ALIGN};
 use super::Alloc;
 use crate::model::fp8::BLOCK;
 
@@ -89,39 +89,17 @@ pub enum Live<'a> {
     },
 }
 
-struct Instance {
-    f: CudaFunction,
-    block_m: u32,
-    block_n: u32,
-    threads: u32,
-    smem: u32,
-}
-
-impl Instance {
-    fn load(m: &Arc<CudaModule>, t: Tile) -> Result<Self, DriverError> {
-        let f = m.load_function(t.symbol)?;
-        // As the kernel lays it out: D tile; each stage's A and B tiles; each stage's A scales
-        // (128-byte aligned); the weight scales of one column block (a row of K / 128, or two
-        // where a column tile can straddle two 128-column scale blocks); two barriers (8 bytes
-        // each) per stage.
-        let d = (t.block_m * t.block_n * 2).next_multiple_of(1024);
-        let stage = (t.block_m + t.block_n) * BLOCK as u32;
-        let sfa = (t.block_m * 4).next_multiple_of(128);
-        let sfb_rows = if BLOCK as u32 % t.block_n == 0 { 1 } else { 2 };
-        let sfb = ((MAX_K / BLOCK) as u32 * sfb_rows * 4).next_multiple_of(8);
-        let smem = d + t.stages * (stage + sfa) + sfb + t.stages * 16;
-        f.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )?;
-        Ok(Self {
-            f,
-            block_m: t.block_m,
-            block_n: t.block_n,
-            threads: 128 + t.math_threads,
-            smem,
-        })
-    }
+/// Shared memory of an FP8 tile, as the kernel lays it out: D tile; each stage's A and B tiles;
+/// each stage's A scales (128-byte aligned); the weight scales of one column block (a row of
+/// K / 128, or two where a column tile can straddle two 128-column scale blocks); two barriers
+/// (8 bytes each) per stage.
+fn fp8_smem(t: &Tile) -> u32 {
+    let d = (t.block_m * t.block_n * 2).next_multiple_of(1024);
+    let stage = (t.block_m + t.block_n) * BLOCK as u32;
+    let sfa = (t.block_m * 4).next_multiple_of(128);
+    let sfb_rows = if BLOCK as u32 % t.block_n == 0 { 1 } else { 2 };
+    let sfb = ((MAX_K / BLOCK) as u32 * sfb_rows * 4).next_multiple_of(8);
+    d + t.stages * (stage + sfa) + sfb + t.stages * 16
 }
 
 pub struct Fp8 {
@@ -162,8 +140,8 @@ impl Fp8 {
             quantize_rows: q.load_function("fp8_quantize_rows")?,
             swiglu_quantize: q.load_function("fp8_swiglu_quantize")?,
             fill: q.load_function("fp8_fill_random")?,
-            psum: Instance::load(&m, tiles::PSUM)?,
-            masked: Instance::load(&m, tiles::MASKED)?,
+            psum: Instance::load(&m, tiles::PSUM, fp8_smem(&tiles::PSUM))?,
+            masked: Instance::load(&m, tiles::MASKED, fp8_smem(&tiles::MASKED))?,
         })
     }
 
@@ -317,7 +295,7 @@ impl Fp8 {
             no_swizzle,
         )?;
         let (n32, k32) = (n as u32, k as u32);
-        let mut l = stream.launch_builder(&inst.f);
+        let mut l = stream.launch_builder(inst.function());
         l.arg(&w.sf)
             .arg(sizes)
             .arg(&shape_m)
@@ -327,15 +305,10 @@ impl Fp8 {
             .arg(&b)
             .arg(&d)
             .arg(&sfa);
-        let cfg = LaunchConfig {
-            grid_dim: (tiles::CTAS, 1, 1),
-            block_dim: (inst.threads, 1, 1),
-            shared_mem_bytes: inst.smem,
-        };
         // SAFETY: the tensor maps span x (rows x k bytes, its scales), w (groups x n x k bytes)
         // and y (rows x n), each checked above; w.sf holds groups x n/128 x k/128 floats and
         // `sizes` MAX_GROUPS ints, as the instances read.
-        unsafe { l.launch(cfg) }.map(drop)
+        unsafe { l.launch(inst.config(tiles::CTAS)) }.map(drop)
     }
 }
 

@@ -53,22 +53,25 @@ pub enum Layout {
     Masked { stride: usize, mean_rows: usize },
 }
 
-struct Instance {
+/// A compiled DeepGEMM instance ready to launch: its function (shared memory attribute set),
+/// tile and launch shape. The bf16 and FP8 kernels differ only in how much shared memory a tile
+/// takes.
+pub(super) struct Instance {
     f: CudaFunction,
-    block_m: u32,
-    block_n: u32,
+    pub(super) block_m: u32,
+    pub(super) block_n: u32,
     threads: u32,
     smem: u32,
 }
 
 impl Instance {
-    fn load(m: &std::sync::Arc<cudarc::driver::CudaModule>, t: Tile) -> Result<Self, DriverError> {
+    /// `t` from `m`, with `smem` bytes of dynamic shared memory.
+    pub(super) fn load(
+        m: &std::sync::Arc<cudarc::driver::CudaModule>,
+        t: Tile,
+        smem: u32,
+    ) -> Result<Self, DriverError> {
         let f = m.load_function(t.symbol)?;
-        // As the kernel lays it out: D tile, then each stage's A and B tiles, then two barriers
-        // (8 bytes each) per stage.
-        let d = (t.block_m * t.block_n * 2).next_multiple_of(1024);
-        let stage = (t.block_m + t.block_n) * BLOCK_K as u32 * 2;
-        let smem = d + t.stages * stage + t.stages * 16;
         f.set_attribute(
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
@@ -81,6 +84,27 @@ impl Instance {
             smem,
         })
     }
+
+    pub(super) fn function(&self) -> &CudaFunction {
+        &self.f
+    }
+
+    /// One persistent CTA on each of `ctas` SMs.
+    pub(super) fn config(&self, ctas: u32) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (ctas, 1, 1),
+            block_dim: (self.threads, 1, 1),
+            shared_mem_bytes: self.smem,
+        }
+    }
+}
+
+/// Shared memory of a bf16 tile, as the kernel lays it out: D tile, then each stage's A and B
+/// tiles, then two barriers (8 bytes each) per stage.
+fn bf16_smem(t: &Tile) -> u32 {
+    let d = (t.block_m * t.block_n * 2).next_multiple_of(1024);
+    let stage = (t.block_m + t.block_n) * BLOCK_K as u32 * 2;
+    d + t.stages * stage + t.stages * 16
 }
 
 pub struct Hopper {
@@ -184,8 +208,8 @@ impl Hopper {
     pub fn load(ctx: &std::sync::Arc<CudaContext>) -> Result<Self, DriverError> {
         let m = ctx.load_module(Ptx::from_binary(FATBIN.to_vec()))?;
         Ok(Self {
-            psum: Instance::load(&m, tiles::PSUM)?,
-            masked: Instance::load(&m, tiles::MASKED)?,
+            psum: Instance::load(&m, tiles::PSUM, bf16_smem(&tiles::PSUM))?,
+            masked: Instance::load(&m, tiles::MASKED, bf16_smem(&tiles::MASKED))?,
         })
     }
 
@@ -234,7 +258,7 @@ impl Hopper {
         let b = tensor_map(g.w.device_ptr(stream).0, g.k, g.groups * g.n, inst.block_n)?;
         let d = tensor_map(y.device_ptr_mut(stream).0, g.n, g.rows, inst.block_m)?;
         let (n, k) = (g.n as u32, g.k as u32);
-        let mut l = stream.launch_builder(&inst.f);
+        let mut l = stream.launch_builder(inst.function());
         l.arg(g.sizes)
             .arg(&shape_m)
             .arg(&n)
@@ -242,14 +266,9 @@ impl Hopper {
             .arg(&a)
             .arg(&b)
             .arg(&d);
-        let cfg = LaunchConfig {
-            grid_dim: (tiles::CTAS, 1, 1),
-            block_dim: (inst.threads, 1, 1),
-            shared_mem_bytes: inst.smem,
-        };
         // SAFETY: the tensor maps span x (rows x k), w (groups x n x k) and y (rows x n), each
         // checked above; `sizes` holds MAX_GROUPS ints, as the instances read.
-        unsafe { l.launch(cfg) }.map(drop)
+        unsafe { l.launch(inst.config(tiles::CTAS)) }.map(drop)
     }
 }
 
