@@ -256,8 +256,15 @@ pub enum LogFormat {
     Json,
 }
 
-fn duration(s: &str) -> Result<Duration, String> {
+pub(crate) fn duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("'{s}': {e} (write e.g. 2s, 500ms)"))
+}
+
+/// A size in bytes: a number of bytes, or with a unit (256MiB, 1GiB, 64MB).
+pub(crate) fn size(s: &str) -> Result<u64, String> {
+    s.parse::<bytesize::ByteSize>()
+        .map(|b| b.as_u64())
+        .map_err(|e| format!("'{s}': {e} (write e.g. 256MiB, 1GiB or a number of bytes)"))
 }
 
 #[derive(Args, Debug, Clone)]
@@ -339,6 +346,10 @@ pub struct ServeArgs {
     pub max_request_bytes: usize,
     #[command(flatten)]
     pub http2: crate::transport::Http2,
+    #[command(flatten)]
+    pub upload: crate::upload::UploadArgs,
+    #[command(flatten)]
+    pub conn: crate::conn::ConnArgs,
     /// Requests of one ForwardStream in progress or answered but not yet taken by the client;
     /// past it the stream is not read (HTTP/2 flow control holds the client's sends).
     #[arg(long, env = "EPSERVE_MAX_STREAM_IN_FLIGHT", default_value_t = 64)]

@@ -5,6 +5,7 @@ pub mod backend;
 pub mod bench;
 pub mod bufs;
 pub mod config;
+pub mod conn;
 pub mod dtype;
 pub mod group;
 pub mod infer;
@@ -18,6 +19,7 @@ pub mod shm;
 pub mod step;
 pub mod telemetry;
 pub mod transport;
+pub mod upload;
 pub mod watchdog;
 
 pub mod proto {

@@ -52,6 +52,11 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         "Output bytes of requests answered, in their wire dtype"
     );
     metrics::describe_counter!("epserve_rejections_total", "Requests refused, by reason");
+    metrics::describe_gauge!(
+        crate::upload::UPLOAD_BYTES,
+        "Bytes charged to the upload budget by request messages being read"
+    );
+    metrics::gauge!(crate::upload::UPLOAD_BYTES).set(0.0);
     metrics::describe_gauge!("epserve_queue_requests", "Requests waiting for a step");
     metrics::describe_gauge!("epserve_queue_tokens", "Tokens waiting for a step");
     metrics::describe_gauge!(

@@ -13,6 +13,28 @@ fn duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("'{s}': {e} (write e.g. 30s, 0s)"))
 }
 
+/// A `grpc-timeout` value as the gRPC spec writes it: 1 to 8 digits and a unit (H, M, S, m, u,
+/// n); None for anything else.
+pub fn grpc_timeout(v: &str) -> Option<Duration> {
+    if !v.is_ascii() {
+        return None;
+    }
+    let (num, unit) = v.split_at(v.len().checked_sub(1)?);
+    if num.is_empty() || num.len() > 8 || !num.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = num.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
 /// The flow-control and framing settings both ends of a connection apply.
 #[derive(Args, Debug, Clone)]
 pub struct Http2 {

@@ -141,6 +141,7 @@ pub async fn spawn(
     let limits = Limits {
         max_request: 1 << 30,
         max_response: 1 << 30,
+        read_timeout: std::time::Duration::from_secs(60),
         bufs: Bufs::new(256 << 20, REQUEST_BUFFERS_REUSED),
     };
     let svc = WithUnary::new(

@@ -43,20 +43,7 @@ pub fn grpc_timeout(meta: &tonic::metadata::MetadataMap) -> Result<Option<Durati
         ))
     };
     let v = v.to_str().map_err(|_| bad())?;
-    let (num, unit) = v.split_at(v.len().checked_sub(1).ok_or_else(bad)?);
-    if num.is_empty() || num.len() > 8 || !num.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(bad());
-    }
-    let n: u64 = num.parse().map_err(|_| bad())?;
-    Ok(Some(match unit {
-        "H" => Duration::from_secs(n * 3600),
-        "M" => Duration::from_secs(n * 60),
-        "S" => Duration::from_secs(n),
-        "m" => Duration::from_millis(n),
-        "u" => Duration::from_micros(n),
-        "n" => Duration::from_nanos(n),
-        _ => return Err(bad()),
-    }))
+    crate::transport::grpc_timeout(v).map(Some).ok_or_else(bad)
 }
 
 /// What a call gives every request on it (one, or all of a stream's): the deadline from

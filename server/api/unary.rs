@@ -17,6 +17,7 @@ use std::future::{poll_fn, Future};
 use std::pin::{pin, Pin};
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body::{Body as HttpBody, Frame};
@@ -82,6 +83,8 @@ pub struct Limits {
     pub max_request: usize,
     /// Largest response message (tonic's `max_encoding_message_size`).
     pub max_response: usize,
+    /// Longest the request may take to arrive when the call sets no grpc-timeout.
+    pub read_timeout: Duration,
     pub bufs: Arc<Bufs>,
 }
 
@@ -161,7 +164,23 @@ where
         );
         return Err(s);
     }
-    let msg = read_message(body, limits.max_request, &limits.bufs).await?;
+    // The whole request must be in by the call's deadline, else --upload-timeout.
+    let (limit, by) =
+        match crate::api::grpc_timeout(&MetadataMap::from_headers(parts.headers.clone())) {
+            Ok(Some(d)) => (d, "the call's grpc-timeout".to_string()),
+            _ => (
+                limits.read_timeout,
+                format!("--upload-timeout ({:?})", limits.read_timeout),
+            ),
+        };
+    let read = read_message(body, limits.max_request, &limits.bufs);
+    let Ok(msg) = tokio::time::timeout(limit, read).await else {
+        metrics::counter!("epserve_rejections_total", "reason" => "upload_deadline").increment(1);
+        return Err(Status::deadline_exceeded(format!(
+            "the request message did not arrive within {by}"
+        )));
+    };
+    let msg = msg?;
     let msg = U::Req::decode(msg).map_err(|e| Status::internal(e.to_string()))?;
     let req = tonic::Request::from_parts(
         MetadataMap::from_headers(parts.headers),

@@ -2,6 +2,7 @@
 //! own accept loop, and the health services that say whether it is ready and live.
 
 use std::net::SocketAddr;
+use std::pin::pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,11 +23,13 @@ use crate::api::unary::{Limits, WithUnary};
 use crate::api::MoeApi;
 use crate::bufs::{Bufs, REQUEST_BUFFERS_REUSED};
 use crate::config::ServeArgs;
+use crate::conn::{Calls, ConnArgs, PerConnection};
 use crate::infer::Infer;
 use crate::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
 use crate::proto::moe_service_server::MoeServiceServer;
 use crate::router::{Admission, Job};
 use crate::shm::Abort;
+use crate::upload::Budget;
 use crate::watchdog::Progress;
 
 /// One rank's gRPC front: the request entry (admission, queue) behind both protocols, health and
@@ -73,8 +76,12 @@ impl Front {
             .with_context(|| format!("binding the gRPC address {}", args.listen))?;
         let addr = listener.local_addr()?;
         let server_stop = CancellationToken::new();
+        let uploads = crate::upload::Budget::new(&args.upload, args.max_request_bytes)
+            .map_err(anyhow::Error::msg)?;
         let server = tokio::spawn(serve_grpc(
             args.http2.clone(),
+            args.conn.clone(),
+            uploads,
             args.max_request_bytes,
             api.clone(),
             kserve,
@@ -111,6 +118,11 @@ impl Front {
         self.server.await?
     }
 }
+
+/// How long a connection may take to say goodbye before it is dropped: at shutdown (its calls
+/// are answered by then), and when idle (it has none).
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
+const IDLE_CLOSE_WAIT: Duration = Duration::from_secs(1);
 
 /// Health services: "" and each protocol's service are readiness; "liveness" follows the step
 /// loop.
@@ -160,9 +172,13 @@ pub async fn watch_liveness(
 
 /// Serves the gRPC services on `listener` until `stop`, then lets open calls finish (bounded).
 /// The accept loop is ours rather than tonic's transport server, whose built-in grpc-timeout
-/// layer answers an expired deadline with CANCELLED before the service can say DEADLINE_EXCEEDED.
+/// layer answers an expired deadline with CANCELLED before the service can say DEADLINE_EXCEEDED,
+/// and each connection is served with its share of the upload budget and closed when idle.
+#[allow(clippy::too_many_arguments)]
 pub async fn serve_grpc(
     http2: crate::transport::Http2,
+    conns: ConnArgs,
+    uploads: Arc<Budget>,
     max_request_bytes: usize,
     api: Arc<MoeApi>,
     kserve: Arc<KserveApi>,
@@ -184,6 +200,7 @@ pub async fn serve_grpc(
     let unary = Limits {
         max_request: max_request_bytes,
         max_response,
+        read_timeout: uploads.timeout,
         bufs: Bufs::new(
             max_request_bytes.saturating_mul(4).min(256 << 20),
             REQUEST_BUFFERS_REUSED,
@@ -213,17 +230,35 @@ pub async fn serve_grpc(
     let mut builder =
         hyper_util::server::conn::auto::Builder::new(TokioExecutor::new()).http2_only();
     http2.serve(&mut builder);
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let open = tokio_util::task::TaskTracker::new();
     let mut acceptor = crate::listen::Acceptor::new(listener, "gRPC");
     loop {
         tokio::select! {
             (tcp, peer) = acceptor.accept() => {
                 let _ = tcp.set_nodelay(true);
-                let conn = builder.serve_connection(TokioIo::new(tcp), TowerToHyperService::new(routes.clone()));
-                let conn = graceful.watch(conn.into_owned());
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(%peer, "gRPC connection ended: {e}");
+                let calls = Calls::default();
+                let service = PerConnection::new(routes.clone(), uploads.connection(), calls.clone());
+                let conn = builder
+                    .serve_connection(TokioIo::new(tcp), TowerToHyperService::new(service))
+                    .into_owned();
+                let (conns, stop) = (conns.clone(), stop.clone());
+                open.spawn(async move {
+                    let mut conn = pin!(conn);
+                    let (why, wait) = tokio::select! {
+                        end = conn.as_mut() => {
+                            if let Err(e) = end {
+                                tracing::debug!(%peer, "gRPC connection ended: {e}");
+                            }
+                            return;
+                        }
+                        _ = calls.idle(conns.first_call(), conns.idle()) => ("idle", IDLE_CLOSE_WAIT),
+                        _ = stop.cancelled() => ("shutting down", CLOSE_WAIT),
+                    };
+                    // GOAWAY; a peer that never finished its handshake or does not answer is
+                    // dropped after `wait`.
+                    conn.as_mut().graceful_shutdown();
+                    if tokio::time::timeout(wait, conn).await.is_err() {
+                        tracing::debug!(%peer, "gRPC connection dropped {wait:?} after closing ({why})");
                     }
                 });
             }
@@ -231,12 +266,10 @@ pub async fn serve_grpc(
         }
     }
     drop(acceptor);
+    open.close();
     // Every admitted call is answered by now; this only waits for connections to close.
-    if tokio::time::timeout(Duration::from_secs(5), graceful.shutdown())
-        .await
-        .is_err()
-    {
-        warn!("gRPC connections still open 5s after shutdown; closing");
+    if tokio::time::timeout(CLOSE_WAIT, open.wait()).await.is_err() {
+        warn!("gRPC connections still open {CLOSE_WAIT:?} after shutdown; closing");
     }
     Ok(())
 }
