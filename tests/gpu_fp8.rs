@@ -1,10 +1,11 @@
 //! FP8 experts' kernels against the CPU's recipe (`epserve::model::fp8`) on random data: the
 //! activation quantisation bit for bit, SwiGLU's quantisation within the rounding of its inputs,
-//! and DeepGEMM's FP8 grouped GEMM against f64 over the same quantised operands, per expert, in
-//! both layouts, with empty, ragged and hot experts. They need a GPU: run them with `--ignored`
+//! and DeepGEMM's FP8 grouped GEMM (and decode's own) against f64 over the same quantised
+//! operands, per expert, in both layouts, with empty, ragged and hot experts. They need a GPU: run them with `--ignored`
 //! on a GPU machine (scripts/gpu-check.sh).
 #![cfg(feature = "cuda")]
 
+use epserve::backend::cuda::decode_gemm::Spans;
 use epserve::backend::cuda::fp8::{Fp8Rows, Fp8Weights, Live};
 use epserve::backend::cuda::hopper::{self, Layout};
 use epserve::backend::cuda::{Alloc, Gpu};
@@ -222,14 +223,27 @@ fn upload_weights(g: &Gpu, q: &[u8], sf: &[f32], groups: usize, n: usize, k: usi
 fn fp8_psum_gemm_matches_f64_per_expert() {
     // An empty expert, counts off the 128-row tile, a hot expert; N = 384 is three column
     // tiles, K = 640 five 128-deep stages.
+    blocks_case(3, 384, &[5, 0, 700, 128, 1, 77], false);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn fp8_decode_gemm_over_blocks_matches_f64_per_expert() {
+    // Decode's own GEMM over the same blocks (NCCL's layout): a hot expert of 700 rows is 22
+    // passes over its weights; no row between an expert's count and the next block is written.
+    blocks_case(6, 512, &[5, 0, 700, 128, 1, 33, 77], true);
+}
+
+/// Experts of `counts` rows in contiguous 128-aligned blocks (the psum layout), K = 5 x 128,
+/// through DeepGEMM's psum GEMM or decode's (`decode`).
+fn blocks_case(seed: u64, n: usize, counts: &[usize], decode: bool) {
     let g = gpu();
     let s = &g.stream;
-    let mut r = ChaCha8Rng::seed_from_u64(3);
-    let (n, k) = (384usize, 5 * B);
-    let counts = [5usize, 0, 700, 128, 1, 77];
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    let k = 5 * B;
     let e = counts.len();
     let mut offsets = vec![0i32];
-    for c in &counts {
+    for c in counts {
         let next = offsets.last().unwrap() + c.next_multiple_of(hopper::ALIGN) as i32;
         offsets.push(next);
     }
@@ -257,9 +271,18 @@ fn fp8_psum_gemm_matches_f64_per_expert() {
         )
         .unwrap();
     let mut y = s.clone_htod(&vec![bf16::from_f32(7.0); cap * n]).unwrap();
-    g.fp8
-        .gemm(&xr, cap, &w, Layout::Psum, &ends, &mut y, s)
-        .unwrap();
+    match decode {
+        true => {
+            let offsets = &doff;
+            let spans = Spans::Blocks {
+                offsets,
+                ends: &ends,
+            };
+            g.decode.gemm_fp8(&xr, cap, &w, spans, &mut y)
+        }
+        false => g.fp8.gemm(&xr, cap, &w, Layout::Psum, &ends, &mut y, s),
+    }
+    .unwrap();
     let y = s.clone_dtoh(&y).unwrap();
     let (xq, xsf) = (s.clone_dtoh(&xr.q).unwrap(), s.clone_dtoh(&xr.sf).unwrap());
     let ld = cap.next_multiple_of(4);
@@ -280,6 +303,11 @@ fn fp8_psum_gemm_matches_f64_per_expert() {
             "expert {ei} ({} rows): worst row error {err:.3e}",
             counts[ei]
         );
+        let gap = (first + counts[ei]) * n..offsets[ei + 1] as usize * n;
+        assert!(
+            !decode || y[gap].iter().all(|v| v.to_f32() == 7.0),
+            "expert {ei}: rows past its count are not written"
+        );
     }
     assert!(
         y[offsets[e] as usize * n..]
@@ -293,12 +321,26 @@ fn fp8_psum_gemm_matches_f64_per_expert() {
 #[ignore = "needs a GPU"]
 fn fp8_masked_gemm_matches_f64_per_expert() {
     // NCCL EP's low-latency layout: expert e's rows at e x 128; empty, one row, the whole
-    // stride, counts off the 64-row tile.
+    // stride, counts off the 64-row tile. DeepGEMM writes an expert's last tile whole.
+    masked_case(4, 128, 256, &[0, 1, 128, 77, 64, 100], false);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn fp8_decode_gemm_matches_f64_per_expert() {
+    // Decode's own GEMM: counts across its 32-row chunks (an expert past 32 rows reads its
+    // weights once more), N of two 256-row units; it writes no row past an expert's count.
+    masked_case(5, 64, 512, &[0, 1, 31, 32, 33, 64, 17, 5], true);
+}
+
+/// Experts of `counts` rows in strides of `stride`, N = `n`, K = 4 x 128, through DeepGEMM's
+/// masked GEMM, or decode's (`decode`), which leaves every row past a count alone (DeepGEMM: past
+/// the count's 64-row tile).
+fn masked_case(seed: u64, stride: usize, n: usize, counts: &[i32], decode: bool) {
     let g = gpu();
     let s = &g.stream;
-    let mut r = ChaCha8Rng::seed_from_u64(4);
-    let (stride, n, k) = (128usize, 256usize, 4 * B);
-    let counts = [0i32, 1, 128, 77, 64, 100];
+    let mut r = ChaCha8Rng::seed_from_u64(seed);
+    let k = 4 * B;
     let e = counts.len();
     let cap = e * stride;
     let x = rows(&mut r, cap, k);
@@ -319,9 +361,19 @@ fn fp8_masked_gemm_matches_f64_per_expert() {
     let mut y = s.clone_htod(&vec![bf16::from_f32(7.0); cap * n]).unwrap();
     let layout = Layout::Masked {
         stride,
-        mean_rows: 64,
+        mean_rows: 16,
     };
-    g.fp8.gemm(&xr, cap, &w, layout, &sizes, &mut y, s).unwrap();
+    match decode {
+        true => {
+            let spans = Spans::Strided {
+                stride,
+                counts: &sizes,
+            };
+            g.decode.gemm_fp8(&xr, cap, &w, spans, &mut y)
+        }
+        false => g.fp8.gemm(&xr, cap, &w, layout, &sizes, &mut y, s),
+    }
+    .unwrap();
     let y = s.clone_dtoh(&y).unwrap();
     let (xq, xsf) = (s.clone_dtoh(&xr.q).unwrap(), s.clone_dtoh(&xr.sf).unwrap());
     let groups = k / B;
@@ -343,7 +395,8 @@ fn fp8_masked_gemm_matches_f64_per_expert() {
             err <= 1e-2,
             "expert {ei} ({c} rows): worst row error {err:.3e}"
         );
-        let untouched = first + (c as usize).next_multiple_of(64);
+        let tile = if decode { 1 } else { 64 };
+        let untouched = first + (c as usize).next_multiple_of(tile);
         assert!(
             y[untouched * n..(ei + 1) * stride * n]
                 .iter()

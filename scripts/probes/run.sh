@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")"
 out=${OUT:-out}
-what=" ${*:-read_ceiling step_kernels masked_gemm decode_gemm shared_expert} "
+what=" ${*:-read_ceiling step_kernels masked_gemm decode_gemm decode_fp8 shared_expert} "
 want() { [[ "$what" == *" $1 "* ]]; }
 mkdir -p "$out" /tmp/probes
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -22,6 +22,7 @@ probe() {
 }
 probe read_ceiling -std=c++17 -lcuda
 probe step_kernels -std=c++17 -lcublas
+probe decode_fp8 -std=c++17 -lcuda
 dg=${DEEP_GEMM_INCLUDE:-../../.venv-cuda/deep_gemm-0.2.5/include}
 if [ -d "$dg" ]; then
   probe masked_gemm -std=c++20 --expt-relaxed-constexpr -isystem "$dg" -lcuda

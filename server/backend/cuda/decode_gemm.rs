@@ -3,7 +3,8 @@
 //! rows its narrow B tiles, so no weight tile streams with 16 to 48 padding rows (DeepGEMM's
 //! masked tiles are 32 or 64 rows); the gate/up form writes SwiGLU's output directly. Counts stay
 //! on the device, so a captured step graph serves any routing. Measured against DeepGEMM:
-//! docs/benchmarks.md, "A decode GEMM of our own".
+//! docs/benchmarks.md, "A decode GEMM of our own". Its FP8 form (E4M3 rows and weights with
+//! their block scales, `fp8`) streams half the bytes through the same pipeline.
 
 use std::sync::Arc;
 
@@ -13,8 +14,10 @@ use cudarc::driver::{
 };
 use half::bf16;
 
-use super::hopper::{tensor_map, Gemm, Layout, MAX_GROUPS};
+use super::fp8::{Fp8Rows, Fp8Weights};
+use super::hopper::{tensor_map, tensor_map_2d, Elem, Gemm, Layout, MAX_GROUPS};
 use super::Alloc;
+use crate::model::fp8::BLOCK;
 
 /// Rows of an expert one pass over its weights takes (the kernel's `kChunk`). An expert of more
 /// reads its weights once more per 32 rows.
@@ -38,6 +41,21 @@ const KERNEL_GROUPS: usize = 1024;
 // One SM holds it: 227 KB on sm_90, with the units' prefix as static shared memory.
 const _: () = assert!(SMEM as usize + (KERNEL_GROUPS + 1) * 4 <= 227 * 1024);
 
+/// Where each expert's rows are, for the FP8 form.
+#[derive(Clone, Copy, Debug)]
+pub enum Spans<'a> {
+    /// Expert e's first `counts[e]` rows of `[e * stride, (e + 1) * stride)` (the masked layout).
+    Strided {
+        stride: usize,
+        counts: &'a CudaSlice<i32>,
+    },
+    /// Expert e's rows `[offsets[e], ends[e])` (contiguous blocks, DeepGEMM's psum layout).
+    Blocks {
+        offsets: &'a CudaSlice<i32>,
+        ends: &'a CudaSlice<i32>,
+    },
+}
+
 /// What the kernel writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Out {
@@ -51,6 +69,7 @@ pub enum Out {
 pub struct DecodeGemm {
     plain: CudaFunction,
     gated: CudaFunction,
+    fp8: CudaFunction,
     /// One persistent CTA per SM.
     sms: u32,
     /// The stream every launch goes on: launches share `ticket`, so they must not overlap.
@@ -79,6 +98,7 @@ impl DecodeGemm {
         Ok(Self {
             plain: load("decode_gemm_plain")?,
             gated: load("decode_gemm_gated")?,
+            fp8: load("decode_gemm_fp8")?,
             sms: sms.max(1) as u32,
             stream: a.stream().clone(),
             ticket: a.zeros(2)?,
@@ -102,6 +122,119 @@ impl DecodeGemm {
     pub fn takes(layout: Layout, groups: usize, n: usize, k: usize) -> bool {
         let few = matches!(layout, Layout::Masked { mean_rows, .. } if mean_rows <= MAX_MEAN_ROWS);
         few && Self::fits(layout, groups, n, k)
+    }
+
+    /// Whether the FP8 form takes the GEMM: experts of at most `MAX_MEAN_ROWS` rows on average,
+    /// N in 256-row units, K in 128-deep scale blocks, the `stride` of strided spans in whole
+    /// 32-row chunks (the row scales of a chunk stay in its expert's block; None: blocks).
+    pub fn takes_fp8(
+        mean_rows: usize,
+        stride: Option<usize>,
+        groups: usize,
+        n: usize,
+        k: usize,
+    ) -> bool {
+        stride.is_none_or(|s| s > 0 && s % CHUNK_ROWS == 0)
+            && mean_rows <= MAX_MEAN_ROWS
+            && groups <= MAX_GROUPS.min(KERNEL_GROUPS)
+            && n > 0
+            && n % (2 * BOX_ROWS) == 0
+            && k > 0
+            && k % BLOCK == 0
+    }
+
+    /// The FP8 form of `Out::Plain`: `y [rows, w.n]` = expert e's rows of `x` (`spans`; `x`
+    /// quantised in the matching layout, `fp8::Live`) times its weights; no other row is
+    /// written.
+    pub fn gemm_fp8(
+        &self,
+        x: &Fp8Rows,
+        rows: usize,
+        w: &Fp8Weights,
+        spans: Spans,
+        y: &mut CudaSlice<bf16>,
+    ) -> Result<(), DriverError> {
+        let stream = &self.stream;
+        let (groups, n, k) = (w.groups, w.n, w.k);
+        let strided = match spans {
+            Spans::Strided { stride, .. } => Some(stride),
+            Spans::Blocks { .. } => None,
+        };
+        assert!(
+            Self::takes_fp8(0, strided, groups, n, k) && x.k == k,
+            "the FP8 decode GEMM does not take n {n} k {k} (rows of {}) over {groups} groups in \
+             {spans:?}",
+            x.k
+        );
+        let (sizes, offsets, stride) = match spans {
+            Spans::Strided { stride, counts } => {
+                assert!(stride * groups <= rows, "strided rows past the buffer");
+                (counts, None, stride)
+            }
+            Spans::Blocks { offsets, ends } => {
+                assert!(offsets.len() >= groups, "an offset per expert");
+                (ends, Some(offsets), 0)
+            }
+        };
+        assert!(
+            rows <= x.cap
+                && y.len() >= rows * n
+                && w.q.len() >= groups * n * k
+                && w.sf.len() >= groups * (n / BLOCK) * (k / BLOCK)
+                && x.sf.len() >= (k / BLOCK) * x.ld().max(groups * stride)
+                && sizes.len() >= groups,
+            "FP8 decode GEMM operands smaller than their shapes"
+        );
+        let swizzle = sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B;
+        let wm = tensor_map_2d(
+            w.q.device_ptr(stream).0,
+            Elem::Fp8,
+            [k, groups * n],
+            [BLOCK as u32, BOX_ROWS as u32],
+            swizzle,
+        )?;
+        let xm = tensor_map_2d(
+            x.q.device_ptr(stream).0,
+            Elem::Fp8,
+            [k, rows],
+            [BLOCK as u32, CHUNK_ROWS as u32],
+            swizzle,
+        )?;
+        let (g32, s32, ld, n32, k32) = (
+            groups as i32,
+            stride as i32,
+            x.ld() as i32,
+            n as i32,
+            k as i32,
+        );
+        let null = 0u64;
+        let mut l = stream.launch_builder(&self.fp8);
+        l.arg(&wm).arg(&xm).arg(&w.sf).arg(&x.sf).arg(sizes);
+        match offsets {
+            Some(o) => l.arg(o),
+            None => l.arg(&null),
+        };
+        l.arg(&g32)
+            .arg(&s32)
+            .arg(&ld)
+            .arg(&n32)
+            .arg(&k32)
+            .arg(y)
+            .arg(&self.ticket);
+        // SAFETY: the tensor maps span w (groups x n x k bytes) and x (rows x k bytes); w.sf
+        // holds groups x n/128 x k/128 floats; x.sf is read at an expert's rows only (below its
+        // count: strided, within its stride's block; blocks, below ends[e] <= rows <= cap); the
+        // kernel writes y only at an expert's rows (asserted within y) and reads `groups` sizes
+        // and offsets. `ticket` is zero now, as in `gemm`.
+        unsafe { l.launch(self.config()) }.map(drop)
+    }
+
+    fn config(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (self.sms, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: SMEM,
+        }
     }
 
     /// Launches `g` writing `y` (`Out` says its shape) on the stream it was loaded with; rows of
@@ -153,11 +286,7 @@ impl DecodeGemm {
             .arg(&k)
             .arg(y)
             .arg(&self.ticket);
-        let cfg = LaunchConfig {
-            grid_dim: (self.sms, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: SMEM,
-        };
+        let cfg = self.config();
         // SAFETY: the tensor maps span w (groups x n x k) and x (rows x k), whose loads past the
         // end read zeros; the kernel writes y only at rows e * stride + r for r < min(counts[e],
         // stride), within `groups * stride <= rows` rows of `cols` (asserted), and reads
@@ -204,5 +333,33 @@ mod tests {
             mean_rows: 0,
         };
         assert!(!DecodeGemm::takes(no_stride, 8, 256, 256));
+    }
+
+    #[test]
+    fn the_fp8_form_takes_whole_scale_blocks_and_chunks() {
+        let takes = DecodeGemm::takes_fp8;
+        // deepseek-v3's decode, strided (NCCL EP) and in blocks (NCCL).
+        for stride in [Some(128), None] {
+            assert!(takes(16, stride, 64, 4096, 7168));
+            assert!(takes(24, stride, 64, 7168, 2048));
+            assert!(
+                !takes(25, stride, 64, 7168, 2048),
+                "DeepGEMM's past 24 rows"
+            );
+            assert!(
+                !takes(16, stride, 64, 4096, 7168 - 64),
+                "K off the scale block"
+            );
+            assert!(
+                !takes(16, stride, 64, 4096 - 128, 7168),
+                "N off the 256-row unit"
+            );
+            assert!(!takes(16, stride, MAX_GROUPS + 1, 256, 256));
+        }
+        assert!(
+            !takes(16, Some(48), 8, 256, 256),
+            "a stride off the 32-row chunk"
+        );
+        assert!(!takes(16, Some(0), 8, 256, 256));
     }
 }

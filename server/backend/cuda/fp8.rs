@@ -57,7 +57,8 @@ impl Fp8Rows {
         })
     }
 
-    fn ld(&self) -> usize {
+    /// Rows of the scales' leading dimension.
+    pub fn ld(&self) -> usize {
         self.cap.next_multiple_of(4)
     }
 }

@@ -1,7 +1,7 @@
 //! FP8 experts in the step (DeepSeek-V3's recipe, `model::fp8`): weights on the device as
 //! shipped (E4M3 with 128x128 block scales), and each grouped SwiGLU FFN as rows quantised per
-//! 128 channels, DeepGEMM's FP8 gate/up GEMM, SwiGLU quantised in the same pass, the FP8 down
-//! GEMM, in the layouts the exchange gives (`exchange::ExpertRows`). Outputs are bf16, as the
+//! 128 channels, the FP8 gate/up GEMM (DeepGEMM's; decode's own for experts of few rows),
+//! SwiGLU quantised in the same pass, the FP8 down GEMM, in the layouts the exchange gives (`exchange::ExpertRows`). Outputs are bf16, as the
 //! bf16 path's, so combine is unchanged.
 
 use std::borrow::Cow;
@@ -9,6 +9,7 @@ use std::borrow::Cow;
 use cudarc::driver::{CudaSlice, DriverError};
 use half::bf16;
 
+use super::decode_gemm::{DecodeGemm, Spans};
 use super::fp8::{Fp8Rows, Fp8Weights, Live};
 use super::hopper::Layout;
 use super::shape::StepShape;
@@ -102,12 +103,14 @@ impl Fp8Bufs {
 }
 
 /// One FFN over `rows` rows of `x` in `layout`, in place: quantise, gate/up into `gu`, SwiGLU
-/// (times `weights` where given) quantised, down back into `x`.
+/// (times `weights` where given) quantised, down back into `x`. Experts of few rows each
+/// (`decode`: where their rows are) go to decode's own GEMM, as in bf16; the rest to DeepGEMM's.
 #[allow(clippy::too_many_arguments)]
 fn ffn(
     g: &Gpu,
     (gate_up, down): (&Fp8Weights, &Fp8Weights),
     (layout, live, sizes): (Layout, Live, &CudaSlice<i32>),
+    decode: Option<Spans>,
     rows: usize,
     weights: Option<&CudaSlice<f32>>,
     (xq, aq): (&mut Fp8Rows, &mut Fp8Rows),
@@ -115,10 +118,20 @@ fn ffn(
     x: &mut CudaSlice<bf16>,
 ) -> Result<(), DriverError> {
     let s = &g.stream;
+    let gemm = |xq: &Fp8Rows, w: &Fp8Weights, y: &mut CudaSlice<bf16>| match decode {
+        Some(spans) => g.decode.gemm_fp8(xq, rows, w, spans, y),
+        None => g.fp8.gemm(xq, rows, w, layout, sizes, y, s),
+    };
     g.fp8.quantize(x, rows, live, xq, s)?;
-    g.fp8.gemm(xq, rows, gate_up, layout, sizes, gu, s)?;
+    gemm(xq, gate_up, gu)?;
     g.fp8.swiglu_quantize(gu, rows, live, weights, aq, s)?;
-    g.fp8.gemm(aq, rows, down, layout, sizes, x, s)
+    gemm(aq, down, x)
+}
+
+/// Whether decode's own GEMM takes both of an FFN's GEMMs (`stride`: strided rows).
+fn decode_takes(w: (&Fp8Weights, &Fp8Weights), mean_rows: usize, stride: Option<usize>) -> bool {
+    let takes = |w: &Fp8Weights| DecodeGemm::takes_fp8(mean_rows, stride, w.groups, w.n, w.k);
+    takes(w.0) && takes(w.1)
 }
 
 /// The routed experts over contiguous expert-major blocks (`ExpertRows::Blocks`): DeepGEMM's
@@ -128,14 +141,26 @@ pub fn contiguous(
     g: &Gpu,
     w: (&Fp8Weights, &Fp8Weights),
     cap: usize,
-    (ends, total): (&CudaSlice<i32>, &CudaSlice<i32>),
+    (offsets, ends, total): (&CudaSlice<i32>, &CudaSlice<i32>, &CudaSlice<i32>),
+    mean_rows: usize,
     weights: Option<&CudaSlice<f32>>,
     b: &mut Fp8Bufs,
     gu: &mut CudaSlice<bf16>,
     x: &mut CudaSlice<bf16>,
 ) -> Result<(), GpuError> {
     let at = (Layout::Psum, Live::Upto(total), ends);
-    ffn(g, w, at, cap, weights, (&mut b.x, &mut b.act), gu, x)?;
+    let decode = decode_takes(w, mean_rows, None).then_some(Spans::Blocks { offsets, ends });
+    ffn(
+        g,
+        w,
+        at,
+        decode,
+        cap,
+        weights,
+        (&mut b.x, &mut b.act),
+        gu,
+        x,
+    )?;
     Ok(())
 }
 
@@ -153,8 +178,10 @@ pub fn strided(
 ) -> Result<(), GpuError> {
     let layout = Layout::Masked { stride, mean_rows };
     let at = (layout, Live::Masked { counts, stride }, counts);
+    let decode =
+        decode_takes(w, mean_rows, Some(stride)).then_some(Spans::Strided { stride, counts });
     let rows = w.0.groups * stride;
-    ffn(g, w, at, rows, None, (&mut b.x, &mut b.act), gu, x)?;
+    ffn(g, w, at, decode, rows, None, (&mut b.x, &mut b.act), gu, x)?;
     Ok(())
 }
 

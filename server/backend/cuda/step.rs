@@ -411,11 +411,14 @@ impl GpuStep {
                     ExpertRows::Blocks {
                         x,
                         cap,
+                        offsets,
                         ends,
                         total,
                         weights,
-                        ..
-                    } => fp8_ffn::contiguous(g, w, cap, (ends, total), weights, b, gu, x),
+                    } => {
+                        let at = (offsets, ends, total);
+                        fp8_ffn::contiguous(g, w, cap, at, mean_rows, weights, b, gu, x)
+                    }
                     ExpertRows::Strided {
                         x, stride, counts, ..
                     } => fp8_ffn::strided(g, w, (stride, counts), mean_rows, b, gu, x),
