@@ -514,6 +514,7 @@ impl ServeArgs {
         if self.heartbeat_interval.is_zero() || self.step_timeout.is_zero() {
             return Err("--heartbeat-interval and --step-timeout must be positive".into());
         }
+        self.upload.sizes(self.max_request_bytes)?;
         Ok(Member {
             rank,
             world,

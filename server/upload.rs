@@ -54,6 +54,43 @@ pub struct UploadArgs {
     pub upload_timeout: Duration,
 }
 
+impl UploadArgs {
+    /// The budget and a connection's share, in bytes, for messages of at most `max_message`;
+    /// the error names the flag that does not fit.
+    pub fn sizes(&self, max_message: usize) -> Result<(usize, usize), String> {
+        let bytes = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        let size = self
+            .upload_budget
+            .map(bytes)
+            .unwrap_or(max_message.saturating_mul(4))
+            .min(Semaphore::MAX_PERMITS);
+        // The largest message a reader charges: its prefix's length is a u32.
+        let largest = max_message.min(u32::MAX as usize);
+        if size < largest {
+            return Err(format!(
+                "--upload-budget ({size} bytes) is below --max-request-bytes ({max_message}): a \
+                 message of the largest accepted size could never be read"
+            ));
+        }
+        let share = self
+            .upload_connection_share
+            .map(bytes)
+            .unwrap_or((size / 4).max(largest));
+        if share < largest {
+            return Err(format!(
+                "--upload-connection-share ({share} bytes) is below --max-request-bytes \
+                 ({max_message}): a message of the largest accepted size could never be read"
+            ));
+        }
+        if share > size {
+            return Err(format!(
+                "--upload-connection-share ({share} bytes) is above --upload-budget ({size})"
+            ));
+        }
+        Ok((size, share))
+    }
+}
+
 /// The rank's budget, shared by its connections.
 pub struct Budget {
     all: Arc<Semaphore>,
@@ -69,27 +106,7 @@ impl Budget {
     /// The budget of `args` for messages of at most `max_message` bytes; the error names the
     /// flag that does not fit.
     pub fn new(args: &UploadArgs, max_message: usize) -> Result<Arc<Self>, String> {
-        let bytes = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
-        let size = args
-            .upload_budget
-            .map(bytes)
-            .unwrap_or(max_message.saturating_mul(4))
-            .min(Semaphore::MAX_PERMITS);
-        let share = args
-            .upload_connection_share
-            .map(bytes)
-            .unwrap_or((size / 4).max(max_message));
-        if share < max_message.min(u32::MAX as usize) {
-            return Err(format!(
-                "--upload-connection-share ({share} bytes) is below --max-request-bytes \
-                 ({max_message}): a message of the largest accepted size could never be read"
-            ));
-        }
-        if share > size {
-            return Err(format!(
-                "--upload-connection-share ({share} bytes) is above --upload-budget ({size})"
-            ));
-        }
+        let (size, share) = args.sizes(max_message)?;
         Ok(Arc::new(Self {
             all: Arc::new(Semaphore::new(size)),
             size,
@@ -559,6 +576,13 @@ mod tests {
             .unwrap();
         assert!(e.contains("--upload-connection-share"), "{e}");
         let e = Budget::new(&args(Some(32 << 20), None), 64 << 20)
+            .err()
+            .unwrap();
+        assert!(
+            e.contains("--upload-budget (33554432 bytes) is below"),
+            "{e}"
+        );
+        let e = Budget::new(&args(Some(128 << 20), Some(256 << 20)), 64 << 20)
             .err()
             .unwrap();
         assert!(e.contains("above --upload-budget"), "{e}");

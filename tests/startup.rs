@@ -271,3 +271,21 @@ fn launch_keeps_the_group_token_off_the_ranks_command_lines() {
         );
     }
 }
+
+#[test]
+fn upload_budgets_that_cannot_read_the_largest_message_are_refused() {
+    let shm = TempDir::new("budget");
+    for (flags, needle) in [
+        (
+            ["--upload-budget", "32MiB"],
+            "--upload-budget (33554432 bytes) is below --max-request-bytes",
+        ),
+        (
+            ["--upload-connection-share", "1MiB"],
+            "--upload-connection-share (1048576 bytes) is below --max-request-bytes",
+        ),
+    ] {
+        let mut p = serve(0, 1, "127.0.0.1:0", &shm, &flags);
+        fails_with(&mut p, needle, Duration::from_secs(10));
+    }
+}

@@ -165,14 +165,19 @@ where
         return Err(s);
     }
     // The whole request must be in by the call's deadline, else --upload-timeout.
-    let (limit, by) =
-        match crate::api::grpc_timeout(&MetadataMap::from_headers(parts.headers.clone())) {
-            Ok(Some(d)) => (d, "the call's grpc-timeout".to_string()),
-            _ => (
-                limits.read_timeout,
-                format!("--upload-timeout ({:?})", limits.read_timeout),
-            ),
-        };
+    // (A malformed grpc-timeout is the handler's to refuse; here it is no deadline.)
+    let given = parts
+        .headers
+        .get("grpc-timeout")
+        .and_then(|v| v.to_str().ok())
+        .and_then(crate::transport::grpc_timeout);
+    let (limit, by) = match given {
+        Some(d) => (d, "the call's grpc-timeout".to_string()),
+        None => (
+            limits.read_timeout,
+            format!("--upload-timeout ({:?})", limits.read_timeout),
+        ),
+    };
     let read = read_message(body, limits.max_request, &limits.bufs);
     let Ok(msg) = tokio::time::timeout(limit, read).await else {
         metrics::counter!("epserve_rejections_total", "reason" => "upload_deadline").increment(1);
