@@ -55,13 +55,7 @@ async fn exhausted_descriptors_neither_spin_nor_flood_nor_stall_a_connected_clie
     let shm = TempDir::new("shm");
     let args = serve_args(&shm, &["--rendezvous", "127.0.0.1:0"]);
     let mut p = Proc::spawn_limited(&args, NOFILE);
-    let addr = p
-        .wait_for("serving gRPC on", Duration::from_secs(60))
-        .unwrap();
-    let metrics = p
-        .wait_for("metrics on http://", Duration::from_secs(10))
-        .unwrap();
-    let metrics = metrics.trim_end_matches("/metrics").to_string();
+    let (addr, metrics) = ports(&mut p);
     assert!(
         p.log_text()
             .contains(&format!("before={NOFILE} now={NOFILE}")),

@@ -216,7 +216,6 @@ async fn deadlines_expire_in_the_queue_and_cancelled_streams_free_their_tokens()
 /// One unary Forward over plain HTTP/2 with a `grpc-timeout` header and no client-side timer;
 /// returns the server's grpc-status and grpc-message.
 async fn raw_forward(addr: &str, r: &ForwardRequest, timeout: &str) -> (i32, String) {
-    use http_body_util::BodyExt;
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let (mut sender, conn) = hyper::client::conn::http2::handshake(
         hyper_util::rt::TokioExecutor::new(),
@@ -236,26 +235,7 @@ async fn raw_forward(addr: &str, r: &ForwardRequest, timeout: &str) -> (i32, Str
         .body(http_body_util::Full::new(bytes::Bytes::from(framed)))
         .unwrap();
     let resp = sender.send_request(request).await.unwrap();
-    let (parts, body) = resp.into_parts();
-    let trailers = body
-        .collect()
-        .await
-        .unwrap()
-        .trailers()
-        .cloned()
-        .unwrap_or_default();
-    let get = |k: &str| {
-        parts
-            .headers
-            .get(k)
-            .or_else(|| trailers.get(k))
-            .map(|v| v.to_str().unwrap().to_string())
-            .unwrap_or_default()
-    };
-    (
-        get("grpc-status").parse().unwrap_or(-1),
-        get("grpc-message"),
-    )
+    grpc_outcome(resp).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -72,25 +72,9 @@ async fn stalled_call(mut conn: Conn, path: &str, declared: usize, sent: usize) 
         .unwrap();
     conn.ready().await.unwrap();
     let resp = conn.send_request(req).await.unwrap();
-    let (parts, body) = resp.into_parts();
-    let trailers = body
-        .collect()
-        .await
-        .map(|b| b.trailers().cloned().unwrap_or_default())
-        .unwrap_or_default();
+    let outcome = grpc_outcome(resp).await;
     feeder.abort();
-    let get = |k: &str| {
-        parts
-            .headers
-            .get(k)
-            .or_else(|| trailers.get(k))
-            .map(|v| v.to_str().unwrap().to_string())
-            .unwrap_or_default()
-    };
-    (
-        get("grpc-status").parse().unwrap_or(-1),
-        get("grpc-message"),
-    )
+    outcome
 }
 
 /// 2 connections x 16 calls (unary Forward on one, ForwardStream on the other) each declare 48 MiB,
@@ -118,13 +102,7 @@ async fn stalled_uploads_hold_no_more_than_the_budget_and_end_with_a_status() {
         ],
     );
     let mut p = Proc::spawn(&args);
-    let addr = p
-        .wait_for("serving gRPC on", Duration::from_secs(60))
-        .unwrap();
-    let metrics = p
-        .wait_for("metrics on http://", Duration::from_secs(10))
-        .unwrap();
-    let metrics = metrics.trim_end_matches("/metrics").to_string();
+    let (addr, metrics) = ports(&mut p);
     let pid = p.child.id();
     let url = format!("http://{addr}");
     let mut client = epserve::proto::moe_service_client::MoeServiceClient::connect(url.clone())
@@ -264,9 +242,7 @@ async fn connections_without_calls_are_closed() {
         ],
     );
     let mut p = Proc::spawn(&args);
-    let addr = p
-        .wait_for("serving gRPC on", Duration::from_secs(60))
-        .unwrap();
+    let (addr, _) = ports(&mut p);
     let limit = Duration::from_secs(10);
 
     let mut silent = tokio::net::TcpStream::connect(&addr).await.unwrap();

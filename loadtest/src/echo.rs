@@ -66,6 +66,7 @@ impl Unary for Forward {
     type Resp = ForwardResponse;
     type Hold = ();
     const PATH: &'static str = "/epserve.v1.MoeService/Forward";
+    const METHOD: &'static str = "Forward";
 
     async fn call(self, req: Request<ForwardRequest>) -> Result<(ForwardResponse, ()), Status> {
         Ok((self.0.answer(req.into_inner()).await, ()))

@@ -406,6 +406,7 @@ impl Unary for ModelInfer {
     type Resp = ModelInferResponse;
     type Hold = Option<Permit>;
     const PATH: &'static str = "/inference.GRPCInferenceService/ModelInfer";
+    const METHOD: &'static str = "ModelInfer";
 
     async fn call(
         self,
@@ -413,7 +414,7 @@ impl Unary for ModelInfer {
     ) -> Result<(ModelInferResponse, Option<Permit>), Status> {
         let call = Call::of(&req)?;
         self.0
-            .infer_one(req.into_inner(), &call, "ModelInfer")
+            .infer_one(req.into_inner(), &call, Self::METHOD)
             .await
     }
 }

@@ -228,13 +228,16 @@ impl Unary for Forward {
     type Resp = ForwardResponse;
     type Hold = Option<Permit>;
     const PATH: &'static str = "/epserve.v1.MoeService/Forward";
+    const METHOD: &'static str = "Forward";
 
     async fn call(
         self,
         req: Request<ForwardRequest>,
     ) -> Result<(ForwardResponse, Option<Permit>), Status> {
         let call = Call::of(&req)?;
-        self.0.forward_one(req.into_inner(), &call, "Forward").await
+        self.0
+            .forward_one(req.into_inner(), &call, Self::METHOD)
+            .await
     }
 }
 

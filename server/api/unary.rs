@@ -70,6 +70,8 @@ pub trait Unary: Clone + Send + Sync + 'static {
     type Hold: Send + 'static;
     /// `/package.Service/Method`.
     const PATH: &'static str;
+    /// Its `method` label in the request metrics.
+    const METHOD: &'static str;
     fn call(
         self,
         req: tonic::Request<Self::Req>,
@@ -164,10 +166,33 @@ where
         );
         return Err(s);
     }
+    let t0 = std::time::Instant::now();
+    let msg = read_request::<U, B>(body, &parts.headers, limits)
+        .await
+        .inspect_err(|s| super::record(U::METHOD, s.code(), 0, t0))?;
+    let req = tonic::Request::from_parts(
+        MetadataMap::from_headers(parts.headers),
+        parts.extensions,
+        msg,
+    );
+    let (resp, hold) = unary.call(req).await?;
+    respond(resp, limits.max_response, hold)
+}
+
+/// The call's request, read whole by its deadline (the call's grpc-timeout, else
+/// --upload-timeout) and decoded; a call that ends here is counted in the request metrics.
+async fn read_request<U: Unary, B>(
+    body: B,
+    headers: &http::HeaderMap,
+    limits: &Limits,
+) -> Result<U::Req, Status>
+where
+    B: HttpBody<Data = Bytes>,
+    B::Error: Into<tonic::codegen::StdError>,
+{
     // The whole request must be in by the call's deadline, else --upload-timeout.
     // (A malformed grpc-timeout is the handler's to refuse; here it is no deadline.)
-    let given = parts
-        .headers
+    let given = headers
         .get("grpc-timeout")
         .and_then(|v| v.to_str().ok())
         .and_then(crate::transport::grpc_timeout);
@@ -186,14 +211,7 @@ where
         )));
     };
     let msg = msg?;
-    let msg = U::Req::decode(msg).map_err(|e| Status::internal(e.to_string()))?;
-    let req = tonic::Request::from_parts(
-        MetadataMap::from_headers(parts.headers),
-        parts.extensions,
-        msg,
-    );
-    let (resp, hold) = unary.call(req).await?;
-    respond(resp, limits.max_response, hold)
+    U::Req::decode(msg).map_err(|e| Status::internal(e.to_string()))
 }
 
 /// The one message of a unary call's body, read into a kept buffer when large.

@@ -183,6 +183,43 @@ impl Drop for Proc {
     }
 }
 
+/// A lone rank's gRPC address and its metrics base URL (without `/metrics`), once it serves.
+pub fn ports(p: &mut Proc) -> (String, String) {
+    let addr = p
+        .wait_for("serving gRPC on", Duration::from_secs(60))
+        .unwrap();
+    let metrics = p
+        .wait_for("metrics on http://", Duration::from_secs(10))
+        .unwrap();
+    (addr, metrics.trim_end_matches("/metrics").to_string())
+}
+
+/// The grpc-status and grpc-message of a raw HTTP/2 gRPC answer (headers, else trailers), once
+/// its body is over; -1 when it carries none.
+pub async fn grpc_outcome<B>(resp: http::Response<B>) -> (i32, String)
+where
+    B: http_body::Body,
+{
+    use http_body_util::BodyExt;
+    let (parts, body) = resp.into_parts();
+    let trailers = match body.collect().await {
+        Ok(b) => b.trailers().cloned().unwrap_or_default(),
+        Err(_) => Default::default(),
+    };
+    let get = |k: &str| {
+        parts
+            .headers
+            .get(k)
+            .or_else(|| trailers.get(k))
+            .map(|v| v.to_str().unwrap_or_default().to_string())
+            .unwrap_or_default()
+    };
+    (
+        get("grpc-status").parse().unwrap_or(-1),
+        get("grpc-message"),
+    )
+}
+
 /// `epserve serve` as rank `rank` of `world`, on free ports, with `extra` flags.
 pub fn serve(rank: usize, world: usize, rendezvous: &str, shm: &TempDir, extra: &[&str]) -> Proc {
     let mut args = serve_args(shm, extra);
