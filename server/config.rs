@@ -22,6 +22,8 @@ pub enum Command {
     /// Run one rank of an EP group (rank 0 is the router and serves gRPC).
     Serve(ServeArgs),
     /// Spawn N local ranks of one group and supervise them.
+    // Launch gives each rank its seat itself: those flags are not its to take.
+    #[command(mut_arg("rank", |a| a.hide(true)), mut_arg("world_size", |a| a.hide(true)))]
     Launch(LaunchArgs),
     /// Time the GPU step and its phases with CUDA events (needs `--features cuda` and GPUs).
     Bench(BenchArgs),
@@ -267,6 +269,15 @@ pub(crate) fn size(s: &str) -> Result<u64, String> {
         .map_err(|e| format!("'{s}': {e} (write e.g. 256MiB, 1GiB or a number of bytes)"))
 }
 
+/// A size (as `size`) from `lo` to `hi` bytes.
+pub(crate) fn size_in<T: TryFrom<u64>>(s: &str, lo: u64, hi: u64) -> Result<T, String> {
+    let v = size(s)?;
+    if !(lo..=hi).contains(&v) {
+        return Err(format!("'{s}' is {v} bytes, not within {lo} to {hi}"));
+    }
+    T::try_from(v).map_err(|_| format!("'{s}' is {v} bytes, too large here"))
+}
+
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
     /// `synthetic:NAME` (tiny, tiny-qwen3, tiny-deepseek, small-deepseek, qwen3-30b-a3b,
@@ -342,7 +353,8 @@ pub struct ServeArgs {
     #[arg(long, env = "EPSERVE_MAX_QUEUED_TOKENS", default_value_t = 65536)]
     pub max_queued_tokens: usize,
     /// Largest accepted gRPC message.
-    #[arg(long, env = "EPSERVE_MAX_REQUEST_BYTES", default_value_t = 64 << 20)]
+    #[arg(long, env = "EPSERVE_MAX_REQUEST_BYTES", default_value = "64MiB",
+          value_parser = |s: &str| size_in::<usize>(s, 1, u32::MAX as u64))]
     pub max_request_bytes: usize,
     #[command(flatten)]
     pub http2: crate::transport::Http2,
@@ -526,6 +538,59 @@ impl ServeArgs {
 #[cfg(test)]
 mod tests {
     use super::graph_buckets;
+
+    #[test]
+    fn byte_flags_take_sizes_and_launch_lists_only_what_it_takes() {
+        use super::{Cli, Command};
+        use clap::{CommandFactory, Parser};
+        let parse = |flags: &[&str]| {
+            let argv = ["epserve", "serve"].iter().chain(flags).copied();
+            Cli::try_parse_from(argv).map(|c| match c.command {
+                Command::Serve(a) => a,
+                _ => unreachable!(),
+            })
+        };
+        let a = parse(&[
+            "--max-request-bytes",
+            "64MiB",
+            "--http2-stream-window",
+            "16MiB",
+            "--upload-budget",
+            "1GiB",
+        ])
+        .unwrap();
+        assert_eq!(a.max_request_bytes, 64 << 20);
+        assert_eq!(a.http2.http2_stream_window, 16 << 20);
+        assert_eq!(a.upload.upload_budget, Some(1 << 30));
+        assert_eq!(
+            parse(&["--max-request-bytes", "1000"])
+                .unwrap()
+                .max_request_bytes,
+            1000
+        );
+        let defaults = parse(&[]).unwrap();
+        assert_eq!(
+            (
+                defaults.max_request_bytes,
+                defaults.http2.http2_max_frame_size
+            ),
+            (64 << 20, 1 << 20)
+        );
+        let e = parse(&["--http2-max-frame-size", "32MiB"]).unwrap_err();
+        assert!(
+            e.to_string().contains("not within 16384 to 16777215"),
+            "{e}"
+        );
+        assert!(parse(&["--max-request-bytes", "64 parsecs"]).is_err());
+
+        let mut cli = Cli::command();
+        let launch = cli.find_subcommand_mut("launch").unwrap();
+        let help = launch.render_long_help().to_string();
+        assert!(help.contains("--ranks"), "{help}");
+        for refused in ["--rank ", "--world-size"] {
+            assert!(!help.contains(refused), "launch --help lists {refused}");
+        }
+    }
 
     #[test]
     fn ep_modes_resolve_against_the_buckets() {

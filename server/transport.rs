@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::config::OnOff;
+use crate::config::{size_in, OnOff};
 
 fn duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("'{s}': {e} (write e.g. 30s, 0s)"))
@@ -40,12 +40,12 @@ pub fn grpc_timeout(v: &str) -> Option<Duration> {
 pub struct Http2 {
     /// Receive window of each stream, in bytes (how much of one message may be in flight
     /// unacknowledged).
-    #[arg(long, env = "EPSERVE_HTTP2_STREAM_WINDOW", default_value_t = 8 << 20,
-          value_parser = clap::value_parser!(u32).range(65_535..=2_147_483_647))]
+    #[arg(long, env = "EPSERVE_HTTP2_STREAM_WINDOW", default_value = "8MiB",
+          value_parser = |s: &str| size_in::<u32>(s, 65_535, 2_147_483_647))]
     pub http2_stream_window: u32,
     /// Receive window of each connection, in bytes (all its streams together).
-    #[arg(long, env = "EPSERVE_HTTP2_CONNECTION_WINDOW", default_value_t = 64 << 20,
-          value_parser = clap::value_parser!(u32).range(65_535..=2_147_483_647))]
+    #[arg(long, env = "EPSERVE_HTTP2_CONNECTION_WINDOW", default_value = "64MiB",
+          value_parser = |s: &str| size_in::<u32>(s, 65_535, 2_147_483_647))]
     pub http2_connection_window: u32,
     /// Size the windows from the measured bandwidth-delay product instead (replaces the two
     /// above).
@@ -57,14 +57,14 @@ pub struct Http2 {
     )]
     pub http2_adaptive_window: OnOff,
     /// Largest frame this end accepts, in bytes (16 KiB to 16 MiB - 1).
-    #[arg(long, env = "EPSERVE_HTTP2_MAX_FRAME_SIZE", default_value_t = 1 << 20,
-          value_parser = clap::value_parser!(u32).range(16_384..=16_777_215))]
+    #[arg(long, env = "EPSERVE_HTTP2_MAX_FRAME_SIZE", default_value = "1MiB",
+          value_parser = |s: &str| size_in::<u32>(s, 16_384, 16_777_215))]
     pub http2_max_frame_size: u32,
     /// Largest header list (a call's metadata) this end accepts, in bytes. Past it a call is
     /// refused on its own; below h2's own ceiling on a header block's frames (which closes the
     /// whole connection, every other call on it too), so that ceiling is not what a client meets.
-    #[arg(long, env = "EPSERVE_HTTP2_MAX_HEADER_LIST_SIZE", default_value_t = 1 << 20,
-          value_parser = clap::value_parser!(u32).range(16_384..=16_777_216))]
+    #[arg(long, env = "EPSERVE_HTTP2_MAX_HEADER_LIST_SIZE", default_value = "1MiB",
+          value_parser = |s: &str| size_in::<u32>(s, 16_384, 16_777_216))]
     pub http2_max_header_list_size: u32,
     /// PING a connection this often, to find a dead peer behind a silent network; 0s: never.
     #[arg(long, env = "EPSERVE_HTTP2_KEEPALIVE_INTERVAL", default_value = "30s", value_parser = duration)]
