@@ -174,6 +174,7 @@ impl Share {
             Err(_) => {
                 metrics::counter!("epserve_rejections_total", "reason" => "upload_budget")
                     .increment(1);
+                tracing::debug!(reason = "upload_budget", bytes = len, "request refused");
                 Err(Status::resource_exhausted(format!(
                     "no room to read a request message of {len} bytes within --upload-wait \
                      ({:?}): this connection's messages hold {} of its {} bytes, all \
@@ -284,6 +285,11 @@ impl<B> Metered<B> {
         t.as_mut().poll(cx).is_ready().then(|| {
             metrics::counter!("epserve_rejections_total", "reason" => "upload_deadline")
                 .increment(1);
+            tracing::debug!(
+                reason = "upload_deadline",
+                missing = self.left,
+                "request refused"
+            );
             let by = match self.call_deadline {
                 Some(_) => "the call's grpc-timeout".to_string(),
                 None => format!("--upload-timeout ({:?})", self.share.budget.timeout),

@@ -462,3 +462,34 @@ async fn oversize_metadata_stays_with_its_call_and_http1_is_not_answered() {
         String::from_utf8_lossy(&reply)
     );
 }
+
+/// Refusals are logged at debug, with their reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_logged_at_debug_with_their_reason() {
+    let shm = TempDir::new("refusals");
+    let args = serve_args(&shm, &["--rendezvous", "127.0.0.1:0"]);
+    let mut p = Proc::spawn_env(&args, &[("RUST_LOG", "info,epserve=debug")]);
+    let (addr, _) = ports(&mut p);
+    let mut c =
+        epserve::proto::moe_service_client::MoeServiceClient::connect(format!("http://{addr}"))
+            .await
+            .unwrap();
+    let e = c
+        .forward(request("empty", 0, f32_tensor(&[], [0, 64])))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let t0 = std::time::Instant::now();
+    let line = loop {
+        let log = p.log_text();
+        if let Some(l) = log.lines().find(|l| l.contains("request refused")) {
+            break l.to_string();
+        }
+        assert!(t0.elapsed().as_secs() < 10, "no refusal logged:\n{log}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert!(
+        line.contains("DEBUG") && line.contains("invalid_argument") && line.contains("no tokens"),
+        "{line}"
+    );
+}

@@ -56,9 +56,14 @@ struct Call {
 
 impl Call {
     fn of<T>(req: &Request<T>) -> Result<Self, Status> {
-        let d = grpc_timeout(req.metadata()).inspect_err(|_| {
+        let d = grpc_timeout(req.metadata()).inspect_err(|s| {
             metrics::counter!("epserve_rejections_total", "reason" => "invalid_argument")
                 .increment(1);
+            tracing::debug!(
+                reason = "invalid_argument",
+                "request refused: {}",
+                s.message()
+            );
         })?;
         Ok(Self {
             deadline: d.and_then(|d| Instant::now().checked_add(d)),

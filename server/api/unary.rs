@@ -206,6 +206,10 @@ where
     let read = read_message(body, limits.max_request, &limits.bufs);
     let Ok(msg) = tokio::time::timeout(limit, read).await else {
         metrics::counter!("epserve_rejections_total", "reason" => "upload_deadline").increment(1);
+        tracing::debug!(
+            reason = "upload_deadline",
+            "request refused: not in within {by}"
+        );
         return Err(Status::deadline_exceeded(format!(
             "the request message did not arrive within {by}"
         )));

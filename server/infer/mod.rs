@@ -64,9 +64,10 @@ pub struct Infer {
     broken: Arc<Abort>,
 }
 
-/// Counts a refusal under `reason` and passes it on.
+/// Counts a refusal under `reason`, logs it at debug, and passes it on.
 pub fn rejected(reason: &'static str, f: Failure) -> Failure {
     metrics::counter!("epserve_rejections_total", "reason" => reason).increment(1);
+    tracing::debug!(reason, "request refused: {f}");
     f
 }
 

@@ -80,6 +80,7 @@ pub async fn run_batcher(
             if q.expired(now) {
                 metrics::counter!("epserve_rejections_total", "reason" => "deadline_in_queue")
                     .increment(1);
+                tracing::debug!(reason = "deadline_in_queue", "request refused");
                 q.job.fail(Failure::Deadline(
                     "the deadline passed while the request was queued".into(),
                 ));

@@ -69,8 +69,11 @@ impl Proc {
     }
 
     fn spawn_command(mut cmd: Command) -> Self {
+        // Info logs unless the test asked for others.
+        if !cmd.get_envs().any(|(k, _)| k == "RUST_LOG") {
+            cmd.env("RUST_LOG", "info");
+        }
         let mut child = cmd
-            .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
