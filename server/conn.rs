@@ -133,12 +133,7 @@ where
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let open = self.calls.begin();
-        // A malformed grpc-timeout is the handler's to refuse; here it is no deadline.
-        let deadline = req
-            .headers()
-            .get("grpc-timeout")
-            .and_then(|v| v.to_str().ok())
-            .and_then(crate::transport::grpc_timeout)
+        let deadline = crate::transport::header_timeout(req.headers())
             .and_then(|d| tokio::time::Instant::now().checked_add(d));
         let share = self.share.clone();
         let req = req.map(|b| Body::new(share.meter(b, deadline)));

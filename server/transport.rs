@@ -35,6 +35,15 @@ pub fn grpc_timeout(v: &str) -> Option<Duration> {
     })
 }
 
+/// A request's `grpc-timeout` header, if it has a well-formed one (a malformed one is the
+/// handler's to refuse; to the transport it is no deadline).
+pub fn header_timeout(headers: &http::HeaderMap) -> Option<Duration> {
+    headers
+        .get("grpc-timeout")
+        .and_then(|v| v.to_str().ok())
+        .and_then(grpc_timeout)
+}
+
 /// The flow-control and framing settings both ends of a connection apply.
 #[derive(Args, Debug, Clone)]
 pub struct Http2 {

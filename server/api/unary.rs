@@ -191,12 +191,7 @@ where
     B::Error: Into<tonic::codegen::StdError>,
 {
     // The whole request must be in by the call's deadline, else --upload-timeout.
-    // (A malformed grpc-timeout is the handler's to refuse; here it is no deadline.)
-    let given = headers
-        .get("grpc-timeout")
-        .and_then(|v| v.to_str().ok())
-        .and_then(crate::transport::grpc_timeout);
-    let (limit, by) = match given {
+    let (limit, by) = match crate::transport::header_timeout(headers) {
         Some(d) => (d, "the call's grpc-timeout".to_string()),
         None => (
             limits.read_timeout,
