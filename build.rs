@@ -17,6 +17,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .compile_protos(&["proto/inference.proto"], &["proto"])?;
     println!("cargo:rerun-if-changed=proto/epserve.proto");
     println!("cargo:rerun-if-changed=proto/inference.proto");
+    println!("cargo:rerun-if-changed=proto/model_config.proto");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         kernels(&out)?;
     }

@@ -1,6 +1,6 @@
 //! Every malformed request the service can receive, and what it answers, on each protocol. The
-//! README's table is this list (a test keeps them in step); `tests/service.rs` sends each
-//! epserve.v1 case and `tests/kserve.rs` each KServe v2 case.
+//! README's tables are these lists (a test keeps them in step); `tests/service.rs` sends each
+//! epserve.v1 case and `tests/kserve.rs` each KServe v2 case and each bad call.
 
 use tonic::Code;
 
@@ -186,8 +186,55 @@ pub const BAD_INPUT: &[BadInput] = &[
     only(
         On::Kserve,
         Code::InvalidArgument,
-        "output_datatype or timeout of the wrong type",
+        "output_datatype, timeout or triton_enable_empty_final_response of the wrong type",
         "is not valid here",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "hidden states in another type than a typed model's (layer-L-bf16, layer-L-fp16)",
+        "not accepted here",
+    ),
+];
+
+/// Refusals of a call rather than of a tensor: the method, the encoding, Triton's catalogue
+/// calls. The README's second table; `tests/kserve.rs` makes each call.
+pub const BAD_CALL: &[BadInput] = &[
+    only(
+        On::Both,
+        Code::Unimplemented,
+        "a method not served",
+        "is not served here",
+    ),
+    only(
+        On::Both,
+        Code::Unimplemented,
+        "grpc-encoding other than gzip, deflate, identity",
+        "which isn't supported",
+    ),
+    only(
+        On::Both,
+        Code::ResourceExhausted,
+        "a compressed message inflating past --max-request-bytes",
+        "exceeded while decompressing",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "ModelStatistics with a version but no model name",
+        "a version without a model name",
+    ),
+    only(
+        On::Kserve,
+        Code::NotFound,
+        "RepositoryIndex of a named repository",
+        "unknown repository",
+    ),
+    only(
+        On::Kserve,
+        Code::NotFound,
+        "ModelConfig or ModelStatistics of an unknown model or version",
+        "unknown model",
     ),
 ];
 
@@ -196,7 +243,7 @@ mod tests {
     #[test]
     fn the_readme_lists_every_case() {
         let readme = include_str!("../../README.md");
-        for b in super::BAD_INPUT {
+        for b in super::BAD_INPUT.iter().chain(super::BAD_CALL) {
             let row = readme
                 .lines()
                 .find(|l| l.starts_with(&format!("| {} |", b.case)))

@@ -372,7 +372,7 @@ mod fuzz {
         let queued = tokio::spawn(async move { b.run(rb, None).await.map(drop) });
         let (j1, j2) = (rx.recv().await.unwrap(), rx.recv().await.unwrap());
         let stepped = if j1.input.id == "in-step" { &j1 } else { &j2 };
-        stepped.started(Instant::now());
+        stepped.started(Instant::now(), true);
         abort.trigger_corrupt("NCCL EP received 9 rows where the routing sent 8");
         let e = status(in_step.await.unwrap().unwrap_err());
         assert_eq!(e.code(), Code::Internal, "{e:?}");

@@ -151,23 +151,9 @@ where
     B::Error: Into<tonic::codegen::StdError>,
 {
     let (parts, body) = req.into_parts();
-    if let Some(e) = parts
-        .headers
-        .get("grpc-encoding")
-        .filter(|e| *e != "identity")
-    {
-        let e = String::from_utf8_lossy(e.as_bytes());
-        let mut s = Status::unimplemented(format!(
-            "Content is compressed with `{e}` which isn't supported"
-        ));
-        s.metadata_mut().insert(
-            "grpc-accept-encoding",
-            tonic::metadata::MetadataValue::from_static("identity"),
-        );
-        return Err(s);
-    }
+    let encoding = Encoding::of(&parts.headers)?;
     let t0 = std::time::Instant::now();
-    let msg = read_request::<U, B>(body, &parts.headers, limits)
+    let msg = read_request::<U, B>(body, &parts.headers, encoding, limits)
         .await
         .inspect_err(|s| super::record(U::METHOD, s.code(), 0, t0))?;
     let req = tonic::Request::from_parts(
@@ -184,6 +170,7 @@ where
 async fn read_request<U: Unary, B>(
     body: B,
     headers: &http::HeaderMap,
+    encoding: Option<Encoding>,
     limits: &Limits,
 ) -> Result<U::Req, Status>
 where
@@ -198,7 +185,7 @@ where
             format!("--upload-timeout ({:?})", limits.read_timeout),
         ),
     };
-    let read = read_message(body, limits.max_request, &limits.bufs);
+    let read = read_message(body, limits.max_request, encoding, &limits.bufs);
     let Ok(msg) = tokio::time::timeout(limit, read).await else {
         metrics::counter!("epserve_rejections_total", "reason" => "upload_deadline").increment(1);
         tracing::debug!(
@@ -213,8 +200,77 @@ where
     U::Req::decode(msg).map_err(|e| Status::internal(e.to_string()))
 }
 
-/// The one message of a unary call's body, read into a kept buffer when large.
-pub async fn read_message<B>(body: B, max: usize, bufs: &Arc<Bufs>) -> Result<Bytes, Status>
+/// How the call's messages are compressed (`grpc-encoding`); None: not at all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Encoding {
+    Gzip,
+    /// zlib, as gRPC names it.
+    Deflate,
+}
+
+impl Encoding {
+    /// The call's encoding; one not served is UNIMPLEMENTED, saying which are (as tonic says it).
+    fn of(headers: &http::HeaderMap) -> Result<Option<Self>, Status> {
+        match headers.get("grpc-encoding").map(|e| e.as_bytes()) {
+            None | Some(b"identity") => Ok(None),
+            Some(b"gzip") => Ok(Some(Self::Gzip)),
+            Some(b"deflate") => Ok(Some(Self::Deflate)),
+            Some(e) => {
+                let e = String::from_utf8_lossy(e);
+                let mut s = Status::unimplemented(format!(
+                    "Content is compressed with `{e}` which isn't supported"
+                ));
+                s.metadata_mut().insert(
+                    "grpc-accept-encoding",
+                    tonic::metadata::MetadataValue::from_static("gzip,deflate"),
+                );
+                Err(s)
+            }
+        }
+    }
+
+    /// `data` inflated, refused past `max` bytes; large messages are inflated off the runtime's
+    /// threads.
+    async fn inflate(self, data: Bytes, max: usize) -> Result<Bytes, Status> {
+        let small = data.len() < 64 << 10;
+        let run = move || {
+            use std::io::Read;
+            let mut out = Vec::new();
+            let read = match self {
+                Self::Gzip => flate2::read::GzDecoder::new(&data[..])
+                    .take(max as u64 + 1)
+                    .read_to_end(&mut out),
+                Self::Deflate => flate2::read::ZlibDecoder::new(&data[..])
+                    .take(max as u64 + 1)
+                    .read_to_end(&mut out),
+            };
+            read.map_err(|e| {
+                Status::internal(format!("Error decompressing: {e}, while sending request"))
+            })?;
+            if out.len() > max {
+                return Err(Status::resource_exhausted(format!(
+                    "Error decompressing: size limit, of {max} bytes, exceeded while decompressing message"
+                )));
+            }
+            Ok(Bytes::from(out))
+        };
+        if small {
+            return run();
+        }
+        tokio::task::spawn_blocking(run)
+            .await
+            .map_err(|e| Status::internal(format!("decompressing the request: {e}")))?
+    }
+}
+
+/// The one message of a unary call's body, read into a kept buffer when large; a compressed one
+/// (under `encoding`) is inflated, both its wire and its inflated size held to `max`.
+pub async fn read_message<B>(
+    body: B,
+    max: usize,
+    encoding: Option<Encoding>,
+    bufs: &Arc<Bufs>,
+) -> Result<Bytes, Status>
 where
     B: HttpBody<Data = Bytes>,
     B::Error: Into<tonic::codegen::StdError>,
@@ -224,6 +280,7 @@ where
     let mut have = 0;
     // The message, once its length is known, and how much of it has arrived.
     let mut msg: Option<(Vec<u8>, usize)> = None;
+    let mut compressed = false;
     while let Some(frame) = poll_fn(|cx| body.as_mut().poll_frame(cx)).await {
         let frame = frame.map_err(|e| Status::from_error(e.into()))?;
         // A request's trailers carry nothing a unary call uses.
@@ -238,7 +295,8 @@ where
                     data.advance(n);
                     have += n;
                     if have == 5 {
-                        let len = message_len(&head, max)?;
+                        let len = message_len(&head, max, encoding.is_some())?;
+                        compressed = head[0] == 1;
                         msg = Some((bufs.take(len), 0));
                     }
                 }
@@ -256,17 +314,22 @@ where
             }
         }
     }
-    match msg {
-        Some((buf, filled)) if filled == buf.len() => Ok(bufs.freeze(buf)),
-        None if have == 0 => Err(Status::internal("Missing request message.")),
+    match (msg, encoding) {
+        (Some((buf, filled)), Some(e)) if filled == buf.len() && compressed => {
+            e.inflate(bufs.freeze(buf), max).await
+        }
+        (Some((buf, filled)), _) if filled == buf.len() => Ok(bufs.freeze(buf)),
+        (None, _) if have == 0 => Err(Status::internal("Missing request message.")),
         _ => Err(Status::internal("Unexpected EOF decoding stream.")),
     }
 }
 
-/// The length in a message's 5-byte prefix, refused (in tonic's words) if compressed or too long.
-fn message_len(head: &[u8; 5], max: usize) -> Result<usize, Status> {
+/// The length in a message's 5-byte prefix, refused (in tonic's words) if too long, or
+/// compressed in a call that named no encoding.
+fn message_len(head: &[u8; 5], max: usize, encoded: bool) -> Result<usize, Status> {
     match head[0] {
         0 => {}
+        1 if encoded => {}
         1 => {
             return Err(Status::internal(
                 "protocol error: received message with compressed-flag but no grpc-encoding was specified",
@@ -554,19 +617,29 @@ mod tests {
             let msg = bytes(&mut rng, len);
             for _ in 0..3 {
                 let chunks = cut(&mut rng, &framed(&msg));
-                let got = read_message(body(chunks), len, &bufs).await.unwrap();
+                let got = read_message(body(chunks), len, None, &bufs).await.unwrap();
                 assert_eq!(got, msg, "{len}");
             }
         }
         // A large request lands in the buffer the one before it left behind.
-        let first = read_message(body(vec![framed(&[1; 2 << 20]).into()]), 4 << 20, &bufs)
-            .await
-            .unwrap();
+        let first = read_message(
+            body(vec![framed(&[1; 2 << 20]).into()]),
+            4 << 20,
+            None,
+            &bufs,
+        )
+        .await
+        .unwrap();
         let at = first.as_ptr();
         drop(first);
-        let second = read_message(body(vec![framed(&[2; 2 << 20]).into()]), 4 << 20, &bufs)
-            .await
-            .unwrap();
+        let second = read_message(
+            body(vec![framed(&[2; 2 << 20]).into()]),
+            4 << 20,
+            None,
+            &bufs,
+        )
+        .await
+        .unwrap();
         assert_eq!(second.as_ptr(), at);
         assert!(second.iter().all(|&b| b == 2));
     }
@@ -579,7 +652,9 @@ mod tests {
             let bufs = bufs.clone();
             async move {
                 let chunks = chunks.into_iter().map(Bytes::from).collect();
-                read_message(body(chunks), max, &bufs).await.unwrap_err()
+                read_message(body(chunks), max, None, &bufs)
+                    .await
+                    .unwrap_err()
             }
         };
         let e = read(vec![framed(&[0; 11])], 10).await;
@@ -607,5 +682,71 @@ mod tests {
         let e = read(vec![framed(&[1]), framed(&[2])], 10).await;
         assert_eq!(e.code(), Code::InvalidArgument);
         assert!(e.message().contains("one message"), "{e:?}");
+    }
+
+    /// gzip and deflate messages come out as they went in; one that inflates past the limit,
+    /// or is not what its encoding says, is refused; an unknown encoding is UNIMPLEMENTED.
+    #[tokio::test]
+    async fn compressed_messages_are_inflated_within_the_limit() {
+        use flate2::write::{GzEncoder, ZlibEncoder};
+        use std::io::Write;
+        let bufs = Bufs::new(0, REQUEST_BUFFERS_REUSED);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for len in [0, 7, 100_000] {
+            // Half random, half zeros: it compresses.
+            let mut msg = bytes(&mut rng, len / 2).to_vec();
+            msg.resize(len, 0);
+            let msg = Bytes::from(msg);
+            for e in [Encoding::Gzip, Encoding::Deflate] {
+                let packed = match e {
+                    Encoding::Gzip => {
+                        let mut w = GzEncoder::new(Vec::new(), flate2::Compression::fast());
+                        w.write_all(&msg).unwrap();
+                        w.finish().unwrap()
+                    }
+                    Encoding::Deflate => {
+                        let mut w = ZlibEncoder::new(Vec::new(), flate2::Compression::fast());
+                        w.write_all(&msg).unwrap();
+                        w.finish().unwrap()
+                    }
+                };
+                let mut f = framed(&packed);
+                f[0] = 1;
+                let got = read_message(body(vec![f.clone().into()]), 200_000, Some(e), &bufs)
+                    .await
+                    .unwrap();
+                assert_eq!(got, msg, "{e:?} {len}");
+                // Within the limit on the wire, past it inflated.
+                if len > 1000 {
+                    assert!(f.len() < len - 1);
+                    let e2 = read_message(body(vec![f.into()]), len - 1, Some(e), &bufs)
+                        .await
+                        .unwrap_err();
+                    assert_eq!(e2.code(), Code::ResourceExhausted, "{e2:?}");
+                }
+            }
+            // An uncompressed message in a call that names an encoding is taken as it is.
+            let got = read_message(
+                body(vec![framed(&msg).into()]),
+                200_000,
+                Some(Encoding::Gzip),
+                &bufs,
+            )
+            .await
+            .unwrap();
+            assert_eq!(got, msg);
+        }
+        let mut junk = framed(&[7; 30]);
+        junk[0] = 1;
+        let e = read_message(body(vec![junk.into()]), 100, Some(Encoding::Gzip), &bufs)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::Internal);
+        assert!(e.message().contains("decompressing"), "{e:?}");
+        let mut h = http::HeaderMap::new();
+        h.insert("grpc-encoding", http::HeaderValue::from_static("snappy"));
+        let e = Encoding::of(&h).unwrap_err();
+        assert_eq!(e.code(), Code::Unimplemented);
+        assert!(e.message().contains("snappy"), "{e:?}");
     }
 }

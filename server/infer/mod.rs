@@ -4,6 +4,7 @@
 //! them repeats admission or batching.
 
 pub mod quote;
+pub mod stats;
 pub mod tensor;
 
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -62,6 +63,8 @@ pub struct Infer {
     wake: Arc<Notify>,
     /// Why the group broke, once it has.
     broken: Arc<Abort>,
+    /// By layer slot (`MoeSpec::moe_layers`), then the hidden states' float type.
+    stats: Vec<[stats::LayerStats; 3]>,
 }
 
 /// Counts a refusal under `reason`, logs it at debug, and passes it on.
@@ -88,7 +91,9 @@ impl Infer {
         wake: Arc<Notify>,
         broken: Arc<Abort>,
     ) -> Self {
+        let stats = spec.moe_layers.iter().map(|_| Default::default()).collect();
         Self {
+            stats,
             spec,
             jobs,
             admission,
@@ -101,6 +106,14 @@ impl Infer {
 
     pub fn spec(&self) -> &MoeSpec {
         &self.spec
+    }
+
+    /// The statistics of one MoE layer's (the model's own index) requests whose hidden states
+    /// came in `float`, whatever protocol they came by.
+    pub fn stats(&self, layer: u32, float: Dtype) -> Option<&stats::LayerStats> {
+        self.spec
+            .layer_slot(layer)
+            .map(|i| &self.stats[i][stats::float_slot(float)])
     }
 
     pub fn set_phase(&self, p: Phase) {
@@ -154,8 +167,14 @@ impl Infer {
     /// Checks a request against the model; its hidden states stay the client's bytes. Refusals
     /// are counted.
     pub fn validate(&self, r: Request) -> Result<JobInput, Failure> {
-        self.check_rows(r)
-            .map_err(|f| rejected("invalid_argument", f))
+        let (t0, layer) = (Instant::now(), r.layer);
+        let float = r.hidden.as_ref().map_or(Dtype::F32, |h| h.dtype);
+        self.check_rows(r).map_err(|f| {
+            if let Some(s) = self.stats(layer, float) {
+                s.failed(t0.elapsed(), None);
+            }
+            rejected("invalid_argument", f)
+        })
     }
 
     fn check_rows(&self, r: Request) -> Result<JobInput, Failure> {
@@ -206,6 +225,25 @@ impl Infer {
     /// Admits, queues and waits for one checked request, within its deadline. A broken group
     /// answers at once, wherever the request is.
     pub async fn submit(&self, input: JobInput) -> Result<Answer, Failure> {
+        let t0 = Instant::now();
+        let slot = stats::float_slot(input.hidden.dtype);
+        let stats = &self.stats[input.layer][slot];
+        let mut job = None;
+        let result = self.wait(input, &mut job).await;
+        let timings = job.as_ref().map(|j| j.timings());
+        match (&result, timings) {
+            (Ok(_), Some(t)) => stats.answered(t0.elapsed(), &t),
+            _ => stats.failed(t0.elapsed(), timings.as_ref()),
+        }
+        result
+    }
+
+    /// Admits and queues `input` (its job left in `job`) and waits for its answer.
+    async fn wait(
+        &self,
+        input: JobInput,
+        job_out: &mut Option<Arc<Job>>,
+    ) -> Result<Answer, Failure> {
         self.check_serving().map_err(|f| rejected(f.reason(), f))?;
         let deadline = input.deadline;
         if deadline.is_some_and(|d| d <= Instant::now()) {
@@ -223,6 +261,7 @@ impl Infer {
         // Drain may have begun between the first check and admission; the permit counts either way.
         self.check_serving().map_err(|f| rejected(f.reason(), f))?;
         let (job, reply) = Job::new(input, Some(permit));
+        *job_out = Some(job.clone());
         self.jobs.try_send(job.clone()).map_err(|e| match e {
             mpsc::error::TrySendError::Full(_) => rejected(
                 "queue_full",

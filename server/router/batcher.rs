@@ -214,7 +214,7 @@ fn take_step(queue: &mut VecDeque<Queued>, budget: usize) -> Step {
             break;
         }
         let take = q.left().min(left);
-        q.job.started(now);
+        q.job.started(now, segments.is_empty());
         segments.push(Segment {
             job: q.job.clone(),
             rows: q.next_row..q.next_row + take,

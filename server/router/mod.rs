@@ -75,7 +75,28 @@ struct Sink {
     out: Vec<u8>,
     done: usize,
     first_step: Option<Instant>,
+    /// From the first step to the last row delivered, once answered.
+    in_step: Option<std::time::Duration>,
+    /// Time spent copying the steps' rows that carried this job's into the ring, and out of it.
+    input: std::time::Duration,
+    output: std::time::Duration,
+    /// Steps this job's rows led (it was the first segment).
+    led_steps: u32,
     reply: Option<oneshot::Sender<Reply>>,
+}
+
+/// Where a job's time went, for the per-model statistics (`crate::infer::stats`): the same
+/// instants as the queue and in-step histograms.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Timings {
+    /// Admission to the first step; None if no row entered a step.
+    pub queue: Option<std::time::Duration>,
+    /// The first step to the last row delivered; None unless answered.
+    pub in_step: Option<std::time::Duration>,
+    /// Of `in_step`: copying the rows of the steps it was in, into the ring and out of it.
+    pub input: std::time::Duration,
+    pub output: std::time::Duration,
+    pub led_steps: u32,
 }
 
 impl Job {
@@ -88,6 +109,10 @@ impl Job {
                 out: Vec::new(),
                 done: 0,
                 first_step: None,
+                in_step: None,
+                input: Default::default(),
+                output: Default::default(),
+                led_steps: 0,
                 reply: Some(tx),
             }),
             permit: Mutex::new(permit),
@@ -121,12 +146,25 @@ impl Job {
         }
     }
 
-    pub(crate) fn started(&self, at: Instant) {
+    /// Some rows enter a step at `at`; `leads`: they are its first segment (the step counts once).
+    pub(crate) fn started(&self, at: Instant, leads: bool) {
         let mut s = self.sink();
+        s.led_steps += leads as u32;
         if s.first_step.is_none() {
             s.first_step = Some(at);
             metrics::histogram!("epserve_request_queue_seconds")
                 .record((at - self.admitted).as_secs_f64());
+        }
+    }
+
+    pub fn timings(&self) -> Timings {
+        let s = self.sink();
+        Timings {
+            queue: s.first_step.map(|t| t - self.admitted),
+            in_step: s.in_step,
+            input: s.input,
+            output: s.output,
+            led_steps: s.led_steps,
         }
     }
 
@@ -140,15 +178,23 @@ impl Job {
         std::mem::take(&mut s.out)
     }
 
-    /// Puts the buffer back with `rows` more filled in; answers once every row is in.
-    fn put_out(&self, out: Vec<u8>, rows: usize, bufs: &Arc<Bufs>) {
+    /// A step that carried some of its rows took `d` to copy them all into the ring.
+    fn packed(&self, d: std::time::Duration) {
+        self.sink().input += d;
+    }
+
+    /// Puts the buffer back with `rows` more filled in, `took` the step's whole copy out;
+    /// answers once every row is in.
+    fn put_out(&self, out: Vec<u8>, rows: usize, took: std::time::Duration, bufs: &Arc<Bufs>) {
         let mut s = self.sink();
+        s.output += took;
         s.out = out;
         s.done += rows;
         if s.done == self.input.tokens {
             if let Some(t) = s.first_step {
-                metrics::histogram!("epserve_request_in_step_seconds")
-                    .record(t.elapsed().as_secs_f64());
+                let d = t.elapsed();
+                s.in_step = Some(d);
+                metrics::histogram!("epserve_request_in_step_seconds").record(d.as_secs_f64());
             }
             let out = bufs.freeze(std::mem::take(&mut s.out));
             if let Some(tx) = s.reply.take() {

@@ -83,7 +83,11 @@ pub(crate) fn pack(ring: &Ring, step: &Step, slot: usize, base: usize, threads: 
     copy_all(threads, (row - base) * row_bytes, pieces, |(r, src)| {
         ring.write_hidden(slot, r, step.input, src)
     });
-    metrics::histogram!(PACK_SECONDS).record(t.elapsed().as_secs_f64());
+    let took = t.elapsed();
+    for seg in &step.segments {
+        seg.job.packed(took);
+    }
+    metrics::histogram!(PACK_SECONDS).record(took.as_secs_f64());
 }
 
 /// Hands a finished step's output rows in `slot`, from row `base` on, to its requests, in their
@@ -117,8 +121,9 @@ pub(crate) fn deliver(
     copy_all(threads, (row - base) * row_bytes, pieces, |(r, dst)| {
         ring.read_output(slot, r, step.output, dst)
     });
+    let took = t.elapsed();
     for (seg, out) in step.segments.iter().zip(outs) {
-        seg.job.put_out(out, seg.rows.len(), bufs);
+        seg.job.put_out(out, seg.rows.len(), took, bufs);
     }
-    metrics::histogram!(DELIVER_SECONDS).record(t.elapsed().as_secs_f64());
+    metrics::histogram!(DELIVER_SECONDS).record(took.as_secs_f64());
 }

@@ -188,11 +188,29 @@ pub async fn serve_grpc(
 ) -> anyhow::Result<()> {
     use hyper_util::rt::{TokioExecutor, TokioIo};
     use hyper_util::service::TowerToHyperService;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(crate::inference::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
+    use tonic::codec::CompressionEncoding::{Deflate, Gzip};
+    // Reflection v1 and v1alpha (grpcurl before 1.8.8 and Python's grpcio-reflection ask v1alpha),
+    // each listing both.
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .include_reflection_service(false)
+            .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(
+                tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET,
+            )
+            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(crate::inference::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection_alpha = reflection()
+        .build_v1alpha()?
+        .accept_compressed(Gzip)
+        .accept_compressed(Deflate);
+    let reflection = reflection()
+        .build_v1()?
+        .accept_compressed(Gzip)
+        .accept_compressed(Deflate);
+    let health = health.accept_compressed(Gzip).accept_compressed(Deflate);
     // An answer is at most twice its request (f32 out of bf16 in).
     let max_response = max_request_bytes.saturating_mul(2);
     // The unary calls' own framing, with the limits tonic's services have. Unused request
@@ -208,6 +226,8 @@ pub async fn serve_grpc(
     };
     let moe = WithUnary::new(
         MoeServiceServer::new(api.clone())
+            .accept_compressed(Gzip)
+            .accept_compressed(Deflate)
             .max_decoding_message_size(max_request_bytes)
             .max_encoding_message_size(max_response),
         Forward(api),
@@ -215,16 +235,27 @@ pub async fn serve_grpc(
     );
     let kserve = WithUnary::new(
         GrpcInferenceServiceServer::new(kserve.clone())
+            .accept_compressed(Gzip)
+            .accept_compressed(Deflate)
             .max_decoding_message_size(max_request_bytes)
             .max_encoding_message_size(max_response),
         ModelInfer(kserve),
         unary,
     );
+    let served = [
+        MoeServiceServer::<Arc<MoeApi>>::NAME,
+        GrpcInferenceServiceServer::<Arc<KserveApi>>::NAME,
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    ];
     let routes = tonic::service::Routes::new(health)
         .add_service(reflection)
+        .add_service(reflection_alpha)
         .add_service(moe)
         .add_service(kserve)
         .prepare();
+    let routes = super::unknown::NameUnknown::new(routes, &served);
     // gRPC is HTTP/2: an HTTP/1.1 request (a load balancer's GET probe) is not answered, rather
     // than answered 200 with a gRPC error it would read as healthy.
     let mut builder =

@@ -9,6 +9,7 @@ mod own_rows;
 mod prepare;
 mod router;
 mod stop;
+mod unknown;
 mod worker;
 
 use std::net::{SocketAddr, TcpListener};

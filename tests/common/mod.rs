@@ -219,8 +219,32 @@ where
     };
     (
         get("grpc-status").parse().unwrap_or(-1),
-        get("grpc-message"),
+        percent_decoded(&get("grpc-message")),
     )
+}
+
+/// grpc-message as sent: percent-encoded UTF-8.
+fn percent_decoded(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = b
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (b[i], hex) {
+            (b'%', Some(v)) => {
+                out.push(v);
+                i += 3;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// `epserve serve` as rank `rank` of `world`, on free ports, with `extra` flags.
@@ -464,26 +488,70 @@ pub fn set_routing(
     (ids, w.iter().map(|&v| f64::from(v)).collect())
 }
 
-/// The services a server lists through gRPC reflection.
+/// One unary call over plain HTTP/2 with `headers` and `framed` as its body (gRPC framing is
+/// the caller's); the server's grpc-status and grpc-message.
+pub async fn raw_unary(
+    addr: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    framed: Vec<u8>,
+) -> (i32, String) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let mut request = http::Request::post(format!("http://{addr}{path}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    for (k, v) in headers {
+        request = request.header(*k, *v);
+    }
+    let request = request
+        .body(http_body_util::Full::new(bytes::Bytes::from(framed)))
+        .unwrap();
+    let resp = sender.send_request(request).await.unwrap();
+    grpc_outcome(resp).await
+}
+
+/// Both reflection protocols have the same messages under their own package.
+macro_rules! reflected {
+    ($v:ident, $channel:expr) => {{
+        use tokio_stream::StreamExt;
+        use tonic_reflection::pb::$v::server_reflection_client::ServerReflectionClient;
+        use tonic_reflection::pb::$v::server_reflection_request::MessageRequest;
+        use tonic_reflection::pb::$v::server_reflection_response::MessageResponse;
+        use tonic_reflection::pb::$v::ServerReflectionRequest;
+        let channel = $channel;
+        let req = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut resp = ServerReflectionClient::new(channel)
+            .server_reflection_info(tokio_stream::iter(vec![req]))
+            .await
+            .unwrap()
+            .into_inner();
+        let Some(MessageResponse::ListServicesResponse(list)) =
+            resp.next().await.unwrap().unwrap().message_response
+        else {
+            panic!("no service list");
+        };
+        list.service
+            .into_iter()
+            .map(|s| s.name)
+            .collect::<Vec<String>>()
+    }};
+}
+
+/// The services a server lists through gRPC reflection v1 (`v1alpha`: the older protocol).
 pub async fn reflected_services(channel: Channel) -> Vec<String> {
-    use tokio_stream::StreamExt;
-    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
-    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
-    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
-    use tonic_reflection::pb::v1::ServerReflectionRequest;
-    let req = ServerReflectionRequest {
-        host: String::new(),
-        message_request: Some(MessageRequest::ListServices(String::new())),
-    };
-    let mut resp = ServerReflectionClient::new(channel)
-        .server_reflection_info(tokio_stream::iter(vec![req]))
-        .await
-        .unwrap()
-        .into_inner();
-    let Some(MessageResponse::ListServicesResponse(list)) =
-        resp.next().await.unwrap().unwrap().message_response
-    else {
-        panic!("no service list");
-    };
-    list.service.into_iter().map(|s| s.name).collect()
+    reflected!(v1, channel)
+}
+
+pub async fn reflected_services_v1alpha(channel: Channel) -> Vec<String> {
+    reflected!(v1alpha, channel)
 }

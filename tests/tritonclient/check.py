@@ -1,7 +1,10 @@
 """The stock `tritonclient.grpc.InferenceServerClient` against `epserve launch`, with no glue:
-liveness and readiness, metadata of every layer-<L>, FP32 and BF16 inference equal to epserve.v1
-Forward on random data (per token), client routing, streaming, and the statuses of bad requests,
-after each of which the service keeps serving. Usage: check.py path/to/epserve
+liveness and readiness, metadata and Triton's model configuration of every model, the
+repository index and statistics, FP32 and BF16 inference equal to epserve.v1 Forward on random
+data (per token), the typed models, gzip and deflate requests, client routing, streaming (with
+Triton's final-response flag), and the statuses of bad requests, after each of which the service
+keeps serving. First, every message and field epserve declares of Triton's protocol is checked
+against the pinned tritonclient's own descriptors. Usage: check.py path/to/epserve
 """
 
 import os
@@ -44,6 +47,56 @@ def epserve_v1():
     return epserve_pb2, epserve_pb2_grpc
 
 
+def same_schema_as_tritonclient():
+    """Each message, enum and field of proto/inference.proto and proto/model_config.proto has
+    the name, number, type and label of tritonclient's own (a subset may be declared)."""
+    from google.protobuf import descriptor_pb2, descriptor_pool
+    from tritonclient.grpc import service_pb2
+    out = tempfile.mkdtemp(prefix="epserve-kserve-")
+    fds = os.path.join(out, "kserve.pb")
+    rc = protoc.main(["protoc", f"-I{ROOT}/proto", "--include_imports",
+                      f"--descriptor_set_out={fds}", f"{ROOT}/proto/inference.proto"])
+    assert rc == 0, "protoc failed"
+    ours = descriptor_pool.DescriptorPool()
+    with open(fds, "rb") as f:
+        for file in descriptor_pb2.FileDescriptorSet.FromString(f.read()).file:
+            ours.Add(file)
+    theirs = service_pb2.DESCRIPTOR.pool
+    compared = 0
+
+    def messages(m):
+        yield m
+        for n in m.nested_types:
+            yield from messages(n)
+
+    for fname in ("inference.proto", "model_config.proto"):
+        f = ours.FindFileByName(fname)
+        for top in f.message_types_by_name.values():
+            for m in messages(top):
+                t = theirs.FindMessageTypeByName(m.full_name)
+                for fd in m.fields:
+                    tf = t.fields_by_name.get(fd.name)
+                    check(tf is not None, f"{m.full_name}.{fd.name} is not Triton's")
+                    mine = (fd.number, fd.type, fd.is_repeated, fd.message_type and fd.message_type.full_name,
+                            fd.enum_type and fd.enum_type.full_name)
+                    want = (tf.number, tf.type, tf.is_repeated, tf.message_type and tf.message_type.full_name,
+                            tf.enum_type and tf.enum_type.full_name)
+                    check(mine == want, f"{m.full_name}.{fd.name}: ours {mine}, Triton's {want}")
+                    compared += 1
+        for e in f.enum_types_by_name.values():
+            te = theirs.FindEnumTypeByName(e.full_name)
+            for v in e.values:
+                check(te.values_by_name[v.name].number == v.number, f"{e.full_name}.{v.name}")
+        for svc in f.services_by_name.values():
+            ts = theirs.FindServiceByName(svc.full_name)
+            for m in svc.methods:
+                tm = ts.methods_by_name[m.name]
+                check((m.input_type.full_name, m.output_type.full_name, m.server_streaming)
+                      == (tm.input_type.full_name, tm.output_type.full_name, tm.server_streaming),
+                      f"rpc {m.name}")
+    check(compared > 60, f"only {compared} fields compared")
+
+
 def launch(binary, shm):
     args = [binary, "launch", "--ranks", "2", "--listen", "127.0.0.1:0",
             "--metrics-listen", "127.0.0.1:0", "--shm-dir", shm,
@@ -72,6 +125,7 @@ def row_errors(a, b):
 
 
 def main(binary):
+    same_schema_as_tritonclient()
     pb, pb_grpc = epserve_v1()
     shm = tempfile.mkdtemp(prefix="epserve-shm-")
     proc, addr = launch(binary, shm)
@@ -104,6 +158,26 @@ def run(addr, pb, pb_grpc):
         check(m.name == name and list(m.versions) == ["1"] and got == want, f"{name}: {m}")
     check(not c.is_model_ready("layer-999"), "an unknown model is not ready")
 
+    # Triton's catalogue calls: every model (a plain FP32 one and a BF16 and an FP16 one per
+    # layer) in the index, each configuration with the routing inputs optional.
+    names = [f"layer-{l}{s}" for l in info.moe_layers for s in ("", "-bf16", "-fp16")]
+    index = c.get_model_repository_index(as_json=True)["models"]
+    check([m["name"] for m in index] == names and all(m["state"] == "READY" for m in index),
+          f"repository index {index}")
+    for name in names:
+        float_type = {"bf16": "BF16", "fp16": "FP16"}.get(name.rsplit("-", 1)[-1], "FP32")
+        cfg = c.get_model_config(name, as_json=True)["config"]
+        got = [(i["name"], i["data_type"], i["dims"], i.get("optional", False)) for i in cfg["input"]]
+        want = [("hidden_states", f"TYPE_{float_type}", [str(-1), str(H)], False),
+                ("topk_ids", "TYPE_INT32", ["-1", str(K)], True),
+                ("topk_weights", "TYPE_FP32", ["-1", str(K)], True)]
+        check(got == want, f"{name} config inputs {got}")
+        check(cfg.get("max_batch_size", 0) == 0 and cfg["output"][0]["data_type"] == f"TYPE_{float_type}",
+              f"{name} config {cfg}")
+        m = c.get_model_metadata(name)
+        check(m.inputs[0].datatype == float_type and m.outputs[0].datatype == float_type,
+              f"{name} metadata {m}")
+
     def forward(layer, x, dtype, ids=None, w=None):
         t = pb.Tensor(dtype=dtype, shape=list(x.shape), data=x.tobytes())
         r = pb.ForwardRequest(id="f", layer=layer, hidden_states=t)
@@ -111,7 +185,7 @@ def run(addr, pb, pb_grpc):
             r.topk_ids.CopyFrom(pb.Tensor(dtype=pb.I32, shape=list(ids.shape), data=ids.tobytes()))
             r.topk_weights.CopyFrom(pb.Tensor(dtype=pb.F32, shape=list(w.shape), data=w.tobytes()))
         out = v1.Forward(r).output
-        np_dtype = np.float32 if out.dtype == pb.F32 else ml_dtypes.bfloat16
+        np_dtype = {pb.F32: np.float32, pb.BF16: ml_dtypes.bfloat16, pb.F16: np.float16}[out.dtype]
         return np.frombuffer(out.data, np_dtype).reshape(list(out.shape)).astype(np.float32)
 
     rng = np.random.default_rng(15)
@@ -188,6 +262,34 @@ def run(addr, pb, pb_grpc):
     big.set_data_from_numpy(np.zeros((1001, H), np.float32))
     refused("RESOURCE_EXHAUSTED", "exceeds --max-queued-tokens", model, [big])
 
+    # The typed models answer in their type; gzip and deflate requests as plain ones.
+    x = rng.uniform(-1, 1, (4, H)).astype(np.float32)
+    for name, np_dtype, dt, v1_dtype in (("bf16", ml_dtypes.bfloat16, "BF16", pb.BF16),
+                                          ("fp16", np.float16, "FP16", pb.F16)):
+        i = triton.InferInput("hidden_states", [4, H], dt)
+        i.set_data_from_numpy(x.astype(np_dtype))
+        out = c.infer(f"{model}-{name}", [i]).as_numpy("output")
+        check(out.dtype == np_dtype, f"{model}-{name} answers {out.dtype}")
+        err = row_errors(out.astype(np.float32), forward(info.moe_layers[0], x.astype(np_dtype), v1_dtype))
+        check(err.max() <= 1e-6, f"{model}-{name} vs Forward: worst token {err.max():.3e}")
+    i = triton.InferInput("hidden_states", [4, H], "FP32")
+    i.set_data_from_numpy(x)
+    plain = c.infer(model, [i]).as_numpy("output")
+    for algorithm in ("gzip", "deflate"):
+        z = c.infer(model, [i], compression_algorithm=algorithm).as_numpy("output")
+        check(np.array_equal(z, plain), f"{algorithm} request answered as the plain one")
+
+    # Statistics: what was answered above is counted, with its queue and compute times.
+    stats = {m["name"]: m for m in c.get_inference_statistics(as_json=True)["model_stats"]}
+    check(list(stats) == names, f"statistics of {list(stats)}")
+    s0 = stats[model]["inference_stats"]
+    success = int(s0["success"]["count"])
+    check(success >= 10 and int(stats[model]["inference_count"]) == success, f"{model} stats {s0}")
+    for k in ("queue", "compute_input", "compute_infer", "compute_output"):
+        check(int(s0[k]["count"]) == success, f"{model} {k} counted per answered request: {s0}")
+    check(int(s0["compute_infer"]["ns"]) > 0, f"{model} compute time {s0}")
+    check(int(s0["fail"]["count"]) >= 3, f"{model} refused requests counted: {s0}")
+
     # Streaming: every request answered with its id, a bad one with its error, and the stream
     # carries on.
     results = queue.Queue()
@@ -202,7 +304,8 @@ def run(addr, pb, pb_grpc):
             x = rng.uniform(-1, 1, (k + 1, H)).astype(np.float32)
             i = triton.InferInput("hidden_states", [k + 1, H], "FP32")
             i.set_data_from_numpy(x)
-            c.async_stream_infer(model, [i], request_id=rid)
+            c.async_stream_infer(model, [i], request_id=rid,
+                                 enable_empty_final_response=(k % 2 == 0))
             sent[rid] = x
     ok = errors = 0
     for _ in sent:
@@ -213,6 +316,10 @@ def run(addr, pb, pb_grpc):
             errors += 1
             continue
         rid = result.get_response().id
+        final = result.get_response().parameters.get("triton_final_response")
+        want_final = int(rid[1:]) % 2 == 0
+        check((final is not None and final.bool_param) == want_final,
+              f"stream {rid}: triton_final_response {final}")
         err = row_errors(result.as_numpy("output"), forward(0 + info.moe_layers[0], sent[rid], pb.F32))
         check(err.max() <= 1e-6, f"stream {rid}: worst token {err.max():.3e}")
         ok += 1

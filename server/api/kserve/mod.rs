@@ -1,8 +1,12 @@
 //! KServe v2 / the Open Inference Protocol (`inference.GRPCInferenceService`), the stock Triton
-//! client's API: one model per MoE layer, `layer-<L>` version "1", over the same request entry
-//! as epserve.v1, so admission, deadlines, batching and numerics are the same.
+//! client's API, with Triton's model configuration, statistics and repository index: the models
+//! of `models`, over the same request entry as epserve.v1, so admission, deadlines, batching and
+//! numerics are the same.
+
+mod models;
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,52 +17,36 @@ use super::stream::{self, ResponseStream};
 use super::unary::Unary;
 use super::{code_name, status, Call, Done};
 use crate::infer::quote::quote;
+use crate::infer::stats::{LayerStats, Total};
 use crate::infer::tensor::{self, Dtype, View, FLOATS, IDS};
 use crate::infer::{rejected, Infer, Request as Entry};
 use crate::inference::grpc_inference_service_server::GrpcInferenceService;
 use crate::inference::infer_parameter::ParameterChoice;
 use crate::inference::model_infer_request::InferInputTensor;
 use crate::inference::model_infer_response::InferOutputTensor;
-use crate::inference::model_metadata_response::TensorMetadata;
 use crate::inference::{
-    InferParameter, ModelInferRequest, ModelInferResponse, ModelMetadataRequest,
-    ModelMetadataResponse, ModelReadyRequest, ModelReadyResponse, ModelStreamInferResponse,
-    ServerLiveRequest, ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse,
-    ServerReadyRequest, ServerReadyResponse,
+    InferParameter, InferStatistics, ModelConfigRequest, ModelConfigResponse, ModelInferRequest,
+    ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
+    ModelReadyResponse, ModelStatistics, ModelStatisticsRequest, ModelStatisticsResponse,
+    ModelStreamInferResponse, RepositoryIndexRequest, RepositoryIndexResponse, ServerLiveRequest,
+    ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest,
+    ServerReadyResponse, StatisticDuration,
 };
 use crate::router::{Failure, Permit};
+use models::{name, Model, HIDDEN, IDS_IN, OUTPUT, PLATFORM, VERSION, WEIGHTS};
 
-/// Every model's one version; an empty version asks for it.
-pub const VERSION: &str = "1";
-/// What ModelMetadata calls the models' platform.
-pub const PLATFORM: &str = "epserve";
-const HIDDEN: &str = "hidden_states";
-const IDS_IN: &str = "topk_ids";
-const WEIGHTS: &str = "topk_weights";
-const OUTPUT: &str = "output";
 /// Request parameters understood here: the output's float type, and Triton's timeout (µs).
-const PARAMETERS: &str = "output_datatype, timeout";
+/// Triton's reserved `triton_*` ones are taken as Triton takes them.
+const PARAMETERS: &str = "output_datatype, timeout, triton_*";
+/// Triton's streaming flag: each response says whether it is the request's last. Every model
+/// here answers once, so the one response is the last.
+const EMPTY_FINAL: &str = "triton_enable_empty_final_response";
+const FINAL: &str = "triton_final_response";
 
 pub struct KserveApi {
     infer: Arc<Infer>,
     /// Most requests of one ModelStreamInfer in progress or not yet taken by the transport.
     stream_in_flight: usize,
-}
-
-/// The model name of an MoE layer.
-pub fn model_name(layer: u32) -> String {
-    format!("layer-{layer}")
-}
-
-/// The Open Inference Protocol's datatype names.
-fn name(d: Dtype) -> &'static str {
-    match d {
-        Dtype::Bf16 => "BF16",
-        Dtype::F16 => "FP16",
-        Dtype::F32 => "FP32",
-        Dtype::I32 => "INT32",
-        Dtype::I64 => "INT64",
-    }
 }
 
 /// A datatype string as the entry's dtype. The protocol's other types are refused as not
@@ -159,37 +147,57 @@ fn no_parameters(what: &str, p: &HashMap<String, InferParameter>) -> Result<(), 
     }
 }
 
-/// The request's own settings: output datatype (None: the input's) and deadline.
-fn settings(
-    r: &ModelInferRequest,
+/// The request's own settings.
+struct Settings {
+    /// None: the model's choice.
+    output: Option<Dtype>,
     deadline: Option<Instant>,
-) -> Result<(Option<Dtype>, Option<Instant>), Failure> {
-    let (mut out, mut deadline) = (None, deadline);
+    /// Say on a stream's response that it is the last (Triton's `triton_final_response`).
+    mark_final: bool,
+}
+
+/// The request's parameters. Triton's reserved `triton_*` ones are taken as Triton takes them:
+/// the one with a meaning here checked and used, the rest ignored; any other unknown one is
+/// refused by name rather than ignored.
+fn settings(r: &ModelInferRequest, deadline: Option<Instant>) -> Result<Settings, Failure> {
+    let mut s = Settings {
+        output: None,
+        deadline,
+        mark_final: false,
+    };
     for (k, v) in &r.parameters {
         match (k.as_str(), &v.parameter_choice) {
-            ("output_datatype", Some(ParameterChoice::StringParam(s))) => {
-                let d = datatype(s, "output_datatype", FLOATS)?;
+            ("output_datatype", Some(ParameterChoice::StringParam(d))) => {
+                let d = datatype(d, "output_datatype", FLOATS)?;
                 if !d.is_float() {
                     return Err(Failure::invalid(format!(
-                        "output_datatype: {s} is not a float dtype"
+                        "output_datatype: {} is not a float dtype",
+                        name(d)
                     )));
                 }
-                out = Some(d);
+                s.output = Some(d);
             }
             ("timeout", Some(ParameterChoice::Int64Param(us))) if *us >= 0 => {
                 let own = Instant::now().checked_add(Duration::from_micros(*us as u64));
-                deadline = match (deadline, own) {
+                s.deadline = match (s.deadline, own) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
                 };
             }
-            ("output_datatype" | "timeout", _) => {
+            (EMPTY_FINAL, Some(ParameterChoice::BoolParam(on))) => s.mark_final = *on,
+            ("output_datatype" | "timeout" | EMPTY_FINAL, _) => {
                 return Err(Failure::invalid(format!(
                     "parameter {}: a {} value is not valid here (output_datatype: a string; \
-                     timeout: microseconds, a non-negative int64)",
+                     timeout: microseconds, a non-negative int64; {EMPTY_FINAL}: a bool)",
                     quote(k),
                     param_name(v)
                 )))
+            }
+            (k, _) if k.starts_with("triton_") => {
+                tracing::debug!(
+                    "Triton's parameter {} has no meaning here; ignored",
+                    quote(k)
+                );
             }
             _ => {
                 return Err(Failure::invalid(format!(
@@ -199,7 +207,31 @@ fn settings(
             }
         }
     }
-    Ok((out, deadline))
+    Ok(s)
+}
+
+/// A model's statistics as Triton reports them.
+fn statistics(m: &Model, s: &LayerStats) -> ModelStatistics {
+    let d = |t: &Total| {
+        let (count, ns) = t.get();
+        Some(StatisticDuration { count, ns })
+    };
+    ModelStatistics {
+        name: m.name(),
+        version: VERSION.into(),
+        last_inference: s.last_answer_ms.load(Ordering::Relaxed),
+        inference_count: s.success.get().0,
+        execution_count: s.executions.load(Ordering::Relaxed),
+        inference_stats: Some(InferStatistics {
+            success: d(&s.success),
+            fail: d(&s.fail),
+            queue: d(&s.queue),
+            compute_input: d(&s.compute_input),
+            compute_infer: d(&s.compute_infer),
+            compute_output: d(&s.compute_output),
+            ..Default::default()
+        }),
+    }
 }
 
 impl KserveApi {
@@ -210,41 +242,25 @@ impl KserveApi {
         }
     }
 
-    /// The layer a model name and version serve.
-    fn layer(&self, model: &str, version: &str) -> Result<u32, Failure> {
-        let layers = &self.infer.spec().moe_layers;
-        let layer = layers
-            .iter()
-            .copied()
-            .find(|&l| model_name(l) == model)
-            .ok_or_else(|| {
-                let names: Vec<String> = layers.iter().map(|&l| model_name(l)).collect();
-                Failure::NotFound(format!(
-                    "unknown model {} (models: {})",
-                    quote(model),
-                    names.join(", ")
-                ))
-            })?;
-        if !version.is_empty() && version != VERSION {
-            return Err(Failure::NotFound(format!(
-                "model {} has no version {} (versions: {VERSION})",
-                quote(model),
-                quote(version)
-            )));
-        }
-        Ok(layer)
+    /// The model a name and version ask for.
+    fn model(&self, model: &str, version: &str) -> Result<Model, Failure> {
+        Model::find(self.infer.spec(), model, version)
     }
 
     /// The request's inputs, checked against the model (the hidden states stay the client's
-    /// bytes), and its output datatype.
+    /// bytes), its output datatype, and whether a stream's answer says it is the last.
     fn decode(
         &self,
         r: &ModelInferRequest,
-        layer: u32,
+        model: Model,
         deadline: Option<Instant>,
-    ) -> Result<(crate::router::JobInput, Dtype), Failure> {
-        let (out, deadline) = settings(r, deadline).map_err(|f| rejected("invalid_argument", f))?;
-        let (found, out) = Self::inputs(r, out).map_err(|f| rejected("invalid_argument", f))?;
+    ) -> Result<(crate::router::JobInput, Dtype, bool), Failure> {
+        let set = settings(r, deadline).map_err(|f| rejected("invalid_argument", f))?;
+        let found =
+            Self::inputs(r, model.accepts()).map_err(|f| rejected("invalid_argument", f))?;
+        let out = set
+            .output
+            .unwrap_or_else(|| model.output(found[0].as_ref().map(|f| f.0)));
         let view = |i: usize| {
             found[i].as_ref().map(|(dtype, shape, data)| View {
                 dtype: *dtype,
@@ -254,20 +270,23 @@ impl KserveApi {
         };
         let input = self.infer.validate(Entry {
             id: r.id.clone(),
-            layer,
+            layer: model.layer,
             hidden: view(0),
             topk_ids: view(1),
             topk_weights: view(2),
             output: out,
-            deadline,
+            deadline: set.deadline,
             names: name,
         })?;
-        Ok((input, out))
+        Ok((input, out, set.mark_final))
     }
 
-    /// The protocol's own checks: outputs asked for, inputs by name with their data, and the
-    /// output datatype (`out`, else the hidden states').
-    fn inputs(r: &ModelInferRequest, out: Option<Dtype>) -> Result<(Found<'_>, Dtype), Failure> {
+    /// The protocol's own checks: outputs asked for, and inputs by name with their data, the
+    /// hidden states in one of the types `hidden` lists.
+    fn inputs<'a>(
+        r: &'a ModelInferRequest,
+        hidden: &'static [Dtype],
+    ) -> Result<Found<'a>, Failure> {
         for o in &r.outputs {
             if o.name != OUTPUT {
                 return Err(Failure::invalid(format!(
@@ -285,11 +304,11 @@ impl KserveApi {
                 r.inputs.len()
             )));
         }
-        // (name, accepted dtypes, slot in `found`)
-        const INPUTS: [(&str, &[Dtype]); 3] = [(HIDDEN, FLOATS), (IDS_IN, IDS), (WEIGHTS, FLOATS)];
+        // (name, accepted dtypes), by slot in `found`
+        let inputs: [(&str, &[Dtype]); 3] = [(HIDDEN, hidden), (IDS_IN, IDS), (WEIGHTS, FLOATS)];
         let mut found: Found = [None, None, None];
         for (i, t) in r.inputs.iter().enumerate() {
-            let slot = INPUTS
+            let slot = inputs
                 .iter()
                 .position(|(n, _)| *n == t.name)
                 .ok_or_else(|| {
@@ -302,19 +321,14 @@ impl KserveApi {
                 return Err(Failure::invalid(format!("input {:?} given twice", t.name)));
             }
             no_parameters(&t.name, &t.parameters)?;
-            let d = datatype(&t.datatype, &t.name, INPUTS[slot].1)?;
-            if !INPUTS[slot].1.contains(&d) {
-                return Err(tensor::not_accepted(&t.name, name(d), INPUTS[slot].1, name));
+            let d = datatype(&t.datatype, &t.name, inputs[slot].1)?;
+            if !inputs[slot].1.contains(&d) {
+                return Err(tensor::not_accepted(&t.name, name(d), inputs[slot].1, name));
             }
             let data = input_bytes(t, d, raw.get(i))?;
             found[slot] = Some((d, &t.shape, data));
         }
-        let out = match (out, &found[0]) {
-            (Some(d), _) => d,
-            (None, Some((d, _, _))) => *d,
-            (None, None) => Dtype::F32,
-        };
-        Ok((found, out))
+        Ok(found)
     }
 
     /// Decodes, checks, admits and waits for one request. The admission permit comes back with
@@ -324,20 +338,29 @@ impl KserveApi {
         mut r: ModelInferRequest,
         deadline: Option<Instant>,
     ) -> Result<Done<ModelInferResponse>, Failure> {
-        let layer = self
-            .layer(&r.model_name, &r.model_version)
+        let model = self
+            .model(&r.model_name, &r.model_version)
             .map_err(|f| rejected("not_found", f))?;
-        let (input, out_dtype) = self.decode(&r, layer, deadline)?;
+        let (input, out_dtype, mark_final) = self.decode(&r, model, deadline)?;
         let (id, model) = (std::mem::take(&mut r.id), std::mem::take(&mut r.model_name));
         // Only the hidden states' bytes wait in the queue, shared with the request's buffer.
         drop(r);
         let a = self.infer.submit(input).await?;
         let hidden = self.infer.spec().hidden;
+        let mut parameters = HashMap::new();
+        if mark_final {
+            parameters.insert(
+                FINAL.to_string(),
+                InferParameter {
+                    parameter_choice: Some(ParameterChoice::BoolParam(true)),
+                },
+            );
+        }
         let resp = ModelInferResponse {
             model_name: model,
             model_version: VERSION.into(),
             id,
-            parameters: HashMap::new(),
+            parameters,
             outputs: vec![InferOutputTensor {
                 name: OUTPUT.into(),
                 datatype: name(out_dtype).into(),
@@ -365,22 +388,9 @@ impl KserveApi {
         call.observe(method, &id, self.run(r, call.deadline)).await
     }
 
-    fn tensor_metadata(&self) -> (Vec<TensorMetadata>, Vec<TensorMetadata>) {
-        let spec = self.infer.spec();
-        let (h, k) = (spec.hidden as i64, spec.top_k as i64);
-        let t = |n: &str, d: &str, cols: i64| TensorMetadata {
-            name: n.into(),
-            datatype: d.into(),
-            shape: vec![-1, cols],
-        };
-        (
-            vec![
-                t(HIDDEN, "FP32", h),
-                t(IDS_IN, "INT32", k),
-                t(WEIGHTS, "FP32", k),
-            ],
-            vec![t(OUTPUT, "FP32", h)],
-        )
+    /// Why no model is ready, if none is.
+    fn not_ready(&self) -> Option<String> {
+        (!self.infer.ready()).then(|| format!("the service is {:?}", self.infer.phase()))
     }
 }
 
@@ -445,7 +455,7 @@ impl GrpcInferenceService for Arc<KserveApi> {
         req: Request<ModelReadyRequest>,
     ) -> Result<Response<ModelReadyResponse>, Status> {
         let r = req.into_inner();
-        let known = self.layer(&r.name, &r.version).is_ok();
+        let known = self.model(&r.name, &r.version).is_ok();
         Ok(Response::new(ModelReadyResponse {
             ready: known && self.infer.ready(),
         }))
@@ -458,7 +468,9 @@ impl GrpcInferenceService for Arc<KserveApi> {
         Ok(Response::new(ServerMetadataResponse {
             name: "epserve".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            extensions: vec!["parameters".into()],
+            extensions: ["parameters", "model_configuration", "statistics"]
+                .map(String::from)
+                .to_vec(),
         }))
     }
 
@@ -467,14 +479,66 @@ impl GrpcInferenceService for Arc<KserveApi> {
         req: Request<ModelMetadataRequest>,
     ) -> Result<Response<ModelMetadataResponse>, Status> {
         let r = req.into_inner();
-        self.layer(&r.name, &r.version).map_err(status)?;
-        let (inputs, outputs) = self.tensor_metadata();
+        let model = self.model(&r.name, &r.version).map_err(status)?;
+        let (inputs, outputs) = model.metadata(self.infer.spec());
         Ok(Response::new(ModelMetadataResponse {
             name: r.name,
             versions: vec![VERSION.into()],
             platform: PLATFORM.into(),
             inputs,
             outputs,
+        }))
+    }
+
+    async fn model_config(
+        &self,
+        req: Request<ModelConfigRequest>,
+    ) -> Result<Response<ModelConfigResponse>, Status> {
+        let r = req.into_inner();
+        let model = self.model(&r.name, &r.version).map_err(status)?;
+        Ok(Response::new(ModelConfigResponse {
+            config: Some(model.config(self.infer.spec())),
+        }))
+    }
+
+    /// One model's statistics, or every model's for an empty name.
+    async fn model_statistics(
+        &self,
+        req: Request<ModelStatisticsRequest>,
+    ) -> Result<Response<ModelStatisticsResponse>, Status> {
+        let r = req.into_inner();
+        let spec = self.infer.spec();
+        let models: Vec<Model> = if r.name.is_empty() {
+            if !r.version.is_empty() {
+                return Err(Status::invalid_argument(
+                    "a version without a model name: name the model, or leave both empty for all",
+                ));
+            }
+            Model::all(spec).collect()
+        } else {
+            vec![self.model(&r.name, &r.version).map_err(status)?]
+        };
+        let model_stats = models
+            .iter()
+            .filter_map(|m| Some(statistics(m, self.infer.stats(m.layer, m.declared())?)))
+            .collect();
+        Ok(Response::new(ModelStatisticsResponse { model_stats }))
+    }
+
+    async fn repository_index(
+        &self,
+        req: Request<RepositoryIndexRequest>,
+    ) -> Result<Response<RepositoryIndexResponse>, Status> {
+        let r = req.into_inner();
+        if !r.repository_name.is_empty() {
+            return Err(Status::not_found(format!(
+                "unknown repository {} (epserve has one, unnamed: leave repository_name empty)",
+                quote(&r.repository_name)
+            )));
+        }
+        let why = self.not_ready();
+        Ok(Response::new(RepositoryIndexResponse {
+            models: models::index(self.infer.spec(), why.as_deref(), r.ready),
         }))
     }
 
@@ -521,187 +585,5 @@ impl GrpcInferenceService for Arc<KserveApi> {
     }
 }
 
-/// The KServe decode path under random input (fixed seed and budget): no input panics, every
-/// refusal is INVALID_ARGUMENT or NOT_FOUND with a message, and what is accepted is consistent
-/// with the model.
 #[cfg(test)]
-mod fuzz {
-    use super::*;
-    use crate::router::Admission;
-    use crate::shm::Abort;
-    use prost::Message;
-    use rand::{Rng, SeedableRng};
-    use tokio::sync::{mpsc, Notify};
-    use tonic::Code;
-
-    fn pick<T: Clone>(rng: &mut impl Rng, from: &[T]) -> T {
-        from[rng.random_range(0..from.len())].clone()
-    }
-
-    fn tensor(rng: &mut impl Rng, name: &str, cols: usize) -> (InferInputTensor, Vec<u8>) {
-        if rng.random_bool(0.6) {
-            // A valid tensor of 2 rows: distinct ids, or small finite floats.
-            let floats: Vec<f32> = (0..2 * cols)
-                .map(|_| rng.random_range(0.1f32..1.0))
-                .collect();
-            let (datatype, data): (&str, Vec<u8>) = if name == "topk_ids" {
-                let rows = (0..2).flat_map(|_| 0..cols as i32);
-                ("INT32", rows.flat_map(i32::to_le_bytes).collect())
-            } else if rng.random_bool(0.5) {
-                (
-                    "FP32",
-                    floats.iter().flat_map(|x| x.to_le_bytes()).collect(),
-                )
-            } else {
-                let bf16 = floats
-                    .iter()
-                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes());
-                ("BF16", bf16.collect())
-            };
-            let t = InferInputTensor {
-                name: name.into(),
-                datatype: datatype.into(),
-                shape: vec![2, cols as i64],
-                ..Default::default()
-            };
-            return (t, data);
-        }
-        let datatype = pick(
-            rng,
-            &["FP32", "BF16", "FP16", "INT32", "INT64", "FP64", "x", ""],
-        );
-        let n = pick(rng, &[1i64, 2, 3, 0, -1, i64::MAX]);
-        let c = pick(rng, &[cols as i64, cols as i64, cols as i64 + 1, 0]);
-        let shape = match rng.random_range(0..6) {
-            0 => vec![n],
-            1 => vec![n, c, 1],
-            _ => vec![n, c],
-        };
-        let elem = match datatype {
-            "BF16" | "FP16" => 2,
-            "INT64" | "FP64" => 8,
-            _ => 4,
-        };
-        let rows = usize::try_from(n).unwrap_or(0).min(4);
-        let mut len = rows * cols * elem;
-        if rng.random_bool(0.2) {
-            len = rng.random_range(0..len + 9);
-        }
-        // Mostly small finite values and in-range distinct-ish ids.
-        let data: Vec<u8> = match datatype {
-            "FP32" => (0..len / 4)
-                .flat_map(|_| rng.random_range(-1.0f32..1.0).to_le_bytes())
-                .collect(),
-            "INT32" => (0..len / 4)
-                .flat_map(|i| ((i % cols.max(1)) as i32).to_le_bytes())
-                .collect(),
-            _ => (0..len).map(|_| rng.random()).collect(),
-        };
-        let mut t = InferInputTensor {
-            name: name.into(),
-            datatype: datatype.into(),
-            shape,
-            ..Default::default()
-        };
-        if rng.random_bool(0.1) {
-            t.contents = Some(crate::inference::InferTensorContents {
-                fp32_contents: vec![0.5; rows * cols],
-                ..Default::default()
-            });
-        }
-        (t, data)
-    }
-
-    #[test]
-    fn no_request_panics_and_every_refusal_is_named() {
-        let spec = Arc::new(crate::model::synthetic::preset("tiny").unwrap());
-        let (jobs, _rx) = mpsc::channel(1);
-        let infer = Infer::new(
-            spec.clone(),
-            jobs,
-            Admission::new(1, 1),
-            Arc::new(Notify::new()),
-            Arc::new(Abort::default()),
-        );
-        let api = KserveApi::new(Arc::new(infer), 1);
-        let (h, k) = (spec.hidden, spec.top_k);
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x6b73);
-        let mut accepted = 0;
-        for i in 0..20_000 {
-            let mut r = if i % 4 == 0 {
-                let len = rng.random_range(0..96);
-                let bytes: Vec<u8> = (0..len).map(|_| rng.random()).collect();
-                match ModelInferRequest::decode(bytes.as_slice()) {
-                    Ok(r) => r,
-                    Err(_) => continue,
-                }
-            } else {
-                ModelInferRequest::default()
-            };
-            r.model_name = pick(&mut rng, &["layer-0", "layer-0", "layer-1", "layer-2", ""]).into();
-            r.model_version = pick(&mut rng, &["", "", "1", "2"]).into();
-            let mut raw = Vec::new();
-            for (name, cols, p) in [
-                ("hidden_states", h, 0.9),
-                ("topk_ids", k, 0.3),
-                ("topk_weights", k, 0.3),
-                ("other", h, 0.02),
-            ] {
-                if rng.random_bool(p) {
-                    let (t, d) = tensor(&mut rng, name, cols);
-                    r.inputs.push(t);
-                    raw.push(d.into());
-                }
-            }
-            if rng.random_bool(0.9) {
-                r.raw_input_contents = raw;
-            }
-            if rng.random_bool(0.05) {
-                r.parameters.insert(
-                    pick(&mut rng, &["output_datatype", "timeout", "priority"]).into(),
-                    pick(
-                        &mut rng,
-                        &[
-                            InferParameter::default(),
-                            InferParameter {
-                                parameter_choice: Some(ParameterChoice::StringParam("BF16".into())),
-                            },
-                            InferParameter {
-                                parameter_choice: Some(ParameterChoice::Int64Param(-5)),
-                            },
-                        ],
-                    ),
-                );
-            }
-            let result = api
-                .layer(&r.model_name, &r.model_version)
-                .and_then(|layer| api.decode(&r, layer, None));
-            match result.map_err(status) {
-                Err(s) => {
-                    assert!(
-                        matches!(s.code(), Code::InvalidArgument | Code::NotFound),
-                        "{r:?}: {s:?}"
-                    );
-                    assert!(!s.message().is_empty());
-                }
-                Ok((input, out)) => {
-                    accepted += 1;
-                    assert!(out.is_float());
-                    let x = &input.hidden;
-                    assert_eq!(x.data.len(), input.tokens * h * x.dtype.bytes());
-                    let mut wide = vec![0f32; input.tokens * h];
-                    crate::dtype::to_f32(x.dtype, &x.data, &mut wide);
-                    assert!(wide.iter().all(|v| v.is_finite()));
-                    assert_eq!(input.output, out);
-                    if let Some((ids, w)) = &input.routing {
-                        assert_eq!((ids.len(), w.len()), (input.tokens * k, input.tokens * k));
-                        assert!(ids
-                            .iter()
-                            .all(|&e| (0..spec.num_experts as i32).contains(&e)));
-                    }
-                }
-            }
-        }
-        assert!(accepted > 100, "only {accepted} requests were valid");
-    }
-}
+mod fuzz;

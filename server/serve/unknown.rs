@@ -1,0 +1,69 @@
+//! A method nobody here serves gets UNIMPLEMENTED naming it and what is served, instead of the
+//! bare status tonic's router and generated services give (an empty message that leaves a
+//! Triton or grpcurl user guessing which call was missing).
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tonic::body::Body;
+use tonic::Status;
+
+#[derive(Clone)]
+pub struct NameUnknown<S> {
+    inner: S,
+    /// The services served, for the message.
+    services: Arc<str>,
+}
+
+impl<S> NameUnknown<S> {
+    pub fn new(inner: S, services: &[&str]) -> Self {
+        Self {
+            inner,
+            services: services.join(", ").into(),
+        }
+    }
+}
+
+/// True for an UNIMPLEMENTED answer that says nothing.
+fn bare_unimplemented(r: &http::Response<Body>) -> bool {
+    r.headers().get("grpc-status").is_some_and(|s| s == "12")
+        && r.headers().get("grpc-message").is_none_or(|m| m.is_empty())
+}
+
+impl<S> tonic::codegen::Service<http::Request<Body>> for NameUnknown<S>
+where
+    S: tonic::codegen::Service<
+        http::Request<Body>,
+        Response = http::Response<Body>,
+        Error = Infallible,
+    >,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let path = req.uri().path().to_string();
+        let services = self.services.clone();
+        let answer = self.inner.call(req);
+        Box::pin(async move {
+            let answer = answer.await?;
+            if !bare_unimplemented(&answer) {
+                return Ok(answer);
+            }
+            tracing::debug!(path, "unknown gRPC method");
+            let s = Status::unimplemented(format!(
+                "method {path} is not served here (services: {services})"
+            ));
+            Ok(s.into_http())
+        })
+    }
+}
