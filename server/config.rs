@@ -362,6 +362,8 @@ pub struct ServeArgs {
     pub upload: crate::upload::UploadArgs,
     #[command(flatten)]
     pub conn: crate::conn::ConnArgs,
+    #[command(flatten)]
+    pub regions: crate::api::kserve::regions::RegionArgs,
     /// Requests of one ForwardStream in progress or answered but not yet taken by the client;
     /// past it the stream is not read (HTTP/2 flow control holds the client's sends).
     #[arg(long, env = "EPSERVE_MAX_STREAM_IN_FLIGHT", default_value_t = 64)]

@@ -556,7 +556,7 @@ fn bad_requests() -> Vec<(&'static str, &'static str, ModelInferRequest)> {
         ),
         (
             "unknown model",
-            "unknown model \"layer-9\" (models: layer-0, layer-1, each also as <name>-bf16 and <name>-fp16)",
+            "unknown model \"layer-9\" (models: layer-0, layer-1, each also as <name>-bf16 and <name>-fp16, and each of those -gated)",
             with(&|r| r.model_name = "layer-9".into()),
         ),
         (
@@ -671,11 +671,11 @@ fn bad_requests() -> Vec<(&'static str, &'static str, ModelInferRequest)> {
         ),
         (
             "parameter not understood (request, input or output)",
-            "hidden_states: parameter \"shared_memory_region\" is not supported",
+            "hidden_states: parameter \"binary_data\" is not supported",
             with(&|r| {
                 r.inputs[0]
                     .parameters
-                    .insert("shared_memory_region".into(), string_param("r0"));
+                    .insert("binary_data".into(), string_param("r0"));
             }),
         ),
         (
@@ -984,8 +984,10 @@ async fn triton_calls_typed_models_and_compressed_requests() {
     let spec = synthetic::preset("tiny").unwrap();
     let mut names = Vec::new();
     for &l in &spec.moe_layers {
-        for suffix in ["", "-bf16", "-fp16"] {
-            names.push(format!("layer-{l}{suffix}"));
+        for gated in ["", "-gated"] {
+            for suffix in ["", "-bf16", "-fp16"] {
+                names.push(format!("layer-{l}{suffix}{gated}"));
+            }
         }
     }
 
@@ -1015,7 +1017,12 @@ async fn triton_calls_typed_models_and_compressed_requests() {
             .into_inner()
             .config
             .unwrap();
-        let (float, label) = match name.rsplit_once('-').map(|p| p.1) {
+        let gated = name.ends_with("-gated");
+        let (float, label) = match name
+            .trim_end_matches("-gated")
+            .rsplit_once('-')
+            .map(|p| p.1)
+        {
             Some("bf16") => (DataType::TypeBf16, "BF16"),
             Some("fp16") => (DataType::TypeFp16, "FP16"),
             _ => (DataType::TypeFp32, "FP32"),
@@ -1026,15 +1033,15 @@ async fn triton_calls_typed_models_and_compressed_requests() {
             .iter()
             .map(|i| (i.name.as_str(), i.data_type(), i.dims.clone(), i.optional))
             .collect();
-        assert_eq!(
-            inputs,
-            vec![
-                ("hidden_states", float, vec![-1, H as i64], false),
-                ("topk_ids", DataType::TypeInt32, vec![-1, K as i64], true),
-                ("topk_weights", DataType::TypeFp32, vec![-1, K as i64], true),
-            ],
-            "{name}"
-        );
+        let mut want = vec![
+            ("hidden_states", float, vec![-1, H as i64], false),
+            ("topk_ids", DataType::TypeInt32, vec![-1, K as i64], true),
+            ("topk_weights", DataType::TypeFp32, vec![-1, K as i64], true),
+        ];
+        if gated {
+            want.truncate(1);
+        }
+        assert_eq!(inputs, want, "{name}");
         assert_eq!(cfg.output.len(), 1);
         assert_eq!(
             (cfg.output[0].data_type(), cfg.output[0].dims.clone()),
@@ -1050,6 +1057,7 @@ async fn triton_calls_typed_models_and_compressed_requests() {
             .unwrap()
             .into_inner();
         assert_eq!(m.inputs[0].datatype, label, "{name}");
+        assert_eq!(m.inputs.len(), want.len(), "{name}");
         assert_eq!(m.outputs[0].datatype, label, "{name}");
     }
 
@@ -1151,10 +1159,19 @@ async fn triton_calls_typed_models_and_compressed_requests() {
         all.iter().map(|m| m.name.clone()).collect::<Vec<_>>(),
         names
     );
+    // A -gated model reports its twin's statistics (the layer's, in that float type).
     let queued: u64 = all
         .iter()
+        .filter(|m| !m.name.ends_with("-gated"))
         .map(|m| count(&m.inference_stats.as_ref().unwrap().queue))
         .sum();
+    for m in all.iter().filter(|m| m.name.ends_with("-gated")) {
+        let twin = all
+            .iter()
+            .find(|t| t.name == m.name.trim_end_matches("-gated"))
+            .unwrap();
+        assert_eq!(m.inference_stats, twin.inference_stats, "{}", m.name);
+    }
     let metrics = common::prom::scrape(&group.metrics_addrs(2)[0]);
     let histogram = common::prom::sum(&metrics, "epserve_request_queue_seconds_count", &[]);
     assert_eq!(queued as f64, histogram);
@@ -1347,7 +1364,7 @@ async fn triton_calls_typed_models_and_compressed_requests() {
             e.message().into(),
         ));
     }
-    for entry in BAD_CALL {
+    for entry in BAD_CALL.iter().filter(|b| !shared_memory_case(b.case)) {
         let mine: Vec<_> = outcomes.iter().filter(|o| o.0 == entry.case).collect();
         assert!(!mine.is_empty(), "no call for '{}'", entry.case);
         for (case, code, msg) in mine {
@@ -1365,4 +1382,322 @@ async fn triton_calls_typed_models_and_compressed_requests() {
     c.model_infer(good(1))
         .await
         .expect("serving after the bad calls");
+}
+
+/// The catalogue's shared-memory calls (`system_shared_memory_round_trip_and_refusals` makes
+/// them; `triton_calls_typed_models_and_compressed_requests` the others).
+fn shared_memory_case(case: &str) -> bool {
+    ["region", "shared", "tensor", "Shared"]
+        .iter()
+        .any(|w| case.contains(w))
+}
+
+/// A tensor parameter.
+fn param(p: ParameterChoice) -> InferParameter {
+    InferParameter {
+        parameter_choice: Some(p),
+    }
+}
+
+/// Parameters naming `len` bytes at `offset` of `region`.
+fn shm_params(region: &str, offset: i64, len: usize) -> HashMap<String, InferParameter> {
+    [
+        (
+            "shared_memory_region",
+            ParameterChoice::StringParam(region.into()),
+        ),
+        ("shared_memory_offset", ParameterChoice::Int64Param(offset)),
+        (
+            "shared_memory_byte_size",
+            ParameterChoice::Int64Param(len as i64),
+        ),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), param(v)))
+    .collect()
+}
+
+/// Triton's system shared memory: inputs read from the client's region and the output written
+/// to it, equal per token to the same request over the wire (client routing and a mix of
+/// regions and raw entries included), regions listed and unregistered, and each refusal of the
+/// catalogue's shared-memory rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn system_shared_memory_round_trip_and_refusals() {
+    use epserve::api::catalogue::BAD_CALL;
+    use epserve::inference::{
+        SystemSharedMemoryRegisterRequest, SystemSharedMemoryStatusRequest,
+        SystemSharedMemoryUnregisterRequest,
+    };
+    use std::os::unix::fs::{FileExt, PermissionsExt};
+    let dir = TempDir::new("regions");
+    let group = Group::launch(
+        2,
+        "synthetic:tiny",
+        &["--shm-regions-dir", dir.0.to_str().unwrap()],
+    );
+    let mut c = client(&group.addr).await;
+    let object = |name: &str, len: u64, mode: u32| {
+        let p = dir.0.join(name);
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&p)
+            .unwrap();
+        f.set_len(len).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+        f
+    };
+    let registrar = c.clone();
+    let register = |name: &str, key: &str, offset: u64, byte_size: u64| {
+        let mut c = registrar.clone();
+        let r = SystemSharedMemoryRegisterRequest {
+            name: name.into(),
+            key: key.into(),
+            offset,
+            byte_size,
+        };
+        async move { c.system_shared_memory_register(r).await }
+    };
+    let input_obj = object("in", 1 << 20, 0o600);
+    let output_obj = object("out", 1 << 20, 0o600);
+    register("in", "/in", 512, 64 << 10).await.unwrap();
+    register("out", "/out", 0, 64 << 10).await.unwrap();
+
+    let mut rng = ChaCha8Rng::seed_from_u64(363);
+    let n = 6;
+    let x: Vec<f32> = (0..n * H).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let ids: Vec<i32> = (0..n)
+        .flat_map(|t| [(t % E) as i32, ((t + 3) % E) as i32])
+        .collect();
+    let w: Vec<f32> = (0..n * K).map(|_| rng.random_range(0.1..1.0)).collect();
+    input_obj.write_all_at(&le_f32(&x), 512 + 128).unwrap();
+    let bytes = n * H * 4;
+    for routed in [false, true] {
+        // Over the wire.
+        let mut inputs = vec![hidden(n, &x)];
+        if routed {
+            inputs.push((
+                input("topk_ids", "INT32", &[n as i64, K as i64]),
+                ids.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ));
+            inputs.push((
+                input("topk_weights", "FP32", &[n as i64, K as i64]),
+                le_f32(&w),
+            ));
+        }
+        let plain = c
+            .model_infer(raw_request("layer-0", "wire", inputs.clone()))
+            .await
+            .unwrap()
+            .into_inner();
+        let want = output_f32(&plain);
+        // Through the regions: the hidden states from "in", the routing (if any) as raw
+        // entries for the inputs that carry no region, the output into "out".
+        let mut req = raw_request("layer-0", "shm", inputs);
+        req.raw_input_contents.remove(0);
+        req.inputs[0].parameters = shm_params("in", 128, bytes);
+        req.outputs = vec![InferRequestedOutputTensor {
+            name: "output".into(),
+            parameters: shm_params("out", 256, bytes + 100),
+        }];
+        let resp = c.model_infer(req).await.unwrap().into_inner();
+        assert_eq!(resp.raw_output_contents, vec![bytes::Bytes::new()]);
+        let o = &resp.outputs[0];
+        assert_eq!(
+            (o.datatype.as_str(), o.shape.clone()),
+            ("FP32", vec![n as i64, H as i64])
+        );
+        assert_eq!(
+            o.parameters["shared_memory_byte_size"].parameter_choice,
+            Some(ParameterChoice::Int64Param(bytes as i64))
+        );
+        let mut got = vec![0u8; bytes];
+        output_obj.read_exact_at(&mut got, 256).unwrap();
+        let got: Vec<f32> = got
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        for t in 0..n {
+            let e = row_error(&got[t * H..(t + 1) * H], &want[t * H..(t + 1) * H]);
+            assert!(e <= 1e-6, "routed {routed}, token {t}: {e}");
+        }
+    }
+
+    // Status of one and of all; unregistering one.
+    let status = c
+        .system_shared_memory_status(SystemSharedMemoryStatusRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .regions;
+    assert_eq!(status.len(), 2);
+    assert_eq!(
+        (
+            status["in"].key.as_str(),
+            status["in"].offset,
+            status["in"].byte_size
+        ),
+        ("/in", 512, 64 << 10)
+    );
+
+    // The refusals.
+    let mut outcomes: Vec<(&str, Code, String)> = Vec::new();
+    let mut note = |case: &'static str, e: tonic::Status| {
+        outcomes.push((case, e.code(), e.message().to_string()));
+    };
+    object("wide", 4096, 0o666);
+    std::os::unix::fs::symlink(dir.0.join("in"), dir.0.join("link")).unwrap();
+    for key in ["in", "/a/b", "/", "/.."] {
+        note(
+            "a region key that is not a POSIX shared-memory name",
+            register("k", key, 0, 16).await.unwrap_err(),
+        );
+    }
+    note(
+        "a region key that does not open",
+        register("k", "/missing", 0, 16).await.unwrap_err(),
+    );
+    let link = register("k", "/link", 0, 16).await.unwrap_err();
+    assert_eq!(link.code(), Code::InvalidArgument, "{link:?}");
+    note(
+        "a region object of a wider mode than --shm-regions-mode",
+        register("k", "/wide", 0, 16).await.unwrap_err(),
+    );
+    note(
+        "a region past the end of its object",
+        register("k", "/in", (1 << 20) - 8, 16).await.unwrap_err(),
+    );
+    note(
+        "a region name registered twice",
+        register("in", "/in", 0, 16).await.unwrap_err(),
+    );
+    note(
+        "SystemSharedMemoryStatus of a region not registered",
+        c.system_shared_memory_status(SystemSharedMemoryStatusRequest { name: "k".into() })
+            .await
+            .unwrap_err(),
+    );
+    let shm_request = |region: &str, offset: i64, len: usize| {
+        let mut r = good(2);
+        r.raw_input_contents.clear();
+        r.inputs[0].parameters = shm_params(region, offset, len);
+        r
+    };
+    let two = 2 * H * 4;
+    for (case, req) in [
+        (
+            "a tensor naming a region not registered",
+            shm_request("k", 0, two),
+        ),
+        (
+            "a tensor's offset and byte size outside its region",
+            shm_request("in", (64 << 10) - 16, two),
+        ),
+        (
+            "a tensor's offset and byte size outside its region",
+            shm_request("in", i64::MAX, two),
+        ),
+        ("data both in shared memory and in the request", {
+            let mut r = good(2);
+            r.inputs[0].parameters = shm_params("in", 0, two);
+            r
+        }),
+        ("an output region smaller than the output", {
+            let mut r = good(2);
+            r.outputs = vec![InferRequestedOutputTensor {
+                name: "output".into(),
+                parameters: shm_params("out", 0, two - 1),
+            }];
+            r
+        }),
+        (
+            "shared-memory parameters incomplete or of the wrong type",
+            {
+                let mut r = shm_request("in", 0, two);
+                r.inputs[0].parameters.remove("shared_memory_byte_size");
+                r
+            },
+        ),
+        (
+            "shared-memory parameters incomplete or of the wrong type",
+            {
+                let mut r = shm_request("in", 0, two);
+                r.inputs[0].parameters.insert(
+                    "shared_memory_offset".into(),
+                    param(ParameterChoice::Int64Param(-1)),
+                );
+                r
+            },
+        ),
+    ] {
+        note(case, c.model_infer(req).await.unwrap_err());
+    }
+    let e = c
+        .cuda_shared_memory_register(epserve::inference::CudaSharedMemoryRegisterRequest {
+            name: "g".into(),
+            raw_handle: vec![0; 64],
+            device_id: 0,
+            byte_size: 16,
+        })
+        .await
+        .unwrap_err();
+    note(
+        "CudaSharedMemoryRegister (CUDA shared memory is not served yet)",
+        e,
+    );
+    c.cuda_shared_memory_unregister(
+        epserve::inference::CudaSharedMemoryUnregisterRequest::default(),
+    )
+    .await
+    .expect("nothing to unregister is not an error");
+    // A region whose object the client truncates: the read fails cleanly.
+    let t = object("t", 4096, 0o600);
+    register("t", "/t", 0, 4096).await.unwrap();
+    t.set_len(10).unwrap();
+    note(
+        "a region's object truncated under a request",
+        c.model_infer(shm_request("t", 0, two)).await.unwrap_err(),
+    );
+    for entry in BAD_CALL.iter().filter(|b| shared_memory_case(b.case)) {
+        let mine: Vec<_> = outcomes.iter().filter(|o| o.0 == entry.case).collect();
+        assert!(!mine.is_empty(), "no call for '{}'", entry.case);
+        for (case, code, msg) in mine {
+            assert_eq!(*code, entry.code, "{case}: {msg}");
+            assert!(msg.contains(entry.message), "{case}: {msg}");
+        }
+    }
+    for o in &outcomes {
+        assert!(
+            BAD_CALL.iter().any(|b| b.case == o.0),
+            "{} is not in BAD_CALL",
+            o.0
+        );
+    }
+
+    // Unregistered, a region is gone for new requests; all of them at once with an empty name.
+    c.system_shared_memory_unregister(SystemSharedMemoryUnregisterRequest { name: "in".into() })
+        .await
+        .unwrap();
+    let e = c.model_infer(shm_request("in", 0, two)).await.unwrap_err();
+    assert!(e.message().contains("is not registered"), "{e:?}");
+    c.system_shared_memory_unregister(SystemSharedMemoryUnregisterRequest::default())
+        .await
+        .unwrap();
+    let left = c
+        .system_shared_memory_status(SystemSharedMemoryStatusRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .regions;
+    assert!(left.is_empty(), "{left:?}");
+    let metrics = common::prom::scrape(&group.metrics_addrs(2)[0]);
+    let tensors = |d| common::prom::sum(&metrics, "epserve_shm_tensors_total", &[("direction", d)]);
+    assert_eq!((tensors("in"), tensors("out")), (2.0, 2.0));
+    let read = common::prom::sum(&metrics, "epserve_shm_bytes_total", &[("direction", "in")]);
+    assert_eq!(read, 2.0 * bytes as f64);
+    c.model_infer(good(1))
+        .await
+        .expect("serving after the refusals");
 }

@@ -197,8 +197,9 @@ pub const BAD_INPUT: &[BadInput] = &[
     ),
 ];
 
-/// Refusals of a call rather than of a tensor: the method, the encoding, Triton's catalogue
-/// calls. The README's second table; `tests/kserve.rs` makes each call.
+/// Refusals of a call rather than of a tensor (the method, the encoding, Triton's catalogue
+/// calls), and of system shared memory, its regions and the tensors that name them. The README's
+/// second table; `tests/kserve.rs` makes each call.
 pub const BAD_CALL: &[BadInput] = &[
     only(
         On::Both,
@@ -235,6 +236,84 @@ pub const BAD_CALL: &[BadInput] = &[
         Code::NotFound,
         "ModelConfig or ModelStatistics of an unknown model or version",
         "unknown model",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "a region key that is not a POSIX shared-memory name",
+        "not a POSIX shared-memory name",
+    ),
+    only(
+        On::Kserve,
+        Code::NotFound,
+        "a region key that does not open",
+        "does not open",
+    ),
+    only(
+        On::Kserve,
+        Code::PermissionDenied,
+        "a region object of a wider mode than --shm-regions-mode",
+        "is wider than the service accepts",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "a region past the end of its object",
+        "exceeds the object's",
+    ),
+    only(
+        On::Kserve,
+        Code::AlreadyExists,
+        "a region name registered twice",
+        "is already registered",
+    ),
+    only(
+        On::Kserve,
+        Code::NotFound,
+        "SystemSharedMemoryStatus of a region not registered",
+        "no shared-memory region",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "a tensor naming a region not registered",
+        "is not registered",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "a tensor's offset and byte size outside its region",
+        "lies outside region",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "an output region smaller than the output",
+        "is less than the output's",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "data both in shared memory and in the request",
+        "both in shared memory and in the request",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "shared-memory parameters incomplete or of the wrong type",
+        "shared_memory_",
+    ),
+    only(
+        On::Kserve,
+        Code::InvalidArgument,
+        "a region's object truncated under a request",
+        "was the object truncated?",
+    ),
+    only(
+        On::Kserve,
+        Code::Unavailable,
+        "CudaSharedMemoryRegister (CUDA shared memory is not served yet)",
+        "CUDA shared memory is not served",
     ),
 ];
 

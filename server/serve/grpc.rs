@@ -65,7 +65,12 @@ impl Front {
             abort,
         ));
         let api = Arc::new(MoeApi::new(infer.clone(), info, args.max_stream_in_flight));
-        let kserve = Arc::new(KserveApi::new(infer.clone(), args.max_stream_in_flight));
+        let kserve = Arc::new(KserveApi::new(
+            infer.clone(),
+            args.max_stream_in_flight,
+            args.regions.clone(),
+            args.max_request_bytes,
+        ));
         let (health, health_service) = tonic_health::server::health_reporter();
         set_ready(&health, false).await;
         health

@@ -158,20 +158,24 @@ def run(addr, pb, pb_grpc):
         check(m.name == name and list(m.versions) == ["1"] and got == want, f"{name}: {m}")
     check(not c.is_model_ready("layer-999"), "an unknown model is not ready")
 
-    # Triton's catalogue calls: every model (a plain FP32 one and a BF16 and an FP16 one per
-    # layer) in the index, each configuration with the routing inputs optional.
-    names = [f"layer-{l}{s}" for l in info.moe_layers for s in ("", "-bf16", "-fp16")]
+    # Triton's catalogue calls: every model (per layer a plain FP32 one, a BF16 and an FP16 one,
+    # and each of them -gated, without the routing inputs) in the index, each configuration
+    # with the routing inputs optional.
+    names = [f"layer-{l}{s}{g}" for l in info.moe_layers for g in ("", "-gated")
+             for s in ("", "-bf16", "-fp16")]
     index = c.get_model_repository_index(as_json=True)["models"]
     check([m["name"] for m in index] == names and all(m["state"] == "READY" for m in index),
           f"repository index {index}")
     for name in names:
-        float_type = {"bf16": "BF16", "fp16": "FP16"}.get(name.rsplit("-", 1)[-1], "FP32")
+        gated = name.endswith("-gated")
+        float_type = {"bf16": "BF16", "fp16": "FP16"}.get(
+            name.removesuffix("-gated").rsplit("-", 1)[-1], "FP32")
         cfg = c.get_model_config(name, as_json=True)["config"]
         got = [(i["name"], i["data_type"], i["dims"], i.get("optional", False)) for i in cfg["input"]]
         want = [("hidden_states", f"TYPE_{float_type}", [str(-1), str(H)], False),
                 ("topk_ids", "TYPE_INT32", ["-1", str(K)], True),
                 ("topk_weights", "TYPE_FP32", ["-1", str(K)], True)]
-        check(got == want, f"{name} config inputs {got}")
+        check(got == (want[:1] if gated else want), f"{name} config inputs {got}")
         check(cfg.get("max_batch_size", 0) == 0 and cfg["output"][0]["data_type"] == f"TYPE_{float_type}",
               f"{name} config {cfg}")
         m = c.get_model_metadata(name)
@@ -278,6 +282,44 @@ def run(addr, pb, pb_grpc):
     for algorithm in ("gzip", "deflate"):
         z = c.infer(model, [i], compression_algorithm=algorithm).as_numpy("output")
         check(np.array_equal(z, plain), f"{algorithm} request answered as the plain one")
+
+    # System shared memory, as tritonclient's own helpers make it: the hidden states from one
+    # region, the output into another, equal per token to the same request over the wire.
+    import tritonclient.utils.shared_memory as shm
+    n = 9
+    x = rng.uniform(-1, 1, (n, H)).astype(np.float32)
+    regions = [shm.create_shared_memory_region(name, f"/epserve-check-{os.getpid()}-{name}", x.nbytes)
+               for name in ("in", "out")]
+    try:
+        shm.set_shared_memory_region(regions[0], [x])
+        for name in ("in", "out"):
+            c.register_system_shared_memory(name, f"/epserve-check-{os.getpid()}-{name}", x.nbytes)
+        status = c.get_system_shared_memory_status(as_json=True)["regions"]
+        check(sorted(status) == ["in", "out"], f"shared-memory status {status}")
+        i = triton.InferInput("hidden_states", [n, H], "FP32")
+        i.set_shared_memory("in", x.nbytes)
+        o = triton.InferRequestedOutput("output")
+        o.set_shared_memory("out", x.nbytes)
+        r = c.infer(model, [i], outputs=[o])
+        got = r.get_output("output")
+        check(list(got.shape) == [n, H] and list(r.get_response().raw_output_contents) == [b""]
+              and got.parameters["shared_memory_region"].string_param == "out",
+              f"the output is in region out, not the response: {got}")
+        out = shm.get_contents_as_numpy(regions[1], np.float32, [n, H])
+        err = row_errors(out, forward(info.moe_layers[0], x, pb.F32))
+        check(err.max() <= 1e-6, f"shared memory vs Forward: worst token {err.max():.3e}")
+        try:
+            c.register_system_shared_memory("in", f"/epserve-check-{os.getpid()}-in", x.nbytes)
+        except InferenceServerException as e:
+            check("already registered" in e.message(), f"registered twice: {e.message()}")
+        else:
+            raise AssertionError("a region registered twice")
+        c.unregister_system_shared_memory()
+        check(c.get_system_shared_memory_status(as_json=True).get("regions", {}) == {},
+              "every region unregistered")
+    finally:
+        for h in regions:
+            shm.destroy_shared_memory_region(h)
 
     # Statistics: what was answered above is counted, with its queue and compute times.
     stats = {m["name"]: m for m in c.get_inference_statistics(as_json=True)["model_stats"]}

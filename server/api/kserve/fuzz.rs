@@ -99,7 +99,12 @@ fn no_request_panics_and_every_refusal_is_named() {
         Arc::new(Notify::new()),
         Arc::new(Abort::default()),
     );
-    let api = KserveApi::new(Arc::new(infer), 1);
+    let regions = regions::RegionArgs {
+        shm_regions_dir: std::env::temp_dir(),
+        shm_regions_mode: 0o600,
+        shm_regions_max: 1,
+    };
+    let api = KserveApi::new(Arc::new(infer), 1, regions, 1 << 20);
     let (h, k) = (spec.hidden, spec.top_k);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x6b73);
     let mut accepted = 0;
@@ -162,7 +167,7 @@ fn no_request_panics_and_every_refusal_is_named() {
                 );
                 assert!(!s.message().is_empty());
             }
-            Ok((model, (input, out, _))) => {
+            Ok((model, Decoded { input, out, .. })) => {
                 accepted += 1;
                 assert!(out.is_float());
                 let x = &input.hidden;

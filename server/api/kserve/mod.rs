@@ -4,6 +4,7 @@
 //! numerics are the same.
 
 mod models;
+pub mod regions;
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -25,15 +26,22 @@ use crate::inference::infer_parameter::ParameterChoice;
 use crate::inference::model_infer_request::InferInputTensor;
 use crate::inference::model_infer_response::InferOutputTensor;
 use crate::inference::{
-    InferParameter, InferStatistics, ModelConfigRequest, ModelConfigResponse, ModelInferRequest,
+    CudaSharedMemoryRegisterRequest, CudaSharedMemoryRegisterResponse,
+    CudaSharedMemoryStatusRequest, CudaSharedMemoryStatusResponse,
+    CudaSharedMemoryUnregisterRequest, CudaSharedMemoryUnregisterResponse, InferParameter,
+    InferStatistics, ModelConfigRequest, ModelConfigResponse, ModelInferRequest,
     ModelInferResponse, ModelMetadataRequest, ModelMetadataResponse, ModelReadyRequest,
     ModelReadyResponse, ModelStatistics, ModelStatisticsRequest, ModelStatisticsResponse,
     ModelStreamInferResponse, RepositoryIndexRequest, RepositoryIndexResponse, ServerLiveRequest,
     ServerLiveResponse, ServerMetadataRequest, ServerMetadataResponse, ServerReadyRequest,
-    ServerReadyResponse, StatisticDuration,
+    ServerReadyResponse, StatisticDuration, SystemSharedMemoryRegisterRequest,
+    SystemSharedMemoryRegisterResponse, SystemSharedMemoryStatusRequest,
+    SystemSharedMemoryStatusResponse, SystemSharedMemoryUnregisterRequest,
+    SystemSharedMemoryUnregisterResponse,
 };
 use crate::router::{Failure, Permit};
 use models::{name, Model, HIDDEN, IDS_IN, OUTPUT, PLATFORM, VERSION, WEIGHTS};
+use regions::{Regions, Span, SHM_TENSORS};
 
 /// Request parameters understood here: the output's float type, and Triton's timeout (µs).
 /// Triton's reserved `triton_*` ones are taken as Triton takes them.
@@ -45,6 +53,10 @@ const FINAL: &str = "triton_final_response";
 
 pub struct KserveApi {
     infer: Arc<Infer>,
+    /// Clients' system shared-memory regions.
+    regions: Regions,
+    /// --max-request-bytes: the most a request's tensors may hold, however they come.
+    max_request: usize,
     /// Most requests of one ModelStreamInfer in progress or not yet taken by the transport.
     stream_in_flight: usize,
 }
@@ -136,14 +148,85 @@ fn input_bytes(t: &InferInputTensor, d: Dtype, raw: Option<&Bytes>) -> Result<By
 /// The three inputs by slot (hidden_states, topk_ids, topk_weights): dtype, shape and bytes.
 type Found<'a> = [Option<(Dtype, &'a [i64], Bytes)>; 3];
 
-/// Refuses parameters this server does not act on, rather than ignoring what a client asked.
-fn no_parameters(what: &str, p: &HashMap<String, InferParameter>) -> Result<(), Failure> {
-    match p.keys().min() {
-        None => Ok(()),
-        Some(k) => Err(Failure::invalid(format!(
-            "{what}: parameter {} is not supported",
-            quote(k)
+/// Where a tensor lies in shared memory, as its parameters name it: (region, offset, bytes).
+type ShmRef = (String, u64, u64);
+
+/// A tensor's parameters: Triton's shared-memory ones, the only ones a tensor takes here; any
+/// other is refused rather than ignored.
+fn tensor_parameters(
+    what: &str,
+    p: &HashMap<String, InferParameter>,
+) -> Result<Option<ShmRef>, Failure> {
+    let (mut region, mut offset, mut size) = (None, None, None);
+    for (k, v) in p {
+        let number = |v: &InferParameter| match v.parameter_choice {
+            Some(ParameterChoice::Int64Param(n)) => u64::try_from(n).ok(),
+            Some(ParameterChoice::Uint64Param(n)) => Some(n),
+            _ => None,
+        };
+        let wrong = || {
+            Failure::invalid(format!(
+                "{what}: parameter {}: a {} value is not valid here (shared_memory_region: a \
+                 string; shared_memory_offset and shared_memory_byte_size: non-negative integers)",
+                quote(k),
+                param_name(v)
+            ))
+        };
+        match k.as_str() {
+            "shared_memory_region" => match &v.parameter_choice {
+                Some(ParameterChoice::StringParam(r)) => region = Some(r.clone()),
+                _ => return Err(wrong()),
+            },
+            "shared_memory_offset" => offset = Some(number(v).ok_or_else(wrong)?),
+            "shared_memory_byte_size" => size = Some(number(v).ok_or_else(wrong)?),
+            _ => {
+                return Err(Failure::invalid(format!(
+                    "{what}: parameter {} is not supported (supported: shared_memory_region, \
+                     shared_memory_offset, shared_memory_byte_size)",
+                    quote(k)
+                )))
+            }
+        }
+    }
+    match (region, size) {
+        (Some(r), Some(n)) => Ok(Some((r, offset.unwrap_or(0), n))),
+        (None, None) if offset.is_none() => Ok(None),
+        (Some(_), None) => Err(Failure::invalid(format!(
+            "{what}: shared_memory_region without shared_memory_byte_size"
         ))),
+        _ => Err(Failure::invalid(format!(
+            "{what}: shared_memory_offset or shared_memory_byte_size without \
+             shared_memory_region"
+        ))),
+    }
+}
+
+/// A decoded request and what its answer needs.
+struct Decoded {
+    input: crate::router::JobInput,
+    /// The output's type.
+    out: Dtype,
+    /// Mark a stream's answer as the request's last.
+    mark_final: bool,
+    /// Where the output goes, if to the client's shared memory.
+    out_span: Option<Span>,
+}
+
+fn bool_param(b: bool) -> InferParameter {
+    InferParameter {
+        parameter_choice: Some(ParameterChoice::BoolParam(b)),
+    }
+}
+
+fn string_param(s: &str) -> InferParameter {
+    InferParameter {
+        parameter_choice: Some(ParameterChoice::StringParam(s.into())),
+    }
+}
+
+fn int_param(n: usize) -> InferParameter {
+    InferParameter {
+        parameter_choice: Some(ParameterChoice::Int64Param(n as i64)),
     }
 }
 
@@ -235,9 +318,16 @@ fn statistics(m: &Model, s: &LayerStats) -> ModelStatistics {
 }
 
 impl KserveApi {
-    pub fn new(infer: Arc<Infer>, stream_in_flight: usize) -> Self {
+    pub fn new(
+        infer: Arc<Infer>,
+        stream_in_flight: usize,
+        regions: regions::RegionArgs,
+        max_request: usize,
+    ) -> Self {
         Self {
             infer,
+            regions: Regions::new(regions),
+            max_request,
             stream_in_flight: stream_in_flight.max(1),
         }
     }
@@ -248,16 +338,17 @@ impl KserveApi {
     }
 
     /// The request's inputs, checked against the model (the hidden states stay the client's
-    /// bytes), its output datatype, and whether a stream's answer says it is the last.
+    /// bytes, or are read from its shared-memory region), and what its answer needs.
     fn decode(
         &self,
         r: &ModelInferRequest,
         model: Model,
         deadline: Option<Instant>,
-    ) -> Result<(crate::router::JobInput, Dtype, bool), Failure> {
+    ) -> Result<Decoded, Failure> {
         let set = settings(r, deadline).map_err(|f| rejected("invalid_argument", f))?;
-        let found =
-            Self::inputs(r, model.accepts()).map_err(|f| rejected("invalid_argument", f))?;
+        let (found, out_span) = self
+            .inputs(r, model)
+            .map_err(|f| rejected("invalid_argument", f))?;
         let out = set
             .output
             .unwrap_or_else(|| model.output(found[0].as_ref().map(|f| f.0)));
@@ -278,15 +369,40 @@ impl KserveApi {
             deadline: set.deadline,
             names: name,
         })?;
-        Ok((input, out, set.mark_final))
+        let need = input.tokens * self.infer.spec().hidden * out.bytes();
+        if let Some(span) = &out_span {
+            if span.len < need {
+                return Err(rejected(
+                    "invalid_argument",
+                    Failure::invalid(format!(
+                        "output {OUTPUT}: shared_memory_byte_size {} is less than the output's \
+                         {need} bytes ({} x {} {})",
+                        span.len,
+                        input.tokens,
+                        self.infer.spec().hidden,
+                        name(out)
+                    )),
+                ));
+            }
+        }
+        Ok(Decoded {
+            input,
+            out,
+            mark_final: set.mark_final,
+            out_span,
+        })
     }
 
-    /// The protocol's own checks: outputs asked for, and inputs by name with their data, the
-    /// hidden states in one of the types `hidden` lists.
+    /// The protocol's own checks: outputs asked for (and the region the output goes to), and
+    /// inputs by name with their data, the hidden states in one of the types `hidden` lists.
+    /// An input's data is its shared-memory span, its typed contents, or a raw entry: one per
+    /// input, or (as Triton's clients send them) one per input with neither of the others.
     fn inputs<'a>(
+        &self,
         r: &'a ModelInferRequest,
-        hidden: &'static [Dtype],
-    ) -> Result<Found<'a>, Failure> {
+        model: Model,
+    ) -> Result<(Found<'a>, Option<Span>), Failure> {
+        let mut out_span = None;
         for o in &r.outputs {
             if o.name != OUTPUT {
                 return Err(Failure::invalid(format!(
@@ -294,41 +410,100 @@ impl KserveApi {
                     quote(&o.name)
                 )));
             }
-            no_parameters(&format!("output {OUTPUT}"), &o.parameters)?;
+            let what = format!("output {OUTPUT}");
+            if let Some((region, offset, len)) = tensor_parameters(&what, &o.parameters)? {
+                out_span = Some(self.regions.get(&region, &what)?.span(offset, len, &what)?);
+            }
         }
+        let shm: Vec<Option<ShmRef>> = r
+            .inputs
+            .iter()
+            .map(|t| tensor_parameters(&t.name, &t.parameters))
+            .collect::<Result<_, _>>()?;
         let raw = &r.raw_input_contents;
-        if !raw.is_empty() && raw.len() != r.inputs.len() {
+        // Positional when there is one raw entry per input; else taken in order by the inputs
+        // that carry neither shared memory nor contents.
+        let positional = raw.len() == r.inputs.len();
+        let takers = r
+            .inputs
+            .iter()
+            .zip(&shm)
+            .filter(|(t, m)| t.contents.is_none() && m.is_none())
+            .count();
+        if !raw.is_empty() && !positional && raw.len() != takers {
             return Err(Failure::invalid(format!(
-                "raw_input_contents has {} entries for {} inputs (one per input, or none)",
+                "raw_input_contents has {} entries for {} inputs (one per input, or one per \
+                 input without contents or shared memory)",
                 raw.len(),
                 r.inputs.len()
             )));
         }
-        // (name, accepted dtypes), by slot in `found`
-        let inputs: [(&str, &[Dtype]); 3] = [(HIDDEN, hidden), (IDS_IN, IDS), (WEIGHTS, FLOATS)];
+        let mut next_raw = 0;
+        // (name, accepted dtypes), by slot in `found`; the model's own inputs only.
+        let inputs: [(&str, &[Dtype]); 3] =
+            [(HIDDEN, model.accepts()), (IDS_IN, IDS), (WEIGHTS, FLOATS)];
+        let inputs = &inputs[..model.inputs().len()];
         let mut found: Found = [None, None, None];
-        for (i, t) in r.inputs.iter().enumerate() {
+        for (i, (t, shm)) in r.inputs.iter().zip(shm).enumerate() {
             let slot = inputs
                 .iter()
                 .position(|(n, _)| *n == t.name)
                 .ok_or_else(|| {
                     Failure::invalid(format!(
-                        "unknown input {} (inputs: {HIDDEN}, {IDS_IN}, {WEIGHTS})",
-                        quote(&t.name)
+                        "unknown input {} (inputs: {})",
+                        quote(&t.name),
+                        model.inputs().join(", ")
                     ))
                 })?;
             if found[slot].is_some() {
                 return Err(Failure::invalid(format!("input {:?} given twice", t.name)));
             }
-            no_parameters(&t.name, &t.parameters)?;
             let d = datatype(&t.datatype, &t.name, inputs[slot].1)?;
             if !inputs[slot].1.contains(&d) {
                 return Err(tensor::not_accepted(&t.name, name(d), inputs[slot].1, name));
             }
-            let data = input_bytes(t, d, raw.get(i))?;
+            let raw = if positional {
+                raw.get(i)
+            } else if t.contents.is_none() && shm.is_none() {
+                next_raw += 1;
+                raw.get(next_raw - 1)
+            } else {
+                None
+            };
+            let data = match shm {
+                Some(_) if raw.is_some() || t.contents.is_some() => {
+                    return Err(Failure::invalid(format!(
+                        "{}: data given both in shared memory and in the request",
+                        t.name
+                    )))
+                }
+                Some((region, offset, len)) => self.read_input(&t.name, &region, offset, len)?,
+                None => input_bytes(t, d, raw)?,
+            };
             found[slot] = Some((d, &t.shape, data));
         }
-        Ok(found)
+        Ok((found, out_span))
+    }
+
+    /// An input's bytes from a shared-memory region: read at once (from the page cache, a copy
+    /// like the wire's), so they are held only as long as bytes off the wire would be.
+    fn read_input(
+        &self,
+        what: &str,
+        region: &str,
+        offset: u64,
+        len: u64,
+    ) -> Result<Bytes, Failure> {
+        if len > self.max_request as u64 {
+            return Err(Failure::invalid(format!(
+                "{what}: shared_memory_byte_size {len} exceeds --max-request-bytes ({})",
+                self.max_request
+            )));
+        }
+        let span = self.regions.get(region, what)?.span(offset, len, what)?;
+        let bytes = span.read()?;
+        metrics::counter!(SHM_TENSORS, "direction" => "in").increment(1);
+        Ok(bytes)
     }
 
     /// Decodes, checks, admits and waits for one request. The admission permit comes back with
@@ -341,34 +516,51 @@ impl KserveApi {
         let model = self
             .model(&r.model_name, &r.model_version)
             .map_err(|f| rejected("not_found", f))?;
-        let (input, out_dtype, mark_final) = self.decode(&r, model, deadline)?;
+        let d = self.decode(&r, model, deadline)?;
         let (id, model) = (std::mem::take(&mut r.id), std::mem::take(&mut r.model_name));
         // Only the hidden states' bytes wait in the queue, shared with the request's buffer.
         drop(r);
-        let a = self.infer.submit(input).await?;
+        let a = self.infer.submit(d.input).await?;
         let hidden = self.infer.spec().hidden;
         let mut parameters = HashMap::new();
-        if mark_final {
-            parameters.insert(
-                FINAL.to_string(),
-                InferParameter {
-                    parameter_choice: Some(ParameterChoice::BoolParam(true)),
-                },
-            );
+        if d.mark_final {
+            parameters.insert(FINAL.to_string(), bool_param(true));
         }
+        let mut output = InferOutputTensor {
+            name: OUTPUT.into(),
+            datatype: name(d.out).into(),
+            shape: vec![a.tokens as i64, hidden as i64],
+            parameters: HashMap::new(),
+            contents: None,
+        };
+        // The answer goes to the client's region, or in the response. Either way the response
+        // has one raw entry per output, as Triton's do (empty for a region's): its clients read
+        // the entries by the outputs' order.
+        let raw_output_contents = match &d.out_span {
+            Some(span) => {
+                span.write(&a.output)?;
+                metrics::counter!(SHM_TENSORS, "direction" => "out").increment(1);
+                let p = &mut output.parameters;
+                p.insert(
+                    "shared_memory_region".into(),
+                    string_param(&span.region.name),
+                );
+                p.insert("shared_memory_byte_size".into(), int_param(a.output.len()));
+                p.insert(
+                    "shared_memory_offset".into(),
+                    int_param(span.offset as usize),
+                );
+                vec![Bytes::new()]
+            }
+            None => vec![a.output],
+        };
         let resp = ModelInferResponse {
             model_name: model,
             model_version: VERSION.into(),
             id,
             parameters,
-            outputs: vec![InferOutputTensor {
-                name: OUTPUT.into(),
-                datatype: name(out_dtype).into(),
-                shape: vec![a.tokens as i64, hidden as i64],
-                parameters: HashMap::new(),
-                contents: None,
-            }],
-            raw_output_contents: vec![a.output],
+            outputs: vec![output],
+            raw_output_contents,
         };
         Ok(Done {
             resp,
@@ -468,9 +660,14 @@ impl GrpcInferenceService for Arc<KserveApi> {
         Ok(Response::new(ServerMetadataResponse {
             name: "epserve".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            extensions: ["parameters", "model_configuration", "statistics"]
-                .map(String::from)
-                .to_vec(),
+            extensions: [
+                "parameters",
+                "model_configuration",
+                "statistics",
+                "system_shared_memory",
+            ]
+            .map(String::from)
+            .to_vec(),
         }))
     }
 
@@ -540,6 +737,65 @@ impl GrpcInferenceService for Arc<KserveApi> {
         Ok(Response::new(RepositoryIndexResponse {
             models: models::index(self.infer.spec(), why.as_deref(), r.ready),
         }))
+    }
+
+    async fn system_shared_memory_status(
+        &self,
+        req: Request<SystemSharedMemoryStatusRequest>,
+    ) -> Result<Response<SystemSharedMemoryStatusResponse>, Status> {
+        let regions = self.regions.status(&req.into_inner().name)?;
+        Ok(Response::new(SystemSharedMemoryStatusResponse { regions }))
+    }
+
+    async fn system_shared_memory_register(
+        &self,
+        req: Request<SystemSharedMemoryRegisterRequest>,
+    ) -> Result<Response<SystemSharedMemoryRegisterResponse>, Status> {
+        let r = req.into_inner();
+        self.regions
+            .register(&r.name, &r.key, r.offset, r.byte_size)
+            .inspect_err(|s| tracing::debug!("shared-memory region refused: {}", s.message()))?;
+        Ok(Response::new(SystemSharedMemoryRegisterResponse {}))
+    }
+
+    async fn system_shared_memory_unregister(
+        &self,
+        req: Request<SystemSharedMemoryUnregisterRequest>,
+    ) -> Result<Response<SystemSharedMemoryUnregisterResponse>, Status> {
+        self.regions.unregister(&req.into_inner().name);
+        Ok(Response::new(SystemSharedMemoryUnregisterResponse {}))
+    }
+
+    async fn cuda_shared_memory_status(
+        &self,
+        req: Request<CudaSharedMemoryStatusRequest>,
+    ) -> Result<Response<CudaSharedMemoryStatusResponse>, Status> {
+        let name = req.into_inner().name;
+        if !name.is_empty() {
+            return Err(Status::not_found(format!(
+                "no CUDA shared-memory region {} is registered",
+                quote(&name)
+            )));
+        }
+        Ok(Response::new(CudaSharedMemoryStatusResponse::default()))
+    }
+
+    async fn cuda_shared_memory_register(
+        &self,
+        _: Request<CudaSharedMemoryRegisterRequest>,
+    ) -> Result<Response<CudaSharedMemoryRegisterResponse>, Status> {
+        Err(Status::unavailable(
+            "CUDA shared memory is not served: use system shared memory \
+             (SystemSharedMemoryRegister)",
+        ))
+    }
+
+    /// Nothing is ever registered, so there is nothing to unregister.
+    async fn cuda_shared_memory_unregister(
+        &self,
+        _: Request<CudaSharedMemoryUnregisterRequest>,
+    ) -> Result<Response<CudaSharedMemoryUnregisterResponse>, Status> {
+        Ok(Response::new(CudaSharedMemoryUnregisterResponse {}))
     }
 
     /// Served by `ModelInfer` behind `unary::WithUnary`; tonic's own path, should anything route

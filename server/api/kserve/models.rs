@@ -1,8 +1,11 @@
-//! The models KServe clients see: one per MoE layer and float type. `layer-<L>` declares FP32
-//! and, as it always has, takes any float type and answers in the input's; `layer-<L>-bf16` and
-//! `layer-<L>-fp16` declare their type and take only it, so a tool that reads metadata or the
-//! configuration (perf_analyzer) finds BF16 and FP16 and sends them. All of a layer's models run
-//! the same layer; each reports the statistics of the layer's requests in its float type.
+//! The models KServe clients see: per MoE layer, one per float type, each also `-gated`.
+//! `layer-<L>` declares FP32 and, as it always has, takes any float type and answers in the
+//! input's; `layer-<L>-bf16` and `layer-<L>-fp16` declare their type and take only it, so a tool
+//! that reads metadata or the configuration (perf_analyzer) finds BF16 and FP16 and sends them.
+//! The routing inputs are optional; a `-gated` model declares the hidden states alone (the layer
+//! always gates), for tools that cannot leave an optional input out (perf_analyzer 2.41 with
+//! shared memory). All of a layer's models run the same layer; each float type's models report
+//! the statistics of the layer's requests in that type.
 
 use std::collections::HashMap;
 
@@ -34,7 +37,12 @@ pub struct Model {
     pub layer: u32,
     /// None: `layer-<L>`, any float type in.
     pub float: Option<Dtype>,
+    /// No routing inputs: the layer gates.
+    pub gated: bool,
 }
+
+const ALL_INPUTS: &[&str] = &[HIDDEN, IDS_IN, WEIGHTS];
+const GATED_INPUTS: &[&str] = &[HIDDEN];
 
 /// The Open Inference Protocol's datatype names.
 pub fn name(d: Dtype) -> &'static str {
@@ -61,9 +69,15 @@ impl Model {
     /// Every model, by layer then type.
     pub fn all(spec: &MoeSpec) -> impl Iterator<Item = Model> + '_ {
         spec.moe_layers.iter().flat_map(|&layer| {
-            std::iter::once(None)
-                .chain(TYPED.iter().map(|t| Some(t.1)))
-                .map(move |float| Model { layer, float })
+            [false, true].into_iter().flat_map(move |gated| {
+                std::iter::once(None)
+                    .chain(TYPED.iter().map(|t| Some(t.1)))
+                    .map(move |float| Model {
+                        layer,
+                        float,
+                        gated,
+                    })
+            })
         })
     }
 
@@ -72,7 +86,8 @@ impl Model {
         let found = Self::all(spec).find(|m| m.name() == model).ok_or_else(|| {
             let plain: Vec<String> = spec.moe_layers.iter().map(|&l| plain(l)).collect();
             Failure::NotFound(format!(
-                "unknown model {} (models: {}, each also as <name>-bf16 and <name>-fp16)",
+                "unknown model {} (models: {}, each also as <name>-bf16 and <name>-fp16, and \
+                 each of those -gated)",
                 quote(model),
                 plain.join(", ")
             ))
@@ -88,9 +103,22 @@ impl Model {
     }
 
     pub fn name(&self) -> String {
-        match self.float.and_then(|d| TYPED.iter().find(|t| t.1 == d)) {
-            Some((suffix, _)) => format!("{}-{suffix}", plain(self.layer)),
-            None => plain(self.layer),
+        let mut name = plain(self.layer);
+        if let Some((suffix, _)) = self.float.and_then(|d| TYPED.iter().find(|t| t.1 == d)) {
+            name = format!("{name}-{suffix}");
+        }
+        if self.gated {
+            name.push_str("-gated");
+        }
+        name
+    }
+
+    /// The inputs it declares and takes.
+    pub fn inputs(&self) -> &'static [&'static str] {
+        if self.gated {
+            GATED_INPUTS
+        } else {
+            ALL_INPUTS
         }
     }
 
@@ -122,14 +150,13 @@ impl Model {
             shape: vec![-1, cols],
         };
         let x = self.declared();
-        (
-            vec![
-                t(HIDDEN, x, h),
-                t(IDS_IN, Dtype::I32, k),
-                t(WEIGHTS, Dtype::F32, k),
-            ],
-            vec![t(OUTPUT, x, h)],
-        )
+        let mut inputs = vec![
+            t(HIDDEN, x, h),
+            t(IDS_IN, Dtype::I32, k),
+            t(WEIGHTS, Dtype::F32, k),
+        ];
+        inputs.truncate(self.inputs().len());
+        (inputs, vec![t(OUTPUT, x, h)])
     }
 
     /// Triton's model configuration: full shapes (max_batch_size 0, the service batches across
@@ -144,29 +171,31 @@ impl Model {
         };
         let x = self.declared();
         let accepts: Vec<&str> = self.accepts().iter().map(|&d| name(d)).collect();
+        let routing = if self.gated {
+            "the layer's own gate"
+        } else {
+            "topk_ids and topk_weights together (client routing), or neither (the layer's own gate)"
+        };
         let parameters = [
             ("layer", self.layer.to_string()),
             ("hidden_size", spec.hidden.to_string()),
             ("num_experts", spec.num_experts.to_string()),
             ("top_k", spec.top_k.to_string()),
             ("hidden_states_datatypes", accepts.join(",")),
-            (
-                "routing",
-                "topk_ids and topk_weights together (client routing), or neither (the layer's \
-                 own gate)"
-                    .to_string(),
-            ),
+            ("routing", routing.to_string()),
         ];
+        let mut inputs = vec![
+            input(HIDDEN, x, h, false),
+            input(IDS_IN, Dtype::I32, k, true),
+            input(WEIGHTS, Dtype::F32, k, true),
+        ];
+        inputs.truncate(self.inputs().len());
         ModelConfig {
             name: self.name(),
             platform: PLATFORM.into(),
             backend: PLATFORM.into(),
             max_batch_size: 0,
-            input: vec![
-                input(HIDDEN, x, h, false),
-                input(IDS_IN, Dtype::I32, k, true),
-                input(WEIGHTS, Dtype::F32, k, true),
-            ],
+            input: inputs,
             output: vec![ModelOutput {
                 name: OUTPUT.into(),
                 data_type: data_type(x).into(),
@@ -215,7 +244,7 @@ mod tests {
     fn every_model_is_found_by_its_name_and_nothing_else_is() {
         let spec = crate::model::synthetic::preset("tiny").unwrap();
         let all: Vec<Model> = Model::all(&spec).collect();
-        assert_eq!(all.len(), 3 * spec.moe_layers.len());
+        assert_eq!(all.len(), 6 * spec.moe_layers.len());
         for m in &all {
             assert_eq!(Model::find(&spec, &m.name(), "").unwrap(), *m);
             assert_eq!(Model::find(&spec, &m.name(), VERSION).unwrap(), *m);
@@ -223,18 +252,19 @@ mod tests {
             let c = m.config(&spec);
             assert_eq!(c.input[0].data_type, data_type(m.declared()) as i32);
             assert_eq!(c.output[0].data_type, c.input[0].data_type);
-            assert_eq!(
-                (
-                    c.input[0].optional,
-                    c.input[1].optional,
-                    c.input[2].optional
-                ),
-                (false, true, true)
-            );
+            let optional: Vec<bool> = c.input.iter().map(|i| i.optional).collect();
+            let want: &[bool] = if m.gated {
+                &[false]
+            } else {
+                &[false, true, true]
+            };
+            assert_eq!(optional, want, "{}", m.name());
+            assert_eq!(m.metadata(&spec).0.len(), c.input.len());
         }
         let l = spec.moe_layers[0];
         for bad in [
             format!("layer-{l}-fp32"),
+            format!("layer-{l}-gated-bf16"),
             format!("layer-{l}-"),
             format!("Layer-{l}"),
             "layer-999".into(),
@@ -255,7 +285,7 @@ mod tests {
     fn the_index_lists_every_model_and_says_why_one_is_not_ready() {
         let spec = crate::model::synthetic::preset("tiny").unwrap();
         let ready = index(&spec, None, false);
-        assert_eq!(ready.len(), 3 * spec.moe_layers.len());
+        assert_eq!(ready.len(), 6 * spec.moe_layers.len());
         assert!(ready
             .iter()
             .all(|m| m.state == "READY" && m.reason.is_empty()));

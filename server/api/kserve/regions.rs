@@ -1,0 +1,371 @@
+//! Triton's system shared memory: a client registers a region of its POSIX shared-memory object
+//! and requests name it for their inputs and outputs instead of carrying the bytes.
+//!
+//! What a client names is checked before it is used: the key is one POSIX name under
+//! `--shm-regions-dir` (no path, no link), a regular file owned by the service's uid with no
+//! mode bit beyond `--shm-regions-mode`, and the region lies inside it; each request's offset
+//! and size lie inside the region. The object is read and written with `pread`/`pwrite` on the
+//! descriptor opened at registration, not mapped: a client that truncates its object then gets
+//! an error, where a mapping would take the server down with SIGBUS. A request holds its region
+//! (the descriptor) until answered, so unregistering one in use frees nothing it still reads.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use clap::Args;
+use tonic::Status;
+
+use crate::infer::quote::quote;
+use crate::inference::system_shared_memory_status_response::RegionStatus;
+use crate::router::Failure;
+
+/// Bytes read from and written to clients' regions (`direction`: in, out).
+pub const SHM_BYTES: &str = "epserve_shm_bytes_total";
+/// Inputs and outputs that named a region.
+pub const SHM_TENSORS: &str = "epserve_shm_tensors_total";
+
+#[derive(Args, Debug, Clone)]
+pub struct RegionArgs {
+    /// Where clients' POSIX shared-memory objects are (shm_open's names are files here).
+    #[arg(long, env = "EPSERVE_SHM_REGIONS_DIR", default_value = "/dev/shm")]
+    pub shm_regions_dir: PathBuf,
+    /// The widest mode a client's object may have (octal); the owner must be the service's uid.
+    #[arg(long, env = "EPSERVE_SHM_REGIONS_MODE", default_value = "600", value_parser = octal)]
+    pub shm_regions_mode: u32,
+    /// Most regions registered at once (each holds one open file).
+    #[arg(long, env = "EPSERVE_SHM_REGIONS_MAX", default_value_t = 256)]
+    pub shm_regions_max: usize,
+}
+
+fn octal(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s.trim_start_matches("0o"), 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("{s:?} is not an octal mode (e.g. 600)"))
+}
+
+/// One registered region: `size` bytes from `offset` of the object behind `file`.
+pub struct Region {
+    pub name: String,
+    key: String,
+    offset: u64,
+    size: u64,
+    file: File,
+}
+
+/// Where a tensor lies in a region, as a request's parameters give it.
+pub struct Span {
+    pub region: Arc<Region>,
+    /// Within the region.
+    pub offset: u64,
+    pub len: usize,
+}
+
+impl Region {
+    /// `len` bytes at `offset` within the region, checked against its bounds.
+    pub fn span(self: &Arc<Self>, offset: u64, len: u64, what: &str) -> Result<Span, Failure> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size => Ok(Span {
+                region: self.clone(),
+                offset,
+                len: len as usize,
+            }),
+            _ => Err(Failure::invalid(format!(
+                "{what}: shared_memory_offset {offset} + shared_memory_byte_size {len} lies \
+                 outside region {} ({} bytes)",
+                quote(&self.name),
+                self.size
+            ))),
+        }
+    }
+}
+
+impl Span {
+    /// Reads the span. A short read (the client truncated its object) is INVALID_ARGUMENT.
+    pub fn read(&self) -> Result<Bytes, Failure> {
+        let mut buf = vec![0u8; self.len];
+        let at = self.region.offset + self.offset;
+        self.region
+            .file
+            .read_exact_at(&mut buf, at)
+            .map_err(|e| self.io_failure("reading", e))?;
+        metrics::counter!(SHM_BYTES, "direction" => "in").increment(self.len as u64);
+        Ok(buf.into())
+    }
+
+    /// Writes `data` at the span's start; it must fit.
+    pub fn write(&self, data: &[u8]) -> Result<(), Failure> {
+        debug_assert!(data.len() <= self.len);
+        let at = self.region.offset + self.offset;
+        self.region
+            .file
+            .write_all_at(data, at)
+            .map_err(|e| self.io_failure("writing", e))?;
+        metrics::counter!(SHM_BYTES, "direction" => "out").increment(data.len() as u64);
+        Ok(())
+    }
+
+    fn io_failure(&self, doing: &str, e: std::io::Error) -> Failure {
+        Failure::invalid(format!(
+            "{doing} shared-memory region {} (key {}): {e} (was the object truncated?)",
+            quote(&self.region.name),
+            quote(&self.region.key)
+        ))
+    }
+}
+
+pub struct Regions {
+    args: RegionArgs,
+    map: Mutex<HashMap<String, Arc<Region>>>,
+}
+
+impl Regions {
+    pub fn new(args: RegionArgs) -> Self {
+        Self {
+            args,
+            map: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Region>>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn register(&self, name: &str, key: &str, offset: u64, size: u64) -> Result<(), Status> {
+        if name.is_empty() {
+            return Err(Status::invalid_argument("a region needs a name"));
+        }
+        if size == 0 {
+            return Err(Status::invalid_argument(format!(
+                "region {}: byte_size 0",
+                quote(name)
+            )));
+        }
+        let file = self.open(key, offset, size)?;
+        let mut map = self.map();
+        if map.contains_key(name) {
+            return Err(Status::already_exists(format!(
+                "shared-memory region {} is already registered",
+                quote(name)
+            )));
+        }
+        if map.len() >= self.args.shm_regions_max {
+            return Err(Status::resource_exhausted(format!(
+                "{} regions are registered, the most --shm-regions-max allows",
+                map.len()
+            )));
+        }
+        let region = Region {
+            name: name.into(),
+            key: key.into(),
+            offset,
+            size,
+            file,
+        };
+        map.insert(name.into(), Arc::new(region));
+        Ok(())
+    }
+
+    /// The object behind `key`, checked: a POSIX name, a regular file of ours, no wider mode
+    /// than accepted, and long enough.
+    fn open(&self, key: &str, offset: u64, size: u64) -> Result<File, Status> {
+        let bad_key = || {
+            Status::invalid_argument(format!(
+                "key {}: not a POSIX shared-memory name ('/' and 1 to 255 characters, no other \
+                 '/')",
+                quote(key)
+            ))
+        };
+        let base = key.strip_prefix('/').ok_or_else(bad_key)?;
+        if base.is_empty() || base.len() > 255 || base.contains('/') || base == "." || base == ".."
+        {
+            return Err(bad_key());
+        }
+        let path = self.args.shm_regions_dir.join(base);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&path)
+            .map_err(|e| {
+                let s = format!("key {} does not open: {e}", quote(key));
+                match e.kind() {
+                    std::io::ErrorKind::NotFound => Status::not_found(s),
+                    std::io::ErrorKind::PermissionDenied => Status::permission_denied(s),
+                    _ => Status::invalid_argument(s),
+                }
+            })?;
+        let meta = file
+            .metadata()
+            .map_err(|e| Status::internal(format!("key {}: {e}", quote(key))))?;
+        if !meta.file_type().is_file() {
+            return Err(Status::invalid_argument(format!(
+                "key {}: not a shared-memory object (a regular file)",
+                quote(key)
+            )));
+        }
+        let uid = nix::unistd::geteuid().as_raw();
+        if meta.uid() != uid {
+            return Err(Status::permission_denied(format!(
+                "key {}: owned by uid {}, not the service's uid {uid}",
+                quote(key),
+                meta.uid()
+            )));
+        }
+        let mode = meta.mode() & 0o777;
+        if mode & !self.args.shm_regions_mode != 0 {
+            return Err(Status::permission_denied(format!(
+                "key {}: mode {mode:03o} is wider than the service accepts ({:03o}, \
+                 --shm-regions-mode)",
+                quote(key),
+                self.args.shm_regions_mode
+            )));
+        }
+        match offset.checked_add(size) {
+            Some(end) if end <= meta.len() => Ok(file),
+            _ => Err(Status::invalid_argument(format!(
+                "key {}: offset {offset} + byte_size {size} exceeds the object's {} bytes",
+                quote(key),
+                meta.len()
+            ))),
+        }
+    }
+
+    /// Unregisters `name`, or every region for an empty name; requests that use a region keep
+    /// it until they are answered. An unknown name is not an error (as in Triton).
+    pub fn unregister(&self, name: &str) {
+        let mut map = self.map();
+        if name.is_empty() {
+            map.clear();
+        } else {
+            map.remove(name);
+        }
+    }
+
+    /// The status of `name`, or of every region for an empty name.
+    pub fn status(&self, name: &str) -> Result<HashMap<String, RegionStatus>, Status> {
+        let map = self.map();
+        let status = |r: &Region| RegionStatus {
+            name: r.name.clone(),
+            key: r.key.clone(),
+            offset: r.offset,
+            byte_size: r.size,
+        };
+        if name.is_empty() {
+            return Ok(map.iter().map(|(k, r)| (k.clone(), status(r))).collect());
+        }
+        let r = map.get(name).ok_or_else(|| {
+            Status::not_found(format!(
+                "no shared-memory region {} is registered",
+                quote(name)
+            ))
+        })?;
+        Ok([(name.to_string(), status(r))].into())
+    }
+
+    /// The region a request names.
+    pub fn get(&self, name: &str, what: &str) -> Result<Arc<Region>, Failure> {
+        self.map().get(name).cloned().ok_or_else(|| {
+            Failure::invalid(format!(
+                "{what}: shared-memory region {} is not registered",
+                quote(name)
+            ))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn regions(dir: &std::path::Path) -> Regions {
+        Regions::new(RegionArgs {
+            shm_regions_dir: dir.into(),
+            shm_regions_mode: 0o600,
+            shm_regions_max: 2,
+        })
+    }
+
+    fn object(dir: &std::path::Path, name: &str, len: usize, mode: u32) {
+        let p = dir.join(name);
+        std::fs::write(&p, vec![7u8; len]).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    #[test]
+    fn what_a_client_names_is_checked_before_use() {
+        let dir = std::env::temp_dir().join(format!("epserve-regions-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        object(&dir, "a", 4096, 0o600);
+        object(&dir, "wide", 4096, 0o666);
+        std::os::unix::fs::symlink(dir.join("a"), dir.join("link")).unwrap();
+        let r = regions(&dir);
+        let code = |res: Result<(), Status>| res.unwrap_err().code();
+        use tonic::Code;
+        assert_eq!(code(r.register("x", "a", 0, 16)), Code::InvalidArgument);
+        assert_eq!(code(r.register("x", "/../a", 0, 16)), Code::InvalidArgument);
+        assert_eq!(code(r.register("x", "/", 0, 16)), Code::InvalidArgument);
+        assert_eq!(code(r.register("x", "/missing", 0, 16)), Code::NotFound);
+        assert_eq!(code(r.register("x", "/link", 0, 16)), Code::InvalidArgument);
+        assert_eq!(
+            code(r.register("x", "/wide", 0, 16)),
+            Code::PermissionDenied
+        );
+        // Another uid's object (only root can make one here).
+        if nix::unistd::geteuid().is_root() {
+            object(&dir, "theirs", 4096, 0o600);
+            std::os::unix::fs::chown(dir.join("theirs"), Some(65534), None).unwrap();
+            let e = r.register("x", "/theirs", 0, 16).unwrap_err();
+            assert_eq!(e.code(), Code::PermissionDenied);
+            assert!(e.message().contains("not the service's uid"), "{e:?}");
+        }
+        assert_eq!(code(r.register("x", "/a", 4000, 97)), Code::InvalidArgument);
+        assert_eq!(
+            code(r.register("x", "/a", u64::MAX, 2)),
+            Code::InvalidArgument
+        );
+        assert_eq!(code(r.register("x", "/a", 0, 0)), Code::InvalidArgument);
+        assert_eq!(code(r.register("", "/a", 0, 16)), Code::InvalidArgument);
+        r.register("x", "/a", 1024, 1024).unwrap();
+        assert_eq!(code(r.register("x", "/a", 0, 16)), Code::AlreadyExists);
+        r.register("y", "/a", 0, 16).unwrap();
+        assert_eq!(code(r.register("z", "/a", 0, 16)), Code::ResourceExhausted);
+        assert_eq!(r.status("").unwrap().len(), 2);
+        assert_eq!(r.status("x").unwrap()["x"].offset, 1024);
+        assert_eq!(r.status("nope").unwrap_err().code(), Code::NotFound);
+
+        // Spans within the region only; reads and writes land at region offset + span offset.
+        let x = r.get("x", "t").unwrap();
+        assert!(x.span(1000, 24, "t").is_ok());
+        assert!(x.span(1000, 25, "t").is_err());
+        assert!(x.span(u64::MAX, 2, "t").is_err());
+        let s = x.span(8, 4, "t").unwrap();
+        s.write(&[1, 2, 3, 4]).unwrap();
+        assert_eq!(&s.read().unwrap()[..], &[1, 2, 3, 4]);
+        assert_eq!(
+            &std::fs::read(dir.join("a")).unwrap()[1032..1036],
+            &[1, 2, 3, 4]
+        );
+
+        // Unregistered while held: the holder still reads; a truncated object is an error.
+        r.unregister("x");
+        assert!(r.get("x", "t").is_err());
+        assert_eq!(&s.read().unwrap()[..], &[1, 2, 3, 4]);
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join("a"))
+            .unwrap()
+            .set_len(100)
+            .unwrap();
+        let e = s.read().unwrap_err();
+        assert!(e.to_string().contains("truncated"), "{e}");
+        r.unregister("");
+        assert!(r.status("").unwrap().is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
