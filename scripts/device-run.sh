@@ -181,14 +181,18 @@ if want serve; then
     m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$out/serve-$name.log" | head -1)
     r0=$(pgrep -P $pid -f -- '--rank 0 ' | head -1)
     # SERVE_CONFIGS: "clients:tokens ..." (default 64 clients of 128 tokens, 16 of 2048).
-    for cfg in ${SERVE_CONFIGS:-64:128 16:2048}; do
-      set -- ${cfg/:/ }
-      tag="$name-c$1-t$2"
+    # SERVE_APIS: the loadtest's --api values, each run in turn (default unary); kserve-shm
+    # (system shared memory, same host) runs without the echo, which has no shared memory.
+    for cfg_api in $(for c in ${SERVE_CONFIGS:-64:128 16:2048}; do for a in ${SERVE_APIS:-unary}; do echo "$c:$a"; done; done); do
+      IFS=: read -r clients tokens api <<<"$cfg_api"
+      set -- "$clients" "$tokens"
+      echo_flag=(--echo); [ "$api" = kserve-shm ] && echo_flag=()
+      tag="$name-c$1-t$2$([ "$api" = unary ] || echo "-$api")"
       s0=$(metric "$m0" epserve_step_duration_seconds_sum); k0=$(metric "$m0" epserve_step_tokens_sum)
       read -r -a copies0 <<<"$(copy_times "$m0")"; read -r -a use0 <<<"$(proc_use "$r0")"
       thread_use "$r0" >"$out/threads0.txt"
       t0=$(date +%s.%N)
-      "$loadtest" --target "$addr" --echo --concurrency "$1" --tokens "$2" --dtype bf16 \
+      "$loadtest" --target "$addr" --api "$api" "${echo_flag[@]}" --concurrency "$1" --tokens "$2" --dtype bf16 \
         --warmup 2s --duration 8s "${h2[@]}" --json "$out/serve-$tag.json" >"$out/serve-$tag.txt" 2>&1
       s1=$(metric "$m0" epserve_step_duration_seconds_sum); k1=$(metric "$m0" epserve_step_tokens_sum)
       t1=$(date +%s.%N)
@@ -217,7 +221,7 @@ PY
       # skips it.
       [ "${SERVE_OPEN:-1}" = 0 ] && continue
       rate=$(python3 -c "import json; print(round(0.7 * json.load(open('$out/serve-$tag.json'))['service']['requests_per_s'], 1))")
-      "$loadtest" --target "$addr" --echo --rate "$rate" --tokens "$2" --dtype bf16 \
+      "$loadtest" --target "$addr" --api "$api" "${echo_flag[@]}" --rate "$rate" --tokens "$2" --dtype bf16 \
         --warmup 2s --duration 8s "${h2[@]}" --json "$out/serve-$tag-open70.json" >"$out/serve-$tag-open70.txt" 2>&1
       echo "== serve $tag: open loop at $rate req/s (70% of the closed loop), then the echo at the same rate"
       cat "$out/serve-$tag-open70.txt"

@@ -22,6 +22,9 @@ pub enum Api {
     Kserve,
     /// Requests multiplexed over long-lived KServe v2 `ModelStreamInfer` calls.
     KserveStream,
+    /// One KServe v2 `ModelInfer` call per request with the hidden states and the output in
+    /// system shared memory (POSIX objects under /dev/shm, registered once; same host only).
+    KserveShm,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]

@@ -5,5 +5,6 @@ pub mod config;
 pub mod echo;
 pub mod load;
 pub mod report;
+pub mod shm;
 pub mod sweep;
 pub mod workload;

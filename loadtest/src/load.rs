@@ -288,6 +288,8 @@ struct Target {
     kserve: Vec<GrpcInferenceServiceClient<Channel>>,
     v1_lanes: Vec<StreamLane<ForwardRequest>>,
     kserve_lanes: Vec<StreamLane<ModelInferRequest>>,
+    /// `--api kserve-shm`: the regions, one pair per request in flight.
+    regions: Option<crate::shm::Regions>,
     api: Api,
     /// The KServe model of the workload's layer.
     model: String,
@@ -298,7 +300,8 @@ struct Target {
 impl Target {
     /// `plan.connections` to each of the comma-separated addresses: requests go round-robin
     /// over all of them, so every address gets the same share.
-    async fn connect(addrs: &str, plan: &Plan, layer: u32) -> anyhow::Result<Self> {
+    async fn connect(addrs: &str, plan: &Plan, workload: &Workload) -> anyhow::Result<Self> {
+        let layer = workload.shape().layer;
         let (mut v1, mut kserve) = (Vec::new(), Vec::new());
         let each = addrs
             .split(',')
@@ -333,13 +336,29 @@ impl Target {
                     kserve_lanes.push(StreamLane::open(tx, inbound.into_inner(), kserve_answer));
                 }
             }
-            Api::Unary | Api::Kserve => {}
+            Api::Unary | Api::Kserve | Api::KserveShm => {}
         }
+        let regions = match plan.api {
+            Api::KserveShm => {
+                if addrs.contains(',') {
+                    anyhow::bail!("--api kserve-shm takes one address (the regions are local)");
+                }
+                let in_flight = match plan.mode {
+                    Mode::Closed(n) => n,
+                    Mode::Open(_) => plan.max_in_flight,
+                };
+                // The largest output: f32 rows of the largest request.
+                let len = workload.max_tokens() * workload.shape().hidden * 4;
+                Some(crate::shm::Regions::create(&mut kserve[0], in_flight, len).await?)
+            }
+            _ => None,
+        };
         Ok(Self {
             v1,
             kserve,
             v1_lanes,
             kserve_lanes,
+            regions,
             api: plan.api,
             model: format!("layer-{layer}"),
             next: AtomicUsize::new(0),
@@ -367,6 +386,15 @@ impl Target {
                 req.set_timeout(timeout);
                 match c.model_infer(req).await {
                     Ok(r) => ("OK".into(), kserve_out(r.get_ref())),
+                    Err(s) => (status_name(&s), None),
+                }
+            }
+            Api::KserveShm => {
+                let mut c = self.kserve[i % self.kserve.len()].clone();
+                let regions = self.regions.as_ref().expect("kserve-shm has regions");
+                let req = kserve_request(request, &self.model);
+                match regions.infer(&mut c, req, timeout).await {
+                    Ok((r, bytes)) => ("OK".into(), kserve_out(&r).map(|o| Out { bytes, ..o })),
                     Err(s) => (status_name(&s), None),
                 }
             }
@@ -404,7 +432,7 @@ async fn one(target: &Target, workload: &Mutex<Workload>, rec: &Recorder, id: u6
 /// Runs the plan against `addr` (one address, or several comma-separated: the load is spread
 /// evenly over them) and reports on the measured window.
 pub async fn run(addr: &str, plan: &Plan, workload: Workload, seed: u64) -> anyhow::Result<Report> {
-    let target = Arc::new(Target::connect(addr, plan, workload.shape().layer).await?);
+    let target = Arc::new(Target::connect(addr, plan, &workload).await?);
     let workload = Arc::new(Mutex::new(workload));
     let start = Instant::now();
     let (warm_end, end) = (start + plan.warmup, start + plan.warmup + plan.duration);
@@ -465,6 +493,9 @@ pub async fn run(addr: &str, plan: &Plan, workload: Workload, seed: u64) -> anyh
             "requests still in flight {:?} after their deadline",
             plan.timeout + Duration::from_secs(5)
         );
+    }
+    if let Some(regions) = &target.regions {
+        regions.close(&mut target.kserve[0].clone()).await;
     }
     Ok(Report::new(&rec, plan, addr, &rec_parts(&rec)))
 }

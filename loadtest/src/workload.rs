@@ -104,6 +104,15 @@ impl Workload {
         &self.shape
     }
 
+    /// The most tokens one request may have.
+    pub fn max_tokens(&self) -> usize {
+        match self.tokens {
+            Tokens::Fixed(n) => n.clamp(1, POOL_TOKENS),
+            Tokens::Uniform(_, b) => b.clamp(1, POOL_TOKENS),
+            Tokens::Exp(_) => POOL_TOKENS,
+        }
+    }
+
     fn draw_tokens(&mut self) -> usize {
         let n = match self.tokens {
             Tokens::Fixed(n) => n,

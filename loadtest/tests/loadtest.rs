@@ -134,6 +134,7 @@ async fn counts_add_up_against_a_rank_group() {
         (Api::Unary, Mode::Closed(8)),
         (Api::Stream, Mode::Closed(8)),
         (Api::Unary, Mode::Open(400.0)),
+        (Api::KserveShm, Mode::Closed(8)),
     ] {
         let w = Workload::new(s.clone(), Tokens::Uniform(1, 40), Dtype::Bf16, true, 3);
         let r = load::run(&group.1, &plan(mode, api, 1.0), w, 3)
@@ -145,7 +146,12 @@ async fn counts_add_up_against_a_rank_group() {
             "{api:?} {mode:?}: sent != sum of statuses {:?}",
             r.statuses
         );
-        assert_eq!(r.ok, r.statuses["OK"]);
+        assert_eq!(
+            r.ok,
+            r.statuses.get("OK").copied().unwrap_or(0),
+            "{api:?}: {:?}",
+            r.statuses
+        );
         assert!(r.ok > 0 && r.latency_ms.p50 > 0.0, "{:?}", r.statuses);
         assert!(
             !r.statuses.contains_key("BAD_RESPONSE"),
