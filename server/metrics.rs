@@ -154,7 +154,70 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     );
     metrics::describe_gauge!("epserve_build_info", "Build of this binary");
     gauge!("epserve_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    metrics::describe_counter!(
+        crate::api::kserve::regions::SHM_TENSORS,
+        "KServe tensors read from (in) or written to (out) a client's shared-memory region"
+    );
+    metrics::describe_counter!(
+        crate::api::kserve::regions::SHM_BYTES,
+        "Bytes read from (in) or written to (out) clients' shared-memory regions"
+    );
+    metrics::describe_gauge!(
+        "epserve_admitted_requests",
+        "Requests admitted and not yet finished (running or queued)"
+    );
+    metrics::describe_gauge!(
+        "epserve_admitted_tokens",
+        "Tokens of the requests admitted and not yet finished"
+    );
+    metrics::describe_gauge!(
+        "epserve_limit_max_concurrent_requests",
+        "--max-concurrent-requests, for alerts as a ratio"
+    );
+    metrics::describe_gauge!(
+        "epserve_limit_max_queued_tokens",
+        "--max-queued-tokens, for alerts as a ratio"
+    );
+    zero_series();
+    let process = metrics_process::Collector::default();
+    process.describe();
+    let _ = PROCESS.set(process);
     Ok(handle)
+}
+
+/// process_* metrics (CPU seconds, memory, open files), collected at each scrape.
+static PROCESS: std::sync::OnceLock<metrics_process::Collector> = std::sync::OnceLock::new();
+
+/// Every known label value of the labelled counters, at 0 from start: a series an alert or a
+/// dashboard names exists before its first event.
+fn zero_series() {
+    for &reason in crate::router::REJECTION_REASONS {
+        counter!("epserve_rejections_total", "reason" => reason).increment(0);
+    }
+    for &method in crate::api::METHODS {
+        for &status in crate::api::STATUSES {
+            counter!("epserve_requests_total", "method" => method, "status" => status).increment(0);
+        }
+    }
+    for kind in ["work", "heartbeat"] {
+        counter!("epserve_steps_total", "kind" => kind).increment(0);
+    }
+    for direction in ["in", "out"] {
+        counter!(crate::api::kserve::regions::SHM_TENSORS, "direction" => direction).increment(0);
+        counter!(crate::api::kserve::regions::SHM_BYTES, "direction" => direction).increment(0);
+    }
+    for name in [
+        "epserve_request_tokens_total",
+        "epserve_ingress_bytes_total",
+        "epserve_egress_bytes_total",
+        "epserve_step_padding_tokens_total",
+        "epserve_steps_submitted_ahead_total",
+        crate::router::PARTIAL_STEPS_BEHIND,
+    ] {
+        counter!(name).increment(0);
+    }
+    gauge!("epserve_admitted_requests").set(0.0);
+    gauge!("epserve_admitted_tokens").set(0.0);
 }
 
 /// Serves `GET /metrics` (Prometheus text) on `addr`; returns the bound address.
@@ -192,6 +255,9 @@ pub async fn serve(
                 }
                 let head = String::from_utf8_lossy(&buf[..len]);
                 let (status, body) = if head.starts_with("GET /metrics ") {
+                    if let Some(p) = PROCESS.get() {
+                        p.collect();
+                    }
                     ("200 OK", handle.render())
                 } else {
                     ("404 Not Found", "try /metrics\n".to_string())

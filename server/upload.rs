@@ -172,8 +172,7 @@ impl Share {
             Ok((Ok(mine), Ok(all))) => Ok(Charge::new(mine, all)),
             Ok(_) => Err(Status::internal("the upload budget was closed")),
             Err(_) => {
-                metrics::counter!("epserve_rejections_total", "reason" => "upload_budget")
-                    .increment(1);
+                crate::router::count_rejection("upload_budget");
                 tracing::debug!(reason = "upload_budget", bytes = len, "request refused");
                 Err(Status::resource_exhausted(format!(
                     "no room to read a request message of {len} bytes within --upload-wait \
@@ -283,8 +282,7 @@ impl<B> Metered<B> {
     fn late(&mut self, cx: &mut Context<'_>) -> Option<Status> {
         let t = self.timer.as_mut()?;
         t.as_mut().poll(cx).is_ready().then(|| {
-            metrics::counter!("epserve_rejections_total", "reason" => "upload_deadline")
-                .increment(1);
+            crate::router::count_rejection("upload_deadline");
             tracing::debug!(
                 reason = "upload_deadline",
                 missing = self.left,

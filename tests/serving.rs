@@ -498,8 +498,54 @@ async fn sigstop_of_a_worker_fails_fast() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_of_every_rank_parse_and_add_up() {
     let world = 2;
-    let group = Group::launch(world, "synthetic:tiny", &["--metrics-per-expert"]);
+    let group = Group::launch(
+        world,
+        "synthetic:tiny",
+        &[
+            "--metrics-per-expert",
+            "--max-concurrent-requests",
+            "77",
+            "--max-queued-tokens",
+            "5000",
+        ],
+    );
     let addrs = group.metrics_addrs(world);
+    // Before any request: every known label value at 0, the configured limits, process_*.
+    let first = scrape(&addrs[0]);
+    let value = |name: &str, with: &[(&str, &str)]| {
+        let hits: Vec<f64> = first
+            .iter()
+            .filter(|x| {
+                x.name == name
+                    && with
+                        .iter()
+                        .all(|(k, v)| x.labels.get(*k).is_some_and(|l| l == v))
+            })
+            .map(|x| x.value)
+            .collect();
+        assert_eq!(hits.len(), 1, "{name} {with:?}: {hits:?}");
+        hits[0]
+    };
+    for &reason in epserve::router::REJECTION_REASONS {
+        assert_eq!(
+            value("epserve_rejections_total", &[("reason", reason)]),
+            0.0
+        );
+    }
+    for &method in epserve::api::METHODS {
+        for &status in epserve::api::STATUSES {
+            let with = [("method", method), ("status", status)];
+            assert_eq!(value("epserve_requests_total", &with), 0.0);
+        }
+    }
+    for d in ["in", "out"] {
+        assert_eq!(value("epserve_shm_bytes_total", &[("direction", d)]), 0.0);
+    }
+    assert_eq!(value("epserve_limit_max_concurrent_requests", &[]), 77.0);
+    assert_eq!(value("epserve_limit_max_queued_tokens", &[]), 5000.0);
+    assert_eq!(value("epserve_admitted_requests", &[]), 0.0);
+    assert!(value("process_resident_memory_bytes", &[]) > 0.0);
+    assert!(value("process_open_fds", &[]) > 0.0);
     let total = |name: &str, with: &[(&str, &str)]| -> f64 {
         addrs.iter().map(|a| sum(&scrape(a), name, with)).sum()
     };

@@ -57,8 +57,7 @@ struct Call {
 impl Call {
     fn of<T>(req: &Request<T>) -> Result<Self, Status> {
         let d = grpc_timeout(req.metadata()).inspect_err(|s| {
-            metrics::counter!("epserve_rejections_total", "reason" => "invalid_argument")
-                .increment(1);
+            crate::router::count_rejection("invalid_argument");
             tracing::debug!(
                 reason = "invalid_argument",
                 "request refused: {}",
@@ -102,6 +101,10 @@ struct Done<R> {
 
 /// Counts one finished request of `method`: its status, and its tokens when answered.
 fn record(method: &'static str, code: Code, tokens: u64, t0: Instant) {
+    debug_assert!(
+        METHODS.contains(&method),
+        "method {method:?} is not in METHODS"
+    );
     if code == Code::Ok {
         metrics::counter!("epserve_request_tokens_total").increment(tokens);
     }
@@ -110,6 +113,28 @@ fn record(method: &'static str, code: Code, tokens: u64, t0: Instant) {
     metrics::histogram!("epserve_request_duration_seconds", "method" => method)
         .record(t0.elapsed().as_secs_f64());
 }
+
+/// The `method` labels of the request metrics.
+pub const METHODS: &[&str] = &[
+    "Forward",
+    "ForwardStream",
+    "ModelInfer",
+    "ModelStreamInfer",
+    "Probe",
+];
+/// The `status` labels of `epserve_requests_total` (what `code_name` gives).
+pub const STATUSES: &[&str] = &[
+    "OK",
+    "INVALID_ARGUMENT",
+    "NOT_FOUND",
+    "RESOURCE_EXHAUSTED",
+    "UNAVAILABLE",
+    "DEADLINE_EXCEEDED",
+    "CANCELLED",
+    "INTERNAL",
+    "OUT_OF_RANGE",
+    "OTHER",
+];
 
 fn code_name(c: Code) -> &'static str {
     match c {

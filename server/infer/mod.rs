@@ -69,7 +69,7 @@ pub struct Infer {
 
 /// Counts a refusal under `reason`, logs it at debug, and passes it on.
 pub fn rejected(reason: &'static str, f: Failure) -> Failure {
-    metrics::counter!("epserve_rejections_total", "reason" => reason).increment(1);
+    crate::router::count_rejection(reason);
     tracing::debug!(reason, "request refused: {f}");
     f
 }

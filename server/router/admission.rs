@@ -21,6 +21,8 @@ pub struct Admission {
 pub struct Permit {
     adm: Arc<Admission>,
     tokens: usize,
+    /// Admitted (not a refused attempt's): counted in the admitted gauges.
+    admitted: bool,
 }
 
 impl std::fmt::Debug for Permit {
@@ -31,6 +33,10 @@ impl std::fmt::Debug for Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
+        if self.admitted {
+            metrics::gauge!("epserve_admitted_requests").decrement(1.0);
+            metrics::gauge!("epserve_admitted_tokens").decrement(self.tokens as f64);
+        }
         self.adm.tokens.fetch_sub(self.tokens, Ordering::AcqRel);
         self.adm.requests.fetch_sub(1, Ordering::AcqRel);
         self.adm.released.notify_waiters();
@@ -39,6 +45,8 @@ impl Drop for Permit {
 
 impl Admission {
     pub fn new(max_requests: usize, max_tokens: usize) -> Arc<Self> {
+        metrics::gauge!("epserve_limit_max_concurrent_requests").set(max_requests as f64);
+        metrics::gauge!("epserve_limit_max_queued_tokens").set(max_tokens as f64);
         Arc::new(Self {
             max_requests,
             max_tokens,
@@ -69,9 +77,10 @@ impl Admission {
         }
         let r = self.requests.fetch_add(1, Ordering::AcqRel);
         let t = self.tokens.fetch_add(tokens, Ordering::AcqRel);
-        let permit = Permit {
+        let mut permit = Permit {
             adm: self.clone(),
             tokens,
+            admitted: false,
         };
         if r >= self.max_requests {
             return Err(Failure::Exhausted {
@@ -91,6 +100,9 @@ impl Admission {
                 ),
             });
         }
+        permit.admitted = true;
+        metrics::gauge!("epserve_admitted_requests").increment(1.0);
+        metrics::gauge!("epserve_admitted_tokens").increment(tokens as f64);
         Ok(permit)
     }
 

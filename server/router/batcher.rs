@@ -78,8 +78,7 @@ pub async fn run_batcher(
         let now = std::time::Instant::now();
         queue.retain(|q| {
             if q.expired(now) {
-                metrics::counter!("epserve_rejections_total", "reason" => "deadline_in_queue")
-                    .increment(1);
+                super::count_rejection("deadline_in_queue");
                 tracing::debug!(reason = "deadline_in_queue", "request refused");
                 q.job.fail(Failure::Deadline(
                     "the deadline passed while the request was queued".into(),

@@ -14,7 +14,7 @@ pub use admission::{Admission, Permit};
 pub use batcher::{run_batcher, BatchConfig};
 pub use coordinator::{run_coordinator, CoordConfig, Offer};
 pub use executor::{Control, Executor, ExecutorError, PeerEvents};
-pub use failure::Failure;
+pub use failure::{count_rejection, Failure, REJECTION_REASONS};
 pub use pace::{Pace, PARTIAL_STEPS_BEHIND};
 pub use rows::{DELIVER_SECONDS, PACK_SECONDS};
 
