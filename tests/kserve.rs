@@ -965,7 +965,6 @@ async fn readiness_follows_start_stall_and_drain() {
 /// call of the catalogue's second table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn triton_calls_typed_models_and_compressed_requests() {
-    use epserve::api::catalogue::BAD_CALL;
     use epserve::inference::{
         DataType, ModelConfigRequest, ModelStatisticsRequest, RepositoryIndexRequest,
     };
@@ -1364,21 +1363,7 @@ async fn triton_calls_typed_models_and_compressed_requests() {
             e.message().into(),
         ));
     }
-    for entry in BAD_CALL.iter().filter(|b| !shared_memory_case(b.case)) {
-        let mine: Vec<_> = outcomes.iter().filter(|o| o.0 == entry.case).collect();
-        assert!(!mine.is_empty(), "no call for '{}'", entry.case);
-        for (case, code, msg) in mine {
-            assert_eq!(*code, entry.code, "{case}: {msg}");
-            assert!(msg.contains(entry.message), "{case}: {msg}");
-        }
-    }
-    for o in &outcomes {
-        assert!(
-            BAD_CALL.iter().any(|b| b.case == o.0),
-            "{} is not in BAD_CALL",
-            o.0
-        );
-    }
+    check_bad_calls(&outcomes, false);
     c.model_infer(good(1))
         .await
         .expect("serving after the bad calls");
@@ -1390,6 +1375,30 @@ fn shared_memory_case(case: &str) -> bool {
     ["region", "shared", "tensor", "Shared"]
         .iter()
         .any(|w| case.contains(w))
+}
+
+/// Each of the catalogue's bad calls (its shared-memory ones, or the others) was made and
+/// answered with its code and message, and every call made is one of them.
+fn check_bad_calls(outcomes: &[(&str, Code, String)], shared_memory: bool) {
+    use epserve::api::catalogue::BAD_CALL;
+    for entry in BAD_CALL
+        .iter()
+        .filter(|b| shared_memory_case(b.case) == shared_memory)
+    {
+        let mine: Vec<_> = outcomes.iter().filter(|o| o.0 == entry.case).collect();
+        assert!(!mine.is_empty(), "no call for '{}'", entry.case);
+        for (case, code, msg) in mine {
+            assert_eq!(*code, entry.code, "{case}: {msg}");
+            assert!(msg.contains(entry.message), "{case}: {msg}");
+        }
+    }
+    for o in outcomes {
+        assert!(
+            BAD_CALL.iter().any(|b| b.case == o.0),
+            "{} is not in BAD_CALL",
+            o.0
+        );
+    }
 }
 
 /// A tensor parameter.
@@ -1423,7 +1432,6 @@ fn shm_params(region: &str, offset: i64, len: usize) -> HashMap<String, InferPar
 /// catalogue's shared-memory rows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn system_shared_memory_round_trip_and_refusals() {
-    use epserve::api::catalogue::BAD_CALL;
     use epserve::inference::{
         SystemSharedMemoryRegisterRequest, SystemSharedMemoryStatusRequest,
         SystemSharedMemoryUnregisterRequest,
@@ -1660,21 +1668,7 @@ async fn system_shared_memory_round_trip_and_refusals() {
         "a region's object truncated under a request",
         c.model_infer(shm_request("t", 0, two)).await.unwrap_err(),
     );
-    for entry in BAD_CALL.iter().filter(|b| shared_memory_case(b.case)) {
-        let mine: Vec<_> = outcomes.iter().filter(|o| o.0 == entry.case).collect();
-        assert!(!mine.is_empty(), "no call for '{}'", entry.case);
-        for (case, code, msg) in mine {
-            assert_eq!(*code, entry.code, "{case}: {msg}");
-            assert!(msg.contains(entry.message), "{case}: {msg}");
-        }
-    }
-    for o in &outcomes {
-        assert!(
-            BAD_CALL.iter().any(|b| b.case == o.0),
-            "{} is not in BAD_CALL",
-            o.0
-        );
-    }
+    check_bad_calls(&outcomes, true);
 
     // Unregistered, a region is gone for new requests; all of them at once with an empty name.
     c.system_shared_memory_unregister(SystemSharedMemoryUnregisterRequest { name: "in".into() })

@@ -216,26 +216,12 @@ async fn deadlines_expire_in_the_queue_and_cancelled_streams_free_their_tokens()
 /// One unary Forward over plain HTTP/2 with a `grpc-timeout` header and no client-side timer;
 /// returns the server's grpc-status and grpc-message.
 async fn raw_forward(addr: &str, r: &ForwardRequest, timeout: &str) -> (i32, String) {
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(tcp),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
     let msg = prost::Message::encode_to_vec(r);
     let mut framed = vec![0u8];
     framed.extend((msg.len() as u32).to_be_bytes());
     framed.extend(msg);
-    let request = http::Request::post(format!("http://{addr}/epserve.v1.MoeService/Forward"))
-        .header("content-type", "application/grpc")
-        .header("te", "trailers")
-        .header("grpc-timeout", timeout)
-        .body(http_body_util::Full::new(bytes::Bytes::from(framed)))
-        .unwrap();
-    let resp = sender.send_request(request).await.unwrap();
-    grpc_outcome(resp).await
+    let path = "/epserve.v1.MoeService/Forward";
+    raw_unary(addr, path, &[("grpc-timeout", timeout)], framed).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

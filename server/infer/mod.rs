@@ -74,6 +74,24 @@ pub fn rejected(reason: &'static str, f: Failure) -> Failure {
     f
 }
 
+/// A submitted request's place in its model's statistics, recorded when it ends.
+struct Counted<'a> {
+    stats: &'a stats::LayerStats,
+    t0: Instant,
+    job: Option<Arc<Job>>,
+    answered: bool,
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        let timings = self.job.as_ref().map(|j| j.timings());
+        match timings {
+            Some(t) if self.answered => self.stats.answered(self.t0.elapsed(), &t),
+            _ => self.stats.failed(self.t0.elapsed(), timings.as_ref()),
+        }
+    }
+}
+
 /// Notifies the batcher when a request's wait ends, whether answered or cancelled.
 struct WakeOnDrop(Arc<Notify>);
 
@@ -225,16 +243,16 @@ impl Infer {
     /// Admits, queues and waits for one checked request, within its deadline. A broken group
     /// answers at once, wherever the request is.
     pub async fn submit(&self, input: JobInput) -> Result<Answer, Failure> {
-        let t0 = Instant::now();
         let slot = stats::float_slot(input.hidden.dtype);
-        let stats = &self.stats[input.layer][slot];
-        let mut job = None;
-        let result = self.wait(input, &mut job).await;
-        let timings = job.as_ref().map(|j| j.timings());
-        match (&result, timings) {
-            (Ok(_), Some(t)) => stats.answered(t0.elapsed(), &t),
-            _ => stats.failed(t0.elapsed(), timings.as_ref()),
-        }
+        // Counted when it ends, however: answered, failed, or its caller gone (dropped here).
+        let mut count = Counted {
+            stats: &self.stats[input.layer][slot],
+            t0: Instant::now(),
+            job: None,
+            answered: false,
+        };
+        let result = self.wait(input, &mut count.job).await;
+        count.answered = result.is_ok();
         result
     }
 

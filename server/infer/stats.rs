@@ -46,7 +46,8 @@ impl Total {
 pub struct LayerStats {
     /// Answered requests, admission to answer.
     pub success: Total,
-    /// Requests that failed once they reached the entry (validation onwards).
+    /// Requests that failed once they reached the entry (validation onwards), or whose caller
+    /// left before the answer.
     pub fail: Total,
     /// Admission to the first step carrying one of the request's rows.
     pub queue: Total,

@@ -55,7 +55,8 @@ pub struct KserveApi {
     infer: Arc<Infer>,
     /// Clients' system shared-memory regions.
     regions: Regions,
-    /// --max-request-bytes: the most a request's tensors may hold, however they come.
+    /// --max-request-bytes: the most one tensor read from shared memory may hold (as a message
+    /// on the wire may).
     max_request: usize,
     /// Most requests of one ModelStreamInfer in progress or not yet taken by the transport.
     stream_in_flight: usize,
