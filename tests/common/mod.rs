@@ -209,42 +209,13 @@ where
         Ok(b) => b.trailers().cloned().unwrap_or_default(),
         Err(_) => Default::default(),
     };
-    let get = |k: &str| {
-        parts
-            .headers
-            .get(k)
-            .or_else(|| trailers.get(k))
-            .map(|v| v.to_str().unwrap_or_default().to_string())
-            .unwrap_or_default()
-    };
-    (
-        get("grpc-status").parse().unwrap_or(-1),
-        percent_decoded(&get("grpc-message")),
-    )
-}
-
-/// grpc-message as sent: percent-encoded UTF-8.
-fn percent_decoded(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let hex = b
-            .get(i + 1..i + 3)
-            .and_then(|h| std::str::from_utf8(h).ok())
-            .and_then(|h| u8::from_str_radix(h, 16).ok());
-        match (b[i], hex) {
-            (b'%', Some(v)) => {
-                out.push(v);
-                i += 3;
-            }
-            (c, _) => {
-                out.push(c);
-                i += 1;
-            }
-        }
+    // tonic reads grpc-status and the percent-encoded grpc-message as any client does.
+    match tonic::Status::from_header_map(&parts.headers)
+        .or_else(|| tonic::Status::from_header_map(&trailers))
+    {
+        Some(s) => (s.code() as i32, s.message().to_string()),
+        None => (-1, String::new()),
     }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// `epserve serve` as rank `rank` of `world`, on free ports, with `extra` flags.
