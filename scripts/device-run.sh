@@ -123,7 +123,7 @@ if want cpu; then
   for bin in ${CPU_BINS:-$EPSERVE_BIN}; do
     shm=$(mktemp -d -p /dev/shm)
     "$bin" launch --ranks 2 --backend cpu --model synthetic:tiny --listen 127.0.0.1:0 \
-      --metrics-listen 127.0.0.1:0 --shm-dir "$shm" ${CPU_FLAGS:-} >"$out/cpu.log" 2>&1 &
+      --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --shm-dir "$shm" ${CPU_FLAGS:-} >"$out/cpu.log" 2>&1 &
     pid=$!
     addr=$(serving_addr "$out/cpu.log" 300)
     if [ -z "$addr" ]; then tail -20 "$out/cpu.log"; kill $pid; status=1; continue; fi
@@ -173,7 +173,7 @@ if want serve; then
     shm=$(mktemp -d -p /dev/shm)
     "$bin" launch --ranks "${SERVE_RANKS:-4}" --backend "${SERVE_BACKEND:-nccl-ep}" \
       --model "synthetic:${SERVE_MODEL:-deepseek-v3}" --layers 1 \
-      --max-tokens-per-step 4096 --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --shm-dir "$shm" \
+      --max-tokens-per-step 4096 --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --shm-dir "$shm" \
       "${h2[@]}" "${flags[@]}" >"$out/serve-$name.log" 2>&1 &
     pid=$!
     addr=$(serving_addr "$out/serve-$name.log" 900)
@@ -252,7 +252,7 @@ if want ingress; then
     name=$(basename "$bin")-$mode
     shm=$(mktemp -d -p /dev/shm)
     "$bin" launch --ranks "$ranks" --backend nccl-ep --model synthetic:deepseek-v3 --layers 1 \
-      --max-tokens-per-step 4096 --ingress $mode --listen 127.0.0.1:50100 --metrics-listen 127.0.0.1:0 \
+      --max-tokens-per-step 4096 --ingress $mode --listen 127.0.0.1:50100 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 \
       --shm-dir "$shm" >"$out/ingress-$name.log" 2>&1 &
     pid=$!
     want_lines=$([ $mode = all ] && echo "$ranks" || echo 1)

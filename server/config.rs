@@ -258,6 +258,19 @@ pub enum LogFormat {
     Json,
 }
 
+/// --http-listen: an address, or none (`off`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HttpListen(pub Option<SocketAddr>);
+
+fn http_listen(s: &str) -> Result<HttpListen, String> {
+    if s == "off" {
+        return Ok(HttpListen(None));
+    }
+    s.parse()
+        .map(|a| HttpListen(Some(a)))
+        .map_err(|e| format!("{s:?}: {e} (an address HOST:PORT, or off)"))
+}
+
 pub(crate) fn duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("'{s}': {e} (write e.g. 2s, 500ms)"))
 }
@@ -334,6 +347,10 @@ pub struct ServeArgs {
     /// port + r; port 0 picks any).
     #[arg(long, env = "EPSERVE_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
+    /// KServe v2 REST (HTTP/1.1 and h2c; `/metrics` there too) beside gRPC, on the same ranks;
+    /// launch gives rank r this port + r; port 0 picks any; `off`: none.
+    #[arg(long, env = "EPSERVE_HTTP_LISTEN", default_value = "127.0.0.1:8000", value_parser = http_listen)]
+    pub http_listen: HttpListen,
     /// Who serves gRPC: the router alone, or every rank for its own clients (ingress bandwidth
     /// grows with the ranks).
     #[arg(long, env = "EPSERVE_INGRESS", value_enum, default_value = "router")]

@@ -52,7 +52,7 @@ impl Drop for Open {
 }
 
 impl Calls {
-    fn begin(&self) -> Open {
+    pub fn begin(&self) -> Open {
         self.0.send_modify(|a| {
             a.open += 1;
             a.begun += 1;

@@ -21,7 +21,13 @@ const KILL_GRACE: Duration = Duration::from_secs(5);
 
 /// Flags `launch` sets per rank itself, and the group token, which ranks get in their
 /// environment (`EPSERVE_GROUP_TOKEN`), not on their command lines where `ps` shows it.
-const PER_RANK: &[&str] = &["--ranks", "--metrics-listen", "--listen", "--group-token"];
+const PER_RANK: &[&str] = &[
+    "--ranks",
+    "--metrics-listen",
+    "--listen",
+    "--http-listen",
+    "--group-token",
+];
 
 /// The serve flags the user gave `launch`, minus the per-rank ones.
 fn passthrough() -> Vec<String> {
@@ -98,6 +104,16 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
         Ingress::All => rank_addr(args.serve.listen, rank, "--listen"),
         Ingress::Router => Ok(args.serve.listen),
     };
+    // REST beside gRPC, on the same ranks.
+    let http_listen = |rank: usize| -> anyhow::Result<String> {
+        Ok(match args.serve.http_listen.0 {
+            None => "off".into(),
+            Some(a) if args.serve.ingress == Ingress::All => {
+                rank_addr(a, rank, "--http-listen")?.to_string()
+            }
+            Some(a) => a.to_string(),
+        })
+    };
     if args.serve.ingress == Ingress::All && args.serve.listen.port() != 0 {
         for rank in 0..args.ranks {
             info!(rank, "gRPC of rank {rank} on {}", listen(rank)?);
@@ -119,6 +135,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                 .args(["--rendezvous", &addr])
                 .args(["--metrics-listen", &rank_addr(args.serve.metrics_listen, rank, "--metrics-listen")?.to_string()])
                 .args(["--listen", &listen(rank)?.to_string()])
+                .args(["--http-listen", &http_listen(rank)?])
                 .kill_on_drop(true);
             if let Some(token) = &args.serve.group_token {
                 cmd.env("EPSERVE_GROUP_TOKEN", token);

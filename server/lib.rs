@@ -8,6 +8,7 @@ pub mod config;
 pub mod conn;
 pub mod dtype;
 pub mod group;
+pub mod http;
 pub mod infer;
 pub mod launch;
 pub mod listen;

@@ -5,8 +5,7 @@ use std::net::SocketAddr;
 
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tracing::{debug, info};
+use tracing::info;
 
 const SECONDS: &[f64] = &[
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
@@ -18,7 +17,7 @@ const TOKENS: &[f64] = &[
 ];
 
 /// Installs the global recorder; call once per process.
-pub fn install() -> anyhow::Result<PrometheusHandle> {
+pub fn install() -> anyhow::Result<()> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS)?
         .set_buckets_for_metric(Matcher::Suffix("_tokens".into()), TOKENS)?
@@ -182,7 +181,8 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
     let process = metrics_process::Collector::default();
     process.describe();
     let _ = PROCESS.set(process);
-    Ok(handle)
+    let _ = HANDLE.set(handle);
+    Ok(())
 }
 
 /// process_* metrics (CPU seconds, memory, open files), collected at each scrape.
@@ -220,10 +220,31 @@ fn zero_series() {
     gauge!("epserve_admitted_tokens").set(0.0);
 }
 
-/// Serves `GET /metrics` (Prometheus text) on `addr`; returns the bound address.
+/// The exporter, for every port that serves `/metrics` (set by `install`).
+static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
+
+/// The Prometheus text of this process's metrics, `process_*` collected now.
+fn render() -> String {
+    if let Some(p) = PROCESS.get() {
+        p.collect();
+    }
+    HANDLE.get().map(|h| h.render()).unwrap_or_default()
+}
+
+/// `GET /metrics`, for any HTTP port to serve.
+pub fn routes() -> axum::Router {
+    use axum::http::header::CONTENT_TYPE;
+    axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(|| async { ([(CONTENT_TYPE, "text/plain; version=0.0.4")], render()) }),
+    )
+}
+
+/// Binds `addr` and serves `/metrics` there (idle connections closed as `conns` says);
+/// returns the bound address.
 pub async fn serve(
     addr: SocketAddr,
-    handle: PrometheusHandle,
+    conns: crate::conn::ConnArgs,
     rank: usize,
 ) -> anyhow::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr)
@@ -231,47 +252,19 @@ pub async fn serve(
         .map_err(|e| anyhow::anyhow!("binding the metrics address {addr}: {e}"))?;
     let bound = listener.local_addr()?;
     info!("rank {rank} metrics on http://{bound}/metrics");
-    let mut acceptor = crate::listen::Acceptor::new(listener, "metrics");
-    tokio::spawn(async move {
-        loop {
-            let (mut sock, _) = acceptor.accept().await;
-            let handle = handle.clone();
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 4096];
-                let mut len = 0;
-                // Read the request head (bounded in size and time); the body is ignored.
-                let read = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-                    while len < buf.len() && !buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-                        match sock.read(&mut buf[len..]).await {
-                            Ok(0) | Err(_) => return false,
-                            Ok(n) => len += n,
-                        }
-                    }
-                    true
-                })
-                .await;
-                if !matches!(read, Ok(true)) {
-                    return;
-                }
-                let head = String::from_utf8_lossy(&buf[..len]);
-                let (status, body) = if head.starts_with("GET /metrics ") {
-                    if let Some(p) = PROCESS.get() {
-                        p.collect();
-                    }
-                    ("200 OK", handle.render())
-                } else {
-                    ("404 Not Found", "try /metrics\n".to_string())
-                };
-                let resp = format!(
-                    "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                if let Err(e) = sock.write_all(resp.as_bytes()).await {
-                    debug!("metrics client went away: {e}");
-                }
-            });
-        }
-    });
+    let limits = crate::http::Limits {
+        conns,
+        uploads: None,
+    };
+    let routes =
+        routes().fallback(|| async { (axum::http::StatusCode::NOT_FOUND, "try /metrics\n") });
+    tokio::spawn(crate::http::serve(
+        listener,
+        routes,
+        limits,
+        "metrics",
+        tokio_util::sync::CancellationToken::new(),
+    ));
     Ok(bound)
 }
 

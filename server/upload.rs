@@ -159,6 +159,13 @@ impl Share {
         }
     }
 
+    /// Room for a whole request body of `len` bytes (an HTTP body read at once), held until the
+    /// returned charge is dropped.
+    pub async fn charge_body(self: &Arc<Self>, len: usize) -> Result<Charge, Status> {
+        let len = u32::try_from(len).unwrap_or(u32::MAX);
+        self.clone().charge(len).await
+    }
+
     /// Room for a message of `len` bytes: this connection's share first, then the rank's.
     async fn charge(self: Arc<Self>, len: u32) -> Result<Charge, Status> {
         let b = &self.budget;
@@ -190,7 +197,7 @@ impl Share {
 }
 
 /// One message's room in the budget, given back on drop.
-struct Charge {
+pub struct Charge {
     _mine: OwnedSemaphorePermit,
     all: OwnedSemaphorePermit,
 }

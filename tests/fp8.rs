@@ -213,6 +213,8 @@ fn fp8_refuses_sizes_off_the_block() {
         "127.0.0.1:0",
         "--metrics-listen",
         "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
         "--shm-dir",
         &shm.0.display().to_string(),
     ];

@@ -837,6 +837,8 @@ fn nccl_ep_refuses_on_old_nccl_and_auto_serves_on_nccl() {
         "127.0.0.1:0",
         "--metrics-listen",
         "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
         "--rendezvous",
         "127.0.0.1:0",
         "--shm-dir",

@@ -416,10 +416,11 @@ async fn exchange_buffers_never_move_or_grow() {
 /// One call's oversize metadata is that call's affair: 100 KiB of metadata on a unary call
 /// (under `--http2-max-header-list-size`, 1 MiB) is served, and a stream open beside it on the
 /// same HTTP/2 connection carries on (h2's ceiling on a header block's frames used to close the
-/// whole connection: every call on it failed UNAVAILABLE). The gRPC port speaks HTTP/2 only: an
-/// HTTP/1.1 GET gets no `200` to read as healthy.
+/// whole connection: every call on it failed UNAVAILABLE). A request that is not gRPC gets an
+/// HTTP error (505 for HTTP/1.1, 415 for HTTP/2 without gRPC's content type), never a `200` to
+/// read as healthy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn oversize_metadata_stays_with_its_call_and_http1_is_not_answered() {
+async fn oversize_metadata_stays_with_its_call_and_other_http_gets_an_http_error() {
     let group = Group::launch(2, "synthetic:tiny", &[]);
     let mut c = group.client().await;
     let (tx, rx) = tokio::sync::mpsc::channel(4);
@@ -452,15 +453,40 @@ async fn oversize_metadata_stays_with_its_call_and_http1_is_not_answered() {
     let mut s = std::net::TcpStream::connect(&group.addr).unwrap();
     s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
         .unwrap();
-    s.write_all(b"GET / HTTP/1.1\r\nHost: epserve\r\n\r\n")
+    s.write_all(b"GET / HTTP/1.1\r\nHost: epserve\r\nConnection: close\r\n\r\n")
         .unwrap();
     let mut reply = Vec::new();
     let _ = s.read_to_end(&mut reply);
     assert!(
-        !reply.starts_with(b"HTTP/1.1 200"),
+        reply.starts_with(b"HTTP/1.1 505"),
         "HTTP/1.1 answered: {}",
         String::from_utf8_lossy(&reply)
     );
+    // HTTP/2 without gRPC's content type: 415, not 200.
+    let (status, _) = raw_h2(&group.addr, "GET", "/v2/health/ready").await;
+    assert_eq!(status, 415);
+}
+
+/// One HTTP/2 request with no body and no gRPC content type; its status and body.
+async fn raw_h2(addr: &str, method: &str, path: &str) -> (u16, String) {
+    use http_body_util::BodyExt;
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"))
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let r = send.send_request(req).await.unwrap();
+    let status = r.status().as_u16();
+    let body = r.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
 }
 
 /// Refusals are logged at debug, with their reason.

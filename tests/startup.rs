@@ -85,6 +85,8 @@ fn experts_not_divisible_by_ranks() {
         "127.0.0.1:0",
         "--metrics-listen",
         "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
     ];
     let mut launch = Proc::spawn(&args.map(String::from));
     let status = launch
@@ -212,7 +214,14 @@ fn strays_at_the_rendezvous_are_closed_and_the_group_forms() {
         &addr,
     ];
     let dir = shm.0.display().to_string();
-    args.extend(["--metrics-listen", "127.0.0.1:0", "--shm-dir", &dir]);
+    args.extend([
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--shm-dir",
+        &dir,
+    ]);
     let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
     let _r1 = Proc::spawn_env(&args, &[("EPSERVE_GROUP_TOKEN", "s3cret")]);
     r0.wait_for("serving gRPC on", Duration::from_secs(60))

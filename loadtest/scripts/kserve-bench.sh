@@ -19,7 +19,7 @@ lt=$bin/epserve-loadtest
 
 shm=$(mktemp -d)
 log=$(mktemp)
-$bin/epserve launch --ranks 2 --model synthetic:tiny --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 \
+$bin/epserve launch --ranks 2 --model synthetic:tiny --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 \
   --shm-dir "$shm" 2>"$log" &
 pid=$!
 addr=""

@@ -22,7 +22,7 @@ run_group() { # name model ranks extra-serve-flags -- loadtest flags
   local serve=(); while [ "$1" != "--" ]; do serve+=("$1"); shift; done; shift
   local shm; shm=$(mktemp -d)
   local log; log=$(mktemp)
-  $bin/epserve launch --ranks "$ranks" --model "$model" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 \
+  $bin/epserve launch --ranks "$ranks" --model "$model" --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 \
     --shm-dir "$shm" "${serve[@]}" 2>"$log" &
   local pid=$!
   local addr=""

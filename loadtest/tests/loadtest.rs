@@ -58,6 +58,8 @@ impl Group {
                 "127.0.0.1:0",
                 "--metrics-listen",
                 "127.0.0.1:0",
+                "--http-listen",
+                "127.0.0.1:0",
             ])
             .args(["--shm-dir", &shm.display().to_string()])
             .args(extra)

@@ -12,6 +12,8 @@ pub enum On {
     V1,
     /// KServe v2 (`ModelInfer`, `ModelStreamInfer`) only.
     Kserve,
+    /// KServe v2 REST only (`POST .../infer` and the other routes of the HTTP port).
+    Rest,
 }
 
 impl On {
@@ -21,15 +23,16 @@ impl On {
             On::Both => "both",
             On::V1 => "epserve.v1",
             On::Kserve => "KServe v2",
+            On::Rest => "KServe REST",
         }
     }
 
     pub fn v1(self) -> bool {
-        self != On::Kserve
+        matches!(self, On::Both | On::V1)
     }
 
     pub fn kserve(self) -> bool {
-        self != On::V1
+        matches!(self, On::Both | On::Kserve)
     }
 }
 
@@ -317,12 +320,88 @@ pub const BAD_CALL: &[BadInput] = &[
     ),
 ];
 
+/// What only the REST port refuses (its answers are the gRPC code's HTTP status, with the
+/// message as `{"error": ...}`); REST requests are refused for everything above too.
+pub const BAD_HTTP: &[BadInput] = &[
+    only(
+        On::Rest,
+        Code::InvalidArgument,
+        "a body that is not the protocol's JSON (unknown fields included)",
+        "the request's JSON",
+    ),
+    only(
+        On::Rest,
+        Code::ResourceExhausted,
+        "a body over --max-request-bytes (declared, sent or inflated)",
+        "--max-request-bytes",
+    ),
+    only(
+        On::Rest,
+        Code::DeadlineExceeded,
+        "a body that does not arrive within --upload-timeout",
+        "did not arrive within --upload-timeout",
+    ),
+    only(
+        On::Rest,
+        Code::InvalidArgument,
+        "Content-Encoding other than gzip, deflate, identity",
+        "is not served (gzip, deflate, identity)",
+    ),
+    only(
+        On::Rest,
+        Code::InvalidArgument,
+        "binary tensor sizes that do not add up to the body",
+        "binary tensor data",
+    ),
+    only(
+        On::Rest,
+        Code::InvalidArgument,
+        "an input with no data",
+        "no data (neither data",
+    ),
+    only(
+        On::Rest,
+        Code::InvalidArgument,
+        "JSON data not fitting the input's shape or datatype",
+        "data does not fit",
+    ),
+    only(
+        On::Rest,
+        Code::InvalidArgument,
+        "a parameter that is an array, an object or null",
+        "a parameter is a bool, a number or a string",
+    ),
+    only(
+        On::Rest,
+        Code::InvalidArgument,
+        "binary_data, binary_data_output or binary_data_size of the wrong type",
+        "parameter binary_data",
+    ),
+    only(
+        On::Rest,
+        Code::InvalidArgument,
+        "an output in JSON with a NaN or infinite value",
+        "which JSON cannot carry",
+    ),
+    only(On::Rest, Code::NotFound, "a path not served", "no route"),
+    only(
+        On::Rest,
+        Code::Unimplemented,
+        "a method a path does not take (HTTP 405)",
+        "does not take",
+    ),
+];
+
 #[cfg(test)]
 mod tests {
     #[test]
     fn the_readme_lists_every_case() {
         let readme = include_str!("../../README.md");
-        for b in super::BAD_INPUT.iter().chain(super::BAD_CALL) {
+        for b in super::BAD_INPUT
+            .iter()
+            .chain(super::BAD_CALL)
+            .chain(super::BAD_HTTP)
+        {
             let row = readme
                 .lines()
                 .find(|l| l.starts_with(&format!("| {} |", b.case)))

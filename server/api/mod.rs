@@ -120,6 +120,7 @@ pub const METHODS: &[&str] = &[
     "ForwardStream",
     "ModelInfer",
     "ModelStreamInfer",
+    kserve::rest::METHOD,
     "Probe",
 ];
 /// The `status` labels of `epserve_requests_total` (what `code_name` gives).

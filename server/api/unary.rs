@@ -231,7 +231,7 @@ impl Encoding {
 
     /// `data` inflated, refused past `max` bytes; large messages are inflated off the runtime's
     /// threads.
-    async fn inflate(self, data: Bytes, max: usize) -> Result<Bytes, Status> {
+    pub(crate) async fn inflate(self, data: Bytes, max: usize) -> Result<Bytes, Status> {
         let small = data.len() < 64 << 10;
         let run = move || {
             use std::io::Read;

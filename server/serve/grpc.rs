@@ -43,6 +43,7 @@ pub struct Front {
     pub wake: Arc<Notify>,
     pub addr: SocketAddr,
     server: tokio::task::JoinHandle<anyhow::Result<()>>,
+    http_server: Option<tokio::task::JoinHandle<()>>,
     server_stop: CancellationToken,
 }
 
@@ -83,6 +84,41 @@ impl Front {
         let server_stop = CancellationToken::new();
         let uploads = crate::upload::Budget::new(&args.upload, args.max_request_bytes)
             .map_err(anyhow::Error::msg)?;
+        // REST binds before anything is served, so a taken port fails the start.
+        let rest = match args.http_listen.0 {
+            None => None,
+            Some(at) => {
+                let l = tokio::net::TcpListener::bind(at)
+                    .await
+                    .with_context(|| format!("binding the HTTP address {at} (--http-listen)"))?;
+                Some(l)
+            }
+        };
+        let http_server = rest.map(|listener| {
+            let routes = crate::api::kserve::rest::routes(
+                kserve.clone(),
+                args.max_request_bytes,
+                args.upload.upload_timeout,
+            );
+            let limits = crate::http::Limits {
+                conns: args.conn.clone(),
+                uploads: Some(uploads.clone()),
+            };
+            tracing::info!(
+                "rank {} KServe REST on http://{}/v2",
+                p.member.rank,
+                listener
+                    .local_addr()
+                    .map_or_else(|e| e.to_string(), |a| a.to_string())
+            );
+            tokio::spawn(crate::http::serve(
+                listener,
+                routes,
+                limits,
+                "HTTP",
+                server_stop.clone(),
+            ))
+        });
         let server = tokio::spawn(serve_grpc(
             args.http2.clone(),
             args.conn.clone(),
@@ -102,6 +138,7 @@ impl Front {
             wake,
             addr,
             server,
+            http_server,
             server_stop,
         };
         Ok((front, job_rx))
@@ -120,6 +157,9 @@ impl Front {
     /// Closes the port at once.
     pub async fn close_now(self) -> anyhow::Result<()> {
         self.server_stop.cancel();
+        if let Some(h) = self.http_server {
+            h.await?;
+        }
         self.server.await?
     }
 }
@@ -261,10 +301,13 @@ pub async fn serve_grpc(
         .add_service(kserve)
         .prepare();
     let routes = super::unknown::NameUnknown::new(routes, &served);
-    // gRPC is HTTP/2: an HTTP/1.1 request (a load balancer's GET probe) is not answered, rather
-    // than answered 200 with a gRPC error it would read as healthy.
-    let mut builder =
-        hyper_util::server::conn::auto::Builder::new(TokioExecutor::new()).http2_only();
+    // gRPC is HTTP/2; HTTP/1.1 is spoken only to refuse it (`unknown`): a load balancer's GET
+    // probe gets 505, not a 200 with a gRPC error it would read as healthy.
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(10));
     http2.serve(&mut builder);
     let open = tokio_util::task::TaskTracker::new();
     let mut acceptor = crate::listen::Acceptor::new(listener, "gRPC");

@@ -34,10 +34,10 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         _ => None,
     };
     let (p, weights) = prepare::prepare(&args, member).with_context(|| format!("rank {rank}"))?;
-    let metrics = crate::metrics::install()?;
+    crate::metrics::install()?;
     let r = match listener {
-        Some(l) => router::run(&args, p, weights, metrics, l),
-        None => worker::run(&args, p, weights, metrics),
+        Some(l) => router::run(&args, p, weights, l),
+        None => worker::run(&args, p, weights),
     };
     r.with_context(|| format!("rank {rank}"))
 }

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
-use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -39,23 +38,21 @@ pub fn run(
     args: &ServeArgs,
     p: Prepared,
     weights: Weights,
-    metrics: PrometheusHandle,
     rendezvous: TcpListener,
 ) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(router_main(args, p, weights, metrics, rendezvous))
+    runtime.block_on(router_main(args, p, weights, rendezvous))
 }
 
 async fn router_main(
     args: &ServeArgs,
     p: Prepared,
     weights: Weights,
-    metrics: PrometheusHandle,
     rendezvous: TcpListener,
 ) -> anyhow::Result<()> {
-    crate::metrics::serve(args.metrics_listen, metrics, 0).await?;
+    crate::metrics::serve(args.metrics_listen, args.conn.clone(), 0).await?;
     let abort = Arc::new(Abort::default());
     let (front, job_rx) = Front::start(args, &p, abort.clone()).await?;
     let (infer, api, admission, health, addr) = (

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
-use metrics_exporter_prometheus::PrometheusHandle;
 use tracing::{error, info};
 
 use super::bringup::{bring_up, Side, Site};
@@ -24,16 +23,11 @@ use crate::step::{Backend, Driver, StepDesc, StepError};
 use crate::watchdog::{self, Progress};
 
 /// Joins the router's group and runs its steps until told to stop.
-pub fn run(
-    args: &ServeArgs,
-    p: Prepared,
-    weights: Weights,
-    metrics: PrometheusHandle,
-) -> anyhow::Result<()> {
+pub fn run(args: &ServeArgs, p: Prepared, weights: Weights) -> anyhow::Result<()> {
     let rank = p.member.rank;
     // Metrics on a small runtime of their own: the step loop stays plain blocking code.
     let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-    let listen = args.metrics_listen;
+    let (listen, conns) = (args.metrics_listen, args.conn.clone());
     std::thread::Builder::new()
         .name("metrics".into())
         .spawn(move || {
@@ -42,7 +36,7 @@ pub fn run(
                 .build();
             let r = rt.map_err(anyhow::Error::from).and_then(|rt| {
                 rt.block_on(async {
-                    let r = crate::metrics::serve(listen, metrics, rank).await;
+                    let r = crate::metrics::serve(listen, conns, rank).await;
                     let ok = r.is_ok();
                     let _ = addr_tx.send(r);
                     if ok {

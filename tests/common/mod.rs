@@ -244,6 +244,8 @@ pub fn serve_args(shm: &TempDir, extra: &[&str]) -> Vec<String> {
         "127.0.0.1:0",
         "--metrics-listen",
         "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
         "--shm-dir",
         &shm,
     ]
@@ -296,6 +298,22 @@ impl Group {
         }
     }
 
+    /// The KServe REST address (`host:port`), from rank 0's startup line.
+    pub fn http_addr(&self) -> String {
+        let end = Instant::now() + Duration::from_secs(30);
+        loop {
+            let found = self.proc.log.lock().unwrap().iter().find_map(|l| {
+                let (_, tail) = l.split_once(" KServe REST on http://")?;
+                Some(tail.trim_end().trim_end_matches("/v2").to_string())
+            });
+            if let Some(a) = found {
+                return a;
+            }
+            assert!(Instant::now() < end, "{}", self.proc.log_text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn launch(ranks: usize, model: &str, extra: &[&str]) -> Self {
         Self::launch_env(ranks, model, extra, &[])
     }
@@ -311,6 +329,8 @@ impl Group {
             "--listen",
             "127.0.0.1:0",
             "--metrics-listen",
+            "127.0.0.1:0",
+            "--http-listen",
             "127.0.0.1:0",
         ]
         .iter()
@@ -525,4 +545,34 @@ pub async fn reflected_services(channel: Channel) -> Vec<String> {
 
 pub async fn reflected_services_v1alpha(channel: Channel) -> Vec<String> {
     reflected!(v1alpha, channel)
+}
+
+/// One HTTP/1.1 request on a new connection: its status, headers and body.
+pub async fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, String)],
+    body: Vec<u8>,
+) -> (u16, http::HeaderMap, bytes::Bytes) {
+    use http_body_util::BodyExt;
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tcp))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut req = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr);
+    for (k, v) in headers {
+        req = req.header(*k, v);
+    }
+    let req = req
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .unwrap();
+    let r = send.send_request(req).await.unwrap();
+    let (parts, body) = r.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    (parts.status.as_u16(), parts.headers, body)
 }

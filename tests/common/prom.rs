@@ -85,7 +85,11 @@ pub fn scrape(addr: &str) -> Vec<Sample> {
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
         .unwrap();
-    write!(s, "GET /metrics HTTP/1.1\r\nHost: {addr}\r\n\r\n").unwrap();
+    write!(
+        s,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
     let mut body = String::new();
     s.read_to_string(&mut body).unwrap();
     let (head, text) = body.split_once("\r\n\r\n").expect("an HTTP response");

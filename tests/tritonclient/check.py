@@ -3,7 +3,9 @@ liveness and readiness, metadata and Triton's model configuration of every model
 repository index and statistics, FP32 and BF16 inference equal to epserve.v1 Forward on random
 data (per token), the typed models, gzip and deflate requests, client routing, streaming (with
 Triton's final-response flag), and the statuses of bad requests, after each of which the service
-keeps serving. First, every message and field epserve declares of Triton's protocol is checked
+keeps serving. Then `tritonclient.http` (sync and asyncio) against the REST port: the same
+catalogue calls, binary and JSON inference (gzip, deflate), system shared memory, equal per token
+to Forward. First, every message and field epserve declares of Triton's protocol is checked
 against the pinned tritonclient's own descriptors. Usage: check.py path/to/epserve
 """
 
@@ -99,21 +101,26 @@ def same_schema_as_tritonclient():
 
 def launch(binary, shm):
     args = [binary, "launch", "--ranks", "2", "--listen", "127.0.0.1:0",
-            "--metrics-listen", "127.0.0.1:0", "--shm-dir", shm,
+            "--metrics-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--shm-dir", shm,
             "--max-request-bytes", "1048576", "--max-queued-tokens", "1000"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = queue.Queue()
     threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
     end = time.time() + 120
+    http = None
     while time.time() < end:
         try:
             line = lines.get(timeout=1)
         except queue.Empty:
             check(proc.poll() is None, "epserve exited before serving")
             continue
+        m = re.search(r"KServe REST on http://(\S+)/v2", line)
+        if m:
+            http = m.group(1)
         m = re.search(r"serving gRPC on (\S+)", line)
         if m:
-            return proc, m.group(1)
+            check(http is not None, "the REST port came up before gRPC serves")
+            return proc, m.group(1), http
     raise AssertionError("epserve did not come up")
 
 
@@ -128,9 +135,10 @@ def main(binary):
     same_schema_as_tritonclient()
     pb, pb_grpc = epserve_v1()
     shm = tempfile.mkdtemp(prefix="epserve-shm-")
-    proc, addr = launch(binary, shm)
+    proc, addr, http = launch(binary, shm)
     try:
         run(addr, pb, pb_grpc)
+        rest(http, addr, pb, pb_grpc)
     finally:
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=30)
@@ -368,6 +376,159 @@ def run(addr, pb, pb_grpc):
     c.stop_stream()
     check((ok, errors) == (5, 1), f"stream answers {ok} ok, {errors} errors")
     check(c.is_server_ready(), "still ready after everything")
+
+
+def rest(http, addr, pb, pb_grpc):
+    """tritonclient.http against the REST port: what `run` checks over gRPC, REST's way."""
+    import asyncio
+    import tritonclient.http as th
+    import tritonclient.http.aio as th_aio
+    import tritonclient.utils.shared_memory as shm
+    c = th.InferenceServerClient(http)
+    v1 = pb_grpc.MoeServiceStub(grpc.insecure_channel(addr))
+    info = v1.GetModelInfo(pb.GetModelInfoRequest())
+    H, K, E = info.hidden_size, info.top_k, info.num_experts
+    layer = info.moe_layers[0]
+    model = f"layer-{layer}"
+
+    def forward(x, dtype, ids=None, w=None):
+        t = pb.Tensor(dtype=dtype, shape=list(x.shape), data=x.tobytes())
+        r = pb.ForwardRequest(id="f", layer=layer, hidden_states=t)
+        if ids is not None:
+            r.topk_ids.CopyFrom(pb.Tensor(dtype=pb.I32, shape=list(ids.shape), data=ids.tobytes()))
+            r.topk_weights.CopyFrom(pb.Tensor(dtype=pb.F32, shape=list(w.shape), data=w.tobytes()))
+        out = v1.Forward(r).output
+        np_dtype = {pb.F32: np.float32, pb.BF16: ml_dtypes.bfloat16, pb.F16: np.float16}[out.dtype]
+        return np.frombuffer(out.data, np_dtype).reshape(list(out.shape)).astype(np.float32)
+
+    check(c.is_server_live() and c.is_server_ready(), "REST: live and ready")
+    meta = c.get_server_metadata()
+    check(meta["name"] == "epserve" and "binary_tensor_data" in meta["extensions"], f"REST: {meta}")
+    check(c.is_model_ready(model) and not c.is_model_ready("layer-999"), "REST: model readiness")
+    m = c.get_model_metadata(model)
+    check([(t["name"], t["datatype"], t["shape"]) for t in m["inputs"]][0] == ("hidden_states", "FP32", [-1, H]),
+          f"REST metadata {m}")
+    cfg = c.get_model_config(model)
+    check([i.get("optional", False) for i in cfg["input"]] == [False, True, True]
+          and cfg["input"][1]["dims"] == [-1, K] and cfg["max_batch_size"] == 0, f"REST config {cfg}")
+    index = c.get_model_repository_index()
+    check(len(index) == 6 * len(info.moe_layers) and all(m["state"] == "READY" for m in index),
+          f"REST index {index}")
+
+    rng = np.random.default_rng(16)
+    for n in (1, 7, 300):
+        x = rng.uniform(-1, 1, (n, H)).astype(np.float32)
+        want = forward(x, pb.F32)
+        for binary in (True, False):
+            i = th.InferInput("hidden_states", [n, H], "FP32")
+            i.set_data_from_numpy(x, binary_data=binary)
+            o = th.InferRequestedOutput("output", binary_data=binary)
+            r = c.infer(model, [i], outputs=[o], request_id=f"rest-{n}-{binary}")
+            check(r.get_response()["id"] == f"rest-{n}-{binary}", "REST: the id comes back")
+            err = row_errors(r.as_numpy("output"), want)
+            check(err.max() <= 1e-6, f"REST n={n} binary={binary} vs Forward: worst token {err.max():.3e}")
+        xb = x.astype(ml_dtypes.bfloat16)
+        i = th.InferInput("hidden_states", [n, H], "BF16")
+        i.set_data_from_numpy(xb)
+        out = c.infer(f"{model}-bf16", [i]).as_numpy("output")
+        check(out.dtype == ml_dtypes.bfloat16, f"REST bf16 output dtype {out.dtype}")
+        err = row_errors(out.astype(np.float32), forward(xb, pb.BF16))
+        check(err.max() <= 1e-6, f"REST n={n} BF16 vs Forward: worst token {err.max():.3e}")
+        ids = np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)
+        w = rng.uniform(0.05, 1, (n, K)).astype(np.float32)
+        inputs = [th.InferInput("hidden_states", [n, H], "FP32"),
+                  th.InferInput("topk_ids", [n, K], "INT32"),
+                  th.InferInput("topk_weights", [n, K], "FP32")]
+        for t, v, b in zip(inputs, (x, ids, w), (True, False, False)):
+            t.set_data_from_numpy(v, binary_data=b)
+        out = c.infer(model, inputs).as_numpy("output")
+        err = row_errors(out, forward(x, pb.F32, ids, w))
+        check(err.max() <= 1e-6, f"REST n={n} routed vs Forward: worst token {err.max():.3e}")
+        for algorithm in ("gzip", "deflate"):
+            i = th.InferInput("hidden_states", [n, H], "FP32")
+            i.set_data_from_numpy(x)
+            z = c.infer(model, [i], request_compression_algorithm=algorithm).as_numpy("output")
+            check(np.array_equal(z, c.infer(model, [i]).as_numpy("output")),
+                  f"REST {algorithm} request answered as the plain one")
+
+    def refused(http_code, fragment, name, inputs, **kw):
+        try:
+            c.infer(name, inputs, **kw)
+        except InferenceServerException as e:
+            check(e.status() == str(http_code), f"{fragment}: {e.status()} {e.message()}")
+            check(fragment in e.message(), f"want '{fragment}' in '{e.message()}'")
+        else:
+            raise AssertionError(f"{fragment}: accepted")
+        ok = th.InferInput("hidden_states", [2, H], "FP32")
+        ok.set_data_from_numpy(rng.uniform(-1, 1, (2, H)).astype(np.float32))
+        check(c.infer(model, [ok]).as_numpy("output").shape == (2, H), "REST: valid after a bad one")
+
+    bad = th.InferInput("hidden_states", [2, H + 1], "FP32")
+    bad.set_data_from_numpy(np.zeros((2, H + 1), np.float32))
+    refused(400, f"does not match the model's {H}", model, [bad])
+    refused(404, "unknown model", "layer-999", [bad])
+    nan = th.InferInput("hidden_states", [1, H], "FP32")
+    nan.set_data_from_numpy(np.full((1, H), np.nan, np.float32))
+    refused(400, "non-finite value at row 0, column 0", model, [nan])
+    big = th.InferInput("hidden_states", [1001, H], "FP32")
+    big.set_data_from_numpy(np.zeros((1001, H), np.float32))
+    refused(429, "exceeds --max-queued-tokens", model, [big])
+    huge = th.InferInput("hidden_states", [5000, H], "FP32")
+    huge.set_data_from_numpy(np.zeros((5000, H), np.float32))
+    refused(429, "exceed --max-request-bytes", model, [huge])
+
+    # System shared memory through the REST calls.
+    n = 9
+    x = rng.uniform(-1, 1, (n, H)).astype(np.float32)
+    keys = {name: f"/epserve-rest-{os.getpid()}-{name}" for name in ("in", "out")}
+    regions = [shm.create_shared_memory_region(name, key, x.nbytes) for name, key in keys.items()]
+    try:
+        shm.set_shared_memory_region(regions[0], [x])
+        for name, key in keys.items():
+            c.register_system_shared_memory(name, key, x.nbytes)
+        status = c.get_system_shared_memory_status()
+        check(sorted(r["name"] for r in status) == ["in", "out"], f"REST shared-memory status {status}")
+        i = th.InferInput("hidden_states", [n, H], "FP32")
+        i.set_shared_memory("in", x.nbytes)
+        o = th.InferRequestedOutput("output")
+        o.set_shared_memory("out", x.nbytes)
+        r = c.infer(model, [i], outputs=[o])
+        got = r.get_output("output")
+        check(got["parameters"]["shared_memory_region"] == "out" and "data" not in got,
+              f"REST: the output is in region out: {got}")
+        out = shm.get_contents_as_numpy(regions[1], np.float32, [n, H])
+        err = row_errors(out, forward(x, pb.F32))
+        check(err.max() <= 1e-6, f"REST shared memory vs Forward: worst token {err.max():.3e}")
+        try:
+            c.register_system_shared_memory("in", keys["in"], x.nbytes)
+        except InferenceServerException as e:
+            check(e.status() == "409" and "already registered" in e.message(), f"twice: {e}")
+        else:
+            raise AssertionError("REST: a region registered twice")
+        c.unregister_system_shared_memory()
+        check(c.get_system_shared_memory_status() == [], "REST: every region unregistered")
+    finally:
+        for h in regions:
+            shm.destroy_shared_memory_region(h)
+
+    stats = c.get_inference_statistics(model)["model_stats"][0]
+    check(stats["inference_count"] > 0 and stats["inference_stats"]["success"]["ns"] > 0,
+          f"REST statistics {stats}")
+
+    async def aio():
+        a = th_aio.InferenceServerClient(http)
+        try:
+            x = rng.uniform(-1, 1, (5, H)).astype(np.float32)
+            i = th_aio.InferInput("hidden_states", [5, H], "FP32")
+            i.set_data_from_numpy(x)
+            outs = await asyncio.gather(*(a.infer(model, [i]) for _ in range(4)))
+            want = forward(x, pb.F32)
+            for r in outs:
+                check(row_errors(r.as_numpy("output"), want).max() <= 1e-6, "REST asyncio vs Forward")
+        finally:
+            await a.close()
+
+    asyncio.run(aio())
 
 
 if __name__ == "__main__":

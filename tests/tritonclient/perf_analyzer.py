@@ -1,7 +1,7 @@
 """Triton's own perf_analyzer (tritonclient 2.41's wheel) against `epserve launch`, with no glue
-but a data file of hidden states: synchronous, asynchronous and streaming gRPC, and with its
-tensors in system shared memory, each with zero errors and with the server-side statistics it
-reads from ModelStatistics.
+but a data file of hidden states: synchronous, asynchronous and streaming gRPC, synchronous and
+asynchronous HTTP (KServe REST), and with its tensors in system shared memory over both, each
+with zero errors and with the server-side statistics it reads from ModelStatistics.
 
 perf_analyzer's own data is random bytes for every input, the optional routing inputs
 included; random bytes are not finite floats nor expert ids, so it is given real rows of
@@ -108,7 +108,7 @@ def main(binary, cache):
     exe, lib = install(cache, os.path.join(os.path.dirname(sys.executable), "pip"))
     env = dict(os.environ, LD_LIBRARY_PATH=lib)
     shm = tempfile.mkdtemp(prefix="epserve-shm-")
-    proc, addr = launch(binary, shm)
+    proc, addr, http = launch(binary, shm)
     passed = 0
     try:
         hidden = 64  # synthetic:tiny
@@ -120,14 +120,17 @@ def main(binary, cache):
         data.close()
         # perf_analyzer 2.41 takes no optional input with shared memory: the -gated model
         # declares none.
-        for model, mode in (("layer-0", []), ("layer-0", ["--async"]),
-                            ("layer-0", ["--streaming"]),
-                            ("layer-0-gated", ["--shared-memory", "system"])):
-            cmd = [exe, "-m", model, "-u", addr, "-i", "grpc", "--input-data", data.name,
+        for model, proto, mode in (("layer-0", "grpc", []), ("layer-0", "grpc", ["--async"]),
+                                   ("layer-0", "grpc", ["--streaming"]),
+                                   ("layer-0-gated", "grpc", ["--shared-memory", "system"]),
+                                   ("layer-0", "http", []), ("layer-0", "http", ["--async"]),
+                                   ("layer-0-gated", "http", ["--shared-memory", "system"])):
+            url = addr if proto == "grpc" else http
+            cmd = [exe, "-m", model, "-u", url, "-i", proto, "--input-data", data.name,
                    "--measurement-interval", "500", "--concurrency-range", "1:2", *mode]
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
             out = r.stdout + r.stderr
-            label = " ".join(mode) or "sync"
+            label = " ".join([proto, *mode]) if mode else f"{proto} sync"
             if r.returncode != 0 or "error" in out.lower() or "unable" in out.lower():
                 print(out)
                 raise AssertionError(f"perf_analyzer {label}: exit {r.returncode}")

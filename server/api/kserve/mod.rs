@@ -5,6 +5,7 @@
 
 mod models;
 pub mod regions;
+pub mod rest;
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
