@@ -298,3 +298,100 @@ fn upload_budgets_that_cannot_read_the_largest_message_are_refused() {
         fails_with(&mut p, needle, Duration::from_secs(10));
     }
 }
+
+/// The ports come up before the weights load: while a model that takes seconds loads, health
+/// answers NOT_SERVING, `/metrics` answers, and the log shows each stage in order with its
+/// rank; then the rank serves. A metrics port that is taken fails the start before any weight
+/// is loaded, naming the address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ports_answer_while_weights_load_and_a_taken_port_fails_first() {
+    let shm = TempDir::new("slow-load");
+    let slow = ["--model", "synthetic:qwen3-30b-a3b", "--layers", "2"];
+    let mut args = serve_args(&shm, &slow);
+    args.extend(["--rendezvous".to_string(), "127.0.0.1:0".to_string()]);
+    let mut p = Proc::spawn(&args);
+    let addr = p
+        .wait_for("gRPC listening on ", Duration::from_secs(60))
+        .unwrap();
+    let addr = addr.trim_end_matches(", NOT_SERVING until the group is ready");
+    let metrics = p
+        .wait_for("rank 0 metrics on http://", Duration::from_secs(5))
+        .unwrap()
+        .trim_end_matches("/metrics")
+        .to_string();
+    let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let status = health
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    let scraped = common::prom::scrape(&metrics);
+    let loading = !p.log_text().contains("weights loaded");
+    assert!(
+        loading,
+        "the weights loaded before the ports were checked; the test needs a slower model:\n{}",
+        p.log_text()
+    );
+    assert_eq!(status, 2, "NOT_SERVING while loading");
+    assert!(
+        scraped
+            .iter()
+            .any(|s| s.name == "process_cpu_seconds_total"),
+        "metrics answer while loading"
+    );
+    p.wait_for("serving gRPC on", Duration::from_secs(300))
+        .unwrap();
+    let status = health
+        .check(tonic_health::pb::HealthCheckRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    assert_eq!(status, 1, "SERVING once the group is ready");
+    let log = p.log_text();
+    let at = |needle: &str| {
+        log.find(needle)
+            .unwrap_or_else(|| panic!("no '{needle}' in the log:\n{log}"))
+    };
+    let stages = [
+        "rank 0 metrics on",
+        "rank 0 KServe REST on",
+        "gRPC listening on",
+        "loading weights rank=0",
+        "weights loaded rank=0",
+        "group ready",
+        "serving gRPC on",
+    ];
+    for w in stages.windows(2) {
+        assert!(at(w[0]) < at(w[1]), "'{}' before '{}':\n{log}", w[0], w[1]);
+    }
+    kill(p.child.id(), "INT");
+    assert!(p
+        .wait_exit(Duration::from_secs(30))
+        .is_some_and(|s| s.success()));
+
+    // A taken metrics port: refused before loading, naming the address.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let at = taken.local_addr().unwrap().to_string();
+    let mut args = serve_args(&shm, &slow);
+    let i = args.iter().position(|a| a == "--metrics-listen").unwrap();
+    args[i + 1] = at.clone();
+    args.extend(["--rendezvous".to_string(), "127.0.0.1:0".to_string()]);
+    let mut p = Proc::spawn(&args);
+    fails_with(
+        &mut p,
+        &format!("binding the metrics address {at}"),
+        Duration::from_secs(30),
+    );
+    assert!(
+        !p.log_text().contains("loading weights"),
+        "{}",
+        p.log_text()
+    );
+}

@@ -24,6 +24,8 @@ pub struct MoeApi {
     ep_footprint: std::sync::OnceLock<crate::proto::NcclEpFootprint>,
     /// Where each rank serves, once the group has formed.
     ingress: std::sync::OnceLock<Vec<crate::proto::IngressAddress>>,
+    /// (exchange, expert) bytes per rank, once the weights are in place.
+    footprint: std::sync::OnceLock<(u64, u64)>,
     /// Most requests of one ForwardStream answered or in progress but not yet taken by the
     /// transport (--max-stream-in-flight).
     stream_in_flight: usize,
@@ -86,6 +88,7 @@ impl MoeApi {
             info,
             ep_footprint: std::sync::OnceLock::new(),
             ingress: std::sync::OnceLock::new(),
+            footprint: std::sync::OnceLock::new(),
             stream_in_flight: stream_in_flight.max(1),
         }
     }
@@ -93,6 +96,11 @@ impl MoeApi {
     /// What the NCCL EP exchange takes on the GPU, for GetModelInfo (set once, at startup).
     pub fn set_ep_footprint(&self, f: crate::proto::NcclEpFootprint) {
         let _ = self.ep_footprint.set(f);
+    }
+
+    /// The bytes a rank holds for its exchange and its experts (set once, when loaded).
+    pub fn set_footprint(&self, exchange: u64, experts: u64) {
+        let _ = self.footprint.set((exchange, experts));
     }
 
     /// Where clients reach each rank that takes requests, by rank (set once, at startup).
@@ -280,6 +288,10 @@ impl MoeService for Arc<MoeApi> {
         let mut info = self.info.clone();
         info.nccl_ep = self.ep_footprint.get().cloned();
         info.ingress = self.ingress.get().cloned().unwrap_or_default();
+        if let Some(&(exchange, experts)) = self.footprint.get() {
+            info.exchange_bytes_per_rank = exchange;
+            info.expert_bytes_per_rank = experts;
+        }
         Ok(Response::new(info))
     }
 

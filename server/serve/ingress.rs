@@ -61,6 +61,11 @@ impl Clients {
         })
     }
 
+    /// The bytes this rank holds, once loaded, for GetModelInfo.
+    pub fn set_footprint(&self, exchange: u64, experts: u64) {
+        self.front.api.set_footprint(exchange, experts);
+    }
+
     /// After startup: tells the router where this rank serves.
     pub fn send_address(&self, stream: &mut TcpStream) -> anyhow::Result<()> {
         let msg = Ctl::Listening {

@@ -33,13 +33,48 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         0 => Some(bind_rendezvous(&member.rendezvous, args.rendezvous_bind).context("rank 0")?),
         _ => None,
     };
-    let (p, weights) = prepare::prepare(&args, member).with_context(|| format!("rank {rank}"))?;
+    let p = prepare::plan(&args, member).with_context(|| format!("rank {rank}"))?;
+    // Metrics (and, on the ranks that take requests, gRPC and REST) answer from here on, while
+    // the weights load; a port that is taken fails the start before anything slow.
     crate::metrics::install()?;
+    serve_metrics(&args, rank).with_context(|| format!("rank {rank}"))?;
     let r = match listener {
-        Some(l) => router::run(&args, p, weights, l),
-        None => worker::run(&args, p, weights),
+        Some(l) => router::run(&args, p, l),
+        None => worker::run(&args, p),
     };
     r.with_context(|| format!("rank {rank}"))
+}
+
+/// `/metrics` on a small runtime of its own for the life of the process (the step loops stay
+/// plain blocking code); returns once the port is bound.
+fn serve_metrics(args: &ServeArgs, rank: usize) -> anyhow::Result<()> {
+    let (bound_tx, bound_rx) = std::sync::mpsc::channel();
+    let (listen, conns) = (args.metrics_listen, args.conn.clone());
+    std::thread::Builder::new()
+        .name("metrics".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = bound_tx.send(Err(anyhow::Error::from(e)));
+                    return;
+                }
+            };
+            rt.block_on(async {
+                let r = crate::metrics::serve(listen, conns, rank).await;
+                let ok = r.is_ok();
+                let _ = bound_tx.send(r.map(|_| ()));
+                if ok {
+                    std::future::pending::<()>().await;
+                }
+            });
+        })?;
+    bound_rx
+        .recv()
+        .map_err(|_| anyhow!("the metrics thread died"))?
 }
 
 /// The line rank 0 prints on stdout when it bound rendezvous port 0.

@@ -1,5 +1,6 @@
 //! Before a rank talks to the group: the model, its placement, the backend it resolves to, the
-//! group's fingerprint, the shapes of its shared memory, and its experts' weights loaded.
+//! group's fingerprint and the shapes of its shared memory (`plan`, quick: the ports open after
+//! it), then its experts' weights loaded (`load`, seconds to minutes).
 
 use std::time::Instant;
 
@@ -33,11 +34,14 @@ pub struct Prepared {
     pub ring: RingShape,
     /// GPU backends: home-token buckets, ascending.
     pub buckets: Vec<usize>,
-    /// Persistent exchange memory per rank (GetModelInfo).
+    /// Persistent exchange memory per rank (GetModelInfo; on the GPU backends 0 until loaded).
     pub exchange_bytes: u64,
     pub expert_dtype: ExpertDtype,
-    /// Bytes of this rank's experts where it computes them: host memory (cpu) or its GPU.
+    /// Bytes of this rank's experts where it computes them: host memory (cpu) or its GPU
+    /// (0 until loaded).
     pub expert_bytes: u64,
+    /// nccl-ep: the exchange's settings.
+    ep: Option<EpSettings>,
 }
 
 /// `--expert-dtype` for this model (`ExpertDtype::resolve`), saying why where auto falls back.
@@ -110,8 +114,8 @@ pub fn backend_name(b: BackendKind) -> String {
     b.name().to_string()
 }
 
-/// What a rank knows before it talks to the group, and the weights it holds.
-pub fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<(Prepared, Weights)> {
+/// What a rank knows before it talks to the group, short of its weights.
+pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
     let source = ModelSource::parse(&args.model, args.seed)?;
     let mut spec = source.spec()?;
     spec.cap_layers(args.layers);
@@ -183,35 +187,11 @@ pub fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<(Prepared, We
         spec.hidden,
         spec.top_k,
     );
-    let t0 = Instant::now();
-    let experts = placement.experts_of(member.rank);
-    let weights = source.load(&spec, experts.clone(), expert_dtype)?;
-    let host_bytes = weights.expert_bytes() as u64;
-    info!(
-        rank = member.rank,
-        experts = ?experts,
-        layers = spec.moe_layers.len(),
-        expert_dtype = %expert_dtype.name(),
-        expert_bytes = host_bytes,
-        seconds = t0.elapsed().as_secs_f32(),
-        "weights loaded"
-    );
-    let (weights, exchange_bytes, expert_bytes) = match backend {
-        BackendKind::Nccl | BackendKind::NcclEp => {
-            let seat = gpu::Seat {
-                ordinal: device_ordinal(args, member.rank)?,
-                world: member.world,
-                rank: member.rank,
-                max_home,
-                ep,
-            };
-            let dev = gpu::Device::open(seat, &spec, weights)?;
-            let (bytes, experts) = (dev.buffer_bytes() as u64, dev.expert_bytes() as u64);
-            (Weights::Gpu(Box::new(dev)), bytes, experts)
-        }
-        _ => (Weights::Host(weights), segment.bytes() as u64, host_bytes),
+    let exchange_bytes = match backend {
+        BackendKind::Nccl | BackendKind::NcclEp => 0,
+        _ => segment.bytes() as u64,
     };
-    let p = Prepared {
+    Ok(Prepared {
         member,
         source,
         spec,
@@ -223,9 +203,54 @@ pub fn prepare(args: &ServeArgs, member: Member) -> anyhow::Result<(Prepared, We
         buckets,
         exchange_bytes,
         expert_dtype,
-        expert_bytes,
+        expert_bytes: 0,
+        ep,
+    })
+}
+
+/// This rank's experts' weights, where it computes them (its GPU opened on the GPU backends);
+/// fills in the bytes it holds.
+pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Weights> {
+    let t0 = Instant::now();
+    let rank = p.member.rank;
+    let experts = p.placement.experts_of(rank);
+    info!(
+        rank,
+        experts = ?experts,
+        layers = p.spec.moe_layers.len(),
+        "loading weights"
+    );
+    let weights = p.source.load(&p.spec, experts.clone(), p.expert_dtype)?;
+    let host_bytes = weights.expert_bytes() as u64;
+    info!(
+        rank,
+        experts = ?experts,
+        layers = p.spec.moe_layers.len(),
+        expert_dtype = %p.expert_dtype.name(),
+        expert_bytes = host_bytes,
+        seconds = t0.elapsed().as_secs_f32(),
+        "weights loaded"
+    );
+    let weights = match p.backend {
+        BackendKind::Nccl | BackendKind::NcclEp => {
+            let seat = gpu::Seat {
+                ordinal: device_ordinal(args, rank)?,
+                world: p.member.world,
+                rank,
+                max_home: p.segment.max_home,
+                ep: p.ep,
+            };
+            let dev = gpu::Device::open(seat, &p.spec, weights)?;
+            p.exchange_bytes = dev.buffer_bytes() as u64;
+            p.expert_bytes = dev.expert_bytes() as u64;
+            Weights::Gpu(Box::new(dev))
+        }
+        _ => {
+            p.expert_bytes = host_bytes;
+            Weights::Host(weights)
+        }
     };
-    Ok((p, weights))
+    Ok(weights)
 }
 
 /// What GetModelInfo says of this group.

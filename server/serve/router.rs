@@ -34,25 +34,18 @@ const BROKEN_JOIN: Duration = Duration::from_secs(2);
 
 /// The router: gRPC comes up first (NOT_SERVING), the group forms, a warm-up step runs, then it
 /// serves until a signal (drain) or a broken group.
-pub fn run(
-    args: &ServeArgs,
-    p: Prepared,
-    weights: Weights,
-    rendezvous: TcpListener,
-) -> anyhow::Result<()> {
+pub fn run(args: &ServeArgs, p: Prepared, rendezvous: TcpListener) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(router_main(args, p, weights, rendezvous))
+    runtime.block_on(router_main(args, p, rendezvous))
 }
 
 async fn router_main(
     args: &ServeArgs,
-    p: Prepared,
-    weights: Weights,
+    mut p: Prepared,
     rendezvous: TcpListener,
 ) -> anyhow::Result<()> {
-    crate::metrics::serve(args.metrics_listen, args.conn.clone(), 0).await?;
     let abort = Arc::new(Abort::default());
     let (front, job_rx) = Front::start(args, &p, abort.clone()).await?;
     let (infer, api, admission, health, addr) = (
@@ -73,7 +66,10 @@ async fn router_main(
     info!("gRPC listening on {addr}, NOT_SERVING until the group is ready");
 
     let (setup_args, setup_abort, setup_events) = (args.clone(), abort.clone(), events.clone());
+    let setup_api = api.clone();
     let setup = tokio::task::spawn_blocking(move || {
+        let weights = super::prepare::load(&setup_args, &mut p)?;
+        setup_api.set_footprint(p.exchange_bytes, p.expert_bytes);
         let here = addr.to_string();
         form_group(
             &setup_args,

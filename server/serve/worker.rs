@@ -8,12 +8,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
-use tracing::{error, info};
+use tracing::info;
 
 use super::bringup::{bring_up, Side, Site};
 use super::ingress::{Clients, Opener};
 use super::own_rows::{OwnRows, PackOrder};
-use super::prepare::{Prepared, Weights};
+use super::prepare::{self, Prepared};
 use crate::config::{Ingress, ServeArgs};
 use crate::group::{self, send, Ctl, CtlWriter, Joined};
 use crate::router::{Failure, Step};
@@ -23,35 +23,8 @@ use crate::step::{Backend, Driver, StepDesc, StepError};
 use crate::watchdog::{self, Progress};
 
 /// Joins the router's group and runs its steps until told to stop.
-pub fn run(args: &ServeArgs, p: Prepared, weights: Weights) -> anyhow::Result<()> {
+pub fn run(args: &ServeArgs, mut p: Prepared) -> anyhow::Result<()> {
     let rank = p.member.rank;
-    // Metrics on a small runtime of their own: the step loop stays plain blocking code.
-    let (addr_tx, addr_rx) = std::sync::mpsc::channel();
-    let (listen, conns) = (args.metrics_listen, args.conn.clone());
-    std::thread::Builder::new()
-        .name("metrics".into())
-        .spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build();
-            let r = rt.map_err(anyhow::Error::from).and_then(|rt| {
-                rt.block_on(async {
-                    let r = crate::metrics::serve(listen, conns, rank).await;
-                    let ok = r.is_ok();
-                    let _ = addr_tx.send(r);
-                    if ok {
-                        std::future::pending::<()>().await;
-                    }
-                    Ok(())
-                })
-            });
-            if let Err(e) = r {
-                error!("metrics endpoint: {e:#}");
-            }
-        })?;
-    addr_rx
-        .recv()
-        .map_err(|_| anyhow!("the metrics thread died"))??;
     // --ingress all: this rank's gRPC is up (NOT_SERVING) before it joins, as the router's is.
     // One cause ends everything: a failed group stops this rank's waits inside a step and
     // answers its clients.
@@ -60,6 +33,10 @@ pub fn run(args: &ServeArgs, p: Prepared, weights: Weights) -> anyhow::Result<()
         Ingress::All => Some(Clients::start(args, &p, abort.clone())?),
         Ingress::Router => None,
     };
+    let weights = prepare::load(args, &mut p)?;
+    if let Some(c) = &clients {
+        c.set_footprint(p.exchange_bytes, p.expert_bytes);
+    }
     let timeout = args.rendezvous_timeout;
     let addr = &p.member.rendezvous;
     let Joined {
