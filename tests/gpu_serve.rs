@@ -9,6 +9,8 @@
 //! rank under load and times the answers and the group's exit. BF16 and F16 rows, copied from the
 //! host ring as they came and converted on the GPU, give the F32 rows' outputs, in every output
 //! dtype. Two steps in flight (`--steps-ahead 1`) and one at a time both match the f64 reference.
+//! Triton's CUDA shared memory: this process's device buffers, registered by IPC handle, give
+//! Forward's outputs per token.
 //! Needs GPUs and NCCL; ignored by default. On a GPU machine with a carried binary:
 //! `EPSERVE_BIN=.device/bin/epserve .device/bin/gpu_serve --ignored --test-threads 1`.
 #![cfg(feature = "cuda")]
@@ -982,4 +984,227 @@ fn nccl_ep_fault_drill_stop_and_kill_a_rank() {
         fault_drill("nccl-ep", "STOP", &["--steps-ahead", ahead]);
         fault_drill("nccl-ep", "KILL", &["--steps-ahead", ahead]);
     }
+}
+
+/// A device buffer of this (client) process, exported as Triton's clients export theirs.
+struct ClientBuffer(cudarc::driver::sys::CUdeviceptr);
+
+impl ClientBuffer {
+    fn new(bytes: usize) -> Self {
+        use cudarc::driver::sys;
+        let mut p = 0;
+        // SAFETY: a plain allocation (not stream-ordered: pool memory has no IPC handle) into a
+        // valid out-pointer, in the context the test bound to this thread.
+        unsafe { sys::cuMemAlloc_v2(&mut p, bytes) }
+            .result()
+            .unwrap();
+        Self(p)
+    }
+
+    fn write(&self, data: &[u8]) {
+        // SAFETY: the buffer holds at least `data.len()` bytes (the caller sized it); synchronous.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyHtoD_v2(self.0, data.as_ptr() as *const _, data.len())
+        }
+        .result()
+        .unwrap();
+    }
+
+    fn read(&self, out: &mut [u8]) {
+        // SAFETY: as `write`, the other way.
+        unsafe {
+            cudarc::driver::sys::cuMemcpyDtoH_v2(out.as_mut_ptr() as *mut _, self.0, out.len())
+        }
+        .result()
+        .unwrap();
+    }
+
+    /// The raw `cudaIpcMemHandle_t` bytes.
+    fn handle(&self) -> Vec<u8> {
+        use cudarc::driver::sys;
+        let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: `h` is a valid out-pointer; the buffer is a live cuMemAlloc allocation.
+        unsafe { sys::cuIpcGetMemHandle(&mut h, self.0) }
+            .result()
+            .unwrap();
+        h.reserved.iter().map(|&c| c as u8).collect()
+    }
+}
+
+impl Drop for ClientBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new`; the server has unregistered (closed) it by now.
+        let _ = unsafe { cudarc::driver::sys::cuMemFree_v2(self.0) };
+    }
+}
+
+/// Triton's CUDA shared memory on one GPU rank: this process's device buffers, registered by
+/// their raw IPC handles, hold the hidden states and receive the output; each request's output
+/// equals Forward's over the wire per token and is within TOKEN_TOL of the f64 reference; the
+/// regions are listed, a short handle and a size past the allocation are refused, and
+/// unregistering closes them.
+#[test]
+#[ignore = "needs a GPU and NCCL"]
+fn cuda_shared_memory_round_trip_equals_forward() {
+    use epserve::inference::grpc_inference_service_client::GrpcInferenceServiceClient;
+    use epserve::inference::infer_parameter::ParameterChoice;
+    use epserve::inference::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
+    use epserve::inference::*;
+    let g = launch_with(1, "nccl", "on", &[]);
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    ctx.bind_to_thread().unwrap();
+    let (spec, layers) = reference_layers();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut c = rt
+        .block_on(GrpcInferenceServiceClient::connect(format!(
+            "http://{}",
+            g.addr
+        )))
+        .unwrap()
+        .max_decoding_message_size(256 << 20)
+        .max_encoding_message_size(256 << 20);
+    let meta = rt
+        .block_on(c.server_metadata(ServerMetadataRequest {}))
+        .unwrap()
+        .into_inner();
+    assert!(
+        meta.extensions.contains(&"cuda_shared_memory".to_string()),
+        "{meta:?}"
+    );
+    let shm = |region: &str, len: usize| -> std::collections::HashMap<String, InferParameter> {
+        let p = |c| InferParameter {
+            parameter_choice: Some(c),
+        };
+        [
+            (
+                "shared_memory_region",
+                p(ParameterChoice::StringParam(region.into())),
+            ),
+            (
+                "shared_memory_byte_size",
+                p(ParameterChoice::Int64Param(len as i64)),
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    };
+    let mut r = ChaCha8Rng::seed_from_u64(31);
+    let (mut reqs, mut outs) = (vec![], vec![]);
+    for (i, n) in [1usize, 7, 64, 300, 1024].into_iter().enumerate() {
+        let x: Vec<f32> = (0..n * HIDDEN).map(|_| r.random_range(-1.0..1.0)).collect();
+        let bytes = n * HIDDEN * 4;
+        let (input, output) = (ClientBuffer::new(bytes), ClientBuffer::new(bytes));
+        input.write(&x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>());
+        for (name, b) in [("in", &input), ("out", &output)] {
+            rt.block_on(
+                c.cuda_shared_memory_register(CudaSharedMemoryRegisterRequest {
+                    name: format!("{name}-{i}"),
+                    raw_handle: b.handle(),
+                    device_id: 0,
+                    byte_size: bytes as u64,
+                }),
+            )
+            .unwrap_or_else(|e| panic!("register {name}-{i}: {e:?}"));
+        }
+        let listed = rt
+            .block_on(c.cuda_shared_memory_status(CudaSharedMemoryStatusRequest::default()))
+            .unwrap()
+            .into_inner()
+            .regions;
+        assert_eq!(listed.len(), 2, "{listed:?}");
+        assert_eq!(listed[&format!("in-{i}")].byte_size, bytes as u64);
+        let req = ModelInferRequest {
+            model_name: "layer-0".into(),
+            id: format!("cuda-{i}"),
+            inputs: vec![InferInputTensor {
+                name: "hidden_states".into(),
+                datatype: "FP32".into(),
+                shape: vec![n as i64, HIDDEN as i64],
+                parameters: shm(&format!("in-{i}"), bytes),
+                contents: None,
+            }],
+            outputs: vec![InferRequestedOutputTensor {
+                name: "output".into(),
+                parameters: shm(&format!("out-{i}"), bytes),
+            }],
+            ..Default::default()
+        };
+        let resp = rt.block_on(c.model_infer(req)).unwrap().into_inner();
+        assert!(resp.raw_output_contents.iter().all(|b| b.is_empty()));
+        let mut got = vec![0u8; bytes];
+        output.read(&mut got);
+        let got: Vec<f32> = got
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let fwd = request(&format!("f{i}"), 0, f32_tensor(&x, [n, HIDDEN]));
+        let want = decode(
+            &rt.block_on(async { g.client().await.forward(fwd.clone()).await })
+                .unwrap()
+                .into_inner()
+                .output
+                .unwrap(),
+        );
+        for t in 0..n {
+            let row = t * HIDDEN..(t + 1) * HIDDEN;
+            let scale = want[row.clone()].iter().fold(0f32, |m, v| m.max(v.abs()));
+            let err = got[row.clone()]
+                .iter()
+                .zip(&want[row])
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+                / scale.max(f32::MIN_POSITIVE);
+            assert!(
+                err <= 1e-6,
+                "request {i} token {t}: CUDA shm vs Forward {err:.3e}"
+            );
+        }
+        for name in ["in", "out"] {
+            rt.block_on(
+                c.cuda_shared_memory_unregister(CudaSharedMemoryUnregisterRequest {
+                    name: format!("{name}-{i}"),
+                }),
+            )
+            .unwrap();
+        }
+        reqs.push(fwd);
+        outs.push(got);
+    }
+    check_f64(
+        "CUDA shared memory",
+        &spec,
+        &layers,
+        &reqs,
+        &outs,
+        TOKEN_TOL,
+    );
+    // What a client names is checked: a short handle, and a size past its allocation.
+    let b = ClientBuffer::new(4096);
+    let refuse = |handle: Vec<u8>, size: u64, want: &str| {
+        let e = rt
+            .block_on(
+                c.clone()
+                    .cuda_shared_memory_register(CudaSharedMemoryRegisterRequest {
+                        name: "bad".into(),
+                        raw_handle: handle,
+                        device_id: 0,
+                        byte_size: size,
+                    }),
+            )
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains(want), "{e:?}");
+    };
+    refuse(
+        b.handle()[..63].to_vec(),
+        4096,
+        "not a CUDA IPC handle's 64",
+    );
+    refuse(b.handle(), 1 << 30, "exceeds the");
+    let left = rt
+        .block_on(c.cuda_shared_memory_status(CudaSharedMemoryStatusRequest::default()))
+        .unwrap()
+        .into_inner()
+        .regions;
+    assert!(left.is_empty(), "{left:?}");
 }

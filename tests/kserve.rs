@@ -1652,7 +1652,7 @@ async fn system_shared_memory_round_trip_and_refusals() {
         .await
         .unwrap_err();
     note(
-        "CudaSharedMemoryRegister (CUDA shared memory is not served yet)",
+        "CudaSharedMemoryRegister on the cpu backend (CUDA shared memory needs a GPU rank)",
         e,
     );
     c.cuda_shared_memory_unregister(
@@ -2046,6 +2046,24 @@ async fn rest_answers_as_grpc_and_refuses_by_name() {
             o.0
         );
     }
+
+    // CUDA shared memory needs a GPU rank: refused as over gRPC, and nothing is listed.
+    let body = serde_json::to_vec(
+        &json!({"raw_handle": {"b64": "AAAA"}, "device_id": 0, "byte_size": 64}),
+    )
+    .unwrap();
+    let (s, _, b) = common::http(
+        &http,
+        "POST",
+        "/v2/cudasharedmemory/region/r/register",
+        &[],
+        body,
+    )
+    .await;
+    assert_eq!(s, 503, "{}", String::from_utf8_lossy(&b));
+    assert!(String::from_utf8_lossy(&b).contains("CUDA shared memory is not served here"));
+    let (s, _, b) = get("/v2/cudasharedmemory/status").await;
+    assert_eq!((s, b.as_ref()), (200, b"[]".as_ref()));
 
     // Statistics and metrics count REST requests.
     let (_, _, b) = get("/v2/models/layer-0/stats").await;

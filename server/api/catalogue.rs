@@ -315,7 +315,7 @@ pub const BAD_CALL: &[BadInput] = &[
     only(
         On::Kserve,
         Code::Unavailable,
-        "CudaSharedMemoryRegister (CUDA shared memory is not served yet)",
+        "CudaSharedMemoryRegister on the cpu backend (CUDA shared memory needs a GPU rank)",
         "CUDA shared memory is not served",
     ),
 ];

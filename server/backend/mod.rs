@@ -67,6 +67,8 @@ pub mod gpu {
     #[cfg(feature = "cuda")]
     pub use super::cuda::bench::run as bench;
     #[cfg(feature = "cuda")]
+    pub use super::cuda::ipc::IpcRegion;
+    #[cfg(feature = "cuda")]
     pub use super::cuda::setup::{available, device_count, ep_gates, new_unique_id, Device};
 
     #[cfg(not(feature = "cuda"))]
@@ -100,6 +102,24 @@ pub mod gpu {
             _configs: &[crate::bench::BenchConfig],
         ) -> anyhow::Result<Vec<crate::bench::ConfigResult>> {
             anyhow::bail!("epserve bench times the GPU step: {WHY}")
+        }
+
+        /// Never constructed without CUDA.
+        pub enum IpcRegion {}
+
+        impl IpcRegion {
+            pub fn open(_handle: &[u8], _device: i64, _len: u64) -> Result<Self, String> {
+                Err(WHY.into())
+            }
+            pub fn device(&self) -> usize {
+                match *self {}
+            }
+            pub fn read(&self, _offset: u64, _out: &mut [u8]) -> Result<(), String> {
+                match *self {}
+            }
+            pub fn write(&self, _offset: u64, _data: &[u8]) -> Result<(), String> {
+                match *self {}
+            }
         }
 
         /// Never constructed without CUDA.

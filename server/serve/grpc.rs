@@ -66,10 +66,18 @@ impl Front {
             abort,
         ));
         let api = Arc::new(MoeApi::new(infer.clone(), info, args.max_stream_in_flight));
+        // CUDA shared memory where this rank has a GPU.
+        let no_cuda = match p.backend {
+            crate::config::BackendKind::Nccl | crate::config::BackendKind::NcclEp => {
+                crate::backend::gpu::available().err()
+            }
+            b => Some(format!("the {} backend has no GPU", b.name())),
+        };
         let kserve = Arc::new(KserveApi::new(
             infer.clone(),
             args.max_stream_in_flight,
             args.regions.clone(),
+            no_cuda,
             args.max_request_bytes,
         ));
         let (health, health_service) = tonic_health::server::health_reporter();

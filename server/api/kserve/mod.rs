@@ -324,11 +324,12 @@ impl KserveApi {
         infer: Arc<Infer>,
         stream_in_flight: usize,
         regions: regions::RegionArgs,
+        no_cuda: Option<String>,
         max_request: usize,
     ) -> Self {
         Self {
             infer,
-            regions: Regions::new(regions),
+            regions: Regions::new(regions, no_cuda),
             max_request,
             stream_in_flight: stream_in_flight.max(1),
         }
@@ -659,17 +660,21 @@ impl GrpcInferenceService for Arc<KserveApi> {
         &self,
         _: Request<ServerMetadataRequest>,
     ) -> Result<Response<ServerMetadataResponse>, Status> {
+        let mut extensions: Vec<String> = [
+            "parameters",
+            "model_configuration",
+            "statistics",
+            "system_shared_memory",
+        ]
+        .map(String::from)
+        .to_vec();
+        if self.regions.cuda() {
+            extensions.push("cuda_shared_memory".into());
+        }
         Ok(Response::new(ServerMetadataResponse {
             name: "epserve".into(),
             version: env!("CARGO_PKG_VERSION").into(),
-            extensions: [
-                "parameters",
-                "model_configuration",
-                "statistics",
-                "system_shared_memory",
-            ]
-            .map(String::from)
-            .to_vec(),
+            extensions,
         }))
     }
 
@@ -772,31 +777,28 @@ impl GrpcInferenceService for Arc<KserveApi> {
         &self,
         req: Request<CudaSharedMemoryStatusRequest>,
     ) -> Result<Response<CudaSharedMemoryStatusResponse>, Status> {
-        let name = req.into_inner().name;
-        if !name.is_empty() {
-            return Err(Status::not_found(format!(
-                "no CUDA shared-memory region {} is registered",
-                quote(&name)
-            )));
-        }
-        Ok(Response::new(CudaSharedMemoryStatusResponse::default()))
+        let regions = self.regions.cuda_status(&req.into_inner().name)?;
+        Ok(Response::new(CudaSharedMemoryStatusResponse { regions }))
     }
 
     async fn cuda_shared_memory_register(
         &self,
-        _: Request<CudaSharedMemoryRegisterRequest>,
+        req: Request<CudaSharedMemoryRegisterRequest>,
     ) -> Result<Response<CudaSharedMemoryRegisterResponse>, Status> {
-        Err(Status::unavailable(
-            "CUDA shared memory is not served: use system shared memory \
-             (SystemSharedMemoryRegister)",
-        ))
+        let r = req.into_inner();
+        self.regions
+            .register_cuda(&r.name, &r.raw_handle, r.device_id, r.byte_size)
+            .inspect_err(|s| {
+                tracing::debug!("CUDA shared-memory region refused: {}", s.message())
+            })?;
+        Ok(Response::new(CudaSharedMemoryRegisterResponse {}))
     }
 
-    /// Nothing is ever registered, so there is nothing to unregister.
     async fn cuda_shared_memory_unregister(
         &self,
-        _: Request<CudaSharedMemoryUnregisterRequest>,
+        req: Request<CudaSharedMemoryUnregisterRequest>,
     ) -> Result<Response<CudaSharedMemoryUnregisterResponse>, Status> {
+        self.regions.unregister_cuda(&req.into_inner().name);
         Ok(Response::new(CudaSharedMemoryUnregisterResponse {}))
     }
 

@@ -8,6 +8,12 @@
 //! descriptor opened at registration, not mapped: a client that truncates its object then gets
 //! an error, where a mapping would take the server down with SIGBUS. A request holds its region
 //! (the descriptor) until answered, so unregistering one in use frees nothing it still reads.
+//!
+//! CUDA shared memory (on the GPU backends): a client registers a raw CUDA IPC handle of its
+//! device memory, opened once here (`gpu::IpcRegion`: the handle's size and device checked) and
+//! held by requests the same way. Its rows are staged through the host: copied device to host
+//! into the request as a system region's are read, and the answer copied back. Both kinds share
+//! one namespace and `--shm-regions-max`, as in Triton.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -19,7 +25,9 @@ use bytes::Bytes;
 use clap::Args;
 use tonic::Status;
 
+use crate::backend::gpu::IpcRegion;
 use crate::infer::quote::quote;
+use crate::inference::cuda_shared_memory_status_response::RegionStatus as CudaStatus;
 use crate::inference::system_shared_memory_status_response::RegionStatus;
 use crate::router::Failure;
 
@@ -51,10 +59,36 @@ fn octal(s: &str) -> Result<u32, String> {
 /// One registered region: `size` bytes from `offset` of the object behind `file`.
 pub struct Region {
     pub name: String,
-    key: String,
-    offset: u64,
     size: u64,
-    file: File,
+    backing: Backing,
+}
+
+/// What a region is.
+enum Backing {
+    /// A POSIX object's `[offset, offset + size)`.
+    File {
+        key: String,
+        offset: u64,
+        file: File,
+    },
+    /// A client's CUDA allocation.
+    Device(IpcRegion),
+}
+
+/// The two kinds, as their calls name them.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    System,
+    Cuda,
+}
+
+impl Region {
+    fn kind(&self) -> Kind {
+        match self.backing {
+            Backing::File { .. } => Kind::System,
+            Backing::Device(_) => Kind::Cuda,
+        }
+    }
 }
 
 /// Where a tensor lies in a region, as a request's parameters give it.
@@ -88,11 +122,14 @@ impl Span {
     /// Reads the span. A short read (the client truncated its object) is INVALID_ARGUMENT.
     pub fn read(&self) -> Result<Bytes, Failure> {
         let mut buf = vec![0u8; self.len];
-        let at = self.region.offset + self.offset;
-        self.region
-            .file
-            .read_exact_at(&mut buf, at)
-            .map_err(|e| self.io_failure("reading", e))?;
+        match &self.region.backing {
+            Backing::File { offset, file, .. } => file
+                .read_exact_at(&mut buf, offset + self.offset)
+                .map_err(|e| self.io_failure("reading", e))?,
+            Backing::Device(d) => d
+                .read(self.offset, &mut buf)
+                .map_err(|e| self.device_failure("reading", e))?,
+        }
         metrics::counter!(SHM_BYTES, "direction" => "in").increment(self.len as u64);
         Ok(buf.into())
     }
@@ -100,20 +137,34 @@ impl Span {
     /// Writes `data` at the span's start; it must fit.
     pub fn write(&self, data: &[u8]) -> Result<(), Failure> {
         debug_assert!(data.len() <= self.len);
-        let at = self.region.offset + self.offset;
-        self.region
-            .file
-            .write_all_at(data, at)
-            .map_err(|e| self.io_failure("writing", e))?;
+        match &self.region.backing {
+            Backing::File { offset, file, .. } => file
+                .write_all_at(data, offset + self.offset)
+                .map_err(|e| self.io_failure("writing", e))?,
+            Backing::Device(d) => d
+                .write(self.offset, data)
+                .map_err(|e| self.device_failure("writing", e))?,
+        }
         metrics::counter!(SHM_BYTES, "direction" => "out").increment(data.len() as u64);
         Ok(())
     }
 
     fn io_failure(&self, doing: &str, e: std::io::Error) -> Failure {
+        let key = match &self.region.backing {
+            Backing::File { key, .. } => key.as_str(),
+            Backing::Device(_) => "",
+        };
         Failure::invalid(format!(
             "{doing} shared-memory region {} (key {}): {e} (was the object truncated?)",
             quote(&self.region.name),
-            quote(&self.region.key)
+            quote(key)
+        ))
+    }
+
+    fn device_failure(&self, doing: &str, e: String) -> Failure {
+        Failure::invalid(format!(
+            "{doing} CUDA shared-memory region {}: {e}",
+            quote(&self.region.name)
         ))
     }
 }
@@ -121,14 +172,81 @@ impl Span {
 pub struct Regions {
     args: RegionArgs,
     map: Mutex<HashMap<String, Arc<Region>>>,
+    /// Why CUDA regions are not served here (the cpu backend, a build without CUDA); None:
+    /// they are.
+    no_cuda: Option<String>,
 }
 
 impl Regions {
-    pub fn new(args: RegionArgs) -> Self {
+    pub fn new(args: RegionArgs, no_cuda: Option<String>) -> Self {
         Self {
             args,
             map: Mutex::new(HashMap::new()),
+            no_cuda,
         }
+    }
+
+    /// Whether CUDA regions are served.
+    pub fn cuda(&self) -> bool {
+        self.no_cuda.is_none()
+    }
+
+    /// Adds `region` under its name, unless the name is taken or the table full.
+    fn insert(&self, region: Region) -> Result<(), Status> {
+        let mut map = self.map();
+        if map.contains_key(&region.name) {
+            return Err(Status::already_exists(format!(
+                "shared-memory region {} is already registered",
+                quote(&region.name)
+            )));
+        }
+        if map.len() >= self.args.shm_regions_max {
+            return Err(Status::resource_exhausted(format!(
+                "{} regions are registered, the most --shm-regions-max allows",
+                map.len()
+            )));
+        }
+        map.insert(region.name.clone(), Arc::new(region));
+        Ok(())
+    }
+
+    /// A client's CUDA memory, from its raw IPC handle.
+    pub fn register_cuda(
+        &self,
+        name: &str,
+        handle: &[u8],
+        device: i64,
+        size: u64,
+    ) -> Result<(), Status> {
+        if let Some(why) = &self.no_cuda {
+            return Err(Status::unavailable(format!(
+                "CUDA shared memory is not served here ({why}): use system shared memory \
+                 (SystemSharedMemoryRegister)"
+            )));
+        }
+        if name.is_empty() {
+            return Err(Status::invalid_argument("a region needs a name"));
+        }
+        if size == 0 {
+            return Err(Status::invalid_argument(format!(
+                "region {}: byte_size 0",
+                quote(name)
+            )));
+        }
+        if self.map().contains_key(name) {
+            return Err(Status::already_exists(format!(
+                "shared-memory region {} is already registered",
+                quote(name)
+            )));
+        }
+        let device_memory = IpcRegion::open(handle, device, size).map_err(|e| {
+            Status::invalid_argument(format!("CUDA shared-memory region {}: {e}", quote(name)))
+        })?;
+        self.insert(Region {
+            name: name.into(),
+            size,
+            backing: Backing::Device(device_memory),
+        })
     }
 
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Region>>> {
@@ -146,28 +264,15 @@ impl Regions {
             )));
         }
         let file = self.open(key, offset, size)?;
-        let mut map = self.map();
-        if map.contains_key(name) {
-            return Err(Status::already_exists(format!(
-                "shared-memory region {} is already registered",
-                quote(name)
-            )));
-        }
-        if map.len() >= self.args.shm_regions_max {
-            return Err(Status::resource_exhausted(format!(
-                "{} regions are registered, the most --shm-regions-max allows",
-                map.len()
-            )));
-        }
-        let region = Region {
+        self.insert(Region {
             name: name.into(),
-            key: key.into(),
-            offset,
             size,
-            file,
-        };
-        map.insert(name.into(), Arc::new(region));
-        Ok(())
+            backing: Backing::File {
+                key: key.into(),
+                offset,
+                file,
+            },
+        })
     }
 
     /// The object behind `key`, checked: a POSIX name, a regular file of ours, no wider mode
@@ -237,34 +342,77 @@ impl Regions {
 
     /// Unregisters `name`, or every region for an empty name; requests that use a region keep
     /// it until they are answered. An unknown name is not an error (as in Triton).
+    /// Unregisters the system region `name`, or every system region for an empty name.
     pub fn unregister(&self, name: &str) {
+        self.unregister_kind(name, Kind::System)
+    }
+
+    /// Unregisters the CUDA region `name`, or every CUDA region for an empty name.
+    pub fn unregister_cuda(&self, name: &str) {
+        self.unregister_kind(name, Kind::Cuda)
+    }
+
+    /// A region of the other kind is left alone: each kind's calls see only their own.
+    fn unregister_kind(&self, name: &str, kind: Kind) {
         let mut map = self.map();
         if name.is_empty() {
-            map.clear();
-        } else {
+            map.retain(|_, r| r.kind() != kind);
+        } else if map.get(name).is_some_and(|r| r.kind() == kind) {
             map.remove(name);
         }
     }
 
-    /// The status of `name`, or of every region for an empty name.
-    pub fn status(&self, name: &str) -> Result<HashMap<String, RegionStatus>, Status> {
+    /// The regions of `kind` as `status` gives them: `name`'s, or all for an empty name.
+    fn listed<T>(
+        &self,
+        name: &str,
+        kind: Kind,
+        status: impl Fn(&Region) -> T,
+    ) -> Result<HashMap<String, T>, Status> {
         let map = self.map();
-        let status = |r: &Region| RegionStatus {
-            name: r.name.clone(),
-            key: r.key.clone(),
-            offset: r.offset,
-            byte_size: r.size,
-        };
         if name.is_empty() {
-            return Ok(map.iter().map(|(k, r)| (k.clone(), status(r))).collect());
+            return Ok(map
+                .iter()
+                .filter(|(_, r)| r.kind() == kind)
+                .map(|(k, r)| (k.clone(), status(r)))
+                .collect());
         }
-        let r = map.get(name).ok_or_else(|| {
+        let what = if kind == Kind::Cuda { "CUDA " } else { "" };
+        let r = map.get(name).filter(|r| r.kind() == kind).ok_or_else(|| {
             Status::not_found(format!(
-                "no shared-memory region {} is registered",
+                "no {what}shared-memory region {} is registered",
                 quote(name)
             ))
         })?;
         Ok([(name.to_string(), status(r))].into())
+    }
+
+    /// The status of system region `name`, or of every one for an empty name.
+    pub fn status(&self, name: &str) -> Result<HashMap<String, RegionStatus>, Status> {
+        self.listed(name, Kind::System, |r| {
+            let (key, offset) = match &r.backing {
+                Backing::File { key, offset, .. } => (key.clone(), *offset),
+                Backing::Device(_) => unreachable!("listed by kind"),
+            };
+            RegionStatus {
+                name: r.name.clone(),
+                key,
+                offset,
+                byte_size: r.size,
+            }
+        })
+    }
+
+    /// The status of CUDA region `name`, or of every one for an empty name.
+    pub fn cuda_status(&self, name: &str) -> Result<HashMap<String, CudaStatus>, Status> {
+        self.listed(name, Kind::Cuda, |r| CudaStatus {
+            name: r.name.clone(),
+            device_id: match &r.backing {
+                Backing::Device(d) => d.device() as u64,
+                Backing::File { .. } => unreachable!("listed by kind"),
+            },
+            byte_size: r.size,
+        })
     }
 
     /// The region a request names.
@@ -284,11 +432,14 @@ mod tests {
     use std::os::unix::fs::PermissionsExt;
 
     fn regions(dir: &std::path::Path) -> Regions {
-        Regions::new(RegionArgs {
-            shm_regions_dir: dir.into(),
-            shm_regions_mode: 0o600,
-            shm_regions_max: 2,
-        })
+        Regions::new(
+            RegionArgs {
+                shm_regions_dir: dir.into(),
+                shm_regions_mode: 0o600,
+                shm_regions_max: 2,
+            },
+            Some("a test".into()),
+        )
     }
 
     fn object(dir: &std::path::Path, name: &str, len: usize, mode: u32) {

@@ -10,6 +10,7 @@ pub mod exchange;
 pub mod fp8;
 mod fp8_ffn;
 pub mod hopper;
+pub mod ipc;
 pub mod nccl;
 pub mod rank;
 mod router;

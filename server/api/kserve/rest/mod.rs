@@ -361,14 +361,47 @@ async fn cuda_status(State(s): State<Rest>, p: Option<Path<HashMap<String, Strin
     ok_json(Value::Array(regions))
 }
 
-async fn cuda_register(State(s): State<Rest>) -> Answer {
-    let req = CudaSharedMemoryRegisterRequest::default();
+/// Triton's JSON of a raw handle: its bytes in base64.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawHandle {
+    b64: String,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct CudaRegister {
+    raw_handle: RawHandle,
+    device_id: i64,
+    byte_size: u64,
+}
+
+async fn cuda_register(
+    State(s): State<Rest>,
+    Path(p): Path<HashMap<String, String>>,
+    body: Body,
+) -> Answer {
+    use base64::Engine;
+    let b: CudaRegister = small(body).await?;
+    let raw_handle = base64::engine::general_purpose::STANDARD
+        .decode(b.raw_handle.b64.as_bytes())
+        .map_err(|e| Status::invalid_argument(format!("raw_handle.b64 is not base64: {e}")))?;
+    let req = CudaSharedMemoryRegisterRequest {
+        name: region(&p),
+        raw_handle,
+        device_id: b.device_id,
+        byte_size: b.byte_size,
+    };
     Grpc::cuda_shared_memory_register(&s.api, Request::new(req)).await?;
     Ok(StatusCode::OK.into_response())
 }
 
-async fn cuda_unregister(State(s): State<Rest>) -> Answer {
-    let req = CudaSharedMemoryUnregisterRequest::default();
+async fn cuda_unregister(
+    State(s): State<Rest>,
+    p: Option<Path<HashMap<String, String>>>,
+) -> Answer {
+    let name = p.map(|p| region(&p)).unwrap_or_default();
+    let req = CudaSharedMemoryUnregisterRequest { name };
     Grpc::cuda_shared_memory_unregister(&s.api, Request::new(req)).await?;
     Ok(StatusCode::OK.into_response())
 }

@@ -1,0 +1,139 @@
+//! A client's CUDA memory, as Triton's CUDA shared-memory extension names it: a raw
+//! `cudaIpcMemHandle_t` exported by another process, opened once in the primary context of the
+//! device the client names and closed when the last request holding it is done. Copies are
+//! synchronous, from the thread that asks (the region's context bound to it first). The handle
+//! is checked before use: 64 bytes, a device that exists, and an allocation that holds the
+//! registered size.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext, DriverError};
+
+/// Bytes of a `cudaIpcMemHandle_t`.
+pub const HANDLE_BYTES: usize = 64;
+
+/// One opened region.
+pub struct IpcRegion {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+    len: u64,
+}
+
+fn driver(what: &str, e: DriverError) -> String {
+    format!("{what}: {e}")
+}
+
+impl IpcRegion {
+    /// Opens `handle` on device `device`, `len` bytes of it.
+    pub fn open(handle: &[u8], device: i64, len: u64) -> Result<Self, String> {
+        let raw: [u8; HANDLE_BYTES] = handle.try_into().map_err(|_| {
+            format!(
+                "raw_handle is {} bytes, not a CUDA IPC handle's {HANDLE_BYTES}",
+                handle.len()
+            )
+        })?;
+        let count = super::setup::device_count();
+        let ordinal = usize::try_from(device)
+            .ok()
+            .filter(|&d| d < count)
+            .ok_or_else(|| format!("device_id {device}: {count} GPUs are visible here"))?;
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver("opening the device", e))?;
+        ctx.bind_to_thread()
+            .map_err(|e| driver("binding the device", e))?;
+        let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+        for (d, s) in h.reserved.iter_mut().zip(raw) {
+            *d = s as std::ffi::c_char;
+        }
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is a valid out-pointer; the handle is plain bytes the driver validates
+        // (a forged or stale one fails with an error, not undefined behaviour); the context is
+        // bound to this thread.
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                h,
+                sys::CUipcMem_flags_enum::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        }
+        .result()
+        .map_err(|e| driver("the handle does not open", e))?;
+        let region = Self { ctx, ptr, len };
+        let (mut base, mut size) = (0, 0usize);
+        // SAFETY: valid out-pointers; `ptr` was just mapped in this context.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+            .result()
+            .map_err(|e| driver("the allocation's size", e))?;
+        let room = (base + size as u64).saturating_sub(ptr);
+        if len > room {
+            return Err(format!(
+                "byte_size {len} exceeds the {room} bytes of the client's allocation"
+            ));
+        }
+        Ok(region)
+    }
+
+    pub fn device(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// `out.len()` bytes at `offset` (the caller keeps them inside the region).
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
+        self.inside(offset, out.len())?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver("binding", e))?;
+        // SAFETY: the span lies inside the mapping (checked above, and the mapping was checked
+        // against its allocation at open); `out` holds `out.len()` bytes; the copy is
+        // synchronous, so `out` outlives it.
+        unsafe {
+            sys::cuMemcpyDtoH_v2(
+                out.as_mut_ptr() as *mut std::ffi::c_void,
+                self.ptr + offset,
+                out.len(),
+            )
+        }
+        .result()
+        .map_err(|e| driver("copying from the client's GPU memory", e))
+    }
+
+    /// `data` written at `offset`.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), String> {
+        self.inside(offset, data.len())?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver("binding", e))?;
+        // SAFETY: as in `read`, the other way; synchronous, so `data` outlives the copy.
+        unsafe {
+            sys::cuMemcpyHtoD_v2(
+                self.ptr + offset,
+                data.as_ptr() as *const std::ffi::c_void,
+                data.len(),
+            )
+        }
+        .result()
+        .map_err(|e| driver("copying to the client's GPU memory", e))
+    }
+
+    fn inside(&self, offset: u64, n: usize) -> Result<(), String> {
+        match offset.checked_add(n as u64) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(format!(
+                "{n} bytes at {offset} lie outside the region's {}",
+                self.len
+            )),
+        }
+    }
+}
+
+impl Drop for IpcRegion {
+    fn drop(&mut self) {
+        let closed = self.ctx.bind_to_thread().and_then(|()| {
+            // SAFETY: opened in `open` in this context; no copy uses it (copies are synchronous
+            // and every request holding the region has ended).
+            unsafe { sys::cuIpcCloseMemHandle(self.ptr) }.result()
+        });
+        if let Err(e) = closed {
+            tracing::warn!("closing a CUDA shared-memory region: {e}");
+        }
+    }
+}
