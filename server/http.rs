@@ -68,7 +68,7 @@ pub async fn serve(
             }
         });
         let conn = builder
-            .serve_connection_with_upgrades(
+            .serve_connection(
                 TokioIo::new(tcp),
                 hyper_util::service::TowerToHyperService::new(service),
             )

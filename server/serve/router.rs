@@ -386,7 +386,8 @@ fn form_group(
     let mut exec = Executor::new(driver, ring, link, abort, args.step_timeout, events)?;
     exec.warm_up().context("warm-up step")?;
     info!(
-        ?buffers,
+        rank = 0,
+        buffers = %crate::step::buffer_sizes(&buffers),
         "group ready: every rank joined, weights loaded, warm-up step done"
     );
     Ok(Formed {

@@ -105,7 +105,11 @@ pub fn run(args: &ServeArgs, mut p: Prepared) -> anyhow::Result<()> {
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(sig, signalled.clone())?;
     }
-    info!(buffers = ?backend.buffers(), "joined the group");
+    info!(
+        rank,
+        buffers = %crate::step::buffer_sizes(&backend.buffers()),
+        "joined the group"
+    );
     let driver = Driver::new(
         backend,
         rank,

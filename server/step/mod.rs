@@ -161,6 +161,28 @@ pub trait Backend {
     }
 }
 
+/// Persistent buffers as a log line shows them: each one's name and size, by kind, and the
+/// total (addresses stay out of logs).
+pub fn buffer_sizes(buffers: &[(&'static str, usize, usize)]) -> String {
+    let mut by_name: Vec<(&str, usize, usize)> = Vec::new();
+    for &(name, _, bytes) in buffers {
+        match by_name.iter_mut().find(|(n, _, _)| *n == name) {
+            Some(e) => {
+                e.1 += 1;
+                e.2 += bytes;
+            }
+            None => by_name.push((name, 1, bytes)),
+        }
+    }
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let total: usize = by_name.iter().map(|e| e.2).sum();
+    let parts: Vec<String> = by_name
+        .iter()
+        .map(|(n, count, bytes)| format!("{count} {n} {:.1} MiB", mib(*bytes)))
+        .collect();
+    format!("{} ({:.1} MiB)", parts.join(", "), mib(total))
+}
+
 impl<B: Backend + ?Sized> Backend for Box<B> {
     fn submit(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<(), StepError> {
         (**self).submit(desc, home)
@@ -418,6 +440,22 @@ impl<B: Backend> Driver<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Buffers are logged by kind and size, without their addresses.
+    #[test]
+    fn buffer_sizes_leave_addresses_out() {
+        let b = [
+            ("exchange_segment", 0x7f00_0000_1000, 1 << 20),
+            ("step_ring", 0x7f00_1000_0000, 1 << 20),
+            ("exchange_segment", 0x7f00_2000_0000, 1 << 20),
+        ];
+        let line = buffer_sizes(&b);
+        assert_eq!(
+            line,
+            "2 exchange_segment 2.0 MiB, 1 step_ring 1.0 MiB (3.0 MiB)"
+        );
+        assert!(!line.contains(&0x7f00_0000_1000usize.to_string()));
+    }
 
     /// Holds what it is given until completed, like a device backend.
     struct Queue(std::collections::VecDeque<u64>, Vec<u64>);
