@@ -325,12 +325,11 @@ async fn ports_answer_while_weights_load_and_a_taken_port_fails_first() {
         .await
         .unwrap();
     let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
-    let status = health
-        .check(tonic_health::pb::HealthCheckRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .status;
+    let mut readiness = async || {
+        let req = tonic_health::pb::HealthCheckRequest::default();
+        health.check(req).await.unwrap().into_inner().status
+    };
+    let status = readiness().await;
     let scraped = common::prom::scrape(&metrics);
     let loading = !p.log_text().contains("weights loaded");
     assert!(
@@ -347,13 +346,7 @@ async fn ports_answer_while_weights_load_and_a_taken_port_fails_first() {
     );
     p.wait_for("serving gRPC on", Duration::from_secs(300))
         .unwrap();
-    let status = health
-        .check(tonic_health::pb::HealthCheckRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .status;
-    assert_eq!(status, 1, "SERVING once the group is ready");
+    assert_eq!(readiness().await, 1, "SERVING once the group is ready");
     let log = p.log_text();
     let at = |needle: &str| {
         log.find(needle)

@@ -124,6 +124,18 @@ def launch(binary, shm):
     raise AssertionError("epserve did not come up")
 
 
+def forward_v1(pb, v1, layer, x, dtype, ids=None, w=None):
+    """epserve.v1 Forward of `x` (optionally with client routing), as float32."""
+    t = pb.Tensor(dtype=dtype, shape=list(x.shape), data=x.tobytes())
+    r = pb.ForwardRequest(id="f", layer=layer, hidden_states=t)
+    if ids is not None:
+        r.topk_ids.CopyFrom(pb.Tensor(dtype=pb.I32, shape=list(ids.shape), data=ids.tobytes()))
+        r.topk_weights.CopyFrom(pb.Tensor(dtype=pb.F32, shape=list(w.shape), data=w.tobytes()))
+    out = v1.Forward(r).output
+    np_dtype = {pb.F32: np.float32, pb.BF16: ml_dtypes.bfloat16, pb.F16: np.float16}[out.dtype]
+    return np.frombuffer(out.data, np_dtype).reshape(list(out.shape)).astype(np.float32)
+
+
 def row_errors(a, b):
     """Max |a - b| / max |b| of each token's row."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -191,14 +203,7 @@ def run(addr, pb, pb_grpc):
               f"{name} metadata {m}")
 
     def forward(layer, x, dtype, ids=None, w=None):
-        t = pb.Tensor(dtype=dtype, shape=list(x.shape), data=x.tobytes())
-        r = pb.ForwardRequest(id="f", layer=layer, hidden_states=t)
-        if ids is not None:
-            r.topk_ids.CopyFrom(pb.Tensor(dtype=pb.I32, shape=list(ids.shape), data=ids.tobytes()))
-            r.topk_weights.CopyFrom(pb.Tensor(dtype=pb.F32, shape=list(w.shape), data=w.tobytes()))
-        out = v1.Forward(r).output
-        np_dtype = {pb.F32: np.float32, pb.BF16: ml_dtypes.bfloat16, pb.F16: np.float16}[out.dtype]
-        return np.frombuffer(out.data, np_dtype).reshape(list(out.shape)).astype(np.float32)
+        return forward_v1(pb, v1, layer, x, dtype, ids, w)
 
     rng = np.random.default_rng(15)
     for layer in info.moe_layers:
@@ -392,14 +397,7 @@ def rest(http, addr, pb, pb_grpc):
     model = f"layer-{layer}"
 
     def forward(x, dtype, ids=None, w=None):
-        t = pb.Tensor(dtype=dtype, shape=list(x.shape), data=x.tobytes())
-        r = pb.ForwardRequest(id="f", layer=layer, hidden_states=t)
-        if ids is not None:
-            r.topk_ids.CopyFrom(pb.Tensor(dtype=pb.I32, shape=list(ids.shape), data=ids.tobytes()))
-            r.topk_weights.CopyFrom(pb.Tensor(dtype=pb.F32, shape=list(w.shape), data=w.tobytes()))
-        out = v1.Forward(r).output
-        np_dtype = {pb.F32: np.float32, pb.BF16: ml_dtypes.bfloat16, pb.F16: np.float16}[out.dtype]
-        return np.frombuffer(out.data, np_dtype).reshape(list(out.shape)).astype(np.float32)
+        return forward_v1(pb, v1, layer, x, dtype, ids, w)
 
     check(c.is_server_live() and c.is_server_ready(), "REST: live and ready")
     meta = c.get_server_metadata()

@@ -224,15 +224,7 @@ impl Regions {
                  (SystemSharedMemoryRegister)"
             )));
         }
-        if name.is_empty() {
-            return Err(Status::invalid_argument("a region needs a name"));
-        }
-        if size == 0 {
-            return Err(Status::invalid_argument(format!(
-                "region {}: byte_size 0",
-                quote(name)
-            )));
-        }
+        Self::named(name, size)?;
         if self.map().contains_key(name) {
             return Err(Status::already_exists(format!(
                 "shared-memory region {} is already registered",
@@ -253,7 +245,8 @@ impl Regions {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn register(&self, name: &str, key: &str, offset: u64, size: u64) -> Result<(), Status> {
+    /// A new region's name and size, checked.
+    fn named(name: &str, size: u64) -> Result<(), Status> {
         if name.is_empty() {
             return Err(Status::invalid_argument("a region needs a name"));
         }
@@ -263,6 +256,11 @@ impl Regions {
                 quote(name)
             )));
         }
+        Ok(())
+    }
+
+    pub fn register(&self, name: &str, key: &str, offset: u64, size: u64) -> Result<(), Status> {
+        Self::named(name, size)?;
         let file = self.open(key, offset, size)?;
         self.insert(Region {
             name: name.into(),
