@@ -162,6 +162,8 @@ pub fn request(
             parameters: json::from_parameters(&what, p)?,
             contents: None,
         });
+        // A region's input takes no raw entry: the entries go in order to the inputs that
+        // carry neither a region nor contents, as Triton's gRPC clients send them.
         if let Some(d) = data {
             r.raw_input_contents.push(d);
         }
@@ -173,8 +175,6 @@ pub fn request(
             tail.len()
         )));
     }
-    // A region's input takes no raw entry: the entries go in order to the inputs that carry
-    // neither a region nor contents, as Triton's gRPC clients send them.
     let mut each = Vec::new();
     for o in b.outputs {
         let what = format!("output {}: ", quote(&o.name));
