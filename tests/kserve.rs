@@ -95,8 +95,14 @@ fn output_f32(r: &ModelInferResponse) -> Vec<f32> {
     assert_eq!(r.raw_output_contents.len(), 1);
     let o = &r.outputs[0];
     assert_eq!(o.name, "output");
-    let raw = &r.raw_output_contents[0];
-    let v: Vec<f32> = match o.datatype.as_str() {
+    let v = floats(&o.datatype, &r.raw_output_contents[0]);
+    assert_eq!(o.shape, vec![(v.len() / H) as i64, H as i64]);
+    v
+}
+
+/// An FP32 or BF16 output's little-endian bytes as f32.
+fn floats(datatype: &str, raw: &[u8]) -> Vec<f32> {
+    match datatype {
         "FP32" => raw
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
@@ -106,9 +112,7 @@ fn output_f32(r: &ModelInferResponse) -> Vec<f32> {
             .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect(),
         d => panic!("unexpected output datatype {d}"),
-    };
-    assert_eq!(o.shape, vec![(v.len() / H) as i64, H as i64]);
-    v
+    }
 }
 
 fn string_param(s: &str) -> InferParameter {
@@ -1716,17 +1720,7 @@ fn rest_output(headers: &http::HeaderMap, body: &[u8]) -> (String, Vec<f32>) {
         Some(d) => d.iter().map(|v| v.as_f64().unwrap() as f32).collect(),
         None => {
             assert_eq!(o["parameters"]["binary_data_size"], tail.len(), "{json}");
-            match datatype.as_str() {
-                "FP32" => tail
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                    .collect(),
-                "BF16" => tail
-                    .chunks_exact(2)
-                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                    .collect(),
-                d => panic!("{d}"),
-            }
+            floats(&datatype, &tail)
         }
     };
     assert_eq!(o["shape"], serde_json::json!([v.len() / H, H]), "{json}");
