@@ -56,6 +56,8 @@ pub struct BenchArgs {
     /// on and off as `--zero-copy` lists.
     #[arg(long, value_delimiter = ',', default_value = "ht,ll")]
     pub ep_modes: Vec<EpMode>,
+    /// `nccl-ep` receive buffers to time, comma-separated: on (NCCL symmetric windows), off
+    /// (the library's staging); `--zero-copy`'s meaning.
     #[arg(long, value_delimiter = ',', default_value = "on")]
     pub zero_copy: Vec<OnOff>,
     /// LL only for configs of at most this many tokens per rank (LL's buffers grow with the
@@ -74,6 +76,8 @@ pub struct BenchArgs {
     /// Also write the results here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Log lines as text (`rank=R node=H` first on a rank's) or as JSON objects (with `rank`
+    /// and `node` keys).
     #[arg(long, env = "EPSERVE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
 }
@@ -296,144 +300,241 @@ pub struct ServeArgs {
     /// `synthetic:NAME` (tiny, tiny-qwen3, tiny-deepseek, small-deepseek, qwen3-30b-a3b,
     /// mixtral-8x7b, deepseek-v3)
     /// or a Hugging Face checkpoint directory.
-    #[arg(long, env = "EPSERVE_MODEL", default_value = "synthetic:tiny")]
+    #[arg(
+        help_heading = "Model",
+        long,
+        env = "EPSERVE_MODEL",
+        default_value = "synthetic:tiny"
+    )]
     pub model: String,
     /// Serve only the first N MoE layers.
-    #[arg(long, env = "EPSERVE_LAYERS")]
+    #[arg(help_heading = "Model", long, env = "EPSERVE_LAYERS")]
     pub layers: Option<usize>,
     /// Seed of synthetic weights.
-    #[arg(long, env = "EPSERVE_SEED", default_value_t = 0)]
+    #[arg(
+        help_heading = "Model",
+        long,
+        env = "EPSERVE_SEED",
+        default_value_t = 0
+    )]
     pub seed: u64,
     /// Experts' weights and math: fp8 is DeepSeek-V3's recipe (E4M3 weights in 128x128 blocks
     /// with f32 scales, activations quantised per token per 128 channels; hidden and
     /// intermediate sizes multiples of 128), bf16 holds them as values; auto keeps an FP8
     /// checkpoint's FP8 and runs everything else bf16.
-    #[arg(long, env = "EPSERVE_EXPERT_DTYPE", value_enum, default_value = "auto")]
+    #[arg(
+        help_heading = "Model",
+        long,
+        env = "EPSERVE_EXPERT_DTYPE",
+        value_enum,
+        default_value = "auto"
+    )]
     pub expert_dtype: ExpertDtypeArg,
-    #[arg(long, env = "EPSERVE_BACKEND", value_enum, default_value = "cpu")]
+    /// Where the experts compute and how ranks exchange tokens.
+    #[arg(
+        help_heading = "Backend and GPU",
+        long,
+        env = "EPSERVE_BACKEND",
+        value_enum,
+        default_value = "cpu"
+    )]
     pub backend: BackendKind,
     /// GPU of this rank (else LOCAL_RANK, else the rank modulo the visible GPUs).
-    #[arg(long, env = "EPSERVE_DEVICE")]
+    #[arg(help_heading = "Backend and GPU", long, env = "EPSERVE_DEVICE")]
     pub device: Option<usize>,
     /// GPU backends: home tokens per rank of each captured step size, ascending; a step runs in
     /// the smallest that holds its largest home slice. Default: 8, 16, 32, ... up to the largest
     /// home slice (--max-tokens-per-step / ranks), which is always added.
-    #[arg(long, env = "EPSERVE_GRAPH_BUCKETS", value_delimiter = ',')]
+    #[arg(
+        help_heading = "Backend and GPU",
+        long,
+        env = "EPSERVE_GRAPH_BUCKETS",
+        value_delimiter = ','
+    )]
     pub graph_buckets: Vec<usize>,
     /// GPU backends: replay each step as a CUDA graph captured at startup, or run it eagerly.
-    #[arg(long, env = "EPSERVE_CUDA_GRAPHS", value_enum, default_value = "on")]
+    #[arg(
+        help_heading = "Backend and GPU",
+        long,
+        env = "EPSERVE_CUDA_GRAPHS",
+        value_enum,
+        default_value = "on"
+    )]
     pub cuda_graphs: OnOff,
     /// nccl-ep: high-throughput or low-latency kernels, or per bucket (auto).
-    #[arg(long, env = "EPSERVE_EP_MODE", value_enum, default_value = "auto")]
+    #[arg(
+        help_heading = "Backend and GPU",
+        long,
+        env = "EPSERVE_EP_MODE",
+        value_enum,
+        default_value = "auto"
+    )]
     pub ep_mode: EpMode,
     /// nccl-ep, auto mode: buckets up to this many home tokens per rank run low-latency.
-    #[arg(long, env = "EPSERVE_EP_LL_MAX_TOKENS", default_value_t = EP_LL_MAX_TOKENS)]
+    #[arg(help_heading = "Backend and GPU", long, env = "EPSERVE_EP_LL_MAX_TOKENS", default_value_t = EP_LL_MAX_TOKENS)]
     pub ep_ll_max_tokens: usize,
     /// nccl-ep: receive rows in NCCL symmetric windows (ncclMemAlloc, registered once at
     /// startup), or plain device memory through the library's staging.
-    #[arg(long, env = "EPSERVE_ZERO_COPY", value_enum, default_value = "on")]
+    #[arg(
+        help_heading = "Backend and GPU",
+        long,
+        env = "EPSERVE_ZERO_COPY",
+        value_enum,
+        default_value = "on"
+    )]
     pub zero_copy: OnOff,
     /// This rank (else RANK, then LWS_WORKER_INDEX, else 0).
-    #[arg(long)]
+    #[arg(help_heading = "Group", long)]
     pub rank: Option<usize>,
     /// Ranks in the group (else WORLD_SIZE, then LWS_GROUP_SIZE, else 1).
-    #[arg(long)]
+    #[arg(help_heading = "Group", long)]
     pub world_size: Option<usize>,
     /// Router's rendezvous address HOST:PORT (else MASTER_ADDR:MASTER_PORT, then
     /// LWS_LEADER_ADDRESS:MASTER_PORT, else 127.0.0.1:29500).
-    #[arg(long, env = "EPSERVE_RENDEZVOUS")]
+    #[arg(help_heading = "Group", long, env = "EPSERVE_RENDEZVOUS")]
     pub rendezvous: Option<String>,
     /// gRPC address of the router (with --ingress all, of this rank; launch gives rank r this
     /// port + r; port 0 picks any).
-    #[arg(long, env = "EPSERVE_LISTEN", default_value = "127.0.0.1:50051")]
+    #[arg(
+        help_heading = "Serving",
+        long,
+        env = "EPSERVE_LISTEN",
+        default_value = "127.0.0.1:50051"
+    )]
     pub listen: SocketAddr,
     /// KServe v2 REST (HTTP/1.1 and h2c; `/metrics` there too) beside gRPC, on the same ranks;
     /// launch gives rank r this port + r; port 0 picks any; `off`: none.
-    #[arg(long, env = "EPSERVE_HTTP_LISTEN", default_value = "127.0.0.1:8000", value_parser = http_listen)]
+    #[arg(help_heading = "Serving", long, env = "EPSERVE_HTTP_LISTEN", default_value = "127.0.0.1:8000", value_parser = http_listen)]
     pub http_listen: HttpListen,
     /// Who serves gRPC: the router alone, or every rank for its own clients (ingress bandwidth
     /// grows with the ranks).
-    #[arg(long, env = "EPSERVE_INGRESS", value_enum, default_value = "router")]
+    #[arg(
+        help_heading = "Group",
+        long,
+        env = "EPSERVE_INGRESS",
+        value_enum,
+        default_value = "router"
+    )]
     pub ingress: Ingress,
     /// Most tokens in one step, all ranks together; sizes every exchange buffer.
-    #[arg(long, env = "EPSERVE_MAX_TOKENS_PER_STEP", default_value_t = 256)]
+    #[arg(
+        help_heading = "Serving",
+        long,
+        env = "EPSERVE_MAX_TOKENS_PER_STEP",
+        default_value_t = 256
+    )]
     pub max_tokens_per_step: usize,
     /// Longest a step waits to fill, in microseconds.
-    #[arg(long, env = "EPSERVE_MAX_BATCH_WAIT_US", default_value_t = 200)]
+    #[arg(
+        help_heading = "Serving",
+        long,
+        env = "EPSERVE_MAX_BATCH_WAIT_US",
+        default_value_t = 200
+    )]
     pub max_batch_wait_us: u64,
     /// Requests admitted and not yet answered; beyond it requests are refused at once with
     /// RESOURCE_EXHAUSTED.
-    #[arg(long, env = "EPSERVE_MAX_CONCURRENT_REQUESTS", default_value_t = 1024)]
+    #[arg(
+        help_heading = "Limits",
+        long,
+        env = "EPSERVE_MAX_CONCURRENT_REQUESTS",
+        default_value_t = 1024
+    )]
     pub max_concurrent_requests: usize,
     /// Tokens admitted and not yet answered (bounds the memory queued requests hold); beyond it
     /// requests are refused at once with RESOURCE_EXHAUSTED.
-    #[arg(long, env = "EPSERVE_MAX_QUEUED_TOKENS", default_value_t = 65536)]
+    #[arg(
+        help_heading = "Limits",
+        long,
+        env = "EPSERVE_MAX_QUEUED_TOKENS",
+        default_value_t = 65536
+    )]
     pub max_queued_tokens: usize,
     /// Largest accepted gRPC message.
-    #[arg(long, env = "EPSERVE_MAX_REQUEST_BYTES", default_value = "64MiB",
+    #[arg(help_heading = "Limits", long, env = "EPSERVE_MAX_REQUEST_BYTES", default_value = "64MiB",
           value_parser = |s: &str| size_in::<usize>(s, 1, u32::MAX as u64))]
     pub max_request_bytes: usize,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "HTTP/2 and connections")]
     pub http2: crate::transport::Http2,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Limits")]
     pub upload: crate::upload::UploadArgs,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "HTTP/2 and connections")]
     pub conn: crate::conn::ConnArgs,
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Serving")]
     pub regions: crate::api::kserve::regions::RegionArgs,
     /// Requests of one ForwardStream in progress or answered but not yet taken by the client;
     /// past it the stream is not read (HTTP/2 flow control holds the client's sends).
-    #[arg(long, env = "EPSERVE_MAX_STREAM_IN_FLIGHT", default_value_t = 64)]
+    #[arg(
+        help_heading = "Limits",
+        long,
+        env = "EPSERVE_MAX_STREAM_IN_FLIGHT",
+        default_value_t = 64
+    )]
     pub max_stream_in_flight: usize,
     /// Address the router's rendezvous listener binds (default: the rendezvous host's own
     /// address as it resolves; e.g. 0.0.0.0:29500 to accept on every interface).
-    #[arg(long, env = "EPSERVE_RENDEZVOUS_BIND")]
+    #[arg(help_heading = "Group", long, env = "EPSERVE_RENDEZVOUS_BIND")]
     pub rendezvous_bind: Option<SocketAddr>,
     /// Shared secret every rank must present when it joins (e.g. from a Kubernetes Secret);
     /// without it any process that reaches the rendezvous port may join.
-    #[arg(long, env = "EPSERVE_GROUP_TOKEN", hide_env_values = true)]
+    #[arg(
+        help_heading = "Group",
+        long,
+        env = "EPSERVE_GROUP_TOKEN",
+        hide_env_values = true
+    )]
     pub group_token: Option<String>,
     /// Bound on every startup wait (joining, creating and mapping buffers).
-    #[arg(long, env = "EPSERVE_RENDEZVOUS_TIMEOUT", default_value = "120s", value_parser = duration)]
+    #[arg(help_heading = "Group", long, env = "EPSERVE_RENDEZVOUS_TIMEOUT", default_value = "120s", value_parser = duration)]
     pub rendezvous_timeout: Duration,
     /// Bound on every wait inside a step; past it the group is broken.
-    #[arg(long, env = "EPSERVE_STEP_TIMEOUT", default_value = "10s", value_parser = duration)]
+    #[arg(help_heading = "Serving", long, env = "EPSERVE_STEP_TIMEOUT", default_value = "10s", value_parser = duration)]
     pub step_timeout: Duration,
     /// On SIGTERM/SIGINT: longest wait for admitted requests to finish before giving up.
-    #[arg(long, env = "EPSERVE_DRAIN_TIMEOUT", default_value = "30s", value_parser = duration)]
+    #[arg(help_heading = "Serving", long, env = "EPSERVE_DRAIN_TIMEOUT", default_value = "30s", value_parser = duration)]
     pub drain_timeout: Duration,
     /// After draining or breaking, keep refusing with UNAVAILABLE this long before the gRPC port
     /// closes (counted inside --drain-timeout's budget by operators: set terminationGracePeriod
     /// above drain timeout + grace).
-    #[arg(long, env = "EPSERVE_SHUTDOWN_GRACE", default_value = "1s", value_parser = duration)]
+    #[arg(help_heading = "Serving", long, env = "EPSERVE_SHUTDOWN_GRACE", default_value = "1s", value_parser = duration)]
     pub shutdown_grace: Duration,
     /// An idle router runs an empty step through every rank this often, so a lost or stopped rank
     /// is found without traffic.
-    #[arg(long, env = "EPSERVE_HEARTBEAT_INTERVAL", default_value = "1s", value_parser = duration)]
+    #[arg(help_heading = "Group", long, env = "EPSERVE_HEARTBEAT_INTERVAL", default_value = "1s", value_parser = duration)]
     pub heartbeat_interval: Duration,
     /// The `liveness` health service turns NOT_SERVING when one step runs longer than this.
-    #[arg(long, env = "EPSERVE_LIVENESS_TIMEOUT", default_value = "3s", value_parser = duration)]
+    #[arg(help_heading = "Serving", long, env = "EPSERVE_LIVENESS_TIMEOUT", default_value = "3s", value_parser = duration)]
     pub liveness_timeout: Duration,
     /// Prometheus `/metrics` address (launch gives rank r this port + r; port 0 picks any).
-    #[arg(long, env = "EPSERVE_METRICS_LISTEN", default_value = "127.0.0.1:9400")]
+    #[arg(
+        help_heading = "Telemetry",
+        long,
+        env = "EPSERVE_METRICS_LISTEN",
+        default_value = "127.0.0.1:9400"
+    )]
     pub metrics_listen: SocketAddr,
     /// Export a token counter per expert and layer (one series each).
-    #[arg(long, env = "EPSERVE_METRICS_PER_EXPERT")]
+    #[arg(help_heading = "Telemetry", long, env = "EPSERVE_METRICS_PER_EXPERT")]
     pub metrics_per_expert: bool,
     /// Directory for the shared-memory segments (a tmpfs).
-    #[arg(long, env = "EPSERVE_SHM_DIR", default_value = "/dev/shm")]
+    #[arg(
+        help_heading = "Group",
+        long,
+        env = "EPSERVE_SHM_DIR",
+        default_value = "/dev/shm"
+    )]
     pub shm_dir: PathBuf,
     /// Threads each rank of the cpu backend runs its expert math on (up to 256, each with its
     /// own scratch); 0: the host's cores shared by the group's ranks (which the cpu backend puts
     /// on one host), at most 8.
-    #[arg(long, env = "EPSERVE_CPU_THREADS", default_value_t = 0,
+    #[arg(help_heading = "Backend and GPU", long, env = "EPSERVE_CPU_THREADS", default_value_t = 0,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=256))]
     pub cpu_threads: usize,
     /// Steps a rank holds queued behind the one running: 1 lets a GPU rank copy in and launch
     /// step N+1 while step N runs, and copy N's output out while N+1 runs; 0 runs one step at a
     /// time. Default: 1 on the GPU backends; 0 on cpu, whose ranks compute a step whole on the
     /// host (there a step queued behind another only delays the other's answers).
-    #[arg(long, env = "EPSERVE_STEPS_AHEAD",
+    #[arg(help_heading = "Group", long, env = "EPSERVE_STEPS_AHEAD",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1))]
     pub steps_ahead: Option<usize>,
     /// Slots of the step ring, the steps the router holds at once (packed, running or being
@@ -442,13 +543,25 @@ pub struct ServeArgs {
     /// another runs, at that much more shared memory each. Three measured no faster than two on
     /// 4x H200 with one step in flight, nor three and four on one H200 with two
     /// (docs/benchmarks.md).
-    #[arg(long, env = "EPSERVE_RING_SLOTS", default_value_t = 2,
+    #[arg(help_heading = "Group", long, env = "EPSERVE_RING_SLOTS", default_value_t = 2,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(2..=4))]
     pub ring_slots: usize,
-    #[arg(long, env = "EPSERVE_LOG_FORMAT", value_enum, default_value = "text")]
+    /// Log lines as text (`rank=R node=H` first on a rank's) or as JSON objects (with `rank`
+    /// and `node` keys).
+    #[arg(
+        help_heading = "Telemetry",
+        long,
+        env = "EPSERVE_LOG_FORMAT",
+        value_enum,
+        default_value = "text"
+    )]
     pub log_format: LogFormat,
+    /// Log a `stats` line this often (requests, tokens/s, steps, step time, busy share, queue);
+    /// 0s: never.
+    #[arg(help_heading = "Telemetry", long, env = "EPSERVE_LOG_STATS_INTERVAL", default_value = "60s", value_parser = duration)]
+    pub log_stats_interval: Duration,
     /// Export traces over OTLP/gRPC to this collector (e.g. http://otel-collector:4317).
-    #[arg(long, env = "EPSERVE_OTLP_ENDPOINT")]
+    #[arg(help_heading = "Telemetry", long, env = "EPSERVE_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
 }
 
@@ -557,6 +670,30 @@ impl ServeArgs {
 #[cfg(test)]
 mod tests {
     use super::graph_buckets;
+
+    /// `--help` describes every flag it lists, and `serve`/`launch` group theirs by heading.
+    #[test]
+    fn every_flag_is_described_and_grouped() {
+        use clap::CommandFactory;
+        let cli = super::Cli::command();
+        let mut bare = Vec::new();
+        for sub in cli.get_subcommands() {
+            for a in sub.get_arguments().filter(|a| !a.is_hide_set()) {
+                let id = a.get_id().as_str();
+                if matches!(id, "help" | "version") {
+                    continue;
+                }
+                if a.get_help().is_none() && a.get_long_help().is_none() {
+                    bare.push(format!("{} --{id}: no description", sub.get_name()));
+                }
+                let grouped = sub.get_name() == "bench" || id == "ranks";
+                if !grouped && a.get_help_heading().is_none() {
+                    bare.push(format!("{} --{id}: no heading", sub.get_name()));
+                }
+            }
+        }
+        assert!(bare.is_empty(), "{bare:#?}");
+    }
 
     #[test]
     fn byte_flags_take_sizes_and_launch_lists_only_what_it_takes() {

@@ -17,6 +17,8 @@ pub mod model;
 pub mod router;
 pub mod serve;
 pub mod shm;
+pub mod startup;
+pub mod stats_log;
 pub mod step;
 pub mod telemetry;
 pub mod transport;

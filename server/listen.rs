@@ -49,9 +49,9 @@ impl Acceptor {
                     if self.warned.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
                         warn!(
                             failures = self.failures,
-                            "{} accept: {e}; retrying after {:?}, then less often",
+                            retry_seconds = self.wait.as_secs_f64(),
+                            "{} accept: {e}; retrying, then less often",
                             self.what,
-                            self.wait
                         );
                         self.warned = Some(Instant::now());
                         self.failures = 0;

@@ -5,16 +5,22 @@ use epserve::config::{Cli, Command};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let (format, otlp, role) = match &cli.command {
-        Command::Serve(a) => (a.log_format, a.otlp_endpoint.as_deref(), "rank"),
+    let (format, otlp, role, rank) = match &cli.command {
+        Command::Serve(a) => (
+            a.log_format,
+            a.otlp_endpoint.as_deref(),
+            "rank",
+            a.member().ok().map(|m| m.rank),
+        ),
         Command::Launch(a) => (
             a.serve.log_format,
             a.serve.otlp_endpoint.as_deref(),
             "launcher",
+            None,
         ),
-        Command::Bench(a) => (a.log_format, None, "bench"),
+        Command::Bench(a) => (a.log_format, None, "bench", None),
     };
-    let telemetry = match epserve::telemetry::init(format, otlp, role) {
+    let telemetry = match epserve::telemetry::init(format, otlp, role, rank) {
         Ok(t) => t,
         Err(e) => {
             eprintln!("epserve: cannot set up logging: {e:#}");

@@ -177,6 +177,18 @@ pub fn install() -> anyhow::Result<()> {
         "epserve_limit_max_queued_tokens",
         "--max-queued-tokens, for alerts as a ratio"
     );
+    metrics::describe_gauge!(
+        crate::router::REQUESTS_RUNNING,
+        "Requests with rows in a step and not yet answered"
+    );
+    metrics::describe_gauge!(
+        crate::startup::STAGE,
+        "1 for the startup stage this rank is in (load, rendezvous, bringup, warmup, ready)"
+    );
+    metrics::describe_gauge!(
+        crate::startup::SECONDS,
+        "Seconds each finished startup stage took"
+    );
     zero_series();
     let process = metrics_process::Collector::default();
     process.describe();
@@ -218,6 +230,8 @@ fn zero_series() {
     }
     gauge!("epserve_admitted_requests").set(0.0);
     gauge!("epserve_admitted_tokens").set(0.0);
+    gauge!(crate::router::REQUESTS_RUNNING).set(0.0);
+    crate::startup::zero_series();
 }
 
 /// The exporter, for every port that serves `/metrics` (set by `install`).
@@ -292,6 +306,7 @@ pub fn record_step(r: &StepRecord) {
     counter!("epserve_step_tokens_total", "layer" => layer.clone()).increment(r.tokens as u64);
     counter!("epserve_step_padding_tokens_total").increment(r.times.padding as u64);
     histogram!("epserve_step_duration_seconds").record(r.times.total.as_secs_f64());
+    crate::stats_log::step(r.times.total);
     let phases = if r.times.phased { 5 } else { 0 };
     for (phase, d) in [
         ("gating", r.times.gating),

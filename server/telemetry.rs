@@ -10,7 +10,11 @@ use opentelemetry_otlp::WithExportConfig;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use opentelemetry_sdk::Resource;
+use tracing::{Event, Subscriber};
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
@@ -34,19 +38,95 @@ impl Drop for Telemetry {
     }
 }
 
-/// Installs the global subscriber; `otlp` is a collector's gRPC endpoint (http://host:4317).
-pub fn init(format: LogFormat, otlp: Option<&str>, role: &str) -> anyhow::Result<Telemetry> {
+/// Who writes each line, on every event: `launch` interleaves its ranks on one stderr, and a
+/// cluster's log store mixes pods. Text lines start `rank=R node=H `; JSON objects gain `rank`
+/// and `node` keys.
+pub struct Ranked<F> {
+    inner: F,
+    rank: Option<usize>,
+    node: String,
+    json: bool,
+}
+
+impl<F> Ranked<F> {
+    pub fn new(inner: F, rank: Option<usize>, node: String, json: bool) -> Self {
+        Self {
+            inner,
+            rank,
+            node,
+            json,
+        }
+    }
+}
+
+impl<S, N, F> FormatEvent<S, N> for Ranked<F>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+    F: FormatEvent<S, N>,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> std::fmt::Result {
+        let Some(rank) = self.rank else {
+            return self.inner.format_event(ctx, writer, event);
+        };
+        if !self.json {
+            write!(writer, "rank={rank} node={} ", self.node)?;
+            return self.inner.format_event(ctx, writer, event);
+        }
+        let mut line = String::new();
+        self.inner
+            .format_event(ctx, Writer::new(&mut line), event)?;
+        match line.strip_prefix('{') {
+            Some(rest) => {
+                let node = serde_json::Value::from(self.node.as_str());
+                write!(writer, "{{\"rank\":{rank},\"node\":{node},{rest}")
+            }
+            None => writer.write_str(&line),
+        }
+    }
+}
+
+/// This host's name (the pod's, in Kubernetes), for the `node` of every line.
+pub fn node_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// Installs the global subscriber; `otlp` is a collector's gRPC endpoint (http://host:4317);
+/// `rank`: the rank this process serves as, named on every line.
+pub fn init(
+    format: LogFormat,
+    otlp: Option<&str>,
+    role: &str,
+    rank: Option<usize>,
+) -> anyhow::Result<Telemetry> {
     let filter = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let stderr = std::io::stderr;
+    let node = node_name();
     let fmt = match format {
-        LogFormat::Text => tracing_subscriber::fmt::layer()
-            .with_writer(stderr)
-            .with_ansi(std::io::stderr().is_terminal())
-            .boxed(),
-        LogFormat::Json => tracing_subscriber::fmt::layer()
-            .json()
-            .with_writer(stderr)
-            .boxed(),
+        LogFormat::Text => {
+            let f = tracing_subscriber::fmt::format();
+            tracing_subscriber::fmt::layer()
+                .with_writer(stderr)
+                .with_ansi(std::io::stderr().is_terminal())
+                .event_format(Ranked::new(f, rank, node, false))
+                .boxed()
+        }
+        LogFormat::Json => {
+            let f = tracing_subscriber::fmt::format().json();
+            tracing_subscriber::fmt::layer()
+                .json()
+                .with_writer(stderr)
+                .event_format(Ranked::new(f, rank, node, true))
+                .boxed()
+        }
     };
     let mut telemetry = Telemetry {
         provider: None,
@@ -117,4 +197,71 @@ impl Extractor for Metadata<'_> {
 /// The caller's trace context (W3C), to parent the request's span.
 pub fn remote_context(meta: &tonic::metadata::MetadataMap) -> opentelemetry::Context {
     opentelemetry::global::get_text_map_propagator(|p| p.extract(&Metadata(meta)))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::Ranked;
+
+    /// Lines written by the subscriber, kept.
+    #[derive(Clone, Default)]
+    struct Kept(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Kept {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn logged(json: bool, rank: Option<usize>) -> String {
+        let kept = Kept::default();
+        let out = kept.clone();
+        let layer = tracing_subscriber::fmt::layer()
+            .with_ansi(false)
+            .with_writer(move || out.clone());
+        let subscriber: Box<dyn tracing::Subscriber + Send + Sync> = match json {
+            true => {
+                let f = tracing_subscriber::fmt::format().json();
+                let l = layer
+                    .json()
+                    .event_format(Ranked::new(f, rank, "h\"1".into(), true));
+                Box::new(tracing_subscriber::registry().with(l))
+            }
+            false => {
+                let f = tracing_subscriber::fmt::format();
+                let l = layer.event_format(Ranked::new(f, rank, "h\"1".into(), false));
+                Box::new(tracing_subscriber::registry().with(l))
+            }
+        };
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::info!(seconds = 1.5, "weights loaded");
+        });
+        let bytes = kept.0.lock().unwrap().clone();
+        String::from_utf8(bytes).unwrap()
+    }
+
+    use tracing_subscriber::layer::SubscriberExt;
+
+    #[test]
+    fn every_line_names_its_rank_and_node() {
+        let text = logged(false, Some(3));
+        assert!(text.starts_with("rank=3 node=h\"1 "), "{text}");
+        assert!(text.contains("weights loaded seconds=1.5"), "{text}");
+        let json = logged(true, Some(3));
+        let v: serde_json::Value = serde_json::from_str(json.trim()).expect(&json);
+        assert_eq!(v["rank"], 3, "{json}");
+        assert_eq!(v["node"], "h\"1", "{json}");
+        assert_eq!(v["fields"]["message"], "weights loaded", "{json}");
+        assert_eq!(v["fields"]["seconds"], 1.5, "{json}");
+        // No rank (launch, bench): the line as the formatter writes it.
+        let v: serde_json::Value = serde_json::from_str(logged(true, None).trim()).unwrap();
+        assert!(v.get("rank").is_none() && v["level"] == "INFO");
+        assert!(!logged(false, None).contains("rank="));
+    }
 }

@@ -306,7 +306,14 @@ fn upload_budgets_that_cannot_read_the_largest_message_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ports_answer_while_weights_load_and_a_taken_port_fails_first() {
     let shm = TempDir::new("slow-load");
-    let slow = ["--model", "synthetic:qwen3-30b-a3b", "--layers", "2"];
+    let slow = [
+        "--model",
+        "synthetic:qwen3-30b-a3b",
+        "--layers",
+        "2",
+        "--log-stats-interval",
+        "1s",
+    ];
     let mut args = serve_args(&shm, &slow);
     args.extend(["--rendezvous".to_string(), "127.0.0.1:0".to_string()]);
     let mut p = Proc::spawn(&args);
@@ -344,21 +351,53 @@ async fn ports_answer_while_weights_load_and_a_taken_port_fails_first() {
             .any(|s| s.name == "process_cpu_seconds_total"),
         "metrics answer while loading"
     );
+    let stage = |scraped: &[common::prom::Sample], name: &str| {
+        let of =
+            |s: &&common::prom::Sample| s.labels.get("stage").map(String::as_str) == Some(name);
+        let at = scraped
+            .iter()
+            .filter(|s| s.name == "epserve_startup_stage")
+            .find(of);
+        let took = scraped
+            .iter()
+            .filter(|s| s.name == "epserve_startup_seconds")
+            .find(of);
+        (at.map(|s| s.value), took.map(|s| s.value))
+    };
+    assert_eq!(stage(&scraped, "load").0, Some(1.0), "in the load stage");
+    assert_eq!(stage(&scraped, "ready").0, Some(0.0), "not ready yet");
     p.wait_for("serving gRPC on", Duration::from_secs(300))
         .unwrap();
     assert_eq!(readiness().await, 1, "SERVING once the group is ready");
+    let scraped = common::prom::scrape(&metrics);
+    assert_eq!(stage(&scraped, "ready").0, Some(1.0));
+    let (at, took) = stage(&scraped, "load");
+    assert_eq!(at, Some(0.0));
+    assert!(took.is_some_and(|s| s > 0.0), "load took {took:?}");
+    p.wait_for("stats requests=0 ", Duration::from_secs(5))
+        .unwrap();
     let log = p.log_text();
+    // Every event names its rank and host first (stdout's rendezvous line is not an event).
+    for line in log.lines().filter(|l| l.contains("Z  INFO ")) {
+        assert!(line.starts_with("rank=0 node="), "no rank on: {line}");
+    }
     let at = |needle: &str| {
         log.find(needle)
             .unwrap_or_else(|| panic!("no '{needle}' in the log:\n{log}"))
     };
     let stages = [
+        "epserve starting version=",
         "rank 0 metrics on",
         "rank 0 KServe REST on",
         "gRPC listening on",
-        "loading weights rank=0",
-        "weights loaded rank=0",
+        "startup: loading weights stage=\"load\"",
+        "layers loaded done=2 of=2 bytes=",
+        "weights loaded",
+        "startup: waiting for every rank to join",
+        "startup: setting up the exchange",
+        "startup: running the warm-up step",
         "group ready",
+        "startup: ready",
         "serving gRPC on",
     ];
     for w in stages.windows(2) {

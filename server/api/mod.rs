@@ -81,7 +81,19 @@ impl Call {
         let span = tracing::info_span!("request", request_id = %id, method);
         // Without a tracing backend there is nothing to attach to; that is fine.
         let _ = span.set_parent(self.parent.clone());
-        let result = work.instrument(span).await.map_err(status);
+        let result = work.instrument(span).await.map_err(|f| {
+            let reason = f.reason();
+            let s = status(f);
+            tracing::debug!(
+                request_id = %id,
+                method,
+                status = code_name(s.code()),
+                reason,
+                "request refused: {}",
+                s.message()
+            );
+            s
+        });
         let (code, tokens) = match &result {
             Ok(d) => (Code::Ok, d.tokens as u64),
             Err(s) => (s.code(), 0),
@@ -108,6 +120,7 @@ fn record(method: &'static str, code: Code, tokens: u64, t0: Instant) {
     if code == Code::Ok {
         metrics::counter!("epserve_request_tokens_total").increment(tokens);
     }
+    crate::stats_log::request(code == Code::Ok, tokens);
     metrics::counter!("epserve_requests_total", "method" => method, "status" => code_name(code))
         .increment(1);
     metrics::histogram!("epserve_request_duration_seconds", "method" => method)

@@ -689,6 +689,7 @@ pub fn load_weights(
     spec: &MoeSpec,
     experts: Range<usize>,
     dtype: ExpertDtype,
+    loaded: &mut dyn FnMut(&LayerWeights),
 ) -> Result<RankWeights, ModelError> {
     let (_, fp8) = load_spec(dir)?;
     let ckpt = Checkpoint::open(dir, fp8)?;
@@ -717,12 +718,14 @@ pub fn load_weights(
         } else {
             None
         };
-        layers.push(LayerWeights {
+        let layer = LayerWeights {
             router,
             bias,
             experts,
             shared,
-        });
+        };
+        loaded(&layer);
+        layers.push(layer);
     }
     Ok(RankWeights {
         layers,

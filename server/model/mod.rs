@@ -360,6 +360,15 @@ pub struct LayerWeights {
 }
 
 impl LayerWeights {
+    /// Bytes of this layer's routed and shared experts, as held.
+    pub fn expert_bytes(&self) -> usize {
+        self.experts
+            .iter()
+            .chain(&self.shared)
+            .map(Ffn::bytes)
+            .sum()
+    }
+
     /// Routed and shared experts as FP8 blocks; the router stays as it is.
     pub fn into_fp8(self, hidden: usize) -> Self {
         Self {
@@ -384,11 +393,7 @@ pub struct RankWeights {
 impl RankWeights {
     /// Bytes of routed and shared experts, as held (f32 or FP8 with its scales).
     pub fn expert_bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .flat_map(|l| l.experts.iter().chain(&l.shared))
-            .map(Ffn::bytes)
-            .sum()
+        self.layers.iter().map(LayerWeights::expert_bytes).sum()
     }
 }
 
@@ -452,12 +457,14 @@ impl ModelSource {
     }
 
     /// The weights of `experts` (and all routers) for every layer of `spec`, experts held as
-    /// `dtype` says: FP8 blocks as shipped or quantised at load, or values.
+    /// `dtype` says: FP8 blocks as shipped or quantised at load, or values. `loaded` sees each
+    /// layer as it is read (progress).
     pub fn load(
         &self,
         spec: &MoeSpec,
         experts: Range<usize>,
         dtype: ExpertDtype,
+        loaded: &mut dyn FnMut(&LayerWeights),
     ) -> Result<RankWeights, ModelError> {
         match self {
             ModelSource::Synthetic { seed, .. } => Ok(RankWeights {
@@ -466,16 +473,18 @@ impl ModelSource {
                     .iter()
                     .map(|&l| {
                         let w = synthetic::layer(spec, *seed, l, experts.clone());
-                        match dtype {
+                        let w = match dtype {
                             ExpertDtype::Fp8 => w.into_fp8(spec.hidden),
                             ExpertDtype::Bf16 => w,
-                        }
+                        };
+                        loaded(&w);
+                        w
                     })
                     .collect(),
                 experts,
                 dtype,
             }),
-            ModelSource::HuggingFace(dir) => hf::load_weights(dir, spec, experts, dtype),
+            ModelSource::HuggingFace(dir) => hf::load_weights(dir, spec, experts, dtype, loaded),
         }
     }
 }

@@ -88,9 +88,10 @@ pub async fn run_batcher(
             // A request already inside a step completes; an untouched one whose client left goes.
             q.next_row > 0 || !q.job.abandoned()
         });
+        let queued = queue.iter().map(Queued::left).sum::<usize>();
         metrics::gauge!("epserve_queue_requests").set(queue.len() as f64);
-        metrics::gauge!("epserve_queue_tokens")
-            .set(queue.iter().map(Queued::left).sum::<usize>() as f64);
+        metrics::gauge!("epserve_queue_tokens").set(queued as f64);
+        crate::stats_log::queue(queue.len(), queued);
         let open = !stop.is_cancelled();
         if !open && queue.is_empty() {
             return;

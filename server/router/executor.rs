@@ -322,7 +322,12 @@ impl<B: Backend> Executor<B> {
                         free.put(f.slot);
                         continue;
                     }
-                    tracing::debug!(tokens = f.step.tokens(), ?times, "step");
+                    tracing::debug!(
+                        tokens = f.step.tokens(),
+                        padding = times.padding,
+                        ms = times.total.as_secs_f64() * 1e3,
+                        "step"
+                    );
                     self.pace.finished(times.total);
                     // The delivery thread only ends after this loop, so the send cannot fail.
                     let _ = done.send((f.step, f.slot));

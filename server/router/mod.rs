@@ -85,6 +85,27 @@ struct Sink {
     reply: Option<oneshot::Sender<Reply>>,
 }
 
+/// Requests with rows in a step and not yet answered (gauge).
+pub const REQUESTS_RUNNING: &str = "epserve_requests_running";
+
+impl Sink {
+    /// The reply, taken to answer once; a running request stops counting as running.
+    fn answer(&mut self) -> Option<oneshot::Sender<Reply>> {
+        let tx = self.reply.take();
+        if tx.is_some() && self.first_step.is_some() {
+            metrics::gauge!(REQUESTS_RUNNING).decrement(1.0);
+        }
+        tx
+    }
+}
+
+impl Drop for Sink {
+    /// A job dropped unanswered (its step abandoned) stops running too.
+    fn drop(&mut self) {
+        self.answer();
+    }
+}
+
 /// Where a job's time went, for the per-model statistics (`crate::infer::stats`): the same
 /// instants as the queue and in-step histograms.
 #[derive(Clone, Copy, Debug, Default)]
@@ -141,7 +162,7 @@ impl Job {
 
     /// Answers with an error unless already answered.
     pub fn fail(&self, why: Failure) {
-        if let Some(tx) = self.sink().reply.take() {
+        if let Some(tx) = self.sink().answer() {
             let _ = tx.send(Err(why));
         }
     }
@@ -152,6 +173,9 @@ impl Job {
         s.led_steps += leads as u32;
         if s.first_step.is_none() {
             s.first_step = Some(at);
+            if s.reply.is_some() {
+                metrics::gauge!(REQUESTS_RUNNING).increment(1.0);
+            }
             metrics::histogram!("epserve_request_queue_seconds")
                 .record((at - self.admitted).as_secs_f64());
         }
@@ -197,7 +221,7 @@ impl Job {
                 metrics::histogram!("epserve_request_in_step_seconds").record(d.as_secs_f64());
             }
             let out = bufs.freeze(std::mem::take(&mut s.out));
-            if let Some(tx) = s.reply.take() {
+            if let Some(tx) = s.answer() {
                 let _ = tx.send(Ok(out));
             }
         }

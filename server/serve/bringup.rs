@@ -109,7 +109,7 @@ pub fn bring_up(
                 lanes,
             )
             .context("mapping the peers' exchange segments")?;
-            tracing::info!(rank, threads = lanes, "cpu backend: expert math threads");
+            tracing::info!(threads = lanes, "cpu backend: expert math threads");
             side.barrier("mapping every segment", mapped, Ctl::Go, deadline)?;
             backend.unlink_own();
             Ok(Box::new(backend))

@@ -215,7 +215,10 @@ pub async fn watch_liveness(
                 ServingStatus::NotServing
             };
             if !live {
-                warn!("a step has run longer than {limit:?}: liveness NOT_SERVING");
+                warn!(
+                    limit_seconds = limit.as_secs_f64(),
+                    "a step has run longer than --liveness-timeout: liveness NOT_SERVING"
+                );
             }
             infer.set_live(live);
             health.set_service_status(LIVENESS, status).await;
@@ -345,7 +348,11 @@ pub async fn serve_grpc(
                     // dropped after `wait`.
                     conn.as_mut().graceful_shutdown();
                     if tokio::time::timeout(wait, conn).await.is_err() {
-                        tracing::debug!(%peer, "gRPC connection dropped {wait:?} after closing ({why})");
+                        tracing::debug!(
+                            %peer,
+                            wait_seconds = wait.as_secs_f64(),
+                            "gRPC connection dropped after closing ({why})"
+                        );
                     }
                 });
             }

@@ -24,8 +24,8 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let member = args.member().map_err(|e| anyhow!(e))?;
     let rank = member.rank;
     match crate::listen::raise_open_files() {
-        Ok((before, now)) => tracing::info!(rank, before, now, "open files limit (soft)"),
-        Err(e) => tracing::warn!(rank, "open files limit: {e}"),
+        Ok((before, now)) => tracing::info!(before, now, "open files limit (soft)"),
+        Err(e) => tracing::warn!("open files limit: {e}"),
     }
     // The router binds its rendezvous port before anything slow, so ranks can connect while it
     // loads; given port 0 it says on stdout which port it got (how `launch` avoids port races).
@@ -34,10 +34,24 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         _ => None,
     };
     let p = prepare::plan(&args, member).with_context(|| format!("rank {rank}"))?;
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        model = %p.source.describe(),
+        architecture = %p.spec.architecture,
+        layers = p.spec.moe_layers.len(),
+        experts = p.spec.num_experts,
+        expert_dtype = p.expert_dtype.name(),
+        backend = prepare::backend_name(p.backend),
+        world = p.member.world,
+        ingress = args.ingress.name(),
+        max_tokens_per_step = args.max_tokens_per_step,
+        "epserve starting"
+    );
     // Metrics (and, on the ranks that take requests, gRPC and REST) answer from here on, while
     // the weights load; a port that is taken fails the start before anything slow.
     crate::metrics::install()?;
     serve_metrics(&args, rank).with_context(|| format!("rank {rank}"))?;
+    crate::stats_log::spawn(args.log_stats_interval)?;
     let r = match listener {
         Some(l) => router::run(&args, p, l),
         None => worker::run(&args, p),

@@ -208,27 +208,31 @@ pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
     })
 }
 
+/// A long stage logs its progress this often.
+const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// This rank's experts' weights, where it computes them (its GPU opened on the GPU backends);
 /// fills in the bytes it holds.
 pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Weights> {
+    crate::startup::enter(crate::startup::Stage::Load);
     let t0 = Instant::now();
     let rank = p.member.rank;
     let experts = p.placement.experts_of(rank);
-    info!(
-        rank,
-        experts = ?experts,
-        layers = p.spec.moe_layers.len(),
-        "loading weights"
-    );
-    let weights = p.source.load(&p.spec, experts.clone(), p.expert_dtype)?;
+    let layers = p.spec.moe_layers.len();
+    info!(experts = ?experts, layers, "loading weights");
+    let mut progress = crate::startup::Progress::new("layers loaded", layers, PROGRESS_EVERY);
+    let weights = p
+        .source
+        .load(&p.spec, experts.clone(), p.expert_dtype, &mut |l| {
+            progress.tick(l.expert_bytes() as u64);
+        })?;
     let host_bytes = weights.expert_bytes() as u64;
     info!(
-        rank,
         experts = ?experts,
-        layers = p.spec.moe_layers.len(),
+        layers,
         expert_dtype = %p.expert_dtype.name(),
         expert_bytes = host_bytes,
-        seconds = t0.elapsed().as_secs_f32(),
+        seconds = crate::startup::secs(t0.elapsed()),
         "weights loaded"
     );
     let weights = match p.backend {

@@ -185,6 +185,7 @@ async fn router_main(
     }
     infer.set_phase(Phase::Serving);
     set_ready(&health, true).await;
+    crate::startup::enter(crate::startup::Stage::Ready);
     info!("serving gRPC on {addr}");
     let watchdog = tokio::spawn(watch_liveness(
         health.clone(),
@@ -314,6 +315,7 @@ fn form_group(
         Weights::Gpu(_) => Some(gpu::new_unique_id()?),
         Weights::Host(_) => None,
     };
+    crate::startup::enter(crate::startup::Stage::Rendezvous);
     info!(world, rendezvous = %bind, group = %group_id, "waiting for ranks");
     let timeout = args.rendezvous_timeout;
     let want = group::Expect {
@@ -347,6 +349,7 @@ fn form_group(
             ring: &mapped,
             deadline,
         };
+        crate::startup::enter(crate::startup::Stage::BringUp);
         let backend = bring_up(
             &mut Side::Router(&mut link),
             weights,
@@ -384,9 +387,9 @@ fn form_group(
         args.steps_ahead(p.backend),
     );
     let mut exec = Executor::new(driver, ring, link, abort, args.step_timeout, events)?;
+    crate::startup::enter(crate::startup::Stage::WarmUp);
     exec.warm_up().context("warm-up step")?;
     info!(
-        rank = 0,
         buffers = %crate::step::buffer_sizes(&buffers),
         "group ready: every rank joined, weights loaded, warm-up step done"
     );

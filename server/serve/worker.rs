@@ -39,6 +39,7 @@ pub fn run(args: &ServeArgs, mut p: Prepared) -> anyhow::Result<()> {
     }
     let timeout = args.rendezvous_timeout;
     let addr = &p.member.rendezvous;
+    crate::startup::enter(crate::startup::Stage::Rendezvous);
     let Joined {
         mut stream,
         group: group_id,
@@ -74,6 +75,7 @@ pub fn run(args: &ServeArgs, mut p: Prepared) -> anyhow::Result<()> {
             stream: &mut stream,
             rank,
         };
+        crate::startup::enter(crate::startup::Stage::BringUp);
         bring_up(&mut side, weights, &p, site, args, abort.clone()).and_then(|b| match &clients {
             Some(c) => c.send_address(&mut stream).map(|()| b),
             None => Ok(b),
@@ -106,10 +108,10 @@ pub fn run(args: &ServeArgs, mut p: Prepared) -> anyhow::Result<()> {
         signal_hook::flag::register(sig, signalled.clone())?;
     }
     info!(
-        rank,
         buffers = %crate::step::buffer_sizes(&backend.buffers()),
         "joined the group"
     );
+    crate::startup::enter(crate::startup::Stage::Ready);
     let driver = Driver::new(
         backend,
         rank,
