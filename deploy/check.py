@@ -2,9 +2,11 @@
 validate the rendered objects, test the alerts, lint the Dockerfile, then run the cpu-2 shape's
 own command and env with the release binary, probe the health services its manifests name the way
 kubelet does, scrape every metrics port it declares, and check that every epserve_* metric the
-dashboard and the alerts name is exported. Last, it breaks copies of the manifests the three ways
-CI must catch (an unserved probe service, an unexported metric, a GPU limit that is not --ranks)
-and asserts each is caught."""
+dashboard and the alerts name is exported, and that each rank's page passes `promtool check
+metrics`. Every alert must be shown firing by rules.test.yaml. Last, it breaks copies of the
+manifests the ways CI must catch (an unserved probe service, an unexported metric, a GPU limit
+that is not --ranks, a rank's gRPC port not exposed, an alert no test shows firing) and asserts
+each is caught."""
 
 import copy
 import json
@@ -121,6 +123,10 @@ def check_shape(shape, docs):
     scraped = sorted(e["port"] for e in pm["spec"]["podMetricsEndpoints"])
     if scraped != sorted(want):
         raise Failed(f"{shape}: --ranks {ranks} but the PodMonitor scrapes {scraped}")
+    for kind in ("PodMonitor", "PrometheusRule"):
+        (o,) = [d for d in docs if d["kind"] == kind]
+        if "release" not in o["metadata"].get("labels", {}):
+            raise Failed(f"{shape}: the {kind} carries no release label for kube-prometheus-stack's selectors")
     gpus = c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
     backend = env.get("EPSERVE_BACKEND", "cpu")
     if backend == "cpu":
@@ -189,6 +195,12 @@ def check_rules(deploy, tmp):
     shutil.copy(os.path.join(deploy, "monitoring", "rules.test.yaml"), tmp)
     run(["promtool", "check", "rules", os.path.join(tmp, "rules.yaml")])
     run(["promtool", "test", "rules", os.path.join(tmp, "rules.test.yaml")])
+    alerts = {r["alert"] for g in spec["groups"] for r in g["rules"] if "alert" in r}
+    with open(os.path.join(deploy, "monitoring", "rules.test.yaml")) as f:
+        tests = yaml.safe_load(f)["tests"]
+    shown = {t["alertname"] for g in tests for t in g.get("alert_rule_test", []) if t.get("exp_alerts")}
+    if alerts - shown:
+        raise Failed(f"rules.test.yaml never shows these alerts firing: {sorted(alerts - shown)}")
 
 
 class Smoke:
@@ -237,10 +249,14 @@ class Smoke:
         raise Failed("a request for layer 999 was answered")
 
     def exported(self):
+        """Every series name the ranks export; each rank's page passes `promtool check metrics`."""
         names = set()
         for r in range(self.ranks):
             with urllib.request.urlopen(f"http://127.0.0.1:{9400 + r}/metrics", timeout=5) as resp:
                 body = resp.read().decode()
+            lint = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, text=True)
+            if lint.returncode != 0:
+                raise Failed(f"rank {r}'s /metrics fails promtool check metrics:\n{lint.stdout}{lint.stderr}")
             for line in body.splitlines():
                 if line and not line.startswith("#"):
                     names.add(re.sub(r"_(bucket|sum|count)$", "", re.split(r"[{ ]", line)[0]))
@@ -301,11 +317,12 @@ def main():
             smoke.wait_serving(service)
         for s, docs in rendered.items():
             check_probes(s, docs, smoke)
+        # At start, before any request: every series an alert or a panel names is there.
+        exported = smoke.exported()
+        check_metrics(DEPLOY, exported)
         client = os.environ.get("EPSERVE_CLIENT", os.path.join(ROOT, "target", "release", "examples", "client"))
         run([client, f"http://127.0.0.1:{GRPC_PORT}", "16"])
         smoke.bad_request()
-        exported = smoke.exported()
-        check_metrics(DEPLOY, exported)
         print(f"  {len(named_metrics(DEPLOY))} metrics named by the dashboard and alerts; {len(exported)} exported")
 
         step("self-test: each break is caught")
@@ -334,6 +351,17 @@ def main():
                 f.write(text.split("    - name: grpc-3")[0])
             check_shape("h200-4-ingress-all (broken)", render(bad, "overlays/h200-4-ingress-all"))
 
+        def alert_never_tested():
+            path = os.path.join(bad, "monitoring", "prometheusrule.yaml")
+            with open(path) as f:
+                d = yaml.safe_load(f)
+            rule = copy.deepcopy(d["spec"]["groups"][0]["rules"][0])
+            rule["alert"] = "EpserveUntested"
+            d["spec"]["groups"][0]["rules"].append(rule)
+            with open(path, "w") as f:
+                yaml.safe_dump(d, f)
+            check_rules(bad, os.path.join(tmp, "bad-rules"))
+
         def gpu_limit_not_ranks():
             path = os.path.join(bad, "k8s", "overlays", "h200-4", "group.yaml")
             with open(path) as f:
@@ -344,6 +372,8 @@ def main():
 
         expect_failure("a probe names a health service the binary does not serve", unserved_probe)
         expect_failure("the dashboard names a metric the binary does not export", unexported_metric)
+        os.makedirs(os.path.join(tmp, "bad-rules"))
+        expect_failure("an alert no unit test shows firing", alert_never_tested)
         expect_failure("the GPU limit and --ranks disagree", gpu_limit_not_ranks)
         expect_failure("a rank's gRPC port is not exposed under --ingress all", ingress_port_missing)
     finally:

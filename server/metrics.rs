@@ -232,6 +232,27 @@ fn zero_series() {
     gauge!("epserve_admitted_tokens").set(0.0);
     gauge!(crate::router::REQUESTS_RUNNING).set(0.0);
     crate::startup::zero_series();
+    // Histograms the dashboard and alerts name, empty until their first value.
+    for &method in crate::api::METHODS {
+        let _ = histogram!("epserve_request_duration_seconds", "method" => method);
+    }
+    for name in [
+        "epserve_request_queue_seconds",
+        "epserve_request_in_step_seconds",
+        "epserve_step_duration_seconds",
+    ] {
+        let _ = histogram!(name);
+    }
+}
+
+/// `--metrics-per-expert`: each of this rank's experts on every layer at 0 from start.
+pub fn zero_expert_series(layers: &[u32], experts: std::ops::Range<usize>) {
+    for layer in layers {
+        for e in experts.clone() {
+            counter!("epserve_expert_tokens_total", "layer" => layer.to_string(), "expert" => e.to_string())
+                .increment(0);
+        }
+    }
 }
 
 /// The exporter, for every port that serves `/metrics` (set by `install`).

@@ -51,6 +51,10 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     // the weights load; a port that is taken fails the start before anything slow.
     crate::metrics::install()?;
     serve_metrics(&args, rank).with_context(|| format!("rank {rank}"))?;
+    if args.metrics_per_expert {
+        let experts = p.placement.experts_of(rank);
+        crate::metrics::zero_expert_series(&p.spec.moe_layers, experts);
+    }
     crate::stats_log::spawn(args.log_stats_interval)?;
     let r = match listener {
         Some(l) => router::run(&args, p, l),

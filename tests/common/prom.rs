@@ -82,6 +82,12 @@ pub fn parse(text: &str) -> Result<Vec<Sample>, String> {
 
 /// GET /metrics over plain HTTP/1.1.
 pub fn scrape(addr: &str) -> Vec<Sample> {
+    let text = scrape_text(addr);
+    parse(&text).unwrap_or_else(|e| panic!("{addr}/metrics is not Prometheus text: {e}"))
+}
+
+/// The text of `addr`/metrics.
+pub fn scrape_text(addr: &str) -> String {
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
         .unwrap();
@@ -94,7 +100,7 @@ pub fn scrape(addr: &str) -> Vec<Sample> {
     s.read_to_string(&mut body).unwrap();
     let (head, text) = body.split_once("\r\n\r\n").expect("an HTTP response");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    parse(text).unwrap_or_else(|e| panic!("{addr}/metrics is not Prometheus text: {e}"))
+    text.to_string()
 }
 
 /// Sum of the samples named `name` whose labels include every `(key, value)` of `with`.
