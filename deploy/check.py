@@ -5,8 +5,9 @@ kubelet does, scrape every metrics port it declares, and check that every epserv
 dashboard and the alerts name is exported, and that each rank's page passes `promtool check
 metrics`. Every alert must be shown firing by rules.test.yaml. Last, it breaks copies of the
 manifests the ways CI must catch (an unserved probe service, an unexported metric, a GPU limit
-that is not --ranks, a rank's gRPC port not exposed, an alert no test shows firing) and asserts
-each is caught."""
+that is not --ranks, a rank's gRPC port not exposed, an alert no test shows firing, a GPU shape
+without its node knobs, a policy finding) and asserts each is caught. The KEDA and KServe
+examples are validated too, and checkov (findings justified in checkov.yaml) runs over all."""
 
 import copy
 import json
@@ -28,12 +29,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 DEPLOY = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(DEPLOY)
 SHAPES = ["overlays/cpu-2", "overlays/h200-4", "overlays/h200-4-ingress-all", "overlays/h200-8", "lws"]
-CORE = {"StatefulSet", "Service", "PodDisruptionBudget", "ConfigMap"}
+EXAMPLES = ["examples/keda", "examples/kserve"]
+CORE = {"StatefulSet", "Service", "PodDisruptionBudget", "ConfigMap", "NetworkPolicy", "PriorityClass", "PersistentVolumeClaim"}
 SCHEMAS = {
     "PodMonitor": "podmonitor.json",
     "PrometheusRule": "prometheusrule.json",
     "LeaderWorkerSet": "leaderworkerset.json",
+    "ScaledObject": "scaledobject.json",
+    "ServingRuntime": "servingruntime.json",
+    "InferenceService": "inferenceservice.json",
 }
+# Images are pinned by digest.
+DIGEST = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
 # Exported by the GPU backends only (a CPU scrape cannot show them): each must be named in the
 # GPU backend's source instead.
 GPU_ONLY = {
@@ -89,6 +96,9 @@ def check_objects(shape, docs, tmp):
         if d["kind"] == "LeaderWorkerSet":
             tmpl = d["spec"]["leaderWorkerTemplate"]["workerTemplate"]
             files.append({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "lws-leader", **tmpl.get("metadata", {})}, "spec": tmpl["spec"]})
+        if d["kind"] == "ServingRuntime":
+            pod = {"containers": d["spec"]["containers"], "volumes": d["spec"].get("volumes", [])}
+            files.append({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "runtime"}, "spec": pod})
     paths = []
     for i, d in enumerate(files):
         p = os.path.join(tmp, f"{shape.replace('/', '-')}-{i}.yaml")
@@ -147,6 +157,74 @@ def check_shape(shape, docs):
     shm = [v for v in spec["volumes"] if v["name"] == "shm"]
     if not shm or shm[0].get("emptyDir", {}).get("medium") != "Memory":
         raise Failed(f"{shape}: /dev/shm must be an emptyDir of medium Memory")
+    if spec.get("automountServiceAccountToken") is not False:
+        raise Failed(f"{shape}: the pod mounts a service-account token it never uses")
+    if not DIGEST.match(c["image"]):
+        raise Failed(f"{shape}: image {c['image']} is not pinned by digest")
+    if not [d for d in docs if d["kind"] == "NetworkPolicy"]:
+        raise Failed(f"{shape}: no NetworkPolicy")
+    res = c.get("resources", {})
+    for r in ("cpu", "memory"):
+        if res.get("requests", {}).get(r) != res.get("limits", {}).get(r):
+            raise Failed(f"{shape}: {r} requests and limits differ (not Guaranteed QoS)")
+    if backend != "cpu":
+        check_gpu_pod(shape, g, spec, c, env)
+
+
+def check_gpu_pod(shape, g, spec, c, env):
+    """A GPU group's node and scheduler knobs (components/gpu), and NCCL EP's JIT cache kept."""
+    if "nvidia.com/gpu.product" not in spec.get("nodeSelector", {}):
+        raise Failed(f"{shape}: no GPU product in the nodeSelector")
+    if not any(t.get("key") == "nvidia.com/gpu" for t in spec.get("tolerations", [])):
+        raise Failed(f"{shape}: does not tolerate the nvidia.com/gpu taint")
+    for knob in ("runtimeClassName", "priorityClassName"):
+        if not spec.get(knob):
+            raise Failed(f"{shape}: no {knob}")
+    cache = env.get("NCCL_EP_JIT_CACHE_DIR")
+    mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+    claims = {t["metadata"]["name"] for t in g["spec"].get("volumeClaimTemplates", [])}
+    claims |= {v["name"] for v in spec.get("volumes", []) if "persistentVolumeClaim" in v}
+    if cache is None or mounts.get(cache) not in claims:
+        raise Failed(f"{shape}: NCCL_EP_JIT_CACHE_DIR ({cache}) is not on a persistent volume")
+
+
+def check_examples(shapes, examples):
+    """The KEDA and KServe examples agree with the shapes they serve."""
+    (so,) = [d for d in examples["examples/keda"] if d["kind"] == "ScaledObject"]
+    target = so["spec"]["scaleTargetRef"]
+    base = group(shapes["overlays/h200-4"])
+    if (target["kind"], target["name"]) != (base["kind"], base["metadata"]["name"]):
+        raise Failed(f"the ScaledObject scales {target}, not the group's {base['kind']}")
+    rt, isvc = (next(d for d in examples["examples/kserve"] if d["kind"] == k) for k in ("ServingRuntime", "InferenceService"))
+    model = isvc["spec"]["predictor"]["model"]
+    if model["runtime"] != rt["metadata"]["name"]:
+        raise Failed(f"the InferenceService names runtime {model['runtime']}")
+    if model["modelFormat"]["name"] not in {f["name"] for f in rt["spec"]["supportedModelFormats"]}:
+        raise Failed(f"the runtime does not serve model format {model['modelFormat']['name']}")
+    (c,) = rt["spec"]["containers"]
+    ranks = int(env_of(c)["EPSERVE_RANKS"])
+    gpus = int(model["resources"]["limits"]["nvidia.com/gpu"])
+    if ranks != gpus:
+        raise Failed(f"the runtime launches {ranks} ranks for {gpus} GPUs")
+    port = {p["name"]: p["containerPort"] for p in c["ports"]}.get("h2c")
+    if "grpc-v2" in rt["spec"]["protocolVersions"] and env_of(c)["EPSERVE_LISTEN"] != f"0.0.0.0:{port}":
+        raise Failed("KServe routes grpc-v2 to the h2c port: EPSERVE_LISTEN must be it")
+    if not DIGEST.match(c["image"]):
+        raise Failed(f"the runtime's image {c['image']} is not pinned by digest")
+
+
+def checkov(rendered, tmp):
+    """The pinned policy check over every rendered object; skips are justified in checkov.yaml."""
+    out = os.path.join(tmp, "checkov")
+    os.makedirs(out, exist_ok=True)
+    for name, docs in rendered.items():
+        with open(os.path.join(out, name.replace("/", "-") + ".yaml"), "w") as f:
+            yaml.safe_dump_all(docs, f)
+    cfg = os.path.join(DEPLOY, "checkov.yaml")
+    r = subprocess.run(["checkov", "--config-file", cfg, "-d", out, "--framework", "kubernetes", "--compact", "--quiet"], capture_output=True, text=True)
+    if r.returncode != 0:
+        failed = sorted(set(re.findall(r"Check: (CKV\w+)", r.stdout)))
+        raise Failed(f"checkov findings {failed}:\n{r.stdout[-4000:]}{r.stderr[-2000:]}")
 
 
 def probe_services(docs):
@@ -163,6 +241,8 @@ def named_metrics(deploy):
     with open(os.path.join(deploy, "monitoring", "prometheusrule.yaml")) as f:
         rules = yaml.safe_load(f)
     exprs += [r["expr"] for g in rules["spec"]["groups"] for r in g["rules"]]
+    with open(os.path.join(deploy, "k8s", "examples", "keda", "scaledobject.yaml")) as f:
+        exprs += [t["metadata"]["query"] for t in yaml.safe_load(f)["spec"]["triggers"]]
     names = set()
     for e in exprs:
         for m in re.findall(r"\bepserve_[a-z0-9_]+", e):
@@ -304,8 +384,17 @@ def main():
         check_objects(s, docs, tmp)
         check_shape(s, docs)
     lws, h4 = pod_spec(group(rendered["lws"])), pod_spec(group(rendered["overlays/h200-4"]))
+    # The StatefulSet's JIT cache comes from its volumeClaimTemplates, the LWS's from a claim.
+    lws = {**lws, "volumes": [v for v in lws["volumes"] if v["name"] != "nccl-ep-jit"]}
     if lws != h4:
         raise Failed("the LeaderWorkerSet's pod spec differs from the h200-4 overlay's")
+    step("render and validate " + ", ".join(EXAMPLES))
+    examples = {s: render(DEPLOY, s) for s in EXAMPLES}
+    for s, docs in examples.items():
+        check_objects(s, docs, tmp)
+    check_examples(rendered, examples)
+    step("checkov (pinned), findings justified in deploy/checkov.yaml")
+    checkov({**rendered, **examples}, tmp)
     step("promtool check rules, test rules")
     check_rules(DEPLOY, tmp)
     step("hadolint")
@@ -362,6 +451,22 @@ def main():
                 yaml.safe_dump(d, f)
             check_rules(bad, os.path.join(tmp, "bad-rules"))
 
+        def gpu_knobs_dropped():
+            path = os.path.join(bad, "k8s", "overlays", "h200-8", "kustomization.yaml")
+            with open(path) as f:
+                text = f.read()
+            with open(path, "w") as f:
+                f.write(text.replace("  - ../../components/gpu\n", ""))
+            check_shape("h200-8 (broken)", render(bad, "overlays/h200-8"))
+
+        def policy_finding():
+            path = os.path.join(bad, "k8s", "base", "statefulset.yaml")
+            with open(path) as f:
+                text = f.read()
+            with open(path, "w") as f:
+                f.write(text.replace("allowPrivilegeEscalation: false", "allowPrivilegeEscalation: true"))
+            checkov({"overlays/cpu-2": render(bad, "overlays/cpu-2")}, os.path.join(tmp, "bad-policy"))
+
         def gpu_limit_not_ranks():
             path = os.path.join(bad, "k8s", "overlays", "h200-4", "group.yaml")
             with open(path) as f:
@@ -375,6 +480,8 @@ def main():
         os.makedirs(os.path.join(tmp, "bad-rules"))
         expect_failure("an alert no unit test shows firing", alert_never_tested)
         expect_failure("the GPU limit and --ranks disagree", gpu_limit_not_ranks)
+        expect_failure("a GPU shape without its node and scheduler knobs", gpu_knobs_dropped)
+        expect_failure("a policy finding checkov.yaml does not justify", policy_finding)
         expect_failure("a rank's gRPC port is not exposed under --ingress all", ingress_port_missing)
     finally:
         smoke.stop()
