@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # KServe v2 against epserve.v1 on the same group, same load, same run: for each config, REPEATS
 # pairs, alternating which API goes first, and the median of KServe's throughput over Forward's.
-# Usage: loadtest/scripts/kserve-bench.sh [OUTDIR] (default docs/serving)
+# Usage: loadtest/scripts/kserve-bench.sh [OUTDIR] (default docs/results/serving)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=${1:-docs/serving}
+out=${1:-docs/results/serving}
 repeats=${REPEATS:-4}
 mkdir -p "$out"
 # BIN=dir: binaries built elsewhere (a machine without cargo, e.g. the GPU host's many cores).

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Serving-path benchmark on this machine (CPU backend): for each config, starts a group, runs the
 # loadtest with the echo ceiling in the same run REPEATS times, prints the median row, and sweeps
-# the offered rate once. Usage: loadtest/scripts/serving-bench.sh [OUTDIR] (default docs/serving)
+# the offered rate once. Usage: loadtest/scripts/serving-bench.sh [OUTDIR] (default docs/results/serving)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=${1:-docs/serving}
+out=${1:-docs/results/serving}
 repeats=${REPEATS:-3}
 mkdir -p "$out"
 # BIN=dir: binaries built elsewhere (a machine without cargo, e.g. the GPU host's many cores).
