@@ -693,6 +693,14 @@ mod tests {
             }
         }
         assert!(bare.is_empty(), "{bare:#?}");
+        // launch seats its ranks itself: its help lists neither seat flag (launch.rs refuses them).
+        let launch = cli.find_subcommand("launch").unwrap();
+        let listed: Vec<&str> = launch
+            .get_arguments()
+            .filter(|a| !a.is_hide_set())
+            .map(|a| a.get_id().as_str())
+            .collect();
+        assert!(!listed.contains(&"rank") && !listed.contains(&"world_size"));
     }
 
     #[test]

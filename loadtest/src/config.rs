@@ -98,11 +98,13 @@ pub struct Args {
     /// Open loop: Poisson arrivals at this many requests per second, whatever the latency.
     #[arg(long)]
     pub rate: Option<f64>,
+    /// How each request reaches the service.
     #[arg(long, value_enum, default_value = "unary")]
     pub api: Api,
     /// Tokens per request: N, uniform:A-B or exp:MEAN.
     #[arg(long, default_value = "16")]
     pub tokens: Tokens,
+    /// The hidden states' dtype on the wire (the answer comes back in it).
     #[arg(long, value_enum, default_value = "bf16")]
     pub dtype: Dtype,
     /// Send random top-k routing with each request (skips the server's gating).
@@ -132,10 +134,13 @@ pub struct Args {
     /// Step the offered rate up until the service saturates; draws latency against throughput.
     #[arg(long)]
     pub sweep: bool,
+    /// The sweep's first offered rate, requests per second.
     #[arg(long, default_value_t = 50.0)]
     pub sweep_start: f64,
+    /// Each sweep step offers this many times the rate of the one before.
     #[arg(long, default_value_t = 1.6)]
     pub sweep_factor: f64,
+    /// The sweep stops after this many steps, saturated or not.
     #[arg(long, default_value_t = 12)]
     pub sweep_max_steps: usize,
     /// Where the sweep's SVG goes.
@@ -145,6 +150,7 @@ pub struct Args {
     /// the target's figures as a ratio of it. Started here unless --echo-target names one.
     #[arg(long)]
     pub echo: bool,
+    /// With --echo: an echo service already running at HOST:PORT (else one is started here).
     #[arg(long)]
     pub echo_target: Option<String>,
     /// Also run the same load over this API on the same target, right after, and report the
@@ -160,6 +166,7 @@ pub struct Args {
     /// The echo service waits this long per request (a deliberately slow server).
     #[arg(long, default_value = "0ms", value_parser = duration)]
     pub echo_delay: Duration,
+    /// Seed of the random hidden states, sizes, routing and arrivals.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
 }
@@ -186,5 +193,21 @@ impl Args {
             return Err("--connections must be positive and --sweep-factor above 1".into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod help {
+    /// `--help` describes every flag it lists.
+    #[test]
+    fn every_flag_is_described() {
+        use clap::CommandFactory;
+        let bare: Vec<String> = super::Args::command()
+            .get_arguments()
+            .filter(|a| !a.is_hide_set() && !matches!(a.get_id().as_str(), "help" | "version"))
+            .filter(|a| a.get_help().is_none() && a.get_long_help().is_none())
+            .map(|a| format!("--{}", a.get_id()))
+            .collect();
+        assert!(bare.is_empty(), "no description: {bare:?}");
     }
 }
