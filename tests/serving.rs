@@ -530,6 +530,8 @@ async fn metrics_of_every_rank_parse_and_add_up() {
     assert_eq!(value("epserve_limit_max_concurrent_requests", &[]), 77.0);
     assert_eq!(value("epserve_limit_max_queued_tokens", &[]), 5000.0);
     assert_eq!(value("epserve_admitted_requests", &[]), 0.0);
+    assert_eq!(value("epserve_requests_running", &[]), 0.0);
+    assert_eq!(value("epserve_startup_stage", &[("stage", "ready")]), 1.0);
     assert!(value("process_resident_memory_bytes", &[]) > 0.0);
     assert!(value("process_open_fds", &[]) > 0.0);
     readme_lists_every_metric(&addrs);
@@ -604,6 +606,8 @@ async fn metrics_of_every_rank_parse_and_add_up() {
         total("epserve_request_tokens_total", &[]) - before_tokens,
         sent as f64
     );
+    // Every request answered, the good and the bad: none still counts as running.
+    assert_eq!(total("epserve_requests_running", &[]), 0.0);
     assert_eq!(
         total("epserve_step_tokens_total", &[("layer", "1")]) - before_steps1,
         sent as f64 * world as f64,
