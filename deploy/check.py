@@ -364,6 +364,17 @@ def check_probes(shape, docs, smoke):
             raise Failed(f"{shape}: {probe} asks for health service {service!r}, which the binary does not serve ({st})")
 
 
+def edit(deploy, path, old, new):
+    """Replaces `old` (which must be there: a break that changes nothing tests nothing) in a copy."""
+    path = os.path.join(deploy, path)
+    with open(path) as f:
+        text = f.read()
+    if old not in text:
+        raise RuntimeError(f"self-test: {old!r} is not in {path}")  # not Failed: not "caught"
+    with open(path, "w") as f:
+        f.write(text.replace(old, new))
+
+
 def expect_failure(what, fn):
     try:
         fn()
@@ -452,27 +463,15 @@ def main():
             check_rules(bad, os.path.join(tmp, "bad-rules"))
 
         def gpu_knobs_dropped():
-            path = os.path.join(bad, "k8s", "overlays", "h200-8", "kustomization.yaml")
-            with open(path) as f:
-                text = f.read()
-            with open(path, "w") as f:
-                f.write(text.replace("  - ../../components/gpu\n", ""))
+            edit(bad, "k8s/overlays/h200-8/kustomization.yaml", "  - ../../components/gpu\n", "")
             check_shape("h200-8 (broken)", render(bad, "overlays/h200-8"))
 
         def policy_finding():
-            path = os.path.join(bad, "k8s", "base", "statefulset.yaml")
-            with open(path) as f:
-                text = f.read()
-            with open(path, "w") as f:
-                f.write(text.replace("allowPrivilegeEscalation: false", "allowPrivilegeEscalation: true"))
+            edit(bad, "k8s/base/statefulset.yaml", "allowPrivilegeEscalation: false", "allowPrivilegeEscalation: true")
             checkov({"overlays/cpu-2": render(bad, "overlays/cpu-2")}, os.path.join(tmp, "bad-policy"))
 
         def gpu_limit_not_ranks():
-            path = os.path.join(bad, "k8s", "overlays", "h200-4", "group.yaml")
-            with open(path) as f:
-                text = f.read()
-            with open(path, "w") as f:
-                f.write(text.replace("nvidia.com/gpu: 4", "nvidia.com/gpu: 3"))
+            edit(bad, "k8s/overlays/h200-4/group.yaml", "nvidia.com/gpu: 4", "nvidia.com/gpu: 3")
             check_shape("h200-4 (broken)", render(bad, "overlays/h200-4"))
 
         expect_failure("a probe names a health service the binary does not serve", unserved_probe)
