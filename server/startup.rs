@@ -88,6 +88,45 @@ pub fn enter(stage: Stage) {
     *cur = Some((stage, Instant::now()));
 }
 
+/// Until this rank is ready, logs `startup: still <stage>` every `every` that a stage has lasted
+/// longer than `every`: a stage with no progress of its own (the weights' upload to the GPU,
+/// NCCL EP's first-use JIT, graph capture) still shows it is alive and for how long.
+pub fn watch(every: Duration) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("startup-watch".into())
+        .spawn(move || loop {
+            std::thread::sleep(every);
+            let cur = *CURRENT.lock().unwrap_or_else(|e| e.into_inner());
+            match still(cur, every) {
+                Still::Ready => return,
+                Still::Quiet => {}
+                Still::For(stage, d) => tracing::info!(
+                    stage = stage.name(),
+                    seconds = secs(d),
+                    "startup: still {}",
+                    stage.doing()
+                ),
+            }
+        })?;
+    Ok(())
+}
+
+#[derive(Debug, PartialEq)]
+enum Still {
+    Ready,
+    /// No stage yet, or the current one is younger than the interval.
+    Quiet,
+    For(Stage, Duration),
+}
+
+fn still(cur: Option<(Stage, Instant)>, every: Duration) -> Still {
+    match cur {
+        Some((Stage::Ready, _)) => Still::Ready,
+        Some((stage, since)) if since.elapsed() >= every => Still::For(stage, since.elapsed()),
+        _ => Still::Quiet,
+    }
+}
+
 /// Seconds to the millisecond, for logs.
 pub fn secs(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e3).round() / 1e3
@@ -145,6 +184,22 @@ impl Progress {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_long_stage_is_said_until_ready() {
+        let every = Duration::from_millis(50);
+        let long_ago = Instant::now() - Duration::from_secs(3);
+        assert_eq!(still(None, every), Still::Quiet);
+        assert_eq!(
+            still(Some((Stage::Load, Instant::now())), every),
+            Still::Quiet
+        );
+        match still(Some((Stage::BringUp, long_ago)), every) {
+            Still::For(Stage::BringUp, d) => assert!(d >= Duration::from_secs(3)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(still(Some((Stage::Ready, long_ago)), every), Still::Ready);
+    }
 
     #[test]
     fn progress_logs_at_the_interval_and_at_the_end() {

@@ -19,6 +19,9 @@ use anyhow::{anyhow, Context};
 
 use crate::config::{BackendKind, ServeArgs};
 
+/// A startup stage that lasts longer is said again this often (`startup: still ...`).
+const STILL_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// `epserve serve`: one rank's whole life.
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let member = args.member().map_err(|e| anyhow!(e))?;
@@ -56,6 +59,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         crate::metrics::zero_expert_series(&p.spec.moe_layers, experts);
     }
     crate::stats_log::spawn(args.log_stats_interval)?;
+    crate::startup::watch(STILL_EVERY)?;
     let r = match listener {
         Some(l) => router::run(&args, p, l),
         None => worker::run(&args, p),
