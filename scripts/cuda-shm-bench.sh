@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On one GPU (the device tool; carry .device/cs and .device/pa, built by scripts/gpu-check.sh
+# On one GPU (with .device/cs and .device/pa copied beside the checkout, built by scripts/gpu-check.sh
 # and tests/tritonclient/perf_analyzer.py): the CUDA shared-memory GPU test, then Triton's
 # perf_analyzer against one nccl rank serving the deepseek-v3 layer, 2048-token BF16 requests
 # from 32 concurrent requests over the wire, system shared memory and CUDA shared memory, and

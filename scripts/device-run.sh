@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, what scripts/gpu-check.sh built into
 # .device/bin: the GPU tests, then `epserve bench`. Logs and the bench JSON go to $OUT (or ./out).
-#   device tool: kind nvidia-h200-x4, carry [".device"], command: bash scripts/device-run.sh [tests] [ep] [drill] [bench] [torch] [cpu] [serve] [ingress] | all
+#   usage: bash scripts/device-run.sh [tests] [ep] [drill] [bench] [torch] [cpu] [serve] [ingress] | all
+#   (copy .device beside the checkout there first; 4 GPUs for the multi-rank runs)
 # `serve` loads `epserve launch` (nccl-ep, the deepseek-v3 layer) with .device/bin/epserve-loadtest
 # and its bare echo in the same run, for each binary in SERVE_BINS (default: the one built).
 set -uo pipefail
@@ -79,7 +80,7 @@ if want drill; then
   fi
 fi
 if want ep; then
-  # NCCL 2.30.7 + NCCL EP, packed here by ../shared/tools/device-nccl230.sh .device (the image
+  # NCCL 2.30.7 + NCCL EP, packed as .device/nccl230.tar.xz (the image
   # has NCCL 2.28): unpacked and used in a subshell, so the other runs keep the image's NCCL.
   if [ -f .device/nccl230.tar.xz ]; then
     mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
@@ -233,7 +234,7 @@ PY
     rm -rf "$shm"
    done
   done
-  # The device tool brings back a few files: the runs' JSON and text go back as one archive.
+  # Fewer, larger files travel back more easily: the runs' JSON and text go back as one archive.
   tar czf "$out/serve.tgz" -C "$out" $(cd "$out" && ls serve-*) && (cd "$out" && rm -f serve-*)
 fi
 # `ingress`: the same layer on every GPU (or INGRESS_RANKS) under --ingress router and --ingress

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds, here, what the GPU machine runs: the release binary and the GPU test binaries with
 # --features cuda, stripped, into .device/bin (git-ignored; no cargo is needed there).
-# Then, with the device tool (carry [".device"]), on the GPU machine:
+# Then, with .device copied beside the checkout on the GPU machine:
 #   export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$LD_LIBRARY_PATH
 #   .device/bin/gpu_kernels --ignored --test-threads 1 2>&1 | tee $OUT/gpu_kernels.log
 set -euo pipefail
