@@ -8,7 +8,6 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
-#[derive(Default)]
 struct Tally {
     answered: AtomicU64,
     failed: AtomicU64,
