@@ -637,6 +637,21 @@ __global__ void narrow_rows(const float* x, int f16, int n, int H, unsigned shor
   }
 }
 
+// *first = min(*first, i) for each element i of x[0, n) that is not finite: a client's hidden
+// states in its own device memory, checked before admission as host ones are. kind: 0 f32, 1
+// bf16, 2 f16. Byte loads only: the client picks the offset, so x need not be aligned.
+__global__ void first_non_finite(const unsigned char* x, unsigned long long n, int kind,
+                                 unsigned long long* first) {
+  const int size = kind == 0 ? 4 : 2;
+  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) {
+    // The top two bytes (little-endian) hold the sign and the exponent.
+    const unsigned char hi = x[i * size + size - 1], lo = x[i * size + size - 2];
+    const bool bad = kind == 2 ? (hi & 0x7c) == 0x7c : (hi & 0x7f) == 0x7f && (lo & 0x80);
+    if (bad) atomicMin(first, i);
+  }
+}
+
 // The expert (and so the peer) of expert-major row r: the last e with offsets[e] <= r.
 __device__ inline int expert_of_row(const int* offsets, int E, int r) {
   int lo = 0, hi = E - 1;

@@ -5,8 +5,11 @@
 # from 32 concurrent requests over the wire, system shared memory and CUDA shared memory, and
 # the step alone (`epserve bench`) in the same call. Logs and results under $OUT.
 #   bash scripts/cuda-shm-bench.sh .device/cs .device/pa
+# With PA=skip, the tests only: the Rust GPU test and, given TC (a folder of Python packages:
+# tritonclient, ml_dtypes, protobuf 6, python-rapidjson, and epserve_pb2*.py from
+# proto/epserve.proto), Triton's own CUDA shared-memory client (tests/tritonclient/cuda_shm.py).
 set -uo pipefail
-bins=$1; pa=$2; out=${OUT:-/tmp/out}; mkdir -p "$out"
+bins=$1; pa=${2:-}; out=${OUT:-/tmp/out}; mkdir -p "$out"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L | tee "$out/gpu.txt"
@@ -15,6 +18,11 @@ if [ -z "${SKIP_TEST:-}" ]; then
     cuda_shared_memory_round_trip_equals_forward >"$out/gpu_serve_cuda_shm.log" 2>&1
   echo "gpu_serve cuda shm test: exit $?"; tail -3 "$out/gpu_serve_cuda_shm.log"
 fi
+if [ -n "${TC:-}" ]; then
+  PYTHONPATH=$TC timeout 400 python3 tests/tritonclient/cuda_shm.py "$bins/epserve" >"$out/tritonclient_cuda_shm.log" 2>&1
+  echo "tritonclient cuda shm: exit $?"; tail -4 "$out/tritonclient_cuda_shm.log"
+fi
+[ "${PA:-}" = skip ] && exit 0
 shm=$(mktemp -d -p /dev/shm)
 "$bins/epserve" serve --backend nccl --model synthetic:deepseek-v3 --layers 1 \
   --max-tokens-per-step 4096 --listen 127.0.0.1:50151 --metrics-listen 127.0.0.1:0 \

@@ -1170,6 +1170,114 @@ fn cuda_shared_memory_round_trip_equals_forward() {
         reqs.push(fwd);
         outs.push(got);
     }
+    // One direction in device memory, the other on the wire; the input at an offset no
+    // element is aligned to (the rank copies bytes; the finite check loads bytes).
+    let (n, skip) = (33usize, 6usize);
+    let x: Vec<f32> = (0..n * HIDDEN).map(|_| r.random_range(-1.0..1.0)).collect();
+    let xb: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let bytes = xb.len();
+    let mixed = ClientBuffer::new(skip + bytes);
+    mixed.write(&[vec![0u8; skip], xb.clone()].concat());
+    rt.block_on(
+        c.cuda_shared_memory_register(CudaSharedMemoryRegisterRequest {
+            name: "mixed".into(),
+            raw_handle: mixed.handle(),
+            device_id: 0,
+            byte_size: (skip + bytes) as u64,
+        }),
+    )
+    .unwrap();
+    let at = |offset: usize| {
+        let mut p = shm("mixed", bytes);
+        p.insert(
+            "shared_memory_offset".into(),
+            InferParameter {
+                parameter_choice: Some(ParameterChoice::Int64Param(offset as i64)),
+            },
+        );
+        p
+    };
+    let infer = |inputs: Vec<InferInputTensor>,
+                 raw: Vec<Vec<u8>>,
+                 out: std::collections::HashMap<String, InferParameter>| {
+        rt.block_on(c.clone().model_infer(ModelInferRequest {
+            model_name: "layer-0".into(),
+            inputs,
+            outputs: vec![InferRequestedOutputTensor {
+                name: "output".into(),
+                parameters: out,
+            }],
+            raw_input_contents: raw.into_iter().map(Into::into).collect(),
+            ..Default::default()
+        }))
+    };
+    let hidden = |parameters| InferInputTensor {
+        name: "hidden_states".into(),
+        datatype: "FP32".into(),
+        shape: vec![n as i64, HIDDEN as i64],
+        parameters,
+        contents: None,
+    };
+    let floats = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    let wire_out = infer(vec![hidden(at(skip))], vec![], Default::default())
+        .unwrap()
+        .into_inner();
+    let device_out = {
+        infer(vec![hidden(Default::default())], vec![xb.clone()], at(skip)).unwrap();
+        let mut got = vec![0u8; bytes];
+        let mut all = vec![0u8; skip + bytes];
+        mixed.read(&mut all);
+        got.copy_from_slice(&all[skip..]);
+        got
+    };
+    let fwd = request("mixed", 0, f32_tensor(&x, [n, HIDDEN]));
+    let want = decode(
+        &rt.block_on(async { g.client().await.forward(fwd.clone()).await })
+            .unwrap()
+            .into_inner()
+            .output
+            .unwrap(),
+    );
+    for (what, got) in [
+        (
+            "CUDA input, wire output",
+            floats(&wire_out.raw_output_contents[0]),
+        ),
+        ("wire input, CUDA output", floats(&device_out)),
+    ] {
+        for t in 0..n {
+            let row = t * HIDDEN..(t + 1) * HIDDEN;
+            let scale = want[row.clone()].iter().fold(0f32, |m, v| m.max(v.abs()));
+            let err = got[row.clone()]
+                .iter()
+                .zip(&want[row])
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+                / scale.max(f32::MIN_POSITIVE);
+            assert!(err <= 1e-6, "{what}, token {t}: vs Forward {err:.3e}");
+        }
+        reqs.push(fwd.clone());
+        outs.push(got);
+    }
+    // A non-finite value in device memory is refused before admission, by row and column.
+    let mut bad = xb.clone();
+    bad[(5 * HIDDEN + 7) * 4..(5 * HIDDEN + 8) * 4].copy_from_slice(&f32::NAN.to_le_bytes());
+    mixed.write(&[vec![0u8; skip], bad].concat());
+    let e = infer(vec![hidden(at(skip))], vec![], Default::default()).unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(
+        e.message().contains("non-finite value at row 5, column 7"),
+        "{e:?}"
+    );
+    rt.block_on(
+        c.cuda_shared_memory_unregister(CudaSharedMemoryUnregisterRequest {
+            name: "mixed".into(),
+        }),
+    )
+    .unwrap();
     check_f64(
         "CUDA shared memory",
         &spec,

@@ -68,7 +68,7 @@ fn view<'a>(t: &'a proto::Tensor, what: &str, accepted: &[Dtype]) -> Result<View
     Ok(View {
         dtype: dtype(t.dtype, what, accepted)?,
         shape: &t.shape,
-        data: t.data.clone(),
+        data: crate::router::Data::Host(t.data.clone()),
     })
 }
 
@@ -496,7 +496,7 @@ mod fuzz {
                     let x = &input.hidden;
                     assert_eq!(x.data.len(), input.tokens * h * x.dtype.bytes());
                     let mut wide = vec![0f32; input.tokens * h];
-                    crate::dtype::to_f32(x.dtype, &x.data, &mut wide);
+                    crate::dtype::to_f32(x.dtype, x.data.host().expect("host rows"), &mut wide);
                     assert!(wide.iter().all(|v| v.is_finite()));
                     assert!(input.output.is_float());
                     if let Some((ids, w)) = &input.routing {

@@ -114,10 +114,24 @@ pub mod gpu {
             pub fn device(&self) -> usize {
                 match *self {}
             }
-            pub fn read(&self, _offset: u64, _out: &mut [u8]) -> Result<(), String> {
+        }
+
+        impl crate::step::direct::DeviceMemory for IpcRegion {
+            fn address(&self) -> u64 {
                 match *self {}
             }
-            pub fn write(&self, _offset: u64, _data: &[u8]) -> Result<(), String> {
+            fn read(&self, _offset: u64, _out: &mut [u8]) -> Result<(), String> {
+                match *self {}
+            }
+            fn write(&self, _offset: u64, _data: &[u8]) -> Result<(), String> {
+                match *self {}
+            }
+            fn first_non_finite(
+                &self,
+                _offset: u64,
+                _len: usize,
+                _d: crate::dtype::Dtype,
+            ) -> Result<Option<usize>, String> {
                 match *self {}
             }
         }

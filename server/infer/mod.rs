@@ -237,6 +237,7 @@ impl Infer {
             output: r.output,
             routing,
             deadline: r.deadline,
+            output_to: None,
         })
     }
 
@@ -271,7 +272,8 @@ impl Infer {
             ));
         }
         let tokens = input.tokens;
-        let ingress = input.hidden.data.len();
+        // A device tensor's bytes never cross the wire.
+        let ingress = input.hidden.data.host().map_or(0, |b| b.len());
         let permit = self
             .admission
             .try_admit(tokens)

@@ -5,19 +5,32 @@
 use bytes::Bytes;
 
 use super::quote::dims;
-use crate::router::{Failure, Rows};
+use crate::router::{Data, Failure, Rows};
 
 pub use crate::dtype::{encode, Dtype, FLOATS, IDS};
 
 /// How the client's protocol spells a dtype, so messages use the names the client sent.
 pub type Names = fn(Dtype) -> &'static str;
 
-/// One tensor as a client sent it: row-major, little-endian, its bytes shared, not copied.
+/// One tensor as a client sent it: row-major, little-endian, its bytes shared, not copied
+/// (or left in the client's device memory).
 #[derive(Clone, Debug)]
 pub struct View<'a> {
     pub dtype: Dtype,
     pub shape: &'a [i64],
-    pub data: Bytes,
+    pub data: Data,
+}
+
+impl View<'_> {
+    /// The bytes, for a tensor read on the host (only the hidden states may stay on a device).
+    fn host(&self, what: &str) -> Result<&Bytes, Failure> {
+        self.data.host().ok_or_else(|| {
+            bad(format!(
+                "{what}: CUDA shared memory holds hidden_states only; send {what} in the \
+                 request or a system region"
+            ))
+        })
+    }
 }
 
 fn bad(msg: String) -> Failure {
@@ -86,7 +99,7 @@ pub fn floats(
 ) -> Result<(Vec<f32>, usize), Failure> {
     let n = check_2d(t, what, rows, cols, FLOATS, names)?;
     let mut v = vec![0f32; n * cols];
-    crate::dtype::to_f32(t.dtype, &t.data, &mut v);
+    crate::dtype::to_f32(t.dtype, t.host(what)?, &mut v);
     if let Some(i) = v.iter().position(|x| !x.is_finite()) {
         return Err(bad(format!(
             "{what}: non-finite value at row {}, column {}",
@@ -101,7 +114,15 @@ pub fn floats(
 /// (rows, n). Nothing is converted: the ranks widen it once, where they compute.
 pub fn rows(t: View, what: &str, cols: usize, names: Names) -> Result<(Rows, usize), Failure> {
     let n = check_2d(&t, what, None, cols, FLOATS, names)?;
-    if let Some(i) = crate::dtype::first_non_finite(t.dtype, &t.data) {
+    let first = match &t.data {
+        Data::Host(b) => crate::dtype::first_non_finite(t.dtype, b),
+        // Checked where the bytes are, before admission, like a host tensor's.
+        Data::Device(d) => d
+            .mem
+            .first_non_finite(d.offset, d.len, t.dtype)
+            .map_err(|e| bad(format!("{what}: checking the client's device memory: {e}")))?,
+    };
+    if let Some(i) = first {
         return Err(bad(format!(
             "{what}: non-finite value at row {}, column {}",
             i / cols,
@@ -127,14 +148,13 @@ pub fn expert_ids(
 ) -> Result<Vec<i32>, Failure> {
     let what = "topk_ids";
     check_2d(t, what, Some(rows), k, IDS, names)?;
+    let data = t.host(what)?;
     let raw: Vec<i64> = match t.dtype {
-        Dtype::I32 => t
-            .data
+        Dtype::I32 => data
             .chunks_exact(4)
             .map(|b| i64::from(i32::from_le_bytes([b[0], b[1], b[2], b[3]])))
             .collect(),
-        _ => t
-            .data
+        _ => data
             .chunks_exact(8)
             .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
             .collect(),
@@ -172,7 +192,7 @@ mod tests {
         View {
             dtype,
             shape,
-            data: Bytes::copy_from_slice(data),
+            data: Data::Host(Bytes::copy_from_slice(data)),
         }
     }
 
@@ -220,7 +240,8 @@ mod tests {
             assert!(e.to_string().contains("row 1, column 1"), "{e}");
             let ok = encode(&vals, *d);
             let (r, n) = rows(v(*d, &[2, 2], &ok), "h", 2, name).unwrap();
-            assert_eq!((r.dtype, &r.data[..], n), (*d, &ok[..], 2));
+            let data = r.data.host().expect("host rows");
+            assert_eq!((r.dtype, &data[..], n), (*d, &ok[..], 2));
         }
         assert!(rows(v(Dtype::Bf16, &[2, 2], &z[..6]), "h", 2, name)
             .unwrap_err()

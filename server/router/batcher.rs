@@ -259,11 +259,12 @@ mod tests {
             tokens,
             hidden: crate::router::Rows {
                 dtype: input,
-                data: bytes::Bytes::new(),
+                data: crate::router::Data::Host(bytes::Bytes::new()),
             },
             output,
             routing: None,
             deadline,
+            output_to: None,
         };
         Job::new(input, None)
     }

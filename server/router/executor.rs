@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
 
-use super::rows::{copy_threads, deliver, out_bufs, pack};
+use super::rows::{copy_threads, deliver, out_bufs, pack, router_rows};
 use super::{Failure, Offer, Pace, Step};
 use crate::bufs::Bufs;
 use crate::dtype::Dtype;
@@ -403,11 +403,12 @@ impl<B: Backend> Executor<B> {
             tokens,
             hidden: super::Rows {
                 dtype: Dtype::F32,
-                data: crate::dtype::encode(&hidden, Dtype::F32).into(),
+                data: super::Data::Host(crate::dtype::encode(&hidden, Dtype::F32).into()),
             },
             output: Dtype::F32,
             routing: None,
             deadline: None,
+            output_to: None,
         };
         let (job, mut rx) = super::Job::new(input, None);
         let step = Step {
@@ -417,12 +418,12 @@ impl<B: Backend> Executor<B> {
             }],
             ..Step::empty()
         };
-        pack(&self.ring, &step, 0, 0, 1);
+        pack(&self.ring, &step, 0, 0, 1, 0..0);
         let mut flight = VecDeque::with_capacity(1);
         let r = self.start(&mut flight, step, 0, None);
         let f = flight.front_mut().expect("started");
         r.and_then(|()| self.finish(f, true))?;
-        deliver(&self.ring, &f.step, 0, 0, 1, &self.bufs);
+        deliver(&self.ring, &f.step, 0, 0, 1, &self.bufs, 0..0);
         let finite = |out: &[u8]| crate::dtype::first_non_finite(Dtype::F32, out).is_none();
         match rx.try_recv() {
             Ok(Ok(out)) if finite(&out) => Ok(()),
@@ -503,7 +504,8 @@ impl Packer<'_> {
                     abort.trigger(format!("sending a step's slot to the ranks: {e}"));
                 }
             }
-            pack(self.ring, &step, slot, 0, threads);
+            let own = router_rows(&step, self.ring.shape.world);
+            pack(self.ring, &step, slot, 0, threads, own);
             self.pace.packed(t0.elapsed());
             if let Err(std::sync::mpsc::SendError((step, _))) = packed.send((step, slot)) {
                 fail_step(&step, abort);
@@ -537,7 +539,15 @@ fn deliver_steps(
 ) {
     let threads = copy_threads();
     for (step, slot) in done {
-        deliver(ring, &step, slot, 0, threads, bufs);
+        deliver(
+            ring,
+            &step,
+            slot,
+            0,
+            threads,
+            bufs,
+            router_rows(&step, ring.shape.world),
+        );
         free.put(slot);
         in_flight.add_permits(1);
         metrics::gauge!(crate::router::STEPS_IN_FLIGHT).decrement(1.0);

@@ -27,6 +27,7 @@ use tokio::sync::oneshot;
 
 use crate::bufs::Bufs;
 use crate::dtype::Dtype;
+use crate::step::direct::DeviceSpan;
 use crate::step::StepKey;
 
 /// Steps formed and not yet answered (the ring's slots in use).
@@ -41,7 +42,37 @@ pub type Reply = Result<Bytes, Failure>;
 #[derive(Clone, Debug)]
 pub struct Rows {
     pub dtype: Dtype,
-    pub data: Bytes,
+    pub data: Data,
+}
+
+/// Where a tensor's bytes are.
+#[derive(Clone, Debug)]
+pub enum Data {
+    /// In this process: off the wire, or read from a system shared-memory region.
+    Host(Bytes),
+    /// In a client's device memory (CUDA shared memory), left there until a step reads it.
+    Device(DeviceSpan),
+}
+
+impl Data {
+    pub fn len(&self) -> usize {
+        match self {
+            Data::Host(b) => b.len(),
+            Data::Device(d) => d.len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes, if they are in this process.
+    pub fn host(&self) -> Option<&Bytes> {
+        match self {
+            Data::Host(b) => Some(b),
+            Data::Device(_) => None,
+        }
+    }
 }
 
 /// A validated request: its hidden states still the client's bytes.
@@ -58,6 +89,9 @@ pub struct JobInput {
     pub routing: Option<(Vec<i32>, Vec<f32>)>,
     /// The client's deadline (grpc-timeout): past it, a queued request never enters a step.
     pub deadline: Option<Instant>,
+    /// Where the output rows go when the client named its device memory for them; the answer
+    /// then carries no bytes.
+    pub output_to: Option<DeviceSpan>,
 }
 
 /// One admitted request on its way through the steps.
@@ -207,12 +241,20 @@ impl Job {
         self.sink().input += d;
     }
 
-    /// Puts the buffer back with `rows` more filled in, `took` the step's whole copy out;
-    /// answers once every row is in.
-    fn put_out(&self, out: Vec<u8>, rows: usize, took: std::time::Duration, bufs: &Arc<Bufs>) {
+    /// Puts the buffer back with `rows` more filled in (None: they went to the client's device
+    /// memory), `took` the step's whole copy out; answers once every row is in.
+    fn put_out(
+        &self,
+        out: Option<Vec<u8>>,
+        rows: usize,
+        took: std::time::Duration,
+        bufs: &Arc<Bufs>,
+    ) {
         let mut s = self.sink();
         s.output += took;
-        s.out = out;
+        if let Some(out) = out {
+            s.out = out;
+        }
         s.done += rows;
         if s.done == self.input.tokens {
             if let Some(t) = s.first_step {

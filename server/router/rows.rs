@@ -1,11 +1,13 @@
 //! Copies between requests and the step ring: a step's input rows in, its output rows out,
 //! straight from and into the requests' own buffers, on several threads when a step is large.
 
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::Step;
+use super::{Data, Failure, Step};
 use crate::bufs::{Bufs, OUTPUT_BUFFERS_REUSED};
+use crate::step::direct::{DeviceSpan, DirectRun};
 use crate::step::ring::Ring;
 
 /// A step's input rows copied from its requests into the ring, on this rank.
@@ -61,28 +63,102 @@ fn copy_all<T: Send>(threads: usize, bytes: usize, items: Vec<T>, f: impl Fn(T) 
     });
 }
 
+/// The slot rows that this process's own GPU rank loads for `step` when the router packs it
+/// (rank 0's home: its clients' rows under `--ingress all`, else its even share).
+pub(crate) fn router_rows(step: &Step, world: usize) -> Range<usize> {
+    match step.homes.first() {
+        Some(&n) => 0..n as usize,
+        None => crate::step::home_range(step.group_tokens(), world, 0),
+    }
+}
+
+/// `a` split by `b`: the part inside `b`, then the parts of `a` before and after it.
+fn split(a: Range<usize>, b: &Range<usize>) -> (Range<usize>, [Range<usize>; 2]) {
+    let inside = a.start.max(b.start)..a.end.min(b.end).max(a.start.max(b.start));
+    let before = a.start..b.start.clamp(a.start, a.end);
+    let after = b.end.clamp(a.start, a.end)..a.end;
+    (inside, [before, after])
+}
+
 /// Writes a step's input rows into `slot` from row `base` on, straight from the requests' bytes.
-pub(crate) fn pack(ring: &Ring, step: &Step, slot: usize, base: usize, threads: usize) {
+/// A request whose rows are in a client's device memory keeps them there for the rows `own`
+/// (those this process's GPU rank loads: a direct run of the slot); any other rows of it are
+/// read into the ring for the rank that loads them. A request whose output goes to device
+/// memory gets a direct run for its `own` rows the same way.
+pub(crate) fn pack(
+    ring: &Ring,
+    step: &Step,
+    slot: usize,
+    base: usize,
+    threads: usize,
+    own: Range<usize>,
+) {
     let t = Instant::now();
     let (h, k) = (ring.shape.hidden, ring.shape.top_k);
     let row_bytes = h * step.input.bytes();
+    let out_bytes = h * step.output.bytes();
     let per = (PIECE_BYTES / row_bytes).max(1);
     let mut pieces: Vec<(usize, &[u8])> = Vec::new();
+    let mut staged: Vec<(usize, DeviceSpan, &Arc<super::Job>)> = Vec::new();
+    let mut runs = Vec::new();
     let mut row = base;
     for seg in &step.segments {
         let (a, b) = (seg.rows.start, seg.rows.end);
-        let data = &seg.job.input.hidden.data[a * row_bytes..b * row_bytes];
-        for (i, piece) in data.chunks(per * row_bytes).enumerate() {
-            pieces.push((row + i * per, piece));
+        let input = &seg.job.input;
+        // Slot rows `r` are the job's rows `r - row + a`.
+        let at = row..row + seg.rows.len();
+        let (mine, others) = split(at.clone(), &own);
+        let job_bytes =
+            |r: &Range<usize>, per_row: usize| ((r.start - row + a) * per_row, r.len() * per_row);
+        let mut run = DirectRun {
+            rows: mine.clone(),
+            input: None,
+            output: None,
+        };
+        match &input.hidden.data {
+            Data::Host(data) => {
+                let data = &data[a * row_bytes..b * row_bytes];
+                for (i, piece) in data.chunks(per * row_bytes).enumerate() {
+                    pieces.push((row + i * per, piece));
+                }
+            }
+            Data::Device(span) => {
+                if !mine.is_empty() {
+                    let (off, len) = job_bytes(&mine, row_bytes);
+                    run.input = Some(span.part(off, len));
+                }
+                for r in others.iter().filter(|r| !r.is_empty()) {
+                    let (off, len) = job_bytes(r, row_bytes);
+                    staged.push((r.start, span.part(off, len), &seg.job));
+                }
+            }
         }
-        if let Some((ids, w)) = &seg.job.input.routing {
+        if let (Some(to), false) = (&input.output_to, mine.is_empty()) {
+            let (off, len) = job_bytes(&mine, out_bytes);
+            run.output = Some(to.part(off, len));
+        }
+        if run.input.is_some() || run.output.is_some() {
+            runs.push(run);
+        }
+        if let Some((ids, w)) = &input.routing {
             ring.write_routing(slot, row, &ids[a * k..b * k], &w[a * k..b * k]);
         }
         row += seg.rows.len();
     }
+    ring.direct.set(slot, runs);
     copy_all(threads, (row - base) * row_bytes, pieces, |(r, src)| {
         ring.write_hidden(slot, r, step.input, src)
     });
+    // Device rows another rank loads: through the host, as system shared memory's are.
+    for (r, span, job) in staged {
+        let mut buf = vec![0u8; span.len];
+        match span.read(&mut buf) {
+            Ok(()) => ring.write_hidden(slot, r, step.input, &buf),
+            Err(e) => job.fail(Failure::invalid(format!(
+                "reading hidden_states from the client's device memory: {e}"
+            ))),
+        }
+    }
     let took = t.elapsed();
     for seg in &step.segments {
         seg.job.packed(took);
@@ -91,7 +167,9 @@ pub(crate) fn pack(ring: &Ring, step: &Step, slot: usize, base: usize, threads: 
 }
 
 /// Hands a finished step's output rows in `slot`, from row `base` on, to its requests, in their
-/// output dtype, in buffers from `bufs`.
+/// output dtype, in buffers from `bufs`. A request whose output goes to device memory gets the
+/// rows that this process's GPU rank did not write there (those outside `own`) written from the
+/// ring, and an answer with no bytes. Clears the slot's direct runs.
 pub(crate) fn deliver(
     ring: &Ring,
     step: &Step,
@@ -99,31 +177,219 @@ pub(crate) fn deliver(
     base: usize,
     threads: usize,
     bufs: &Arc<Bufs>,
+    own: Range<usize>,
 ) {
     let t = Instant::now();
     let row_bytes = ring.shape.hidden * step.output.bytes();
     let per = (PIECE_BYTES / row_bytes).max(1);
     // A request has one segment per step: its buffer is filled outside its lock, then put back.
-    let mut outs: Vec<Vec<u8>> = step
+    let mut outs: Vec<Option<Vec<u8>>> = step
         .segments
         .iter()
-        .map(|s| s.job.take_out(row_bytes, bufs))
+        .map(|s| match s.job.input.output_to {
+            Some(_) => None,
+            None => Some(s.job.take_out(row_bytes, bufs)),
+        })
         .collect();
     let mut pieces: Vec<(usize, &mut [u8])> = Vec::new();
     let mut row = base;
     for (seg, out) in step.segments.iter().zip(outs.iter_mut()) {
-        let dst = &mut out[seg.rows.start * row_bytes..seg.rows.end * row_bytes];
-        for (i, piece) in dst.chunks_mut(per * row_bytes).enumerate() {
-            pieces.push((row + i * per, piece));
+        let at = row..row + seg.rows.len();
+        match (out, &seg.job.input.output_to) {
+            (Some(out), _) => {
+                let dst = &mut out[seg.rows.start * row_bytes..seg.rows.end * row_bytes];
+                for (i, piece) in dst.chunks_mut(per * row_bytes).enumerate() {
+                    pieces.push((row + i * per, piece));
+                }
+            }
+            (None, Some(to)) => {
+                let (_, others) = split(at, &own);
+                for r in others.iter().filter(|r| !r.is_empty()) {
+                    let mut buf = vec![0u8; r.len() * row_bytes];
+                    ring.read_output(slot, r.start, step.output, &mut buf);
+                    let off = (r.start - row + seg.rows.start) * row_bytes;
+                    if let Err(e) = to.part(off, buf.len()).write(&buf) {
+                        seg.job.fail(Failure::invalid(format!(
+                            "writing the output to the client's device memory: {e}"
+                        )));
+                    }
+                }
+            }
+            (None, None) => unreachable!("a buffer is taken for every host output"),
         }
         row += seg.rows.len();
     }
     copy_all(threads, (row - base) * row_bytes, pieces, |(r, dst)| {
         ring.read_output(slot, r, step.output, dst)
     });
+    ring.direct.set(slot, Vec::new());
     let took = t.elapsed();
     for (seg, out) in step.segments.iter().zip(outs) {
         seg.job.put_out(out, seg.rows.len(), took, bufs);
     }
     metrics::histogram!(DELIVER_SECONDS).record(took.as_secs_f64());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::Dtype;
+    use crate::router::{Job, JobInput, Rows, Segment};
+    use crate::step::direct::DeviceMemory;
+    use crate::step::ring::RingShape;
+
+    /// Host bytes standing in for a client's device memory.
+    struct Fake(Mutex<Vec<u8>>);
+
+    impl DeviceMemory for Fake {
+        fn address(&self) -> u64 {
+            0
+        }
+        fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
+            let m = self.0.lock().unwrap();
+            out.copy_from_slice(&m[offset as usize..offset as usize + out.len()]);
+            Ok(())
+        }
+        fn write(&self, offset: u64, data: &[u8]) -> Result<(), String> {
+            let mut m = self.0.lock().unwrap();
+            m[offset as usize..offset as usize + data.len()].copy_from_slice(data);
+            Ok(())
+        }
+        fn first_non_finite(&self, _: u64, _: usize, _: Dtype) -> Result<Option<usize>, String> {
+            Ok(None)
+        }
+    }
+
+    const H: usize = 3;
+
+    fn row(v: f32) -> Vec<u8> {
+        crate::dtype::encode(&[v; H], Dtype::F32)
+    }
+
+    fn rows(vs: impl IntoIterator<Item = f32>) -> Vec<u8> {
+        vs.into_iter().flat_map(row).collect()
+    }
+
+    fn job(
+        tokens: usize,
+        hidden: Data,
+        output_to: Option<DeviceSpan>,
+    ) -> (
+        Arc<Job>,
+        tokio::sync::oneshot::Receiver<crate::router::Reply>,
+    ) {
+        let input = JobInput {
+            id: String::new(),
+            layer: 0,
+            tokens,
+            hidden: Rows {
+                dtype: Dtype::F32,
+                data: hidden,
+            },
+            output: Dtype::F32,
+            routing: None,
+            deadline: None,
+            output_to,
+        };
+        Job::new(input, None)
+    }
+
+    /// Two ranks, the router's own the first four rows: a request on the host is packed as
+    /// ever; one in device memory leaves its own rows there (a direct run, input and output)
+    /// and has the other rank's staged through the ring both ways, answering with no bytes.
+    #[test]
+    fn device_rows_go_direct_for_this_rank_and_through_the_ring_for_others() {
+        let path = std::env::temp_dir().join(format!("epserve-rows-{}", std::process::id()));
+        let ring = Ring::create(&path, RingShape::new(1, 2, 4, H, 1)).unwrap();
+        ring.unlink();
+        let (n, row_bytes) = (4, H * 4);
+        let mem: Arc<dyn DeviceMemory> = Arc::new(Fake(Mutex::new(
+            [
+                rows([0.0; 2]),
+                rows((1..=n).map(|t| t as f32)),
+                rows([-1.0; 2 * 4]),
+            ]
+            .concat(),
+        )));
+        let dev_in = DeviceSpan {
+            mem: mem.clone(),
+            offset: (2 * row_bytes) as u64,
+            len: n * row_bytes,
+        };
+        let dev_out = DeviceSpan {
+            mem: mem.clone(),
+            offset: ((2 + n) * row_bytes) as u64,
+            len: n * row_bytes,
+        };
+        let (host, mut host_rx) = job(3, Data::Host(rows([10.0, 11.0, 12.0]).into()), None);
+        let (device, mut device_rx) = job(n, Data::Device(dev_in), Some(dev_out));
+        let step = Step {
+            segments: vec![
+                Segment {
+                    job: host.clone(),
+                    rows: 0..3,
+                },
+                Segment {
+                    job: device.clone(),
+                    rows: 0..n,
+                },
+            ],
+            ..Step::empty()
+        };
+        let own = router_rows(&step, 2);
+        assert_eq!(own, 0..4);
+        pack(&ring, &step, 0, 0, 1, own.clone());
+        let mut got = vec![0u8; 7 * row_bytes];
+        ring.read_hidden(0, 0..7, Dtype::F32, &mut got);
+        let rows_in = |b: &[u8]| -> Vec<f32> {
+            b.chunks_exact(row_bytes)
+                .map(|r| f32::from_le_bytes(r[..4].try_into().unwrap()))
+                .collect()
+        };
+        // Row 3 (the device request's first, this rank's) is not in the ring.
+        let seen = rows_in(&got);
+        assert_eq!(&seen[..3], &[10.0, 11.0, 12.0]);
+        assert_eq!(&seen[4..], &[2.0, 3.0, 4.0]);
+        let runs = ring.direct.within(0, &(0..4));
+        assert_eq!(runs.len(), 1);
+        assert_eq!(runs[0].rows, 3..4);
+        let (i, o) = (
+            runs[0].input.as_ref().unwrap(),
+            runs[0].output.as_ref().unwrap(),
+        );
+        assert_eq!((i.offset, i.len), ((2 * row_bytes) as u64, row_bytes));
+        assert_eq!((o.offset, o.len), (((2 + n) * row_bytes) as u64, row_bytes));
+        // The ranks' outputs: 100 + row; this rank's device row it writes itself.
+        ring.write_output(
+            0,
+            0,
+            0..7,
+            Dtype::F32,
+            &rows((0..7).map(|r| 100.0 + r as f32)),
+            1,
+        );
+        let bufs = Bufs::new(1 << 20, OUTPUT_BUFFERS_REUSED);
+        deliver(&ring, &step, 0, 0, 1, &bufs, own);
+        assert!(ring.direct.within(0, &(0..8)).is_empty(), "cleared");
+        let mut out = vec![0u8; n * row_bytes];
+        mem.read(((2 + n) * row_bytes) as u64, &mut out).unwrap();
+        assert_eq!(rows_in(&out), vec![-1.0, 104.0, 105.0, 106.0]);
+        let answer = host_rx.try_recv().unwrap().unwrap();
+        assert_eq!(rows_in(&answer), vec![100.0, 101.0, 102.0]);
+        assert!(device_rx.try_recv().unwrap().unwrap().is_empty());
+    }
+
+    #[test]
+    fn split_gives_the_part_inside_and_the_parts_around() {
+        assert_eq!(split(0..10, &(3..6)), (3..6, [0..3, 6..10]));
+        assert_eq!(split(4..8, &(0..6)), (4..6, [4..4, 6..8]));
+        assert_eq!(split(4..8, &(6..20)), (6..8, [4..6, 8..8]));
+        let (inside, others) = split(0..4, &(6..9));
+        assert!(inside.is_empty());
+        assert_eq!(others, [0..4, 4..4]);
+        let (inside, others) = split(7..9, &(0..3));
+        assert!(inside.is_empty());
+        assert_eq!(others, [7..7, 7..9]);
+        assert_eq!(split(2..5, &(0..9)), (2..5, [2..2, 5..5]));
+    }
 }

@@ -148,7 +148,9 @@ impl OwnRows {
                         }
                         let r = pack_offer(&order, rank, &offered, &permits);
                         if let Ok(step) = &r {
-                            pack(&ring, step, slot, base, threads);
+                            // A worker packs only its own rows: its GPU rank loads them all.
+                            let own = base..base + step.tokens();
+                            pack(&ring, step, slot, base, threads, own);
                         }
                         lock(&packed.slots)[slot] = Some(r);
                         packed.ready.notify_all();
@@ -163,7 +165,8 @@ impl OwnRows {
                 .spawn(move || {
                     let (threads, bufs) = (copy_threads(), out_bufs(&ring));
                     for (step, slot) in rx {
-                        deliver(&ring, &step, slot, base, threads, &bufs);
+                        let own = base..base + step.tokens();
+                        deliver(&ring, &step, slot, base, threads, &bufs, own);
                         gate.free(slot);
                     }
                 })?

@@ -2,6 +2,7 @@
 //! compute → combine → store the home slice. The driver knows nothing of CPU or CUDA: backends
 //! implement one trait per phase over buffers they own.
 
+pub mod direct;
 pub mod ring;
 
 use std::ops::Range;

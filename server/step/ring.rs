@@ -7,6 +7,7 @@ use std::ops::Range;
 use std::path::Path;
 use std::time::Instant;
 
+use super::direct::DirectRows;
 use crate::dtype::Dtype;
 use crate::shm::{raise, wait_seq, Abort, Shm, WaitError};
 
@@ -75,18 +76,22 @@ impl RingShape {
 pub struct Ring {
     pub shape: RingShape,
     shm: Shm,
+    /// This process's rows that skip the ring (its own, never another rank's).
+    pub direct: DirectRows,
 }
 
 impl Ring {
     pub fn create(path: &Path, shape: RingShape) -> std::io::Result<Self> {
         Ok(Self {
             shm: Shm::create(path, shape.bytes())?,
+            direct: DirectRows::new(shape.slots),
             shape,
         })
     }
     pub fn open(path: &Path, shape: RingShape) -> std::io::Result<Self> {
         Ok(Self {
             shm: Shm::open(path, shape.bytes())?,
+            direct: DirectRows::new(shape.slots),
             shape,
         })
     }

@@ -174,7 +174,7 @@ fn no_request_panics_and_every_refusal_is_named() {
                 assert!(model.accepts().contains(&x.dtype), "{model:?}: {x:?}");
                 assert_eq!(x.data.len(), input.tokens * h * x.dtype.bytes());
                 let mut wide = vec![0f32; input.tokens * h];
-                crate::dtype::to_f32(x.dtype, &x.data, &mut wide);
+                crate::dtype::to_f32(x.dtype, x.data.host().expect("host rows"), &mut wide);
                 assert!(wide.iter().all(|v| v.is_finite()));
                 assert_eq!(input.output, out);
                 if let Some((ids, w)) = &input.routing {

@@ -40,9 +40,9 @@ use crate::inference::{
     SystemSharedMemoryStatusResponse, SystemSharedMemoryUnregisterRequest,
     SystemSharedMemoryUnregisterResponse,
 };
-use crate::router::{Failure, Permit};
+use crate::router::{Data, Failure, Permit};
 use models::{name, Model, HIDDEN, IDS_IN, OUTPUT, PLATFORM, VERSION, WEIGHTS};
-use regions::{Regions, Span, SHM_TENSORS};
+use regions::{Regions, Span, SHM_BYTES, SHM_TENSORS};
 
 /// Request parameters understood here: the output's float type, and Triton's timeout (µs).
 /// Triton's reserved `triton_*` ones are taken as Triton takes them.
@@ -148,7 +148,7 @@ fn input_bytes(t: &InferInputTensor, d: Dtype, raw: Option<&Bytes>) -> Result<By
 }
 
 /// The three inputs by slot (hidden_states, topk_ids, topk_weights): dtype, shape and bytes.
-type Found<'a> = [Option<(Dtype, &'a [i64], Bytes)>; 3];
+type Found<'a> = [Option<(Dtype, &'a [i64], Data)>; 3];
 
 /// Where a tensor lies in shared memory, as its parameters name it: (region, offset, bytes).
 type ShmRef = (String, u64, u64);
@@ -362,7 +362,7 @@ impl KserveApi {
                 data: data.clone(),
             })
         };
-        let input = self.infer.validate(Entry {
+        let mut input = self.infer.validate(Entry {
             id: r.id.clone(),
             layer: model.layer,
             hidden: view(0),
@@ -388,6 +388,7 @@ impl KserveApi {
                 ));
             }
         }
+        input.output_to = out_span.as_ref().and_then(Span::device);
         Ok(Decoded {
             input,
             out,
@@ -480,23 +481,27 @@ impl KserveApi {
                         t.name
                     )))
                 }
-                Some((region, offset, len)) => self.read_input(&t.name, &region, offset, len)?,
-                None => input_bytes(t, d, raw)?,
+                Some((region, offset, len)) => {
+                    self.shm_input(&t.name, &region, offset, len, slot == 0)?
+                }
+                None => Data::Host(input_bytes(t, d, raw)?),
             };
             found[slot] = Some((d, &t.shape, data));
         }
         Ok((found, out_span))
     }
 
-    /// An input's bytes from a shared-memory region: read at once (from the page cache, a copy
-    /// like the wire's), so they are held only as long as bytes off the wire would be.
-    fn read_input(
+    /// An input from a shared-memory region. A system region's is read at once (from the page
+    /// cache, a copy like the wire's), so it is held only as long as bytes off the wire would
+    /// be; the hidden states (`stays`) in a CUDA region stay there for the GPU rank to read.
+    fn shm_input(
         &self,
         what: &str,
         region: &str,
         offset: u64,
         len: u64,
-    ) -> Result<Bytes, Failure> {
+        stays: bool,
+    ) -> Result<Data, Failure> {
         if len > self.max_request as u64 {
             return Err(Failure::invalid(format!(
                 "{what}: shared_memory_byte_size {len} exceeds --max-request-bytes ({})",
@@ -504,9 +509,15 @@ impl KserveApi {
             )));
         }
         let span = self.regions.get(region, what)?.span(offset, len, what)?;
-        let bytes = span.read()?;
+        let data = match span.device().filter(|_| stays) {
+            Some(d) => {
+                metrics::counter!(SHM_BYTES, "direction" => "in").increment(len);
+                Data::Device(d)
+            }
+            None => Data::Host(span.read()?),
+        };
         metrics::counter!(SHM_TENSORS, "direction" => "in").increment(1);
-        Ok(bytes)
+        Ok(data)
     }
 
     /// Decodes, checks, admits and waits for one request. The admission permit comes back with
@@ -541,14 +552,21 @@ impl KserveApi {
         // the entries by the outputs' order.
         let raw_output_contents = match &d.out_span {
             Some(span) => {
-                span.write(&a.output)?;
+                let len = a.tokens * hidden * d.out.bytes();
+                match span.device() {
+                    // The GPU rank wrote it there (`JobInput::output_to`).
+                    Some(_) => {
+                        metrics::counter!(SHM_BYTES, "direction" => "out").increment(len as u64)
+                    }
+                    None => span.write(&a.output)?,
+                }
                 metrics::counter!(SHM_TENSORS, "direction" => "out").increment(1);
                 let p = &mut output.parameters;
                 p.insert(
                     "shared_memory_region".into(),
                     string_param(&span.region.name),
                 );
-                p.insert("shared_memory_byte_size".into(), int_param(a.output.len()));
+                p.insert("shared_memory_byte_size".into(), int_param(len));
                 p.insert(
                     "shared_memory_offset".into(),
                     int_param(span.offset as usize),

@@ -11,9 +11,10 @@
 //!
 //! CUDA shared memory (on the GPU backends): a client registers a raw CUDA IPC handle of its
 //! device memory, opened once here (`gpu::IpcRegion`: the handle's size and device checked) and
-//! held by requests the same way. Its rows are staged through the host: copied device to host
-//! into the request as a system region's are read, and the answer copied back. Both kinds share
-//! one namespace and `--shm-regions-max`, as in Triton.
+//! held by requests the same way. Its hidden states and output stay there: the GPU rank of this
+//! process copies its rows device to device (`step::direct`); only other ranks' rows and the
+//! small routing tensors cross the host. Both kinds share one namespace and
+//! `--shm-regions-max`, as in Triton.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -30,6 +31,7 @@ use crate::infer::quote::quote;
 use crate::inference::cuda_shared_memory_status_response::RegionStatus as CudaStatus;
 use crate::inference::system_shared_memory_status_response::RegionStatus;
 use crate::router::Failure;
+use crate::step::direct::{DeviceMemory, DeviceSpan};
 
 /// Bytes read from and written to clients' regions (`direction`: in, out).
 pub const SHM_BYTES: &str = "epserve_shm_bytes_total";
@@ -72,7 +74,7 @@ enum Backing {
         file: File,
     },
     /// A client's CUDA allocation.
-    Device(IpcRegion),
+    Device(Arc<IpcRegion>),
 }
 
 /// The two kinds, as their calls name them.
@@ -119,6 +121,19 @@ impl Region {
 }
 
 impl Span {
+    /// The span as device memory, when its region is a client's CUDA memory: holding it keeps
+    /// the memory open after the region is unregistered.
+    pub fn device(&self) -> Option<DeviceSpan> {
+        match &self.region.backing {
+            Backing::Device(d) => Some(DeviceSpan {
+                mem: d.clone(),
+                offset: self.offset,
+                len: self.len,
+            }),
+            Backing::File { .. } => None,
+        }
+    }
+
     /// Reads the span. A short read (the client truncated its object) is INVALID_ARGUMENT.
     pub fn read(&self) -> Result<Bytes, Failure> {
         let mut buf = vec![0u8; self.len];
@@ -237,7 +252,7 @@ impl Regions {
         self.insert(Region {
             name: name.into(),
             size,
-            backing: Backing::Device(device_memory),
+            backing: Backing::Device(Arc::new(device_memory)),
         })
     }
 

@@ -1,13 +1,20 @@
 //! A client's CUDA memory, as Triton's CUDA shared-memory extension names it: a raw
 //! `cudaIpcMemHandle_t` exported by another process, opened once in the primary context of the
-//! device the client names and closed when the last request holding it is done. Copies are
-//! synchronous, from the thread that asks (the region's context bound to it first). The handle
-//! is checked before use: 64 bytes, a device that exists, and an allocation that holds the
-//! registered size.
+//! device the client names and closed when the last request holding it is done. A GPU rank of
+//! this process copies rows from and to it device to device, on its own streams, by its address
+//! (`DeviceMemory::address`); the host copies here (a rank of another process, system-memory
+//! callers) are synchronous, from the thread that asks (the region's context bound to it
+//! first). The handle is checked before use: 64 bytes, a device that exists, and an allocation
+//! that holds the registered size.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{sys, CudaContext, DriverError};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DriverError};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+
+use crate::dtype::Dtype;
+use crate::step::direct::DeviceMemory;
 
 /// Bytes of a `cudaIpcMemHandle_t`.
 pub const HANDLE_BYTES: usize = 64;
@@ -17,6 +24,40 @@ pub struct IpcRegion {
     ctx: Arc<CudaContext>,
     ptr: sys::CUdeviceptr,
     len: u64,
+    /// The finite check's kernel, stream and result, one check at a time.
+    check: Mutex<Check>,
+}
+
+struct Check {
+    f: CudaFunction,
+    stream: Arc<CudaStream>,
+    first: CudaSlice<u64>,
+}
+
+/// The check's kernel, by device: the module is loaded once per device, not per region.
+static KERNELS: Mutex<Vec<(usize, CudaFunction)>> = Mutex::new(Vec::new());
+
+impl Check {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Self, DriverError> {
+        let f = {
+            let mut k = KERNELS.lock().unwrap_or_else(|e| e.into_inner());
+            match k.iter().find(|(d, _)| *d == ctx.ordinal()) {
+                Some((_, f)) => f.clone(),
+                None => {
+                    let m = ctx.load_module(Ptx::from_binary(super::FATBIN.to_vec()))?;
+                    let f = m.load_function("first_non_finite")?;
+                    k.push((ctx.ordinal(), f.clone()));
+                    f
+                }
+            }
+        };
+        let stream = ctx.new_stream()?;
+        Ok(Self {
+            f,
+            first: stream.alloc_zeros::<u64>(1)?,
+            stream,
+        })
+    }
 }
 
 fn driver(what: &str, e: DriverError) -> String {
@@ -40,6 +81,7 @@ impl IpcRegion {
         let ctx = CudaContext::new(ordinal).map_err(|e| driver("opening the device", e))?;
         ctx.bind_to_thread()
             .map_err(|e| driver("binding the device", e))?;
+        let check = Check::new(&ctx).map_err(|e| driver("loading the finite check", e))?;
         let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
         for (d, s) in h.reserved.iter_mut().zip(raw) {
             *d = s as std::ffi::c_char;
@@ -57,7 +99,12 @@ impl IpcRegion {
         }
         .result()
         .map_err(|e| driver("the handle does not open", e))?;
-        let region = Self { ctx, ptr, len };
+        let region = Self {
+            ctx,
+            ptr,
+            len,
+            check: Mutex::new(check),
+        };
         let (mut base, mut size) = (0, 0usize);
         // SAFETY: valid out-pointers; `ptr` was just mapped in this context.
         unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
@@ -76,8 +123,24 @@ impl IpcRegion {
         self.ctx.ordinal()
     }
 
+    fn inside(&self, offset: u64, n: usize) -> Result<(), String> {
+        match offset.checked_add(n as u64) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(format!(
+                "{n} bytes at {offset} lie outside the region's {}",
+                self.len
+            )),
+        }
+    }
+}
+
+impl DeviceMemory for IpcRegion {
+    fn address(&self) -> u64 {
+        self.ptr
+    }
+
     /// `out.len()` bytes at `offset` (the caller keeps them inside the region).
-    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
         self.inside(offset, out.len())?;
         self.ctx
             .bind_to_thread()
@@ -97,7 +160,7 @@ impl IpcRegion {
     }
 
     /// `data` written at `offset`.
-    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), String> {
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), String> {
         self.inside(offset, data.len())?;
         self.ctx
             .bind_to_thread()
@@ -114,13 +177,40 @@ impl IpcRegion {
         .map_err(|e| driver("copying to the client's GPU memory", e))
     }
 
-    fn inside(&self, offset: u64, n: usize) -> Result<(), String> {
-        match offset.checked_add(n as u64) {
-            Some(end) if end <= self.len => Ok(()),
-            _ => Err(format!(
-                "{n} bytes at {offset} lie outside the region's {}",
-                self.len
-            )),
+    fn first_non_finite(&self, offset: u64, len: usize, d: Dtype) -> Result<Option<usize>, String> {
+        self.inside(offset, len)?;
+        let kind: i32 = match d {
+            Dtype::F32 => 0,
+            Dtype::Bf16 => 1,
+            Dtype::F16 => 2,
+            _ => return Err(format!("{d:?} is not a float dtype")),
+        };
+        let n = (len / d.bytes()) as u64;
+        let mut c = self.check.lock().unwrap_or_else(|e| e.into_inner());
+        let c = &mut *c;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver("binding", e))?;
+        let checked = (|| -> Result<u64, DriverError> {
+            c.stream.memcpy_htod(&[u64::MAX], &mut c.first)?;
+            let x = self.ptr + offset;
+            let mut b = c.stream.launch_builder(&c.f);
+            b.arg(&x).arg(&n).arg(&kind).arg(&mut c.first);
+            let cfg = LaunchConfig {
+                grid_dim: ((n.div_ceil(256)).clamp(1, 132 * 8) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: `x` is the region's address plus an offset whose `len` bytes lie inside
+            // it (checked above), and the kernel reads bytes `[0, n * size)` of it, n * size <=
+            // len; `first` is one u64 of this stream's; the arguments match the kernel's
+            // (pointer, u64, int, pointer).
+            unsafe { b.launch(cfg) }?;
+            Ok(c.stream.clone_dtoh(&c.first)?[0])
+        })();
+        match checked.map_err(|e| driver("checking the client's GPU memory", e))? {
+            u64::MAX => Ok(None),
+            i => Ok(Some(i as usize)),
         }
     }
 }

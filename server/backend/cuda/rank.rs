@@ -12,9 +12,11 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{result, CudaEvent, CudaGraph, DevicePtr};
 
 use super::step::{GpuStep, Rows, Variant};
-use super::transfer::{pack_rows, ring_in, ring_out, unpack_rows, Copies, RingPin, Staging, DEPTH};
+use super::transfer::{direct_in, direct_out, pack_rows, ring_in, ring_out, unpack_rows};
+use super::transfer::{Copies, RingPin, Staging, DEPTH};
 use super::GpuError;
 use crate::dtype::Dtype;
+use crate::step::direct::{pieces, DirectRun};
 use crate::step::ring::Ring;
 use crate::step::{Backend, PhaseTimes, StepDesc, StepError};
 
@@ -78,6 +80,8 @@ struct Flight {
     bucket: usize,
     set: usize,
     started: Instant,
+    /// The client memory its copies read and write, held open until it completes.
+    _direct: Vec<DirectRun>,
 }
 
 impl GpuRank {
@@ -327,7 +331,7 @@ impl GpuRank {
         home: Range<usize>,
         bi: usize,
         set: usize,
-    ) -> Result<(), GpuError> {
+    ) -> Result<Vec<DirectRun>, GpuError> {
         let (slot, n, layer) = (desc.slot as usize, home.len(), desc.layer as usize);
         let bucket = self.buckets[bi];
         let rows = match desc.input {
@@ -339,12 +343,25 @@ impl GpuRank {
         let cp = &self.copies;
         let c = self.core.as_mut().expect("checked in stage");
         let s = c.g.stream.clone();
+        // Rows in a client's device memory come from there; the rest from the ring.
+        let runs = ring.direct.within(slot, &home);
+        let (in_row, out_row) = (
+            c.shape.hidden * desc.input.bytes(),
+            c.shape.hidden * desc.output.bytes(),
+        );
         cp.h2d.wait(&cp.inbox_free)?;
-        ring_in(
-            ring.hidden_span(slot, home.clone(), desc.input),
-            &mut c.b.inbox,
-            &cp.h2d,
-        )?;
+        for (rows, span) in pieces(home.clone(), &runs, |r| r.input.as_ref()) {
+            let at = (rows.start - home.start) * in_row;
+            match span {
+                Some(span) => direct_in(span, &mut c.b.inbox, at, &cp.h2d)?,
+                None => ring_in(
+                    ring.hidden_span(slot, rows, desc.input),
+                    &mut c.b.inbox,
+                    at,
+                    &cp.h2d,
+                )?,
+            }
+        }
         cp.inbox_full.record(&cp.h2d)?;
         s.wait(&cp.inbox_full)?;
         unpack_rows(c, n, desc.input)?;
@@ -368,14 +385,21 @@ impl GpuRank {
         pack_rows(c, n, desc.output)?;
         cp.outbox_full.record(&s)?;
         cp.d2h.wait(&cp.outbox_full)?;
-        ring_out(
-            &c.b.outbox,
-            ring.output_span(slot, home, desc.output),
-            &cp.d2h,
-        )?;
+        for (rows, span) in pieces(home.clone(), &runs, |r| r.output.as_ref()) {
+            let at = (rows.start - home.start) * out_row;
+            match span {
+                Some(span) => direct_out(&c.b.outbox, at, span, &cp.d2h)?,
+                None => ring_out(
+                    &c.b.outbox,
+                    at,
+                    ring.output_span(slot, rows, desc.output),
+                    &cp.d2h,
+                )?,
+            }
+        }
         cp.outbox_free.record(&cp.d2h)?;
         self.done[set].record(&cp.d2h)?;
-        Ok(())
+        Ok(runs)
     }
 }
 
@@ -383,9 +407,10 @@ impl Backend for GpuRank {
     fn submit(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<(), StepError> {
         let started = Instant::now();
         let (bi, set) = self.stage(desc, &home)?;
-        if let Err(e) = self.launch(desc, home, bi, set) {
-            return Err(self.failed(desc.step, e));
-        }
+        let direct = match self.launch(desc, home, bi, set) {
+            Ok(runs) => runs,
+            Err(e) => return Err(self.failed(desc.step, e)),
+        };
         self.next_set = (set + 1) % DEPTH;
         self.flight.push_back(Flight {
             step: desc.step,
@@ -394,6 +419,7 @@ impl Backend for GpuRank {
             bucket: self.buckets[bi],
             set,
             started,
+            _direct: direct,
         });
         Ok(())
     }

@@ -13,6 +13,7 @@ use cudarc::driver::{
 use super::shape::StepShape;
 use super::step::{GpuStep, Variant};
 use crate::dtype::Dtype;
+use crate::step::direct::DeviceSpan;
 use crate::step::ring::Ring;
 
 /// Page-locked host memory (an async copy from pageable memory would wait for the stream).
@@ -116,15 +117,17 @@ impl Drop for RingPin {
     }
 }
 
-/// `bytes` from host address `src` (inside the registered ring) into `dst`, on `stream`.
+/// `bytes` from host address `src` (inside the registered ring) into `dst` from byte `at`, on
+/// `stream`.
 pub(super) fn ring_in<T>(
     src: (usize, usize),
     dst: &mut CudaSlice<T>,
+    at: usize,
     stream: &CudaStream,
 ) -> Result<(), DriverError> {
     let (src, bytes) = src;
     assert!(
-        bytes <= dst.len() * std::mem::size_of::<T>(),
+        at + bytes <= dst.len() * std::mem::size_of::<T>(),
         "ring_in bounds"
     );
     if bytes == 0 {
@@ -132,23 +135,30 @@ pub(super) fn ring_in<T>(
     }
     let (d, _sync) = dst.device_ptr_mut(stream);
     // SAFETY: the span lies inside the ring's mapping (`Ring::hidden_span` checks the rows) and
-    // `dst` holds `bytes` (asserted); the router rewrites a slot only after every rank has
+    // `dst` holds `at + bytes` (asserted); the router rewrites a slot only after every rank has
     // published its output, which this rank does after the step's completion event.
     unsafe {
-        sys::cuMemcpyHtoDAsync_v2(d, src as *const std::ffi::c_void, bytes, stream.cu_stream())
+        sys::cuMemcpyHtoDAsync_v2(
+            d + at as u64,
+            src as *const std::ffi::c_void,
+            bytes,
+            stream.cu_stream(),
+        )
     }
     .result()
 }
 
-/// `bytes` of `src` into host address `dst` (inside the registered ring), on `stream`.
+/// `bytes` of `src` from byte `at` into host address `dst` (inside the registered ring), on
+/// `stream`.
 pub(super) fn ring_out<T>(
     src: &CudaSlice<T>,
+    at: usize,
     dst: (usize, usize),
     stream: &CudaStream,
 ) -> Result<(), DriverError> {
     let (dst, bytes) = dst;
     assert!(
-        bytes <= src.len() * std::mem::size_of::<T>(),
+        at + bytes <= src.len() * std::mem::size_of::<T>(),
         "ring_out bounds"
     );
     if bytes == 0 {
@@ -157,7 +167,52 @@ pub(super) fn ring_out<T>(
     let (s, _sync) = src.device_ptr(stream);
     // SAFETY: as in `ring_in` (`Ring::output_span` checks the rows); the router reads these rows
     // only after this rank publishes them, after the step's completion event.
-    unsafe { sys::cuMemcpyDtoHAsync_v2(dst as *mut std::ffi::c_void, s, bytes, stream.cu_stream()) }
+    unsafe {
+        sys::cuMemcpyDtoHAsync_v2(
+            dst as *mut std::ffi::c_void,
+            s + at as u64,
+            bytes,
+            stream.cu_stream(),
+        )
+    }
+    .result()
+}
+
+/// A client's device rows (`span`, in this process's address space) into `dst` from byte `at`,
+/// on `stream`: device to device, across GPUs by unified addressing.
+pub(super) fn direct_in<T>(
+    span: &DeviceSpan,
+    dst: &mut CudaSlice<T>,
+    at: usize,
+    stream: &CudaStream,
+) -> Result<(), DriverError> {
+    assert!(
+        at + span.len <= dst.len() * std::mem::size_of::<T>(),
+        "direct_in bounds"
+    );
+    let (d, _sync) = dst.device_ptr_mut(stream);
+    // SAFETY: the span lies inside the client's mapped allocation (checked against the region
+    // when the request named it) and stays mapped until the step completes (the rank's flight
+    // holds it); `dst` holds `at + len` (asserted).
+    unsafe { sys::cuMemcpyAsync(d + at as u64, span.address(), span.len, stream.cu_stream()) }
+        .result()
+}
+
+/// `span.len` bytes of `src` from byte `at` into a client's device rows, on `stream`.
+pub(super) fn direct_out<T>(
+    src: &CudaSlice<T>,
+    at: usize,
+    span: &DeviceSpan,
+    stream: &CudaStream,
+) -> Result<(), DriverError> {
+    assert!(
+        at + span.len <= src.len() * std::mem::size_of::<T>(),
+        "direct_out bounds"
+    );
+    let (s, _sync) = src.device_ptr(stream);
+    // SAFETY: as in `direct_in`, the other way; the client reads them only once answered, after
+    // the step's completion event.
+    unsafe { sys::cuMemcpyAsync(span.address(), s + at as u64, span.len, stream.cu_stream()) }
         .result()
 }
 

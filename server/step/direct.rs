@@ -1,0 +1,218 @@
+//! Rows that skip the step ring: a client's device memory (Triton's CUDA shared memory) read
+//! and written by this process's own GPU rank, device to device.
+//!
+//! The ring is the way between processes; these runs are not: a packer records, per slot, which
+//! of the rows it would have written are in a client's device memory instead, and the GPU rank
+//! of the same process copies them from there into its step buffers (and its output rows back)
+//! on its copy streams. Rows that another process's rank loads still go through the ring,
+//! staged by the packer and the delivery (`router::rows`). The table is process-local and never
+//! crosses to another rank.
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+use crate::dtype::Dtype;
+
+/// A client's device memory as the request path uses it; the GPU backends implement it.
+pub trait DeviceMemory: Send + Sync {
+    /// The memory's address in this process (unified addressing): valid while `self` lives.
+    fn address(&self) -> u64;
+    /// `out.len()` bytes at `offset` to the host (the caller keeps the span inside).
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String>;
+    /// `data` from the host to `offset`.
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), String>;
+    /// The first element of the `len` bytes at `offset`, read as `d`, that is not finite.
+    fn first_non_finite(&self, offset: u64, len: usize, d: Dtype) -> Result<Option<usize>, String>;
+}
+
+/// `len` bytes at `offset` of a client's device memory; holding it keeps the memory open.
+#[derive(Clone)]
+pub struct DeviceSpan {
+    pub mem: Arc<dyn DeviceMemory>,
+    pub offset: u64,
+    pub len: usize,
+}
+
+impl std::fmt::Debug for DeviceSpan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceSpan({} bytes at {})", self.len, self.offset)
+    }
+}
+
+impl DeviceSpan {
+    /// Its bytes `[start, start + len)`, which must lie inside it.
+    pub fn part(&self, start: usize, len: usize) -> Self {
+        assert!(start + len <= self.len, "device span part out of bounds");
+        Self {
+            mem: self.mem.clone(),
+            offset: self.offset + start as u64,
+            len,
+        }
+    }
+
+    /// The part's address in this process.
+    pub fn address(&self) -> u64 {
+        self.mem.address() + self.offset
+    }
+
+    pub fn read(&self, out: &mut [u8]) -> Result<(), String> {
+        assert!(out.len() <= self.len, "device span read out of bounds");
+        self.mem.read(self.offset, out)
+    }
+
+    pub fn write(&self, data: &[u8]) -> Result<(), String> {
+        assert!(data.len() <= self.len, "device span write out of bounds");
+        self.mem.write(self.offset, data)
+    }
+}
+
+/// Rows `rows` of a slot whose input comes from, or whose output goes to, device memory (the
+/// span holds exactly those rows, in the step's input or output dtype).
+#[derive(Clone)]
+pub struct DirectRun {
+    pub rows: Range<usize>,
+    pub input: Option<DeviceSpan>,
+    pub output: Option<DeviceSpan>,
+}
+
+/// Each slot's direct runs, in row order, set by the packer before the step is submitted and
+/// read by the GPU rank when it loads the slot.
+pub struct DirectRows(Mutex<Vec<Vec<DirectRun>>>);
+
+impl DirectRows {
+    pub fn new(slots: usize) -> Self {
+        Self(Mutex::new(vec![Vec::new(); slots]))
+    }
+
+    fn slots(&self) -> std::sync::MutexGuard<'_, Vec<Vec<DirectRun>>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Replaces `slot`'s runs (empty: every row goes through the ring).
+    pub fn set(&self, slot: usize, runs: Vec<DirectRun>) {
+        self.slots()[slot] = runs;
+    }
+
+    /// `slot`'s runs that lie within `rows`.
+    pub fn within(&self, slot: usize, rows: &Range<usize>) -> Vec<DirectRun> {
+        self.slots()[slot]
+            .iter()
+            .filter(|r| r.rows.start >= rows.start && r.rows.end <= rows.end)
+            .cloned()
+            .collect()
+    }
+}
+
+/// How `rows` split into the pieces that come from (or go to) the ring and the ones in device
+/// memory: `(rows, Some(span))` for a device run, `(rows, None)` for a ring run, in order and
+/// covering `rows`. `pick` chooses the run's side (input or output).
+pub fn pieces(
+    rows: Range<usize>,
+    runs: &[DirectRun],
+    pick: fn(&DirectRun) -> Option<&DeviceSpan>,
+) -> Vec<(Range<usize>, Option<&DeviceSpan>)> {
+    let mut out = Vec::new();
+    let mut at = rows.start;
+    for r in runs {
+        let Some(span) = pick(r) else { continue };
+        if r.rows.start > at {
+            out.push((at..r.rows.start, None));
+        }
+        out.push((r.rows.clone(), Some(span)));
+        at = r.rows.end;
+    }
+    if at < rows.end {
+        out.push((at..rows.end, None));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Fake;
+    impl DeviceMemory for Fake {
+        fn address(&self) -> u64 {
+            0x1000
+        }
+        fn read(&self, _: u64, _: &mut [u8]) -> Result<(), String> {
+            Ok(())
+        }
+        fn write(&self, _: u64, _: &[u8]) -> Result<(), String> {
+            Ok(())
+        }
+        fn first_non_finite(&self, _: u64, _: usize, _: Dtype) -> Result<Option<usize>, String> {
+            Ok(None)
+        }
+    }
+
+    fn span(offset: u64, len: usize) -> DeviceSpan {
+        DeviceSpan {
+            mem: Arc::new(Fake),
+            offset,
+            len,
+        }
+    }
+
+    #[test]
+    fn pieces_cover_the_rows_in_order() {
+        let runs = vec![
+            DirectRun {
+                rows: 2..4,
+                input: Some(span(0, 8)),
+                output: None,
+            },
+            DirectRun {
+                rows: 6..7,
+                input: None,
+                output: Some(span(8, 4)),
+            },
+            DirectRun {
+                rows: 7..9,
+                input: Some(span(16, 8)),
+                output: Some(span(32, 8)),
+            },
+        ];
+        let shape = |p: Vec<(Range<usize>, Option<&DeviceSpan>)>| {
+            p.into_iter()
+                .map(|(r, s)| (r, s.map(|s| s.address())))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            shape(pieces(0..10, &runs, |r| r.input.as_ref())),
+            vec![
+                (0..2, None),
+                (2..4, Some(0x1000)),
+                (4..7, None),
+                (7..9, Some(0x1010)),
+                (9..10, None)
+            ]
+        );
+        assert_eq!(
+            shape(pieces(6..9, &runs[1..], |r| r.output.as_ref())),
+            vec![(6..7, Some(0x1008)), (7..9, Some(0x1020))]
+        );
+        assert_eq!(
+            shape(pieces(0..3, &[], |r| r.input.as_ref())),
+            vec![(0..3, None)]
+        );
+    }
+
+    #[test]
+    fn a_slot_gives_only_the_runs_inside_the_rows_asked() {
+        let d = DirectRows::new(2);
+        let run = |rows: Range<usize>| DirectRun {
+            rows,
+            input: Some(span(0, 1)),
+            output: None,
+        };
+        d.set(1, vec![run(0..2), run(4..6)]);
+        let rows = |v: Vec<DirectRun>| v.into_iter().map(|r| r.rows).collect::<Vec<_>>();
+        assert_eq!(rows(d.within(1, &(0..4))), vec![0..2]);
+        assert_eq!(rows(d.within(1, &(0..8))), vec![0..2, 4..6]);
+        assert!(d.within(0, &(0..8)).is_empty());
+        d.set(1, Vec::new());
+        assert!(d.within(1, &(0..8)).is_empty());
+    }
+}
