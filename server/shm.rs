@@ -91,6 +91,21 @@ impl Shm {
         );
     }
 
+    /// Lends `f` the `len` bytes at `off` to fill in place (a read straight into the mapping).
+    pub fn fill<R>(&self, off: usize, len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+        self.check(off, len, 1);
+        // SAFETY: the range is inside the mapping (checked above), which outlives the borrow;
+        // as in `write`, the step protocol keeps everyone else off these bytes meanwhile.
+        f(unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(off), len) })
+    }
+
+    /// Lends `f` the `len` bytes at `off` to read in place (a write straight from the mapping).
+    pub fn view<R>(&self, off: usize, len: usize, f: impl FnOnce(&[u8]) -> R) -> R {
+        self.check(off, len, 1);
+        // SAFETY: as in `fill`; nobody writes these bytes while they are lent.
+        f(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(off), len) })
+    }
+
     /// Copies `src` to byte offset `off`.
     pub fn write<T: Pod>(&self, off: usize, src: &[T]) {
         let bytes = std::mem::size_of_val(src);

@@ -1537,6 +1537,22 @@ async fn system_shared_memory_round_trip_and_refusals() {
         }
     }
 
+    // A non-finite value in a region is found as its rows are read into the step: refused by
+    // row and column, and the next request is answered.
+    let mut bad = x.clone();
+    bad[4 * H + 5] = f32::NAN;
+    input_obj.write_all_at(&le_f32(&bad), 512 + 128).unwrap();
+    let mut req = raw_request("layer-0", "nan", vec![hidden(n, &x)]);
+    req.raw_input_contents.clear();
+    req.inputs[0].parameters = shm_params("in", 128, bytes);
+    let e = c.model_infer(req).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(
+        e.message().contains("non-finite value at row 4, column 5"),
+        "{e:?}"
+    );
+    input_obj.write_all_at(&le_f32(&x), 512 + 128).unwrap();
+
     // Status of one and of all; unregistering one.
     let status = c
         .system_shared_memory_status(SystemSharedMemoryStatusRequest::default())
@@ -1692,9 +1708,11 @@ async fn system_shared_memory_round_trip_and_refusals() {
     assert!(left.is_empty(), "{left:?}");
     let metrics = common::prom::scrape(&group.metrics_addrs(2)[0]);
     let tensors = |d| common::prom::sum(&metrics, "epserve_shm_tensors_total", &[("direction", d)]);
-    assert_eq!((tensors("in"), tensors("out")), (2.0, 2.0));
+    // The non-finite and the truncated objects' requests named their regions too (rows are
+    // read as their step is packed): counted as tensors; bytes as far as they were read.
+    assert_eq!((tensors("in"), tensors("out")), (4.0, 2.0));
     let read = common::prom::sum(&metrics, "epserve_shm_bytes_total", &[("direction", "in")]);
-    assert_eq!(read, 2.0 * bytes as f64);
+    assert_eq!(read, 3.0 * bytes as f64);
     c.model_infer(good(1))
         .await
         .expect("serving after the refusals");

@@ -116,8 +116,8 @@ pub mod gpu {
             }
         }
 
-        impl crate::step::direct::DeviceMemory for IpcRegion {
-            fn address(&self) -> u64 {
+        impl crate::step::direct::ClientMemory for IpcRegion {
+            fn device_address(&self) -> Option<u64> {
                 match *self {}
             }
             fn read(&self, _offset: u64, _out: &mut [u8]) -> Result<(), String> {

@@ -116,11 +116,14 @@ pub fn rows(t: View, what: &str, cols: usize, names: Names) -> Result<(Rows, usi
     let n = check_2d(&t, what, None, cols, FLOATS, names)?;
     let first = match &t.data {
         Data::Host(b) => crate::dtype::first_non_finite(t.dtype, b),
-        // Checked where the bytes are, before admission, like a host tensor's.
-        Data::Device(d) => d
+        // A GPU's memory: checked where the bytes are, before admission, like a host tensor's.
+        Data::Client(d) if d.device_address().is_some() => d
             .mem
             .first_non_finite(d.offset, d.len, t.dtype)
             .map_err(|e| bad(format!("{what}: checking the client's device memory: {e}")))?,
+        // A POSIX object's: checked as the rows are read into the ring (`router::rows::pack`),
+        // so that they are read once.
+        Data::Client(_) => None,
     };
     if let Some(i) = first {
         return Err(bad(format!(

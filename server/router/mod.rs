@@ -27,7 +27,7 @@ use tokio::sync::oneshot;
 
 use crate::bufs::Bufs;
 use crate::dtype::Dtype;
-use crate::step::direct::DeviceSpan;
+use crate::step::direct::ClientSpan;
 use crate::step::StepKey;
 
 /// Steps formed and not yet answered (the ring's slots in use).
@@ -51,14 +51,14 @@ pub enum Data {
     /// In this process: off the wire, or read from a system shared-memory region.
     Host(Bytes),
     /// In a client's device memory (CUDA shared memory), left there until a step reads it.
-    Device(DeviceSpan),
+    Client(ClientSpan),
 }
 
 impl Data {
     pub fn len(&self) -> usize {
         match self {
             Data::Host(b) => b.len(),
-            Data::Device(d) => d.len,
+            Data::Client(d) => d.len,
         }
     }
 
@@ -70,7 +70,7 @@ impl Data {
     pub fn host(&self) -> Option<&Bytes> {
         match self {
             Data::Host(b) => Some(b),
-            Data::Device(_) => None,
+            Data::Client(_) => None,
         }
     }
 }
@@ -91,7 +91,7 @@ pub struct JobInput {
     pub deadline: Option<Instant>,
     /// Where the output rows go when the client named its device memory for them; the answer
     /// then carries no bytes.
-    pub output_to: Option<DeviceSpan>,
+    pub output_to: Option<ClientSpan>,
 }
 
 /// One admitted request on its way through the steps.

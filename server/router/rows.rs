@@ -5,9 +5,9 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::{Data, Failure, Step};
+use super::{Data, Failure, Job, Step};
 use crate::bufs::{Bufs, OUTPUT_BUFFERS_REUSED};
-use crate::step::direct::{DeviceSpan, DirectRun};
+use crate::step::direct::{ClientSpan, DirectRun};
 use crate::step::ring::Ring;
 
 /// A step's input rows copied from its requests into the ring, on this rank.
@@ -80,11 +80,48 @@ fn split(a: Range<usize>, b: &Range<usize>) -> (Range<usize>, [Range<usize>; 2])
     (inside, [before, after])
 }
 
-/// Writes a step's input rows into `slot` from row `base` on, straight from the requests' bytes.
-/// A request whose rows are in a client's device memory keeps them there for the rows `own`
-/// (those this process's GPU rank loads: a direct run of the slot); any other rows of it are
-/// read into the ring for the rank that loads them. A request whose output goes to device
-/// memory gets a direct run for its `own` rows the same way.
+/// A piece of a request's rows between the ring (slot rows `rows`) and a client's memory.
+struct Piece<'a> {
+    rows: Range<usize>,
+    span: ClientSpan,
+    /// The request, its index in the step, and its row of the ring's first.
+    job: &'a Arc<Job>,
+    seg: usize,
+    job_row: usize,
+}
+
+/// A request's rows `rows` of the slot (its segment starts at slot row `row`, at its own row
+/// `first`) in pieces of at most `per` rows of `row_bytes`, as parts of `span`.
+#[allow(clippy::too_many_arguments)]
+fn cut<'a>(
+    out: &mut Vec<Piece<'a>>,
+    rows: Range<usize>,
+    (row, first): (usize, usize),
+    per: usize,
+    row_bytes: usize,
+    span: &ClientSpan,
+    job: &'a Arc<Job>,
+    seg: usize,
+) {
+    for start in rows.clone().step_by(per) {
+        let end = (start + per).min(rows.end);
+        let job_row = start - row + first;
+        out.push(Piece {
+            rows: start..end,
+            span: span.part(job_row * row_bytes, (end - start) * row_bytes),
+            job,
+            seg,
+            job_row,
+        });
+    }
+}
+
+/// Writes a step's input rows into `slot` from row `base` on, straight from where the requests
+/// have them: their bytes, or a client's memory read straight into the ring (a POSIX object's
+/// rows checked for non-finite values there: a request with one fails INVALID_ARGUMENT and its
+/// rows are zeroed). Rows in a client's device memory that this process's GPU rank loads
+/// (`own`) stay there, a direct run of the slot; so do the output rows it will write for a
+/// request whose output goes to device memory.
 pub(crate) fn pack(
     ring: &Ring,
     step: &Step,
@@ -94,22 +131,20 @@ pub(crate) fn pack(
     own: Range<usize>,
 ) {
     let t = Instant::now();
-    let (h, k) = (ring.shape.hidden, ring.shape.top_k);
-    let row_bytes = h * step.input.bytes();
+    let (h, k, d) = (ring.shape.hidden, ring.shape.top_k, step.input);
+    let row_bytes = h * d.bytes();
     let out_bytes = h * step.output.bytes();
     let per = (PIECE_BYTES / row_bytes).max(1);
     let mut pieces: Vec<(usize, &[u8])> = Vec::new();
-    let mut staged: Vec<(usize, DeviceSpan, &Arc<super::Job>)> = Vec::new();
+    let mut reads: Vec<Piece> = Vec::new();
     let mut runs = Vec::new();
     let mut row = base;
-    for seg in &step.segments {
+    for (i, seg) in step.segments.iter().enumerate() {
         let (a, b) = (seg.rows.start, seg.rows.end);
         let input = &seg.job.input;
         // Slot rows `r` are the job's rows `r - row + a`.
         let at = row..row + seg.rows.len();
         let (mine, others) = split(at.clone(), &own);
-        let job_bytes =
-            |r: &Range<usize>, per_row: usize| ((r.start - row + a) * per_row, r.len() * per_row);
         let mut run = DirectRun {
             rows: mine.clone(),
             input: None,
@@ -122,20 +157,25 @@ pub(crate) fn pack(
                     pieces.push((row + i * per, piece));
                 }
             }
-            Data::Device(span) => {
-                if !mine.is_empty() {
-                    let (off, len) = job_bytes(&mine, row_bytes);
-                    run.input = Some(span.part(off, len));
-                }
-                for r in others.iter().filter(|r| !r.is_empty()) {
-                    let (off, len) = job_bytes(r, row_bytes);
-                    staged.push((r.start, span.part(off, len), &seg.job));
+            Data::Client(span) => {
+                let read = match span.device_address() {
+                    Some(_) if !mine.is_empty() => {
+                        let off = (mine.start - row + a) * row_bytes;
+                        run.input = Some(span.part(off, mine.len() * row_bytes));
+                        others.to_vec()
+                    }
+                    _ => vec![at.clone()],
+                };
+                for r in read.into_iter().filter(|r| !r.is_empty()) {
+                    cut(&mut reads, r, (row, a), per, row_bytes, span, &seg.job, i);
                 }
             }
         }
-        if let (Some(to), false) = (&input.output_to, mine.is_empty()) {
-            let (off, len) = job_bytes(&mine, out_bytes);
-            run.output = Some(to.part(off, len));
+        if let Some(to) = &input.output_to {
+            if to.device_address().is_some() && !mine.is_empty() {
+                let off = (mine.start - row + a) * out_bytes;
+                run.output = Some(to.part(off, mine.len() * out_bytes));
+            }
         }
         if run.input.is_some() || run.output.is_some() {
             runs.push(run);
@@ -147,17 +187,48 @@ pub(crate) fn pack(
     }
     ring.direct.set(slot, runs);
     copy_all(threads, (row - base) * row_bytes, pieces, |(r, src)| {
-        ring.write_hidden(slot, r, step.input, src)
+        ring.write_hidden(slot, r, d, src)
     });
-    // Device rows another rank loads: through the host, as system shared memory's are.
-    for (r, span, job) in staged {
-        let mut buf = vec![0u8; span.len];
-        match span.read(&mut buf) {
-            Ok(()) => ring.write_hidden(slot, r, step.input, &buf),
-            Err(e) => job.fail(Failure::invalid(format!(
-                "reading hidden_states from the client's device memory: {e}"
-            ))),
+    // Straight from the clients' memory into the ring; what fails, by request.
+    let failed = Mutex::new(Vec::new());
+    let bytes = reads.iter().map(|p| p.span.len).sum();
+    copy_all(threads, bytes, reads, |p| {
+        let checked = p.span.device_address().is_some();
+        let r = ring.fill_hidden(slot, p.rows.clone(), d, |dst| {
+            p.span
+                .read(dst)
+                .map_err(|e| format!("hidden_states: reading the client's shared memory: {e}"))?;
+            match crate::dtype::first_non_finite(d, dst).filter(|_| !checked) {
+                Some(i) => Err(format!(
+                    "hidden_states: non-finite value at row {}, column {}",
+                    p.job_row + i / h,
+                    i % h
+                )),
+                None => Ok(()),
+            }
+        });
+        if let Err(why) = r {
+            failed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((p.seg, p.job_row, why, p.job));
         }
+    });
+    let mut failed = failed.into_inner().unwrap_or_else(|e| e.into_inner());
+    // The first failure of each request, by its rows; its rows in the ring zeroed, so that no
+    // rank computes on what was refused.
+    failed.sort_by_key(|f| (f.0, f.1));
+    failed.dedup_by_key(|f| f.0);
+    for (seg, _, why, job) in failed {
+        let start = base
+            + step.segments[..seg]
+                .iter()
+                .map(|s| s.rows.len())
+                .sum::<usize>();
+        let rows = start..start + step.segments[seg].rows.len();
+        ring.fill_hidden(slot, rows, d, |dst| dst.fill(0));
+        super::count_rejection("invalid_argument");
+        job.fail(Failure::invalid(why));
     }
     let took = t.elapsed();
     for seg in &step.segments {
@@ -167,9 +238,9 @@ pub(crate) fn pack(
 }
 
 /// Hands a finished step's output rows in `slot`, from row `base` on, to its requests, in their
-/// output dtype, in buffers from `bufs`. A request whose output goes to device memory gets the
-/// rows that this process's GPU rank did not write there (those outside `own`) written from the
-/// ring, and an answer with no bytes. Clears the slot's direct runs.
+/// output dtype: into buffers from `bufs`, or, for a request whose output goes to a client's
+/// memory, straight from the ring into it (but for the rows this process's GPU rank wrote there
+/// itself, `own`, in device memory), answering with no bytes. Clears the slot's direct runs.
 pub(crate) fn deliver(
     ring: &Ring,
     step: &Step,
@@ -180,7 +251,8 @@ pub(crate) fn deliver(
     own: Range<usize>,
 ) {
     let t = Instant::now();
-    let row_bytes = ring.shape.hidden * step.output.bytes();
+    let d = step.output;
+    let row_bytes = ring.shape.hidden * d.bytes();
     let per = (PIECE_BYTES / row_bytes).max(1);
     // A request has one segment per step: its buffer is filled outside its lock, then put back.
     let mut outs: Vec<Option<Vec<u8>>> = step
@@ -192,8 +264,9 @@ pub(crate) fn deliver(
         })
         .collect();
     let mut pieces: Vec<(usize, &mut [u8])> = Vec::new();
+    let mut writes: Vec<Piece> = Vec::new();
     let mut row = base;
-    for (seg, out) in step.segments.iter().zip(outs.iter_mut()) {
+    for (i, (seg, out)) in step.segments.iter().zip(outs.iter_mut()).enumerate() {
         let at = row..row + seg.rows.len();
         match (out, &seg.job.input.output_to) {
             (Some(out), _) => {
@@ -203,16 +276,23 @@ pub(crate) fn deliver(
                 }
             }
             (None, Some(to)) => {
-                let (_, others) = split(at, &own);
-                for r in others.iter().filter(|r| !r.is_empty()) {
-                    let mut buf = vec![0u8; r.len() * row_bytes];
-                    ring.read_output(slot, r.start, step.output, &mut buf);
-                    let off = (r.start - row + seg.rows.start) * row_bytes;
-                    if let Err(e) = to.part(off, buf.len()).write(&buf) {
-                        seg.job.fail(Failure::invalid(format!(
-                            "writing the output to the client's device memory: {e}"
-                        )));
-                    }
+                let (_, others) = split(at.clone(), &own);
+                let write = match to.device_address() {
+                    Some(_) => others.to_vec(),
+                    None => vec![at],
+                };
+                for r in write.into_iter().filter(|r| !r.is_empty()) {
+                    let first = seg.rows.start;
+                    cut(
+                        &mut writes,
+                        r,
+                        (row, first),
+                        per,
+                        row_bytes,
+                        to,
+                        &seg.job,
+                        i,
+                    );
                 }
             }
             (None, None) => unreachable!("a buffer is taken for every host output"),
@@ -220,7 +300,15 @@ pub(crate) fn deliver(
         row += seg.rows.len();
     }
     copy_all(threads, (row - base) * row_bytes, pieces, |(r, dst)| {
-        ring.read_output(slot, r, step.output, dst)
+        ring.read_output(slot, r, d, dst)
+    });
+    let bytes = writes.iter().map(|p| p.span.len).sum();
+    copy_all(threads, bytes, writes, |p| {
+        if let Err(e) = ring.view_output(slot, p.rows.clone(), d, |src| p.span.write(src)) {
+            p.job.fail(Failure::invalid(format!(
+                "output: writing to the client's shared memory: {e}"
+            )));
+        }
     });
     ring.direct.set(slot, Vec::new());
     let took = t.elapsed();
@@ -235,15 +323,15 @@ mod tests {
     use super::*;
     use crate::dtype::Dtype;
     use crate::router::{Job, JobInput, Rows, Segment};
-    use crate::step::direct::DeviceMemory;
+    use crate::step::direct::ClientMemory;
     use crate::step::ring::RingShape;
 
-    /// Host bytes standing in for a client's device memory.
-    struct Fake(Mutex<Vec<u8>>);
+    /// Host bytes standing in for a client's memory: a GPU's when `device`.
+    struct Fake(Mutex<Vec<u8>>, bool);
 
-    impl DeviceMemory for Fake {
-        fn address(&self) -> u64 {
-            0
+    impl ClientMemory for Fake {
+        fn device_address(&self) -> Option<u64> {
+            self.1.then_some(0)
         }
         fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
             let m = self.0.lock().unwrap();
@@ -254,9 +342,6 @@ mod tests {
             let mut m = self.0.lock().unwrap();
             m[offset as usize..offset as usize + data.len()].copy_from_slice(data);
             Ok(())
-        }
-        fn first_non_finite(&self, _: u64, _: usize, _: Dtype) -> Result<Option<usize>, String> {
-            Ok(None)
         }
     }
 
@@ -273,7 +358,7 @@ mod tests {
     fn job(
         tokens: usize,
         hidden: Data,
-        output_to: Option<DeviceSpan>,
+        output_to: Option<ClientSpan>,
     ) -> (
         Arc<Job>,
         tokio::sync::oneshot::Receiver<crate::router::Reply>,
@@ -303,26 +388,29 @@ mod tests {
         let ring = Ring::create(&path, RingShape::new(1, 2, 4, H, 1)).unwrap();
         ring.unlink();
         let (n, row_bytes) = (4, H * 4);
-        let mem: Arc<dyn DeviceMemory> = Arc::new(Fake(Mutex::new(
-            [
-                rows([0.0; 2]),
-                rows((1..=n).map(|t| t as f32)),
-                rows([-1.0; 2 * 4]),
-            ]
-            .concat(),
-        )));
-        let dev_in = DeviceSpan {
+        let mem: Arc<dyn ClientMemory> = Arc::new(Fake(
+            Mutex::new(
+                [
+                    rows([0.0; 2]),
+                    rows((1..=n).map(|t| t as f32)),
+                    rows([-1.0; 2 * 4]),
+                ]
+                .concat(),
+            ),
+            true,
+        ));
+        let dev_in = ClientSpan {
             mem: mem.clone(),
             offset: (2 * row_bytes) as u64,
             len: n * row_bytes,
         };
-        let dev_out = DeviceSpan {
+        let dev_out = ClientSpan {
             mem: mem.clone(),
             offset: ((2 + n) * row_bytes) as u64,
             len: n * row_bytes,
         };
         let (host, mut host_rx) = job(3, Data::Host(rows([10.0, 11.0, 12.0]).into()), None);
-        let (device, mut device_rx) = job(n, Data::Device(dev_in), Some(dev_out));
+        let (device, mut device_rx) = job(n, Data::Client(dev_in), Some(dev_out));
         let step = Step {
             segments: vec![
                 Segment {
@@ -377,6 +465,76 @@ mod tests {
         let answer = host_rx.try_recv().unwrap().unwrap();
         assert_eq!(rows_in(&answer), vec![100.0, 101.0, 102.0]);
         assert!(device_rx.try_recv().unwrap().unwrap().is_empty());
+    }
+
+    /// A POSIX object's rows are read straight into the ring, this rank's too, and checked
+    /// there: a request with a non-finite value fails by row and column and its rows are
+    /// zeroed; the others' answers are written straight from the ring into their objects.
+    #[test]
+    fn host_memory_rows_are_read_into_the_ring_and_checked_there() {
+        let path = std::env::temp_dir().join(format!("epserve-rows-host-{}", std::process::id()));
+        let ring = Ring::create(&path, RingShape::new(1, 1, 8, H, 1)).unwrap();
+        ring.unlink();
+        let row_bytes = H * 4;
+        let mem =
+            |data: Vec<u8>| -> Arc<dyn ClientMemory> { Arc::new(Fake(Mutex::new(data), false)) };
+        let span = |mem: &Arc<dyn ClientMemory>, offset: usize, rows: usize| ClientSpan {
+            mem: mem.clone(),
+            offset: offset as u64,
+            len: rows * row_bytes,
+        };
+        // Request 0: 3 good rows in, its output to the same object after them. Request 1: a NaN
+        // in its second row's last column.
+        let good = mem([rows([1.0, 2.0, 3.0]), rows([0.0; 3])].concat());
+        let mut bad_rows = rows([5.0, 6.0]);
+        bad_rows[2 * row_bytes - 4..2 * row_bytes].copy_from_slice(&f32::NAN.to_le_bytes());
+        let bad = mem(bad_rows);
+        let out = Some(span(&good, 3 * row_bytes, 3));
+        let (j0, mut rx0) = job(3, Data::Client(span(&good, 0, 3)), out);
+        let (j1, mut rx1) = job(2, Data::Client(span(&bad, 0, 2)), None);
+        let step = Step {
+            segments: vec![
+                Segment {
+                    job: j0,
+                    rows: 0..3,
+                },
+                Segment {
+                    job: j1,
+                    rows: 0..2,
+                },
+            ],
+            ..Step::empty()
+        };
+        pack(&ring, &step, 0, 0, 1, 0..5);
+        assert!(
+            ring.direct.within(0, &(0..8)).is_empty(),
+            "host memory runs no direct copy"
+        );
+        let mut got = vec![0u8; 5 * row_bytes];
+        ring.read_hidden(0, 0..5, Dtype::F32, &mut got);
+        let firsts: Vec<f32> = got
+            .chunks_exact(row_bytes)
+            .map(|r| f32::from_le_bytes(r[..4].try_into().unwrap()))
+            .collect();
+        assert_eq!(
+            firsts,
+            vec![1.0, 2.0, 3.0, 0.0, 0.0],
+            "the refused rows are zeroed"
+        );
+        let e = rx1.try_recv().unwrap().unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("non-finite value at row 1, column 2"),
+            "{e}"
+        );
+        let outputs = rows((0..5).map(|r| 50.0 + r as f32));
+        ring.write_output(0, 0, 0..5, Dtype::F32, &outputs, 1);
+        let bufs = Bufs::new(1 << 20, OUTPUT_BUFFERS_REUSED);
+        deliver(&ring, &step, 0, 0, 1, &bufs, 0..5);
+        assert!(rx0.try_recv().unwrap().unwrap().is_empty());
+        let mut out = vec![0u8; 3 * row_bytes];
+        good.read(3 * row_bytes as u64, &mut out).unwrap();
+        assert_eq!(out, rows([50.0, 51.0, 52.0]));
     }
 
     #[test]

@@ -1,48 +1,61 @@
-//! Rows that skip the step ring: a client's device memory (Triton's CUDA shared memory) read
-//! and written by this process's own GPU rank, device to device.
+//! Rows in a client's own memory (Triton's shared-memory extensions): a region of a POSIX
+//! object, or a client's CUDA memory that this process's own GPU rank reads and writes device
+//! to device.
 //!
-//! The ring is the way between processes; these runs are not: a packer records, per slot, which
+//! The ring is the way between processes; direct runs are not: a packer records, per slot, which
 //! of the rows it would have written are in a client's device memory instead, and the GPU rank
 //! of the same process copies them from there into its step buffers (and its output rows back)
-//! on its copy streams. Rows that another process's rank loads still go through the ring,
-//! staged by the packer and the delivery (`router::rows`). The table is process-local and never
-//! crosses to another rank.
+//! on its copy streams. Rows in a POSIX object, and device rows that another process's rank
+//! loads, are read straight into the ring and written straight from it by the packer and the
+//! delivery (`router::rows`). The table is process-local and never crosses to another rank.
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use crate::dtype::Dtype;
 
-/// A client's device memory as the request path uses it; the GPU backends implement it.
-pub trait DeviceMemory: Send + Sync {
-    /// The memory's address in this process (unified addressing): valid while `self` lives.
-    fn address(&self) -> u64;
-    /// `out.len()` bytes at `offset` to the host (the caller keeps the span inside).
+/// A client's memory as the request path uses it, by copies between it and this process.
+pub trait ClientMemory: Send + Sync {
+    /// `out.len()` bytes at `offset` into `out` (the caller keeps the span inside).
     fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String>;
-    /// `data` from the host to `offset`.
+    /// `data` to `offset`.
     fn write(&self, offset: u64, data: &[u8]) -> Result<(), String>;
-    /// The first element of the `len` bytes at `offset`, read as `d`, that is not finite.
-    fn first_non_finite(&self, offset: u64, len: usize, d: Dtype) -> Result<Option<usize>, String>;
+    /// A GPU's memory: its address in this process (unified addressing), valid while `self`
+    /// lives. None for host memory.
+    fn device_address(&self) -> Option<u64> {
+        None
+    }
+    /// Device memory: the first element of the `len` bytes at `offset`, read as `d`, that is
+    /// not finite (checked where the bytes are, before admission). Host memory is checked as
+    /// it is read into the ring.
+    fn first_non_finite(
+        &self,
+        _offset: u64,
+        _len: usize,
+        _d: Dtype,
+    ) -> Result<Option<usize>, String> {
+        Err("host memory is checked as it is read".into())
+    }
 }
 
-/// `len` bytes at `offset` of a client's device memory; holding it keeps the memory open.
+/// `len` bytes at `offset` of a client's memory; holding it keeps the memory open.
 #[derive(Clone)]
-pub struct DeviceSpan {
-    pub mem: Arc<dyn DeviceMemory>,
+pub struct ClientSpan {
+    pub mem: Arc<dyn ClientMemory>,
     pub offset: u64,
     pub len: usize,
 }
 
-impl std::fmt::Debug for DeviceSpan {
+impl std::fmt::Debug for ClientSpan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DeviceSpan({} bytes at {})", self.len, self.offset)
+        write!(f, "ClientSpan({} bytes at {})", self.len, self.offset)
     }
 }
 
-impl DeviceSpan {
+impl ClientSpan {
     /// Its bytes `[start, start + len)`, which must lie inside it.
     pub fn part(&self, start: usize, len: usize) -> Self {
-        assert!(start + len <= self.len, "device span part out of bounds");
+        assert!(start + len <= self.len, "client span part out of bounds");
         Self {
             mem: self.mem.clone(),
             offset: self.offset + start as u64,
@@ -50,29 +63,29 @@ impl DeviceSpan {
         }
     }
 
-    /// The part's address in this process.
-    pub fn address(&self) -> u64 {
-        self.mem.address() + self.offset
+    /// The part's device address in this process, if it is a GPU's memory.
+    pub fn device_address(&self) -> Option<u64> {
+        self.mem.device_address().map(|a| a + self.offset)
     }
 
     pub fn read(&self, out: &mut [u8]) -> Result<(), String> {
-        assert!(out.len() <= self.len, "device span read out of bounds");
+        assert!(out.len() <= self.len, "client span read out of bounds");
         self.mem.read(self.offset, out)
     }
 
     pub fn write(&self, data: &[u8]) -> Result<(), String> {
-        assert!(data.len() <= self.len, "device span write out of bounds");
+        assert!(data.len() <= self.len, "client span write out of bounds");
         self.mem.write(self.offset, data)
     }
 }
 
-/// Rows `rows` of a slot whose input comes from, or whose output goes to, device memory (the
-/// span holds exactly those rows, in the step's input or output dtype).
+/// Rows `rows` of a slot whose input comes from, or whose output goes to, a client's device
+/// memory (the span holds exactly those rows, in the step's input or output dtype).
 #[derive(Clone)]
 pub struct DirectRun {
     pub rows: Range<usize>,
-    pub input: Option<DeviceSpan>,
-    pub output: Option<DeviceSpan>,
+    pub input: Option<ClientSpan>,
+    pub output: Option<ClientSpan>,
 }
 
 /// Each slot's direct runs, in row order, set by the packer before the step is submitted and
@@ -109,8 +122,8 @@ impl DirectRows {
 pub fn pieces(
     rows: Range<usize>,
     runs: &[DirectRun],
-    pick: fn(&DirectRun) -> Option<&DeviceSpan>,
-) -> Vec<(Range<usize>, Option<&DeviceSpan>)> {
+    pick: fn(&DirectRun) -> Option<&ClientSpan>,
+) -> Vec<(Range<usize>, Option<&ClientSpan>)> {
     let mut out = Vec::new();
     let mut at = rows.start;
     for r in runs {
@@ -132,9 +145,9 @@ mod tests {
     use super::*;
 
     struct Fake;
-    impl DeviceMemory for Fake {
-        fn address(&self) -> u64 {
-            0x1000
+    impl ClientMemory for Fake {
+        fn device_address(&self) -> Option<u64> {
+            Some(0x1000)
         }
         fn read(&self, _: u64, _: &mut [u8]) -> Result<(), String> {
             Ok(())
@@ -142,13 +155,10 @@ mod tests {
         fn write(&self, _: u64, _: &[u8]) -> Result<(), String> {
             Ok(())
         }
-        fn first_non_finite(&self, _: u64, _: usize, _: Dtype) -> Result<Option<usize>, String> {
-            Ok(None)
-        }
     }
 
-    fn span(offset: u64, len: usize) -> DeviceSpan {
-        DeviceSpan {
+    fn span(offset: u64, len: usize) -> ClientSpan {
+        ClientSpan {
             mem: Arc::new(Fake),
             offset,
             len,
@@ -174,9 +184,9 @@ mod tests {
                 output: Some(span(32, 8)),
             },
         ];
-        let shape = |p: Vec<(Range<usize>, Option<&DeviceSpan>)>| {
+        let shape = |p: Vec<(Range<usize>, Option<&ClientSpan>)>| {
             p.into_iter()
-                .map(|(r, s)| (r, s.map(|s| s.address())))
+                .map(|(r, s)| (r, s.and_then(|s| s.device_address())))
                 .collect::<Vec<_>>()
         };
         assert_eq!(

@@ -107,6 +107,34 @@ impl Ring {
     pub fn write_hidden(&self, slot: usize, row: usize, d: Dtype, data: &[u8]) {
         self.shm.write(self.shape.hidden_off(slot, row, d), data);
     }
+    /// Router: lends `f` the input rows `rows` in `d`, to fill in place.
+    pub fn fill_hidden<R>(
+        &self,
+        slot: usize,
+        rows: Range<usize>,
+        d: Dtype,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> R {
+        let bytes = rows.len() * self.shape.hidden * d.bytes();
+        self.check_rows(&rows, d, bytes);
+        assert!(slot < self.shape.slots, "ring slot {slot}");
+        self.shm
+            .fill(self.shape.hidden_off(slot, rows.start, d), bytes, f)
+    }
+    /// Router: lends `f` the output rows `rows` in `d`, to read in place.
+    pub fn view_output<R>(
+        &self,
+        slot: usize,
+        rows: Range<usize>,
+        d: Dtype,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> R {
+        let bytes = rows.len() * self.shape.hidden * d.bytes();
+        self.check_rows(&rows, d, bytes);
+        assert!(slot < self.shape.slots, "ring slot {slot}");
+        self.shm
+            .view(self.shape.out_off(slot, rows.start, d), bytes, f)
+    }
     pub fn write_routing(&self, slot: usize, row: usize, ids: &[i32], weights: &[f32]) {
         self.shm.write(self.shape.ids_off(slot, row), ids);
         self.shm.write(self.shape.weights_off(slot, row), weights);

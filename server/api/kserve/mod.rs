@@ -388,7 +388,7 @@ impl KserveApi {
                 ));
             }
         }
-        input.output_to = out_span.as_ref().and_then(Span::device);
+        input.output_to = out_span.as_ref().map(Span::client);
         Ok(Decoded {
             input,
             out,
@@ -509,12 +509,15 @@ impl KserveApi {
             )));
         }
         let span = self.regions.get(region, what)?.span(offset, len, what)?;
-        let data = match span.device().filter(|_| stays) {
-            Some(d) => {
-                metrics::counter!(SHM_BYTES, "direction" => "in").increment(len);
-                Data::Device(d)
+        let data = match stays {
+            true => {
+                // A POSIX object's reads count themselves as they happen.
+                if span.on_device() {
+                    metrics::counter!(SHM_BYTES, "direction" => "in").increment(len);
+                }
+                Data::Client(span.client())
             }
-            None => Data::Host(span.read()?),
+            false => Data::Host(span.read()?),
         };
         metrics::counter!(SHM_TENSORS, "direction" => "in").increment(1);
         Ok(data)
@@ -552,13 +555,10 @@ impl KserveApi {
         // the entries by the outputs' order.
         let raw_output_contents = match &d.out_span {
             Some(span) => {
+                // Written there before the answer (`JobInput::output_to`).
                 let len = a.tokens * hidden * d.out.bytes();
-                match span.device() {
-                    // The GPU rank wrote it there (`JobInput::output_to`).
-                    Some(_) => {
-                        metrics::counter!(SHM_BYTES, "direction" => "out").increment(len as u64)
-                    }
-                    None => span.write(&a.output)?,
+                if span.on_device() {
+                    metrics::counter!(SHM_BYTES, "direction" => "out").increment(len as u64)
                 }
                 metrics::counter!(SHM_TENSORS, "direction" => "out").increment(1);
                 let p = &mut output.parameters;

@@ -6,8 +6,11 @@
 //! mode bit beyond `--shm-regions-mode`, and the region lies inside it; each request's offset
 //! and size lie inside the region. The object is read and written with `pread`/`pwrite` on the
 //! descriptor opened at registration, not mapped: a client that truncates its object then gets
-//! an error, where a mapping would take the server down with SIGBUS. A request holds its region
-//! (the descriptor) until answered, so unregistering one in use frees nothing it still reads.
+//! an error, where a mapping would take the server down with SIGBUS. The hidden states are read
+//! straight into the step ring as their step is packed (and checked there, `router::rows`), the
+//! output written straight from it; the small routing tensors are read when the request comes.
+//! A request holds its region (the descriptor) until answered, so unregistering one in use frees
+//! nothing it still reads.
 //!
 //! CUDA shared memory (on the GPU backends): a client registers a raw CUDA IPC handle of its
 //! device memory, opened once here (`gpu::IpcRegion`: the handle's size and device checked) and
@@ -31,7 +34,7 @@ use crate::infer::quote::quote;
 use crate::inference::cuda_shared_memory_status_response::RegionStatus as CudaStatus;
 use crate::inference::system_shared_memory_status_response::RegionStatus;
 use crate::router::Failure;
-use crate::step::direct::{DeviceMemory, DeviceSpan};
+use crate::step::direct::{ClientMemory, ClientSpan};
 
 /// Bytes read from and written to clients' regions (`direction`: in, out).
 pub const SHM_BYTES: &str = "epserve_shm_bytes_total";
@@ -68,13 +71,47 @@ pub struct Region {
 /// What a region is.
 enum Backing {
     /// A POSIX object's `[offset, offset + size)`.
-    File {
-        key: String,
-        offset: u64,
-        file: File,
-    },
+    File(Arc<FileRegion>),
     /// A client's CUDA allocation.
     Device(Arc<IpcRegion>),
+}
+
+/// A POSIX object's part, read and written with `pread`/`pwrite` on the descriptor opened at
+/// registration.
+struct FileRegion {
+    name: String,
+    key: String,
+    offset: u64,
+    file: File,
+}
+
+impl FileRegion {
+    fn failure(&self, doing: &str, e: std::io::Error) -> String {
+        format!(
+            "{doing} shared-memory region {} (key {}): {e} (was the object truncated?)",
+            quote(&self.name),
+            quote(&self.key)
+        )
+    }
+}
+
+impl ClientMemory for FileRegion {
+    /// A short read (the client truncated its object) is an error, not a fault.
+    fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
+        self.file
+            .read_exact_at(out, self.offset + offset)
+            .map_err(|e| self.failure("reading", e))?;
+        metrics::counter!(SHM_BYTES, "direction" => "in").increment(out.len() as u64);
+        Ok(())
+    }
+
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), String> {
+        self.file
+            .write_all_at(data, self.offset + offset)
+            .map_err(|e| self.failure("writing", e))?;
+        metrics::counter!(SHM_BYTES, "direction" => "out").increment(data.len() as u64);
+        Ok(())
+    }
 }
 
 /// The two kinds, as their calls name them.
@@ -87,7 +124,7 @@ enum Kind {
 impl Region {
     fn kind(&self) -> Kind {
         match self.backing {
-            Backing::File { .. } => Kind::System,
+            Backing::File(_) => Kind::System,
             Backing::Device(_) => Kind::Cuda,
         }
     }
@@ -121,66 +158,41 @@ impl Region {
 }
 
 impl Span {
-    /// The span as device memory, when its region is a client's CUDA memory: holding it keeps
-    /// the memory open after the region is unregistered.
-    pub fn device(&self) -> Option<DeviceSpan> {
-        match &self.region.backing {
-            Backing::Device(d) => Some(DeviceSpan {
-                mem: d.clone(),
-                offset: self.offset,
-                len: self.len,
-            }),
-            Backing::File { .. } => None,
+    /// The span as the step path reads and writes it: holding it keeps the region's memory
+    /// open after the region is unregistered.
+    pub fn client(&self) -> ClientSpan {
+        let mem: Arc<dyn ClientMemory> = match &self.region.backing {
+            Backing::File(f) => f.clone(),
+            Backing::Device(d) => d.clone(),
+        };
+        ClientSpan {
+            mem,
+            offset: self.offset,
+            len: self.len,
         }
+    }
+
+    /// Whether the span is a client's CUDA memory.
+    pub fn on_device(&self) -> bool {
+        matches!(self.region.backing, Backing::Device(_))
     }
 
     /// Reads the span. A short read (the client truncated its object) is INVALID_ARGUMENT.
     pub fn read(&self) -> Result<Bytes, Failure> {
         let mut buf = vec![0u8; self.len];
-        match &self.region.backing {
-            Backing::File { offset, file, .. } => file
-                .read_exact_at(&mut buf, offset + self.offset)
-                .map_err(|e| self.io_failure("reading", e))?,
-            Backing::Device(d) => d
-                .read(self.offset, &mut buf)
-                .map_err(|e| self.device_failure("reading", e))?,
+        self.client()
+            .read(&mut buf)
+            .map_err(|e| match self.on_device() {
+                true => Failure::invalid(format!(
+                    "reading CUDA shared-memory region {}: {e}",
+                    quote(&self.region.name)
+                )),
+                false => Failure::invalid(e),
+            })?;
+        if self.on_device() {
+            metrics::counter!(SHM_BYTES, "direction" => "in").increment(self.len as u64);
         }
-        metrics::counter!(SHM_BYTES, "direction" => "in").increment(self.len as u64);
         Ok(buf.into())
-    }
-
-    /// Writes `data` at the span's start; it must fit.
-    pub fn write(&self, data: &[u8]) -> Result<(), Failure> {
-        debug_assert!(data.len() <= self.len);
-        match &self.region.backing {
-            Backing::File { offset, file, .. } => file
-                .write_all_at(data, offset + self.offset)
-                .map_err(|e| self.io_failure("writing", e))?,
-            Backing::Device(d) => d
-                .write(self.offset, data)
-                .map_err(|e| self.device_failure("writing", e))?,
-        }
-        metrics::counter!(SHM_BYTES, "direction" => "out").increment(data.len() as u64);
-        Ok(())
-    }
-
-    fn io_failure(&self, doing: &str, e: std::io::Error) -> Failure {
-        let key = match &self.region.backing {
-            Backing::File { key, .. } => key.as_str(),
-            Backing::Device(_) => "",
-        };
-        Failure::invalid(format!(
-            "{doing} shared-memory region {} (key {}): {e} (was the object truncated?)",
-            quote(&self.region.name),
-            quote(key)
-        ))
-    }
-
-    fn device_failure(&self, doing: &str, e: String) -> Failure {
-        Failure::invalid(format!(
-            "{doing} CUDA shared-memory region {}: {e}",
-            quote(&self.region.name)
-        ))
     }
 }
 
@@ -280,11 +292,12 @@ impl Regions {
         self.insert(Region {
             name: name.into(),
             size,
-            backing: Backing::File {
+            backing: Backing::File(Arc::new(FileRegion {
+                name: name.into(),
                 key: key.into(),
                 offset,
                 file,
-            },
+            })),
         })
     }
 
@@ -404,7 +417,7 @@ impl Regions {
     pub fn status(&self, name: &str) -> Result<HashMap<String, RegionStatus>, Status> {
         self.listed(name, Kind::System, |r| {
             let (key, offset) = match &r.backing {
-                Backing::File { key, offset, .. } => (key.clone(), *offset),
+                Backing::File(f) => (f.key.clone(), f.offset),
                 Backing::Device(_) => unreachable!("listed by kind"),
             };
             RegionStatus {
@@ -422,7 +435,7 @@ impl Regions {
             name: r.name.clone(),
             device_id: match &r.backing {
                 Backing::Device(d) => d.device() as u64,
-                Backing::File { .. } => unreachable!("listed by kind"),
+                Backing::File(_) => unreachable!("listed by kind"),
             },
             byte_size: r.size,
         })
@@ -509,7 +522,7 @@ mod tests {
         assert!(x.span(1000, 25, "t").is_err());
         assert!(x.span(u64::MAX, 2, "t").is_err());
         let s = x.span(8, 4, "t").unwrap();
-        s.write(&[1, 2, 3, 4]).unwrap();
+        s.client().write(&[1, 2, 3, 4]).unwrap();
         assert_eq!(&s.read().unwrap()[..], &[1, 2, 3, 4]);
         assert_eq!(
             &std::fs::read(dir.join("a")).unwrap()[1032..1036],

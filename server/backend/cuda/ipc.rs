@@ -2,7 +2,7 @@
 //! `cudaIpcMemHandle_t` exported by another process, opened once in the primary context of the
 //! device the client names and closed when the last request holding it is done. A GPU rank of
 //! this process copies rows from and to it device to device, on its own streams, by its address
-//! (`DeviceMemory::address`); the host copies here (a rank of another process, system-memory
+//! (`ClientMemory::device_address`); the host copies here (a rank of another process, system-memory
 //! callers) are synchronous, from the thread that asks (the region's context bound to it
 //! first). The handle is checked before use: 64 bytes, a device that exists, and an allocation
 //! that holds the registered size.
@@ -14,7 +14,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
 use crate::dtype::Dtype;
-use crate::step::direct::DeviceMemory;
+use crate::step::direct::ClientMemory;
 
 /// Bytes of a `cudaIpcMemHandle_t`.
 pub const HANDLE_BYTES: usize = 64;
@@ -134,9 +134,9 @@ impl IpcRegion {
     }
 }
 
-impl DeviceMemory for IpcRegion {
-    fn address(&self) -> u64 {
-        self.ptr
+impl ClientMemory for IpcRegion {
+    fn device_address(&self) -> Option<u64> {
+        Some(self.ptr)
     }
 
     /// `out.len()` bytes at `offset` (the caller keeps them inside the region).

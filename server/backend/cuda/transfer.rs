@@ -13,7 +13,7 @@ use cudarc::driver::{
 use super::shape::StepShape;
 use super::step::{GpuStep, Variant};
 use crate::dtype::Dtype;
-use crate::step::direct::DeviceSpan;
+use crate::step::direct::ClientSpan;
 use crate::step::ring::Ring;
 
 /// Page-locked host memory (an async copy from pageable memory would wait for the stream).
@@ -181,7 +181,7 @@ pub(super) fn ring_out<T>(
 /// A client's device rows (`span`, in this process's address space) into `dst` from byte `at`,
 /// on `stream`: device to device, across GPUs by unified addressing.
 pub(super) fn direct_in<T>(
-    span: &DeviceSpan,
+    span: &ClientSpan,
     dst: &mut CudaSlice<T>,
     at: usize,
     stream: &CudaStream,
@@ -190,30 +190,34 @@ pub(super) fn direct_in<T>(
         at + span.len <= dst.len() * std::mem::size_of::<T>(),
         "direct_in bounds"
     );
+    let src = span
+        .device_address()
+        .expect("a direct run is in device memory");
     let (d, _sync) = dst.device_ptr_mut(stream);
     // SAFETY: the span lies inside the client's mapped allocation (checked against the region
     // when the request named it) and stays mapped until the step completes (the rank's flight
     // holds it); `dst` holds `at + len` (asserted).
-    unsafe { sys::cuMemcpyAsync(d + at as u64, span.address(), span.len, stream.cu_stream()) }
-        .result()
+    unsafe { sys::cuMemcpyAsync(d + at as u64, src, span.len, stream.cu_stream()) }.result()
 }
 
 /// `span.len` bytes of `src` from byte `at` into a client's device rows, on `stream`.
 pub(super) fn direct_out<T>(
     src: &CudaSlice<T>,
     at: usize,
-    span: &DeviceSpan,
+    span: &ClientSpan,
     stream: &CudaStream,
 ) -> Result<(), DriverError> {
     assert!(
         at + span.len <= src.len() * std::mem::size_of::<T>(),
         "direct_out bounds"
     );
+    let dst = span
+        .device_address()
+        .expect("a direct run is in device memory");
     let (s, _sync) = src.device_ptr(stream);
     // SAFETY: as in `direct_in`, the other way; the client reads them only once answered, after
     // the step's completion event.
-    unsafe { sys::cuMemcpyAsync(span.address(), s + at as u64, span.len, stream.cu_stream()) }
-        .result()
+    unsafe { sys::cuMemcpyAsync(dst, s + at as u64, span.len, stream.cu_stream()) }.result()
 }
 
 /// `bytes` from the start of `src` to the start of `dst`, on `stream`.
