@@ -7,8 +7,8 @@
 //! and size lie inside the region. The object is read and written with `pread`/`pwrite` on the
 //! descriptor opened at registration, not mapped: a client that truncates its object then gets
 //! an error, where a mapping would take the server down with SIGBUS. The hidden states are read
-//! straight into the step ring as their step is packed (and checked there, `router::rows`), the
-//! output written straight from it; the small routing tensors are read when the request comes.
+//! straight into the step ring as their step is packed (and checked there, `router::rows`); the
+//! output and the small routing tensors go through the request (see `KserveApi::decode`).
 //! A request holds its region (the descriptor) until answered, so unregistering one in use frees
 //! nothing it still reads.
 //!
