@@ -22,7 +22,8 @@ use std::time::{Duration, Instant};
 
 use common::prom::{scrape, sum};
 use common::reference::{route, token, RefLayer, TIE_MARGIN};
-use common::{bf16_tensor, decode, f16_tensor, f32_tensor, i32_tensor, kill, request, Group};
+use common::{bf16_tensor, decode, f16_tensor, f32_tensor, i32_tensor, kill, request};
+use common::{row_error, Group};
 use epserve::backend::cuda::device_count;
 use epserve::model::{synthetic, MoeSpec};
 use epserve::proto::{DType, ForwardRequest};
@@ -1148,12 +1149,7 @@ fn cuda_shared_memory_round_trip_equals_forward() {
         );
         for t in 0..n {
             let row = t * HIDDEN..(t + 1) * HIDDEN;
-            let scale = want[row.clone()].iter().fold(0f32, |m, v| m.max(v.abs()));
-            let err = got[row.clone()]
-                .iter()
-                .zip(&want[row])
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
-                / scale.max(f32::MIN_POSITIVE);
+            let err = row_error(&got[row.clone()], &want[row]);
             assert!(
                 err <= 1e-6,
                 "request {i} token {t}: CUDA shm vs Forward {err:.3e}"
@@ -1251,12 +1247,7 @@ fn cuda_shared_memory_round_trip_equals_forward() {
     ] {
         for t in 0..n {
             let row = t * HIDDEN..(t + 1) * HIDDEN;
-            let scale = want[row.clone()].iter().fold(0f32, |m, v| m.max(v.abs()));
-            let err = got[row.clone()]
-                .iter()
-                .zip(&want[row])
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
-                / scale.max(f32::MIN_POSITIVE);
+            let err = row_error(&got[row.clone()], &want[row]);
             assert!(err <= 1e-6, "{what}, token {t}: vs Forward {err:.3e}");
         }
         reqs.push(fwd.clone());

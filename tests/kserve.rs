@@ -121,19 +121,6 @@ fn string_param(s: &str) -> InferParameter {
     }
 }
 
-/// Max |a - b| / max |b| of one token's row.
-fn row_error(a: &[f32], b: &[f32]) -> f64 {
-    let scale = b.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
-    let err = a.iter().zip(b).fold(0f64, |m, (&x, &y)| {
-        m.max((f64::from(x) - f64::from(y)).abs())
-    });
-    if scale > 0.0 {
-        err / scale
-    } else {
-        err
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metadata_and_inference_equal_forward_and_the_reference_per_token() {
     let group = Group::launch(2, "synthetic:tiny", &["--max-tokens-per-step", "16"]);

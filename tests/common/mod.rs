@@ -576,3 +576,16 @@ pub async fn http(
     let body = body.collect().await.unwrap().to_bytes();
     (parts.status.as_u16(), parts.headers, body)
 }
+
+/// Max |a - b| / max |b| of one token's row.
+pub fn row_error(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
+    let err = a.iter().zip(b).fold(0f64, |m, (&x, &y)| {
+        m.max((f64::from(x) - f64::from(y)).abs())
+    });
+    if scale > 0.0 {
+        err / scale
+    } else {
+        err
+    }
+}

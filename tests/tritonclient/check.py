@@ -23,7 +23,6 @@ import grpc
 import ml_dtypes
 import numpy as np
 import tritonclient.grpc as triton
-from grpc_tools import protoc
 from tritonclient.utils import InferenceServerException
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
@@ -39,6 +38,7 @@ def check(cond, what):
 
 def epserve_v1():
     """epserve.v1 stubs, compiled from proto/ into a temporary directory."""
+    from grpc_tools import protoc
     out = tempfile.mkdtemp(prefix="epserve-v1-")
     rc = protoc.main(["protoc", f"-I{ROOT}/proto", f"--python_out={out}",
                       f"--grpc_python_out={out}", f"{ROOT}/proto/epserve.proto"])
@@ -53,6 +53,7 @@ def same_schema_as_tritonclient():
     """Each message, enum and field of proto/inference.proto and proto/model_config.proto has
     the name, number, type and label of tritonclient's own (a subset may be declared)."""
     from google.protobuf import descriptor_pb2, descriptor_pool
+    from grpc_tools import protoc
     from tritonclient.grpc import service_pb2
     out = tempfile.mkdtemp(prefix="epserve-kserve-")
     fds = os.path.join(out, "kserve.pb")
@@ -99,10 +100,13 @@ def same_schema_as_tritonclient():
     check(compared > 60, f"only {compared} fields compared")
 
 
-def launch(binary, shm):
-    args = [binary, "launch", "--ranks", "2", "--listen", "127.0.0.1:0",
-            "--metrics-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--shm-dir", shm,
-            "--max-request-bytes", "1048576", "--max-queued-tokens", "1000"]
+# The CPU group this check serves from (tests/tritonclient/cuda_shm.py passes its GPU one).
+CPU_GROUP = ["--ranks", "2", "--max-request-bytes", "1048576", "--max-queued-tokens", "1000"]
+
+
+def launch(binary, shm, group=CPU_GROUP):
+    args = [binary, "launch", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+            "--http-listen", "127.0.0.1:0", "--shm-dir", shm, *group]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = queue.Queue()
     threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()

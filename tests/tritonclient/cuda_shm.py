@@ -11,14 +11,11 @@ Needs tritonclient (grpc), cuda-python's cuda.bindings, ml_dtypes and epserve.v1
 scripts/cuda-shm-bench.sh puts them there from a folder built beside the checkout.
 """
 
+import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
-import queue
-import time
 
 import grpc
 import ml_dtypes
@@ -30,35 +27,13 @@ from tritonclient.utils import InferenceServerException
 import epserve_pb2 as pb
 import epserve_pb2_grpc as pb_grpc
 
-passed = 0
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import check as common  # noqa: E402  (its helpers; it imports grpc_tools only where it compiles)
 
 
 def check(cond, what):
-    global passed
-    if not cond:
-        raise AssertionError(what)
-    passed += 1
+    common.check(cond, what)
     print(f"ok: {what}", flush=True)
-
-
-def launch(binary):
-    shm = tempfile.mkdtemp(prefix="epserve-shm-", dir="/dev/shm")
-    args = [binary, "launch", "--ranks", "1", "--backend", "nccl", "--listen", "127.0.0.1:0",
-            "--metrics-listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0", "--shm-dir", shm]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
-    end = time.time() + 300
-    while time.time() < end:
-        try:
-            line = lines.get(timeout=1)
-        except queue.Empty:
-            check(proc.poll() is None, "epserve is up")
-            continue
-        m = re.search(r"serving gRPC on (\S+)", line)
-        if m:
-            return proc, m.group(1)
-    raise AssertionError("epserve did not come up")
 
 
 NP = {"FP32": np.float32, "FP16": np.float16, "BF16": ml_dtypes.bfloat16}
@@ -66,27 +41,23 @@ PB = {"FP32": pb.F32, "FP16": pb.F16, "BF16": pb.BF16}
 
 
 def forward(v1, layer, x, dtype):
-    t = pb.Tensor(dtype=PB[dtype], shape=list(x.shape), data=x.tobytes())
-    out = v1.Forward(pb.ForwardRequest(id="f", layer=layer, hidden_states=t)).output
-    np_dtype = {pb.F32: np.float32, pb.BF16: ml_dtypes.bfloat16, pb.F16: np.float16}[out.dtype]
-    return np.frombuffer(out.data, np_dtype).reshape(list(out.shape)).astype(np.float64)
+    return common.forward_v1(pb, v1, layer, x, PB[dtype])
 
 
 def worst_token(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = np.maximum(np.abs(b).max(axis=1), 1e-30)
-    return (np.abs(a - b).max(axis=1) / scale).max()
+    return common.row_errors(a, b).max()
 
 
 def main(binary):
-    proc, addr = launch(binary)
+    shm = tempfile.mkdtemp(prefix="epserve-shm-", dir="/dev/shm")
+    proc, addr, _ = common.launch(binary, shm, ["--ranks", "1", "--backend", "nccl"])
     try:
         run(addr)
     finally:
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=60)
     check(rc == 0, f"epserve exited {rc} after SIGINT")
-    print(f"cuda shared memory: {passed} checks passed, 0 failed")
+    print(f"cuda shared memory: {common.passed} checks passed, 0 failed")
 
 
 def run(addr):
