@@ -391,7 +391,7 @@ impl KserveApi {
         // CUDA memory takes the output straight from the step. A POSIX object's comes through
         // the answer's buffer, written below on this request's own thread: tmpfs serializes
         // writes to one object (its inode lock), and written straight from the ring on the
-        // step's delivery thread they cost 13 ms a step against 3.7 for the buffer's copy
+        // step's delivery thread they cost 13 ms a step against 3.0 for the buffer's copy
         // (1x H200, docs/benchmarks.md).
         input.output_to = out_span
             .as_ref()
@@ -499,9 +499,9 @@ impl KserveApi {
         Ok((found, out_span))
     }
 
-    /// An input from a shared-memory region. A system region's is read at once (from the page
-    /// cache, a copy like the wire's), so it is held only as long as bytes off the wire would
-    /// be; the hidden states (`stays`) in a CUDA region stay there for the GPU rank to read.
+    /// An input from a shared-memory region. The hidden states (`stays`) stay there until their
+    /// step reads them (a POSIX object's into the ring, CUDA memory by the GPU rank); the small
+    /// routing tensors are read at once.
     fn shm_input(
         &self,
         what: &str,

@@ -2,10 +2,10 @@
 //! `cudaIpcMemHandle_t` exported by another process, opened once in the primary context of the
 //! device the client names and closed when the last request holding it is done. A GPU rank of
 //! this process copies rows from and to it device to device, on its own streams, by its address
-//! (`ClientMemory::device_address`); the host copies here (a rank of another process, system-memory
-//! callers) are synchronous, from the thread that asks (the region's context bound to it
-//! first). The handle is checked before use: 64 bytes, a device that exists, and an allocation
-//! that holds the registered size.
+//! (`ClientMemory::device_address`). The host copies here (rows another process's rank
+//! computes, the routing tensors) and the finite check are synchronous, on the thread that asks
+//! (the region's context bound to it first). The handle is checked before use: 64 bytes, a
+//! device that exists, and an allocation that holds the registered size.
 
 use std::sync::{Arc, Mutex};
 
