@@ -178,14 +178,13 @@ pub(crate) fn pack(
             }
         }
         if run.input.is_some() || run.output.is_some() {
-            runs.push(run);
+            runs.push((i, run));
         }
         if let Some((ids, w)) = &input.routing {
             ring.write_routing(slot, row, &ids[a * k..b * k], &w[a * k..b * k]);
         }
         row += seg.rows.len();
     }
-    ring.direct.set(slot, runs);
     copy_all(threads, (row - base) * row_bytes, pieces, |(r, src)| {
         ring.write_hidden(slot, r, d, src)
     });
@@ -215,10 +214,13 @@ pub(crate) fn pack(
         }
     });
     let mut failed = failed.into_inner().unwrap_or_else(|e| e.into_inner());
-    // The first failure of each request, by its rows; its rows in the ring zeroed, so that no
-    // rank computes on what was refused.
+    // The first failure of each request, by its rows; its rows in the ring zeroed and its direct
+    // runs dropped, so that no rank computes on what was refused or writes to its memory.
     failed.sort_by_key(|f| (f.0, f.1));
     failed.dedup_by_key(|f| f.0);
+    runs.retain(|(i, _)| failed.iter().all(|f| f.0 != *i));
+    ring.direct
+        .set(slot, runs.into_iter().map(|(_, r)| r).collect());
     for (seg, _, why, job) in failed {
         let start = base
             + step.segments[..seg]
@@ -275,6 +277,8 @@ pub(crate) fn deliver(
                     pieces.push((row + i * per, piece));
                 }
             }
+            // Refused at packing, or its client gone: nothing more goes to its memory.
+            (None, Some(_)) if seg.job.abandoned() => {}
             (None, Some(to)) => {
                 let (_, others) = split(at.clone(), &own);
                 let write = match to.device_address() {
@@ -484,14 +488,16 @@ mod tests {
             len: rows * row_bytes,
         };
         // Request 0: 3 good rows in, its output to the same object after them. Request 1: a NaN
-        // in its second row's last column.
+        // in its second row's last column, its output to device memory.
         let good = mem([rows([1.0, 2.0, 3.0]), rows([0.0; 3])].concat());
         let mut bad_rows = rows([5.0, 6.0]);
         bad_rows[2 * row_bytes - 4..2 * row_bytes].copy_from_slice(&f32::NAN.to_le_bytes());
         let bad = mem(bad_rows);
         let out = Some(span(&good, 3 * row_bytes, 3));
         let (j0, mut rx0) = job(3, Data::Client(span(&good, 0, 3)), out);
-        let (j1, mut rx1) = job(2, Data::Client(span(&bad, 0, 2)), None);
+        let sentinel = rows([-7.0; 2]);
+        let device: Arc<dyn ClientMemory> = Arc::new(Fake(Mutex::new(sentinel.clone()), true));
+        let (j1, mut rx1) = job(2, Data::Client(span(&bad, 0, 2)), Some(span(&device, 0, 2)));
         let step = Step {
             segments: vec![
                 Segment {
@@ -506,10 +512,8 @@ mod tests {
             ..Step::empty()
         };
         pack(&ring, &step, 0, 0, 1, 0..5);
-        assert!(
-            ring.direct.within(0, &(0..8)).is_empty(),
-            "host memory runs no direct copy"
-        );
+        // Request 1's output run is dropped with it: the GPU rank writes nothing there.
+        assert!(ring.direct.within(0, &(0..8)).is_empty(), "no direct copy");
         let mut got = vec![0u8; 5 * row_bytes];
         ring.read_hidden(0, 0..5, Dtype::F32, &mut got);
         let firsts: Vec<f32> = got
@@ -535,6 +539,9 @@ mod tests {
         let mut out = vec![0u8; 3 * row_bytes];
         good.read(3 * row_bytes as u64, &mut out).unwrap();
         assert_eq!(out, rows([50.0, 51.0, 52.0]));
+        let mut left = vec![0u8; 2 * row_bytes];
+        device.read(0, &mut left).unwrap();
+        assert_eq!(left, sentinel, "nothing written for the refused request");
     }
 
     #[test]
