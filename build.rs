@@ -77,6 +77,8 @@ struct HopperTile {
     block_n: u32,
     stages: u32,
     math_threads: u32,
+    /// TMA multicast of the weight tile over a cluster of this many CTAs (1: none).
+    multicast: u32,
 }
 
 /// Most local experts per launch (`kNumGroups`) and persistent CTAs (`kNumSMs`, one per
@@ -92,6 +94,7 @@ const HOPPER_TILES: [HopperTile; 2] = [
         block_n: 256,
         stages: 3,
         math_threads: 256,
+        multicast: 1,
     },
     // Masked, for experts of many rows (a 64-row tile reads each weight tile once per 64 rows);
     // decode's experts of a few rows run on kernels/decode_gemm.cuh.
@@ -102,16 +105,17 @@ const HOPPER_TILES: [HopperTile; 2] = [
         block_n: 256,
         stages: 4,
         math_threads: 128,
+        multicast: 1,
     },
 ];
 
 impl HopperTile {
     /// The Itanium-mangled name of `deep_gemm::sm90_bf16_gemm_impl<K, K, 0, 0, 0, groups, M, N,
-    /// 64, 128, 128, 128, stages, 128, math, 1, false, ctas, type, false, cutlass::bfloat16_t>`.
+    /// 64, 128, 128, 128, stages, 128, math, multicast, false, ctas, type, false, cutlass::bfloat16_t>`.
     fn symbol(&self) -> String {
         format!(
-            "_ZN9deep_gemm19sm90_bf16_gemm_implILN4cute4UMMA5MajorE0ELS3_0ELj0ELj0ELj0ELj{HOPPER_GROUPS}ELj{}ELj{}ELj64ELj128ELj128ELj128ELj{}ELj128ELj{}ELj1ELb0ELj{HOPPER_CTAS}ELNS_8GemmTypeE{}ELb0EN7cutlass10bfloat16_tEEEvPijjj14CUtensorMap_stS8_S8_",
-            self.block_m, self.block_n, self.stages, self.math_threads, self.gemm_type
+            "_ZN9deep_gemm19sm90_bf16_gemm_implILN4cute4UMMA5MajorE0ELS3_0ELj0ELj0ELj0ELj{HOPPER_GROUPS}ELj{}ELj{}ELj64ELj128ELj128ELj128ELj{}ELj128ELj{}ELj{}ELb0ELj{HOPPER_CTAS}ELNS_8GemmTypeE{}ELb0EN7cutlass10bfloat16_tEEEvPijjj14CUtensorMap_stS8_S8_",
+            self.block_m, self.block_n, self.stages, self.math_threads, self.multicast, self.gemm_type
         )
     }
 }
@@ -121,7 +125,9 @@ impl HopperTile {
 /// psum tile's, the exchange's block alignment), masked for the strided one. psum's N tile: 192
 /// (4 stages) ran prefill-rank's experts 4.5% faster than 128 (5 stages) on one H200, decode
 /// 0.7% slower (docs/benchmarks.md, "FP8 experts"); 256 spills (2.3 kB), and the D store's
-/// 64-column boxes rule out 160 and 224.
+/// 64-column boxes rule out 160 and 224. psum's weight tiles multicast over CTA pairs: both
+/// GEMMs of prefill-rank 7% faster on one H200, with A multicast instead no better than none
+/// (scripts/probes/prefill_fp8.cu; docs/benchmarks.md, "FP8 on the wire").
 const HOPPER_FP8_TILES: [HopperTile; 2] = [
     HopperTile {
         name: "PSUM",
@@ -130,6 +136,7 @@ const HOPPER_FP8_TILES: [HopperTile; 2] = [
         block_n: 192,
         stages: 4,
         math_threads: 256,
+        multicast: 2,
     },
     HopperTile {
         name: "MASKED",
@@ -138,16 +145,18 @@ const HOPPER_FP8_TILES: [HopperTile; 2] = [
         block_n: 128,
         stages: 8,
         math_threads: 128,
+        multicast: 1,
     },
 ];
 
 impl HopperTile {
     /// The Itanium-mangled name of `deep_gemm::sm90_fp8_gemm_1d2d_impl<K, 0, 0, 0, groups, M, N,
-    /// 128, 128, 128, 128, stages, 128, math, 1, false, ctas, type, cutlass::bfloat16_t, 128>`.
+    /// 128, 128, 128, 128, stages, 128, math, multicast, false, ctas, type, cutlass::bfloat16_t,
+    /// 128>`.
     fn fp8_symbol(&self) -> String {
         format!(
-            "_ZN9deep_gemm23sm90_fp8_gemm_1d2d_implILN4cute4UMMA5MajorE0ELj0ELj0ELj0ELj{HOPPER_GROUPS}ELj{}ELj{}ELj128ELj128ELj128ELj128ELj{}ELj128ELj{}ELj1ELb0ELj{HOPPER_CTAS}ELNS_8GemmTypeE{}EN7cutlass10bfloat16_tELj128EEEvPfPijjj14CUtensorMap_stS9_S9_S9_",
-            self.block_m, self.block_n, self.stages, self.math_threads, self.gemm_type
+            "_ZN9deep_gemm23sm90_fp8_gemm_1d2d_implILN4cute4UMMA5MajorE0ELj0ELj0ELj0ELj{HOPPER_GROUPS}ELj{}ELj{}ELj128ELj128ELj128ELj128ELj{}ELj128ELj{}ELj{}ELb0ELj{HOPPER_CTAS}ELNS_8GemmTypeE{}EN7cutlass10bfloat16_tELj128EEEvPfPijjj14CUtensorMap_stS9_S9_S9_",
+            self.block_m, self.block_n, self.stages, self.math_threads, self.multicast, self.gemm_type
         )
     }
 }
@@ -225,8 +234,8 @@ fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
         ))
         .chain(tiles.iter().map(|t| {
             format!(
-                "{instance}({}, {}, {}, {}, {})\n",
-                t.gemm_type, t.block_m, t.block_n, t.stages, t.math_threads
+                "{instance}({}, {}, {}, {}, {}, {})\n",
+                t.gemm_type, t.block_m, t.block_n, t.stages, t.math_threads, t.multicast
             )
         }))
         .collect()
@@ -280,8 +289,8 @@ fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
                 return Err(format!("{source} did not produce {sym}: the DeepGEMM headers or nvcc mangle it differently; update HopperTile's symbols").into());
             }
             consts.push_str(&format!(
-                "pub const {}: Tile = Tile {{ symbol: \"{sym}\", block_m: {}, block_n: {}, stages: {}, math_threads: {} }};\n",
-                t.name, t.block_m, t.block_n, t.stages, t.math_threads
+                "pub const {}: Tile = Tile {{ symbol: \"{sym}\", block_m: {}, block_n: {}, stages: {}, math_threads: {}, multicast: {} }};\n",
+                t.name, t.block_m, t.block_n, t.stages, t.math_threads, t.multicast
             ));
         }
         Ok(consts)

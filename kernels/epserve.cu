@@ -7,6 +7,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "decode_gemm.cuh"
+#include "fp8_rule.cuh"
 
 using bf16 = __nv_bfloat16;
 
@@ -675,6 +676,32 @@ __global__ void pack_slots(const bf16* x, const int* entry_of, const int* offset
   for (int i = threadIdx.x; i < H / 8; i += blockDim.x) dst[i] = src[i];
 }
 
+// FP8 experts: pack_slots's rows quantised on the way out (fp8_rule.cuh), each slot row R bytes:
+// the H E4M3 codes, then the H / 128 f32 scales (R = StepShape::slot_row_bytes). Block per row
+// r < offsets[E]; each half-warp one 128-channel group, eight channels a lane.
+__global__ void pack_slots_fp8(const bf16* x, const int* entry_of, const int* offsets, int E, int L, int K, int H,
+                               int C, int R, int rows_cap, uint8_t* send) {
+  const int r = blockIdx.x;
+  if (r >= rows_cap || r >= offsets[E]) return;
+  const int peer = expert_of_row(offsets, E, r) / L;
+  const int slot = r - offsets[peer * L];
+  const bf16* src = x + (size_t)(entry_of[r] / K) * H;
+  uint8_t* dst = send + ((size_t)peer * C + slot) * R;
+  float* sf = reinterpret_cast<float*>(dst + H);
+  const int G = H / 128, half = (threadIdx.x / 16) % 2, lane = threadIdx.x % 16;
+  // Both halves of a warp run every iteration (the scale's shuffles take the whole warp).
+  for (int g0 = threadIdx.x / 32 * 2; g0 < G; g0 += blockDim.x / 16) {
+    const int g = g0 + half;
+    const int c = g * 128 + lane * 8;
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (g < G) fp8_rule::load8(src + c, v);
+    const float s = fp8_rule::group_scale<16>(fp8_rule::amax8(v));
+    if (g >= G) continue;
+    fp8_rule::store8(dst + c, v, s);
+    if (lane == 0) sf[g] = s;
+  }
+}
+
 // Receive side, from the all-gathered counts M [W][E]: map[s*C + i] = the expert-major position
 // (local experts, sources in rank order within each expert) of row i of source s's slot, or -1.
 // Each expert's block starts at a multiple of A (the Hopper GEMM's tile): local_offsets [L+1]
@@ -721,6 +748,20 @@ __global__ void scatter_by_map(const bf16* src, const int* map, int H, bf16* dst
   const int4* a = reinterpret_cast<const int4*>(src + (size_t)q * H);
   int4* b = reinterpret_cast<int4*>(dst + (size_t)m * H);
   for (int i = threadIdx.x; i < H / 8; i += blockDim.x) b[i] = a[i];
+}
+
+// FP8 slot rows (pack_slots_fp8's) into the FFN's A operand: q[m] = the row's codes and
+// sf[g * ld + m] its scales (MN-major, as fp8_quantize_rows writes them), m = map[s] >= 0.
+// Block per slot row s.
+__global__ void scatter_fp8_by_map(const uint8_t* src, const int* map, int H, int R, int ld, uint8_t* q, float* sf) {
+  const int s = blockIdx.x, m = map[s];
+  if (m < 0) return;
+  const uint8_t* row = src + (size_t)s * R;
+  const int4* a = reinterpret_cast<const int4*>(row);
+  int4* b = reinterpret_cast<int4*>(q + (size_t)m * H);
+  for (int i = threadIdx.x; i < H / 16; i += blockDim.x) b[i] = a[i];
+  const float* scales = reinterpret_cast<const float*>(row + H);
+  for (int g = threadIdx.x; g < H / 128; g += blockDim.x) sf[(size_t)g * ld + m] = scales[g];
 }
 
 // dst[q] = src[map[q]] where map[q] >= 0 (expert-major -> slots). Block per q.

@@ -1,9 +1,7 @@
 // FP8 activations for the experts' GEMMs (DeepSeek-V3's recipe, server/model/fp8.rs): each row
-// quantised per 128 channels, s = amax / 448 (0 where that is not a normal float, the group's
-// values then 0), q = e4m3(x / s) rounded to nearest even and saturated. One warp per (row,
-// group; a block's warps take its row's groups in turn, so the grid is one block a row and the
-// rows past the live count cost one early exit each): four channels a lane, the group's amax by
-// shuffles. Scales go out MN-major, as
+// quantised per 128 channels by kernels/fp8_rule.cuh. One block a row (so the rows past the
+// live count cost one early exit each), one half-warp a 128-channel group, eight channels a
+// lane, the group's amax by shuffles. Scales go out MN-major, as
 // DeepGEMM's FP8 kernels read them: sf[g * ld + r], ld the rows rounded up to 4 (16 bytes); in
 // the masked layout each expert's block on its own, sf[(e * G + g) * stride + j] for row
 // r = e * stride + j of G groups.
@@ -15,7 +13,13 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include "fp8_rule.cuh"
+
 using bf16 = __nv_bfloat16;
+using fp8_rule::amax8;
+using fp8_rule::group_scale;
+using fp8_rule::load8;
+using fp8_rule::store8;
 
 namespace {
 
@@ -32,75 +36,51 @@ __device__ inline size_t scale_at(int r, int g, int G, const int* counts, int st
   return (size_t)g * ld + r;
 }
 
-__device__ inline float group_scale(float amax) {
-  for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float s = __fdiv_rn(amax, 448.f);
-  return (s >= 1.17549435e-38f && s <= 3.40282347e38f) ? s : 0.f;
-}
-
-// Four values of one lane quantised with the group's scale, packed little-endian.
-__device__ inline uint32_t pack4(const float v[4], float s) {
-  uint32_t out = 0;
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    const float y = s == 0.f ? 0.f : __fdiv_rn(v[i], s);
-    const uint32_t c = __nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
-    out |= c << (8 * i);
-  }
-  return out;
-}
-
-__device__ inline void load4(const bf16* p, float v[4]) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(p);
-  const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-  v[0] = __low2float(a);
-  v[1] = __high2float(a);
-  v[2] = __low2float(b);
-  v[3] = __high2float(b);
-}
-
 }  // namespace
 
 extern "C" {
 
-// q[r, :K] and sf of x[r, :K] (bf16) for every live row r < gridDim.x; kWarps a block.
+// q[r, :K] and sf of x[r, :K] (bf16) for every live row r < gridDim.x. A block's kWarps warps
+// take the row's groups two at a time, one a half-warp, eight channels a lane (16-byte loads);
+// both halves run every iteration, as the scale's shuffles take the whole warp.
 __global__ void fp8_quantize_rows(const bf16* x, const int* n_rows, const int* counts, int stride, int K,
                                   int ld, uint8_t* q, float* sf) {
-  const int r = blockIdx.x, lane = threadIdx.x % 32;
+  const int r = blockIdx.x, G = K / kGroup, half = threadIdx.x / 16 % 2, lane = threadIdx.x % 16;
   if (!live(r, n_rows, counts, stride)) return;
-  for (int g = threadIdx.x / 32; g * kGroup < K; g += kWarps) {
-    const size_t at = (size_t)r * K + g * kGroup + lane * 4;
-    float v[4];
-    load4(x + at, v);
-    const float s = group_scale(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))));
-    *reinterpret_cast<uint32_t*>(q + at) = pack4(v, s);
-    if (lane == 0) sf[scale_at(r, g, K / kGroup, counts, stride, ld)] = s;
+  for (int g0 = threadIdx.x / 32 * 2; g0 < G; g0 += 2 * kWarps) {
+    const int g = g0 + half;
+    const size_t at = (size_t)r * K + g * kGroup + lane * 8;
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (g < G) load8(x + at, v);
+    const float s = group_scale<16>(amax8(v));
+    if (g >= G) continue;
+    store8(q + at, v, s);
+    if (lane == 0) sf[scale_at(r, g, G, counts, stride, ld)] = s;
   }
 }
 
 // act = silu(gate) * up (times w[r] where w is given) of gu[r] = [gate | up] (bf16, 2I wide),
-// in f32, quantised into q[r, :I] and sf, for every live row r < gridDim.x.
+// in f32, quantised into q[r, :I] and sf, for every live row r < gridDim.x; the groups as in
+// fp8_quantize_rows.
 __global__ void fp8_swiglu_quantize(const bf16* gu, const int* n_rows, const int* counts, int stride, int I,
                                     const float* w, int ld, uint8_t* q, float* sf) {
-  const int r = blockIdx.x, lane = threadIdx.x % 32;
+  const int r = blockIdx.x, G = I / kGroup, half = threadIdx.x / 16 % 2, lane = threadIdx.x % 16;
   if (!live(r, n_rows, counts, stride)) return;
   const bf16* row = gu + (size_t)r * 2 * I;
   const float scale = w ? w[r] : 1.f;
-  for (int g = threadIdx.x / 32; g * kGroup < I; g += kWarps) {
-    const int c = g * kGroup + lane * 4;
-    float a[4], u[4];
-    load4(row + c, a);
-    load4(row + I + c, u);
-    float amax = 0.f;
+  for (int g0 = threadIdx.x / 32 * 2; g0 < G; g0 += 2 * kWarps) {
+    const int g = g0 + half, c = g * kGroup + lane * 8;
+    float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, u[8];
+    if (g < G) {
+      load8(row + c, a);
+      load8(row + I + c, u);
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-      a[i] = a[i] / (1.f + expf(-a[i])) * u[i] * scale;
-      amax = fmaxf(amax, fabsf(a[i]));
+      for (int i = 0; i < 8; i++) a[i] = a[i] / (1.f + expf(-a[i])) * u[i] * scale;
     }
-    const float s = group_scale(amax);
-    *reinterpret_cast<uint32_t*>(q + (size_t)r * I + c) = pack4(a, s);
-    if (lane == 0) sf[scale_at(r, g, I / kGroup, counts, stride, ld)] = s;
+    const float s = group_scale<16>(amax8(a));
+    if (g >= G) continue;
+    store8(q + (size_t)r * I + c, a, s);
+    if (lane == 0) sf[scale_at(r, g, G, counts, stride, ld)] = s;
   }
 }
 

@@ -16,9 +16,9 @@
 using namespace deep_gemm;
 using cute::UMMA::Major;
 
-#define EPSERVE_INSTANCE(type, block_m, block_n, stages, math_threads)                                  \
+#define EPSERVE_INSTANCE(type, block_m, block_n, stages, math_threads, multicast)                       \
   (void)&sm90_bf16_gemm_impl<Major::K, Major::K, 0, 0, 0, EPSERVE_GROUPS, block_m, block_n, 64, 128, 128, \
-                             128, stages, 128, math_threads, 1, false, EPSERVE_CTAS,                     \
+                             128, stages, 128, math_threads, multicast, false, EPSERVE_CTAS,             \
                              static_cast<GemmType>(type), false, cutlass::bfloat16_t>;
 
 [[maybe_unused]] static void instantiate() {

@@ -7,15 +7,17 @@
 // [K / 128][rows rounded up to 4] (MN-major; masked: [groups * K / 128][stride]); SFB f32
 // [groups][N / 128][K / 128] (K-major, a checkpoint's `weight_scale_inv` as shipped); 128-deep
 // K stages; 128-byte swizzles; EPSERVE_FP8_GROUPS groups at most; EPSERVE_FP8_CTAS persistent
-// CTAs; no multicast. Which layouts, tiles and stages: build.rs's HOPPER_FP8_TILES.
+// CTAs; TMA multicast of the weight tile (B) over a cluster of `multicast` CTAs, each pair of a
+// group's row tiles sharing it. Which layouts, tiles, stages and clusters: build.rs's
+// HOPPER_FP8_TILES.
 #include <deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh>
 
 using namespace deep_gemm;
 using cute::UMMA::Major;
 
-#define EPSERVE_FP8_INSTANCE(type, block_m, block_n, stages, math_threads)                             \
+#define EPSERVE_FP8_INSTANCE(type, block_m, block_n, stages, math_threads, multicast)                  \
   (void)&sm90_fp8_gemm_1d2d_impl<Major::K, 0, 0, 0, EPSERVE_FP8_GROUPS, block_m, block_n, 128, 128, 128, \
-                                 128, stages, 128, math_threads, 1, false, EPSERVE_FP8_CTAS,             \
+                                 128, stages, 128, math_threads, multicast, false, EPSERVE_FP8_CTAS,     \
                                  static_cast<GemmType>(type), cutlass::bfloat16_t, 128>;
 
 [[maybe_unused]] static void instantiate() {

@@ -14,6 +14,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream};
 use epserve::backend::cuda::nccl::{Comm, NcclError};
 use epserve::backend::cuda::shape::Slots;
+use epserve::backend::cuda::slots::Pack;
 use epserve::backend::cuda::{device_count, max_tiles, Blocks, Gpu, Logits};
 use epserve::model::{MoeSpec, Routing};
 use half::bf16;
@@ -197,16 +198,15 @@ impl Rank {
             &mut self.entry_of,
         ));
         self.comm.all_gather(&self.counts, &mut self.m, E, s)?;
-        ok(g.pack_slots(
-            &self.xb,
-            &self.entry_of,
-            &self.offsets,
-            sl,
-            K,
-            H,
-            N_CAP * K,
-            &mut self.send,
-        ));
+        let pack = Pack {
+            entry_of: &self.entry_of,
+            offsets: &self.offsets,
+            slots: sl,
+            k: K,
+            h: H,
+            rows_cap: N_CAP * K,
+        };
+        ok(g.pack_slots(&self.xb, pack, &mut self.send));
         self.comm
             .exchange_slots(&self.send, &mut self.recv, c * H, s)?;
         // Unaligned blocks (align 1): this test's WMMA FFN over exactly the received rows.

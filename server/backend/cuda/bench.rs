@@ -213,7 +213,7 @@ fn rank_main(
     // The slots move their worst case; what NCCL EP moves is its own (not counted: 0).
     let wire_bytes = match ep {
         Some(_) => 0,
-        None => (world - 1) * shape.slot_rows(t) * c.hidden * 2,
+        None => (world - 1) * shape.slot_rows(t) * shape.slot_row_bytes(),
     };
 
     // Dense cuBLAS: the same FFN FLOPs as one expert over all the rows this rank received,

@@ -675,6 +675,7 @@ impl Exchange for EpExchange {
             ends: sizes,
             total,
             weights: Some(recv_w),
+            fp8: None,
         })
     }
 

@@ -10,6 +10,7 @@
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
+use super::fp8::Fp8Rows;
 use super::nccl::Comm;
 use super::{Gpu, GpuError};
 use crate::proto::NcclEpFootprint;
@@ -35,6 +36,8 @@ pub enum ExpertRows<'a> {
     /// multiple of `hopper::ALIGN` (the Hopper GEMM's psum layout; `ends` holds
     /// `hopper::MAX_GROUPS` ints); `total` (one int) is the padded total of at most `cap` rows.
     /// `weights`: each row's routing weight, to scale its output by (None: combine weighs).
+    /// `fp8`: the rows as the FP8 GEMM's operand, quantised before they moved (the slot
+    /// exchange's FP8 rows); `x` then holds no input and takes the outputs.
     Blocks {
         x: &'a mut CudaSlice<bf16>,
         cap: usize,
@@ -42,6 +45,7 @@ pub enum ExpertRows<'a> {
         ends: &'a CudaSlice<i32>,
         total: &'a CudaSlice<i32>,
         weights: Option<&'a CudaSlice<f32>>,
+        fp8: Option<&'a Fp8Rows>,
     },
     /// Fixed strides: expert e's `counts[e]` rows start at `e * stride` (the Hopper GEMM's masked
     /// layout; `hopper::MAX_GROUPS` ints); `bounds` are the same blocks as starts then ends (the

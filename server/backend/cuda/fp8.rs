@@ -295,21 +295,26 @@ impl Fp8 {
             [inst.block_m, 1],
             no_swizzle,
         )?;
-        let (n32, k32) = (n as u32, k as u32);
-        let mut l = stream.launch_builder(inst.function());
-        l.arg(&w.sf)
-            .arg(sizes)
-            .arg(&shape_m)
-            .arg(&n32)
-            .arg(&k32)
-            .arg(&a)
-            .arg(&b)
-            .arg(&d)
-            .arg(&sfa);
-        // SAFETY: the tensor maps span x (rows x k bytes, its scales), w (groups x n x k bytes)
-        // and y (rows x n), each checked above; w.sf holds groups x n/128 x k/128 floats and
-        // `sizes` MAX_GROUPS ints, as the instances read.
-        unsafe { l.launch(inst.config(tiles::CTAS)) }.map(drop)
+        let (mut n32, mut k32, mut shape_m) = (n as u32, k as u32, shape_m);
+        let (mut sfb, mut sizes) = (w.sf.device_ptr(stream).0, sizes.device_ptr(stream).0);
+        let (mut a, mut b, mut d, mut sfa) = (a, b, d, sfa);
+        let mut params = [
+            (&raw mut sfb).cast(),
+            (&raw mut sizes).cast(),
+            (&raw mut shape_m).cast(),
+            (&raw mut n32).cast(),
+            (&raw mut k32).cast(),
+            (&raw mut a).cast(),
+            (&raw mut b).cast(),
+            (&raw mut d).cast(),
+            (&raw mut sfa).cast(),
+        ];
+        // SAFETY: the parameters are the kernel's (float* sfb, int* grouped_layout, uint32 m, n,
+        // k, then the A, B, D and SFA tensor maps by value), in order; the tensor maps span x
+        // (rows x k bytes, its scales), w (groups x n x k bytes) and y (rows x n), each checked
+        // above; w.sf holds groups x n/128 x k/128 floats and `sizes` MAX_GROUPS ints, as the
+        // instances read.
+        unsafe { inst.launch_clusters(stream, tiles::CTAS, &mut params) }
     }
 }
 

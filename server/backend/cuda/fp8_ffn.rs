@@ -1,8 +1,9 @@
 //! FP8 experts in the step (DeepSeek-V3's recipe, `model::fp8`): weights on the device as
 //! shipped (E4M3 with 128x128 block scales), and each grouped SwiGLU FFN as rows quantised per
-//! 128 channels, the FP8 gate/up GEMM (DeepGEMM's; decode's own for experts of few rows),
-//! SwiGLU quantised in the same pass, the FP8 down GEMM, in the layouts the exchange gives (`exchange::ExpertRows`). Outputs are bf16, as the
-//! bf16 path's, so combine is unchanged.
+//! 128 channels (here, or by the slot exchange as it packs them), the FP8 gate/up GEMM
+//! (DeepGEMM's; decode's own for experts of few rows), SwiGLU quantised in the same pass, the
+//! FP8 down GEMM, in the layouts the exchange gives (`exchange::ExpertRows`). Outputs are bf16,
+//! as the bf16 path's, so combine is unchanged.
 
 use std::borrow::Cow;
 
@@ -81,10 +82,11 @@ pub fn random(
     Ok((one(2 * inter, hidden, seed)?, one(hidden, inter, seed + 2)?))
 }
 
-/// The step's quantised rows: the expert rows and their activations, the shared expert's home
-/// rows and its activations (`StepShape::fp8_rows`).
+/// The step's quantised rows: the expert rows (unless the exchange quantises them:
+/// `StepShape::fp8_slots`) and their activations, the shared expert's home rows and its
+/// activations (`StepShape::fp8_rows`).
 pub struct Fp8Bufs {
-    x: Fp8Rows,
+    x: Option<Fp8Rows>,
     act: Fp8Rows,
     shared_x: Fp8Rows,
     shared_act: Fp8Rows,
@@ -94,7 +96,10 @@ impl Fp8Bufs {
     pub fn new(a: &mut Alloc, s: &StepShape) -> Result<Self, DriverError> {
         let [x, act, sx, sa] = s.fp8_rows();
         Ok(Self {
-            x: Fp8Rows::zeros(a, x.0, x.1)?,
+            x: match s.fp8_slots() {
+                true => None,
+                false => Some(Fp8Rows::zeros(a, x.0, x.1)?),
+            },
             act: Fp8Rows::zeros(a, act.0, act.1)?,
             shared_x: Fp8Rows::zeros(a, sx.0, sx.1)?,
             shared_act: Fp8Rows::zeros(a, sa.0, sa.1)?,
@@ -102,8 +107,23 @@ impl Fp8Bufs {
     }
 }
 
-/// One FFN over `rows` rows of `x` in `layout`, in place: quantise, gate/up into `gu`, SwiGLU
-/// (times `weights` where given) quantised, down back into `x`. Experts of few rows each
+/// `x`'s first `rows` rows quantised (the `live` ones) into the step's buffer.
+fn quantise<'b>(
+    g: &Gpu,
+    x: &CudaSlice<bf16>,
+    rows: usize,
+    live: Live,
+    into: &'b mut Option<Fp8Rows>,
+) -> Result<&'b Fp8Rows, GpuError> {
+    let q = into
+        .as_mut()
+        .ok_or_else(|| GpuError::Config("bf16 expert rows without FP8 row buffers".into()))?;
+    g.fp8.quantize(x, rows, live, q, &g.stream)?;
+    Ok(q)
+}
+
+/// One FFN over `rows` quantised rows `xq` in `layout`: gate/up into `gu`, SwiGLU (times
+/// `weights` where given) quantised into `aq`, down into `x`. Experts of few rows each
 /// (`decode`: where their rows are) go to decode's own GEMM, as in bf16; the rest to DeepGEMM's.
 #[allow(clippy::too_many_arguments)]
 fn ffn(
@@ -113,7 +133,7 @@ fn ffn(
     decode: Option<Spans>,
     rows: usize,
     weights: Option<&CudaSlice<f32>>,
-    (xq, aq): (&mut Fp8Rows, &mut Fp8Rows),
+    (xq, aq): (&Fp8Rows, &mut Fp8Rows),
     gu: &mut CudaSlice<bf16>,
     x: &mut CudaSlice<bf16>,
 ) -> Result<(), DriverError> {
@@ -122,7 +142,6 @@ fn ffn(
         Some(spans) => g.decode.gemm_fp8(xq, rows, w, spans, y),
         None => g.fp8.gemm(xq, rows, w, layout, sizes, y, s),
     };
-    g.fp8.quantize(x, rows, live, xq, s)?;
     gemm(xq, gate_up, gu)?;
     g.fp8.swiglu_quantize(gu, rows, live, weights, aq, s)?;
     gemm(aq, down, x)
@@ -135,12 +154,13 @@ fn decode_takes(w: (&Fp8Weights, &Fp8Weights), mean_rows: usize, stride: Option<
 }
 
 /// The routed experts over contiguous expert-major blocks (`ExpertRows::Blocks`): DeepGEMM's
-/// psum layout; a row's routing weight scales its activation (the down projection is linear).
+/// psum layout, over the `cap` rows quantised here, or as the exchange quantised them (`pre`);
+/// a row's routing weight scales its activation (the down projection is linear).
 #[allow(clippy::too_many_arguments)]
 pub fn contiguous(
     g: &Gpu,
     w: (&Fp8Weights, &Fp8Weights),
-    cap: usize,
+    (cap, pre): (usize, Option<&Fp8Rows>),
     (offsets, ends, total): (&CudaSlice<i32>, &CudaSlice<i32>, &CudaSlice<i32>),
     mean_rows: usize,
     weights: Option<&CudaSlice<f32>>,
@@ -148,19 +168,14 @@ pub fn contiguous(
     gu: &mut CudaSlice<bf16>,
     x: &mut CudaSlice<bf16>,
 ) -> Result<(), GpuError> {
-    let at = (Layout::Psum, Live::Upto(total), ends);
+    let live = Live::Upto(total);
     let decode = decode_takes(w, mean_rows, None).then_some(Spans::Blocks { offsets, ends });
-    ffn(
-        g,
-        w,
-        at,
-        decode,
-        cap,
-        weights,
-        (&mut b.x, &mut b.act),
-        gu,
-        x,
-    )?;
+    let xq = match pre {
+        Some(q) => q,
+        None => quantise(g, x, cap, live, &mut b.x)?,
+    };
+    let at = (Layout::Psum, live, ends);
+    ffn(g, w, at, decode, cap, weights, (xq, &mut b.act), gu, x)?;
     Ok(())
 }
 
@@ -177,11 +192,13 @@ pub fn strided(
     x: &mut CudaSlice<bf16>,
 ) -> Result<(), GpuError> {
     let layout = Layout::Masked { stride, mean_rows };
-    let at = (layout, Live::Masked { counts, stride }, counts);
+    let live = Live::Masked { counts, stride };
     let decode =
         decode_takes(w, mean_rows, Some(stride)).then_some(Spans::Strided { stride, counts });
     let rows = w.0.groups * stride;
-    ffn(g, w, at, decode, rows, None, (&mut b.x, &mut b.act), gu, x)?;
+    let xq = quantise(g, x, rows, live, &mut b.x)?;
+    let at = (layout, live, counts);
+    ffn(g, w, at, decode, rows, None, (xq, &mut b.act), gu, x)?;
     Ok(())
 }
 

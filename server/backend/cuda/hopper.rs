@@ -20,6 +20,8 @@ pub(super) struct Tile {
     pub(super) block_n: u32,
     pub(super) stages: u32,
     pub(super) math_threads: u32,
+    /// CTAs a cluster (the weight tile's TMA multicast); 1: no clusters.
+    pub(super) multicast: u32,
 }
 
 mod tiles {
@@ -62,6 +64,7 @@ pub(super) struct Instance {
     pub(super) block_n: u32,
     threads: u32,
     smem: u32,
+    cluster: u32,
 }
 
 impl Instance {
@@ -82,6 +85,7 @@ impl Instance {
             block_n: t.block_n,
             threads: 128 + t.math_threads,
             smem,
+            cluster: t.multicast,
         })
     }
 
@@ -89,13 +93,75 @@ impl Instance {
         &self.f
     }
 
-    /// One persistent CTA on each of `ctas` SMs.
+    /// One persistent CTA on each of `ctas` SMs, for a launch without clusters.
     pub(super) fn config(&self, ctas: u32) -> LaunchConfig {
+        assert_eq!(
+            self.cluster, 1,
+            "an instance of clusters launches by `launch_clusters`"
+        );
         LaunchConfig {
             grid_dim: (ctas, 1, 1),
             block_dim: (self.threads, 1, 1),
             shared_mem_bytes: self.smem,
         }
+    }
+}
+
+impl Instance {
+    /// Launches the instance on `ctas` persistent CTAs (a multiple of its cluster) in clusters of
+    /// its multicast width, which cudarc's launch cannot ask for; `params` point at each kernel
+    /// argument's value, in order.
+    ///
+    /// # Safety
+    /// `params` must match the kernel's parameters in number, order and type, and every buffer
+    /// they name must span what the kernel reads and writes.
+    pub(super) unsafe fn launch_clusters(
+        &self,
+        stream: &CudaStream,
+        ctas: u32,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), DriverError> {
+        assert_eq!(
+            ctas % self.cluster,
+            0,
+            "{ctas} CTAs in clusters of {}",
+            self.cluster
+        );
+        let mut value = sys::CUlaunchAttributeValue { pad: [0; 64] };
+        value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 {
+            x: self.cluster,
+            y: 1,
+            z: 1,
+        };
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+            pad: [0; 4],
+            value,
+        };
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: ctas,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: self.threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: self.smem,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        stream.context().bind_to_thread()?;
+        // SAFETY: cfg and attr live across the call; the function is this instance's, loaded
+        // with `smem` bytes allowed; the caller vouches for `params` (this function's contract).
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &cfg,
+                self.f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
     }
 }
 

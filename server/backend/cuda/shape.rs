@@ -89,6 +89,24 @@ impl StepShape {
     pub fn slot_rows(&self, bucket: usize) -> usize {
         bucket * self.top_k.min(self.local())
     }
+    /// Whether the slot exchange moves rows as FP8 (its codes, then its scales): FP8 experts on
+    /// the `nccl` backend. The rows are then quantised as they are packed, and the FFN takes them
+    /// as they land (NCCL EP dispatches bf16 rows, quantised after the exchange).
+    pub fn fp8_slots(&self) -> bool {
+        self.ep.is_none() && self.expert_dtype == ExpertDtype::Fp8
+    }
+
+    /// Bytes of one slot row on the wire: bf16 values, or with `fp8_slots` the row's E4M3 codes
+    /// then one f32 scale per 128 channels, padded to 16 bytes (never more than the bf16 row,
+    /// so the slots serve both trips).
+    pub fn slot_row_bytes(&self) -> usize {
+        let h = self.hidden;
+        match self.fp8_slots() {
+            true => h + (h / fp8::BLOCK * 4).next_multiple_of(16),
+            false => 2 * h,
+        }
+    }
+
     pub fn slots(&self, bucket: usize) -> Slots {
         Slots {
             world: self.world,
@@ -280,5 +298,30 @@ mod tests {
         assert!(padded <= rows, "{padded} aligned rows in a space of {rows}");
         assert_eq!(rows, slots + local * (hopper::ALIGN - 1));
         assert_eq!(s.row_space(), rows);
+    }
+
+    #[test]
+    fn fp8_slot_rows_hold_codes_and_scales_aligned_within_a_bf16_row() {
+        let mut s = StepShape::new(&crate::model::synthetic::preset("tiny").unwrap(), 2, 0, 64);
+        s.expert_dtype = ExpertDtype::Fp8;
+        for h in [128, 256, 384, 640, 2048, 7168] {
+            s.hidden = h;
+            let r = s.slot_row_bytes();
+            assert!(s.fp8_slots());
+            assert_eq!(r % 16, 0, "hidden {h}: {r} bytes, not 16-byte rows");
+            assert!(r >= h + h / fp8::BLOCK * 4, "hidden {h}: {r} bytes");
+            assert!(r < h + h / fp8::BLOCK * 4 + 16, "hidden {h}: {r} bytes");
+            assert!(
+                r <= 2 * h,
+                "hidden {h}: {r} bytes, more than its bf16 slot row"
+            );
+        }
+        assert_eq!(s.slot_row_bytes(), 7168 + 224);
+        s.ep = Some(EpShape::new(0, false));
+        assert!(!s.fp8_slots(), "NCCL EP dispatches bf16 rows");
+        assert_eq!(s.slot_row_bytes(), 2 * 7168);
+        s.ep = None;
+        s.expert_dtype = ExpertDtype::Bf16;
+        assert_eq!(s.slot_row_bytes(), 2 * 7168);
     }
 }

@@ -3,14 +3,19 @@
 //! experts), so the exchange is one capturable group whatever the routing. Received rows are
 //! scattered into expert-major blocks aligned to the Hopper GEMM's row tile; combine gathers the
 //! outputs back into the slots, sends them home, and sums each token's k rows by its weights.
+//! With FP8 experts the rows go out quantised (`StepShape::fp8_slots`): half the bytes on the
+//! wire and in both copies, and the FFN reads them as they land (no quantisation pass of its
+//! own); the outputs come back in bf16.
 
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DriverError, PushKernelArg};
 use half::bf16;
 
 use super::exchange::{Exchange, ExpertRows, Home};
+use super::fp8::Fp8Rows;
 use super::nccl::{Comm, NcclError, NcclType};
 use super::shape::{Slots, StepShape};
 use super::{hopper, Alloc, Gpu, GpuError, MAX_EXPERTS};
+use crate::model::fp8;
 
 /// One rank's slot exchange: its send-side layout, slots and expert rows, sized for the largest
 /// bucket.
@@ -32,6 +37,9 @@ pub struct SlotExchange {
     total: CudaSlice<i32>,
     /// Expert-major received rows; the expert outputs overwrite them.
     xe: CudaSlice<bf16>,
+    /// With `fp8_slots`: the received rows as the FP8 GEMM's operand (expert-major as `xe`,
+    /// which then holds only the outputs).
+    xq: Option<Fp8Rows>,
     /// Where each (token, k)'s output comes back: its slot row in `recv`.
     idx: CudaSlice<i32>,
 }
@@ -40,6 +48,10 @@ impl SlotExchange {
     pub fn new(s: &StepShape, a: &mut Alloc) -> Result<Self, DriverError> {
         let (t, k, e, l) = (s.max_home, s.top_k, s.experts, s.local());
         let slots = s.slot_space(t);
+        assert!(
+            s.slot_row_bytes() <= 2 * s.hidden,
+            "an FP8 slot row fits a bf16 one"
+        );
         Ok(Self {
             shape: *s,
             offsets: a.zeros(e + 1)?,
@@ -52,6 +64,10 @@ impl SlotExchange {
             ends: a.zeros(hopper::MAX_GROUPS)?,
             total: a.zeros(1)?,
             xe: a.zeros(s.recv_rows(t) * s.hidden)?,
+            xq: match s.fp8_slots() {
+                true => Some(Fp8Rows::zeros(a, s.recv_rows(t), s.hidden)?),
+                false => None,
+            },
             idx: a.zeros(t * k)?,
         })
     }
@@ -84,8 +100,8 @@ impl Exchange for SlotExchange {
         Ok(())
     }
 
-    /// Home rows into per-peer slots, one grouped send/recv, received rows into expert-major
-    /// blocks.
+    /// Home rows into per-peer slots (quantised with `fp8_slots`), one grouped send/recv,
+    /// received rows into expert-major blocks.
     fn dispatch(
         &mut self,
         g: &Gpu,
@@ -95,22 +111,21 @@ impl Exchange for SlotExchange {
     ) -> Result<(), GpuError> {
         let s = &self.shape;
         let sl = s.slots(bucket);
-        g.pack_slots(
-            home.x,
-            &self.entry_of,
-            &self.offsets,
-            sl,
-            s.top_k,
-            s.hidden,
-            bucket * s.top_k,
-            &mut self.send,
-        )?;
-        comm.exchange_slots(
-            &self.send,
-            &mut self.recv,
-            sl.slot_rows * s.hidden,
-            &g.stream,
-        )?;
+        let pack = Pack {
+            entry_of: &self.entry_of,
+            offsets: &self.offsets,
+            slots: sl,
+            k: s.top_k,
+            h: s.hidden,
+            rows_cap: bucket * s.top_k,
+        };
+        match &self.xq {
+            None => g.pack_slots(home.x, pack, &mut self.send)?,
+            Some(_) => g.pack_slots_fp8(home.x, pack, s.slot_row_bytes(), &mut self.send)?,
+        }
+        // FP8 rows are whole bf16 pairs (`slot_row_bytes` is even): send/recv only copies bytes.
+        let slot = sl.slot_rows * s.slot_row_bytes() / 2;
+        comm.exchange_slots(&self.send, &mut self.recv, slot, &g.stream)?;
         g.recv_map(
             home.gathered,
             sl,
@@ -120,13 +135,13 @@ impl Exchange for SlotExchange {
             &mut self.total,
             &mut self.ends,
         )?;
-        g.scatter_by_map(
-            &self.recv,
-            &self.map,
-            s.slot_space(bucket),
-            s.hidden,
-            &mut self.xe,
-        )?;
+        let rows = s.slot_space(bucket);
+        match &mut self.xq {
+            None => g.scatter_by_map(&self.recv, &self.map, rows, s.hidden, &mut self.xe)?,
+            Some(xq) => {
+                g.scatter_fp8_by_map(&self.recv, &self.map, rows, s.slot_row_bytes(), xq)?
+            }
+        }
         Ok(())
     }
 
@@ -139,6 +154,7 @@ impl Exchange for SlotExchange {
             ends: &self.ends,
             total: &self.total,
             weights: None,
+            fp8: self.xq.as_ref(),
         })
     }
 
@@ -195,40 +211,48 @@ impl Comm {
 /// The slot exchange's kernels.
 impl Gpu {
     /// Packs each expert-major row into its peer's send slot (`send [world][slot_rows][h]`).
-    #[allow(clippy::too_many_arguments)]
     pub fn pack_slots(
         &self,
         x: &CudaSlice<bf16>,
-        entry_of: &CudaSlice<i32>,
-        offsets: &CudaSlice<i32>,
-        s: Slots,
-        k: usize,
-        h: usize,
-        rows_cap: usize,
+        p: Pack,
         send: &mut CudaSlice<bf16>,
     ) -> Result<(), DriverError> {
-        let (e, l, k, h32, c, cap) = (
-            s.experts as i32,
-            s.local as i32,
-            k as i32,
-            h as i32,
-            s.slot_rows as i32,
-            rows_cap as i32,
-        );
+        let sc = p.scalars();
         let mut b = self.stream.launch_builder(&self.k.pack_slots);
-        b.arg(x)
-            .arg(entry_of)
-            .arg(offsets)
-            .arg(&e)
-            .arg(&l)
-            .arg(&k)
-            .arg(&h32)
-            .arg(&c)
-            .arg(&cap)
-            .arg(send);
+        b.arg(x);
+        p.push(&mut b, &sc);
+        b.arg(&sc[5]).arg(send);
         // SAFETY: rows < offsets[E] <= rows_cap; slot indices stay below slot_rows by construction
         // (a peer gets at most min(k, local) rows per token); send holds world slots.
-        unsafe { b.launch(Self::cfg((rows_cap as u32, 1), 128, 0)) }.map(drop)
+        unsafe { b.launch(Self::cfg((p.rows_cap as u32, 1), 128, 0)) }.map(drop)
+    }
+
+    /// `pack_slots` with each row quantised on the way (DeepSeek-V3's rule, as
+    /// `Fp8::quantize`): a slot row is `row_bytes` (`StepShape::slot_row_bytes`), the h E4M3
+    /// codes then h / 128 f32 scales.
+    pub fn pack_slots_fp8(
+        &self,
+        x: &CudaSlice<bf16>,
+        p: Pack,
+        row_bytes: usize,
+        send: &mut CudaSlice<bf16>,
+    ) -> Result<(), DriverError> {
+        assert!(
+            p.h % fp8::BLOCK == 0
+                && row_bytes % 16 == 0
+                && row_bytes >= p.h + p.h / fp8::BLOCK * 4
+                && send.len() * 2 >= p.slots.world * p.slots.slot_rows * row_bytes,
+            "FP8 slot rows of {row_bytes} bytes for hidden {}",
+            p.h
+        );
+        let (sc, r) = (p.scalars(), row_bytes as i32);
+        let mut b = self.stream.launch_builder(&self.k.pack_slots_fp8);
+        b.arg(x);
+        p.push(&mut b, &sc);
+        b.arg(&r).arg(&sc[5]).arg(send);
+        // SAFETY: as `pack_slots`, with each slot row `row_bytes` (asserted to hold the codes and
+        // scales) and send at least world slots of them.
+        unsafe { b.launch(Self::cfg((p.rows_cap as u32, 1), 128, 0)) }.map(drop)
     }
 
     /// From the all-gathered counts `m [world][experts]`: the slot-row -> expert-major map, the
@@ -306,6 +330,36 @@ impl Gpu {
         self.by_map(&self.k.gather_by_map, src, map, rows, h, dst)
     }
 
+    /// `pack_slots_fp8`'s rows (`src`, `rows` slot rows of `row_bytes`) into `xq`: row
+    /// `map[q]` gets slot row q's codes and scales (where map[q] >= 0).
+    pub fn scatter_fp8_by_map(
+        &self,
+        src: &CudaSlice<bf16>,
+        map: &CudaSlice<i32>,
+        rows: usize,
+        row_bytes: usize,
+        xq: &mut Fp8Rows,
+    ) -> Result<(), DriverError> {
+        assert!(
+            src.len() * 2 >= rows * row_bytes
+                && map.len() >= rows
+                && row_bytes >= xq.k + xq.k / fp8::BLOCK * 4,
+            "FP8 scatter of {rows} slot rows of {row_bytes} bytes"
+        );
+        let (h, r, ld) = (xq.k as i32, row_bytes as i32, xq.ld() as i32);
+        let mut b = self.stream.launch_builder(&self.k.scatter_fp8_by_map);
+        b.arg(src)
+            .arg(map)
+            .arg(&h)
+            .arg(&r)
+            .arg(&ld)
+            .arg(&mut xq.q)
+            .arg(&mut xq.sf);
+        // SAFETY: `rows` slot rows of row_bytes in src (asserted); map values index xq's rows
+        // (the expert-major side is sized as `xe`, which xq mirrors) or are -1, skipped.
+        unsafe { b.launch(Self::cfg((rows as u32, 1), 128, 0)) }.map(drop)
+    }
+
     /// One of the two row-map kernels (same arguments, opposite directions), a block per slot row.
     fn by_map(
         &self,
@@ -349,5 +403,45 @@ impl Gpu {
             .arg(idx);
         // SAFETY: ids, pos_of and idx hold n_cap * k entries.
         unsafe { b.launch(Self::cfg(((n_cap * k).div_ceil(256) as u32, 1), 256, 0)) }.map(drop)
+    }
+}
+
+/// What places an expert-major row in its peer's slot (`pack_slots`' arguments but the rows):
+/// each row's (token, k) entry, the expert-major offsets `[experts + 1]`, the slots' shape, and
+/// the most expert-major rows (`bucket * k`).
+#[derive(Clone, Copy)]
+pub struct Pack<'a> {
+    pub entry_of: &'a CudaSlice<i32>,
+    pub offsets: &'a CudaSlice<i32>,
+    pub slots: Slots,
+    pub k: usize,
+    pub h: usize,
+    pub rows_cap: usize,
+}
+
+impl<'a> Pack<'a> {
+    /// `E, L, K, H, C, rows_cap` as the kernels take them.
+    fn scalars(&self) -> [i32; 6] {
+        let s = self.slots;
+        [
+            s.experts,
+            s.local,
+            self.k,
+            self.h,
+            s.slot_rows,
+            self.rows_cap,
+        ]
+        .map(|v| v as i32)
+    }
+
+    /// Pushes `entry_of, offsets, E, L, K, H, C` (the scalars from `scalars`).
+    fn push<'b>(&self, b: &mut cudarc::driver::LaunchArgs<'b>, sc: &'b [i32; 6])
+    where
+        'a: 'b,
+    {
+        b.arg(self.entry_of).arg(self.offsets);
+        for v in &sc[..5] {
+            b.arg(v);
+        }
     }
 }

@@ -415,9 +415,11 @@ impl GpuStep {
                         ends,
                         total,
                         weights,
+                        fp8,
                     } => {
                         let at = (offsets, ends, total);
-                        fp8_ffn::contiguous(g, w, cap, at, mean_rows, weights, b, gu, x)
+                        let rows = (cap, fp8);
+                        fp8_ffn::contiguous(g, w, rows, at, mean_rows, weights, b, gu, x)
                     }
                     ExpertRows::Strided {
                         x, stride, counts, ..
@@ -437,6 +439,9 @@ impl GpuStep {
         };
         let scratch = (tiles, n_tiles, gu, act);
         match rows {
+            ExpertRows::Blocks { fp8: Some(_), .. } => {
+                Err(GpuError::Config("FP8 rows for bf16 experts".into()))
+            }
             ExpertRows::Blocks {
                 x,
                 cap,
@@ -444,6 +449,7 @@ impl GpuStep {
                 ends,
                 total,
                 weights,
+                fp8: None,
             } => {
                 let blocks = Contiguous {
                     offsets,

@@ -1,0 +1,155 @@
+// DeepGEMM's SM90 FP8 psum GEMM (sm90_fp8_gemm_1d2d, as kernels/hopper_fp8.cu instantiates it)
+// on an EP4 rank's prefill shapes of deepseek-v3 (64 experts, gate/up 4096 x 7168 and down
+// 7168 x 2048, 512 rows per expert, and the ragged counts of 4096 routed tokens), one instance per
+// build: -DBN (N tile), -DST (stages), -DMC (TMA multicast 1 or 2, a cluster of MC CTAs),
+// -DMCA (multicast on A, else on B). With -DQUANT it times the step's quantisation kernels
+// (kernels/fp8.cu, or -DFP8_KERNELS=\"path\") on the same rows instead. Timing only (random codes).
+#include "common.cuh"
+#include <random>
+#ifdef QUANT
+#ifndef FP8_KERNELS  // another build's kernels/fp8.cu, to time against this one
+#define FP8_KERNELS "../../kernels/fp8.cu"
+#endif
+#include FP8_KERNELS
+#else
+#include <deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh>
+using namespace deep_gemm;
+using cute::UMMA::Major;
+#endif
+const int L = 64, ROWS = 512, H = 7168, I = 2048, GROUPS = 256, CTAS = 132;
+
+__global__ void fill_bytes(uint8_t* p, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    unsigned long long z = 0x9E3779B97F4A7C15ull * (i + 1);
+    z ^= z >> 31;
+    p[i] = (uint8_t)(z >> 40) & 0xB7;
+  }
+}
+__global__ void fill_f32(float* p, size_t n, float v) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
+}
+
+CUtensorMap map(void* base, CUtensorMapDataType t, int bytes, uint64_t inner, uint64_t outer, uint32_t bi, uint32_t bo,
+                CUtensorMapSwizzle sw) {
+  static PFN_cuTensorMapEncodeTiled_v12000 enc = [] {
+    PFN_cuTensorMapEncodeTiled_v12000 f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    CK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", (void**)&f, cudaEnableDefault, &q));
+    return f;
+  }();
+  CUtensorMap m;
+  cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner * bytes};
+  cuuint32_t box[2] = {bi, bo}, elems[2] = {1, 1};
+  if (enc(&m, t, 2, base, dims, strides, box, elems, CU_TENSOR_MAP_INTERLEAVE_NONE, sw, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+    printf("cuTensorMapEncodeTiled failed\n");
+    exit(1);
+  }
+  return m;
+}
+
+// Per expert counts: all ROWS, or 4096 tokens routed top-8 over the 64 (bench's prefill-rank).
+std::vector<int> counts(bool ragged) {
+  std::vector<int> c(L, ROWS);
+  if (!ragged) return c;
+  std::fill(c.begin(), c.end(), 0);
+  std::mt19937 rng(7);
+  std::vector<int> e(L);
+  for (int t = 0; t < 4096; t++) {
+    for (int i = 0; i < L; i++) e[i] = i;
+    std::shuffle(e.begin(), e.end(), rng);
+    for (int k = 0; k < 8; k++) c[e[k]]++;
+  }
+  return c;
+}
+
+int main() {
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  const size_t cap = (size_t)L * ROWS + L * 128;  // room for ragged blocks aligned to 128
+  uint8_t *xq, *aq, *wgu, *wdn;
+  float *xsf, *asf, *sgu, *sdn;
+  __nv_bfloat16 *gu, *y, *xb;
+  CK(cudaMalloc(&xq, cap * H));
+  CK(cudaMalloc(&aq, cap * I));
+  CK(cudaMalloc(&wgu, (size_t)L * 2 * I * H));
+  CK(cudaMalloc(&wdn, (size_t)L * H * I));
+  CK(cudaMalloc(&xsf, cap * (H / 128) * 4));
+  CK(cudaMalloc(&asf, cap * (I / 128) * 4));
+  CK(cudaMalloc(&sgu, (size_t)L * (2 * I / 128) * (H / 128) * 4));
+  CK(cudaMalloc(&sdn, (size_t)L * (H / 128) * (I / 128) * 4));
+  CK(cudaMalloc(&gu, cap * 2 * I * 2));
+  CK(cudaMalloc(&y, cap * H * 2));
+  xb = y;
+  fill_bytes<<<1024, 256>>>(xq, cap * H);
+  fill_bytes<<<1024, 256>>>(aq, cap * I);
+  fill_bytes<<<1024, 256>>>(wgu, (size_t)L * 2 * I * H);
+  fill_bytes<<<1024, 256>>>(wdn, (size_t)L * H * I);
+  fill_f32<<<256, 256>>>(xsf, cap * (H / 128), 1e-2f);
+  fill_f32<<<256, 256>>>(asf, cap * (I / 128), 1e-2f);
+  fill_f32<<<256, 256>>>(sgu, (size_t)L * (2 * I / 128) * (H / 128), 1e-3f);
+  fill_f32<<<256, 256>>>(sdn, (size_t)L * (H / 128) * (I / 128), 1e-3f);
+  fill<<<1024, 256>>>(gu, cap * 2 * I, 1.f);
+  fill<<<1024, 256>>>(y, cap * H, 1.f);
+  CK(cudaDeviceSynchronize());
+  int* ends;
+  CK(cudaMalloc(&ends, GROUPS * 4));
+  int* total;
+  CK(cudaMalloc(&total, 4));
+  for (bool ragged : {false, true}) {
+    auto c = counts(ragged);
+    std::vector<int> e(GROUPS, 0);
+    int at = 0, mn = 1 << 30, mx = 0, tok = 0;
+    for (int g = 0; g < L; g++) {
+      e[g] = at + c[g];
+      at = (e[g] + 127) / 128 * 128;
+      mn = std::min(mn, c[g]), mx = std::max(mx, c[g]), tok += c[g];
+    }
+    for (int g = L; g < GROUPS; g++) e[g] = e[L - 1];
+    const int rows = at;
+    CK(cudaMemcpy(ends, e.data(), GROUPS * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(total, &rows, 4, cudaMemcpyHostToDevice));
+    const double flop = 2.0 * tok * (2.0 * I * H + (double)H * I);
+#ifdef QUANT
+    float tq = median_us([&] { fp8_quantize_rows<<<rows, 128, 0, st>>>(xb, total, nullptr, 1, H, (int)cap, xq, xsf); }, 50, st);
+    float ts = median_us([&] { fp8_swiglu_quantize<<<rows, 128, 0, st>>>(gu, total, nullptr, 1, I, nullptr, (int)cap, aq, asf); }, 50, st);
+    printf("%s counts %d..%d (%d rows, %d padded): quantise rows %.1f us (%.2f TB/s), SwiGLU+quantise %.1f us (%.2f TB/s)\n",
+           ragged ? "ragged" : "even", mn, mx, tok, rows, tq, rows * (double)H * 3 / tq / 1e6, ts,
+           rows * (double)I * 5 / ts / 1e6);
+#else
+    constexpr bool uniform = 128 % BN == 0;
+    auto f = &sm90_fp8_gemm_1d2d_impl<Major::K, 0, 0, 0, GROUPS, 128, BN, 128, 128, 128, 128, ST, 128, 256, MC, (bool)MCA, CTAS,
+                                      GemmType::MGroupedContiguousWithPsumLayout, cutlass::bfloat16_t, 128>;
+    auto smem = [&](int k) {
+      int d = (128 * BN * 2 + 1023) / 1024 * 1024, stage = (128 + BN) * 128, sfa = (128 * 4 + 127) / 128 * 128;
+      int sfb = ((k / 128) * (uniform ? 1 : 2) * 4 + 7) / 8 * 8;
+      return d + ST * (stage + sfa) + sfb + ST * 16;
+    };
+    CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, smem(H)));
+    auto launch = [&](int n, int k, uint8_t* a, float* sfa, uint8_t* b, float* sfb, __nv_bfloat16* d) {
+      auto ma = map(a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, rows, 128, 128, CU_TENSOR_MAP_SWIZZLE_128B);
+      auto mb = map(b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, (uint64_t)L * n, 128, BN, CU_TENSOR_MAP_SWIZZLE_128B);
+      auto md = map(d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, n, rows, 64, 128, CU_TENSOR_MAP_SWIZZLE_128B);
+      auto ms = map(sfa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, cap, k / 128, 128, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = CTAS;
+      cfg.blockDim = 128 + 256;
+      cfg.dynamicSmemBytes = smem(k);
+      cfg.stream = st;
+      cudaLaunchAttribute at[1];
+      at[0].id = cudaLaunchAttributeClusterDimension;
+      at[0].val.clusterDim.x = MC, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
+      cfg.attrs = at;
+      cfg.numAttrs = 1;
+      CK(cudaLaunchKernelEx(&cfg, f, sfb, ends, 0u, (uint32_t)n, (uint32_t)k, ma, mb, md, ms));
+    };
+    float t1 = median_us([&] { launch(2 * I, H, xq, xsf, wgu, sgu, gu); }, 50, st);
+    float t2 = median_us([&] { launch(H, I, aq, asf, wdn, sdn, y); }, 50, st);
+    CK(cudaDeviceSynchronize());
+    printf("BN %d ST %d MC %d%s %s counts %d..%d (%d rows): gate/up %.1f us (%.0f TF/s) down %.1f us (%.0f TF/s) both %.1f us (%.0f TF/s)\n",
+           BN, ST, MC, MC > 1 ? (MCA ? " on A" : " on B") : "", ragged ? "ragged" : "even", mn, mx, tok, t1,
+           2.0 * tok * 2 * I * H / t1 / 1e6, t2, 2.0 * tok * H * I / t2 / 1e6, t1 + t2, flop / (t1 + t2) / 1e6);
+#endif
+  }
+  return 0;
+}

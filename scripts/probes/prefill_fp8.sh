@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Builds scripts/probes/prefill_fp8.cu once per DeepGEMM FP8 psum instance (in parallel), then
+# runs each in turn, and the quantisation kernels on the same rows. Output in $OUT.
+#   device tool: kind nvidia-h200, command: bash scripts/probes/prefill_fp8.sh ["BN ST MC MCA" ...]
+set -uo pipefail
+cd "$(dirname "$0")"
+out=${OUT:-out}
+mkdir -p "$out" /tmp/probes
+rm -f /tmp/probes/quant-before
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+dg=${DEEP_GEMM_INCLUDE:-../../.venv-cuda/deep_gemm-0.2.5/include}
+nv="nvcc -O3 -std=c++20 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -isystem $dg -lcuda"
+configs=("$@")
+[ ${#configs[@]} -gt 0 ] || configs=("192 4 1 0" "192 4 2 0" "192 4 2 1" "128 5 1 0" "128 5 2 0" "128 5 2 1")
+$nv -DQUANT -o /tmp/probes/quant prefill_fp8.cu > "$out/build-quant.log" 2>&1 &
+# QUANT_BEFORE: another build's kernels/fp8.cu (a path from here), timed beside this one's.
+[ -z "${QUANT_BEFORE:-}" ] || $nv -DQUANT -DFP8_KERNELS="\"$QUANT_BEFORE\"" -o /tmp/probes/quant-before prefill_fp8.cu > "$out/build-quant-before.log" 2>&1 &
+for c in "${configs[@]}"; do
+  set -- $c
+  $nv -DBN=$1 -DST=$2 -DMC=$3 -DMCA=$4 -o "/tmp/probes/pf_$1_$2_$3_$4" prefill_fp8.cu > "$out/build-$1-$2-$3-$4.log" 2>&1 &
+done
+wait
+status=0
+for q in ${QUANT_BEFORE:+quant-before} quant quant-before; do
+  [ -x "/tmp/probes/$q" ] || continue
+  echo "$q:" | tee -a "$out/prefill_fp8.txt"
+  "/tmp/probes/$q" | tee -a "$out/prefill_fp8.txt" || status=1
+done
+for round in 1 2; do
+  for c in "${configs[@]}"; do
+    set -- $c
+    "/tmp/probes/pf_$1_$2_$3_$4" | tee -a "$out/prefill_fp8.txt" || status=1
+  done
+done
+exit $status
