@@ -16,7 +16,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio::sync::watch;
 use tonic::body::Body;
 
-use crate::config::duration;
+use crate::flags::duration;
 use crate::upload::Share;
 
 #[derive(Args, Debug, Clone)]

@@ -7,6 +7,7 @@ pub mod bufs;
 pub mod config;
 pub mod conn;
 pub mod dtype;
+pub mod flags;
 pub mod group;
 pub mod http;
 pub mod infer;

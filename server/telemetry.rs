@@ -18,7 +18,12 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
-use crate::config::LogFormat;
+/// `--log-format`: lines for people, or one JSON object a line.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
 
 /// Flushes and stops trace export when dropped (at the end of `main`).
 pub struct Telemetry {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::config::{size_in, OnOff};
+use crate::flags::{size_in, OnOff};
 
 fn duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("'{s}': {e} (write e.g. 30s, 0s)"))

@@ -27,7 +27,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tonic::Status;
 
-use crate::config::{duration, size};
+use crate::flags::{duration, size};
 
 /// Bytes charged by request messages being read.
 pub const UPLOAD_BYTES: &str = "epserve_upload_bytes";

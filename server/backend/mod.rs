@@ -1,8 +1,10 @@
 //! Implementations of the step phases.
 
+pub mod bench;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod ep_settings;
 
 use crate::model::{MoeSpec, Routing};
 
@@ -61,7 +63,7 @@ pub mod gpu {
         pub world: usize,
         pub rank: usize,
         pub max_home: usize,
-        pub ep: Option<crate::config::EpSettings>,
+        pub ep: Option<super::ep_settings::EpSettings>,
     }
 
     #[cfg(feature = "cuda")]
@@ -98,9 +100,9 @@ pub mod gpu {
             anyhow::bail!(WHY)
         }
         pub fn bench(
-            _args: &crate::config::BenchArgs,
-            _configs: &[crate::bench::BenchConfig],
-        ) -> anyhow::Result<Vec<crate::bench::ConfigResult>> {
+            _plan: &crate::backend::bench::Plan,
+            _configs: &[crate::backend::bench::BenchConfig],
+        ) -> anyhow::Result<Vec<crate::backend::bench::ConfigResult>> {
             anyhow::bail!("epserve bench times the GPU step: {WHY}")
         }
 

@@ -11,7 +11,8 @@ use anyhow::{bail, Context};
 
 use super::prepare::{Prepared, Weights};
 use crate::backend::cpu::{default_lanes, CpuRank};
-use crate::config::{OnOff, ServeArgs};
+use crate::config::ServeArgs;
+use crate::flags::OnOff;
 use crate::group::{expect, send, Ctl, RouterLink};
 use crate::shm::Abort;
 use crate::step::ring::Ring;

@@ -107,7 +107,8 @@ impl Front {
                 kserve.clone(),
                 args.max_request_bytes,
                 args.upload.upload_timeout,
-            );
+            )
+            .merge(crate::metrics::routes());
             let limits = crate::http::Limits {
                 conns: args.conn.clone(),
                 uploads: Some(uploads.clone()),

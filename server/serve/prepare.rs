@@ -8,8 +8,10 @@ use anyhow::{anyhow, bail};
 use tracing::info;
 
 use crate::backend::cpu::SegmentShape;
+use crate::backend::ep_settings::EpSettings;
 use crate::backend::gpu;
-use crate::config::{graph_buckets, BackendKind, EpSettings, Member, OnOff, ServeArgs};
+use crate::config::{graph_buckets, BackendKind, Member, ServeArgs};
+use crate::flags::OnOff;
 use crate::group::Fingerprint;
 use crate::model::{ExpertDtype, ModelSource, MoeSpec, Placement, RankWeights};
 use crate::proto::{DType, ExpertRange, ModelInfo};

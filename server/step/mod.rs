@@ -3,6 +3,7 @@
 //! implement one trait per phase over buffers they own.
 
 pub mod direct;
+mod record;
 pub mod ring;
 
 use std::ops::Range;
@@ -409,7 +410,7 @@ impl<B: Backend> Driver<B> {
         let now = Instant::now();
         times.total = now - at.max(self.last_done);
         self.last_done = now;
-        crate::metrics::record_step(&crate::metrics::StepRecord {
+        record::record_step(&record::StepRecord {
             layer: self
                 .layer_ids
                 .get(desc.layer as usize)

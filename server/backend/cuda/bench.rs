@@ -1,8 +1,8 @@
 //! `epserve bench` on the GPUs: one thread per GPU, each rank brought up as the service brings
 //! its ranks up (`setup::Device`, random weights), every phase captured as a graph and timed with
 //! CUDA events from a start the ranks share on the device; then dense cuBLAS over the same rows.
-//! The configs, the summary and the table are `crate::bench`'s (plain numbers, tested without a
-//! GPU).
+//! The configs and the summary are `backend::bench`'s (plain numbers, tested without a GPU),
+//! the table `crate::bench`'s.
 
 use std::time::{Duration, Instant};
 
@@ -15,17 +15,14 @@ use half::bf16;
 use super::setup::{self, Device};
 use super::step::{GpuStep, Rows, Variant};
 use super::{device_count, GpuError};
+use crate::backend::bench::{median, summarize, BenchConfig, ConfigResult, Plan, RankResult};
+use crate::backend::ep_settings::{EpMode, EpSettings, EP_LL_MAX_TOKENS};
 use crate::backend::gpu::Seat;
-use crate::bench::{median, summarize, BenchConfig, ConfigResult, RankResult};
-use crate::config::{BenchArgs, EpMode, EpSettings, OnOff, EP_LL_MAX_TOKENS};
 
 /// Each backend of `--backends` as run: `nccl`, and `nccl-ep` once per mode and zero-copy
 /// setting, each resolved as the service resolves `--ep-mode` for one bucket of the config's
 /// tokens per rank (auto: the service's default threshold).
-fn variants(
-    args: &BenchArgs,
-    c: &BenchConfig,
-) -> anyhow::Result<Vec<(String, Option<EpSettings>)>> {
+fn variants(args: &Plan, c: &BenchConfig) -> anyhow::Result<Vec<(String, Option<EpSettings>)>> {
     let mut v = Vec::new();
     for b in &args.backends {
         if b == "nccl" {
@@ -39,9 +36,8 @@ fn variants(
                     tracing::info!(config = %c.name, "LL skipped: {t} tokens per rank > --ep-ll-max-tokens");
                     continue;
                 }
-                let (e, note) =
-                    EpSettings::resolve(mode, EP_LL_MAX_TOKENS, &[t], zc == OnOff::On, c.hidden)
-                        .map_err(|e| anyhow::anyhow!("{}: {e}", c.name))?;
+                let (e, note) = EpSettings::resolve(mode, EP_LL_MAX_TOKENS, &[t], zc, c.hidden)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", c.name))?;
                 if let Some(n) = note {
                     tracing::info!(config = %c.name, "{n}");
                 }
@@ -65,7 +61,7 @@ fn variants(
     Ok(v)
 }
 
-pub fn run(args: &BenchArgs, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigResult>> {
+pub fn run(args: &Plan, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigResult>> {
     let world = args.ranks.unwrap_or_else(device_count);
     if world == 0 || world > device_count() {
         anyhow::bail!("{world} ranks asked, {} GPUs visible", device_count());
@@ -124,7 +120,7 @@ fn rank_main(
     world: usize,
     rank: usize,
     c: &BenchConfig,
-    args: &BenchArgs,
+    args: &Plan,
     ep: Option<EpSettings>,
 ) -> anyhow::Result<RankResult> {
     let seat = Seat {

@@ -105,7 +105,7 @@ fn named(p: &HashMap<String, String>) -> (String, String) {
     (get("model"), get("version"))
 }
 
-/// The routes of one rank's REST port, over `api`; `/metrics` too.
+/// The routes of one rank's REST port, over `api` (the serving side adds `/metrics`).
 pub fn routes(api: Arc<KserveApi>, max_request: usize, upload_timeout: Duration) -> Router {
     let rest = Rest {
         api,
@@ -164,7 +164,6 @@ pub fn routes(api: Arc<KserveApi>, max_request: usize, upload_timeout: Duration)
         }
     }
     r.with_state(rest)
-        .merge(crate::metrics::routes())
         .fallback(no_route)
         .method_not_allowed_fallback(no_method)
 }

@@ -1,0 +1,33 @@
+//! The values flags take that more than one module parses: durations, sizes, on/off. A leaf: the
+//! modules that own a flag's meaning (transport, upload, conn) read their values here, and
+//! `config` gathers their flags, so imports point one way.
+
+use std::time::Duration;
+
+use clap::ValueEnum;
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+pub(crate) fn duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s).map_err(|e| format!("'{s}': {e} (write e.g. 2s, 500ms)"))
+}
+
+/// A size in bytes: a number of bytes, or with a unit (256MiB, 1GiB, 64MB).
+pub(crate) fn size(s: &str) -> Result<u64, String> {
+    s.parse::<bytesize::ByteSize>()
+        .map(|b| b.as_u64())
+        .map_err(|e| format!("'{s}': {e} (write e.g. 256MiB, 1GiB or a number of bytes)"))
+}
+
+/// A size (as `size`) from `lo` to `hi` bytes.
+pub(crate) fn size_in<T: TryFrom<u64>>(s: &str, lo: u64, hi: u64) -> Result<T, String> {
+    let v = size(s)?;
+    if !(lo..=hi).contains(&v) {
+        return Err(format!("'{s}' is {v} bytes, not within {lo} to {hi}"));
+    }
+    T::try_from(v).map_err(|_| format!("'{s}' is {v} bytes, too large here"))
+}

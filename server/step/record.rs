@@ -1,0 +1,73 @@
+//! What a rank records after each step: its Prometheus step series (names described in
+//! `crate::metrics`) and the stats line's step time.
+
+use metrics::{counter, gauge, histogram};
+
+/// Per-step figures a rank records after each step.
+pub struct StepRecord<'a> {
+    pub layer: u32,
+    pub tokens: usize,
+    pub heartbeat: bool,
+    pub times: &'a super::PhaseTimes,
+    /// `[world, experts]` token rows routed from each source rank to each expert.
+    pub routed: &'a [u32],
+    pub world: usize,
+    pub rank: usize,
+    pub per_expert: bool,
+}
+
+pub fn record_step(r: &StepRecord) {
+    let kind = if r.heartbeat { "heartbeat" } else { "work" };
+    counter!("epserve_steps_total", "kind" => kind).increment(1);
+    if r.heartbeat {
+        return;
+    }
+    let layer = r.layer.to_string();
+    histogram!("epserve_step_tokens").record(r.tokens as f64);
+    counter!("epserve_step_tokens_total", "layer" => layer.clone()).increment(r.tokens as u64);
+    counter!("epserve_step_padding_tokens_total").increment(r.times.padding as u64);
+    histogram!("epserve_step_duration_seconds").record(r.times.total.as_secs_f64());
+    crate::stats_log::step(r.times.total);
+    let phases = if r.times.phased { 5 } else { 0 };
+    for (phase, d) in [
+        ("gating", r.times.gating),
+        ("prepare", r.times.prepare),
+        ("dispatch", r.times.dispatch),
+        ("experts", r.times.experts),
+        ("combine", r.times.combine),
+    ]
+    .into_iter()
+    .take(phases)
+    {
+        histogram!("epserve_step_phase_seconds", "phase" => phase).record(d.as_secs_f64());
+    }
+    let experts = r.routed.len() / r.world.max(1);
+    if experts == 0 {
+        return;
+    }
+    let per_expert: Vec<u64> = (0..experts)
+        .map(|e| {
+            (0..r.world)
+                .map(|s| u64::from(r.routed[s * experts + e]))
+                .sum()
+        })
+        .collect();
+    let local = experts / r.world;
+    let per_rank: Vec<u64> = per_expert.chunks(local).map(|c| c.iter().sum()).collect();
+    histogram!("epserve_rank_received_tokens").record(per_rank[r.rank] as f64);
+    let total: u64 = per_expert.iter().sum();
+    if total > 0 {
+        let max_rank = *per_rank.iter().max().unwrap_or(&1) as f64;
+        let max_expert = *per_expert.iter().max().unwrap_or(&1) as f64;
+        let mean_rank = total as f64 / r.world as f64;
+        let mean_expert = total as f64 / experts as f64;
+        gauge!("epserve_expert_balance_ratio", "layer" => layer.clone()).set(mean_rank / max_rank);
+        gauge!("epserve_expert_skew_ratio", "layer" => layer.clone()).set(max_expert / mean_expert);
+    }
+    if r.per_expert {
+        let first = r.rank * local;
+        for (e, &n) in per_expert.iter().enumerate().skip(first).take(local) {
+            counter!("epserve_expert_tokens_total", "layer" => layer.clone(), "expert" => e.to_string()).increment(n);
+        }
+    }
+}
