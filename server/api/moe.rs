@@ -21,7 +21,7 @@ pub struct MoeApi {
     infer: Arc<Infer>,
     info: ModelInfo,
     /// Measured once the group has formed (nccl-ep).
-    ep_footprint: std::sync::OnceLock<crate::proto::NcclEpFootprint>,
+    ep_footprint: std::sync::OnceLock<crate::step::EpFootprint>,
     /// Where each rank serves, once the group has formed.
     ingress: std::sync::OnceLock<Vec<crate::proto::IngressAddress>>,
     /// (exchange, expert) bytes per rank, once the weights are in place.
@@ -94,7 +94,7 @@ impl MoeApi {
     }
 
     /// What the NCCL EP exchange takes on the GPU, for GetModelInfo (set once, at startup).
-    pub fn set_ep_footprint(&self, f: crate::proto::NcclEpFootprint) {
+    pub fn set_ep_footprint(&self, f: crate::step::EpFootprint) {
         let _ = self.ep_footprint.set(f);
     }
 
@@ -286,7 +286,14 @@ impl MoeService for Arc<MoeApi> {
         _: Request<GetModelInfoRequest>,
     ) -> Result<Response<ModelInfo>, Status> {
         let mut info = self.info.clone();
-        info.nccl_ep = self.ep_footprint.get().cloned();
+        info.nccl_ep = self.ep_footprint.get().map(|f| proto::NcclEpFootprint {
+            modes: f.modes.into(),
+            zero_copy: f.zero_copy,
+            ll_max_tokens_per_rank: f.ll_max_tokens_per_rank,
+            group_bytes: f.group_bytes,
+            handle_bytes: f.handle_bytes,
+            expert_rows_bytes: f.expert_rows_bytes,
+        });
         info.ingress = self.ingress.get().cloned().unwrap_or_default();
         if let Some(&(exchange, experts)) = self.footprint.get() {
             info.exchange_bytes_per_rank = exchange;

@@ -287,7 +287,7 @@ async fn router_main(
 struct Formed {
     exec: Executor<Box<dyn Backend + Send>>,
     /// What the NCCL EP exchange takes on this GPU (nccl-ep).
-    footprint: Option<crate::proto::NcclEpFootprint>,
+    footprint: Option<crate::step::EpFootprint>,
     /// Where each rank that takes requests serves gRPC, by rank (`here` alone under router
     /// ingress).
     ingress: Vec<String>,

@@ -158,9 +158,25 @@ pub trait Backend {
     /// expert.
     fn routed(&self) -> &[u32];
     /// The NCCL EP exchange's footprint on this GPU (the nccl-ep backend only).
-    fn ep_footprint(&self) -> Option<crate::proto::NcclEpFootprint> {
+    fn ep_footprint(&self) -> Option<EpFootprint> {
         None
     }
+}
+
+/// What the NCCL EP exchange takes on one GPU (`Backend::ep_footprint`; GetModelInfo reports
+/// it as `NcclEpFootprint`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EpFootprint {
+    /// Modes the buckets use: "ll", "ht" or "ll+ht".
+    pub modes: &'static str,
+    /// Expert rows in registered NCCL windows.
+    pub zero_copy: bool,
+    /// Buckets up to this many home tokens per rank run low-latency (0: none).
+    pub ll_max_tokens_per_rank: u32,
+    /// Device bytes of the groups' symmetric buffers, the handles, and the expert rows.
+    pub group_bytes: u64,
+    pub handle_bytes: u64,
+    pub expert_rows_bytes: u64,
 }
 
 /// Persistent buffers as a log line shows them: each one's name and size, by kind, and the
@@ -204,7 +220,7 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     fn routed(&self) -> &[u32] {
         (**self).routed()
     }
-    fn ep_footprint(&self) -> Option<crate::proto::NcclEpFootprint> {
+    fn ep_footprint(&self) -> Option<EpFootprint> {
         (**self).ep_footprint()
     }
 }

@@ -739,13 +739,13 @@ impl Exchange for EpExchange {
         Ok(())
     }
 
-    fn footprint(&self) -> Option<crate::proto::NcclEpFootprint> {
+    fn footprint(&self) -> Option<crate::step::EpFootprint> {
         let (ll, ht) = self.footprints();
         let e = self.shape.ep?;
         let all = [ll, ht];
         let sum = |f: fn(&Footprint) -> u64| all.iter().flatten().map(f).sum();
-        Some(crate::proto::NcclEpFootprint {
-            modes: crate::backend::ep_settings::ep_modes(ll.is_some(), ht.is_some()).into(),
+        Some(crate::step::EpFootprint {
+            modes: crate::backend::ep_settings::ep_modes(ll.is_some(), ht.is_some()),
             // Windows in use (NCCL EP 0.2's LL expert-major path has none).
             zero_copy: e.zero_copy && all.iter().flatten().any(|f| f.windowed),
             ll_max_tokens_per_rank: e.ll_max as u32,

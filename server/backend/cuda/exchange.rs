@@ -13,7 +13,7 @@ use half::bf16;
 use super::fp8::Fp8Rows;
 use super::nccl::Comm;
 use super::{Gpu, GpuError};
-use crate::proto::NcclEpFootprint;
+use crate::step::EpFootprint;
 
 /// What the exchange reads of the home side, in a step of `bucket` home rows.
 pub struct Home<'a> {
@@ -117,7 +117,7 @@ pub trait Exchange: Send {
     }
 
     /// NCCL EP's groups and handles on the device (GetModelInfo); None for other exchanges.
-    fn footprint(&self) -> Option<NcclEpFootprint> {
+    fn footprint(&self) -> Option<EpFootprint> {
         None
     }
 }

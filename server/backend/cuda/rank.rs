@@ -476,7 +476,7 @@ impl Backend for GpuRank {
         &self.routed
     }
 
-    fn ep_footprint(&self) -> Option<crate::proto::NcclEpFootprint> {
+    fn ep_footprint(&self) -> Option<crate::step::EpFootprint> {
         self.core.as_ref()?.ex.footprint()
     }
 
