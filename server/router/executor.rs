@@ -131,10 +131,6 @@ impl<B: Backend> Executor<B> {
         })
     }
 
-    pub fn backend(&self) -> &B {
-        &self.driver.backend
-    }
-
     /// The control connections, for the drain to tell every rank.
     pub fn control(&self) -> Control {
         self.link.clone()

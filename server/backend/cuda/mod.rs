@@ -22,7 +22,6 @@ mod transfer;
 
 pub use router::{sigmoid_group_in_regs, Logits, ROUTER_PIECES, TOPK_REGS_EXPERTS};
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
@@ -61,14 +60,8 @@ pub enum GpuError {
     Timeout(std::time::Duration),
 }
 
-/// Device allocations made by this process through `Alloc` (all of them are made at startup).
-static ALLOCATIONS: AtomicU64 = AtomicU64::new(0);
-
-pub fn allocations() -> u64 {
-    ALLOCATIONS.load(Ordering::Relaxed)
-}
-
-/// The only way the GPU backend allocates device memory: counted, and zero-filled.
+/// The only way the GPU backend allocates device memory: counted (`epserve_device_allocations_total`,
+/// all at startup), and zero-filled.
 pub struct Alloc {
     stream: Arc<CudaStream>,
     pub bytes: usize,
@@ -83,7 +76,6 @@ impl Alloc {
     }
     fn count<T>(&mut self, n: usize) {
         self.bytes += n * std::mem::size_of::<T>();
-        ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
         metrics::counter!("epserve_device_allocations_total").increment(1);
     }
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
