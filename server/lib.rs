@@ -12,6 +12,7 @@ pub mod group;
 pub mod http;
 pub mod infer;
 pub mod launch;
+pub mod lifecycle;
 pub mod listen;
 pub mod metrics;
 pub mod model;

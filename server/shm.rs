@@ -4,8 +4,9 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use crate::lifecycle::Abort;
 
 /// Plain numbers that may be copied bytewise in and out of shared memory.
 pub trait Pod: Copy + 'static {}
@@ -198,54 +199,6 @@ pub fn sweep_stale(dir: &Path) -> usize {
     removed
 }
 
-/// Why a group-wide wait ended early: set once by whoever sees the group break first. Sync
-/// waiters poll `reason`; async ones await `broken`.
-#[derive(Default)]
-pub struct Abort {
-    set: AtomicBool,
-    reason: Mutex<Option<String>>,
-    /// The step's output cannot be trusted (not merely lost): its requests get INTERNAL.
-    corrupt: AtomicBool,
-    token: tokio_util::sync::CancellationToken,
-}
-
-impl Abort {
-    pub fn trigger(&self, reason: impl Into<String>) {
-        self.set_first(reason.into(), false);
-    }
-    /// Breaks the group because a step computed something wrong (the first cause wins).
-    pub fn trigger_corrupt(&self, reason: impl Into<String>) {
-        self.set_first(reason.into(), true);
-    }
-    fn set_first(&self, reason: String, corrupt: bool) {
-        let mut r = self.reason.lock().unwrap_or_else(|e| e.into_inner());
-        if r.is_none() {
-            *r = Some(reason);
-            self.corrupt.store(corrupt, Ordering::Release);
-        }
-        self.set.store(true, Ordering::Release);
-        self.token.cancel();
-    }
-    pub fn reason(&self) -> Option<String> {
-        if !self.set.load(Ordering::Acquire) {
-            return None;
-        }
-        self.reason
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-    /// The group broke because a step's output was wrong, not because a rank was lost.
-    pub fn corrupt(&self) -> bool {
-        self.corrupt.load(Ordering::Acquire)
-    }
-    /// Resolves once the group is broken, with the reason.
-    pub async fn broken(&self) -> String {
-        self.token.cancelled().await;
-        self.reason().unwrap_or_default()
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum WaitError {
     #[error("timed out after {0:?}")]
@@ -295,17 +248,6 @@ pub fn wait_seq(
 
 /// Polls before sleeping: a peer a few hundred nanoseconds behind costs no system call.
 const SPINS: u32 = 256;
-
-/// Between polls of something with no wake-up to wait on (a device event, or a step in flight
-/// while the channel that may bring the next one is watched too): spins first, since the end is
-/// often microseconds away, then naps.
-pub fn nap(polls: &mut u32) {
-    *polls += 1;
-    match *polls < 2000 {
-        true => std::hint::spin_loop(),
-        false => std::thread::sleep(Duration::from_micros(20)),
-    }
-}
 
 /// Linux futexes on a flag's low 32 bits, shared between processes (no FUTEX_PRIVATE_FLAG): the
 /// flags live in mappings of the same file.

@@ -59,7 +59,10 @@ pub const STUCK_GRACE: Duration = Duration::from_millis(250);
 
 /// Breaks the group with the given reason if the thread holding it unwinds, so a bug fails fast
 /// instead of leaving clients waiting.
-pub struct AbortOnPanic(pub std::sync::Arc<crate::shm::Abort>, pub &'static str);
+pub struct AbortOnPanic(
+    pub std::sync::Arc<crate::lifecycle::Abort>,
+    pub &'static str,
+);
 
 impl Drop for AbortOnPanic {
     fn drop(&mut self) {

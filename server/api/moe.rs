@@ -345,8 +345,8 @@ mod fuzz {
     use super::*;
     use crate::api::status;
     use crate::infer::Phase;
+    use crate::lifecycle::Abort;
     use crate::router::Admission;
-    use crate::shm::Abort;
     use prost::Message;
     use rand::{Rng, SeedableRng};
     use tokio::sync::{mpsc, Notify};

@@ -14,9 +14,9 @@ use std::time::Instant;
 use bytes::Bytes;
 use tokio::sync::{mpsc, Notify};
 
+use crate::lifecycle::Abort;
 use crate::model::MoeSpec;
 use crate::router::{Admission, Failure, Job, JobInput, Permit};
-use crate::shm::Abort;
 use tensor::{Dtype, Names, View};
 
 /// Where the service is in its life; requests are only admitted while `Serving`.

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::pace::{Pace, PARTIAL_STEPS_BEHIND};
 use super::{Failure, Job, Segment, Step};
-use crate::shm::Abort;
+use crate::lifecycle::Abort;
 use crate::step::StepKey;
 
 #[derive(Clone)]

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::batcher::ready_for_step;
 use super::{Failure, Step, OFFERS_PENDING, STEPS_IN_FLIGHT};
-use crate::shm::Abort;
+use crate::lifecycle::Abort;
 use crate::step::StepKey;
 
 /// One rank's offer (`Ctl::Offer`): `tokens` rows of `key`, packed there.

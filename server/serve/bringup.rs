@@ -14,7 +14,7 @@ use crate::backend::cpu::{default_lanes, CpuRank};
 use crate::config::ServeArgs;
 use crate::flags::OnOff;
 use crate::group::{expect, send, Ctl, RouterLink};
-use crate::shm::Abort;
+use crate::lifecycle::Abort;
 use crate::step::ring::Ring;
 use crate::step::Backend;
 use crate::watchdog::SetupDeadline;

@@ -26,9 +26,9 @@ use crate::config::ServeArgs;
 use crate::conn::{Calls, ConnArgs, PerConnection};
 use crate::infer::Infer;
 use crate::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
+use crate::lifecycle::Abort;
 use crate::proto::moe_service_server::MoeServiceServer;
 use crate::router::{Admission, Job};
-use crate::shm::Abort;
 use crate::upload::Budget;
 use crate::watchdog::Progress;
 

@@ -16,8 +16,8 @@ use super::prepare::Prepared;
 use crate::config::ServeArgs;
 use crate::group::{Ctl, CtlWriter};
 use crate::infer::Phase;
+use crate::lifecycle::Abort;
 use crate::router::{run_batcher, BatchConfig, Failure, Step, OFFERS_PENDING};
-use crate::shm::Abort;
 use crate::step::ring::Ring;
 use crate::watchdog::Progress;
 

@@ -21,10 +21,10 @@ use crate::config::ServeArgs;
 use crate::group::Ctl;
 use crate::group::{self, RouterLink};
 use crate::infer::Phase;
+use crate::lifecycle::Abort;
 use crate::router::{
     run_batcher, run_coordinator, BatchConfig, CoordConfig, Executor, PeerEvents, OFFERS_PENDING,
 };
-use crate::shm::Abort;
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver};
 use crate::watchdog::{self, AbortOnPanic, STUCK_GRACE};

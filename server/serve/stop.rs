@@ -1,10 +1,8 @@
 //! What ends the router's serving: a signal (drain) or the group breaking.
 
-use std::time::Duration;
-
 use tokio_util::sync::CancellationToken;
 
-use crate::shm::Abort;
+use crate::lifecycle::Abort;
 
 /// Why the router stops serving.
 pub enum Stop {
@@ -21,18 +19,10 @@ pub async fn wait_for_stop(abort: &Abort, asked: Option<CancellationToken>) -> S
     ) else {
         return Stop::Broken("cannot install signal handlers".into());
     };
-    let broken = async {
-        loop {
-            if let Some(r) = abort.reason() {
-                return r;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    };
     tokio::select! {
         _ = int.recv() => Stop::Signal("SIGINT"),
         _ = term.recv() => Stop::Signal("SIGTERM"),
-        r = broken => Stop::Broken(r),
+        r = abort.broken() => Stop::Broken(r),
         _ = async { asked.unwrap_or_default().cancelled().await }, if asked.is_some() => Stop::Signal("a rank's signal"),
     }
 }

@@ -9,7 +9,8 @@ use std::time::Instant;
 
 use super::direct::DirectRows;
 use crate::dtype::Dtype;
-use crate::shm::{raise, wait_seq, Abort, Shm, WaitError};
+use crate::lifecycle::Abort;
+use crate::shm::{raise, wait_seq, Shm, WaitError};
 
 const LINE: usize = 64;
 

@@ -3,8 +3,8 @@
 //! with the model.
 
 use super::*;
+use crate::lifecycle::Abort;
 use crate::router::Admission;
-use crate::shm::Abort;
 use prost::Message;
 use rand::{Rng, SeedableRng};
 use tokio::sync::{mpsc, Notify};

@@ -16,9 +16,10 @@ use ndarray::{ArrayView2, ArrayViewMut2};
 pub use math::default_lanes;
 use math::Lanes;
 
+use crate::lifecycle::Abort;
 use crate::model::routing::Router;
 use crate::model::{MoeSpec, Placement, RankWeights};
-use crate::shm::{wait_seq, Abort, Shm};
+use crate::shm::{wait_seq, Shm};
 use crate::step::ring::Ring;
 use crate::step::{
     run_phases, Backend, Exchange, Experts, Gating, PhaseTimes, StepDesc, StepError, StepIo,

@@ -31,7 +31,7 @@ fn wait_event(ev: &CudaEvent, started: Instant, bound: Duration) -> Result<(), G
         if Instant::now() >= deadline {
             return Err(GpuError::Timeout(bound));
         }
-        crate::shm::nap(&mut polls);
+        crate::lifecycle::nap(&mut polls);
     }
 }
 

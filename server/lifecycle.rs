@@ -1,0 +1,66 @@
+//! A group's life as every part of a rank sees it: `Abort`, the group broken (set once, by
+//! whoever sees it first; sync waiters poll it, async ones await it), and `nap`, the wait between
+//! polls of what has no wake-up of its own. A leaf: every layer imports it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Why a group-wide wait ended early: set once by whoever sees the group break first. Sync
+/// waiters poll `reason`; async ones await `broken`.
+#[derive(Default)]
+pub struct Abort {
+    set: AtomicBool,
+    reason: Mutex<Option<String>>,
+    /// The step's output cannot be trusted (not merely lost): its requests get INTERNAL.
+    corrupt: AtomicBool,
+    token: tokio_util::sync::CancellationToken,
+}
+
+impl Abort {
+    pub fn trigger(&self, reason: impl Into<String>) {
+        self.set_first(reason.into(), false);
+    }
+    /// Breaks the group because a step computed something wrong (the first cause wins).
+    pub fn trigger_corrupt(&self, reason: impl Into<String>) {
+        self.set_first(reason.into(), true);
+    }
+    fn set_first(&self, reason: String, corrupt: bool) {
+        let mut r = self.reason.lock().unwrap_or_else(|e| e.into_inner());
+        if r.is_none() {
+            *r = Some(reason);
+            self.corrupt.store(corrupt, Ordering::Release);
+        }
+        self.set.store(true, Ordering::Release);
+        self.token.cancel();
+    }
+    pub fn reason(&self) -> Option<String> {
+        if !self.set.load(Ordering::Acquire) {
+            return None;
+        }
+        self.reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+    /// The group broke because a step's output was wrong, not because a rank was lost.
+    pub fn corrupt(&self) -> bool {
+        self.corrupt.load(Ordering::Acquire)
+    }
+    /// Resolves once the group is broken, with the reason.
+    pub async fn broken(&self) -> String {
+        self.token.cancelled().await;
+        self.reason().unwrap_or_default()
+    }
+}
+
+/// Between polls of something with no wake-up to wait on (a device event, or a step in flight
+/// while the channel that may bring the next one is watched too): spins first, since the end is
+/// often microseconds away, then naps.
+pub fn nap(polls: &mut u32) {
+    *polls += 1;
+    match *polls < 2000 {
+        true => std::hint::spin_loop(),
+        false => std::thread::sleep(Duration::from_micros(20)),
+    }
+}
