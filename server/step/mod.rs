@@ -1,6 +1,8 @@
 //! One step, the same on every rank: load the home slice → gating → prepare → dispatch → expert
-//! compute → combine → store the home slice. The driver knows nothing of CPU or CUDA: backends
-//! implement one trait per phase over buffers they own.
+//! compute → combine → store the home slice. The driver knows nothing of CPU or CUDA: a backend
+//! implements `Backend` (submit a step, complete it) over buffers it owns, and runs the phases
+//! its own way: the cpu backend one by one on the host (`backend::cpu::phases`), the GPU backend
+//! as captured graphs (`backend::cuda::step`).
 
 pub mod direct;
 mod record;
@@ -113,29 +115,6 @@ pub enum StepError {
     /// routing sent): its requests fail INTERNAL and the group breaks.
     #[error("step {step}: {msg}")]
     Corrupt { step: u64, msg: String },
-}
-
-/// Moves the home slice between the step ring and the backend's buffers.
-pub trait StepIo {
-    fn load_home(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<(), StepError>;
-    fn store_home(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<(), StepError>;
-}
-
-/// Router GEMM and top-k over the home tokens.
-pub trait Gating {
-    fn gate(&mut self, desc: &StepDesc, tokens: usize) -> Result<(), StepError>;
-}
-
-/// The all-to-all: counts and layout, tokens to their experts, results back home.
-pub trait Exchange {
-    fn prepare(&mut self, desc: &StepDesc, tokens: usize) -> Result<(), StepError>;
-    fn dispatch(&mut self, desc: &StepDesc, tokens: usize) -> Result<(), StepError>;
-    fn combine(&mut self, desc: &StepDesc, tokens: usize) -> Result<(), StepError>;
-}
-
-/// SwiGLU FFN of every local expert over its contiguous block of received rows.
-pub trait Experts {
-    fn compute(&mut self, desc: &StepDesc) -> Result<(), StepError>;
 }
 
 /// A rank's share of each step. A step is submitted, then completed, oldest first; a backend
@@ -258,45 +237,6 @@ pub struct Driver<B> {
     depth: usize,
     /// Since when the oldest step in flight has run, for the watchdog and the liveness probe.
     progress: Arc<Progress>,
-}
-
-/// The phases one by one, each timed on the host: the step of a backend whose phases run there.
-pub fn run_phases<B>(
-    b: &mut B,
-    desc: &StepDesc,
-    home: Range<usize>,
-) -> Result<PhaseTimes, StepError>
-where
-    B: StepIo + Gating + Exchange + Experts,
-{
-    let t0 = Instant::now();
-    let n = home.len();
-    let mut times = PhaseTimes {
-        phased: true,
-        ..PhaseTimes::default()
-    };
-    let mut lap = Instant::now();
-    let mut mark = |d: &mut Duration| {
-        let now = Instant::now();
-        *d = now - lap;
-        lap = now;
-    };
-    b.load_home(desc, home.clone())?;
-    if !desc.client_routing {
-        b.gate(desc, n)?;
-    }
-    mark(&mut times.gating);
-    b.prepare(desc, n)?;
-    mark(&mut times.prepare);
-    b.dispatch(desc, n)?;
-    mark(&mut times.dispatch);
-    b.compute(desc)?;
-    mark(&mut times.experts);
-    b.combine(desc, n)?;
-    b.store_home(desc, home)?;
-    mark(&mut times.combine);
-    times.total = t0.elapsed();
-    Ok(times)
 }
 
 impl<B: Backend> Driver<B> {

@@ -5,6 +5,7 @@
 //! the experts' blocks spread over the rank's lanes (`math`).
 
 mod math;
+pub mod phases;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -15,15 +16,14 @@ use ndarray::{ArrayView2, ArrayViewMut2};
 
 pub use math::default_lanes;
 use math::Lanes;
+use phases::{run_phases, AllToAll, Experts, Gating, StepIo};
 
 use crate::lifecycle::Abort;
 use crate::model::routing::Router;
 use crate::model::{MoeSpec, Placement, RankWeights};
 use crate::shm::{wait_seq, Shm};
 use crate::step::ring::Ring;
-use crate::step::{
-    run_phases, Backend, Exchange, Experts, Gating, PhaseTimes, StepDesc, StepError, StepIo,
-};
+use crate::step::{Backend, PhaseTimes, StepDesc, StepError};
 
 const LINE: usize = 64;
 
@@ -319,7 +319,7 @@ impl Gating for CpuRank {
     }
 }
 
-impl Exchange for CpuRank {
+impl AllToAll for CpuRank {
     /// All-gather of per-expert counts: every rank learns the whole [source, expert] matrix.
     fn prepare(&mut self, desc: &StepDesc, n: usize) -> Result<(), StepError> {
         let (e, k) = (self.shape.experts, self.shape.top_k);
