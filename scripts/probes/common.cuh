@@ -1,6 +1,6 @@
-// What the probes share: error checks, a median event timing, random bf16 fills, and 2-D bf16
-// tensor maps as the Hopper GEMM builds them (64-column boxes, 128-byte swizzle, 256-byte L2
-// promotion).
+// What the probes share: error checks, a median event timing, random bf16 fills, and 2-D tensor
+// maps as the service builds them (256-byte L2 promotion; bf16 rows in 64-column boxes under the
+// 128-byte swizzle, as the Hopper GEMM reads them).
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -52,8 +52,10 @@ __global__ void fill(__nv_bfloat16* x, size_t n, float scale, unsigned seed = 0)
   }
 }
 
-// `outer` rows of `inner` bf16 at `base`, in boxes of 64 columns x `box_rows` rows.
-inline CUtensorMap map2d(void* base, uint64_t inner, uint64_t outer, uint32_t box_rows) {
+// `outer` rows of `inner` elements of `bytes` each at `base`, in boxes of `box_inner` x
+// `box_outer`, 256-byte L2 promotion (as the service's maps).
+inline CUtensorMap map_rows(void* base, CUtensorMapDataType type, int bytes, uint64_t inner, uint64_t outer,
+                            uint32_t box_inner, uint32_t box_outer, CUtensorMapSwizzle swizzle) {
   static PFN_cuTensorMapEncodeTiled_v12000 enc = [] {
     PFN_cuTensorMapEncodeTiled_v12000 f = nullptr;
     cudaDriverEntryPointQueryResult q;
@@ -61,13 +63,17 @@ inline CUtensorMap map2d(void* base, uint64_t inner, uint64_t outer, uint32_t bo
     return f;
   }();
   CUtensorMap m;
-  cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner * 2};
-  cuuint32_t box[2] = {64, box_rows}, elems[2] = {1, 1};
-  if (enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, elems, CU_TENSOR_MAP_INTERLEAVE_NONE,
-          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+  cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner * bytes};
+  cuuint32_t box[2] = {box_inner, box_outer}, elems[2] = {1, 1};
+  if (enc(&m, type, 2, base, dims, strides, box, elems, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+          CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
     printf("cuTensorMapEncodeTiled failed\n");
     exit(1);
   }
   return m;
+}
+
+// `outer` rows of `inner` bf16 at `base`, in boxes of 64 columns x `box_rows` rows.
+inline CUtensorMap map2d(void* base, uint64_t inner, uint64_t outer, uint32_t box_rows) {
+  return map_rows(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, inner, outer, 64, box_rows, CU_TENSOR_MAP_SWIZZLE_128B);
 }

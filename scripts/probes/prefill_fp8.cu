@@ -29,25 +29,6 @@ __global__ void fill_f32(float* p, size_t n, float v) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
 }
 
-CUtensorMap map(void* base, CUtensorMapDataType t, int bytes, uint64_t inner, uint64_t outer, uint32_t bi, uint32_t bo,
-                CUtensorMapSwizzle sw) {
-  static PFN_cuTensorMapEncodeTiled_v12000 enc = [] {
-    PFN_cuTensorMapEncodeTiled_v12000 f = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    CK(cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", (void**)&f, cudaEnableDefault, &q));
-    return f;
-  }();
-  CUtensorMap m;
-  cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner * bytes};
-  cuuint32_t box[2] = {bi, bo}, elems[2] = {1, 1};
-  if (enc(&m, t, 2, base, dims, strides, box, elems, CU_TENSOR_MAP_INTERLEAVE_NONE, sw, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
-    printf("cuTensorMapEncodeTiled failed\n");
-    exit(1);
-  }
-  return m;
-}
-
 // Per expert counts: all ROWS, or 4096 tokens routed top-8 over the 64 (bench's prefill-rank).
 std::vector<int> counts(bool ragged) {
   std::vector<int> c(L, ROWS);
@@ -127,10 +108,10 @@ int main() {
     };
     CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, smem(H)));
     auto launch = [&](int n, int k, uint8_t* a, float* sfa, uint8_t* b, float* sfb, __nv_bfloat16* d) {
-      auto ma = map(a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, rows, 128, 128, CU_TENSOR_MAP_SWIZZLE_128B);
-      auto mb = map(b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, (uint64_t)L * n, 128, BN, CU_TENSOR_MAP_SWIZZLE_128B);
-      auto md = map(d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, n, rows, 64, 128, CU_TENSOR_MAP_SWIZZLE_128B);
-      auto ms = map(sfa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, cap, k / 128, 128, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
+      auto ma = map_rows(a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, rows, 128, 128, CU_TENSOR_MAP_SWIZZLE_128B);
+      auto mb = map_rows(b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, (uint64_t)L * n, 128, BN, CU_TENSOR_MAP_SWIZZLE_128B);
+      auto md = map_rows(d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, n, rows, 64, 128, CU_TENSOR_MAP_SWIZZLE_128B);
+      auto ms = map_rows(sfa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, cap, k / 128, 128, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
       cudaLaunchConfig_t cfg = {};
       cfg.gridDim = CTAS;
       cfg.blockDim = 128 + 256;
