@@ -16,7 +16,7 @@ pub mod lifecycle;
 pub mod listen;
 pub mod metrics;
 pub mod model;
-pub mod router;
+pub mod sched;
 pub mod serve;
 pub mod shm;
 pub mod startup;

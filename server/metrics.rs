@@ -89,17 +89,17 @@ pub fn install() -> anyhow::Result<()> {
         "Steps this rank started while the step before was still running (--steps-ahead)"
     );
     metrics::describe_counter!(
-        crate::router::PARTIAL_STEPS_BEHIND,
+        crate::sched::PARTIAL_STEPS_BEHIND,
         "Router: partial steps formed while another step was in the pipeline, just in time for \
          the ranks"
     );
     metrics::describe_histogram!("epserve_step_phase_seconds", "Step phases on this rank");
     metrics::describe_histogram!(
-        crate::router::PACK_SECONDS,
+        crate::sched::PACK_SECONDS,
         "A step's input rows copied from its requests into the step ring"
     );
     metrics::describe_histogram!(
-        crate::router::DELIVER_SECONDS,
+        crate::sched::DELIVER_SECONDS,
         "A finished step's output rows copied from the step ring to its requests"
     );
     metrics::describe_counter!(
@@ -178,7 +178,7 @@ pub fn install() -> anyhow::Result<()> {
         "--max-queued-tokens, for alerts as a ratio"
     );
     metrics::describe_gauge!(
-        crate::router::REQUESTS_RUNNING,
+        crate::sched::REQUESTS_RUNNING,
         "Requests with rows in a step and not yet answered"
     );
     metrics::describe_gauge!(
@@ -203,7 +203,7 @@ static PROCESS: std::sync::OnceLock<metrics_process::Collector> = std::sync::Onc
 /// Every known label value of the labelled counters, at 0 from start: a series an alert or a
 /// dashboard names exists before its first event.
 fn zero_series() {
-    for &reason in crate::router::REJECTION_REASONS {
+    for &reason in crate::sched::REJECTION_REASONS {
         counter!("epserve_rejections_total", "reason" => reason).increment(0);
     }
     for &method in crate::api::METHODS {
@@ -224,13 +224,13 @@ fn zero_series() {
         "epserve_egress_bytes_total",
         "epserve_step_padding_tokens_total",
         "epserve_steps_submitted_ahead_total",
-        crate::router::PARTIAL_STEPS_BEHIND,
+        crate::sched::PARTIAL_STEPS_BEHIND,
     ] {
         counter!(name).increment(0);
     }
     gauge!("epserve_admitted_requests").set(0.0);
     gauge!("epserve_admitted_tokens").set(0.0);
-    gauge!(crate::router::REQUESTS_RUNNING).set(0.0);
+    gauge!(crate::sched::REQUESTS_RUNNING).set(0.0);
     crate::startup::zero_series();
     // Histograms the dashboard and alerts name, empty until their first value.
     for &method in crate::api::METHODS {

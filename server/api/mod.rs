@@ -15,7 +15,7 @@ use tonic::{Code, Request, Status};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use crate::router::{Failure, Permit};
+use crate::sched::{Failure, Permit};
 
 pub use moe::MoeApi;
 
@@ -57,7 +57,7 @@ struct Call {
 impl Call {
     fn of<T>(req: &Request<T>) -> Result<Self, Status> {
         let d = grpc_timeout(req.metadata()).inspect_err(|s| {
-            crate::router::count_rejection("invalid_argument");
+            crate::sched::count_rejection("invalid_argument");
             tracing::debug!(
                 reason = "invalid_argument",
                 "request refused: {}",

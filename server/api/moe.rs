@@ -15,7 +15,7 @@ use crate::proto::{
     self, DType, ForwardRequest, ForwardResponse, GetModelInfoRequest, ModelInfo, ProbeRequest,
     ProbeResponse,
 };
-use crate::router::{Failure, JobInput, Permit};
+use crate::sched::{Failure, JobInput, Permit};
 
 pub struct MoeApi {
     infer: Arc<Infer>,
@@ -68,7 +68,7 @@ fn view<'a>(t: &'a proto::Tensor, what: &str, accepted: &[Dtype]) -> Result<View
     Ok(View {
         dtype: dtype(t.dtype, what, accepted)?,
         shape: &t.shape,
-        data: crate::router::Data::Host(t.data.clone()),
+        data: crate::sched::Data::Host(t.data.clone()),
     })
 }
 
@@ -346,13 +346,13 @@ mod fuzz {
     use crate::api::status;
     use crate::infer::Phase;
     use crate::lifecycle::Abort;
-    use crate::router::Admission;
+    use crate::sched::Admission;
     use prost::Message;
     use rand::{Rng, SeedableRng};
     use tokio::sync::{mpsc, Notify};
     use tonic::Code;
 
-    fn infer(jobs: mpsc::Sender<Arc<crate::router::Job>>, abort: Arc<Abort>) -> Arc<Infer> {
+    fn infer(jobs: mpsc::Sender<Arc<crate::sched::Job>>, abort: Arc<Abort>) -> Arc<Infer> {
         let spec = Arc::new(crate::model::synthetic::preset("tiny").unwrap());
         let adm = Admission::new(4, 64);
         Arc::new(Infer::new(spec, jobs, adm, Arc::new(Notify::new()), abort))

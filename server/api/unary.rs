@@ -187,7 +187,7 @@ where
     };
     let read = read_message(body, limits.max_request, encoding, &limits.bufs);
     let Ok(msg) = tokio::time::timeout(limit, read).await else {
-        crate::router::count_rejection("upload_deadline");
+        crate::sched::count_rejection("upload_deadline");
         tracing::debug!(
             reason = "upload_deadline",
             "request refused: not in within {by}"

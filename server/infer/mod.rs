@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, Notify};
 
 use crate::lifecycle::Abort;
 use crate::model::MoeSpec;
-use crate::router::{Admission, Failure, Job, JobInput, Permit};
+use crate::sched::{Admission, Failure, Job, JobInput, Permit};
 use tensor::{Dtype, Names, View};
 
 /// Where the service is in its life; requests are only admitted while `Serving`.
@@ -69,7 +69,7 @@ pub struct Infer {
 
 /// Counts a refusal under `reason`, logs it at debug, and passes it on.
 pub fn rejected(reason: &'static str, f: Failure) -> Failure {
-    crate::router::count_rejection(reason);
+    crate::sched::count_rejection(reason);
     tracing::debug!(reason, "request refused: {f}");
     f
 }

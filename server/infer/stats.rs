@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use crate::dtype::Dtype;
-use crate::router::Timings;
+use crate::sched::Timings;
 
 /// The statistics' index of a hidden-state float type (FP32, BF16, FP16; any other as FP32).
 pub fn float_slot(d: Dtype) -> usize {

@@ -5,7 +5,7 @@
 use bytes::Bytes;
 
 use super::quote::dims;
-use crate::router::{Data, Failure, Rows};
+use crate::sched::{Data, Failure, Rows};
 
 pub use crate::dtype::{encode, Dtype, FLOATS, IDS};
 
@@ -121,7 +121,7 @@ pub fn rows(t: View, what: &str, cols: usize, names: Names) -> Result<(Rows, usi
             .mem
             .first_non_finite(d.offset, d.len, t.dtype)
             .map_err(|e| bad(format!("{what}: checking the client's device memory: {e}")))?,
-        // A POSIX object's: checked as the rows are read into the ring (`router::rows::pack`),
+        // A POSIX object's: checked as the rows are read into the ring (`sched::rows::pack`),
         // so that they are read once.
         Data::Client(_) => None,
     };

@@ -28,7 +28,7 @@ use crate::infer::Infer;
 use crate::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
 use crate::lifecycle::Abort;
 use crate::proto::moe_service_server::MoeServiceServer;
-use crate::router::{Admission, Job};
+use crate::sched::{Admission, Job};
 use crate::upload::Budget;
 use crate::watchdog::Progress;
 

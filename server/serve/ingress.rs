@@ -1,5 +1,5 @@
 //! `--ingress all` on a worker rank: its own gRPC front and batcher, whose offers the router
-//! schedules (`router::run_coordinator`); the step loop's share is `own_rows`.
+//! schedules (`sched::run_coordinator`); the step loop's share is `own_rows`.
 
 use std::net::TcpStream;
 use std::sync::Arc;
@@ -17,7 +17,7 @@ use crate::config::ServeArgs;
 use crate::group::{Ctl, CtlWriter};
 use crate::infer::Phase;
 use crate::lifecycle::Abort;
-use crate::router::{run_batcher, BatchConfig, Failure, Step, OFFERS_PENDING};
+use crate::sched::{run_batcher, BatchConfig, Failure, Step, OFFERS_PENDING};
 use crate::step::ring::Ring;
 use crate::watchdog::Progress;
 
@@ -25,7 +25,7 @@ use crate::watchdog::Progress;
 pub struct Clients {
     runtime: tokio::runtime::Runtime,
     front: Front,
-    jobs: Option<mpsc::Receiver<Arc<crate::router::Job>>>,
+    jobs: Option<mpsc::Receiver<Arc<crate::sched::Job>>>,
     abort: Arc<Abort>,
     offered: Offered,
     /// The batcher's pipeline: one permit per offer not yet in a step.

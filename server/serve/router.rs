@@ -22,7 +22,7 @@ use crate::group::Ctl;
 use crate::group::{self, RouterLink};
 use crate::infer::Phase;
 use crate::lifecycle::Abort;
-use crate::router::{
+use crate::sched::{
     run_batcher, run_coordinator, BatchConfig, CoordConfig, Executor, PeerEvents, OFFERS_PENDING,
 };
 use crate::step::ring::Ring;
@@ -107,7 +107,7 @@ async fn router_main(
     let exec_abort = abort.clone();
     // One permit per ring slot: a step holds one from when it is formed until it is delivered.
     let in_flight = Arc::new(tokio::sync::Semaphore::new(slots));
-    metrics::gauge!(crate::router::STEPS_IN_FLIGHT).set(0.0);
+    metrics::gauge!(crate::sched::STEPS_IN_FLIGHT).set(0.0);
     let permits = in_flight.clone();
     let exec_thread = std::thread::Builder::new()
         .name("step-executor".into())
@@ -125,7 +125,7 @@ async fn router_main(
                 max_tokens_per_step: args.max_tokens_per_step,
                 max_wait,
                 depth: slots,
-                gauge: crate::router::STEPS_IN_FLIGHT,
+                gauge: crate::sched::STEPS_IN_FLIGHT,
                 pace: Some(pace),
             };
             let b = run_batcher(

@@ -17,7 +17,7 @@ use super::prepare::{self, Prepared};
 use crate::config::{Ingress, ServeArgs};
 use crate::group::{self, send, Ctl, CtlWriter, Joined};
 use crate::lifecycle::{nap, Abort};
-use crate::router::{Failure, Step};
+use crate::sched::{Failure, Step};
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver, StepDesc, StepError};
 use crate::watchdog::{self, Progress};

@@ -7,7 +7,7 @@
 //! of the same process copies them from there into its step buffers (and its output rows back)
 //! on its copy streams. Rows in a POSIX object, and device rows that another process's rank
 //! loads, are read straight into the ring and written straight from it by the packer and the
-//! delivery (`router::rows`). The table is process-local and never crosses to another rank.
+//! delivery (`sched::rows`). The table is process-local and never crosses to another rank.
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex};

@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::lifecycle::Abort;
-use crate::router::Admission;
+use crate::sched::Admission;
 use prost::Message;
 use rand::{Rng, SeedableRng};
 use tokio::sync::{mpsc, Notify};

@@ -40,7 +40,7 @@ use crate::inference::{
     SystemSharedMemoryStatusResponse, SystemSharedMemoryUnregisterRequest,
     SystemSharedMemoryUnregisterResponse,
 };
-use crate::router::{Data, Failure, Permit};
+use crate::sched::{Data, Failure, Permit};
 use models::{name, Model, HIDDEN, IDS_IN, OUTPUT, PLATFORM, VERSION, WEIGHTS};
 use regions::{Regions, Span, SHM_BYTES, SHM_TENSORS};
 
@@ -205,7 +205,7 @@ fn tensor_parameters(
 
 /// A decoded request and what its answer needs.
 struct Decoded {
-    input: crate::router::JobInput,
+    input: crate::sched::JobInput,
     /// The output's type.
     out: Dtype,
     /// Mark a stream's answer as the request's last.

@@ -7,7 +7,7 @@
 //! and size lie inside the region. The object is read and written with `pread`/`pwrite` on the
 //! descriptor opened at registration, not mapped: a client that truncates its object then gets
 //! an error, where a mapping would take the server down with SIGBUS. The hidden states are read
-//! straight into the step ring as their step is packed (and checked there, `router::rows`); the
+//! straight into the step ring as their step is packed (and checked there, `sched::rows`); the
 //! output and the small routing tensors go through the request (see `KserveApi::decode`).
 //! A request holds its region (the descriptor) until answered, so unregistering one in use frees
 //! nothing it still reads.
@@ -33,7 +33,7 @@ use crate::backend::gpu::IpcRegion;
 use crate::infer::quote::quote;
 use crate::inference::cuda_shared_memory_status_response::RegionStatus as CudaStatus;
 use crate::inference::system_shared_memory_status_response::RegionStatus;
-use crate::router::Failure;
+use crate::sched::Failure;
 use crate::step::direct::{ClientMemory, ClientSpan};
 
 /// Bytes read from and written to clients' regions (`direction`: in, out).

@@ -407,7 +407,7 @@ async fn cuda_unregister(
 
 /// A refusal before the request reaches the entry: counted and logged as the entry's are.
 fn refuse(reason: &'static str, s: Status, t0: Instant) -> Problem {
-    crate::router::count_rejection(reason);
+    crate::sched::count_rejection(reason);
     tracing::debug!(reason, "request refused: {}", s.message());
     record(METHOD, s.code(), 0, t0);
     Problem(s)

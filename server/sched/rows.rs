@@ -326,7 +326,7 @@ pub(crate) fn deliver(
 mod tests {
     use super::*;
     use crate::dtype::Dtype;
-    use crate::router::{Job, JobInput, Rows, Segment};
+    use crate::sched::{Job, JobInput, Rows, Segment};
     use crate::step::direct::ClientMemory;
     use crate::step::ring::RingShape;
 
@@ -365,7 +365,7 @@ mod tests {
         output_to: Option<ClientSpan>,
     ) -> (
         Arc<Job>,
-        tokio::sync::oneshot::Receiver<crate::router::Reply>,
+        tokio::sync::oneshot::Receiver<crate::sched::Reply>,
     ) {
         let input = JobInput {
             id: String::new(),

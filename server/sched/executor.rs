@@ -382,7 +382,7 @@ impl<B: Backend> Executor<B> {
             free.put(f.slot);
             if f.heartbeat.is_none() {
                 in_flight.add_permits(1);
-                metrics::gauge!(crate::router::STEPS_IN_FLIGHT).decrement(1.0);
+                metrics::gauge!(crate::sched::STEPS_IN_FLIGHT).decrement(1.0);
             }
         }
         e
@@ -547,7 +547,7 @@ fn deliver_steps(
         );
         free.put(slot);
         in_flight.add_permits(1);
-        metrics::gauge!(crate::router::STEPS_IN_FLIGHT).decrement(1.0);
+        metrics::gauge!(crate::sched::STEPS_IN_FLIGHT).decrement(1.0);
     }
 }
 

@@ -230,7 +230,7 @@ fn take_step(queue: &mut VecDeque<Queued>, budget: usize) -> Step {
 mod tests {
     use super::*;
     use crate::dtype::Dtype;
-    use crate::router::JobInput;
+    use crate::sched::JobInput;
 
     fn job(
         layer: usize,
@@ -238,7 +238,7 @@ mod tests {
         deadline: Option<std::time::Instant>,
     ) -> (
         Arc<Job>,
-        tokio::sync::oneshot::Receiver<crate::router::Reply>,
+        tokio::sync::oneshot::Receiver<crate::sched::Reply>,
     ) {
         typed(layer, tokens, deadline, Dtype::Bf16, Dtype::Bf16)
     }
@@ -251,15 +251,15 @@ mod tests {
         output: Dtype,
     ) -> (
         Arc<Job>,
-        tokio::sync::oneshot::Receiver<crate::router::Reply>,
+        tokio::sync::oneshot::Receiver<crate::sched::Reply>,
     ) {
         let input = JobInput {
             id: format!("{layer}/{tokens}"),
             layer,
             tokens,
-            hidden: crate::router::Rows {
+            hidden: crate::sched::Rows {
                 dtype: input,
-                data: crate::router::Data::Host(bytes::Bytes::new()),
+                data: crate::sched::Data::Host(bytes::Bytes::new()),
             },
             output,
             routing: None,
@@ -301,7 +301,7 @@ mod tests {
             max_tokens_per_step,
             max_wait: Duration::from_millis(max_wait_ms),
             depth,
-            gauge: crate::router::STEPS_IN_FLIGHT,
+            gauge: crate::sched::STEPS_IN_FLIGHT,
             pace,
         };
         let in_flight = Arc::new(Semaphore::new(depth));

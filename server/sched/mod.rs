@@ -1,4 +1,5 @@
-//! The router's request path: admission bounds what is held, an actor owning the queue packs
+//! The request path (scheduling requests into steps; "router" names the rank-0 process and the
+//! MoE gate, not this): admission bounds what is held, an actor owning the queue packs
 //! requests of one layer into steps of at most `max_tokens_per_step` tokens (splitting large ones),
 //! and the executor thread runs each step across the group and answers finished requests.
 
