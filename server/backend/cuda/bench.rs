@@ -13,7 +13,7 @@ use cudarc::driver::CudaEvent;
 use half::bf16;
 
 use super::setup::{self, Device};
-use super::step::{GpuStep, Rows, Variant};
+use super::step::{GpuStep, HomeDtype, Variant};
 use super::{device_count, GpuError};
 use crate::backend::bench::{median, summarize, BenchConfig, ConfigResult, Plan, RankResult};
 use crate::backend::ep_settings::{EpMode, EpSettings, EP_LL_MAX_TOKENS};
@@ -111,7 +111,7 @@ type Phase = fn(&mut GpuStep, usize) -> Result<(), GpuError>;
 
 /// The step a bf16 client's request runs (as the load generator sends them): rows in bf16,
 /// routed on the GPU.
-const BF16_ROWS: Variant = Variant::new(Rows::Bf16, false);
+const BF16_ROWS: Variant = Variant::new(HomeDtype::Bf16, false);
 
 /// One rank, brought up as the service brings its ranks up (`setup::Device`), with random
 /// weights: GPU `rank`, one bucket of the config's tokens per rank.

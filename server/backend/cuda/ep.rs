@@ -166,31 +166,31 @@ unsafe impl Send for Group {}
 unsafe impl Send for Handle {}
 
 /// The expert rows: a registered window (zero-copy) or plain device memory.
-pub enum Rows {
+pub enum RowBuffer {
     Window(SymBuffer<bf16>),
     Plain(CudaSlice<bf16>),
 }
 
-impl Rows {
+impl RowBuffer {
     pub fn slice(&self) -> &CudaSlice<bf16> {
         match self {
-            Rows::Window(w) => w,
-            Rows::Plain(p) => p,
+            RowBuffer::Window(w) => w,
+            RowBuffer::Plain(p) => p,
         }
     }
     pub fn slice_mut(&mut self) -> &mut CudaSlice<bf16> {
         match self {
-            Rows::Window(w) => w,
-            Rows::Plain(p) => p,
+            RowBuffer::Window(w) => w,
+            RowBuffer::Plain(p) => p,
         }
     }
     /// A descriptor of the rows with extents `sizes`: the window when there is one.
     fn tensor(&mut self, sizes: &mut [usize], stream: &CudaStream) -> ncclEpTensor_t {
         match self {
-            Rows::Window(w) => {
+            RowBuffer::Window(w) => {
                 ncclEpTensor_t::in_window(w.window(), 0, ncclDataType_t::Bfloat16, sizes)
             }
-            Rows::Plain(p) => ncclEpTensor_t::describe(
+            RowBuffer::Plain(p) => ncclEpTensor_t::describe(
                 p.device_ptr_mut(stream).0,
                 ncclDataType_t::Bfloat16,
                 sizes,
@@ -217,7 +217,7 @@ pub struct EpPath {
     handle: Handle,
     _group: Group,
     _handle_mem: CudaSlice<u8>,
-    rows: Rows,
+    rows: RowBuffer,
     ep: Arc<NcclEp>,
     /// HT: receive capacity in rows; LL: rows per local expert (world x tokens).
     pub cap: usize,
@@ -321,8 +321,8 @@ impl EpPath {
             raw,
         };
         let rows = match zero_copy {
-            true => Rows::Window(comm.sym_alloc::<bf16>(rows_len * s.hidden, &stream)?),
-            false => Rows::Plain(a.zeros::<bf16>(rows_len * s.hidden)?),
+            true => RowBuffer::Window(comm.sym_alloc::<bf16>(rows_len * s.hidden, &stream)?),
+            false => RowBuffer::Plain(a.zeros::<bf16>(rows_len * s.hidden)?),
         };
         let footprint = Footprint {
             group_bytes,

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, CudaEvent, CudaGraph, DevicePtr};
 
-use super::step::{GpuStep, Rows, Variant};
+use super::step::{GpuStep, HomeDtype, Variant};
 use super::transfer::{direct_in, direct_out, pack_rows, ring_in, ring_out, unpack_rows};
 use super::transfer::{Copies, RingPin, Staging, DEPTH};
 use super::GpuError;
@@ -150,7 +150,7 @@ impl GpuRank {
         }
         let layers = me.core().layers.len();
         for bucket in me.buckets.clone() {
-            for rows in [Rows::F32, Rows::Bf16] {
+            for rows in [HomeDtype::F32, HomeDtype::Bf16] {
                 me.eager(0, 0, bucket, Variant::new(rows, false))?;
                 me.finish(Instant::now(), Duration::from_secs(60))?;
             }
@@ -335,8 +335,8 @@ impl GpuRank {
         let (slot, n, layer) = (desc.slot as usize, home.len(), desc.layer as usize);
         let bucket = self.buckets[bi];
         let rows = match desc.input {
-            Dtype::Bf16 => Rows::Bf16,
-            _ => Rows::F32,
+            Dtype::Bf16 => HomeDtype::Bf16,
+            _ => HomeDtype::F32,
         };
         let v = Variant::new(rows, desc.client_routing);
         let ring = self.ring.clone();

@@ -105,9 +105,9 @@ fn to_bf16<'a>(parts: impl Iterator<Item = &'a Matrix>) -> Vec<bf16> {
     out
 }
 
-/// Where a step's home rows are when its graph starts.
+/// Where a step's home rows are, and in which dtype, when its graph starts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Rows {
+pub enum HomeDtype {
     /// f32 in `x` (f32 and f16 clients): the step makes the experts' bf16 copy, and routes the
     /// f32 rows in SGEMM.
     F32,
@@ -120,19 +120,19 @@ pub enum Rows {
 /// client sent the top-k (then no router runs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Variant {
-    pub rows: Rows,
+    pub rows: HomeDtype,
     pub client: bool,
 }
 
 impl Variant {
     pub const ALL: [Variant; 4] = [
-        Variant::new(Rows::F32, false),
-        Variant::new(Rows::F32, true),
-        Variant::new(Rows::Bf16, false),
-        Variant::new(Rows::Bf16, true),
+        Variant::new(HomeDtype::F32, false),
+        Variant::new(HomeDtype::F32, true),
+        Variant::new(HomeDtype::Bf16, false),
+        Variant::new(HomeDtype::Bf16, true),
     ];
 
-    pub const fn new(rows: Rows, client: bool) -> Self {
+    pub const fn new(rows: HomeDtype, client: bool) -> Self {
         Self { rows, client }
     }
 
@@ -200,7 +200,7 @@ impl DeviceLayer {
 
 /// The step's persistent device buffers, sized for the largest bucket.
 pub struct Buffers {
-    /// Home tokens `[T, hidden]`: f32 rows (`Rows::F32`, SGEMM's input), and bf16 rows (the
+    /// Home tokens `[T, hidden]`: f32 rows (`HomeDtype::F32`, SGEMM's input), and bf16 rows (the
     /// experts' and the bf16 router's input: a bf16 client's rows as they came, or made from `x`).
     pub x: CudaSlice<f32>,
     pub xb: CudaSlice<bf16>,
@@ -330,15 +330,17 @@ impl GpuStep {
     pub fn gate(&mut self, layer: usize, bucket: usize, v: Variant) -> Result<(), GpuError> {
         let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
         let (e, k, h) = (s.experts, s.top_k, s.hidden);
-        if v.rows == Rows::F32 {
+        if v.rows == HomeDtype::F32 {
             g.f32_to_bf16(&b.x, &b.n, bucket, h, &mut b.xb)?;
         }
         if v.client {
             return Ok(());
         }
         match v.rows {
-            Rows::F32 => g.router_logits(&b.x, &l.router, bucket, e, h, &mut b.logits)?,
-            Rows::Bf16 => g.router_logits_bf16(&b.xb, &l.pieces, bucket, e, h, &mut b.logits)?,
+            HomeDtype::F32 => g.router_logits(&b.x, &l.router, bucket, e, h, &mut b.logits)?,
+            HomeDtype::Bf16 => {
+                g.router_logits_bf16(&b.xb, &l.pieces, bucket, e, h, &mut b.logits)?
+            }
         }
         match self.routing {
             Routing::SoftmaxTopK { renormalize } => g.topk_softmax(
