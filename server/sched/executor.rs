@@ -142,7 +142,7 @@ impl<B: Backend> Executor<B> {
     /// flight. It joins `flight` first, so that a failure to start fails it with the rest.
     fn start(
         &mut self,
-        flight: &mut VecDeque<Flight>,
+        flight: &mut VecDeque<SentStep>,
         step: Step,
         slot: usize,
         heartbeat: Option<OwnedSemaphorePermit>,
@@ -153,7 +153,7 @@ impl<B: Backend> Executor<B> {
         let _span = (!step.segments.is_empty()).then(|| {
             tracing::info_span!("step", step = self.seq + 1, tokens = step.tokens()).entered()
         });
-        flight.push_back(Flight {
+        flight.push_back(SentStep {
             step,
             slot,
             heartbeat,
@@ -193,7 +193,11 @@ impl<B: Backend> Executor<B> {
     /// Finishes the oldest step in flight once this rank's share and every other rank's output
     /// are done: waiting for them (bounded by the step's deadline) when `wait`, otherwise only
     /// looking (None: not yet).
-    fn finish(&mut self, f: &mut Flight, wait: bool) -> Result<Option<PhaseTimes>, ExecutorError> {
+    fn finish(
+        &mut self,
+        f: &mut SentStep,
+        wait: bool,
+    ) -> Result<Option<PhaseTimes>, ExecutorError> {
         // Past the deadline the waits below say which rank is missing and why.
         let wait = wait || Instant::now() >= f.deadline;
         if f.own.is_none() {
@@ -235,7 +239,7 @@ impl<B: Backend> Executor<B> {
         runtime: tokio::runtime::Handle,
         heartbeat: Duration,
     ) -> Result<(), ExecutorError> {
-        let free = Arc::new(Slots::new(self.ring.shape.slots));
+        let free = Arc::new(FreeSlots::new(self.ring.shape.slots));
         let depth = self.ring.shape.slots;
         let (packed_tx, packed) = std::sync::mpsc::sync_channel::<(Step, usize)>(depth);
         let (done, done_rx) = std::sync::mpsc::sync_channel::<(Step, usize)>(depth);
@@ -269,7 +273,7 @@ impl<B: Backend> Executor<B> {
                 .map_err(|e| ExecutorError::Broken(format!("spawning the delivery: {e}")))?
         };
         let ahead = self.driver.depth();
-        let mut flight: VecDeque<Flight> = VecDeque::with_capacity(ahead);
+        let mut flight: VecDeque<SentStep> = VecDeque::with_capacity(ahead);
         let (mut polls, mut closed) = (0u32, false);
         let result = loop {
             // Start every step there is room for before finishing the oldest: a GPU rank only
@@ -366,8 +370,8 @@ impl<B: Backend> Executor<B> {
     fn fail_all(
         &self,
         e: ExecutorError,
-        flight: &mut VecDeque<Flight>,
-        free: &Slots,
+        flight: &mut VecDeque<SentStep>,
+        free: &FreeSlots,
         in_flight: &tokio::sync::Semaphore,
     ) -> ExecutorError {
         let why = if matches!(e, ExecutorError::Step(StepError::Corrupt { .. })) {
@@ -434,7 +438,7 @@ impl<B: Backend> Executor<B> {
 }
 
 /// A step sent to the ranks and not yet finished.
-struct Flight {
+struct SentStep {
     step: Step,
     slot: usize,
     /// An idle heartbeat's hold on its slot (it delivers nothing).
@@ -447,9 +451,9 @@ struct Flight {
 
 /// The ring slots not held by a step in flight. A step holds an `in_flight` permit before it
 /// takes a slot and gives the slot back before the permit, so a permit holder always finds one.
-struct Slots(Mutex<Vec<usize>>);
+struct FreeSlots(Mutex<Vec<usize>>);
 
-impl Slots {
+impl FreeSlots {
     fn new(n: usize) -> Self {
         Self(Mutex::new((0..n).rev().collect()))
     }
@@ -468,7 +472,7 @@ impl Slots {
 /// The packer's share of the executor's state.
 struct Packer<'a> {
     ring: &'a Ring,
-    free: &'a Slots,
+    free: &'a FreeSlots,
     control: &'a Control,
     pace: &'a Pace,
     abort: &'a Arc<Abort>,
@@ -530,7 +534,7 @@ fn fail_step(step: &Step, abort: &Abort) {
 fn deliver_steps(
     done: std::sync::mpsc::Receiver<(Step, usize)>,
     ring: &Ring,
-    free: &Slots,
+    free: &FreeSlots,
     in_flight: &tokio::sync::Semaphore,
     bufs: &Arc<Bufs>,
 ) {

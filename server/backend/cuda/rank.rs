@@ -62,7 +62,7 @@ pub struct GpuRank {
     /// Each staging set's step has reached the ring (recorded on the copy-out stream).
     done: Vec<CudaEvent>,
     /// Steps submitted and not yet completed, oldest first.
-    flight: std::collections::VecDeque<Flight>,
+    flight: std::collections::VecDeque<Submitted>,
     /// The staging set the next step takes (they alternate: steps complete in order).
     next_set: usize,
     routed: Vec<u32>,
@@ -73,7 +73,7 @@ pub struct GpuRank {
 }
 
 /// A step submitted on the GPU.
-struct Flight {
+struct Submitted {
     step: u64,
     slot: usize,
     tokens: usize,
@@ -412,7 +412,7 @@ impl Backend for GpuRank {
             Err(e) => return Err(self.failed(desc.step, e)),
         };
         self.next_set = (set + 1) % DEPTH;
-        self.flight.push_back(Flight {
+        self.flight.push_back(Submitted {
             step: desc.step,
             slot: desc.slot as usize,
             tokens: desc.tokens as usize,
