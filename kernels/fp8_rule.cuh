@@ -12,7 +12,7 @@ namespace fp8_rule {
 
 // The scale of a group whose |values| lanes of `width` (a power of two <= 32, aligned in the warp)
 // each reduced to `amax`; every lane of the warp must call it.
-template <int width = 32>
+template <int width>
 __device__ inline float group_scale(float amax) {
   for (int o = width / 2; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   const float s = __fdiv_rn(amax, 448.f);

@@ -1008,6 +1008,20 @@ fn nccl_ep_fault_drill_stop_and_kill_a_rank() {
     }
 }
 
+/// The Forward request of `n` f32 rows `x` (id `id`) and the group's answer to it, decoded: what
+/// the shared-memory paths are checked against.
+fn forward_f32(
+    rt: &tokio::runtime::Runtime,
+    g: &Group,
+    id: &str,
+    x: &[f32],
+    n: usize,
+) -> (ForwardRequest, Vec<f32>) {
+    let fwd = request(id, 0, f32_tensor(x, [n, HIDDEN]));
+    let out = rt.block_on(async { g.client().await.forward(fwd.clone()).await });
+    (fwd, decode(&out.unwrap().into_inner().output.unwrap()))
+}
+
 /// A device buffer of this (client) process, exported as Triton's clients export theirs.
 struct ClientBuffer(cudarc::driver::sys::CUdeviceptr);
 
@@ -1160,14 +1174,7 @@ fn cuda_shared_memory_round_trip_equals_forward() {
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
             .collect();
-        let fwd = request(&format!("f{i}"), 0, f32_tensor(&x, [n, HIDDEN]));
-        let want = decode(
-            &rt.block_on(async { g.client().await.forward(fwd.clone()).await })
-                .unwrap()
-                .into_inner()
-                .output
-                .unwrap(),
-        );
+        let (fwd, want) = forward_f32(&rt, &g, &format!("f{i}"), &x, n);
         for t in 0..n {
             let row = t * HIDDEN..(t + 1) * HIDDEN;
             let err = row_error(&got[row.clone()], &want[row]);
@@ -1251,14 +1258,7 @@ fn cuda_shared_memory_round_trip_equals_forward() {
         got.copy_from_slice(&all[skip..]);
         got
     };
-    let fwd = request("mixed", 0, f32_tensor(&x, [n, HIDDEN]));
-    let want = decode(
-        &rt.block_on(async { g.client().await.forward(fwd.clone()).await })
-            .unwrap()
-            .into_inner()
-            .output
-            .unwrap(),
-    );
+    let (fwd, want) = forward_f32(&rt, &g, "mixed", &x, n);
     for (what, got) in [
         (
             "CUDA input, wire output",

@@ -116,11 +116,8 @@ impl Ring {
         d: Dtype,
         f: impl FnOnce(&mut [u8]) -> R,
     ) -> R {
-        let bytes = rows.len() * self.shape.hidden * d.bytes();
-        self.check_rows(&rows, d, bytes);
-        assert!(slot < self.shape.slots, "ring slot {slot}");
-        self.shm
-            .fill(self.shape.hidden_off(slot, rows.start, d), bytes, f)
+        let (off, bytes) = self.place(slot, rows, d, RingShape::hidden_off);
+        self.shm.fill(off, bytes, f)
     }
     /// Router: lends `f` the output rows `rows` in `d`, to read in place.
     pub fn view_output<R>(
@@ -130,11 +127,8 @@ impl Ring {
         d: Dtype,
         f: impl FnOnce(&[u8]) -> R,
     ) -> R {
-        let bytes = rows.len() * self.shape.hidden * d.bytes();
-        self.check_rows(&rows, d, bytes);
-        assert!(slot < self.shape.slots, "ring slot {slot}");
-        self.shm
-            .view(self.shape.out_off(slot, rows.start, d), bytes, f)
+        let (off, bytes) = self.place(slot, rows, d, RingShape::out_off);
+        self.shm.view(off, bytes, f)
     }
     pub fn write_routing(&self, slot: usize, row: usize, ids: &[i32], weights: &[f32]) {
         self.shm.write(self.shape.ids_off(slot, row), ids);
@@ -176,13 +170,22 @@ impl Ring {
         d: Dtype,
         off: fn(&RingShape, usize, usize, Dtype) -> usize,
     ) -> (usize, usize) {
+        let (at, bytes) = self.place(slot, rows, d, off);
+        (self.shm.addr() + at, bytes)
+    }
+    /// The offset in the segment and the byte count of rows `rows` in `d` of slot `slot`, at
+    /// `off`'s part of the slot, checked.
+    fn place(
+        &self,
+        slot: usize,
+        rows: Range<usize>,
+        d: Dtype,
+        off: fn(&RingShape, usize, usize, Dtype) -> usize,
+    ) -> (usize, usize) {
         let bytes = rows.len() * self.shape.hidden * d.bytes();
         self.check_rows(&rows, d, bytes);
         assert!(slot < self.shape.slots, "ring slot {slot}");
-        (
-            self.shm.addr() + off(&self.shape, slot, rows.start, d),
-            bytes,
-        )
+        (off(&self.shape, slot, rows.start, d), bytes)
     }
     fn check_rows(&self, rows: &Range<usize>, d: Dtype, bytes: usize) {
         assert!(
