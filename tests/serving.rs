@@ -767,7 +767,8 @@ fn readme_lists_every_metric(addrs: &[String]) {
     let source: String = [
         "server",
         "server/backend/cuda",
-        "server/router",
+        "server/sched",
+        "server/step",
         "server/api/kserve",
     ]
     .iter()
