@@ -23,11 +23,12 @@ use crate::group::{self, RouterLink};
 use crate::infer::Phase;
 use crate::lifecycle::Abort;
 use crate::sched::{
-    run_batcher, run_coordinator, BatchConfig, CoordConfig, Executor, PeerEvents, OFFERS_PENDING,
+    run_batcher, run_coordinator, BatchConfig, Control, CoordConfig, Executor, ExecutorError, Job,
+    Offer, PeerEvents, OFFERS_PENDING,
 };
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver};
-use crate::watchdog::{self, AbortOnPanic, STUCK_GRACE};
+use crate::watchdog::{self, AbortOnPanic, Progress, STUCK_GRACE};
 
 /// How long a broken router waits for its step executor before exiting without it.
 const BROKEN_JOIN: Duration = Duration::from_secs(2);
@@ -41,21 +42,14 @@ pub fn run(args: &ServeArgs, p: Prepared, rendezvous: TcpListener) -> anyhow::Re
     runtime.block_on(router_main(args, p, rendezvous))
 }
 
-async fn router_main(
-    args: &ServeArgs,
-    mut p: Prepared,
-    rendezvous: TcpListener,
-) -> anyhow::Result<()> {
+async fn router_main(args: &ServeArgs, p: Prepared, rendezvous: TcpListener) -> anyhow::Result<()> {
     let abort = Arc::new(Abort::default());
     let (front, job_rx) = Front::start(args, &p, abort.clone()).await?;
-    let (infer, api, admission, health, addr) = (
-        front.infer.clone(),
-        front.api.clone(),
-        front.admission.clone(),
-        front.health.clone(),
-        front.addr,
-    );
-    let (world, stride, slots) = (p.member.world, p.ring.home_stride(), p.ring.slots);
+    let shape = Shape {
+        world: p.member.world,
+        stride: p.ring.home_stride(),
+        slots: p.ring.slots,
+    };
     // --ingress all: the other ranks' offers and drain messages, from their control connections.
     let (offers_tx, offers_rx) = mpsc::unbounded_channel();
     let events = (args.ingress == Ingress::All).then(|| PeerEvents {
@@ -63,224 +57,320 @@ async fn router_main(
         drain: CancellationToken::new(),
         drained: Arc::new(tokio::sync::Semaphore::new(0)),
     });
-    info!("gRPC listening on {addr}, NOT_SERVING until the group is ready");
-
-    let (setup_args, setup_abort, setup_events) = (args.clone(), abort.clone(), events.clone());
-    let setup_api = api.clone();
-    let setup = tokio::task::spawn_blocking(move || {
-        let weights = super::prepare::load(&setup_args, &mut p)?;
-        setup_api.set_footprint(p.exchange_bytes, p.expert_bytes);
-        let here = addr.to_string();
-        form_group(
-            &setup_args,
-            p,
-            weights,
-            rendezvous,
-            setup_abort,
-            setup_events,
-            here,
-        )
-    })
-    .await;
-    let (exec, ingress) = match setup.map_err(anyhow::Error::from).and_then(|r| r) {
-        Ok(Formed {
-            exec,
-            footprint,
-            ingress,
-        }) => {
-            if let Some(f) = footprint {
-                api.set_ep_footprint(f);
-            }
-            api.set_ingress(&ingress);
-            (exec, ingress)
-        }
+    info!(
+        "gRPC listening on {}, NOT_SERVING until the group is ready",
+        front.addr
+    );
+    let formed = match form(args, p, rendezvous, &front, &abort, &events).await {
+        Ok(f) => f,
         Err(e) => {
             let _ = front.close_now().await;
             return Err(e);
         }
     };
-    let progress = exec.progress.clone();
-    let pace = exec.pace.clone();
-    let control = exec.control();
-    let (step_tx, step_rx) = mpsc::channel(1);
-    let (handle, heartbeat) = (tokio::runtime::Handle::current(), args.heartbeat_interval);
-    let exec_abort = abort.clone();
-    // One permit per ring slot: a step holds one from when it is formed until it is delivered.
-    let in_flight = Arc::new(tokio::sync::Semaphore::new(slots));
-    metrics::gauge!(crate::sched::STEPS_IN_FLIGHT).set(0.0);
-    let permits = in_flight.clone();
-    let exec_thread = std::thread::Builder::new()
-        .name("step-executor".into())
-        .spawn(move || {
-            let _guard = AbortOnPanic(exec_abort, "the step executor panicked");
-            exec.serve(step_rx, permits, handle, heartbeat)
-        })?;
-    let batch_stop = CancellationToken::new();
-    let max_wait = Duration::from_micros(args.max_batch_wait_us);
-    // The router's batcher forms the group's steps; under --ingress all it forms this rank's
-    // offers, and the coordinator forms steps from every rank's.
-    let (batcher, coordinator) = match &events {
-        None => {
-            let batch = BatchConfig {
-                max_tokens_per_step: args.max_tokens_per_step,
-                max_wait,
-                depth: slots,
-                gauge: crate::sched::STEPS_IN_FLIGHT,
-                pace: Some(pace),
-            };
-            let b = run_batcher(
-                batch,
-                job_rx,
-                step_tx,
-                in_flight,
-                front.wake.clone(),
-                batch_stop.clone(),
-                abort.clone(),
-            );
-            (tokio::spawn(b), None)
+    let ingress = formed.ingress.clone();
+    let feed = match &events {
+        None => Feed::Router,
+        Some(_) => Feed::Coordinated(offers_rx),
+    };
+    let pipe = Pipeline::start(args, formed, shape, job_rx, feed, &front, &abort)?;
+    let watchdog = go_live(args, &front, &abort, &pipe, events.is_some(), ingress).await?;
+    let stop = wait_for_stop(&abort, events.as_ref().map(|e| e.drain.clone())).await;
+    let drained = match &stop {
+        Stop::Signal(name) => {
+            drain(args, name, &front, &abort, &pipe, events.as_ref(), shape).await
         }
-        Some(_) => {
-            let batch = BatchConfig {
-                max_tokens_per_step: stride,
-                max_wait,
-                depth: slots,
-                gauge: OFFERS_PENDING,
-                // The coordinator forms the group's steps from these offers.
-                pace: None,
-            };
-            let (own_tx, own_rx) = mpsc::channel(1);
-            let own_permits = Arc::new(tokio::sync::Semaphore::new(slots));
-            let b = run_batcher(
-                batch,
-                job_rx,
-                own_tx,
-                own_permits.clone(),
-                front.wake.clone(),
-                batch_stop.clone(),
-                abort.clone(),
-            );
-            let cfg = CoordConfig {
-                world,
-                stride,
-                depth: slots,
-            };
-            let c = run_coordinator(
-                cfg,
-                own_rx,
-                own_permits,
-                offers_rx,
-                step_tx,
-                in_flight,
-                batch_stop.clone(),
-                abort.clone(),
-            );
-            (tokio::spawn(b), Some(tokio::spawn(c)))
+        Stop::Broken(reason) => {
+            front.infer.set_phase(Phase::Broken);
+            set_ready(&front.health, false).await;
+            error!("EP group broken: {reason}; answering every waiting request UNAVAILABLE");
+            false
         }
     };
-    // The other ranks admit requests from here on too (the warm-up step has run).
-    if events.is_some() {
-        if let Err(e) = control.broadcast(&Ctl::Ingress { addrs: ingress }) {
+    pipe.stop(args, &abort, front, watchdog).await?;
+    if drained {
+        info!("drained; exiting");
+    }
+    Ok(())
+}
+
+/// The group's shape as the router's phases need it: ranks, home rows per rank, ring slots.
+#[derive(Clone, Copy)]
+struct Shape {
+    world: usize,
+    stride: usize,
+    slots: usize,
+}
+
+/// Loads the weights and forms the group (blocking, off the runtime), then tells the API what
+/// the group holds and where it serves.
+async fn form(
+    args: &ServeArgs,
+    mut p: Prepared,
+    rendezvous: TcpListener,
+    front: &Front,
+    abort: &Arc<Abort>,
+    events: &Option<PeerEvents>,
+) -> anyhow::Result<Formed> {
+    let (args, abort, events) = (args.clone(), abort.clone(), events.clone());
+    let (api, here) = (front.api.clone(), front.addr.to_string());
+    let setup = tokio::task::spawn_blocking(move || {
+        let weights = super::prepare::load(&args, &mut p)?;
+        api.set_footprint(p.exchange_bytes, p.expert_bytes);
+        form_group(&args, p, weights, rendezvous, abort, events, here)
+    })
+    .await;
+    let formed = setup.map_err(anyhow::Error::from).and_then(|r| r)?;
+    if let Some(f) = &formed.footprint {
+        front.api.set_ep_footprint(f.clone());
+    }
+    front.api.set_ingress(&formed.ingress);
+    Ok(formed)
+}
+/// Where the group's steps come from: the router's batcher, or (--ingress all) the coordinator
+/// over every rank's offers, this rank's from its own batcher.
+enum Feed {
+    Router,
+    Coordinated(mpsc::UnboundedReceiver<(usize, Offer)>),
+}
+
+/// The serving pipeline: the step executor on its own thread, fed by the batcher (and the
+/// coordinator under --ingress all).
+struct Pipeline {
+    executor: std::thread::JoinHandle<Result<(), ExecutorError>>,
+    batcher: tokio::task::JoinHandle<()>,
+    coordinator: Option<tokio::task::JoinHandle<()>>,
+    batch_stop: CancellationToken,
+    control: Control,
+    progress: Arc<Progress>,
+}
+
+impl Pipeline {
+    fn start(
+        args: &ServeArgs,
+        formed: Formed,
+        shape: Shape,
+        jobs: mpsc::Receiver<Arc<Job>>,
+        feed: Feed,
+        front: &Front,
+        abort: &Arc<Abort>,
+    ) -> anyhow::Result<Self> {
+        let exec = formed.exec;
+        let (progress, pace, control) = (exec.progress.clone(), exec.pace.clone(), exec.control());
+        let (step_tx, step_rx) = mpsc::channel(1);
+        // One permit per ring slot: a step holds one from when it is formed until it is delivered.
+        let in_flight = Arc::new(tokio::sync::Semaphore::new(shape.slots));
+        metrics::gauge!(crate::sched::STEPS_IN_FLIGHT).set(0.0);
+        let executor = spawn_executor(exec, step_rx, in_flight.clone(), args, abort)?;
+        let batch_stop = CancellationToken::new();
+        let batch = |max_tokens_per_step, gauge, pace| BatchConfig {
+            max_tokens_per_step,
+            max_wait: Duration::from_micros(args.max_batch_wait_us),
+            depth: shape.slots,
+            gauge,
+            pace,
+        };
+        let batcher = |cfg, steps, permits| {
+            let (wake, stop) = (front.wake.clone(), batch_stop.clone());
+            tokio::spawn(run_batcher(
+                cfg,
+                jobs,
+                steps,
+                permits,
+                wake,
+                stop,
+                abort.clone(),
+            ))
+        };
+        let (batcher, coordinator) = match feed {
+            Feed::Router => {
+                let cfg = batch(
+                    args.max_tokens_per_step,
+                    crate::sched::STEPS_IN_FLIGHT,
+                    Some(pace),
+                );
+                (batcher(cfg, step_tx, in_flight), None)
+            }
+            // This rank's batcher forms offers; the coordinator forms the group's steps.
+            Feed::Coordinated(offers) => {
+                let (own_tx, own_rx) = mpsc::channel(1);
+                let own_permits = Arc::new(tokio::sync::Semaphore::new(shape.slots));
+                let b = batcher(
+                    batch(shape.stride, OFFERS_PENDING, None),
+                    own_tx,
+                    own_permits.clone(),
+                );
+                let cfg = CoordConfig {
+                    world: shape.world,
+                    stride: shape.stride,
+                    depth: shape.slots,
+                };
+                let c = run_coordinator(
+                    cfg,
+                    own_rx,
+                    own_permits,
+                    offers,
+                    step_tx,
+                    in_flight,
+                    batch_stop.clone(),
+                    abort.clone(),
+                );
+                (b, Some(tokio::spawn(c)))
+            }
+        };
+        Ok(Self {
+            executor,
+            batcher,
+            coordinator,
+            batch_stop,
+            control,
+            progress,
+        })
+    }
+
+    /// Stops forming steps, waits for the executor (bounded: a device call may never return),
+    /// closes the front after its grace, and says how the group ended.
+    async fn stop(
+        self,
+        args: &ServeArgs,
+        abort: &Abort,
+        front: Front,
+        watchdog: tokio::task::JoinHandle<()>,
+    ) -> anyhow::Result<()> {
+        self.batch_stop.cancel();
+        let _ = self.batcher.await;
+        if let Some(c) = self.coordinator {
+            let _ = c.await;
+        }
+        // The executor ends within a step unless a device call under it never returns; once the
+        // group is broken its clients are answered, so there is no step worth a long wait.
+        let executor = self.executor;
+        let joined = tokio::task::spawn_blocking(move || executor.join());
+        let bound = match abort.reason() {
+            Some(_) => BROKEN_JOIN,
+            None => args.step_timeout + STUCK_GRACE,
+        };
+        let executed = tokio::time::timeout(bound, joined).await;
+        watchdog.abort();
+        // Keep answering UNAVAILABLE (with the reason) a moment before the port closes, so
+        // clients and load balancers see a clean refusal rather than a dropped connection.
+        let closed = front.close(args.shutdown_grace).await;
+        let Ok(executed) = executed else {
+            let why = abort.reason().unwrap_or_default();
+            watchdog::exit_now(
+                1,
+                &format!("the step executor is stuck in a device call ({why})"),
+            );
+        };
+        closed?;
+        executed?.map_err(|_| anyhow!("the step executor panicked"))??;
+        if let Some(reason) = abort.reason() {
+            bail!("the EP group broke: {reason}");
+        }
+        Ok(())
+    }
+}
+
+/// The step executor on a thread of its own (it blocks on device and peer waits); a panic
+/// there breaks the group.
+fn spawn_executor(
+    exec: Executor<Box<dyn Backend + Send>>,
+    steps: mpsc::Receiver<crate::sched::Step>,
+    in_flight: Arc<tokio::sync::Semaphore>,
+    args: &ServeArgs,
+    abort: &Arc<Abort>,
+) -> std::io::Result<std::thread::JoinHandle<Result<(), ExecutorError>>> {
+    let (handle, heartbeat) = (tokio::runtime::Handle::current(), args.heartbeat_interval);
+    let abort = abort.clone();
+    std::thread::Builder::new()
+        .name("step-executor".into())
+        .spawn(move || {
+            let _guard = AbortOnPanic(abort, "the step executor panicked");
+            exec.serve(steps, in_flight, handle, heartbeat)
+        })
+}
+
+/// The warm-up step has run: the other ranks admit requests too (--ingress all), the API serves
+/// and reports ready, and the liveness and stuck-step watchdogs start.
+async fn go_live(
+    args: &ServeArgs,
+    front: &Front,
+    abort: &Arc<Abort>,
+    pipe: &Pipeline,
+    all_ingress: bool,
+    ingress: Vec<String>,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    if all_ingress {
+        if let Err(e) = pipe.control.broadcast(&Ctl::Ingress { addrs: ingress }) {
             abort.trigger(format!("telling the ranks the group is ready: {e}"));
         }
     }
-    infer.set_phase(Phase::Serving);
-    set_ready(&health, true).await;
+    front.infer.set_phase(Phase::Serving);
+    set_ready(&front.health, true).await;
     crate::startup::enter(crate::startup::Stage::Ready);
-    info!("serving gRPC on {addr}");
+    info!("serving gRPC on {}", front.addr);
     let watchdog = tokio::spawn(watch_liveness(
-        health.clone(),
-        infer.clone(),
-        progress.clone(),
+        front.health.clone(),
+        front.infer.clone(),
+        pipe.progress.clone(),
         args.liveness_timeout,
     ));
     // A step past --step-timeout whose own waits did not end it (a device call that never
     // returns) breaks the group from here: every waiting request is answered at once.
     let (stuck_abort, limit) = (abort.clone(), args.step_timeout);
-    watchdog::watch_steps(progress, limit, move |d| {
+    watchdog::watch_steps(pipe.progress.clone(), limit, move |d| {
         stuck_abort.trigger(format!(
             "a step has run {d:.1?}, past --step-timeout {limit:?}: a rank or its GPU is stuck"
         ))
     })?;
+    Ok(watchdog)
+}
 
-    let asked = events.as_ref().map(|e| e.drain.clone());
-    let stop = wait_for_stop(&abort, asked).await;
-    let drained = match &stop {
-        Stop::Signal(name) => {
-            infer.set_phase(Phase::Draining);
-            set_ready(&health, false).await;
-            let (requests, tokens) = admission.held();
-            warn!(
-                requests,
-                tokens, "{name}: draining; new requests are refused"
-            );
-            // Every rank that takes requests drains too; the group stops once all have.
-            let others = events.as_ref().map(|e| e.drained.clone());
-            if others.is_some() {
-                if let Err(e) = control.broadcast(&Ctl::Drain) {
-                    abort.trigger(format!("telling the ranks to drain: {e}"));
-                }
-            }
-            let all_drained = async {
-                admission.drained().await;
-                if let Some(d) = &others {
-                    let _ = d.acquire_many(world as u32 - 1).await;
-                }
-            };
-            // A group that breaks meanwhile ends the drain: its ranks will not report drained.
-            let done = tokio::select! {
-                r = tokio::time::timeout(args.drain_timeout, all_drained) => r.is_ok(),
-                _ = abort.broken() => false,
-            };
-            if !done && abort.reason().is_none() {
-                let (requests, tokens) = admission.held();
-                let ranks = others.map_or(0, |d| (world - 1).saturating_sub(d.available_permits()));
-                abort.trigger(format!(
-                    "drain timeout: {requests} requests ({tokens} tokens) here and {ranks} other rank(s) unfinished after {:?}",
-                    args.drain_timeout
-                ));
-            }
-            done
+/// A signal: new requests are refused, every rank that takes requests drains too, and the group
+/// stops once all have (within --drain-timeout, else the group breaks). Whether all drained.
+async fn drain(
+    args: &ServeArgs,
+    signal: &str,
+    front: &Front,
+    abort: &Abort,
+    pipe: &Pipeline,
+    events: Option<&PeerEvents>,
+    shape: Shape,
+) -> bool {
+    front.infer.set_phase(Phase::Draining);
+    set_ready(&front.health, false).await;
+    let (requests, tokens) = front.admission.held();
+    warn!(
+        requests,
+        tokens, "{signal}: draining; new requests are refused"
+    );
+    let others = events.map(|e| e.drained.clone());
+    if others.is_some() {
+        if let Err(e) = pipe.control.broadcast(&Ctl::Drain) {
+            abort.trigger(format!("telling the ranks to drain: {e}"));
         }
-        Stop::Broken(reason) => {
-            infer.set_phase(Phase::Broken);
-            set_ready(&health, false).await;
-            error!("EP group broken: {reason}; answering every waiting request UNAVAILABLE");
-            false
+    }
+    let world = shape.world;
+    let all_drained = async {
+        front.admission.drained().await;
+        if let Some(d) = &others {
+            let _ = d.acquire_many(world as u32 - 1).await;
         }
     };
-    batch_stop.cancel();
-    let _ = batcher.await;
-    if let Some(c) = coordinator {
-        let _ = c.await;
-    }
-    // The executor ends within a step unless a device call under it never returns; once the
-    // group is broken its clients are answered, so there is no step worth a long wait.
-    let joined = tokio::task::spawn_blocking(move || exec_thread.join());
-    let bound = match abort.reason() {
-        Some(_) => BROKEN_JOIN,
-        None => args.step_timeout + STUCK_GRACE,
+    // A group that breaks meanwhile ends the drain: its ranks will not report drained.
+    let done = tokio::select! {
+        r = tokio::time::timeout(args.drain_timeout, all_drained) => r.is_ok(),
+        _ = abort.broken() => false,
     };
-    let executed = tokio::time::timeout(bound, joined).await;
-    watchdog.abort();
-    // Keep answering UNAVAILABLE (with the reason) a moment before the port closes, so clients
-    // and load balancers see a clean refusal rather than a dropped connection.
-    let closed = front.close(args.shutdown_grace).await;
-    let Ok(executed) = executed else {
-        let why = abort.reason().unwrap_or_default();
-        watchdog::exit_now(
-            1,
-            &format!("the step executor is stuck in a device call ({why})"),
-        );
-    };
-    closed?;
-    executed?.map_err(|_| anyhow!("the step executor panicked"))??;
-    if let Some(reason) = abort.reason() {
-        bail!("the EP group broke: {reason}");
+    if !done && abort.reason().is_none() {
+        let (requests, tokens) = front.admission.held();
+        let ranks = others.map_or(0, |d| (world - 1).saturating_sub(d.available_permits()));
+        abort.trigger(format!(
+            "drain timeout: {requests} requests ({tokens} tokens) here and {ranks} other rank(s) unfinished after {:?}",
+            args.drain_timeout
+        ));
     }
-    if drained {
-        info!("drained; exiting");
-    }
-    Ok(())
+    done
 }
 
 /// The group, formed and warmed up.
