@@ -24,12 +24,11 @@ use crate::watchdog::{self, Progress};
 
 /// Joins the router's group and runs its steps until told to stop.
 pub fn run(args: &ServeArgs, mut p: Prepared) -> anyhow::Result<()> {
-    let rank = p.member.rank;
     // --ingress all: this rank's gRPC is up (NOT_SERVING) before it joins, as the router's is.
     // One cause ends everything: a failed group stops this rank's waits inside a step and
     // answers its clients.
     let abort = Arc::new(Abort::default());
-    let mut clients = match args.ingress {
+    let clients = match args.ingress {
         Ingress::All => Some(Clients::start(args, &p, abort.clone())?),
         Ingress::Router => None,
     };
@@ -37,15 +36,42 @@ pub fn run(args: &ServeArgs, mut p: Prepared) -> anyhow::Result<()> {
     if let Some(c) = &clients {
         c.set_footprint(p.exchange_bytes, p.expert_bytes);
     }
+    match join(args, &p, weights, clients.as_ref(), &abort) {
+        Ok(joined) => follow(args, &p, joined, clients, abort),
+        Err(e) => {
+            if let Some(c) = clients {
+                let _ = c.finish(Some(format!("{e:#}")), Duration::ZERO);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// This rank in the group: its control connection, its backend, and the step ring it mapped.
+struct Member {
+    stream: TcpStream,
+    backend: Box<dyn Backend + Send>,
+    ring: Option<Arc<Ring>>,
+}
+
+/// Joins the router's group and brings the backend up in lockstep with it (then tells the router
+/// where this rank's clients reach it, --ingress all). A failed bring-up is told to the router.
+fn join(
+    args: &ServeArgs,
+    p: &Prepared,
+    weights: prepare::Weights,
+    clients: Option<&Clients>,
+    abort: &Arc<Abort>,
+) -> anyhow::Result<Member> {
+    let rank = p.member.rank;
     let timeout = args.rendezvous_timeout;
-    let addr = &p.member.rendezvous;
     crate::startup::enter(crate::startup::Stage::Rendezvous);
     let Joined {
         mut stream,
         group: group_id,
         nccl_id,
     } = group::join(
-        addr,
+        &p.member.rendezvous,
         rank,
         p.member.world,
         &p.fingerprint,
@@ -76,27 +102,35 @@ pub fn run(args: &ServeArgs, mut p: Prepared) -> anyhow::Result<()> {
             rank,
         };
         crate::startup::enter(crate::startup::Stage::BringUp);
-        bring_up(&mut side, weights, &p, site, args, abort.clone()).and_then(|b| match &clients {
+        bring_up(&mut side, weights, p, site, args, abort.clone()).and_then(|b| match clients {
             Some(c) => c.send_address(&mut stream).map(|()| b),
             None => Ok(b),
         })
     };
-    let backend = match setup {
-        Ok(b) => b,
+    match setup {
+        Ok(backend) => Ok(Member {
+            stream,
+            backend,
+            ring: mapped.take(),
+        }),
         Err(e) => {
-            let _ = send(
-                &mut stream,
-                &Ctl::Failed {
-                    rank,
-                    reason: format!("{e:#}"),
-                },
-            );
-            if let Some(c) = clients {
-                let _ = c.finish(Some(format!("{e:#}")), Duration::ZERO);
-            }
-            return Err(e);
+            let reason = format!("{e:#}");
+            let _ = send(&mut stream, &Ctl::Failed { rank, reason });
+            Err(e)
         }
-    };
+    }
+}
+
+/// Runs the router's steps (and, --ingress all, serves this rank's clients) until told to stop
+/// or the router is gone, then closes the clients' front.
+fn follow(
+    args: &ServeArgs,
+    p: &Prepared,
+    m: Member,
+    mut clients: Option<Clients>,
+    abort: Arc<Abort>,
+) -> anyhow::Result<()> {
+    let (rank, stream, backend) = (p.member.rank, m.stream, m.backend);
     // The router sends a step or a heartbeat at least every heartbeat interval plus one step.
     let silence = args.heartbeat_interval + args.step_timeout + Duration::from_secs(1);
     stream.set_read_timeout(Some(silence))?;
@@ -123,7 +157,7 @@ pub fn run(args: &ServeArgs, mut p: Prepared) -> anyhow::Result<()> {
     );
     let writer = CtlWriter::new(stream.try_clone()?);
     let progress = driver.progress();
-    let own = match (&mut clients, mapped.take()) {
+    let own = match (&mut clients, m.ring) {
         (Some(c), Some(ring)) => Some(c.serve(args, writer.clone(), ring, progress.clone())?),
         (Some(_), None) => bail!("the step ring was never mapped"),
         (None, _) => None,
