@@ -244,6 +244,13 @@ struct Follow {
     abort: Arc<Abort>,
 }
 
+/// What the step loop does after a message from the router.
+enum Next {
+    Go,
+    Stop,
+    Fail(Failed),
+}
+
 impl Follow {
     /// Runs each step the router sends, until told to stop. A step that outlives --step-timeout
     /// (a device call that never returns) ends the process from the watchdog: nothing here could.
@@ -261,7 +268,6 @@ impl Follow {
             });
             watchdog::exit_now(1, &reason);
         })?;
-        let silence = self.silence;
         let orders = self.own.as_ref().and_then(OwnRows::orders);
         let messages = read_router(stream, self.abort.clone(), orders)?;
         let depth = driver.depth();
@@ -294,50 +300,10 @@ impl Follow {
                     }
                 },
             };
-            match msg {
-                Ok(Ctl::Step(desc)) => {
-                    if let Err(e) = self.submit(&mut driver, &mut flight, desc) {
-                        break e;
-                    }
-                }
-                Ok(Ctl::Shutdown) => {
-                    // The router asks only once every step is answered: nothing is in flight.
-                    info!("router asked to stop; exiting");
-                    return Ok(());
-                }
-                Ok(Ctl::Ingress { addrs }) if self.opener.is_some() => {
-                    if let Some(o) = &self.opener {
-                        o.open(&addrs);
-                    }
-                }
-                Ok(Ctl::Drain) if self.drain.is_some() => {
-                    if let Some(d) = &self.drain {
-                        d.cancel();
-                    }
-                }
-                Ok(Ctl::Failed { reason, .. }) => {
-                    break (None, anyhow!("the EP group stopped: {reason}"))
-                }
-                Ok(other) => break (None, anyhow!("unexpected control message {other:?}")),
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    break (
-                        None,
-                        anyhow!(
-                            "the router (rank 0) sent nothing for {silence:?}: it is stuck or gone"
-                        ),
-                    )
-                }
-                Err(e) => {
-                    break (
-                        None,
-                        anyhow!("lost the connection to the router (rank 0): {e}"),
-                    )
-                }
+            match self.on_message(msg, &mut driver, &mut flight) {
+                Next::Go => {}
+                Next::Stop => return Ok(()),
+                Next::Fail(f) => break f,
             }
         };
         if let Some(tell) = tell {
@@ -351,6 +317,61 @@ impl Follow {
             }
         }
         Err(e)
+    }
+
+    /// What one message from the router does: a step is submitted, the others change what this
+    /// rank serves, stop it, or end the group.
+    fn on_message<B: Backend>(
+        &mut self,
+        msg: std::io::Result<Ctl>,
+        driver: &mut Driver<B>,
+        flight: &mut VecDeque<Running>,
+    ) -> Next {
+        let silence = self.silence;
+        match msg {
+            Ok(Ctl::Step(desc)) => match self.submit(driver, flight, desc) {
+                Ok(()) => Next::Go,
+                Err(e) => Next::Fail(e),
+            },
+            Ok(Ctl::Shutdown) => {
+                // The router asks only once every step is answered: nothing is in flight.
+                info!("router asked to stop; exiting");
+                Next::Stop
+            }
+            Ok(Ctl::Ingress { addrs }) if self.opener.is_some() => {
+                if let Some(o) = &self.opener {
+                    o.open(&addrs);
+                }
+                Next::Go
+            }
+            Ok(Ctl::Drain) if self.drain.is_some() => {
+                if let Some(d) = &self.drain {
+                    d.cancel();
+                }
+                Next::Go
+            }
+            Ok(Ctl::Failed { reason, .. }) => {
+                Next::Fail((None, anyhow!("the EP group stopped: {reason}")))
+            }
+            Ok(other) => Next::Fail((None, anyhow!("unexpected control message {other:?}"))),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                Next::Fail((
+                    None,
+                    anyhow!(
+                        "the router (rank 0) sent nothing for {silence:?}: it is stuck or gone"
+                    ),
+                ))
+            }
+            Err(e) => Next::Fail((
+                None,
+                anyhow!("lost the connection to the router (rank 0): {e}"),
+            )),
+        }
     }
 
     /// Submits a step behind those in flight, with this rank's own rows when it brought some.
