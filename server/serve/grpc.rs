@@ -92,42 +92,8 @@ impl Front {
         let server_stop = CancellationToken::new();
         let uploads = crate::upload::Budget::new(&args.upload, args.max_request_bytes)
             .map_err(anyhow::Error::msg)?;
-        // REST binds before anything is served, so a taken port fails the start.
-        let rest = match args.http_listen.0 {
-            None => None,
-            Some(at) => {
-                let l = tokio::net::TcpListener::bind(at)
-                    .await
-                    .with_context(|| format!("binding the HTTP address {at} (--http-listen)"))?;
-                Some(l)
-            }
-        };
-        let http_server = rest.map(|listener| {
-            let routes = crate::api::kserve::rest::routes(
-                kserve.clone(),
-                args.max_request_bytes,
-                args.upload.upload_timeout,
-            )
-            .merge(crate::metrics::routes());
-            let limits = crate::http::Limits {
-                conns: args.conn.clone(),
-                uploads: Some(uploads.clone()),
-            };
-            tracing::info!(
-                "rank {} KServe REST on http://{}/v2",
-                p.member.rank,
-                listener
-                    .local_addr()
-                    .map_or_else(|e| e.to_string(), |a| a.to_string())
-            );
-            tokio::spawn(crate::http::serve(
-                listener,
-                routes,
-                limits,
-                "HTTP",
-                server_stop.clone(),
-            ))
-        });
+        let rank = p.member.rank;
+        let http_server = start_rest(args, &kserve, &uploads, rank, &server_stop).await?;
         let server = tokio::spawn(serve_grpc(
             args.http2.clone(),
             args.conn.clone(),
@@ -227,10 +193,43 @@ pub async fn watch_liveness(
     }
 }
 
+/// Binds --http-listen (before anything is served, so a taken port fails the start) and serves
+/// KServe v2 REST and `/metrics` there until `stop`; None without --http-listen.
+async fn start_rest(
+    args: &ServeArgs,
+    kserve: &Arc<KserveApi>,
+    uploads: &Arc<Budget>,
+    rank: usize,
+    stop: &CancellationToken,
+) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
+    let Some(at) = args.http_listen.0 else {
+        return Ok(None);
+    };
+    let listener = tokio::net::TcpListener::bind(at)
+        .await
+        .with_context(|| format!("binding the HTTP address {at} (--http-listen)"))?;
+    let routes = crate::api::kserve::rest::routes(
+        kserve.clone(),
+        args.max_request_bytes,
+        args.upload.upload_timeout,
+    )
+    .merge(crate::metrics::routes());
+    let limits = crate::http::Limits {
+        conns: args.conn.clone(),
+        uploads: Some(uploads.clone()),
+    };
+    let bound = listener.local_addr()?;
+    tracing::info!("rank {rank} KServe REST on http://{bound}/v2");
+    Ok(Some(tokio::spawn(crate::http::serve(
+        listener,
+        routes,
+        limits,
+        "HTTP",
+        stop.clone(),
+    ))))
+}
+
 /// Serves the gRPC services on `listener` until `stop`, then lets open calls finish (bounded).
-/// The accept loop is ours rather than tonic's transport server, whose built-in grpc-timeout
-/// layer answers an expired deadline with CANCELLED before the service can say DEADLINE_EXCEEDED,
-/// and each connection is served with its share of the upload budget and closed when idle.
 #[allow(clippy::too_many_arguments)]
 pub async fn serve_grpc(
     http2: crate::transport::Http2,
@@ -243,8 +242,21 @@ pub async fn serve_grpc(
     listener: tokio::net::TcpListener,
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
-    use hyper_util::rt::{TokioExecutor, TokioIo};
-    use hyper_util::service::TowerToHyperService;
+    let routes = grpc_routes(max_request_bytes, uploads.timeout, api, kserve, health)?;
+    serve_connections(routes, http2, conns, uploads, listener, stop).await;
+    Ok(())
+}
+
+/// Every gRPC service this rank answers (epserve.v1, KServe v2, health, reflection), each unary
+/// call framed by `api::unary` within the request limits; a name no service has is refused by
+/// `unknown`.
+fn grpc_routes(
+    max_request_bytes: usize,
+    read_timeout: Duration,
+    api: Arc<MoeApi>,
+    kserve: Arc<KserveApi>,
+    health: HealthServer<impl tonic_health::pb::health_server::Health>,
+) -> anyhow::Result<super::unknown::NameUnknown<tonic::service::Routes>> {
     use tonic::codec::CompressionEncoding::{Deflate, Gzip};
     // Reflection v1 and v1alpha (grpcurl before 1.8.8 and Python's grpcio-reflection ask v1alpha),
     // each listing both.
@@ -275,7 +287,7 @@ pub async fn serve_grpc(
     let unary = Limits {
         max_request: max_request_bytes,
         max_response,
-        read_timeout: uploads.timeout,
+        read_timeout,
         bufs: Bufs::new(
             max_request_bytes.saturating_mul(4).min(256 << 20),
             REQUEST_BUFFERS_REUSED,
@@ -312,7 +324,23 @@ pub async fn serve_grpc(
         .add_service(moe)
         .add_service(kserve)
         .prepare();
-    let routes = super::unknown::NameUnknown::new(routes, &served);
+    Ok(super::unknown::NameUnknown::new(routes, &served))
+}
+
+/// The accept loop: each connection served over HTTP/2 with its share of the upload budget,
+/// closed when idle or at `stop` (GOAWAY, then dropped after a wait). The loop is ours rather than
+/// tonic's transport server, whose built-in grpc-timeout layer answers an expired deadline with
+/// CANCELLED before the service can say DEADLINE_EXCEEDED.
+async fn serve_connections(
+    routes: super::unknown::NameUnknown<tonic::service::Routes>,
+    http2: crate::transport::Http2,
+    conns: ConnArgs,
+    uploads: Arc<Budget>,
+    listener: tokio::net::TcpListener,
+    stop: CancellationToken,
+) {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper_util::service::TowerToHyperService;
     // gRPC is HTTP/2; HTTP/1.1 is spoken only to refuse it (`unknown`): a load balancer's GET
     // probe gets 505, not a 200 with a gRPC error it would read as healthy.
     let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
@@ -366,5 +394,4 @@ pub async fn serve_grpc(
     if tokio::time::timeout(CLOSE_WAIT, open.wait()).await.is_err() {
         warn!("gRPC connections still open {CLOSE_WAIT:?} after shutdown; closing");
     }
-    Ok(())
 }

@@ -116,6 +116,39 @@ pub fn backend_name(b: BackendKind) -> String {
     b.name().to_string()
 }
 
+/// `--ep-mode` resolved against the buckets, added to the group's fingerprint: every rank must
+/// build the same groups (NCCL EP's creation is collective).
+fn ep_settings(
+    args: &ServeArgs,
+    buckets: &[usize],
+    hidden: usize,
+    fingerprint: &mut Vec<(String, String)>,
+) -> anyhow::Result<EpSettings> {
+    let zero_copy = args.zero_copy == OnOff::On;
+    let (e, note) = EpSettings::resolve(
+        args.ep_mode,
+        args.ep_ll_max_tokens,
+        buckets,
+        zero_copy,
+        hidden,
+    )
+    .map_err(|e| anyhow!(e))?;
+    if let Some(n) = note {
+        info!("{n}");
+    }
+    fingerprint.push(("ep_mode".into(), args.ep_mode.name().into()));
+    fingerprint.push(("ep_ll_max".into(), e.ll_max.to_string()));
+    fingerprint.push(("zero_copy".into(), e.zero_copy.to_string()));
+    info!(
+        mode = args.ep_mode.name(),
+        buckets = e.modes(),
+        ll_up_to_tokens = e.ll_max,
+        zero_copy = e.zero_copy,
+        "nccl-ep"
+    );
+    Ok(e)
+}
+
 /// What a rank knows before it talks to the group, short of its weights.
 pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
     let source = ModelSource::parse(&args.model, args.seed)?;
@@ -145,36 +178,10 @@ pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
         fingerprint.push(("graph_buckets".into(), format!("{buckets:?}")));
         fingerprint.push(("cuda_graphs".into(), format!("{:?}", args.cuda_graphs)));
     }
-    // Every rank must build the same groups (NCCL EP's creation is collective).
     let ep = match backend {
-        BackendKind::NcclEp => {
-            let (e, note) = EpSettings::resolve(
-                args.ep_mode,
-                args.ep_ll_max_tokens,
-                &buckets,
-                args.zero_copy == OnOff::On,
-                spec.hidden,
-            )
-            .map_err(|e| anyhow!(e))?;
-            if let Some(n) = note {
-                info!("{n}");
-            }
-            Some(e)
-        }
+        BackendKind::NcclEp => Some(ep_settings(args, &buckets, spec.hidden, &mut fingerprint)?),
         _ => None,
     };
-    if let Some(e) = ep {
-        fingerprint.push(("ep_mode".into(), args.ep_mode.name().into()));
-        fingerprint.push(("ep_ll_max".into(), e.ll_max.to_string()));
-        fingerprint.push(("zero_copy".into(), e.zero_copy.to_string()));
-        info!(
-            mode = args.ep_mode.name(),
-            buckets = e.modes(),
-            ll_up_to_tokens = e.ll_max,
-            zero_copy = e.zero_copy,
-            "nccl-ep"
-        );
-    }
     let segment = SegmentShape {
         world: member.world,
         experts: spec.num_experts,

@@ -383,6 +383,39 @@ struct Formed {
     ingress: Vec<String>,
 }
 
+/// Names the group (and makes its NCCL id, for a GPU backend), then waits for every rank to
+/// join on `listener`: the link to them, the group's name and NCCL id.
+fn accept_ranks(
+    args: &ServeArgs,
+    p: &Prepared,
+    weights: &Weights,
+    listener: TcpListener,
+) -> anyhow::Result<(RouterLink, String, Option<Vec<u8>>)> {
+    let world = p.member.world;
+    let bind = listener.local_addr()?;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .subsec_nanos();
+    let group_id = format!("{:x}-{nanos:x}", std::process::id());
+    let host = group::host_id();
+    let nccl_id = match weights {
+        Weights::Gpu(_) => Some(gpu::new_unique_id()?),
+        Weights::Host(_) => None,
+    };
+    crate::startup::enter(crate::startup::Stage::Rendezvous);
+    info!(world, rendezvous = %bind, group = %group_id, "waiting for ranks");
+    let want = group::Expect {
+        world,
+        fingerprint: &p.fingerprint,
+        host: &host,
+        same_host: true,
+        token: args.group_token.as_deref().unwrap_or_default(),
+    };
+    let timeout = args.rendezvous_timeout;
+    let link = RouterLink::accept(&listener, &want, &group_id, nccl_id.clone(), timeout)?;
+    Ok((link, group_id, nccl_id))
+}
+
 /// Joins the group, sets up the exchange buffers, learns where every rank serves (`events`:
 /// --ingress all) and runs the warm-up step (blocking).
 fn form_group(
@@ -395,28 +428,8 @@ fn form_group(
     here: String,
 ) -> anyhow::Result<Formed> {
     let world = p.member.world;
-    let bind = listener.local_addr()?;
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)?
-        .subsec_nanos();
-    let group_id = format!("{:x}-{nanos:x}", std::process::id());
-    let host = group::host_id();
-    let nccl_id = match &weights {
-        Weights::Gpu(_) => Some(gpu::new_unique_id()?),
-        Weights::Host(_) => None,
-    };
-    crate::startup::enter(crate::startup::Stage::Rendezvous);
-    info!(world, rendezvous = %bind, group = %group_id, "waiting for ranks");
     let timeout = args.rendezvous_timeout;
-    let want = group::Expect {
-        world,
-        fingerprint: &p.fingerprint,
-        host: &host,
-        same_host: true,
-        token: args.group_token.as_deref().unwrap_or_default(),
-    };
-    let mut link = RouterLink::accept(&listener, &want, &group_id, nccl_id.clone(), timeout)?;
-    drop(listener);
+    let (mut link, group_id, nccl_id) = accept_ranks(args, &p, &weights, listener)?;
     let dir = super::segment_dir(args)?;
     let swept = crate::shm::sweep_stale(&dir);
     if swept > 0 {
