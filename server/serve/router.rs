@@ -127,6 +127,7 @@ async fn form(
     front.api.set_ingress(&formed.ingress);
     Ok(formed)
 }
+
 /// Where the group's steps come from: the router's batcher, or (--ingress all) the coordinator
 /// over every rank's offers, this rank's from its own batcher.
 enum Feed {
