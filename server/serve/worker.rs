@@ -157,21 +157,21 @@ fn follow(
     );
     let writer = CtlWriter::new(stream.try_clone()?);
     let progress = driver.progress();
-    let own = match (&mut clients, m.ring) {
-        (Some(c), Some(ring)) => Some(c.serve(args, writer.clone(), ring, progress.clone())?),
+    let ingress = match (&mut clients, m.ring) {
+        (Some(c), Some(ring)) => Some(OwnIngress {
+            rows: c.serve(args, writer.clone(), ring, progress.clone())?,
+            drain: c.drain.clone(),
+            opener: c.opener(),
+        }),
         (Some(_), None) => bail!("the step ring was never mapped"),
         (None, _) => None,
     };
-    let drain = clients.as_ref().map(|c| c.drain.clone());
-    let opener = clients.as_ref().map(Clients::opener);
     let looped = Follow {
         writer,
         progress,
         silence,
         step_timeout: args.step_timeout,
-        own,
-        drain,
-        opener,
+        ingress,
         abort,
     }
     .run(stream, driver);
@@ -237,11 +237,18 @@ struct Follow {
     /// The router sends a step or heartbeat at least this often.
     silence: Duration,
     step_timeout: Duration,
-    own: Option<OwnRows>,
-    drain: Option<tokio_util::sync::CancellationToken>,
-    /// Admits requests once the router says the group is ready.
-    opener: Option<Opener>,
+    /// --ingress all: this rank's own clients.
+    ingress: Option<OwnIngress>,
     abort: Arc<Abort>,
+}
+
+/// What a worker that takes requests (--ingress all) adds to the step loop: its clients' rows
+/// in the steps, the drain the router's signal starts, and the gate that admits requests once the
+/// router says the group is ready.
+struct OwnIngress {
+    rows: OwnRows,
+    drain: tokio_util::sync::CancellationToken,
+    opener: Opener,
 }
 
 /// What the step loop does after a message from the router.
@@ -268,7 +275,7 @@ impl Follow {
             });
             watchdog::exit_now(1, &reason);
         })?;
-        let orders = self.own.as_ref().and_then(OwnRows::orders);
+        let orders = self.ingress.as_ref().and_then(|i| i.rows.orders());
         let messages = read_router(stream, self.abort.clone(), orders)?;
         let depth = driver.depth();
         let mut flight: VecDeque<Running> = VecDeque::with_capacity(depth);
@@ -338,15 +345,15 @@ impl Follow {
                 info!("router asked to stop; exiting");
                 Next::Stop
             }
-            Ok(Ctl::Ingress { addrs }) if self.opener.is_some() => {
-                if let Some(o) = &self.opener {
-                    o.open(&addrs);
+            Ok(Ctl::Ingress { addrs }) if self.ingress.is_some() => {
+                if let Some(i) = &self.ingress {
+                    i.opener.open(&addrs);
                 }
                 Next::Go
             }
-            Ok(Ctl::Drain) if self.drain.is_some() => {
-                if let Some(d) = &self.drain {
-                    d.cancel();
+            Ok(Ctl::Drain) if self.ingress.is_some() => {
+                if let Some(i) = &self.ingress {
+                    i.drain.cancel();
                 }
                 Next::Go
             }
@@ -383,8 +390,8 @@ impl Follow {
         desc: StepDesc,
     ) -> Result<(), Failed> {
         let rank = driver.rank;
-        let mine = match &mut self.own {
-            Some(own) => own.before(&desc).map_err(|e| {
+        let mine = match &mut self.ingress {
+            Some(i) => i.rows.before(&desc).map_err(|e| {
                 let reason = format!("step {}: {e}", desc.step);
                 (
                     Some(Ctl::Failed { rank, reason }),
@@ -408,8 +415,8 @@ impl Follow {
         match r {
             Ok(_) => {
                 let done = flight.pop_front().expect("a step in flight");
-                if let (Some(own), Some(step)) = (&mut self.own, done.mine) {
-                    own.after(step, done.desc.slot as usize);
+                if let (Some(i), Some(step)) = (&mut self.ingress, done.mine) {
+                    i.rows.after(step, done.desc.slot as usize);
                 }
                 Ok(())
             }
