@@ -1,107 +1,33 @@
 //! The EP group: rendezvous at the router (rank 0), config fingerprint check, and the control
 //! channel that carries step descriptors. Every wait has a deadline and names who is missing.
 
+pub mod msg;
 pub mod wire;
 
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 
-use crate::step::{StepDesc, StepKey};
+pub use msg::{Bringup, Fingerprint, IngressOrder, IngressReport, Order, Report};
 pub use wire::{recv, send};
 
-pub type Fingerprint = Vec<(String, String)>;
-
-/// A control connection with several senders (threads and tasks): each frame goes out whole.
+/// A rank's end of its control connection after startup, shared by its senders (the step loop,
+/// the watchdog, the ingress tasks): each report goes out whole.
 #[derive(Clone)]
-pub struct CtlWriter(std::sync::Arc<std::sync::Mutex<TcpStream>>);
+pub struct Reporter(std::sync::Arc<std::sync::Mutex<TcpStream>>);
 
-impl CtlWriter {
+impl Reporter {
     pub fn new(stream: TcpStream) -> Self {
         Self(std::sync::Arc::new(std::sync::Mutex::new(stream)))
     }
 
-    pub fn send(&self, msg: &Ctl) -> std::io::Result<()> {
+    pub fn send(&self, msg: &Report) -> std::io::Result<()> {
         let mut s = self.0.lock().unwrap_or_else(|e| e.into_inner());
         send(&mut *s, msg)
     }
-}
-
-/// Control messages, router ↔ rank.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "msg", rename_all = "snake_case")]
-pub enum Ctl {
-    Hello {
-        rank: usize,
-        world: usize,
-        host: String,
-        fingerprint: Fingerprint,
-        /// --group-token, when the group has one.
-        #[serde(default, skip_serializing_if = "String::is_empty")]
-        token: String,
-    },
-    Welcome {
-        group: String,
-        /// The NCCL unique id of the group's communicator (GPU backends).
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        nccl_id: Option<Vec<u8>>,
-    },
-    Reject {
-        reason: String,
-    },
-    /// The rank's exchange segment exists.
-    Created {
-        rank: usize,
-    },
-    /// Every segment exists: map the peers'.
-    Map,
-    Mapped {
-        rank: usize,
-    },
-    /// Every rank mapped every segment: unlink your files and start.
-    Go,
-    Step(StepDesc),
-    /// Leave the step loop and exit cleanly.
-    Shutdown,
-    Failed {
-        rank: usize,
-        reason: String,
-    },
-    /// A step on this rank computed something wrong (its output was not stored).
-    Corrupt {
-        rank: usize,
-        reason: String,
-    },
-    /// `--ingress all`, after startup: where this rank serves gRPC.
-    Listening {
-        rank: usize,
-        addr: String,
-    },
-    /// `--ingress all`: where every rank serves, by rank (router to ranks).
-    Ingress {
-        addrs: Vec<String>,
-    },
-    /// `--ingress all`: the rank has this many tokens of `key` packed for the router to schedule.
-    Offer {
-        key: StepKey,
-        tokens: u32,
-    },
-    /// `--ingress all`, router to ranks, before the step's descriptor: the step that takes
-    /// `homes[rank]` rows of your offers goes in ring slot `slot`; pack them now.
-    Pack {
-        slot: u32,
-        key: StepKey,
-        homes: Vec<u32>,
-    },
-    /// Router to ranks: drain (refuse new requests, finish the admitted ones). Rank to router:
-    /// this rank was signalled; drain the group.
-    Drain,
-    /// Every request this rank admitted is answered (after a `Drain`).
-    Drained {
-        rank: usize,
-    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -190,7 +116,7 @@ fn same_secret(a: &str, b: &str) -> bool {
 }
 
 /// A connection's first message, read on a thread of its own.
-type Hello = (TcpStream, SocketAddr, std::io::Result<Ctl>);
+type Hello = (TcpStream, SocketAddr, std::io::Result<Bringup>);
 
 fn read_hello(mut stream: TcpStream, peer: SocketAddr, limit: Duration) -> Hello {
     let hello = stream
@@ -281,7 +207,7 @@ impl RouterLink {
             for w in &mut workers {
                 let _ = send(
                     w,
-                    &Ctl::Reject {
+                    &Bringup::Reject {
                         reason: e.to_string(),
                     },
                 );
@@ -289,7 +215,7 @@ impl RouterLink {
             return Err(e);
         }
         let mut link = Self { workers };
-        link.broadcast(&Ctl::Welcome {
+        link.broadcast(&Bringup::Welcome {
             group: group.to_string(),
             nccl_id,
         })?;
@@ -298,7 +224,7 @@ impl RouterLink {
 
     /// Sends `msg` to every rank, even past one that cannot be reached (a lost rank must not
     /// keep the others from hearing that the group stopped); the first failure is returned.
-    pub fn broadcast(&mut self, msg: &Ctl) -> Result<(), GroupError> {
+    pub fn broadcast<M: Serialize>(&mut self, msg: &M) -> Result<(), GroupError> {
         let mut first = Ok(());
         for (i, w) in self.workers.iter_mut().enumerate() {
             let sent = send(w, msg).map_err(io(format!("sending to rank {}", i + 1)));
@@ -314,30 +240,22 @@ impl RouterLink {
         &mut self,
         what: &str,
         deadline: Instant,
-        expect: impl Fn(usize) -> Ctl,
+        expect: impl Fn(usize) -> Bringup,
     ) -> Result<(), GroupError> {
         for (i, w) in self.workers.iter_mut().enumerate() {
             let rank = i + 1;
-            w.set_read_timeout(Some(remaining(deadline)))
-                .map_err(io("control socket"))?;
-            match recv(w) {
-                Ok(m) if m == expect(rank) => {}
-                Ok(Ctl::Failed { reason, .. }) => {
+            match recv_until(w, deadline, what, &format!("rank {rank}"))? {
+                m if m == expect(rank) => {}
+                Bringup::Failed { reason, .. } => {
                     return Err(GroupError::Rejected(format!(
                         "rank {rank} failed: {reason}"
                     )))
                 }
-                Ok(m) => {
+                m => {
                     return Err(GroupError::Protocol(format!(
                         "rank {rank} sent {m:?}, expected {what}"
                     )))
                 }
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                    return Err(GroupError::Timeout(format!(
-                        "rank {rank} did not report {what} in time"
-                    )))
-                }
-                Err(e) => return Err(io(format!("waiting for {what} from rank {rank}"))(e)),
             }
         }
         Ok(())
@@ -352,9 +270,12 @@ impl RouterLink {
         let mut addrs = vec![ours];
         for (i, w) in self.workers.iter_mut().enumerate() {
             let rank = i + 1;
-            match expect(w, "its gRPC address", deadline)? {
-                Ctl::Listening { rank: r, addr } if r == rank => addrs.push(addr),
-                Ctl::Failed { reason, .. } => {
+            let what = "its gRPC address";
+            match recv_until(w, deadline, what, &format!("rank {rank}"))? {
+                Report::Ingress(IngressReport::Listening { rank: r, addr }) if r == rank => {
+                    addrs.push(addr)
+                }
+                Report::Failed { reason, .. } => {
                     return Err(GroupError::Rejected(format!(
                         "rank {rank} failed: {reason}"
                     )))
@@ -374,7 +295,7 @@ impl RouterLink {
         for w in &mut self.workers {
             let _ = send(
                 w,
-                &Ctl::Reject {
+                &Bringup::Reject {
                     reason: reason.to_string(),
                 },
             );
@@ -394,12 +315,12 @@ impl RouterLink {
 fn admit(
     mut stream: TcpStream,
     peer: SocketAddr,
-    hello: std::io::Result<Ctl>,
+    hello: std::io::Result<Bringup>,
     want: &Expect,
     slots: &[Option<TcpStream>],
 ) -> Result<Option<(usize, TcpStream)>, GroupError> {
     let (rank, world, host, theirs, token) = match hello {
-        Ok(Ctl::Hello {
+        Ok(Bringup::Hello {
             rank,
             world,
             host,
@@ -407,7 +328,7 @@ fn admit(
             token,
         }) => (rank, world, host, fingerprint, token),
         Ok(other) => {
-            tracing::warn!(%peer, "rendezvous: {} before hello; closing", ctl_name(&other));
+            tracing::warn!(%peer, "rendezvous: {} before hello; closing", other.name());
             return Ok(None);
         }
         Err(e) => {
@@ -419,7 +340,7 @@ fn admit(
         tracing::warn!(%peer, rank, "rendezvous: wrong or missing --group-token; closing");
         let _ = send(
             &mut stream,
-            &Ctl::Reject {
+            &Bringup::Reject {
                 reason: "wrong or missing group token (--group-token)".into(),
             },
         );
@@ -442,7 +363,7 @@ fn admit(
         tracing::warn!(%peer, "rendezvous: {reason}; closing (no --group-token: a stray)");
         let _ = send(
             &mut stream,
-            &Ctl::Reject {
+            &Bringup::Reject {
                 reason: reason.clone(),
             },
         );
@@ -467,7 +388,7 @@ fn admit(
     if let Some(reason) = problem {
         let _ = send(
             &mut stream,
-            &Ctl::Reject {
+            &Bringup::Reject {
                 reason: reason.clone(),
             },
         );
@@ -477,29 +398,6 @@ fn admit(
         .set_read_timeout(None)
         .map_err(io("rendezvous socket"))?;
     Ok(Some((rank, stream)))
-}
-
-/// A message's kind, for logs (a stray's payload is not echoed).
-fn ctl_name(m: &Ctl) -> &'static str {
-    match m {
-        Ctl::Hello { .. } => "hello",
-        Ctl::Welcome { .. } => "welcome",
-        Ctl::Reject { .. } => "reject",
-        Ctl::Created { .. } => "created",
-        Ctl::Map => "map",
-        Ctl::Mapped { .. } => "mapped",
-        Ctl::Go => "go",
-        Ctl::Step(_) => "step",
-        Ctl::Shutdown => "shutdown",
-        Ctl::Failed { .. } => "failed",
-        Ctl::Corrupt { .. } => "corrupt",
-        Ctl::Listening { .. } => "listening",
-        Ctl::Ingress { .. } => "ingress",
-        Ctl::Offer { .. } => "offer",
-        Ctl::Pack { .. } => "pack",
-        Ctl::Drain => "drain",
-        Ctl::Drained { .. } => "drained",
-    }
 }
 
 /// A group id as the router makes it (hex and dashes): it names files under --shm-dir.
@@ -544,7 +442,7 @@ pub fn join(
     stream.set_nodelay(true).map_err(io("control socket"))?;
     send(
         &mut stream,
-        &Ctl::Hello {
+        &Bringup::Hello {
             rank,
             world,
             host: host_id(),
@@ -554,10 +452,10 @@ pub fn join(
     )
     .map_err(io("sending hello"))?;
     match expect(&mut stream, "welcome", deadline)? {
-        Ctl::Welcome { group, .. } if !valid_group_id(&group) => Err(GroupError::Protocol(
+        Bringup::Welcome { group, .. } if !valid_group_id(&group) => Err(GroupError::Protocol(
             format!("the router sent group id {group:?}, which is not hex"),
         )),
-        Ctl::Welcome { group, nccl_id } => Ok(Joined {
+        Bringup::Welcome { group, nccl_id } => Ok(Joined {
             stream,
             group,
             nccl_id,
@@ -568,21 +466,35 @@ pub fn join(
     }
 }
 
-/// Rank side: the next message before `deadline`; a `Reject` becomes an error with its reason.
-pub fn expect(stream: &mut TcpStream, what: &str, deadline: Instant) -> Result<Ctl, GroupError> {
+/// Rank side: the router's next message before `deadline`; a `Reject` becomes an error with its
+/// reason.
+pub fn expect(
+    stream: &mut TcpStream,
+    what: &str,
+    deadline: Instant,
+) -> Result<Bringup, GroupError> {
+    match recv_until(stream, deadline, what, "the router (rank 0)")? {
+        Bringup::Reject { reason } => Err(GroupError::Rejected(reason)),
+        m => Ok(m),
+    }
+}
+
+/// The next message from `from` before `deadline`.
+fn recv_until<M: DeserializeOwned>(
+    stream: &mut TcpStream,
+    deadline: Instant,
+    what: &str,
+    from: &str,
+) -> Result<M, GroupError> {
     stream
         .set_read_timeout(Some(remaining(deadline)))
         .map_err(io("control socket"))?;
-    match recv(stream) {
-        Ok(Ctl::Reject { reason }) => Err(GroupError::Rejected(reason)),
-        Ok(m) => Ok(m),
-        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => Err(
-            GroupError::Timeout(format!("no {what} from the router (rank 0) in time")),
-        ),
-        Err(e) => Err(io(format!("waiting for {what} from the router (rank 0)"))(
-            e,
-        )),
-    }
+    recv(stream).map_err(|e| match e.kind() {
+        ErrorKind::WouldBlock | ErrorKind::TimedOut => {
+            GroupError::Timeout(format!("no {what} from {from} in time"))
+        }
+        _ => io(format!("waiting for {what} from {from}"))(e),
+    })
 }
 
 #[cfg(test)]
@@ -602,13 +514,18 @@ mod tests {
         // Rank 2's connection can no longer be written.
         workers[1].shutdown(std::net::Shutdown::Write).unwrap();
         let mut link = RouterLink { workers };
-        let e = link.broadcast(&Ctl::Shutdown).unwrap_err();
+        let e = link.broadcast(&Order::Shutdown).unwrap_err();
         assert!(e.to_string().contains("rank 2"), "{e}");
         for r in [0, 2] {
             far[r]
                 .set_read_timeout(Some(Duration::from_secs(5)))
                 .unwrap();
-            assert_eq!(recv(&mut far[r]).unwrap(), Ctl::Shutdown, "rank {}", r + 1);
+            assert_eq!(
+                recv::<Order>(&mut far[r]).unwrap(),
+                Order::Shutdown,
+                "rank {}",
+                r + 1
+            );
         }
     }
 

@@ -3,11 +3,12 @@
 
 use std::io::{Error, ErrorKind, Read, Write};
 
-use super::Ctl;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 
 const MAX_FRAME: usize = 1 << 20;
 
-pub fn send(w: &mut impl Write, msg: &Ctl) -> std::io::Result<()> {
+pub fn send<M: Serialize>(w: &mut impl Write, msg: &M) -> std::io::Result<()> {
     let body = serde_json::to_vec(msg).map_err(Error::other)?;
     let mut frame = Vec::with_capacity(4 + body.len());
     frame.extend_from_slice(&(body.len() as u32).to_be_bytes());
@@ -16,7 +17,7 @@ pub fn send(w: &mut impl Write, msg: &Ctl) -> std::io::Result<()> {
     w.flush()
 }
 
-pub fn recv(r: &mut impl Read) -> std::io::Result<Ctl> {
+pub fn recv<M: DeserializeOwned>(r: &mut impl Read) -> std::io::Result<M> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len)?;
     let len = u32::from_be_bytes(len) as usize;
@@ -34,11 +35,12 @@ pub fn recv(r: &mut impl Read) -> std::io::Result<Ctl> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::group::Order;
     use crate::step::StepDesc;
 
     #[test]
     fn frames_round_trip_and_garbage_is_rejected() {
-        let msg = Ctl::Step(StepDesc {
+        let msg = Order::Step(StepDesc {
             step: 9,
             layer: 1,
             tokens: 33,
@@ -50,12 +52,15 @@ mod tests {
         });
         let mut buf = Vec::new();
         send(&mut buf, &msg).unwrap();
-        send(&mut buf, &Ctl::Shutdown).unwrap();
+        send(&mut buf, &Order::Shutdown).unwrap();
         let mut r = &buf[..];
-        assert_eq!(recv(&mut r).unwrap(), msg);
-        assert_eq!(recv(&mut r).unwrap(), Ctl::Shutdown);
-        assert!(recv(&mut r).is_err());
+        assert_eq!(recv::<Order>(&mut r).unwrap(), msg);
+        assert_eq!(recv::<Order>(&mut r).unwrap(), Order::Shutdown);
+        assert!(recv::<Order>(&mut r).is_err());
         let mut bad = &[0xffu8, 0xff, 0xff, 0xff][..];
-        assert_eq!(recv(&mut bad).unwrap_err().kind(), ErrorKind::InvalidData);
+        assert_eq!(
+            recv::<Order>(&mut bad).unwrap_err().kind(),
+            ErrorKind::InvalidData
+        );
     }
 }

@@ -17,7 +17,7 @@ use super::{Failure, Step, OFFERS_PENDING, STEPS_IN_FLIGHT};
 use crate::lifecycle::Abort;
 use crate::step::StepKey;
 
-/// One rank's offer (`Ctl::Offer`): `tokens` rows of `key`, packed there.
+/// One rank's offer (`IngressReport::Offer`): `tokens` rows of `key`, packed there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Offer {
     pub key: StepKey,

@@ -20,7 +20,7 @@ use super::rows::{copy_threads, deliver, out_bufs, pack, router_rows};
 use super::{Failure, Offer, Pace, Step};
 use crate::bufs::Bufs;
 use crate::dtype::Dtype;
-use crate::group::{recv, Ctl, GroupError, RouterLink};
+use crate::group::{recv, GroupError, IngressOrder, IngressReport, Order, Report, RouterLink};
 use crate::lifecycle::{nap, Abort};
 use crate::shm::WaitError;
 use crate::step::ring::Ring;
@@ -49,7 +49,7 @@ pub struct Control(Arc<Mutex<RouterLink>>);
 
 impl Control {
     /// Sends `msg` to every rank; whole frames, never interleaved with another sender's.
-    pub fn broadcast(&self, msg: &Ctl) -> Result<(), GroupError> {
+    pub fn broadcast(&self, msg: &Order) -> Result<(), GroupError> {
         self.0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -182,7 +182,7 @@ impl<B: Backend> Executor<B> {
             output: f.step.output,
             homes: f.step.homes.clone(),
         };
-        self.link.broadcast(&Ctl::Step(desc.clone()))?;
+        self.link.broadcast(&Order::Step(desc.clone()))?;
         self.driver.submit(&desc)?;
         if formed {
             self.pace.submitted();
@@ -352,8 +352,8 @@ impl<B: Backend> Executor<B> {
         let broken = self.abort.reason();
         self.closing.store(true, Ordering::Release);
         let msg = match &broken {
-            None if result.is_ok() => Ctl::Shutdown,
-            reason => Ctl::Failed {
+            None if result.is_ok() => Order::Shutdown,
+            reason => Order::Failed {
                 rank: 0,
                 reason: reason.clone().unwrap_or_default(),
             },
@@ -480,7 +480,7 @@ struct Packer<'a> {
 
 impl Packer<'_> {
     /// Each step from the batcher into a free slot, on to the executor. Under --ingress all the
-    /// other ranks are told the slot first (`Ctl::Pack`), so they pack their rows while the step
+    /// other ranks are told the slot first (`IngressOrder::Pack`), so they pack their rows while the step
     /// before runs, as this thread does. When the executor is gone (the group broke), the step
     /// in hand and every later one fail.
     fn run(
@@ -496,11 +496,11 @@ impl Packer<'_> {
             let slot = self.free.take();
             let t0 = Instant::now();
             if step.homes.iter().skip(1).any(|&n| n > 0) {
-                let order = Ctl::Pack {
+                let order = Order::Ingress(IngressOrder::Pack {
                     slot: slot as u32,
                     key: step.key(),
                     homes: step.homes.clone(),
-                };
+                });
                 if let Err(e) = self.control.broadcast(&order) {
                     abort.trigger(format!("sending a step's slot to the ranks: {e}"));
                 }
@@ -569,31 +569,22 @@ impl Watch {
     fn run(&self, stream: &mut TcpStream, abort: &Abort, closing: &AtomicBool) {
         let rank = self.rank;
         let (reason, corrupt) = loop {
-            let msg = recv(stream);
-            match (msg, &self.events) {
-                (Ok(Ctl::Offer { key, tokens }), Some(ev))
-                    if (1..=self.stride).contains(&(tokens as usize)) =>
-                {
-                    let offer = Offer {
-                        key,
-                        tokens: tokens as usize,
-                    };
-                    // The coordinator is gone only once the group stops.
-                    let _ = ev.offers.send((rank, offer));
+            match recv(stream) {
+                Ok(Report::Ingress(report)) => {
+                    if let Err(e) = self.ingress(report) {
+                        break (e, false);
+                    }
                 }
-                (Ok(Ctl::Drain), Some(ev)) => ev.drain.cancel(),
-                (Ok(Ctl::Drained { .. }), Some(ev)) => ev.drained.add_permits(1),
-                (Ok(Ctl::Failed { reason, .. }), _) => {
+                Ok(Report::Failed { reason, .. }) => {
                     break (format!("rank {rank} failed: {reason}"), false)
                 }
-                (Ok(Ctl::Corrupt { reason, .. }), _) => {
+                Ok(Report::Corrupt { reason, .. }) => {
                     break (format!("rank {rank}: {reason}"), true)
                 }
-                (Ok(other), _) => break (format!("rank {rank} sent unexpected {other:?}"), false),
-                (Err(e), _) if e.kind() == ErrorKind::UnexpectedEof => {
+                Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
                     break (format!("rank {rank} disconnected"), false)
                 }
-                (Err(e), _) => break (format!("rank {rank} control connection: {e}"), false),
+                Err(e) => break (format!("rank {rank} control connection: {e}"), false),
             }
         };
         match (closing.load(Ordering::Acquire), corrupt) {
@@ -601,5 +592,26 @@ impl Watch {
             (false, true) => abort.trigger_corrupt(reason),
             (false, false) => abort.trigger(reason),
         }
+    }
+
+    /// Passes on an offer or a drain (`--ingress all`); anything else is the rank's mistake.
+    fn ingress(&self, report: IngressReport) -> Result<(), String> {
+        let rank = self.rank;
+        match (report, &self.events) {
+            (IngressReport::Offer { key, tokens }, Some(ev))
+                if (1..=self.stride).contains(&(tokens as usize)) =>
+            {
+                let offer = Offer {
+                    key,
+                    tokens: tokens as usize,
+                };
+                // The coordinator is gone only once the group stops.
+                let _ = ev.offers.send((rank, offer));
+            }
+            (IngressReport::Drain, Some(ev)) => ev.drain.cancel(),
+            (IngressReport::Drained { .. }, Some(ev)) => ev.drained.add_permits(1),
+            (other, _) => return Err(format!("rank {rank} sent unexpected {other:?}")),
+        }
+        Ok(())
     }
 }

@@ -13,7 +13,7 @@ use super::prepare::{Prepared, Weights};
 use crate::backend::cpu::{default_lanes, CpuRank};
 use crate::config::ServeArgs;
 use crate::flags::OnOff;
-use crate::group::{expect, send, Ctl, RouterLink};
+use crate::group::{expect, send, Bringup, RouterLink};
 use crate::lifecycle::Abort;
 use crate::step::ring::Ring;
 use crate::step::Backend;
@@ -44,8 +44,8 @@ impl Side<'_> {
     fn barrier(
         &mut self,
         what: &str,
-        arrived: fn(usize) -> Ctl,
-        release: Ctl,
+        arrived: fn(usize) -> Bringup,
+        release: Bringup,
         deadline: Instant,
     ) -> anyhow::Result<()> {
         match self {
@@ -84,14 +84,14 @@ pub fn bring_up(
     abort: Arc<Abort>,
 ) -> anyhow::Result<Box<dyn Backend + Send>> {
     let (rank, deadline) = (side.rank(), site.deadline);
-    let created = |r| Ctl::Created { rank: r };
-    let mapped = |r| Ctl::Mapped { rank: r };
+    let created = |r| Bringup::Created { rank: r };
+    let mapped = |r| Bringup::Mapped { rank: r };
     match weights {
         Weights::Host(weights) => {
             let own = CpuRank::create_segment(site.dir, site.group, rank, p.segment).with_context(
                 || format!("creating the exchange segment in {}", site.dir.display()),
             )?;
-            side.barrier("its exchange segment", created, Ctl::Map, deadline)?;
+            side.barrier("its exchange segment", created, Bringup::Map, deadline)?;
             let lanes = match args.cpu_threads {
                 0 => default_lanes(p.member.world),
                 n => n,
@@ -111,12 +111,12 @@ pub fn bring_up(
             )
             .context("mapping the peers' exchange segments")?;
             tracing::info!(threads = lanes, "cpu backend: expert math threads");
-            side.barrier("mapping every segment", mapped, Ctl::Go, deadline)?;
+            side.barrier("mapping every segment", mapped, Bringup::Go, deadline)?;
             backend.unlink_own();
             Ok(Box::new(backend))
         }
         Weights::Gpu(dev) => {
-            side.barrier("its GPU and weights", created, Ctl::Map, deadline)?;
+            side.barrier("its GPU and weights", created, Bringup::Map, deadline)?;
             let _bound = SetupDeadline::new(GPU_SETUP, deadline);
             let backend = dev.join(
                 site.nccl_id,
@@ -129,7 +129,7 @@ pub fn bring_up(
             side.barrier(
                 "joining NCCL and capturing its steps",
                 mapped,
-                Ctl::Go,
+                Bringup::Go,
                 deadline,
             )?;
             Ok(backend)
@@ -137,7 +137,7 @@ pub fn bring_up(
     }
 }
 
-pub fn expect_msg(stream: &mut TcpStream, want: Ctl, deadline: Instant) -> anyhow::Result<()> {
+pub fn expect_msg(stream: &mut TcpStream, want: Bringup, deadline: Instant) -> anyhow::Result<()> {
     let got = expect(stream, &format!("{want:?}"), deadline)?;
     if got != want {
         bail!("expected {want:?} from the router, got {got:?}");

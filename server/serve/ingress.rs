@@ -14,7 +14,7 @@ use super::grpc::{set_ready, watch_liveness, Front};
 use super::own_rows::{lock, Offered, OwnRows};
 use super::prepare::Prepared;
 use crate::config::ServeArgs;
-use crate::group::{Ctl, CtlWriter};
+use crate::group::{IngressReport, Report, Reporter};
 use crate::infer::Phase;
 use crate::lifecycle::Abort;
 use crate::sched::{run_batcher, BatchConfig, Failure, Step, OFFERS_PENDING};
@@ -68,10 +68,10 @@ impl Clients {
 
     /// After startup: tells the router where this rank serves.
     pub fn send_address(&self, stream: &mut TcpStream) -> anyhow::Result<()> {
-        let msg = Ctl::Listening {
+        let msg = Report::Ingress(IngressReport::Listening {
             rank: self.rank,
             addr: self.front.addr.to_string(),
-        };
+        });
         Ok(crate::group::send(stream, &msg)?)
     }
 
@@ -93,7 +93,7 @@ impl Clients {
     pub fn serve(
         &mut self,
         args: &ServeArgs,
-        writer: CtlWriter,
+        writer: Reporter,
         ring: Arc<Ring>,
         progress: Arc<Progress>,
     ) -> anyhow::Result<OwnRows> {
@@ -132,7 +132,7 @@ impl Clients {
             set_ready(&health, false).await;
             warn!("rank {rank}: draining; new requests are refused");
             admission.drained().await;
-            let _ = w.send(&Ctl::Drained { rank });
+            let _ = w.send(&Report::Ingress(IngressReport::Drained { rank }));
         });
         tokio::spawn(ask_to_drain_on_signal(writer));
         tokio::spawn(watch_liveness(
@@ -173,7 +173,7 @@ impl Clients {
     }
 }
 
-/// Turns a rank SERVING when the router says the group is ready (`Ctl::Ingress`, after its
+/// Turns a rank SERVING when the router says the group is ready (`IngressOrder::Open`, after its
 /// warm-up step), with every rank's address for GetModelInfo.
 pub struct Opener {
     api: Arc<crate::api::MoeApi>,
@@ -197,14 +197,14 @@ impl Opener {
 async fn forward_offers(
     mut offers: mpsc::Receiver<Step>,
     offered: Offered,
-    writer: CtlWriter,
+    writer: Reporter,
     abort: Arc<Abort>,
 ) {
     while let Some(step) = offers.recv().await {
-        let msg = Ctl::Offer {
+        let msg = Report::Ingress(IngressReport::Offer {
             key: step.key(),
             tokens: step.tokens() as u32,
-        };
+        });
         lock(&offered).push_back(step);
         if let Err(e) = writer.send(&msg) {
             abort.trigger(format!("lost the router (rank 0): {e}"));
@@ -214,7 +214,7 @@ async fn forward_offers(
 }
 
 /// SIGTERM or SIGINT here drains the whole group: the router decides when it stops.
-async fn ask_to_drain_on_signal(writer: CtlWriter) {
+async fn ask_to_drain_on_signal(writer: Reporter) {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut int), Ok(mut term)) = (
         signal(SignalKind::interrupt()),
@@ -227,5 +227,5 @@ async fn ask_to_drain_on_signal(writer: CtlWriter) {
         _ = term.recv() => {}
     }
     warn!("signalled: asking the router to drain the group");
-    let _ = writer.send(&Ctl::Drain);
+    let _ = writer.send(&Report::Ingress(IngressReport::Drain));
 }

@@ -1,5 +1,5 @@
 //! `--ingress all`, a worker's step-loop side: a packer thread puts each of this rank's offers
-//! into its rows of the slot the router names (`Ctl::Pack`, while the step before runs), the step
+//! into its rows of the slot the router names (`IngressOrder::Pack`, while the step before runs), the step
 //! takes it from there, and a delivery thread answers its requests after the step.
 
 use std::collections::VecDeque;
@@ -91,7 +91,7 @@ impl RowsError {
     }
 }
 
-/// `Ctl::Pack`: the slot of the step that takes this rank's next offer.
+/// `IngressOrder::Pack`: the slot of the step that takes this rank's next offer.
 pub struct PackOrder {
     pub slot: usize,
     pub key: StepKey,
@@ -182,7 +182,7 @@ impl OwnRows {
         })
     }
 
-    /// Where the router's `Ctl::Pack` orders go.
+    /// Where the router's `IngressOrder::Pack` orders go.
     pub fn orders(&self) -> Option<std::sync::mpsc::Sender<PackOrder>> {
         self.orders.clone()
     }
@@ -230,7 +230,7 @@ impl OwnRows {
     }
 }
 
-/// The packer's part of a `Ctl::Pack`: this rank's oldest offer, checked against the order. Its
+/// The packer's part of an `IngressOrder::Pack`: this rank's oldest offer, checked against the order. Its
 /// input rows may go in at once: the router reuses a slot only once every rank's step in it is
 /// done (the output rows are `before`'s to wait for).
 fn pack_offer(

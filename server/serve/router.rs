@@ -18,8 +18,7 @@ use super::stop::{wait_for_stop, Stop};
 use crate::backend::gpu;
 use crate::config::Ingress;
 use crate::config::ServeArgs;
-use crate::group::Ctl;
-use crate::group::{self, RouterLink};
+use crate::group::{self, IngressOrder, Order, RouterLink};
 use crate::infer::Phase;
 use crate::lifecycle::Abort;
 use crate::sched::{
@@ -302,7 +301,10 @@ async fn go_live(
     ingress: Vec<String>,
 ) -> anyhow::Result<tokio::task::JoinHandle<()>> {
     if all_ingress {
-        if let Err(e) = pipe.control.broadcast(&Ctl::Ingress { addrs: ingress }) {
+        if let Err(e) = pipe
+            .control
+            .broadcast(&Order::Ingress(IngressOrder::Open { addrs: ingress }))
+        {
             abort.trigger(format!("telling the ranks the group is ready: {e}"));
         }
     }
@@ -347,7 +349,7 @@ async fn drain(
     );
     let others = events.map(|e| e.drained.clone());
     if others.is_some() {
-        if let Err(e) = pipe.control.broadcast(&Ctl::Drain) {
+        if let Err(e) = pipe.control.broadcast(&Order::Ingress(IngressOrder::Drain)) {
             abort.trigger(format!("telling the ranks to drain: {e}"));
         }
     }

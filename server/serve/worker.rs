@@ -15,7 +15,7 @@ use super::ingress::{Clients, Opener};
 use super::own_rows::{OwnRows, PackOrder};
 use super::prepare::{self, Prepared};
 use crate::config::{Ingress, ServeArgs};
-use crate::group::{self, send, Ctl, CtlWriter, Joined};
+use crate::group::{self, send, Bringup, IngressOrder, Joined, Order, Report, Reporter};
 use crate::lifecycle::{nap, Abort};
 use crate::sched::{Failure, Step};
 use crate::step::ring::Ring;
@@ -115,7 +115,7 @@ fn join(
         }),
         Err(e) => {
             let reason = format!("{e:#}");
-            let _ = send(&mut stream, &Ctl::Failed { rank, reason });
+            let _ = send(&mut stream, &Bringup::Failed { rank, reason });
             Err(e)
         }
     }
@@ -155,7 +155,7 @@ fn follow(
         p.ring,
         args.steps_ahead(p.backend),
     );
-    let writer = CtlWriter::new(stream.try_clone()?);
+    let writer = Reporter::new(stream.try_clone()?);
     let progress = driver.progress();
     let ingress = match (&mut clients, m.ring) {
         (Some(c), Some(ring)) => Some(OwnIngress {
@@ -187,19 +187,19 @@ fn follow(
 
 /// Reads the router's messages on a thread of its own, so that a failed group is known at once,
 /// even while a step here waits for a lost rank: `abort` ends that wait.
-/// `Ctl::Pack` orders go straight to `orders` (--ingress all), so this rank packs its rows while
+/// Pack orders go straight to `orders` (--ingress all), so this rank packs its rows while
 /// the step before runs.
 fn read_router(
     mut stream: TcpStream,
     abort: Arc<Abort>,
     orders: Option<std::sync::mpsc::Sender<PackOrder>>,
-) -> anyhow::Result<std::sync::mpsc::Receiver<std::io::Result<Ctl>>> {
+) -> anyhow::Result<std::sync::mpsc::Receiver<std::io::Result<Order>>> {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("ctl-router".into())
         .spawn(move || loop {
             let msg = match (group::recv(&mut stream), &orders) {
-                (Ok(Ctl::Pack { slot, key, homes }), Some(o)) => {
+                (Ok(Order::Ingress(IngressOrder::Pack { slot, key, homes })), Some(o)) => {
                     let order = PackOrder {
                         slot: slot as usize,
                         key,
@@ -211,11 +211,11 @@ fn read_router(
                 (msg, _) => msg,
             };
             let last = match &msg {
-                Ok(Ctl::Failed { reason, .. }) => {
+                Ok(Order::Failed { reason, .. }) => {
                     abort.trigger(format!("the EP group stopped: {reason}"));
                     true
                 }
-                Ok(Ctl::Shutdown) => true,
+                Ok(Order::Shutdown) => true,
                 Ok(_) => false,
                 Err(e) => {
                     abort.trigger(format!("lost the router (rank 0): {e}"));
@@ -232,7 +232,7 @@ fn read_router(
 /// The step loop's connections and this rank's share of its clients (--ingress all).
 struct Follow {
     /// Sends to the router (the step loop, the watchdog and the ingress tasks share it).
-    writer: CtlWriter,
+    writer: Reporter,
     progress: Arc<Progress>,
     /// The router sends a step or heartbeat at least this often.
     silence: Duration,
@@ -249,6 +249,21 @@ struct OwnIngress {
     rows: OwnRows,
     drain: tokio_util::sync::CancellationToken,
     opener: Opener,
+}
+
+impl OwnIngress {
+    /// The router's `--ingress all` orders that reach the step loop (the reader thread hands
+    /// packs to the packer).
+    fn obey(&self, order: IngressOrder) -> Next {
+        match order {
+            IngressOrder::Open { addrs } => self.opener.open(&addrs),
+            IngressOrder::Drain => self.drain.cancel(),
+            IngressOrder::Pack { .. } => {
+                return Next::Fail((None, anyhow!("unexpected control message {order:?}")))
+            }
+        }
+        Next::Go
+    }
 }
 
 /// What the step loop does after a message from the router.
@@ -269,7 +284,7 @@ impl Follow {
         let (report, step_timeout) = (self.writer.clone(), self.step_timeout);
         watchdog::watch_steps(self.progress.clone(), step_timeout, move |d| {
             let reason = format!("a step has run {d:.1?}, past --step-timeout {step_timeout:?}");
-            let _ = report.send(&Ctl::Failed {
+            let _ = report.send(&Report::Failed {
                 rank,
                 reason: reason.clone(),
             });
@@ -330,37 +345,28 @@ impl Follow {
     /// rank serves, stop it, or end the group.
     fn on_message<B: Backend>(
         &mut self,
-        msg: std::io::Result<Ctl>,
+        msg: std::io::Result<Order>,
         driver: &mut Driver<B>,
         flight: &mut VecDeque<Running>,
     ) -> Next {
         let silence = self.silence;
         match msg {
-            Ok(Ctl::Step(desc)) => match self.submit(driver, flight, desc) {
+            Ok(Order::Step(desc)) => match self.submit(driver, flight, desc) {
                 Ok(()) => Next::Go,
                 Err(e) => Next::Fail(e),
             },
-            Ok(Ctl::Shutdown) => {
+            Ok(Order::Shutdown) => {
                 // The router asks only once every step is answered: nothing is in flight.
                 info!("router asked to stop; exiting");
                 Next::Stop
             }
-            Ok(Ctl::Ingress { addrs }) if self.ingress.is_some() => {
-                if let Some(i) = &self.ingress {
-                    i.opener.open(&addrs);
-                }
-                Next::Go
-            }
-            Ok(Ctl::Drain) if self.ingress.is_some() => {
-                if let Some(i) = &self.ingress {
-                    i.drain.cancel();
-                }
-                Next::Go
-            }
-            Ok(Ctl::Failed { reason, .. }) => {
+            Ok(Order::Ingress(order)) => match &self.ingress {
+                Some(i) => i.obey(order),
+                None => Next::Fail((None, anyhow!("unexpected control message {order:?}"))),
+            },
+            Ok(Order::Failed { reason, .. }) => {
                 Next::Fail((None, anyhow!("the EP group stopped: {reason}")))
             }
-            Ok(other) => Next::Fail((None, anyhow!("unexpected control message {other:?}"))),
             Err(e)
                 if matches!(
                     e.kind(),
@@ -394,7 +400,7 @@ impl Follow {
             Some(i) => i.rows.before(&desc).map_err(|e| {
                 let reason = format!("step {}: {e}", desc.step);
                 (
-                    Some(Ctl::Failed { rank, reason }),
+                    Some(Report::Failed { rank, reason }),
                     anyhow::Error::new(e).context(format!("step {}", desc.step)),
                 )
             })?,
@@ -426,7 +432,7 @@ impl Follow {
 }
 
 /// What a failed step tells the router (None: nothing), and the error this rank exits with.
-type Failed = (Option<Ctl>, anyhow::Error);
+type Failed = (Option<Report>, anyhow::Error);
 
 /// A step submitted on this rank and not yet completed.
 struct Running {
@@ -450,8 +456,8 @@ fn broken(rank: usize, e: StepError, flight: &mut VecDeque<Running>) -> Failed {
         }
     }
     let tell = match e {
-        StepError::Corrupt { .. } => Ctl::Corrupt { rank, reason },
-        _ => Ctl::Failed { rank, reason },
+        StepError::Corrupt { .. } => Report::Corrupt { rank, reason },
+        _ => Report::Failed { rank, reason },
     };
     (Some(tell), e.into())
 }
