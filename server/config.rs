@@ -335,9 +335,9 @@ pub struct ServeArgs {
     #[command(flatten, next_help_heading = "HTTP/2 and connections")]
     pub http2: crate::transport::Http2,
     #[command(flatten, next_help_heading = "Limits")]
-    pub upload: crate::upload::UploadArgs,
+    pub upload: crate::transport::upload::UploadArgs,
     #[command(flatten, next_help_heading = "HTTP/2 and connections")]
-    pub conn: crate::conn::ConnArgs,
+    pub conn: crate::transport::conn::ConnArgs,
     #[command(flatten, next_help_heading = "Serving")]
     pub regions: crate::api::kserve::regions::RegionArgs,
     /// Requests of one ForwardStream in progress or answered but not yet taken by the client;

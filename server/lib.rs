@@ -3,19 +3,16 @@
 pub mod api;
 pub mod backend;
 pub mod bench;
-pub mod bufs;
 pub mod config;
-pub mod conn;
 pub mod dtype;
 pub mod flags;
 pub mod group;
-pub mod http;
 pub mod infer;
 pub mod launch;
 pub mod lifecycle;
-pub mod listen;
 pub mod metrics;
 pub mod model;
+pub mod rejections;
 pub mod sched;
 pub mod serve;
 pub mod shm;
@@ -24,7 +21,6 @@ pub mod stats_log;
 pub mod step;
 pub mod telemetry;
 pub mod transport;
-pub mod upload;
 pub mod watchdog;
 
 pub mod proto {

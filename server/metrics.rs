@@ -52,10 +52,10 @@ pub fn install() -> anyhow::Result<()> {
     );
     metrics::describe_counter!("epserve_rejections_total", "Requests refused, by reason");
     metrics::describe_gauge!(
-        crate::upload::UPLOAD_BYTES,
+        crate::transport::upload::UPLOAD_BYTES,
         "Bytes charged to the upload budget by request messages being read"
     );
-    metrics::gauge!(crate::upload::UPLOAD_BYTES).set(0.0);
+    metrics::gauge!(crate::transport::upload::UPLOAD_BYTES).set(0.0);
     metrics::describe_gauge!("epserve_queue_requests", "Requests waiting for a step");
     metrics::describe_gauge!("epserve_queue_tokens", "Tokens waiting for a step");
     metrics::describe_gauge!(
@@ -103,11 +103,11 @@ pub fn install() -> anyhow::Result<()> {
         "A finished step's output rows copied from the step ring to its requests"
     );
     metrics::describe_counter!(
-        crate::bufs::OUTPUT_BUFFERS_REUSED,
+        crate::transport::bufs::OUTPUT_BUFFERS_REUSED,
         "Answers of 1 MiB or more written into a buffer kept from an earlier answer"
     );
     metrics::describe_counter!(
-        crate::bufs::REQUEST_BUFFERS_REUSED,
+        crate::transport::bufs::REQUEST_BUFFERS_REUSED,
         "Unary requests of 1 MiB or more read into a buffer kept from an earlier request"
     );
     metrics::describe_histogram!(
@@ -279,7 +279,7 @@ pub fn routes() -> axum::Router {
 /// returns the bound address.
 pub async fn serve(
     addr: SocketAddr,
-    conns: crate::conn::ConnArgs,
+    conns: crate::transport::conn::ConnArgs,
     rank: usize,
 ) -> anyhow::Result<SocketAddr> {
     let listener = tokio::net::TcpListener::bind(addr)
@@ -287,13 +287,13 @@ pub async fn serve(
         .map_err(|e| anyhow::anyhow!("binding the metrics address {addr}: {e}"))?;
     let bound = listener.local_addr()?;
     info!("rank {rank} metrics on http://{bound}/metrics");
-    let limits = crate::http::Limits {
+    let limits = crate::transport::http::Limits {
         conns,
         uploads: None,
     };
     let routes =
         routes().fallback(|| async { (axum::http::StatusCode::NOT_FOUND, "try /metrics\n") });
-    tokio::spawn(crate::http::serve(
+    tokio::spawn(crate::transport::http::serve(
         listener,
         routes,
         limits,

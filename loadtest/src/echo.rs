@@ -7,13 +7,13 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use epserve::api::unary::{Limits, Unary, WithUnary};
-use epserve::bufs::{Bufs, REQUEST_BUFFERS_REUSED};
 use epserve::proto::moe_service_server::{MoeService, MoeServiceServer};
 use epserve::proto::{
     DType, ForwardRequest, ForwardResponse, GetModelInfoRequest, ModelInfo, ProbeRequest,
     ProbeResponse, Tensor,
 };
+use epserve::transport::bufs::{Bufs, REQUEST_BUFFERS_REUSED};
+use epserve::transport::unary::{Limits, Unary, WithUnary};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
@@ -56,7 +56,7 @@ impl Echo {
     }
 }
 
-/// The echo's `Forward` framed as the service frames it (`epserve::api::unary`), so that the
+/// The echo's `Forward` framed as the service frames it (`epserve::transport::unary`), so that the
 /// ceiling it measures is the service's transport, not tonic's codec.
 #[derive(Clone)]
 struct Forward(Arc<Echo>);
@@ -71,6 +71,9 @@ impl Unary for Forward {
     async fn call(self, req: Request<ForwardRequest>) -> Result<(ForwardResponse, ()), Status> {
         Ok((self.0.answer(req.into_inner()).await, ()))
     }
+
+    /// The echo keeps no request metrics.
+    fn refused(_: &Status, _: std::time::Instant) {}
 }
 
 type Out = Pin<Box<dyn Stream<Item = Result<ForwardResponse, Status>> + Send>>;

@@ -6,7 +6,6 @@ pub mod catalogue;
 pub mod kserve;
 pub mod moe;
 mod stream;
-pub mod unary;
 
 use std::future::Future;
 use std::time::{Duration, Instant};

@@ -6,7 +6,6 @@ use std::time::Instant;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::stream::{self, ResponseStream};
-use super::unary::Unary;
 use super::{Call, Done};
 use crate::infer::tensor::{self, Dtype, View, FLOATS, IDS};
 use crate::infer::{rejected, Infer, Request as Entry};
@@ -16,6 +15,7 @@ use crate::proto::{
     ProbeResponse,
 };
 use crate::sched::{Failure, JobInput, Permit};
+use crate::transport::unary::{Spliced, Unary};
 
 pub struct MoeApi {
     infer: Arc<Infer>,
@@ -246,6 +246,20 @@ impl Unary for Forward {
         self.0
             .forward_one(req.into_inner(), &call, Self::METHOD)
             .await
+    }
+
+    fn refused(status: &Status, since: Instant) {
+        super::record(Self::METHOD, status.code(), 0, since);
+    }
+}
+
+impl Spliced for ForwardResponse {
+    fn take_large(&mut self) -> Vec<(&'static [u32], bytes::Bytes)> {
+        // output = 2, Tensor.data = 3.
+        match &mut self.output {
+            Some(t) if !t.data.is_empty() => vec![(&[2, 3], std::mem::take(&mut t.data))],
+            _ => Vec::new(),
+        }
     }
 }
 

@@ -18,13 +18,13 @@ use tokio_util::sync::CancellationToken;
 
 use super::rows::{copy_threads, deliver, out_bufs, pack, router_rows};
 use super::{Failure, Offer, Pace, Step};
-use crate::bufs::Bufs;
 use crate::dtype::Dtype;
 use crate::group::{recv, GroupError, IngressOrder, IngressReport, Order, Report, RouterLink};
 use crate::lifecycle::{nap, Abort};
 use crate::shm::WaitError;
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver, PhaseTimes, StepDesc, StepError};
+use crate::transport::bufs::Bufs;
 use crate::watchdog::{AbortOnPanic, Progress};
 
 #[derive(Debug, thiserror::Error)]

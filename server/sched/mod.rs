@@ -11,11 +11,12 @@ mod failure;
 mod pace;
 pub(crate) mod rows;
 
+pub use crate::rejections::{count_rejection, REJECTION_REASONS};
 pub use admission::{Admission, Permit};
 pub use batcher::{run_batcher, BatchConfig};
 pub use coordinator::{run_coordinator, CoordConfig, Offer};
 pub use executor::{Control, Executor, ExecutorError, PeerEvents};
-pub use failure::{count_rejection, Failure, REJECTION_REASONS};
+pub use failure::Failure;
 pub use pace::{Pace, PARTIAL_STEPS_BEHIND};
 pub use rows::{DELIVER_SECONDS, PACK_SECONDS};
 
@@ -26,10 +27,10 @@ use std::time::Instant;
 use bytes::Bytes;
 use tokio::sync::oneshot;
 
-use crate::bufs::Bufs;
 use crate::dtype::Dtype;
 use crate::step::direct::ClientSpan;
 use crate::step::StepKey;
+use crate::transport::bufs::Bufs;
 
 /// Steps formed and not yet answered (the ring's slots in use).
 pub const STEPS_IN_FLIGHT: &str = "epserve_steps_in_flight";

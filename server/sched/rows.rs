@@ -6,9 +6,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::{Data, Failure, Job, Step};
-use crate::bufs::{Bufs, OUTPUT_BUFFERS_REUSED};
 use crate::step::direct::{ClientSpan, DirectRun};
 use crate::step::ring::Ring;
+use crate::transport::bufs::{Bufs, OUTPUT_BUFFERS_REUSED};
 
 /// A step's input rows copied from its requests into the ring, on this rank.
 pub const PACK_SECONDS: &str = "epserve_step_pack_seconds";

@@ -2,7 +2,7 @@
 //! own accept loop, and the health services that say whether it is ready and live.
 
 use std::net::SocketAddr;
-use std::pin::pin;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,17 +19,17 @@ use tracing::warn;
 use super::prepare::Prepared;
 use crate::api::kserve::{KserveApi, ModelInfer};
 use crate::api::moe::Forward;
-use crate::api::unary::{Limits, WithUnary};
 use crate::api::MoeApi;
-use crate::bufs::{Bufs, REQUEST_BUFFERS_REUSED};
 use crate::config::ServeArgs;
-use crate::conn::{Calls, ConnArgs, PerConnection};
 use crate::infer::Infer;
 use crate::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
 use crate::lifecycle::Abort;
 use crate::proto::moe_service_server::MoeServiceServer;
 use crate::sched::{Admission, Job};
-use crate::upload::Budget;
+use crate::transport::bufs::{Bufs, REQUEST_BUFFERS_REUSED};
+use crate::transport::conn::ConnArgs;
+use crate::transport::unary::{Limits, UnaryLayer};
+use crate::transport::upload::Budget;
 use crate::watchdog::Progress;
 
 /// One rank's gRPC front: the request entry (admission, queue) behind both protocols, health and
@@ -90,7 +90,7 @@ impl Front {
             .with_context(|| format!("binding the gRPC address {}", args.listen))?;
         let addr = listener.local_addr()?;
         let server_stop = CancellationToken::new();
-        let uploads = crate::upload::Budget::new(&args.upload, args.max_request_bytes)
+        let uploads = crate::transport::upload::Budget::new(&args.upload, args.max_request_bytes)
             .map_err(anyhow::Error::msg)?;
         let rank = p.member.rank;
         let http_server = start_rest(args, &kserve, &uploads, rank, &server_stop).await?;
@@ -138,11 +138,6 @@ impl Front {
         self.server.await?
     }
 }
-
-/// How long a connection may take to say goodbye before it is dropped: at shutdown (its calls
-/// are answered by then), and when idle (it has none).
-const CLOSE_WAIT: Duration = Duration::from_secs(5);
-const IDLE_CLOSE_WAIT: Duration = Duration::from_secs(1);
 
 /// Health services: "" and each protocol's service are readiness; "liveness" follows the step
 /// loop.
@@ -214,13 +209,13 @@ async fn start_rest(
         args.upload.upload_timeout,
     )
     .merge(crate::metrics::routes());
-    let limits = crate::http::Limits {
+    let limits = crate::transport::http::Limits {
         conns: args.conn.clone(),
         uploads: Some(uploads.clone()),
     };
     let bound = listener.local_addr()?;
     tracing::info!("rank {rank} KServe REST on http://{bound}/v2");
-    Ok(Some(tokio::spawn(crate::http::serve(
+    Ok(Some(tokio::spawn(crate::transport::http::serve(
         listener,
         routes,
         limits,
@@ -243,7 +238,8 @@ pub async fn serve_grpc(
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
     let routes = grpc_routes(max_request_bytes, uploads.timeout, api, kserve, health)?;
-    serve_connections(routes, http2, conns, uploads, listener, stop).await;
+    crate::transport::accept::serve_connections(routes, http2, conns, uploads, listener, stop)
+        .await;
     Ok(())
 }
 
@@ -258,6 +254,7 @@ fn grpc_routes(
     health: HealthServer<impl tonic_health::pb::health_server::Health>,
 ) -> anyhow::Result<super::unknown::NameUnknown<tonic::service::Routes>> {
     use tonic::codec::CompressionEncoding::{Deflate, Gzip};
+    use tower::Layer;
     // Reflection v1 and v1alpha (grpcurl before 1.8.8 and Python's grpcio-reflection ask v1alpha),
     // each listing both.
     let reflection = || {
@@ -293,23 +290,19 @@ fn grpc_routes(
             REQUEST_BUFFERS_REUSED,
         ),
     };
-    let moe = WithUnary::new(
-        MoeServiceServer::new(api.clone())
+    let moe = UnaryLayer::new(Forward(api.clone()), unary.clone()).layer(
+        MoeServiceServer::new(api)
             .accept_compressed(Gzip)
             .accept_compressed(Deflate)
             .max_decoding_message_size(max_request_bytes)
             .max_encoding_message_size(max_response),
-        Forward(api),
-        unary.clone(),
     );
-    let kserve = WithUnary::new(
-        GrpcInferenceServiceServer::new(kserve.clone())
+    let kserve = UnaryLayer::new(ModelInfer(kserve.clone()), unary).layer(
+        GrpcInferenceServiceServer::new(kserve)
             .accept_compressed(Gzip)
             .accept_compressed(Deflate)
             .max_decoding_message_size(max_request_bytes)
             .max_encoding_message_size(max_response),
-        ModelInfer(kserve),
-        unary,
     );
     let served = [
         MoeServiceServer::<Arc<MoeApi>>::NAME,
@@ -325,73 +318,4 @@ fn grpc_routes(
         .add_service(kserve)
         .prepare();
     Ok(super::unknown::NameUnknown::new(routes, &served))
-}
-
-/// The accept loop: each connection served over HTTP/2 with its share of the upload budget,
-/// closed when idle or at `stop` (GOAWAY, then dropped after a wait). The loop is ours rather than
-/// tonic's transport server, whose built-in grpc-timeout layer answers an expired deadline with
-/// CANCELLED before the service can say DEADLINE_EXCEEDED.
-async fn serve_connections(
-    routes: super::unknown::NameUnknown<tonic::service::Routes>,
-    http2: crate::transport::Http2,
-    conns: ConnArgs,
-    uploads: Arc<Budget>,
-    listener: tokio::net::TcpListener,
-    stop: CancellationToken,
-) {
-    use hyper_util::rt::{TokioExecutor, TokioIo};
-    use hyper_util::service::TowerToHyperService;
-    // gRPC is HTTP/2; HTTP/1.1 is spoken only to refuse it (`unknown`): a load balancer's GET
-    // probe gets 505, not a 200 with a gRPC error it would read as healthy.
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(10));
-    http2.serve(&mut builder);
-    let open = tokio_util::task::TaskTracker::new();
-    let mut acceptor = crate::listen::Acceptor::new(listener, "gRPC");
-    loop {
-        tokio::select! {
-            (tcp, peer) = acceptor.accept() => {
-                let _ = tcp.set_nodelay(true);
-                let calls = Calls::default();
-                let service = PerConnection::new(routes.clone(), uploads.connection(), calls.clone());
-                let conn = builder
-                    .serve_connection(TokioIo::new(tcp), TowerToHyperService::new(service))
-                    .into_owned();
-                let (conns, stop) = (conns.clone(), stop.clone());
-                open.spawn(async move {
-                    let mut conn = pin!(conn);
-                    let (why, wait) = tokio::select! {
-                        end = conn.as_mut() => {
-                            if let Err(e) = end {
-                                tracing::debug!(%peer, "gRPC connection ended: {e}");
-                            }
-                            return;
-                        }
-                        _ = calls.idle(conns.first_call(), conns.idle()) => ("idle", IDLE_CLOSE_WAIT),
-                        _ = stop.cancelled() => ("shutting down", CLOSE_WAIT),
-                    };
-                    // GOAWAY; a peer that never finished its handshake or does not answer is
-                    // dropped after `wait`.
-                    conn.as_mut().graceful_shutdown();
-                    if tokio::time::timeout(wait, conn).await.is_err() {
-                        tracing::debug!(
-                            %peer,
-                            wait_seconds = wait.as_secs_f64(),
-                            "gRPC connection dropped after closing ({why})"
-                        );
-                    }
-                });
-            }
-            _ = stop.cancelled() => break,
-        }
-    }
-    drop(acceptor);
-    open.close();
-    // Every admitted call is answered by now; this only waits for connections to close.
-    if tokio::time::timeout(CLOSE_WAIT, open.wait()).await.is_err() {
-        warn!("gRPC connections still open {CLOSE_WAIT:?} after shutdown; closing");
-    }
 }

@@ -26,7 +26,7 @@ const STILL_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let member = args.member().map_err(|e| anyhow!(e))?;
     let rank = member.rank;
-    match crate::listen::raise_open_files() {
+    match crate::transport::listen::raise_open_files() {
         Ok((before, now)) => tracing::info!(before, now, "open files limit (soft)"),
         Err(e) => tracing::warn!("open files limit: {e}"),
     }

@@ -16,7 +16,6 @@ use bytes::Bytes;
 use tonic::{Request, Response, Status, Streaming};
 
 use super::stream::{self, ResponseStream};
-use super::unary::Unary;
 use super::{code_name, status, Call, Done};
 use crate::infer::quote::quote;
 use crate::infer::stats::{LayerStats, Total};
@@ -41,6 +40,7 @@ use crate::inference::{
     SystemSharedMemoryUnregisterResponse,
 };
 use crate::sched::{Data, Failure, Permit};
+use crate::transport::unary::{Spliced, Unary};
 use models::{name, Model, HIDDEN, IDS_IN, OUTPUT, PLATFORM, VERSION, WEIGHTS};
 use regions::{Regions, Span, SHM_BYTES, SHM_TENSORS};
 
@@ -650,6 +650,20 @@ impl Unary for ModelInfer {
         self.0
             .infer_one(req.into_inner(), &call, Self::METHOD)
             .await
+    }
+
+    fn refused(status: &Status, since: Instant) {
+        super::record(Self::METHOD, status.code(), 0, since);
+    }
+}
+
+impl Spliced for ModelInferResponse {
+    fn take_large(&mut self) -> Vec<(&'static [u32], Bytes)> {
+        // raw_output_contents = 6, repeated: appended in order.
+        self.raw_output_contents
+            .drain(..)
+            .map(|b| (&[6][..], b))
+            .collect()
     }
 }
 

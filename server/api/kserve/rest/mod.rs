@@ -25,12 +25,12 @@ use serde_json::{json, Value};
 use tonic::{Code, Request, Status};
 
 use super::KserveApi;
-use crate::api::unary::Encoding;
 use crate::api::{record, Call};
-use crate::http::Held;
 use crate::inference::grpc_inference_service_server::GrpcInferenceService as Grpc;
 use crate::inference::*;
-use crate::upload::Share;
+use crate::transport::http::Held;
+use crate::transport::unary::Encoding;
+use crate::transport::upload::Share;
 
 /// The `method` label of REST inference in the request metrics.
 pub const METHOD: &str = "HttpModelInfer";

@@ -28,9 +28,7 @@ use tonic::metadata::MetadataMap;
 use tonic::server::NamedService;
 use tonic::Status;
 
-use crate::bufs::Bufs;
-use crate::inference::ModelInferResponse;
-use crate::proto::ForwardResponse;
+use super::bufs::Bufs;
 
 /// Bytes below this are copied in behind the message's head (one frame) rather than sent apart.
 const SPLICE_MIN: usize = 64 << 10;
@@ -40,26 +38,6 @@ pub trait Spliced: Message {
     /// Takes the large bytes out, each with its field path (outermost field first), in the
     /// order they are appended.
     fn take_large(&mut self) -> Vec<(&'static [u32], Bytes)>;
-}
-
-impl Spliced for ForwardResponse {
-    fn take_large(&mut self) -> Vec<(&'static [u32], Bytes)> {
-        // output = 2, Tensor.data = 3.
-        match &mut self.output {
-            Some(t) if !t.data.is_empty() => vec![(&[2, 3], std::mem::take(&mut t.data))],
-            _ => Vec::new(),
-        }
-    }
-}
-
-impl Spliced for ModelInferResponse {
-    fn take_large(&mut self) -> Vec<(&'static [u32], Bytes)> {
-        // raw_output_contents = 6, repeated: appended in order.
-        self.raw_output_contents
-            .drain(..)
-            .map(|b| (&[6][..], b))
-            .collect()
-    }
 }
 
 /// One unary method served here instead of by the tonic service it belongs to.
@@ -76,6 +54,9 @@ pub trait Unary: Clone + Send + Sync + 'static {
         self,
         req: tonic::Request<Self::Req>,
     ) -> impl Future<Output = Result<(Self::Resp, Self::Hold), Status>> + Send;
+    /// Counts a call that ended here, before `call` (its message never arrived whole, or could
+    /// not be read), as the protocol counts its calls.
+    fn refused(status: &Status, since: std::time::Instant);
 }
 
 /// The limits a tonic service would have been given, and where requests are read into.
@@ -88,6 +69,28 @@ pub struct Limits {
     /// Longest the request may take to arrive when the call sets no grpc-timeout.
     pub read_timeout: Duration,
     pub bufs: Arc<Bufs>,
+}
+
+/// Frames `U`'s method in front of the tonic service that owns it: the layer gives every other
+/// path to that service.
+#[derive(Clone)]
+pub struct UnaryLayer<U> {
+    unary: U,
+    limits: Limits,
+}
+
+impl<U> UnaryLayer<U> {
+    pub fn new(unary: U, limits: Limits) -> Self {
+        Self { unary, limits }
+    }
+}
+
+impl<S, U: Clone> tower::Layer<S> for UnaryLayer<U> {
+    type Service = WithUnary<S, U>;
+
+    fn layer(&self, inner: S) -> WithUnary<S, U> {
+        WithUnary::new(inner, self.unary.clone(), self.limits.clone())
+    }
 }
 
 /// The tonic service `S` with its method `U::PATH` served by `U` here.
@@ -155,7 +158,7 @@ where
     let t0 = std::time::Instant::now();
     let msg = read_request::<U, B>(body, &parts.headers, encoding, limits)
         .await
-        .inspect_err(|s| super::record(U::METHOD, s.code(), 0, t0))?;
+        .inspect_err(|s| U::refused(s, t0))?;
     let req = tonic::Request::from_parts(
         MetadataMap::from_headers(parts.headers),
         parts.extensions,
@@ -178,7 +181,7 @@ where
     B::Error: Into<tonic::codegen::StdError>,
 {
     // The whole request must be in by the call's deadline, else --upload-timeout.
-    let (limit, by) = match crate::transport::header_timeout(headers) {
+    let (limit, by) = match super::header_timeout(headers) {
         Some(d) => (d, "the call's grpc-timeout".to_string()),
         None => (
             limits.read_timeout,
@@ -187,7 +190,7 @@ where
     };
     let read = read_message(body, limits.max_request, encoding, &limits.bufs);
     let Ok(msg) = tokio::time::timeout(limit, read).await else {
-        crate::sched::count_rejection("upload_deadline");
+        crate::rejections::count_rejection("upload_deadline");
         tracing::debug!(
             reason = "upload_deadline",
             "request refused: not in within {by}"
@@ -443,9 +446,11 @@ impl HttpBody for Frames {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bufs::REQUEST_BUFFERS_REUSED;
     use crate::inference::model_infer_response::InferOutputTensor;
+    use crate::inference::ModelInferResponse;
+    use crate::proto::ForwardResponse;
     use crate::proto::{Error, Tensor};
+    use crate::transport::bufs::REQUEST_BUFFERS_REUSED;
     use rand::{Rng, SeedableRng};
     use tonic::Code;
 

@@ -16,8 +16,8 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio::sync::watch;
 use tonic::body::Body;
 
+use super::upload::Share;
 use crate::flags::duration;
-use crate::upload::Share;
 
 #[derive(Args, Debug, Clone)]
 pub struct ConnArgs {
@@ -133,7 +133,7 @@ where
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
         let open = self.calls.begin();
-        let deadline = crate::transport::header_timeout(req.headers())
+        let deadline = super::header_timeout(req.headers())
             .and_then(|d| tokio::time::Instant::now().checked_add(d));
         let share = self.share.clone();
         let req = req.map(|b| Body::new(share.meter(b, deadline)));

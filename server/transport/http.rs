@@ -17,8 +17,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::conn::{Calls, ConnArgs};
-use crate::upload::Budget;
+use super::conn::{Calls, ConnArgs};
+use super::upload::Budget;
 
 /// Longest a request's head may take to arrive (a client that opens and trickles).
 const HEADER_WAIT: Duration = Duration::from_secs(10);
@@ -46,7 +46,7 @@ pub async fn serve(
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_WAIT);
     let open = tokio_util::task::TaskTracker::new();
-    let mut acceptor = crate::listen::Acceptor::new(listener, what);
+    let mut acceptor = super::listen::Acceptor::new(listener, what);
     loop {
         let (tcp, peer) = tokio::select! {
             c = acceptor.accept() => c,

@@ -179,7 +179,7 @@ impl Share {
             Ok((Ok(mine), Ok(all))) => Ok(Charge::new(mine, all)),
             Ok(_) => Err(Status::internal("the upload budget was closed")),
             Err(_) => {
-                crate::sched::count_rejection("upload_budget");
+                crate::rejections::count_rejection("upload_budget");
                 tracing::debug!(reason = "upload_budget", bytes = len, "request refused");
                 Err(Status::resource_exhausted(format!(
                     "no room to read a request message of {len} bytes within --upload-wait \
@@ -289,7 +289,7 @@ impl<B> Metered<B> {
     fn late(&mut self, cx: &mut Context<'_>) -> Option<Status> {
         let t = self.timer.as_mut()?;
         t.as_mut().poll(cx).is_ready().then(|| {
-            crate::sched::count_rejection("upload_deadline");
+            crate::rejections::count_rejection("upload_deadline");
             tracing::debug!(
                 reason = "upload_deadline",
                 missing = self.left,

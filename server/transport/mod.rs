@@ -1,0 +1,16 @@
+//! How bytes reach the service and leave it, below the protocols: the gRPC port's accept loop
+//! (`accept`) and HTTP/2 settings (`http2`), each connection's limits (`conn`) and share of the
+//! upload budget (`upload`), the unary calls' own framing (`unary`, a tower layer over tonic's
+//! services), the plain-HTTP ports (`http`), buffers kept for reuse (`bufs`), and accepting when
+//! descriptors run out (`listen`). Nothing here names a protocol's messages: `api/` does.
+
+pub mod accept;
+pub mod bufs;
+pub mod conn;
+pub mod http;
+pub mod http2;
+pub mod listen;
+pub mod unary;
+pub mod upload;
+
+pub use http2::{grpc_timeout, header_timeout, Http2};
