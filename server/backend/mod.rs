@@ -1,6 +1,7 @@
 //! Implementations of the step phases.
 
 pub mod bench;
+pub mod bringup;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

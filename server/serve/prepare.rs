@@ -7,22 +7,17 @@ use std::time::Instant;
 use anyhow::{anyhow, bail};
 use tracing::info;
 
+use crate::backend::bringup::{BringUp, CpuBringUp, GpuBringUp};
 use crate::backend::cpu::SegmentShape;
 use crate::backend::ep_settings::EpSettings;
 use crate::backend::gpu;
 use crate::config::{graph_buckets, BackendKind, Member, ServeArgs};
 use crate::flags::OnOff;
 use crate::group::Fingerprint;
-use crate::model::{ExpertDtype, ModelSource, MoeSpec, Placement, RankWeights};
+use crate::model::{ExpertDtype, ModelSource, MoeSpec, Placement};
 use crate::proto::{DType, ExpertRange, ModelInfo};
 use crate::step::max_home_tokens;
 use crate::step::ring::RingShape;
-
-/// Where this rank's weights are before it joins: host memory (cpu) or its GPU (nccl).
-pub enum Weights {
-    Host(RankWeights),
-    Gpu(Box<gpu::Device>),
-}
 
 /// Everything a rank knows before it talks to the group.
 pub struct Prepared {
@@ -220,9 +215,9 @@ pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
 /// A long stage logs its progress this often.
 const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// This rank's experts' weights, where it computes them (its GPU opened on the GPU backends);
-/// fills in the bytes it holds.
-pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Weights> {
+/// This rank's experts' weights, where it computes them (its GPU opened on the GPU backends),
+/// ready to join the group; fills in the bytes it holds.
+pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringUp>> {
     crate::startup::enter(crate::startup::Stage::Load);
     let t0 = Instant::now();
     let rank = p.member.rank;
@@ -244,7 +239,7 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Weights> {
         seconds = crate::startup::secs(t0.elapsed()),
         "weights loaded"
     );
-    let weights = match p.backend {
+    let rank: Box<dyn BringUp> = match p.backend {
         BackendKind::Nccl | BackendKind::NcclEp => {
             let seat = gpu::Seat {
                 ordinal: device_ordinal(args, rank)?,
@@ -256,14 +251,26 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Weights> {
             let dev = gpu::Device::open(seat, &p.spec, weights)?;
             p.exchange_bytes = dev.buffer_bytes() as u64;
             p.expert_bytes = dev.expert_bytes() as u64;
-            Weights::Gpu(Box::new(dev))
+            Box::new(GpuBringUp {
+                device: Box::new(dev),
+                buckets: p.buckets.clone(),
+                graphs: args.cuda_graphs == OnOff::On,
+                step_timeout: args.step_timeout,
+            })
         }
         _ => {
             p.expert_bytes = host_bytes;
-            Weights::Host(weights)
+            Box::new(CpuBringUp::new(
+                rank,
+                p.segment,
+                p.spec.clone(),
+                weights,
+                args.step_timeout,
+                args.cpu_threads,
+            ))
         }
     };
-    Ok(weights)
+    Ok(rank)
 }
 
 /// What GetModelInfo says of this group.

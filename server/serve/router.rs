@@ -11,11 +11,11 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use super::bringup::{bring_up, Side, Site};
+use super::bringup::{bring_up, Side};
 use super::grpc::{set_ready, watch_liveness, Front};
-use super::prepare::{Prepared, Weights};
+use super::prepare::Prepared;
 use super::stop::{wait_for_stop, Stop};
-use crate::backend::gpu;
+use crate::backend::bringup::{BringUp, Site};
 use crate::config::Ingress;
 use crate::config::ServeArgs;
 use crate::group::{self, IngressOrder, Order, RouterLink};
@@ -114,9 +114,9 @@ async fn form(
     let (args, abort, events) = (args.clone(), abort.clone(), events.clone());
     let (api, here) = (front.api.clone(), front.addr.to_string());
     let setup = tokio::task::spawn_blocking(move || {
-        let weights = super::prepare::load(&args, &mut p)?;
+        let rank = super::prepare::load(&args, &mut p)?;
         api.set_footprint(p.exchange_bytes, p.expert_bytes);
-        form_group(&args, p, weights, rendezvous, abort, events, here)
+        form_group(&args, p, rank, rendezvous, abort, events, here)
     })
     .await;
     let formed = setup.map_err(anyhow::Error::from).and_then(|r| r)?;
@@ -391,7 +391,7 @@ struct Formed {
 fn accept_ranks(
     args: &ServeArgs,
     p: &Prepared,
-    weights: &Weights,
+    rank: &dyn BringUp,
     listener: TcpListener,
 ) -> anyhow::Result<(RouterLink, String, Option<Vec<u8>>)> {
     let world = p.member.world;
@@ -401,10 +401,7 @@ fn accept_ranks(
         .subsec_nanos();
     let group_id = format!("{:x}-{nanos:x}", std::process::id());
     let host = group::host_id();
-    let nccl_id = match weights {
-        Weights::Gpu(_) => Some(gpu::new_unique_id()?),
-        Weights::Host(_) => None,
-    };
+    let nccl_id = rank.new_nccl_id()?;
     crate::startup::enter(crate::startup::Stage::Rendezvous);
     info!(world, rendezvous = %bind, group = %group_id, "waiting for ranks");
     let want = group::Expect {
@@ -424,7 +421,7 @@ fn accept_ranks(
 fn form_group(
     args: &ServeArgs,
     p: Prepared,
-    weights: Weights,
+    rank: Box<dyn BringUp>,
     listener: TcpListener,
     abort: Arc<Abort>,
     events: Option<PeerEvents>,
@@ -432,7 +429,7 @@ fn form_group(
 ) -> anyhow::Result<Formed> {
     let world = p.member.world;
     let timeout = args.rendezvous_timeout;
-    let (mut link, group_id, nccl_id) = accept_ranks(args, &p, &weights, listener)?;
+    let (mut link, group_id, nccl_id) = accept_ranks(args, &p, rank.as_ref(), listener)?;
     let dir = super::segment_dir(args)?;
     let swept = crate::shm::sweep_stale(&dir);
     if swept > 0 {
@@ -454,16 +451,10 @@ fn form_group(
             nccl_id: nccl_id.as_deref().unwrap_or_default(),
             ring: &mapped,
             deadline,
+            abort: abort.clone(),
         };
         crate::startup::enter(crate::startup::Stage::BringUp);
-        let backend = bring_up(
-            &mut Side::Router(&mut link),
-            weights,
-            &p,
-            site,
-            args,
-            abort.clone(),
-        )?;
+        let backend = bring_up(&mut Side::Router(&mut link), rank, site)?;
         ring.unlink();
         let ingress = match events {
             Some(_) => link.gather_listening(here.clone(), deadline)?,

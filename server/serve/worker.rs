@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context};
 use tracing::info;
 
-use super::bringup::{bring_up, Side, Site};
+use super::bringup::{bring_up, Side};
 use super::ingress::{Clients, Opener};
 use super::own_rows::{OwnRows, PackOrder};
 use super::prepare::{self, Prepared};
+use crate::backend::bringup::{BringUp, Site};
 use crate::config::{Ingress, ServeArgs};
 use crate::group::{self, send, Bringup, IngressOrder, Joined, Order, Report, Reporter};
 use crate::lifecycle::{nap, Abort};
@@ -32,11 +33,11 @@ pub fn run(args: &ServeArgs, mut p: Prepared) -> anyhow::Result<()> {
         Ingress::All => Some(Clients::start(args, &p, abort.clone())?),
         Ingress::Router => None,
     };
-    let weights = prepare::load(args, &mut p)?;
+    let me = prepare::load(args, &mut p)?;
     if let Some(c) = &clients {
         c.set_footprint(p.exchange_bytes, p.expert_bytes);
     }
-    match join(args, &p, weights, clients.as_ref(), &abort) {
+    match join(args, &p, me, clients.as_ref(), &abort) {
         Ok(joined) => follow(args, &p, joined, clients, abort),
         Err(e) => {
             if let Some(c) = clients {
@@ -59,7 +60,7 @@ struct Member {
 fn join(
     args: &ServeArgs,
     p: &Prepared,
-    weights: prepare::Weights,
+    me: Box<dyn BringUp>,
     clients: Option<&Clients>,
     abort: &Arc<Abort>,
 ) -> anyhow::Result<Member> {
@@ -96,13 +97,14 @@ fn join(
             nccl_id: nccl_id.as_deref().unwrap_or_default(),
             ring: &open_ring,
             deadline,
+            abort: abort.clone(),
         };
         let mut side = Side::Worker {
             stream: &mut stream,
             rank,
         };
         crate::startup::enter(crate::startup::Stage::BringUp);
-        bring_up(&mut side, weights, p, site, args, abort.clone()).and_then(|b| match clients {
+        bring_up(&mut side, me, site).and_then(|b| match clients {
             Some(c) => c.send_address(&mut stream).map(|()| b),
             None => Ok(b),
         })

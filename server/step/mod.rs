@@ -140,6 +140,8 @@ pub trait Backend {
     fn ep_footprint(&self) -> Option<EpFootprint> {
         None
     }
+    /// Every rank has joined the group: drop what only its bring-up needed.
+    fn group_started(&self) {}
 }
 
 /// What the NCCL EP exchange takes on one GPU (`Backend::ep_footprint`; GetModelInfo reports

@@ -191,11 +191,6 @@ impl CpuRank {
         })
     }
 
-    /// Removes this rank's segment file once every peer has mapped it.
-    pub fn unlink_own(&self) {
-        self.segs[self.rank].unlink();
-    }
-
     fn wait_all(&self, desc: &StepDesc, kind: Flag, what: &'static str) -> Result<(), StepError> {
         let own = &self.segs[self.rank];
         for src in 0..self.shape.world {
@@ -461,6 +456,11 @@ impl Experts for CpuRank {
 }
 
 impl Backend for CpuRank {
+    /// Every peer has mapped this rank's segment: its file can go.
+    fn group_started(&self) {
+        self.segs[self.rank].unlink();
+    }
+
     fn submit(&mut self, desc: &StepDesc, home: std::ops::Range<usize>) -> Result<(), StepError> {
         let times = run_phases(self, desc, home)?;
         self.done.push_back(times);

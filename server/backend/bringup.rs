@@ -1,0 +1,164 @@
+//! A backend's bring-up in the halves the group's two barriers divide it into, so the startup
+//! handshake (`serve::bringup`) is written once for every backend: `create` makes what this
+//! rank's peers will map (the cpu backend's exchange segment; a GPU's weights are on it
+//! already), `join` maps the peers' (or joins NCCL) and returns the running backend. A new
+//! backend is a folder with one `BringUp`, made in one arm of `serve::prepare::load`.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use super::cpu::{default_lanes, CpuRank, SegmentShape};
+use super::gpu;
+use crate::lifecycle::Abort;
+use crate::model::{MoeSpec, RankWeights};
+use crate::shm::Shm;
+use crate::step::ring::Ring;
+use crate::step::Backend;
+use crate::watchdog::SetupDeadline;
+
+/// Where the group meets on this host.
+pub struct Site<'a> {
+    /// The directory of the group's shared-memory segments.
+    pub dir: &'a Path,
+    pub group: &'a str,
+    /// NCCL's unique id (GPU backends).
+    pub nccl_id: &'a [u8],
+    /// The step ring, mapped once every rank has arrived (the router creates it before then).
+    pub ring: &'a dyn Fn() -> anyhow::Result<Arc<Ring>>,
+    pub deadline: Instant,
+    pub abort: Arc<Abort>,
+}
+
+/// One rank's backend on its way into the group.
+pub trait BringUp: Send {
+    /// The router's id for the group's communicator, handed to every rank in its welcome
+    /// (GPU backends: NCCL's unique id).
+    fn new_nccl_id(&self) -> anyhow::Result<Option<Vec<u8>>> {
+        Ok(None)
+    }
+    /// What the first barrier waits for, and the second (for the errors that name them).
+    fn barriers(&self) -> [&'static str; 2];
+    /// Before the first barrier: what the peers will map.
+    fn create(&mut self, at: &Site) -> anyhow::Result<()>;
+    /// Between the barriers: the peers mapped (or NCCL joined); the backend. Once every rank
+    /// has joined, the handshake calls its `Backend::group_started`.
+    fn join(self: Box<Self>, at: &Site) -> anyhow::Result<Box<dyn Backend + Send>>;
+}
+
+/// The cpu backend: peers exchange through each rank's shared-memory segment.
+pub struct CpuBringUp {
+    rank: usize,
+    segment: SegmentShape,
+    spec: MoeSpec,
+    weights: RankWeights,
+    step_timeout: Duration,
+    /// --cpu-threads (0: by the world size).
+    threads: usize,
+    /// This rank's segment, once created.
+    own: Option<Shm>,
+}
+
+impl CpuBringUp {
+    pub fn new(
+        rank: usize,
+        segment: SegmentShape,
+        spec: MoeSpec,
+        weights: RankWeights,
+        step_timeout: Duration,
+        threads: usize,
+    ) -> Self {
+        Self {
+            rank,
+            segment,
+            spec,
+            weights,
+            step_timeout,
+            threads,
+            own: None,
+        }
+    }
+}
+
+impl BringUp for CpuBringUp {
+    fn barriers(&self) -> [&'static str; 2] {
+        ["its exchange segment", "mapping every segment"]
+    }
+
+    fn create(&mut self, at: &Site) -> anyhow::Result<()> {
+        let own = CpuRank::create_segment(at.dir, at.group, self.rank, self.segment)
+            .with_context(|| format!("creating the exchange segment in {}", at.dir.display()))?;
+        self.own = Some(own);
+        Ok(())
+    }
+
+    fn join(self: Box<Self>, at: &Site) -> anyhow::Result<Box<dyn Backend + Send>> {
+        let me = *self;
+        let own = me.own.context("joining before creating the segment")?;
+        let lanes = match me.threads {
+            0 => default_lanes(me.segment.world),
+            n => n,
+        };
+        let backend = CpuRank::attach(
+            at.dir,
+            at.group,
+            me.rank,
+            own,
+            me.segment,
+            me.spec,
+            me.weights,
+            (at.ring)()?,
+            at.abort.clone(),
+            me.step_timeout,
+            lanes,
+        )
+        .context("mapping the peers' exchange segments")?;
+        tracing::info!(threads = lanes, "cpu backend: expert math threads");
+        Ok(Box::new(backend))
+    }
+}
+
+/// A GPU backend (`nccl`, `nccl-ep`): its weights are on the device already; joining is NCCL's
+/// and the step graphs'.
+pub struct GpuBringUp {
+    pub device: Box<gpu::Device>,
+    /// Home-token buckets, ascending.
+    pub buckets: Vec<usize>,
+    pub graphs: bool,
+    pub step_timeout: Duration,
+}
+
+/// What a GPU rank does after NCCL init that takes no deadline of its own.
+const GPU_SETUP: &str = "joining NCCL, creating the NCCL EP groups and capturing the step graphs";
+
+impl BringUp for GpuBringUp {
+    fn new_nccl_id(&self) -> anyhow::Result<Option<Vec<u8>>> {
+        Ok(Some(gpu::new_unique_id()?))
+    }
+
+    fn barriers(&self) -> [&'static str; 2] {
+        [
+            "its GPU and weights",
+            "joining NCCL and capturing its steps",
+        ]
+    }
+
+    fn create(&mut self, _: &Site) -> anyhow::Result<()> {
+        Ok(())
+    }
+
+    fn join(self: Box<Self>, at: &Site) -> anyhow::Result<Box<dyn Backend + Send>> {
+        let _bound = SetupDeadline::new(GPU_SETUP, at.deadline);
+        let me = *self;
+        me.device.join(
+            at.nccl_id,
+            (at.ring)()?,
+            me.buckets,
+            me.graphs,
+            me.step_timeout,
+            at.deadline,
+        )
+    }
+}
