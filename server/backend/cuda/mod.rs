@@ -32,7 +32,8 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 
-/// `kernels/epserve.cu`, compiled for sm_90a (plus compute_90a PTX).
+/// `kernels/epserve.cu` (its parts: routing, layout, ffn, convert), compiled for sm_90a (plus
+/// compute_90a PTX).
 pub static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/epserve_kernels.fatbin"));
 
 /// Rows per grouped-GEMM tile (the kernel's `kTile`).

@@ -10,7 +10,7 @@ use super::{Alloc, Gpu, GpuError};
 /// Pieces of the f32 router the bf16 router multiplies (`bf16_pieces`).
 pub const ROUTER_PIECES: usize = 3;
 
-/// The most experts the top-k kernels' register form takes (`kRegs` x 32 in kernels/epserve.cu):
+/// The most experts the top-k kernels' register form takes (`kRegs` x 32 in kernels/routing.cuh):
 /// a warp's row in registers, its argmax two warp reductions. Past it, the shared-memory form.
 pub const TOPK_REGS_EXPERTS: usize = 256;
 
