@@ -10,7 +10,7 @@ use std::borrow::Cow;
 use cudarc::driver::{CudaSlice, DriverError};
 use half::bf16;
 
-use super::decode_gemm::{DecodeGemm, Spans};
+use super::decode_gemm::Spans;
 use super::fp8::{Fp8Rows, Fp8Weights, Live};
 use super::hopper::Layout;
 use super::shape::StepShape;
@@ -147,29 +147,24 @@ fn ffn(
     gemm(aq, down, x)
 }
 
-/// Whether decode's own GEMM takes both of an FFN's GEMMs (`stride`: strided rows).
-fn decode_takes(w: (&Fp8Weights, &Fp8Weights), mean_rows: usize, stride: Option<usize>) -> bool {
-    let takes = |w: &Fp8Weights| DecodeGemm::takes_fp8(mean_rows, stride, w.groups, w.n, w.k);
-    takes(w.0) && takes(w.1)
-}
-
 /// The routed experts over contiguous expert-major blocks (`ExpertRows::Blocks`): DeepGEMM's
-/// psum layout, over the `cap` rows quantised here, or as the exchange quantised them (`pre`);
-/// a row's routing weight scales its activation (the down projection is linear).
+/// psum layout (or decode's own GEMM, `decode`), over the `cap` rows quantised here, or as the
+/// exchange quantised them (`pre`); a row's routing weight scales its activation (the down
+/// projection is linear).
 #[allow(clippy::too_many_arguments)]
 pub fn contiguous(
     g: &Gpu,
     w: (&Fp8Weights, &Fp8Weights),
     (cap, pre): (usize, Option<&Fp8Rows>),
     (offsets, ends, total): (&CudaSlice<i32>, &CudaSlice<i32>, &CudaSlice<i32>),
-    mean_rows: usize,
+    decode: bool,
     weights: Option<&CudaSlice<f32>>,
     b: &mut Fp8Bufs,
     gu: &mut CudaSlice<bf16>,
     x: &mut CudaSlice<bf16>,
 ) -> Result<(), GpuError> {
     let live = Live::Upto(total);
-    let decode = decode_takes(w, mean_rows, None).then_some(Spans::Blocks { offsets, ends });
+    let decode = decode.then_some(Spans::Blocks { offsets, ends });
     let xq = match pre {
         Some(q) => q,
         None => quantise(g, x, cap, live, &mut b.x)?,
@@ -179,22 +174,21 @@ pub fn contiguous(
     Ok(())
 }
 
-/// The routed experts over fixed strides (`ExpertRows::Strided`): DeepGEMM's masked layout;
-/// combine weighs.
+/// The routed experts over fixed strides (`ExpertRows::Strided`): DeepGEMM's masked layout (or
+/// decode's own GEMM, `decode`); combine weighs.
 #[allow(clippy::too_many_arguments)]
 pub fn strided(
     g: &Gpu,
     w: (&Fp8Weights, &Fp8Weights),
     (stride, counts): (usize, &CudaSlice<i32>),
-    mean_rows: usize,
+    (mean_rows, decode): (usize, bool),
     b: &mut Fp8Bufs,
     gu: &mut CudaSlice<bf16>,
     x: &mut CudaSlice<bf16>,
 ) -> Result<(), GpuError> {
     let layout = Layout::Masked { stride, mean_rows };
     let live = Live::Masked { counts, stride };
-    let decode =
-        decode_takes(w, mean_rows, Some(stride)).then_some(Spans::Strided { stride, counts });
+    let decode = decode.then_some(Spans::Strided { stride, counts });
     let rows = w.0.groups * stride;
     let xq = quantise(g, x, rows, live, &mut b.x)?;
     let at = (layout, live, counts);

@@ -9,6 +9,7 @@ mod convert;
 pub mod decode_gemm;
 pub mod ep;
 pub mod exchange;
+mod experts;
 mod ffn;
 pub mod fp8;
 mod fp8_ffn;

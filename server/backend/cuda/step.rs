@@ -9,18 +9,17 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, DriverError};
 use half::bf16;
 
-use super::decode_gemm::{DecodeGemm, Out};
 use super::ep::EpExchange;
-use super::exchange::{Exchange, ExpertRows, Home};
-use super::fp8::Fp8Weights;
-use super::fp8_ffn::{self, Fp8Bufs};
-use super::hopper::{self, Gemm, Hopper, Layout};
+use super::exchange::{Exchange, Home};
+use super::experts::{self, Choices, DeviceFfn, Scratch, SharedRows};
+use super::fp8_ffn::Fp8Bufs;
+use super::hopper;
 use super::nccl::Comm;
 use super::shape::StepShape;
 use super::slots::SlotExchange;
-use super::{max_tiles, Blocks, Gpu, Logits, ROUTER_PIECES};
+use super::{max_tiles, Gpu, Logits, ROUTER_PIECES};
 use super::{Alloc, GpuError};
-use crate::model::{ExpertDtype, Ffn, LayerWeights, Matrix, Routing};
+use crate::model::{ExpertDtype, LayerWeights, Routing};
 
 /// One MoE layer on the device: the router in f32 (and as bf16 pieces, for bf16 rows), this
 /// rank's experts and the shared expert in the experts' dtype.
@@ -31,78 +30,6 @@ pub struct DeviceLayer {
     bias: CudaSlice<f32>,
     experts: DeviceFfn,
     shared: Option<DeviceFfn>,
-}
-
-/// A grouped SwiGLU FFN's weights on the device: gate/up `[groups][2 * inter][hidden]` and down
-/// `[groups][hidden][inter]`, in bf16 or in FP8 with their 128x128 block scales.
-pub enum DeviceFfn {
-    Bf16 {
-        gate_up: CudaSlice<bf16>,
-        down: CudaSlice<bf16>,
-    },
-    Fp8 {
-        gate_up: Fp8Weights,
-        down: Fp8Weights,
-    },
-}
-
-impl DeviceFfn {
-    fn bytes(&self) -> usize {
-        match self {
-            DeviceFfn::Bf16 { gate_up, down } => (gate_up.len() + down.len()) * 2,
-            DeviceFfn::Fp8 { gate_up, down } => gate_up.bytes() + down.bytes(),
-        }
-    }
-
-    /// `ffns` (`groups` of intermediate size `inter`) uploaded in `dtype`.
-    fn upload<'a>(
-        a: &mut Alloc,
-        ffns: impl ExactSizeIterator<Item = &'a Ffn> + Clone,
-        (hidden, inter): (usize, usize),
-        dtype: ExpertDtype,
-    ) -> Result<Self, DriverError> {
-        Ok(match dtype {
-            ExpertDtype::Bf16 => DeviceFfn::Bf16 {
-                gate_up: a.upload(&to_bf16(ffns.clone().map(|f| &f.gate_up)))?,
-                down: a.upload(&to_bf16(ffns.map(|f| &f.down)))?,
-            },
-            ExpertDtype::Fp8 => {
-                let (gate_up, down) = fp8_ffn::upload(a, ffns, hidden, inter)?;
-                DeviceFfn::Fp8 { gate_up, down }
-            }
-        })
-    }
-
-    /// Random weights made on the GPU (`epserve bench`: timing, not numerics).
-    fn random(
-        g: &Gpu,
-        a: &mut Alloc,
-        (groups, hidden, inter): (usize, usize, usize),
-        seed: u64,
-        dtype: ExpertDtype,
-    ) -> Result<Self, DriverError> {
-        Ok(match dtype {
-            ExpertDtype::Bf16 => {
-                let mut gate_up = a.zeros::<bf16>(groups * 2 * inter * hidden)?;
-                let mut down = a.zeros::<bf16>(groups * hidden * inter)?;
-                g.fill_uniform_bf16(&mut gate_up, seed, (3.0 / hidden as f32).sqrt())?;
-                g.fill_uniform_bf16(&mut down, seed + 1, (3.0 / inter as f32).sqrt())?;
-                DeviceFfn::Bf16 { gate_up, down }
-            }
-            ExpertDtype::Fp8 => {
-                let (gate_up, down) = fp8_ffn::random(g, a, (groups, hidden, inter), seed)?;
-                DeviceFfn::Fp8 { gate_up, down }
-            }
-        })
-    }
-}
-
-fn to_bf16<'a>(parts: impl Iterator<Item = &'a Matrix>) -> Vec<bf16> {
-    let mut out = Vec::new();
-    for m in parts {
-        out.extend(m.values().iter().map(|&v| bf16::from_f32(v)));
-    }
-    out
 }
 
 /// Where a step's home rows are, and in which dtype, when its graph starts.
@@ -295,6 +222,8 @@ pub struct GpuStep {
     pub routing: Routing,
     pub layers: Vec<DeviceLayer>,
     pub b: Buffers,
+    /// The expert kernels, chosen once per bucket and row format.
+    choices: Choices,
 }
 
 impl GpuStep {
@@ -322,6 +251,7 @@ impl GpuStep {
             routing,
             layers,
             b,
+            choices: Choices::default(),
         })
     }
 
@@ -390,118 +320,42 @@ impl GpuStep {
         self.ex.dispatch(&self.g, &self.comm, &home!(b), bucket)
     }
 
-    /// Grouped SwiGLU FFN of every local expert over the rows where the exchange put them; the
-    /// output overwrites them. The Hopper GEMM runs it where the shapes allow (`Hopper::fits`),
-    /// the WMMA kernels elsewhere.
+    /// Grouped SwiGLU FFN of every local expert over the rows where the exchange put them, on
+    /// the kernels chosen for this bucket and row format (`experts::Routed`); the output
+    /// overwrites them.
     pub fn experts(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
-        let (g, s, l) = (&self.g, &self.shape, &self.layers[layer]);
-        let Buffers {
-            gu,
-            act,
-            tiles,
-            n_tiles,
-            fp8,
-            ..
-        } = &mut self.b;
-        // Rows an expert gets on average from a full bucket on every rank.
-        let mean_rows = (s.world * bucket * s.top_k).div_ceil(s.experts);
+        let (g, s) = (&self.g, &self.shape);
+        let b = &mut self.b;
         let rows = self.ex.expert_rows(g, bucket)?;
-        let (gate_up, down) = match (&l.experts, fp8) {
-            (DeviceFfn::Fp8 { gate_up, down }, Some(b)) => {
-                let w = (gate_up, down);
-                return match rows {
-                    ExpertRows::Blocks {
-                        x,
-                        cap,
-                        offsets,
-                        ends,
-                        total,
-                        weights,
-                        fp8,
-                    } => {
-                        let at = (offsets, ends, total);
-                        let rows = (cap, fp8);
-                        fp8_ffn::contiguous(g, w, rows, at, mean_rows, weights, b, gu, x)
-                    }
-                    ExpertRows::Strided {
-                        x, stride, counts, ..
-                    } => fp8_ffn::strided(g, w, (stride, counts), mean_rows, b, gu, x),
-                };
-            }
-            (DeviceFfn::Bf16 { gate_up, down }, _) => (gate_up, down),
-            (DeviceFfn::Fp8 { .. }, None) => {
-                return Err(GpuError::Config("FP8 experts without FP8 buffers".into()))
-            }
+        let kernels = self.choices.routed(s, bucket, rows.format());
+        let scratch = Scratch {
+            gu: &mut b.gu,
+            act: &mut b.act,
+            tiles: &mut b.tiles,
+            n_tiles: &mut b.n_tiles,
+            fp8: b.fp8.as_mut(),
         };
-        let w = FfnWeights {
-            gate_up,
-            down,
-            groups: s.local(),
-            inter: s.inter,
-        };
-        let scratch = (tiles, n_tiles, gu, act);
-        match rows {
-            ExpertRows::Blocks { fp8: Some(_), .. } => {
-                Err(GpuError::Config("FP8 rows for bf16 experts".into()))
-            }
-            ExpertRows::Blocks {
-                x,
-                cap,
-                offsets,
-                ends,
-                total,
-                weights,
-                fp8: None,
-            } => {
-                let blocks = Contiguous {
-                    offsets,
-                    ends,
-                    rows: total,
-                    weights,
-                };
-                contiguous_ffn(g, w, blocks, cap, s.hidden, scratch, x)
-            }
-            ExpertRows::Strided {
-                x,
-                stride,
-                counts,
-                bounds,
-                valid,
-            } => {
-                let rows = Strided {
-                    stride,
-                    counts,
-                    bounds,
-                    valid,
-                    mean_rows,
-                };
-                strided_ffn(g, w, rows, s.hidden, scratch, x)
-            }
-        }
+        let w = &self.layers[layer].experts;
+        experts::routed(g, s, (kernels, bucket), w, rows, scratch)
     }
 
     /// The shared expert, then the exchange's combine: expert outputs back home, weighted and
     /// summed with the shared expert's rows.
     pub fn combine(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
         let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
-        match (&l.shared, &mut b.fp8) {
-            (None, _) => {}
-            (Some(DeviceFfn::Bf16 { gate_up, down }), _) => {
-                shared_ffn(g, s, (gate_up, down), bucket, b)?
-            }
-            (Some(DeviceFfn::Fp8 { gate_up, down }), Some(f)) => fp8_ffn::shared(
-                g,
-                (gate_up, down),
-                bucket,
-                (&b.xb, &b.n),
-                (&b.sh_off, &mut b.sh_ends),
-                f,
-                &mut b.sgu,
-                &mut b.sy,
-            )?,
-            (Some(DeviceFfn::Fp8 { .. }), None) => {
-                return Err(GpuError::Config("FP8 experts without FP8 buffers".into()))
-            }
+        if let Some(w) = &l.shared {
+            let kernels = self.choices.shared(s, bucket);
+            let rows = SharedRows {
+                xb: &b.xb,
+                n: &b.n,
+                zero: &b.sh_off,
+                ends: &mut b.sh_ends,
+                gu: &mut b.sgu,
+                act: &mut b.sact,
+                y: &mut b.sy,
+                fp8: b.fp8.as_mut(),
+            };
+            experts::shared(g, s, (kernels, bucket), w, rows)?;
         }
         let shared = l.shared.as_ref().map(|_| &b.sy);
         self.ex
@@ -532,227 +386,6 @@ impl GpuStep {
         self.experts(layer, bucket)?;
         self.combine(layer, bucket)
     }
-}
-
-/// Contiguous expert-major blocks on the device: expert e's rows start at `offsets[e]` (a
-/// multiple of `hopper::ALIGN`) and end at `ends[e]`; `rows` is the padded total. `weights`:
-/// each row's routing weight, to scale its output by.
-struct Contiguous<'a> {
-    offsets: &'a CudaSlice<i32>,
-    ends: &'a CudaSlice<i32>,
-    rows: &'a CudaSlice<i32>,
-    weights: Option<&'a CudaSlice<f32>>,
-}
-
-/// A grouped SwiGLU FFN's weights: `groups` experts of intermediate size `inter`.
-struct FfnWeights<'a> {
-    /// `[groups][2 * inter][hidden]`.
-    gate_up: &'a CudaSlice<bf16>,
-    /// `[groups][hidden][inter]`.
-    down: &'a CudaSlice<bf16>,
-    groups: usize,
-    inter: usize,
-}
-
-/// The WMMA kernels' tile lists, then the gate/up and activation rows.
-type Scratch<'a> = (
-    &'a mut CudaSlice<i32>,
-    &'a mut CudaSlice<i32>,
-    &'a mut CudaSlice<bf16>,
-    &'a mut CudaSlice<bf16>,
-);
-
-/// The FFN over contiguous blocks of at most `rows` rows, in place on `x`: gate/up, SwiGLU,
-/// down. A row's weight scales its activation (the down projection is linear), or its output on
-/// the WMMA path.
-fn contiguous_ffn(
-    g: &Gpu,
-    w: FfnWeights,
-    b: Contiguous,
-    rows: usize,
-    h: usize,
-    (tiles, n_tiles, gu, act): Scratch,
-    x: &mut CudaSlice<bf16>,
-) -> Result<(), GpuError> {
-    let (i, groups) = (w.inter, w.groups);
-    let psum = Layout::Psum;
-    if Hopper::fits(psum, groups, 2 * i, h) && Hopper::fits(psum, groups, h, i) {
-        let up = Gemm {
-            x,
-            rows,
-            w: w.gate_up,
-            groups,
-            n: 2 * i,
-            k: h,
-            layout: psum,
-            sizes: b.ends,
-        };
-        g.hopper.gemm(up, gu, &g.stream)?;
-        g.swiglu(gu, b.rows, rows, i, b.weights, act)?;
-        let down = Gemm {
-            x: act,
-            rows,
-            w: w.down,
-            groups,
-            n: h,
-            k: i,
-            layout: psum,
-            sizes: b.ends,
-        };
-        g.hopper.gemm(down, x, &g.stream)?;
-        return Ok(());
-    }
-    let blocks = Blocks::Offsets(b.offsets);
-    g.grouped_gemm(
-        x,
-        w.gate_up,
-        blocks,
-        groups,
-        rows,
-        2 * i,
-        h,
-        tiles,
-        n_tiles,
-        gu,
-    )?;
-    g.swiglu(gu, b.rows, rows, i, None, act)?;
-    g.grouped_gemm(act, w.down, blocks, groups, rows, h, i, tiles, n_tiles, x)?;
-    if let Some(wt) = b.weights {
-        g.scale_rows(x, wt, b.rows, rows, h)?;
-    }
-    Ok(())
-}
-
-/// Fixed-stride expert rows: expert e's `counts[e]` rows start at `e * stride`; `bounds` are the
-/// same blocks for the WMMA kernels, `valid` the most rows in all, `mean_rows` what an expert
-/// gets on average. Combine weighs the outputs.
-struct Strided<'a> {
-    stride: usize,
-    counts: &'a CudaSlice<i32>,
-    bounds: &'a CudaSlice<i32>,
-    valid: usize,
-    mean_rows: usize,
-}
-
-/// The FFN over fixed-stride expert rows, in place on `x`: decode's own GEMM for experts of a
-/// few rows (SwiGLU in its gate/up pass), DeepGEMM's masked layout for more, or the WMMA kernels
-/// over the same blocks.
-fn strided_ffn(
-    g: &Gpu,
-    w: FfnWeights,
-    r: Strided,
-    h: usize,
-    (tiles, n_tiles, gu, act): Scratch,
-    x: &mut CudaSlice<bf16>,
-) -> Result<(), GpuError> {
-    let (i, groups) = (w.inter, w.groups);
-    let masked = Layout::Masked {
-        stride: r.stride,
-        mean_rows: r.mean_rows,
-    };
-    let both = |fits: fn(Layout, usize, usize, usize) -> bool| {
-        fits(masked, groups, 2 * i, h) && fits(masked, groups, h, i)
-    };
-    // The decode GEMM where it is the faster kernel, and where DeepGEMM's tile does not fit (a
-    // stride off its 64 rows): it beats the WMMA kernels from decode to 128 rows per expert
-    // (docs/benchmarks.md, "Where the decode GEMM stops paying").
-    let tile = both(Hopper::fits);
-    let decode = both(DecodeGemm::takes) || (both(DecodeGemm::fits) && !tile);
-    if decode || tile {
-        let span = groups * r.stride;
-        let up = Gemm {
-            x,
-            rows: span,
-            w: w.gate_up,
-            groups,
-            n: 2 * i,
-            k: h,
-            layout: masked,
-            sizes: r.counts,
-        };
-        if decode {
-            g.decode.gemm(up, Out::SwiGlu, act)?;
-        } else {
-            g.hopper.gemm(up, gu, &g.stream)?;
-            g.swiglu_masked(gu, r.counts, groups, r.stride, i, act)?;
-        }
-        let down = Gemm {
-            x: act,
-            rows: span,
-            w: w.down,
-            groups,
-            n: h,
-            k: i,
-            layout: masked,
-            sizes: r.counts,
-        };
-        match decode {
-            true => g.decode.gemm(down, Out::Plain, x)?,
-            false => g.hopper.gemm(down, x, &g.stream)?,
-        }
-        return Ok(());
-    }
-    let blocks = Blocks::Bounds(r.bounds);
-    let (rows, tiles_cap) = (r.valid, max_tiles(r.valid, groups));
-    g.grouped_gemm(
-        x,
-        w.gate_up,
-        blocks,
-        groups,
-        rows,
-        2 * i,
-        h,
-        tiles,
-        n_tiles,
-        gu,
-    )?;
-    g.swiglu_tiles(gu, tiles, n_tiles, r.bounds, groups, tiles_cap, i, act)?;
-    g.grouped_gemm(act, w.down, blocks, groups, rows, h, i, tiles, n_tiles, x)?;
-    Ok(())
-}
-
-/// Buckets of at most this many rows run the shared expert on cuBLAS over the whole bucket: its
-/// weights' read dominates, and one expert's block would give the grouped GEMM a few column
-/// tiles and leave most SMs idle (at decode, 139 µs on DeepGEMM against 33 µs on cuBLAS:
-/// docs/benchmarks.md). Past it compute dominates, the block has tiles for every SM, and the
-/// grouped GEMM skips the bucket's padding rows, which cuBLAS would compute.
-const SHARED_DENSE_ROWS: usize = 256;
-
-/// The shared expert over the bucket's home rows (`xb`, `n` of them) into `sy`.
-fn shared_ffn(
-    g: &Gpu,
-    s: &StepShape,
-    (gate_up, down): (&CudaSlice<bf16>, &CudaSlice<bf16>),
-    bucket: usize,
-    b: &mut Buffers,
-) -> Result<(), GpuError> {
-    let (h, i) = (s.hidden, s.shared_inter);
-    let psum = Layout::Psum;
-    if bucket <= SHARED_DENSE_ROWS
-        || !(Hopper::fits(psum, 1, 2 * i, h) && Hopper::fits(psum, 1, h, i))
-    {
-        g.gemm_bf16(gate_up, &b.xb, (bucket, 2 * i, h), &mut b.sgu)?;
-        g.swiglu(&b.sgu, &b.n, bucket, i, None, &mut b.sact)?;
-        return g.gemm_bf16(down, &b.sact, (bucket, h, i), &mut b.sy);
-    }
-    // One block of `n` rows from row 0.
-    g.psum_ends(&b.sh_off, &b.n, &mut b.sh_ends)?;
-    let gemm = |x, w, n, k| Gemm {
-        x,
-        rows: bucket,
-        w,
-        groups: 1,
-        n,
-        k,
-        layout: psum,
-        sizes: &b.sh_ends,
-    };
-    g.hopper
-        .gemm(gemm(&b.xb, gate_up, 2 * i, h), &mut b.sgu, &g.stream)?;
-    g.swiglu(&b.sgu, &b.n, bucket, i, None, &mut b.sact)?;
-    g.hopper
-        .gemm(gemm(&b.sact, down, h, i), &mut b.sy, &g.stream)?;
-    Ok(())
 }
 
 #[cfg(test)]

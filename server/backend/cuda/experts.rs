@@ -1,0 +1,581 @@
+//! The experts' FFN on the device: their weights (`DeviceFfn`), which kernels run them, chosen
+//! once per (bucket, row format) for the shape's expert dtype and kept (`Choices`), and those
+//! kernels run over the rows where the exchange put them (`routed`) or over the home rows (the
+//! shared expert, `shared`). The choices follow measurements: docs/benchmarks.md ("Where the
+//! decode GEMM stops paying", the shared expert on cuBLAS at decode).
+
+use std::collections::HashMap;
+
+use cudarc::driver::{CudaSlice, DriverError};
+use half::bf16;
+
+use super::decode_gemm::{DecodeGemm, Out};
+use super::exchange::ExpertRows;
+use super::fp8::Fp8Weights;
+use super::fp8_ffn::{self, Fp8Bufs};
+use super::hopper::{Gemm, Hopper, Layout};
+use super::shape::StepShape;
+use super::{max_tiles, Alloc, Blocks, Gpu, GpuError};
+use crate::model::{ExpertDtype, Ffn, Matrix};
+
+/// A grouped SwiGLU FFN's weights on the device: gate/up `[groups][2 * inter][hidden]` and down
+/// `[groups][hidden][inter]`, in bf16 or in FP8 with their 128x128 block scales.
+pub enum DeviceFfn {
+    Bf16 {
+        gate_up: CudaSlice<bf16>,
+        down: CudaSlice<bf16>,
+    },
+    Fp8 {
+        gate_up: Fp8Weights,
+        down: Fp8Weights,
+    },
+}
+
+impl DeviceFfn {
+    pub fn bytes(&self) -> usize {
+        match self {
+            DeviceFfn::Bf16 { gate_up, down } => (gate_up.len() + down.len()) * 2,
+            DeviceFfn::Fp8 { gate_up, down } => gate_up.bytes() + down.bytes(),
+        }
+    }
+
+    /// `ffns` (`groups` of intermediate size `inter`) uploaded in `dtype`.
+    pub fn upload<'a>(
+        a: &mut Alloc,
+        ffns: impl ExactSizeIterator<Item = &'a Ffn> + Clone,
+        (hidden, inter): (usize, usize),
+        dtype: ExpertDtype,
+    ) -> Result<Self, DriverError> {
+        Ok(match dtype {
+            ExpertDtype::Bf16 => DeviceFfn::Bf16 {
+                gate_up: a.upload(&to_bf16(ffns.clone().map(|f| &f.gate_up)))?,
+                down: a.upload(&to_bf16(ffns.map(|f| &f.down)))?,
+            },
+            ExpertDtype::Fp8 => {
+                let (gate_up, down) = fp8_ffn::upload(a, ffns, hidden, inter)?;
+                DeviceFfn::Fp8 { gate_up, down }
+            }
+        })
+    }
+
+    /// Random weights made on the GPU (`epserve bench`: timing, not numerics).
+    pub fn random(
+        g: &Gpu,
+        a: &mut Alloc,
+        (groups, hidden, inter): (usize, usize, usize),
+        seed: u64,
+        dtype: ExpertDtype,
+    ) -> Result<Self, DriverError> {
+        Ok(match dtype {
+            ExpertDtype::Bf16 => {
+                let mut gate_up = a.zeros::<bf16>(groups * 2 * inter * hidden)?;
+                let mut down = a.zeros::<bf16>(groups * hidden * inter)?;
+                g.fill_uniform_bf16(&mut gate_up, seed, (3.0 / hidden as f32).sqrt())?;
+                g.fill_uniform_bf16(&mut down, seed + 1, (3.0 / inter as f32).sqrt())?;
+                DeviceFfn::Bf16 { gate_up, down }
+            }
+            ExpertDtype::Fp8 => {
+                let (gate_up, down) = fp8_ffn::random(g, a, (groups, hidden, inter), seed)?;
+                DeviceFfn::Fp8 { gate_up, down }
+            }
+        })
+    }
+}
+
+fn to_bf16<'a>(parts: impl Iterator<Item = &'a Matrix>) -> Vec<bf16> {
+    let mut out = Vec::new();
+    for m in parts {
+        out.extend(m.values().iter().map(|&v| bf16::from_f32(v)));
+    }
+    out
+}
+
+/// How the exchange leaves the expert rows (`ExpertRows`' two forms).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RowFormat {
+    /// Contiguous blocks aligned to the Hopper GEMM's tile.
+    Blocks,
+    /// Expert e's rows from `e * stride`.
+    Strided { stride: usize },
+}
+
+impl ExpertRows<'_> {
+    pub fn format(&self) -> RowFormat {
+        match self {
+            ExpertRows::Blocks { .. } => RowFormat::Blocks,
+            ExpertRows::Strided { stride, .. } => RowFormat::Strided { stride: *stride },
+        }
+    }
+}
+
+/// The kernels the routed experts run on, for one bucket and row format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Routed {
+    /// bf16 blocks: DeepGEMM's psum layout, SwiGLU between (a row's weight scales its
+    /// activation: the down projection is linear).
+    Psum,
+    /// bf16 blocks the Hopper GEMM does not fit: the WMMA kernels over 64-row tiles, then each
+    /// row's weight scales its output.
+    BlockTiles,
+    /// bf16 strides: decode's own GEMM (SwiGLU in its gate/up pass).
+    Decode,
+    /// bf16 strides: DeepGEMM's masked layout.
+    Masked,
+    /// bf16 strides neither fits: the WMMA kernels over the strides' tiles.
+    StrideTiles,
+    /// FP8: DeepGEMM's FP8 GEMM in the rows' layout, or decode's own FP8 GEMM (`decode`).
+    Fp8 { decode: bool },
+}
+
+impl Routed {
+    /// What runs `bucket` home tokens a rank, in `rows` (every choice is `s`'s to make: the same
+    /// shape chooses the same kernels on every rank).
+    pub fn choose(s: &StepShape, bucket: usize, rows: RowFormat) -> Self {
+        let (groups, h, i) = (s.local(), s.hidden, s.inter);
+        let mean_rows = mean_rows(s, bucket);
+        if s.expert_dtype == ExpertDtype::Fp8 {
+            let stride = match rows {
+                RowFormat::Blocks => None,
+                RowFormat::Strided { stride } => Some(stride),
+            };
+            let takes = |n, k| DecodeGemm::takes_fp8(mean_rows, stride, groups, n, k);
+            return Routed::Fp8 {
+                decode: takes(2 * i, h) && takes(h, i),
+            };
+        }
+        let layout = match rows {
+            RowFormat::Blocks => Layout::Psum,
+            RowFormat::Strided { stride } => Layout::Masked { stride, mean_rows },
+        };
+        let both = |fits: fn(Layout, usize, usize, usize) -> bool| {
+            fits(layout, groups, 2 * i, h) && fits(layout, groups, h, i)
+        };
+        let tile = both(Hopper::fits);
+        match rows {
+            RowFormat::Blocks if tile => Routed::Psum,
+            RowFormat::Blocks => Routed::BlockTiles,
+            // The decode GEMM where it is the faster kernel, and where DeepGEMM's tile does not
+            // fit (a stride off its 64 rows): it beats the WMMA kernels from decode to 128 rows
+            // per expert.
+            RowFormat::Strided { .. }
+                if both(DecodeGemm::takes) || (both(DecodeGemm::fits) && !tile) =>
+            {
+                Routed::Decode
+            }
+            RowFormat::Strided { .. } if tile => Routed::Masked,
+            RowFormat::Strided { .. } => Routed::StrideTiles,
+        }
+    }
+}
+
+/// Rows an expert gets on average from a full bucket on every rank.
+fn mean_rows(s: &StepShape, bucket: usize) -> usize {
+    (s.world * bucket * s.top_k).div_ceil(s.experts)
+}
+
+/// Buckets of at most this many rows run the shared expert on cuBLAS over the whole bucket: its
+/// weights' read dominates, and one expert's block would give the grouped GEMM a few column
+/// tiles and leave most SMs idle (at decode, 139 µs on DeepGEMM against 33 µs on cuBLAS:
+/// docs/benchmarks.md). Past it compute dominates, the block has tiles for every SM, and the
+/// grouped GEMM skips the bucket's padding rows, which cuBLAS would compute.
+const SHARED_DENSE_ROWS: usize = 256;
+
+/// The kernels the shared expert runs on, for one bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shared {
+    /// cuBLAS over the whole bucket.
+    Dense,
+    /// DeepGEMM, one psum block of the bucket's rows.
+    Psum,
+    /// DeepGEMM's FP8 GEMM, one psum block.
+    Fp8,
+}
+
+impl Shared {
+    pub fn choose(s: &StepShape, bucket: usize) -> Self {
+        let (h, i) = (s.hidden, s.shared_inter);
+        let psum = Layout::Psum;
+        if s.expert_dtype == ExpertDtype::Fp8 {
+            Shared::Fp8
+        } else if bucket <= SHARED_DENSE_ROWS
+            || !(Hopper::fits(psum, 1, 2 * i, h) && Hopper::fits(psum, 1, h, i))
+        {
+            Shared::Dense
+        } else {
+            Shared::Psum
+        }
+    }
+}
+
+/// Every choice made so far, by bucket (and row format): made on first use (the capture of that
+/// bucket's graph), kept for the step's life.
+#[derive(Default)]
+pub struct Choices {
+    routed: HashMap<(usize, RowFormat), Routed>,
+    shared: HashMap<usize, Shared>,
+}
+
+impl Choices {
+    pub fn routed(&mut self, s: &StepShape, bucket: usize, rows: RowFormat) -> Routed {
+        *self.routed.entry((bucket, rows)).or_insert_with(|| {
+            let k = Routed::choose(s, bucket, rows);
+            tracing::debug!(bucket, ?rows, kernels = ?k, "routed experts' kernels");
+            k
+        })
+    }
+
+    pub fn shared(&mut self, s: &StepShape, bucket: usize) -> Shared {
+        *self.shared.entry(bucket).or_insert_with(|| {
+            let k = Shared::choose(s, bucket);
+            tracing::debug!(bucket, kernels = ?k, "shared expert's kernels");
+            k
+        })
+    }
+}
+
+/// The FFN's scratch rows in the step's buffers: gate/up, activation, the WMMA kernels' tiles,
+/// and the FP8 experts' quantised rows.
+pub struct Scratch<'a> {
+    pub gu: &'a mut CudaSlice<bf16>,
+    pub act: &'a mut CudaSlice<bf16>,
+    pub tiles: &'a mut CudaSlice<i32>,
+    pub n_tiles: &'a mut CudaSlice<i32>,
+    pub fp8: Option<&'a mut Fp8Bufs>,
+}
+
+/// The routed experts `w` over `rows`, on `kernels`; each row's output overwrites it.
+pub fn routed(
+    g: &Gpu,
+    s: &StepShape,
+    (kernels, bucket): (Routed, usize),
+    w: &DeviceFfn,
+    rows: ExpertRows,
+    sc: Scratch,
+) -> Result<(), GpuError> {
+    let mean_rows = mean_rows(s, bucket);
+    let format = rows.format();
+    let Scratch {
+        gu,
+        act,
+        tiles,
+        n_tiles,
+        fp8,
+    } = sc;
+    let (gate_up, down) = match (w, kernels, fp8) {
+        (DeviceFfn::Fp8 { gate_up, down }, Routed::Fp8 { decode }, Some(b)) => {
+            let w = (gate_up, down);
+            return match rows {
+                ExpertRows::Blocks {
+                    x,
+                    cap,
+                    offsets,
+                    ends,
+                    total,
+                    weights,
+                    fp8,
+                } => {
+                    let at = (offsets, ends, total);
+                    fp8_ffn::contiguous(g, w, (cap, fp8), at, decode, weights, b, gu, x)
+                }
+                ExpertRows::Strided {
+                    x, stride, counts, ..
+                } => fp8_ffn::strided(g, w, (stride, counts), (mean_rows, decode), b, gu, x),
+            };
+        }
+        (DeviceFfn::Bf16 { gate_up, down }, k, _) if !matches!(k, Routed::Fp8 { .. }) => {
+            (gate_up, down)
+        }
+        _ => {
+            return Err(GpuError::Config(format!(
+                "no {kernels:?} for these experts over {format:?} rows"
+            )))
+        }
+    };
+    let w = FfnWeights {
+        gate_up,
+        down,
+        groups: s.local(),
+        inter: s.inter,
+    };
+    let scratch = (tiles, n_tiles, gu, act);
+    match (kernels, rows) {
+        (
+            Routed::Psum | Routed::BlockTiles,
+            ExpertRows::Blocks {
+                x,
+                cap,
+                offsets,
+                ends,
+                total,
+                weights,
+                fp8: None,
+            },
+        ) => {
+            let blocks = Contiguous {
+                offsets,
+                ends,
+                rows: total,
+                weights,
+            };
+            let hopper = kernels == Routed::Psum;
+            contiguous_ffn(g, w, blocks, (cap, hopper), s.hidden, scratch, x)
+        }
+        (
+            Routed::Decode | Routed::Masked | Routed::StrideTiles,
+            ExpertRows::Strided {
+                x,
+                stride,
+                counts,
+                bounds,
+                valid,
+            },
+        ) => {
+            let rows = Strided {
+                stride,
+                counts,
+                bounds,
+                valid,
+                mean_rows,
+            };
+            strided_ffn(g, w, rows, kernels, s.hidden, scratch, x)
+        }
+        _ => Err(GpuError::Config(format!(
+            "no {kernels:?} for bf16 experts over {format:?} rows (or FP8 rows)"
+        ))),
+    }
+}
+
+/// Contiguous expert-major blocks on the device: expert e's rows start at `offsets[e]` (a
+/// multiple of `hopper::ALIGN`) and end at `ends[e]`; `rows` is the padded total. `weights`:
+/// each row's routing weight, to scale its output by.
+struct Contiguous<'a> {
+    offsets: &'a CudaSlice<i32>,
+    ends: &'a CudaSlice<i32>,
+    rows: &'a CudaSlice<i32>,
+    weights: Option<&'a CudaSlice<f32>>,
+}
+
+/// A grouped SwiGLU FFN's weights: `groups` experts of intermediate size `inter`.
+struct FfnWeights<'a> {
+    /// `[groups][2 * inter][hidden]`.
+    gate_up: &'a CudaSlice<bf16>,
+    /// `[groups][hidden][inter]`.
+    down: &'a CudaSlice<bf16>,
+    groups: usize,
+    inter: usize,
+}
+
+/// The WMMA kernels' tile lists, then the gate/up and activation rows.
+type Tiles<'a> = (
+    &'a mut CudaSlice<i32>,
+    &'a mut CudaSlice<i32>,
+    &'a mut CudaSlice<bf16>,
+    &'a mut CudaSlice<bf16>,
+);
+
+/// The FFN over contiguous blocks of at most `rows` rows, in place on `x`: gate/up, SwiGLU,
+/// down, on the Hopper GEMM (`hopper`) or the WMMA kernels. A row's weight scales its activation
+/// (the down projection is linear), or its output on the WMMA path.
+fn contiguous_ffn(
+    g: &Gpu,
+    w: FfnWeights,
+    b: Contiguous,
+    (rows, hopper): (usize, bool),
+    h: usize,
+    (tiles, n_tiles, gu, act): Tiles,
+    x: &mut CudaSlice<bf16>,
+) -> Result<(), GpuError> {
+    let (i, groups) = (w.inter, w.groups);
+    let psum = Layout::Psum;
+    if hopper {
+        let up = Gemm {
+            x,
+            rows,
+            w: w.gate_up,
+            groups,
+            n: 2 * i,
+            k: h,
+            layout: psum,
+            sizes: b.ends,
+        };
+        g.hopper.gemm(up, gu, &g.stream)?;
+        g.swiglu(gu, b.rows, rows, i, b.weights, act)?;
+        let down = Gemm {
+            x: act,
+            rows,
+            w: w.down,
+            groups,
+            n: h,
+            k: i,
+            layout: psum,
+            sizes: b.ends,
+        };
+        g.hopper.gemm(down, x, &g.stream)?;
+        return Ok(());
+    }
+    let blocks = Blocks::Offsets(b.offsets);
+    g.grouped_gemm(
+        x,
+        w.gate_up,
+        blocks,
+        groups,
+        rows,
+        2 * i,
+        h,
+        tiles,
+        n_tiles,
+        gu,
+    )?;
+    g.swiglu(gu, b.rows, rows, i, None, act)?;
+    g.grouped_gemm(act, w.down, blocks, groups, rows, h, i, tiles, n_tiles, x)?;
+    if let Some(wt) = b.weights {
+        g.scale_rows(x, wt, b.rows, rows, h)?;
+    }
+    Ok(())
+}
+
+/// Fixed-stride expert rows: expert e's `counts[e]` rows start at `e * stride`; `bounds` are the
+/// same blocks for the WMMA kernels, `valid` the most rows in all, `mean_rows` what an expert
+/// gets on average. Combine weighs the outputs.
+struct Strided<'a> {
+    stride: usize,
+    counts: &'a CudaSlice<i32>,
+    bounds: &'a CudaSlice<i32>,
+    valid: usize,
+    mean_rows: usize,
+}
+
+/// The FFN over fixed-stride expert rows, in place on `x`, on `kernels`: decode's own GEMM
+/// (SwiGLU in its gate/up pass), DeepGEMM's masked layout, or the WMMA kernels over the same
+/// blocks.
+fn strided_ffn(
+    g: &Gpu,
+    w: FfnWeights,
+    r: Strided,
+    kernels: Routed,
+    h: usize,
+    (tiles, n_tiles, gu, act): Tiles,
+    x: &mut CudaSlice<bf16>,
+) -> Result<(), GpuError> {
+    let (i, groups) = (w.inter, w.groups);
+    let masked = Layout::Masked {
+        stride: r.stride,
+        mean_rows: r.mean_rows,
+    };
+    let decode = kernels == Routed::Decode;
+    if kernels != Routed::StrideTiles {
+        let span = groups * r.stride;
+        let up = Gemm {
+            x,
+            rows: span,
+            w: w.gate_up,
+            groups,
+            n: 2 * i,
+            k: h,
+            layout: masked,
+            sizes: r.counts,
+        };
+        if decode {
+            g.decode.gemm(up, Out::SwiGlu, act)?;
+        } else {
+            g.hopper.gemm(up, gu, &g.stream)?;
+            g.swiglu_masked(gu, r.counts, groups, r.stride, i, act)?;
+        }
+        let down = Gemm {
+            x: act,
+            rows: span,
+            w: w.down,
+            groups,
+            n: h,
+            k: i,
+            layout: masked,
+            sizes: r.counts,
+        };
+        match decode {
+            true => g.decode.gemm(down, Out::Plain, x)?,
+            false => g.hopper.gemm(down, x, &g.stream)?,
+        }
+        return Ok(());
+    }
+    let blocks = Blocks::Bounds(r.bounds);
+    let (rows, tiles_cap) = (r.valid, max_tiles(r.valid, groups));
+    g.grouped_gemm(
+        x,
+        w.gate_up,
+        blocks,
+        groups,
+        rows,
+        2 * i,
+        h,
+        tiles,
+        n_tiles,
+        gu,
+    )?;
+    g.swiglu_tiles(gu, tiles, n_tiles, r.bounds, groups, tiles_cap, i, act)?;
+    g.grouped_gemm(act, w.down, blocks, groups, rows, h, i, tiles, n_tiles, x)?;
+    Ok(())
+}
+
+/// The shared expert's rows in the step's buffers: the bucket's bf16 home rows `xb` (`n` of
+/// them), a zero and the psum ends made from it (one block from row 0), gate/up, activation,
+/// and the output `y`.
+pub struct SharedRows<'a> {
+    pub xb: &'a CudaSlice<bf16>,
+    pub n: &'a CudaSlice<i32>,
+    pub zero: &'a CudaSlice<i32>,
+    pub ends: &'a mut CudaSlice<i32>,
+    pub gu: &'a mut CudaSlice<bf16>,
+    pub act: &'a mut CudaSlice<bf16>,
+    pub y: &'a mut CudaSlice<bf16>,
+    pub fp8: Option<&'a mut Fp8Bufs>,
+}
+
+/// The shared expert `w` over the bucket's home rows into `r.y`, on `kernels`.
+pub fn shared(
+    g: &Gpu,
+    s: &StepShape,
+    (kernels, bucket): (Shared, usize),
+    w: &DeviceFfn,
+    r: SharedRows,
+) -> Result<(), GpuError> {
+    let (h, i) = (s.hidden, s.shared_inter);
+    match (kernels, w, r.fp8) {
+        (Shared::Fp8, DeviceFfn::Fp8 { gate_up, down }, Some(f)) => fp8_ffn::shared(
+            g,
+            (gate_up, down),
+            bucket,
+            (r.xb, r.n),
+            (r.zero, r.ends),
+            f,
+            r.gu,
+            r.y,
+        ),
+        (Shared::Dense, DeviceFfn::Bf16 { gate_up, down }, _) => {
+            g.gemm_bf16(gate_up, r.xb, (bucket, 2 * i, h), r.gu)?;
+            g.swiglu(r.gu, r.n, bucket, i, None, r.act)?;
+            g.gemm_bf16(down, r.act, (bucket, h, i), r.y)
+        }
+        (Shared::Psum, DeviceFfn::Bf16 { gate_up, down }, _) => {
+            g.psum_ends(r.zero, r.n, r.ends)?;
+            let ends = &*r.ends;
+            let gemm = |x, w, n, k| Gemm {
+                x,
+                rows: bucket,
+                w,
+                groups: 1,
+                n,
+                k,
+                layout: Layout::Psum,
+                sizes: ends,
+            };
+            g.hopper
+                .gemm(gemm(r.xb, gate_up, 2 * i, h), r.gu, &g.stream)?;
+            g.swiglu(r.gu, r.n, bucket, i, None, r.act)?;
+            g.hopper.gemm(gemm(r.act, down, h, i), r.y, &g.stream)?;
+            Ok(())
+        }
+        _ => Err(GpuError::Config(format!(
+            "no {kernels:?} for this shared expert (or its FP8 buffers)"
+        ))),
+    }
+}
