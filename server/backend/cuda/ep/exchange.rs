@@ -1,0 +1,532 @@
+//! The `Exchange` over NCCL EP (see the module above): a path per mode (its handle, group and
+//! expert rows), prepare, dispatch and combine as tensor descriptions of the step's buffers.
+//! No `unsafe` here: `safe` holds it.
+
+use std::sync::Arc;
+
+use cudarc::driver::{result, CudaSlice, CudaStream};
+use half::bf16;
+use nccl_sys::ep::*;
+
+use super::safe::{Dispatch, Group, Handle, Layout, Tensor};
+use super::{library, validate};
+use crate::backend::cuda::exchange::{Exchange, ExpertRows, Home};
+use crate::backend::cuda::nccl::{Comm, SymBuffer};
+use crate::backend::cuda::shape::StepShape;
+use crate::backend::cuda::{hopper, Alloc, Gpu, GpuError};
+
+/// The expert rows: a registered window (zero-copy) or plain device memory.
+pub enum RowBuffer {
+    Window(SymBuffer<bf16>),
+    Plain(CudaSlice<bf16>),
+}
+
+impl RowBuffer {
+    pub fn slice(&self) -> &CudaSlice<bf16> {
+        match self {
+            RowBuffer::Window(w) => w,
+            RowBuffer::Plain(p) => p,
+        }
+    }
+    pub fn slice_mut(&mut self) -> &mut CudaSlice<bf16> {
+        match self {
+            RowBuffer::Window(w) => w,
+            RowBuffer::Plain(p) => p,
+        }
+    }
+    /// The rows as NCCL EP sees them, of extents `sizes`: the window when there is one.
+    fn tensor(&mut self, sizes: &[usize], stream: &CudaStream) -> Tensor<'_> {
+        match self {
+            RowBuffer::Window(w) => Tensor::window(w, sizes),
+            RowBuffer::Plain(p) => Tensor::of_mut(p, sizes, stream),
+        }
+    }
+}
+
+/// What one mode's group, handle and rows take on the GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Footprint {
+    /// Device memory the group took when created (its symmetric buffers), measured as the
+    /// drop in the device's free memory.
+    pub group_bytes: u64,
+    pub handle_bytes: u64,
+    /// The expert rows (registered as a window with zero-copy on).
+    pub rows_bytes: u64,
+    pub windowed: bool,
+}
+
+/// One mode: its handle (with its group) and expert rows. Field order is teardown order: the
+/// handle and its group, then the window (deregistered before the communicator, which outlives the exchange).
+pub struct EpPath {
+    handle: Handle,
+    rows: RowBuffer,
+    /// HT: receive capacity in rows; LL: rows per local expert (world x tokens).
+    pub cap: usize,
+    /// Tokens per rank the group was sized for.
+    pub tokens: usize,
+    pub footprint: Footprint,
+}
+
+fn free_bytes() -> u64 {
+    result::mem_get_info().map_or(0, |(free, _)| free as u64)
+}
+
+impl EpPath {
+    /// Creates the group (collective) and the handle; every rank calls this in the same order.
+    fn new(
+        comm: &Comm,
+        s: &StepShape,
+        low_latency: bool,
+        tokens: usize,
+        align: usize,
+        zero_copy: bool,
+        a: &mut Alloc,
+    ) -> Result<Self, GpuError> {
+        let ep = library().map_err(GpuError::Config)?;
+        let stream = a.stream().clone();
+        // NCCL EP 0.2 refuses zero-copy LL dispatch in the expert-major layout ("requires
+        // NCCL_EP_LAYOUT_RANK_MAJOR"): LL goes through the library's staging.
+        let zero_copy = zero_copy && !low_latency;
+        let (cap, rows_len) = match low_latency {
+            true => (s.world * tokens, s.ll_rows(tokens)),
+            false => {
+                let c = s.ht_capacity(align);
+                (c, c)
+            }
+        };
+        let mut cfg = ncclEpGroupConfig_t::new();
+        cfg.num_experts = s.experts as u32;
+        cfg.max_dispatch_tokens_per_rank = tokens as u32;
+        cfg.max_token_bytes = (s.hidden * 2) as u32;
+        cfg.num_topk = s.top_k as u32;
+        cfg.zero_copy = match zero_copy {
+            true => ncclEpZeroCopyMode_t::ON,
+            false => ncclEpZeroCopyMode_t::OFF,
+        };
+        match low_latency {
+            // LL sizes its receive side itself.
+            true => cfg.algorithm = ncclEpAlgorithm_t::LOW_LATENCY,
+            false => {
+                cfg.algorithm = ncclEpAlgorithm_t::HIGH_THROUGHPUT;
+                cfg.max_recv_tokens_per_rank = cap as u32;
+            }
+        }
+        let before = free_bytes();
+        let group = Group::create(&ep, comm, &cfg)?;
+        let group_bytes = before.saturating_sub(free_bytes());
+        let mut hcfg = ncclEpHandleConfig_t::new();
+        if !low_latency {
+            hcfg.dispatch_output_per_expert_alignment = align;
+        }
+        let mem = group.handle_bytes(&hcfg, s.top_k)?;
+        let handle_mem = a.zeros::<u8>(mem)?;
+        let handle = Handle::init(group, &hcfg, s.top_k, handle_mem, &stream)?;
+        let rows = match zero_copy {
+            true => RowBuffer::Window(comm.sym_alloc::<bf16>(rows_len * s.hidden, &stream)?),
+            false => RowBuffer::Plain(a.zeros::<bf16>(rows_len * s.hidden)?),
+        };
+        let footprint = Footprint {
+            group_bytes,
+            handle_bytes: mem as u64,
+            rows_bytes: (rows_len * s.hidden * 2) as u64,
+            windowed: zero_copy,
+        };
+        Ok(Self {
+            handle,
+            rows,
+            cap,
+            tokens,
+            footprint,
+        })
+    }
+
+    pub fn rows(&self) -> &CudaSlice<bf16> {
+        self.rows.slice()
+    }
+    pub fn rows_mut(&mut self) -> &mut CudaSlice<bf16> {
+        self.rows.slice_mut()
+    }
+}
+
+/// One rank's NCCL EP state: a path per mode in use (LL for buckets up to `ll_max`, HT above);
+/// `GpuStep` holds it (as its exchange) before the communicator, so it is torn down first.
+pub struct EpExchange {
+    shape: StepShape,
+    ll: Option<EpPath>,
+    ht: Option<EpPath>,
+    /// Per-local-expert counts from the last step (HT: padded, from UpdateHandle; LL: received,
+    /// from Dispatch).
+    counters: CudaSlice<i32>,
+    /// HT: each local expert's padded offset `[local + 1]` and the padded total (one int),
+    /// written by UpdateHandle.
+    local_off: CudaSlice<i32>,
+    total: CudaSlice<i32>,
+    /// The Hopper GEMM's sizes (`hopper::MAX_GROUPS`): HT psum ends, LL masked counts.
+    sizes: CudaSlice<i32>,
+    /// LL: the grouped GEMM's row blocks (starts, then ends).
+    bounds: CudaSlice<i32>,
+    /// HT: the routing weight of each received row (HT combine wants rows already weighted).
+    recv_w: CudaSlice<f32>,
+    /// Combined home rows `[T, hidden]` in bf16, before the shared expert is added.
+    out_b: CudaSlice<bf16>,
+}
+
+impl EpExchange {
+    /// Creates the groups (collective: LL first, then HT) and their handles; every rank calls
+    /// this together.
+    pub fn new(comm: &Comm, s: &StepShape, a: &mut Alloc) -> Result<Self, GpuError> {
+        let e =
+            s.ep.ok_or_else(|| GpuError::Config("no NCCL EP settings".into()))?;
+        validate(s, e.align).map_err(GpuError::Config)?;
+        let ll = match e.ll_max {
+            0 => None,
+            t => Some(EpPath::new(comm, s, true, t, e.align, e.zero_copy, a)?),
+        };
+        let ht = match s.max_home > e.ll_max {
+            true => Some(EpPath::new(
+                comm,
+                s,
+                false,
+                s.max_home,
+                e.align,
+                e.zero_copy,
+                a,
+            )?),
+            false => None,
+        };
+        for (mode, p) in [("ll", &ll), ("ht", &ht)] {
+            if let Some(f) = p.as_ref().map(|p| p.footprint) {
+                tracing::info!(
+                    rank = s.rank,
+                    mode,
+                    group_mib = f.group_bytes >> 20,
+                    handle_kib = f.handle_bytes >> 10,
+                    rows_mib = f.rows_bytes >> 20,
+                    window = f.windowed,
+                    "NCCL EP footprint"
+                );
+            }
+        }
+        let l = s.local();
+        Ok(Self {
+            shape: *s,
+            recv_w: a.zeros(ht.as_ref().map_or(0, |p| p.cap))?,
+            ll,
+            ht,
+            counters: a.zeros(l)?,
+            local_off: a.zeros(l + 1)?,
+            total: a.zeros(1)?,
+            sizes: a.zeros(hopper::MAX_GROUPS)?,
+            bounds: a.zeros(2 * l)?,
+            out_b: a.zeros(s.max_home * s.hidden)?,
+        })
+    }
+
+    /// The largest bucket that runs low-latency (0: none).
+    pub fn ll_max(&self) -> usize {
+        self.ll.as_ref().map_or(0, |p| p.tokens)
+    }
+
+    /// Whether `bucket` runs low-latency.
+    pub fn is_ll(&self, bucket: usize) -> bool {
+        bucket <= self.ll_max()
+    }
+
+    pub fn path(&self, bucket: usize) -> &EpPath {
+        let p = match self.is_ll(bucket) {
+            true => self.ll.as_ref(),
+            false => self.ht.as_ref(),
+        };
+        p.expect("a path for every bucket")
+    }
+
+    /// Both modes' footprints: (LL, HT).
+    pub fn footprints(&self) -> (Option<Footprint>, Option<Footprint>) {
+        (
+            self.ll.as_ref().map(|p| p.footprint),
+            self.ht.as_ref().map(|p| p.footprint),
+        )
+    }
+
+    /// Prepare: routing of `bucket` rows (`ids` rows past the step's tokens are -1) into the
+    /// bucket's handle. HT: each local expert's padded offset lands in `local_off[..L]` and the
+    /// padded total in `total` and `local_off[L]` (the grouped GEMM's block bounds).
+    fn update_handle(
+        &mut self,
+        ids: &CudaSlice<i32>,
+        bucket: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(), GpuError> {
+        let (k, local) = (self.shape.top_k, self.counters.len());
+        let ll = self.is_ll(bucket);
+        let mut t_ids = Tensor::of(ids, &[bucket, k], stream);
+        let Self {
+            ll: ll_path,
+            ht,
+            counters,
+            local_off,
+            total,
+            ..
+        } = self;
+        if ll {
+            // LL takes no layout here.
+            let p = ll_path.as_mut().expect("an LL path for LL buckets");
+            return Ok(p.handle.update(&mut t_ids, None, stream)?);
+        }
+        let p = ht.as_mut().expect("an HT path for HT buckets");
+        {
+            let mut t_cnt = Tensor::of_mut(counters, &[local], stream);
+            let mut t_off = Tensor::of_mut(local_off, &[local], stream);
+            let mut t_tot = Tensor::of_mut(total, &[1], stream);
+            let layout = Layout {
+                counters: Some(&mut t_cnt),
+                offsets: Some(&mut t_off),
+                total: Some(&mut t_tot),
+            };
+            p.handle.update(&mut t_ids, Some(layout), stream)?;
+        }
+        // The padded total after the offsets: the grouped GEMM's last block bound.
+        stream.memcpy_dtod(total, &mut local_off.slice_mut(local..=local))?;
+        Ok(())
+    }
+
+    /// Dispatch: `bucket` home rows of `x` (HT: with their routing weights) into the bucket's
+    /// expert rows.
+    fn dispatch_rows(
+        &mut self,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<f32>,
+        bucket: usize,
+        stream: &CudaStream,
+    ) -> Result<(), GpuError> {
+        let (k, hidden) = (self.shape.top_k, self.shape.hidden);
+        let ll = self.is_ll(bucket);
+        let local = self.counters.len();
+        let Self {
+            ll: ll_path,
+            ht,
+            counters,
+            recv_w,
+            ..
+        } = self;
+        let p = match ll {
+            true => ll_path.as_mut(),
+            false => ht.as_mut(),
+        }
+        .expect("a path for every bucket");
+        let cap = p.cap;
+        let mut t_x = Tensor::of(x, &[bucket, hidden], stream);
+        match ll {
+            // LL expert-major: the per-expert received counts, at dispatch time.
+            true => {
+                let mut t_r = p.rows.tensor(&[local, cap, hidden], stream);
+                let mut t_cnt = Tensor::of_mut(counters, &[local], stream);
+                let d = Dispatch {
+                    x: &mut t_x,
+                    w: None,
+                    rows: &mut t_r,
+                    rows_w: None,
+                };
+                let layout = Layout {
+                    counters: Some(&mut t_cnt),
+                    ..Layout::default()
+                };
+                p.handle.dispatch(d, Some(layout), stream)?;
+            }
+            // HT forward: the weights travel with the rows (one per received row).
+            false => {
+                let mut t_r = p.rows.tensor(&[cap, hidden], stream);
+                let mut t_w = Tensor::of(w, &[bucket, k], stream);
+                let mut t_rw = Tensor::of_mut(recv_w, &[cap], stream);
+                let d = Dispatch {
+                    x: &mut t_x,
+                    w: Some(&mut t_w),
+                    rows: &mut t_r,
+                    rows_w: Some(&mut t_rw),
+                };
+                p.handle.dispatch(d, None, stream)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Combine: the expert rows back home, summed, into `out_b`'s `bucket` rows. HT rows are
+    /// weighted already; LL weighs them with the home tokens' `w` as they arrive.
+    fn combine_rows(
+        &mut self,
+        w: &CudaSlice<f32>,
+        bucket: usize,
+        stream: &CudaStream,
+    ) -> Result<(), GpuError> {
+        let (k, hidden) = (self.shape.top_k, self.shape.hidden);
+        let ll = self.is_ll(bucket);
+        let local = self.counters.len();
+        let Self {
+            ll: ll_path,
+            ht,
+            out_b,
+            ..
+        } = self;
+        let p = match ll {
+            true => ll_path.as_mut(),
+            false => ht.as_mut(),
+        }
+        .expect("a path for every bucket");
+        let cap = p.cap;
+        let mut t_o = Tensor::of_mut(out_b, &[bucket, hidden], stream);
+        let mut t_w = Tensor::of(w, &[bucket, k], stream);
+        let mut t_c = match ll {
+            true => p.rows.tensor(&[local, cap, hidden], stream),
+            false => p.rows.tensor(&[cap, hidden], stream),
+        };
+        let weights = ll.then_some(&mut t_w);
+        p.handle.combine(&mut t_c, &mut t_o, weights, stream)?;
+        Ok(())
+    }
+}
+
+impl Exchange for EpExchange {
+    /// NCCL EP lays the rows out itself: only the counts, for the all-gather (the routing
+    /// metrics and `verify`).
+    fn count(
+        &mut self,
+        g: &Gpu,
+        home: &Home,
+        bucket: usize,
+        counts: &mut CudaSlice<i32>,
+    ) -> Result<(), GpuError> {
+        g.count_experts(home.ids, home.n, bucket, self.shape.top_k, counts)?;
+        Ok(())
+    }
+
+    fn prepare(&mut self, g: &Gpu, home: &Home, bucket: usize) -> Result<(), GpuError> {
+        self.update_handle(home.ids, bucket, &g.stream)
+    }
+
+    fn dispatch(
+        &mut self,
+        g: &Gpu,
+        _comm: &Comm,
+        home: &Home,
+        bucket: usize,
+    ) -> Result<(), GpuError> {
+        self.dispatch_rows(home.x, home.w, bucket, &g.stream)
+    }
+
+    fn expert_rows(&mut self, g: &Gpu, bucket: usize) -> Result<ExpertRows<'_>, GpuError> {
+        let s = self.shape;
+        let ll_bucket = self.is_ll(bucket);
+        let Self {
+            ll,
+            ht,
+            counters,
+            local_off,
+            total,
+            sizes,
+            bounds,
+            recv_w,
+            ..
+        } = self;
+        if ll_bucket {
+            // LL rows: expert e's `counters[e]` rows start at e x (world x tokens).
+            let p = ll.as_mut().expect("an LL path for LL buckets");
+            g.ll_bounds(counters, p.cap, bounds, sizes)?;
+            return Ok(ExpertRows::Strided {
+                stride: p.cap,
+                valid: s.world * p.tokens * s.top_k.min(s.local()),
+                x: p.rows_mut(),
+                counts: sizes,
+                bounds,
+            });
+        }
+        // HT blocks start at multiples of `hopper::ALIGN` (the handle's expert alignment); its
+        // combine sums rows as they come, so each row carries its routing weight.
+        let p = ht.as_mut().expect("an HT path for HT buckets");
+        g.psum_ends(local_off, counters, sizes)?;
+        Ok(ExpertRows::Blocks {
+            x: p.rows_mut(),
+            cap: s.recv_rows(bucket),
+            offsets: local_off,
+            ends: sizes,
+            total,
+            weights: Some(recv_w),
+            fp8: None,
+        })
+    }
+
+    fn combine(
+        &mut self,
+        g: &Gpu,
+        _comm: &Comm,
+        home: &Home,
+        bucket: usize,
+        shared: Option<&CudaSlice<bf16>>,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        self.combine_rows(home.w, bucket, &g.stream)?;
+        g.widen_add(&self.out_b, shared, home.n, bucket, self.shape.hidden, out)?;
+        Ok(())
+    }
+
+    fn receipts(&self) -> Option<(&CudaSlice<i32>, &CudaSlice<i32>)> {
+        Some((&self.counters, &self.total))
+    }
+
+    /// Receive counts against the routing and the capacity. Overflow is impossible by
+    /// construction (a group holds its largest bucket's worst case); a step that says otherwise
+    /// is counted, and its output is not delivered.
+    fn verify(
+        &self,
+        bucket: usize,
+        routed: &[i64],
+        counts: &[i32],
+        total: i32,
+    ) -> Result<(), String> {
+        let cap = self.path(bucket).cap as i64;
+        let (mode, rows, expected, overflow) = match self.is_ll(bucket) {
+            true => (
+                "ll",
+                counts.iter().map(|&c| i64::from(c)).sum::<i64>(),
+                routed.iter().sum::<i64>(),
+                counts.iter().any(|&c| i64::from(c) > cap),
+            ),
+            false => {
+                let a = self.shape.ep.map_or(1, |e| e.align) as i64;
+                let padded = routed.iter().map(|r| (r + a - 1) / a * a).sum();
+                let total = i64::from(total);
+                ("ht", total, padded, total > cap)
+            }
+        };
+        metrics::counter!("epserve_ep_steps_total", "mode" => mode).increment(1);
+        metrics::gauge!("epserve_ep_recv_rows", "mode" => mode).set(rows as f64);
+        if overflow {
+            metrics::counter!("epserve_ep_recv_overflow_total", "mode" => mode).increment(1);
+            return Err(format!(
+                "NCCL EP ({mode}) received past its capacity: {rows} rows, capacity {cap}"
+            ));
+        }
+        if rows != expected {
+            metrics::counter!("epserve_ep_recv_mismatch_total", "mode" => mode).increment(1);
+            return Err(format!(
+                "NCCL EP ({mode}) received {rows} rows where the routing sent {expected}"
+            ));
+        }
+        Ok(())
+    }
+
+    fn footprint(&self) -> Option<crate::step::EpFootprint> {
+        let (ll, ht) = self.footprints();
+        let e = self.shape.ep?;
+        let all = [ll, ht];
+        let sum = |f: fn(&Footprint) -> u64| all.iter().flatten().map(f).sum();
+        Some(crate::step::EpFootprint {
+            modes: crate::backend::ep_settings::ep_modes(ll.is_some(), ht.is_some()),
+            // Windows in use (NCCL EP 0.2's LL expert-major path has none).
+            zero_copy: e.zero_copy && all.iter().flatten().any(|f| f.windowed),
+            ll_max_tokens_per_rank: e.ll_max as u32,
+            group_bytes: sum(|f| f.group_bytes),
+            handle_bytes: sum(|f| f.handle_bytes),
+            expert_rows_bytes: sum(|f| f.rows_bytes),
+        })
+    }
+}

@@ -1,0 +1,165 @@
+//! The `nccl-ep` exchange: NVIDIA NCCL EP with the expert-major layout, in high-throughput (HT)
+//! or low-latency (LL) mode per bucket, each mode with its own group and handle made before any
+//! capture. Prepare is `ncclEpUpdateHandle` (HT writes each local expert's padded offset straight
+//! into the grouped GEMM's offsets), dispatch lands the received rows where the GEMM reads them
+//! (HT: packed, padded to the GEMM tile; LL: `[local expert][world x tokens]` with a count per
+//! expert), and combine takes the expert outputs back home (HT: weighted by us first; LL: the
+//! library weighs them). With zero-copy on, HT's expert rows are `ncclMemAlloc` memory registered
+//! once as a symmetric window, and the library moves rows straight into and out of it (NCCL EP
+//! 0.2 has no zero-copy for LL's expert-major layout: LL always stages).
+//!
+//! `safe` wraps the library (RAII groups and handles, checked tensor descriptions; every
+//! `unsafe` of the exchange), `exchange` is the `Exchange` over it.
+
+mod exchange;
+mod safe;
+
+pub use exchange::{EpExchange, EpPath, Footprint, RowBuffer};
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::result;
+use nccl_sys::ep::NcclEp;
+
+use super::shape::StepShape;
+
+/// NCCL EP needs the device API of NCCL 2.30.4 or newer.
+pub const MIN_NCCL: i32 = 23004;
+/// NCCL EP runs at most 8 ranks per node.
+pub const MAX_WORLD: usize = 8;
+
+/// The library, loaded once for the process (see `setup::nccl` for why never unloaded).
+pub fn library() -> Result<Arc<NcclEp>, String> {
+    static EP: OnceLock<Result<Arc<NcclEp>, String>> = OnceLock::new();
+    EP.get_or_init(|| NcclEp::load().map(Arc::new).map_err(|e| e.to_string()))
+        .clone()
+}
+
+fn nvcc() -> Option<std::path::PathBuf> {
+    let mut dirs: Vec<std::path::PathBuf> = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).collect())
+        .unwrap_or_default();
+    if let Some(h) = std::env::var_os("CUDA_HOME") {
+        dirs.push(std::path::Path::new(&h).join("bin"));
+    }
+    dirs.push("/usr/local/cuda/bin".into());
+    dirs.into_iter()
+        .map(|d| d.join("nvcc"))
+        .find(|p| p.is_file())
+}
+
+/// Whether `nccl-ep` can run here, and if not the first reason, in one line each. Checked before
+/// anything is created.
+pub fn gates(nccl_version: i32, world: usize) -> Result<String, String> {
+    result::init().map_err(|e| format!("CUDA: {e}"))?;
+    let dev = result::device::get(0).map_err(|e| format!("CUDA device 0: {e}"))?;
+    // SAFETY: a device handle from cuDeviceGet; plain attribute query.
+    let major = unsafe {
+        result::device::get_attribute(
+            dev,
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+        )
+    }
+    .map_err(|e| format!("CUDA device 0: {e}"))?;
+    if major < 9 {
+        return Err(format!(
+            "NCCL EP needs SM 90 or newer; this GPU is SM {major}x"
+        ));
+    }
+    if nccl_version < MIN_NCCL {
+        return Err(format!(
+            "NCCL EP needs NCCL >= 2.30.4; loaded NCCL is {}",
+            nccl_sys::version_string(nccl_version)
+        ));
+    }
+    let ep = library().map_err(|e| format!("libnccl_ep: {e}"))?;
+    let Some(nvcc) = nvcc() else {
+        return Err(
+            "NCCL EP compiles its kernels at run time and no nvcc was found (PATH, CUDA_HOME, /usr/local/cuda)"
+                .into(),
+        );
+    };
+    if world > MAX_WORLD {
+        return Err(format!(
+            "NCCL EP runs at most {MAX_WORLD} ranks per node; the group has {world}"
+        ));
+    }
+    Ok(format!(
+        "NCCL EP {} from {}, SM {major}x, nvcc {}",
+        nccl_sys::version_string(ep.version),
+        ep.path.display(),
+        nvcc.display()
+    ))
+}
+
+/// The shape problems NCCL EP would reject, found first with a clear reason.
+pub fn validate(s: &StepShape, align: usize) -> Result<(), String> {
+    let mut bad = Vec::new();
+    if s.experts % s.world != 0 {
+        bad.push(format!("{} experts over {} ranks", s.experts, s.world));
+    }
+    if s.top_k > s.experts {
+        bad.push(format!("top-k {} > {} experts", s.top_k, s.experts));
+    }
+    if s.max_home == 0 {
+        bad.push("max dispatch tokens per rank is 0".into());
+    }
+    if (s.hidden * 2) % 16 != 0 {
+        bad.push(format!(
+            "token row of {} bytes is not a multiple of 16",
+            s.hidden * 2
+        ));
+    }
+    if !align.is_power_of_two() {
+        bad.push(format!("alignment {align} is not a power of two"));
+    }
+    if s.ht_capacity(align) < s.max_home {
+        bad.push("receive capacity below dispatch capacity".into());
+    }
+    if s.ll_rows(s.max_home) > i32::MAX as usize {
+        bad.push("low-latency receive rows exceed 2^31".into());
+    }
+    match bad.is_empty() {
+        true => Ok(()),
+        false => Err(format!("NCCL EP group config: {}", bad.join("; "))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(world: usize, experts: usize, top_k: usize, hidden: usize) -> StepShape {
+        StepShape {
+            world,
+            rank: 0,
+            experts,
+            top_k,
+            hidden,
+            inter: 64,
+            shared_inter: 0,
+            max_home: 64,
+            ep: None,
+            expert_dtype: crate::model::ExpertDtype::Bf16,
+        }
+    }
+
+    #[test]
+    fn receive_capacity_covers_duplication_and_padding() {
+        // 4 ranks x 64 tokens x min(8, 32) local copies, plus 32 experts x 63 padding rows.
+        assert_eq!(shape(4, 128, 8, 2048).ht_capacity(64), 2048 + 32 * 63);
+        // Few local experts: a token reaches at most 2 of them.
+        assert_eq!(shape(8, 16, 4, 64).ht_capacity(1), 8 * 64 * 2);
+    }
+
+    #[test]
+    fn config_problems_are_named_before_the_library_sees_them() {
+        assert!(validate(&shape(4, 128, 8, 2048), 64).is_ok());
+        let e = validate(&shape(3, 128, 8, 2048), 64).unwrap_err();
+        assert!(e.contains("128 experts over 3 ranks"), "{e}");
+        let e = validate(&shape(4, 128, 8, 2048), 48).unwrap_err();
+        assert!(e.contains("alignment 48 is not a power of two"), "{e}");
+        let e = validate(&shape(4, 128, 8, 2044), 64).unwrap_err();
+        assert!(e.contains("4088 bytes is not a multiple of 16"), "{e}");
+    }
+}
