@@ -50,36 +50,15 @@ pub trait BringUp: Send {
 
 /// The cpu backend: peers exchange through each rank's shared-memory segment.
 pub struct CpuBringUp {
-    rank: usize,
-    segment: SegmentShape,
-    spec: MoeSpec,
-    weights: RankWeights,
-    step_timeout: Duration,
+    pub rank: usize,
+    pub segment: SegmentShape,
+    pub spec: MoeSpec,
+    pub weights: RankWeights,
+    pub step_timeout: Duration,
     /// --cpu-threads (0: by the world size).
-    threads: usize,
-    /// This rank's segment, once created.
-    own: Option<Shm>,
-}
-
-impl CpuBringUp {
-    pub fn new(
-        rank: usize,
-        segment: SegmentShape,
-        spec: MoeSpec,
-        weights: RankWeights,
-        step_timeout: Duration,
-        threads: usize,
-    ) -> Self {
-        Self {
-            rank,
-            segment,
-            spec,
-            weights,
-            step_timeout,
-            threads,
-            own: None,
-        }
-    }
+    pub threads: usize,
+    /// This rank's segment: None until `create`.
+    pub own: Option<Shm>,
 }
 
 impl BringUp for CpuBringUp {

@@ -260,14 +260,15 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringU
         }
         _ => {
             p.expert_bytes = host_bytes;
-            Box::new(CpuBringUp::new(
+            Box::new(CpuBringUp {
                 rank,
-                p.segment,
-                p.spec.clone(),
+                segment: p.segment,
+                spec: p.spec.clone(),
                 weights,
-                args.step_timeout,
-                args.cpu_threads,
-            ))
+                step_timeout: args.step_timeout,
+                threads: args.cpu_threads,
+                own: None,
+            })
         }
     };
     Ok(rank)

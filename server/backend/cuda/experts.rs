@@ -516,10 +516,11 @@ fn strided_ffn(
     Ok(())
 }
 
-/// The shared expert's rows in the step's buffers: the bucket's bf16 home rows `xb` (`n` of
-/// them), a zero and the psum ends made from it (one block from row 0), gate/up, activation,
-/// and the output `y`.
+/// The shared expert's rows in the step's buffers: its FP8 rows (FP8 experts), the bucket's
+/// bf16 home rows `xb` (`n` of them), a zero and the psum ends made from it (one block from row
+/// 0), gate/up, activation, and the output `y`.
 pub struct SharedRows<'a> {
+    pub fp8: Option<&'a mut Fp8Bufs>,
     pub xb: &'a CudaSlice<bf16>,
     pub n: &'a CudaSlice<i32>,
     pub zero: &'a CudaSlice<i32>,
@@ -527,16 +528,15 @@ pub struct SharedRows<'a> {
     pub gu: &'a mut CudaSlice<bf16>,
     pub act: &'a mut CudaSlice<bf16>,
     pub y: &'a mut CudaSlice<bf16>,
-    pub fp8: Option<&'a mut Fp8Bufs>,
 }
 
 /// The shared expert `w` over the bucket's home rows into `r.y`, on `kernels`.
 pub fn shared(
     g: &Gpu,
-    s: &StepShape,
-    (kernels, bucket): (Shared, usize),
     w: &DeviceFfn,
     r: SharedRows,
+    s: &StepShape,
+    (kernels, bucket): (Shared, usize),
 ) -> Result<(), GpuError> {
     let (h, i) = (s.hidden, s.shared_inter);
     match (kernels, w, r.fp8) {

@@ -45,6 +45,9 @@ impl NcclType for f32 {
 impl NcclType for bf16 {
     const TYPE: ncclDataType_t = ncclDataType_t::Bfloat16;
 }
+impl NcclType for u8 {
+    const TYPE: ncclDataType_t = ncclDataType_t::Uint8;
+}
 
 pub struct Comm {
     nccl: Arc<Nccl>,

@@ -346,6 +346,7 @@ impl GpuStep {
         if let Some(w) = &l.shared {
             let kernels = self.choices.shared(s, bucket);
             let rows = SharedRows {
+                fp8: b.fp8.as_mut(),
                 xb: &b.xb,
                 n: &b.n,
                 zero: &b.sh_off,
@@ -353,9 +354,8 @@ impl GpuStep {
                 gu: &mut b.sgu,
                 act: &mut b.sact,
                 y: &mut b.sy,
-                fp8: b.fp8.as_mut(),
             };
-            experts::shared(g, s, (kernels, bucket), w, rows)?;
+            experts::shared(g, w, rows, s, (kernels, bucket))?;
         }
         let shared = l.shared.as_ref().map(|_| &b.sy);
         self.ex

@@ -65,6 +65,8 @@ pub struct EpPath {
     /// Tokens per rank the group was sized for.
     pub tokens: usize,
     pub footprint: Footprint,
+    /// The rows' extents as NCCL EP sees them: `[local][cap][hidden]` (LL) or `[cap][hidden]`.
+    extents: Vec<usize>,
 }
 
 fn free_bytes() -> u64 {
@@ -131,12 +133,17 @@ impl EpPath {
             rows_bytes: (rows_len * s.hidden * 2) as u64,
             windowed: zero_copy,
         };
+        let extents = match low_latency {
+            true => vec![s.local(), cap, s.hidden],
+            false => vec![cap, s.hidden],
+        };
         Ok(Self {
             handle,
             rows,
             cap,
             tokens,
             footprint,
+            extents,
         })
     }
 
@@ -146,14 +153,55 @@ impl EpPath {
     pub fn rows_mut(&mut self) -> &mut CudaSlice<bf16> {
         self.rows.slice_mut()
     }
+
+    /// The rows, with their extents, and the handle that moves them.
+    fn parts(&mut self, stream: &CudaStream) -> (Tensor<'_>, &mut Handle) {
+        (self.rows.tensor(&self.extents, stream), &mut self.handle)
+    }
 }
 
 /// One rank's NCCL EP state: a path per mode in use (LL for buckets up to `ll_max`, HT above);
 /// `GpuStep` holds it (as its exchange) before the communicator, so it is torn down first.
 pub struct EpExchange {
     shape: StepShape,
+    paths: Paths,
+    b: Bufs,
+}
+
+/// A path per mode in use: LL for buckets up to its token count, HT above.
+struct Paths {
     ll: Option<EpPath>,
     ht: Option<EpPath>,
+}
+
+impl Paths {
+    fn ll_max(&self) -> usize {
+        self.ll.as_ref().map_or(0, |p| p.tokens)
+    }
+
+    fn is_ll(&self, bucket: usize) -> bool {
+        bucket <= self.ll_max()
+    }
+
+    fn get(&self, bucket: usize) -> &EpPath {
+        let p = match self.is_ll(bucket) {
+            true => self.ll.as_ref(),
+            false => self.ht.as_ref(),
+        };
+        p.expect("a path for every bucket")
+    }
+
+    fn get_mut(&mut self, bucket: usize) -> &mut EpPath {
+        let p = match self.is_ll(bucket) {
+            true => self.ll.as_mut(),
+            false => self.ht.as_mut(),
+        };
+        p.expect("a path for every bucket")
+    }
+}
+
+/// The step's buffers NCCL EP reads and writes besides a path's rows.
+struct Bufs {
     /// Per-local-expert counts from the last step (HT: padded, from UpdateHandle; LL: received,
     /// from Dispatch).
     counters: CudaSlice<i32>,
@@ -208,43 +256,41 @@ impl EpExchange {
             }
         }
         let l = s.local();
-        Ok(Self {
-            shape: *s,
+        let b = Bufs {
             recv_w: a.zeros(ht.as_ref().map_or(0, |p| p.cap))?,
-            ll,
-            ht,
             counters: a.zeros(l)?,
             local_off: a.zeros(l + 1)?,
             total: a.zeros(1)?,
             sizes: a.zeros(hopper::MAX_GROUPS)?,
             bounds: a.zeros(2 * l)?,
             out_b: a.zeros(s.max_home * s.hidden)?,
+        };
+        Ok(Self {
+            shape: *s,
+            paths: Paths { ll, ht },
+            b,
         })
     }
 
     /// The largest bucket that runs low-latency (0: none).
     pub fn ll_max(&self) -> usize {
-        self.ll.as_ref().map_or(0, |p| p.tokens)
+        self.paths.ll_max()
     }
 
     /// Whether `bucket` runs low-latency.
     pub fn is_ll(&self, bucket: usize) -> bool {
-        bucket <= self.ll_max()
+        self.paths.is_ll(bucket)
     }
 
     pub fn path(&self, bucket: usize) -> &EpPath {
-        let p = match self.is_ll(bucket) {
-            true => self.ll.as_ref(),
-            false => self.ht.as_ref(),
-        };
-        p.expect("a path for every bucket")
+        self.paths.get(bucket)
     }
 
     /// Both modes' footprints: (LL, HT).
     pub fn footprints(&self) -> (Option<Footprint>, Option<Footprint>) {
         (
-            self.ll.as_ref().map(|p| p.footprint),
-            self.ht.as_ref().map(|p| p.footprint),
+            self.paths.ll.as_ref().map(|p| p.footprint),
+            self.paths.ht.as_ref().map(|p| p.footprint),
         )
     }
 
@@ -257,23 +303,20 @@ impl EpExchange {
         bucket: usize,
         stream: &Arc<CudaStream>,
     ) -> Result<(), GpuError> {
-        let (k, local) = (self.shape.top_k, self.counters.len());
+        let (k, local) = (self.shape.top_k, self.b.counters.len());
         let ll = self.is_ll(bucket);
         let mut t_ids = Tensor::of(ids, &[bucket, k], stream);
-        let Self {
-            ll: ll_path,
-            ht,
+        let (p, b) = (self.paths.get_mut(bucket), &mut self.b);
+        if ll {
+            // LL takes no layout here.
+            return Ok(p.handle.update(&mut t_ids, None, stream)?);
+        }
+        let Bufs {
             counters,
             local_off,
             total,
             ..
-        } = self;
-        if ll {
-            // LL takes no layout here.
-            let p = ll_path.as_mut().expect("an LL path for LL buckets");
-            return Ok(p.handle.update(&mut t_ids, None, stream)?);
-        }
-        let p = ht.as_mut().expect("an HT path for HT buckets");
+        } = b;
         {
             let mut t_cnt = Tensor::of_mut(counters, &[local], stream);
             let mut t_off = Tensor::of_mut(local_off, &[local], stream);
@@ -287,100 +330,6 @@ impl EpExchange {
         }
         // The padded total after the offsets: the grouped GEMM's last block bound.
         stream.memcpy_dtod(total, &mut local_off.slice_mut(local..=local))?;
-        Ok(())
-    }
-
-    /// Dispatch: `bucket` home rows of `x` (HT: with their routing weights) into the bucket's
-    /// expert rows.
-    fn dispatch_rows(
-        &mut self,
-        x: &CudaSlice<bf16>,
-        w: &CudaSlice<f32>,
-        bucket: usize,
-        stream: &CudaStream,
-    ) -> Result<(), GpuError> {
-        let (k, hidden) = (self.shape.top_k, self.shape.hidden);
-        let ll = self.is_ll(bucket);
-        let local = self.counters.len();
-        let Self {
-            ll: ll_path,
-            ht,
-            counters,
-            recv_w,
-            ..
-        } = self;
-        let p = match ll {
-            true => ll_path.as_mut(),
-            false => ht.as_mut(),
-        }
-        .expect("a path for every bucket");
-        let cap = p.cap;
-        let mut t_x = Tensor::of(x, &[bucket, hidden], stream);
-        match ll {
-            // LL expert-major: the per-expert received counts, at dispatch time.
-            true => {
-                let mut t_r = p.rows.tensor(&[local, cap, hidden], stream);
-                let mut t_cnt = Tensor::of_mut(counters, &[local], stream);
-                let d = Dispatch {
-                    x: &mut t_x,
-                    w: None,
-                    rows: &mut t_r,
-                    rows_w: None,
-                };
-                let layout = Layout {
-                    counters: Some(&mut t_cnt),
-                    ..Layout::default()
-                };
-                p.handle.dispatch(d, Some(layout), stream)?;
-            }
-            // HT forward: the weights travel with the rows (one per received row).
-            false => {
-                let mut t_r = p.rows.tensor(&[cap, hidden], stream);
-                let mut t_w = Tensor::of(w, &[bucket, k], stream);
-                let mut t_rw = Tensor::of_mut(recv_w, &[cap], stream);
-                let d = Dispatch {
-                    x: &mut t_x,
-                    w: Some(&mut t_w),
-                    rows: &mut t_r,
-                    rows_w: Some(&mut t_rw),
-                };
-                p.handle.dispatch(d, None, stream)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Combine: the expert rows back home, summed, into `out_b`'s `bucket` rows. HT rows are
-    /// weighted already; LL weighs them with the home tokens' `w` as they arrive.
-    fn combine_rows(
-        &mut self,
-        w: &CudaSlice<f32>,
-        bucket: usize,
-        stream: &CudaStream,
-    ) -> Result<(), GpuError> {
-        let (k, hidden) = (self.shape.top_k, self.shape.hidden);
-        let ll = self.is_ll(bucket);
-        let local = self.counters.len();
-        let Self {
-            ll: ll_path,
-            ht,
-            out_b,
-            ..
-        } = self;
-        let p = match ll {
-            true => ll_path.as_mut(),
-            false => ht.as_mut(),
-        }
-        .expect("a path for every bucket");
-        let cap = p.cap;
-        let mut t_o = Tensor::of_mut(out_b, &[bucket, hidden], stream);
-        let mut t_w = Tensor::of(w, &[bucket, k], stream);
-        let mut t_c = match ll {
-            true => p.rows.tensor(&[local, cap, hidden], stream),
-            false => p.rows.tensor(&[cap, hidden], stream),
-        };
-        let weights = ll.then_some(&mut t_w);
-        p.handle.combine(&mut t_c, &mut t_o, weights, stream)?;
         Ok(())
     }
 }
@@ -403,6 +352,7 @@ impl Exchange for EpExchange {
         self.update_handle(home.ids, bucket, &g.stream)
     }
 
+    /// The bucket's home rows (HT: with their routing weights) into its expert rows.
     fn dispatch(
         &mut self,
         g: &Gpu,
@@ -410,15 +360,51 @@ impl Exchange for EpExchange {
         home: &Home,
         bucket: usize,
     ) -> Result<(), GpuError> {
-        self.dispatch_rows(home.x, home.w, bucket, &g.stream)
+        let (x, w, stream) = (home.x, home.w, &g.stream);
+        let (k, hidden) = (self.shape.top_k, self.shape.hidden);
+        let ll = self.is_ll(bucket);
+        let local = self.b.counters.len();
+        let (p, b) = (self.paths.get_mut(bucket), &mut self.b);
+        let cap = p.cap;
+        let mut t_x = Tensor::of(x, &[bucket, hidden], stream);
+        let (mut t_r, handle) = p.parts(stream);
+        match ll {
+            // LL expert-major: the per-expert received counts, at dispatch time.
+            true => {
+                let mut t_cnt = Tensor::of_mut(&mut b.counters, &[local], stream);
+                let d = Dispatch {
+                    x: &mut t_x,
+                    w: None,
+                    rows: &mut t_r,
+                    rows_w: None,
+                };
+                let layout = Layout {
+                    counters: Some(&mut t_cnt),
+                    ..Layout::default()
+                };
+                handle.dispatch(d, Some(layout), stream)?;
+            }
+            // HT forward: the weights travel with the rows (one per received row).
+            false => {
+                let mut t_w = Tensor::of(w, &[bucket, k], stream);
+                let mut t_rw = Tensor::of_mut(&mut b.recv_w, &[cap], stream);
+                let d = Dispatch {
+                    x: &mut t_x,
+                    w: Some(&mut t_w),
+                    rows: &mut t_r,
+                    rows_w: Some(&mut t_rw),
+                };
+                handle.dispatch(d, None, stream)?;
+            }
+        }
+        Ok(())
     }
 
     fn expert_rows(&mut self, g: &Gpu, bucket: usize) -> Result<ExpertRows<'_>, GpuError> {
         let s = self.shape;
-        let ll_bucket = self.is_ll(bucket);
-        let Self {
-            ll,
-            ht,
+        let ll = self.is_ll(bucket);
+        let (p, b) = (self.paths.get_mut(bucket), &mut self.b);
+        let Bufs {
             counters,
             local_off,
             total,
@@ -426,10 +412,9 @@ impl Exchange for EpExchange {
             bounds,
             recv_w,
             ..
-        } = self;
-        if ll_bucket {
+        } = b;
+        if ll {
             // LL rows: expert e's `counters[e]` rows start at e x (world x tokens).
-            let p = ll.as_mut().expect("an LL path for LL buckets");
             g.ll_bounds(counters, p.cap, bounds, sizes)?;
             return Ok(ExpertRows::Strided {
                 stride: p.cap,
@@ -441,7 +426,6 @@ impl Exchange for EpExchange {
         }
         // HT blocks start at multiples of `hopper::ALIGN` (the handle's expert alignment); its
         // combine sums rows as they come, so each row carries its routing weight.
-        let p = ht.as_mut().expect("an HT path for HT buckets");
         g.psum_ends(local_off, counters, sizes)?;
         Ok(ExpertRows::Blocks {
             x: p.rows_mut(),
@@ -454,6 +438,9 @@ impl Exchange for EpExchange {
         })
     }
 
+    /// The expert rows back home, summed, into `out_b`'s `bucket` rows (HT rows are weighted
+    /// already; LL weighs them with the home tokens' `w` as they arrive), then widened into `out`
+    /// with the shared expert's rows.
     fn combine(
         &mut self,
         g: &Gpu,
@@ -463,13 +450,26 @@ impl Exchange for EpExchange {
         shared: Option<&CudaSlice<bf16>>,
         out: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
-        self.combine_rows(home.w, bucket, &g.stream)?;
-        g.widen_add(&self.out_b, shared, home.n, bucket, self.shape.hidden, out)?;
+        let (w, stream) = (home.w, &g.stream);
+        let (k, hidden) = (self.shape.top_k, self.shape.hidden);
+        let ll = self.is_ll(bucket);
+        let mut t_o = Tensor::of_mut(&mut self.b.out_b, &[bucket, hidden], stream);
+        let mut t_w = Tensor::of(w, &[bucket, k], stream);
+        let (mut t_c, handle) = self.paths.get_mut(bucket).parts(stream);
+        handle.combine(&mut t_c, &mut t_o, ll.then_some(&mut t_w), stream)?;
+        g.widen_add(
+            &self.b.out_b,
+            shared,
+            home.n,
+            bucket,
+            self.shape.hidden,
+            out,
+        )?;
         Ok(())
     }
 
     fn receipts(&self) -> Option<(&CudaSlice<i32>, &CudaSlice<i32>)> {
-        Some((&self.counters, &self.total))
+        Some((&self.b.counters, &self.b.total))
     }
 
     /// Receive counts against the routing and the capacity. Overflow is impossible by

@@ -1,17 +1,16 @@
 //! A safe layer over NCCL EP's functions (nccl-sys holds the raw ones): RAII groups and
 //! handles, results mapped to `NcclError`, and tensor descriptions that keep the extents they
 //! point at and borrow their buffer for as long as a call can see them, their extents checked
-//! against the buffer. Every `unsafe` of the `nccl-ep` exchange is here.
+//! against the buffer (their dtype is the element type's). Every `unsafe` of the `nccl-ep` exchange is here.
 
 use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use half::bf16;
 use nccl_sys::ep::*;
-use nccl_sys::{ncclDataType_t, ncclResult_t};
+use nccl_sys::ncclResult_t;
 
-use crate::backend::cuda::nccl::{Comm, NcclError, SymBuffer};
+use crate::backend::cuda::nccl::{Comm, NcclError, NcclType, SymBuffer};
 
 pub fn check(op: &'static str, r: ncclResult_t) -> Result<(), NcclError> {
     r.ok().map_err(|result| NcclError {
@@ -19,24 +18,6 @@ pub fn check(op: &'static str, r: ncclResult_t) -> Result<(), NcclError> {
         result,
         detail: String::new(),
     })
-}
-
-/// Element types NCCL EP names.
-pub trait EpDtype {
-    const DTYPE: ncclDataType_t;
-}
-
-impl EpDtype for bf16 {
-    const DTYPE: ncclDataType_t = ncclDataType_t::Bfloat16;
-}
-impl EpDtype for f32 {
-    const DTYPE: ncclDataType_t = ncclDataType_t::Float32;
-}
-impl EpDtype for i32 {
-    const DTYPE: ncclDataType_t = ncclDataType_t::Int32;
-}
-impl EpDtype for u8 {
-    const DTYPE: ncclDataType_t = ncclDataType_t::Uint8;
 }
 
 /// A buffer as NCCL EP sees it: its descriptor, the extents the descriptor points at (boxed, so
@@ -64,29 +45,29 @@ impl<'a> Tensor<'a> {
     }
 
     /// `buf` as an input of extents `sizes`.
-    pub fn of<T: EpDtype>(buf: &'a CudaSlice<T>, sizes: &[usize], stream: &CudaStream) -> Self {
+    pub fn of<T: NcclType>(buf: &'a CudaSlice<T>, sizes: &[usize], stream: &CudaStream) -> Self {
         let ptr = buf.device_ptr(stream).0;
         Self::new(buf.len(), sizes, |s| {
-            ncclEpTensor_t::describe(ptr, T::DTYPE, s)
+            ncclEpTensor_t::describe(ptr, T::TYPE, s)
         })
     }
 
     /// `buf` as an output (or in-place operand) of extents `sizes`.
-    pub fn of_mut<T: EpDtype>(
+    pub fn of_mut<T: NcclType>(
         buf: &'a mut CudaSlice<T>,
         sizes: &[usize],
         stream: &CudaStream,
     ) -> Self {
         let len = buf.len();
         let ptr = buf.device_ptr_mut(stream).0;
-        Self::new(len, sizes, |s| ncclEpTensor_t::describe(ptr, T::DTYPE, s))
+        Self::new(len, sizes, |s| ncclEpTensor_t::describe(ptr, T::TYPE, s))
     }
 
     /// A registered window's rows, from its start, of extents `sizes`.
-    pub fn window<T: EpDtype>(buf: &'a mut SymBuffer<T>, sizes: &[usize]) -> Self {
+    pub fn window<T: NcclType>(buf: &'a mut SymBuffer<T>, sizes: &[usize]) -> Self {
         let win = buf.window();
         Self::new(buf.len(), sizes, |s| {
-            ncclEpTensor_t::in_window(win, 0, T::DTYPE, s)
+            ncclEpTensor_t::in_window(win, 0, T::TYPE, s)
         })
     }
 
