@@ -204,6 +204,9 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     fn ep_footprint(&self) -> Option<EpFootprint> {
         (**self).ep_footprint()
     }
+    fn group_started(&self) {
+        (**self).group_started()
+    }
 }
 
 /// Wall time of one step on this rank, and of each phase where the backend runs them one by one
