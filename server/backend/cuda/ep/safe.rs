@@ -189,7 +189,8 @@ impl Handle {
         assert!(len >= need, "a handle of {need} bytes in {len}");
         let mut raw: ncclEpHandle_t = std::ptr::null_mut();
         // SAFETY: the handle memory holds at least the size the group asked for (asserted) and
-        // moves into the handle, which it outlives; a valid config and out-pointer.
+        // moves into the handle, freed only after the handle is destroyed; a valid config and
+        // out-pointer.
         check("ncclEpInitHandle", unsafe {
             (group.ep.init_handle)(
                 &mut raw,
