@@ -770,6 +770,7 @@ fn readme_lists_every_metric(addrs: &[String]) {
         "server/sched",
         "server/step",
         "server/api/kserve",
+        "server/transport",
     ]
     .iter()
     .flat_map(|d| {
