@@ -264,7 +264,8 @@ def check_metrics(deploy, exported):
 
 def gpu_source_names(metric):
     src = os.path.join(ROOT, "server", "backend", "cuda")
-    return any(f'"{metric}"' in open(os.path.join(src, f)).read() for f in os.listdir(src))
+    files = [os.path.join(d, f) for d, _, names in os.walk(src) for f in names if f.endswith(".rs")]
+    return any(f'"{metric}"' in open(p).read() for p in files)
 
 
 def check_rules(deploy, tmp):
