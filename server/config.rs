@@ -91,6 +91,10 @@ pub struct LaunchArgs {
     /// Number of local rank processes.
     #[arg(long, env = "EPSERVE_RANKS", default_value_t = 2)]
     pub ranks: usize,
+    /// Simulated nodes the ranks are split over (evenly, in rank order): each its own node id
+    /// and its own `--shm-dir` subdirectory, so the group's cross-node paths run on one host.
+    #[arg(long, env = "EPSERVE_NODES", default_value_t = 1)]
+    pub nodes: usize,
     #[command(flatten)]
     pub serve: ServeArgs,
 }
@@ -267,6 +271,21 @@ pub struct ServeArgs {
     /// Ranks in the group (else WORLD_SIZE, then LWS_GROUP_SIZE, else 1).
     #[arg(help_heading = "Group", long)]
     pub world_size: Option<usize>,
+    /// The node this rank runs on (default: the host name): ranks of one node id share its
+    /// shared memory (`--shm-dir`) and must run on one host; ranks of different ones exchange
+    /// over TCP (cpu) or NCCL's network transports.
+    #[arg(help_heading = "Group", long, env = "EPSERVE_NODE_ID")]
+    pub node_id: Option<String>,
+    /// Address this rank's data listener binds, for peers on other nodes (rows, exchange
+    /// writes); port 0 picks any. Peers reach it at the address this rank reaches the router
+    /// from.
+    #[arg(
+        help_heading = "Group",
+        long,
+        env = "EPSERVE_DATA_LISTEN",
+        default_value = "0.0.0.0:0"
+    )]
+    pub data_listen: SocketAddr,
     /// Router's rendezvous address HOST:PORT (else MASTER_ADDR:MASTER_PORT, then
     /// LWS_LEADER_ADDRESS:MASTER_PORT, else 127.0.0.1:29500).
     #[arg(help_heading = "Group", long, env = "EPSERVE_RENDEZVOUS")]
@@ -468,6 +487,8 @@ pub struct Member {
     pub rank: usize,
     pub world: usize,
     pub rendezvous: String,
+    /// `--node-id`, else the host name.
+    pub node: String,
 }
 
 fn env_usize(keys: &[&str]) -> Result<Option<usize>, String> {
@@ -537,10 +558,20 @@ impl ServeArgs {
             return Err("--heartbeat-interval and --step-timeout must be positive".into());
         }
         self.upload.sizes(self.max_request_bytes)?;
+        let node = self
+            .node_id
+            .clone()
+            .unwrap_or_else(crate::telemetry::node_name);
+        if node.is_empty() || node.len() > 253 || node.chars().any(char::is_control) {
+            return Err(format!(
+                "--node-id {node:?} must be 1 to 253 characters without control characters"
+            ));
+        }
         Ok(Member {
             rank,
             world,
             rendezvous,
+            node,
         })
     }
 }

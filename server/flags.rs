@@ -12,6 +12,16 @@ pub enum OnOff {
     Off,
 }
 
+/// Compares secrets (`--group-token`) in time that does not depend on where they differ.
+pub fn same_secret(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let diff = a
+        .iter()
+        .zip(b)
+        .fold(a.len() ^ b.len(), |d, (x, y)| d | usize::from(x ^ y));
+    diff == 0
+}
+
 pub(crate) fn duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("'{s}': {e} (write e.g. 2s, 500ms)"))
 }

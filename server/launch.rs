@@ -1,6 +1,9 @@
 //! `epserve launch`: N local rank processes of one group, supervised. Signals are forwarded; if
-//! any rank fails, the others are stopped and the launcher exits non-zero.
+//! any rank fails, the others are stopped and the launcher exits non-zero. `--nodes K` splits
+//! the ranks over K simulated nodes (each its own `--node-id` and `--shm-dir` subdirectory), so
+//! the paths between nodes run on one host.
 
+use std::path::PathBuf;
 use std::process::ExitStatus;
 use std::time::Duration;
 
@@ -23,11 +26,56 @@ const KILL_GRACE: Duration = Duration::from_secs(5);
 /// environment (`EPSERVE_GROUP_TOKEN`), not on their command lines where `ps` shows it.
 const PER_RANK: &[&str] = &[
     "--ranks",
+    "--nodes",
     "--metrics-listen",
     "--listen",
     "--http-listen",
+    "--data-listen",
+    "--node-id",
+    "--shm-dir",
     "--group-token",
 ];
+
+/// Where rank `rank` of `ranks` runs when they are split evenly, in rank order, over `nodes`
+/// simulated nodes: (its node's index, its --node-id, its --shm-dir).
+fn node_of(args: &LaunchArgs, rank: usize) -> (usize, Option<String>, PathBuf) {
+    let shm = args.serve.shm_dir.clone();
+    if args.nodes <= 1 {
+        return (0, args.serve.node_id.clone(), shm);
+    }
+    let k = rank * args.nodes / args.ranks;
+    let base = args
+        .serve
+        .node_id
+        .clone()
+        .unwrap_or_else(crate::telemetry::node_name);
+    (
+        k,
+        Some(format!("{base}-node{k}")),
+        shm.join(format!("node{k}")),
+    )
+}
+
+/// Each simulated node's --shm-dir subdirectory, this user's only.
+fn make_node_dirs(args: &LaunchArgs) -> anyhow::Result<Vec<PathBuf>> {
+    use std::os::unix::fs::DirBuilderExt;
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for rank in 0..args.ranks {
+        let (_, _, dir) = node_of(args, rank);
+        if args.nodes > 1 && !dirs.contains(&dir) {
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&dir)
+                .or_else(|e| match e.kind() {
+                    std::io::ErrorKind::AlreadyExists => Ok(()),
+                    _ => Err(e),
+                })
+                .with_context(|| format!("creating the node directory {}", dir.display()))?;
+            dirs.push(dir);
+        }
+    }
+    Ok(dirs)
+}
 
 /// The serve flags the user gave `launch`, minus the per-rank ones.
 fn passthrough() -> Vec<String> {
@@ -94,6 +142,15 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
     if args.serve.rank.is_some() || args.serve.world_size.is_some() {
         bail!("launch sets --rank and --world-size itself; pass --ranks");
     }
+    if args.nodes == 0 || args.nodes > args.ranks {
+        bail!(
+            "--nodes {} must be between 1 and --ranks ({})",
+            args.nodes,
+            args.ranks
+        );
+    }
+    let node_dirs = make_node_dirs(&args)?;
+    let nodes: Vec<_> = (0..args.ranks).map(|r| node_of(&args, r)).collect();
     // Without --rendezvous, rank 0 binds port 0 and reports the port it got: no port is ever
     // picked by one process and bound by another.
     let mut rendezvous = args.serve.rendezvous.clone();
@@ -126,17 +183,26 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
         let (exit_tx, mut exit_rx) = mpsc::channel::<(usize, std::io::Result<ExitStatus>)>(args.ranks);
         let mut pids = Vec::new();
         let mut spawned = 0;
-        for rank in 0..args.ranks {
+        for (rank, (node, node_id, shm_dir)) in nodes.into_iter().enumerate() {
             let addr = rendezvous.clone().unwrap_or_else(|| "127.0.0.1:0".into());
             let mut cmd = Command::new(&exe);
             cmd.arg("serve")
                 .args(&flags)
                 .args(["--rank", &rank.to_string(), "--world-size", &args.ranks.to_string()])
                 .args(["--rendezvous", &addr])
+                .arg("--shm-dir")
+                .arg(&shm_dir)
+                .args(["--data-listen", &rank_addr(args.serve.data_listen, rank, "--data-listen")?.to_string()])
                 .args(["--metrics-listen", &rank_addr(args.serve.metrics_listen, rank, "--metrics-listen")?.to_string()])
                 .args(["--listen", &listen(rank)?.to_string()])
                 .args(["--http-listen", &http_listen(rank)?])
                 .kill_on_drop(true);
+            if let Some(id) = node_id {
+                cmd.args(["--node-id", &id]);
+            }
+            if args.nodes > 1 {
+                info!(rank, node, "rank {rank} on simulated node {node}");
+            }
             if let Some(token) = &args.serve.group_token {
                 cmd.env("EPSERVE_GROUP_TOKEN", token);
             }
@@ -195,6 +261,12 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                     kill_at = None;
                 }
             }
+        }
+        // The node directories, once empty (each rank's private directory first).
+        for dir in &node_dirs {
+            let uid = nix::unistd::getuid();
+            let _ = std::fs::remove_dir(dir.join(format!("epserve-{uid}")));
+            let _ = std::fs::remove_dir(dir);
         }
         match failed {
             Some(why) => bail!("the group failed: {why}"),

@@ -12,6 +12,7 @@ pub mod launch;
 pub mod lifecycle;
 pub mod metrics;
 pub mod model;
+pub mod nodes;
 pub mod rejections;
 pub mod sched;
 pub mod serve;

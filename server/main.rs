@@ -5,12 +5,12 @@ use epserve::config::{Cli, Command};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let (format, otlp, role, rank) = match &cli.command {
+    let (format, otlp, role, member) = match &cli.command {
         Command::Serve(a) => (
             a.log_format,
             a.otlp_endpoint.as_deref(),
             "rank",
-            a.member().ok().map(|m| m.rank),
+            a.member().ok(),
         ),
         Command::Launch(a) => (
             a.serve.log_format,
@@ -20,7 +20,8 @@ fn main() -> ExitCode {
         ),
         Command::Bench(a) => (a.log_format, None, "bench", None),
     };
-    let telemetry = match epserve::telemetry::init(format, otlp, role, rank) {
+    let (rank, node) = member.map(|m| (m.rank, m.node)).unzip();
+    let telemetry = match epserve::telemetry::init(format, otlp, role, rank, node) {
         Ok(t) => t,
         Err(e) => {
             eprintln!("epserve: cannot set up logging: {e:#}");

@@ -15,6 +15,13 @@ impl Pod for i32 {}
 impl Pod for u32 {}
 impl Pod for u8 {}
 
+/// `src`'s bytes, to send.
+pub fn bytes_of<T: Pod>(src: &[T]) -> &[u8] {
+    // SAFETY: `T: Pod` is plain data without padding (f32, i32, u32, u8); the view borrows `src`
+    // and covers exactly its bytes.
+    unsafe { std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), std::mem::size_of_val(src)) }
+}
+
 pub struct Shm {
     map: memmap2::MmapRaw,
     path: PathBuf,

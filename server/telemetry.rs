@@ -96,7 +96,7 @@ where
     }
 }
 
-/// This host's name (the pod's, in Kubernetes), for the `node` of every line.
+/// This host's name (the pod's, in Kubernetes): the default `--node-id`.
 pub fn node_name() -> String {
     nix::unistd::gethostname()
         .ok()
@@ -105,16 +105,18 @@ pub fn node_name() -> String {
 }
 
 /// Installs the global subscriber; `otlp` is a collector's gRPC endpoint (http://host:4317);
-/// `rank`: the rank this process serves as, named on every line.
+/// `rank`: the rank this process serves as, and `node` its node (else the host's name), named on
+/// every line.
 pub fn init(
     format: LogFormat,
     otlp: Option<&str>,
     role: &str,
     rank: Option<usize>,
+    node: Option<String>,
 ) -> anyhow::Result<Telemetry> {
     let filter = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let stderr = std::io::stderr;
-    let node = node_name();
+    let node = node.unwrap_or_else(node_name);
     let fmt = match format {
         LogFormat::Text => {
             let f = tracing_subscriber::fmt::format();

@@ -227,6 +227,43 @@ async fn deepseek_sigmoid_group_limited_with_shared_expert() {
     preset_across_worlds("tiny-deepseek", 13).await;
 }
 
+/// Four ranks on two simulated nodes (`launch --nodes 2`): dispatch and combine between the
+/// nodes and the far node's home rows go over the data connections, not shared memory. Every
+/// request (every dtype, gating and client routing, unary and stream) against the reference, the
+/// same outputs as the same four ranks on one node, and every rank counts the bytes it sent to
+/// the other node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_match_one_node_and_the_reference() {
+    let (preset, seed) = ("tiny-deepseek", 17);
+    let spec = synthetic::preset(preset).unwrap();
+    let refs = reference(&spec, seed);
+    let one = {
+        let group = launch(4, preset, seed, MAX_TOKENS, &[]);
+        let out = check_group(&group, &spec, &refs, 1000 + seed).await;
+        let router = prom::scrape(&group.metrics_addrs(4)[0]);
+        assert_eq!(
+            prom::sum(&router, "epserve_cross_node_bytes_total", &[]),
+            0.0,
+            "one node sends nothing across nodes"
+        );
+        out
+    };
+    let group = launch(4, preset, seed, MAX_TOKENS, &["--nodes", "2"]);
+    let two = check_group(&group, &spec, &refs, 1000 + seed).await;
+    for (id, out) in &two {
+        let d = rel_diff(out, &one[id]);
+        assert!(d <= 1e-6, "{id}: two nodes differ from one by {d:.3e}");
+    }
+    for (rank, addr) in group.metrics_addrs(4).iter().enumerate() {
+        let sent = prom::sum(
+            &prom::scrape(addr),
+            "epserve_cross_node_bytes_total",
+            &[("rank", &rank.to_string())],
+        );
+        assert!(sent > 0.0, "rank {rank} counted no bytes to the other node");
+    }
+}
+
 /// The cpu backend's expert math spread over several threads per rank (`--cpu-threads`; CI's two
 /// cores give one per rank by default): every request against the reference, and the same
 /// outputs as one thread. Steps of 64 tokens, so each rank's rows and its shared expert's tokens

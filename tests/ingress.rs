@@ -1,7 +1,8 @@
 //! `--ingress all` with real rank groups: every rank serves, the same input gives the same output
 //! at every rank and as with router ingress (and as the f64 reference); concurrent load at every
 //! rank is all answered; a drain and a rank failure answer every client of every rank; a trickle
-//! at one rank is not starved by a flood at another.
+//! at one rank is not starved by a flood at another. The same on two simulated nodes
+//! (`launch --nodes 2`), and a node killed or stopped.
 
 mod common;
 
@@ -158,9 +159,26 @@ async fn every_rank_answers_as_the_router_does_and_as_the_reference() {
         let group = Group::launch(4, &model, &flags("router"));
         send_all(&group.addr, &cases).await
     };
-    let group = Group::launch(4, &model, &flags("all"));
-    let addrs = ingress(&group, 4).await;
-    // Every rank at once: their requests share steps.
+    // On one node, and on two (`--nodes 2`: the flags cross nodes, the rows stay home).
+    for nodes in ["1", "2"] {
+        let mut f = flags("all");
+        f.extend(["--nodes", nodes]);
+        let group = Group::launch(4, &model, &f);
+        every_rank_at_once(&group, &spec, &refs, &cases, &routed, nodes).await;
+    }
+}
+
+/// Every rank of `group` sent every case at once (their requests share steps): each answer
+/// against the reference and against `routed`, router ingress's on one node.
+async fn every_rank_at_once(
+    group: &Group,
+    spec: &MoeSpec,
+    refs: &[RefLayer],
+    cases: &[Case],
+    routed: &[Vec<f32>],
+    nodes: &str,
+) {
+    let addrs = ingress(group, 4).await;
     let mut tasks = JoinSet::new();
     for (r, a) in addrs.iter().enumerate() {
         let a = a.clone();
@@ -177,12 +195,18 @@ async fn every_rank_answers_as_the_router_does_and_as_the_reference() {
     }
     while let Some(r) = tasks.join_next().await {
         let (rank, outs) = r.unwrap();
-        for ((case, out), want) in cases.iter().zip(&outs).zip(&routed) {
-            check(&spec, &refs, case, out, &format!("rank {rank}"));
+        for ((case, out), want) in cases.iter().zip(&outs).zip(routed) {
+            check(
+                spec,
+                refs,
+                case,
+                out,
+                &format!("{nodes} node(s), rank {rank}"),
+            );
             let d = max_diff(out, want);
             assert!(
                 d <= 1e-6,
-                "rank {rank} {}: {d:e} from router ingress",
+                "{nodes} node(s), rank {rank} {}: {d:e} from router ingress on one node",
                 case.req.id
             );
         }
@@ -281,9 +305,17 @@ async fn every_rank_serves_the_whole_surface() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_load_at_every_rank_is_all_answered() {
+    for nodes in ["1", "2"] {
+        load_at_every_rank(nodes).await;
+    }
+}
+
+async fn load_at_every_rank(nodes: &str) {
     let spec = synthetic::preset(PRESET).unwrap();
     let refs = refs(&spec);
-    let group = Group::launch(4, &format!("synthetic:{PRESET}"), &flags("all"));
+    let mut f = flags("all");
+    f.extend(["--nodes", nodes]);
+    let group = Group::launch(4, &format!("synthetic:{PRESET}"), &f);
     let addrs = ingress(&group, 4).await;
     let mut tasks = JoinSet::new();
     for (r, a) in addrs.iter().enumerate() {
@@ -312,7 +344,13 @@ async fn concurrent_load_at_every_rank_is_all_answered() {
     while let Some(t) = tasks.join_next().await {
         let (rank, cs, outs) = t.unwrap();
         for (case, out) in cs.iter().zip(&outs) {
-            check(&spec, &refs, case, out, &format!("rank {rank}"));
+            check(
+                &spec,
+                &refs,
+                case,
+                out,
+                &format!("{nodes} node(s), rank {rank}"),
+            );
             answered += 1;
         }
     }
@@ -357,12 +395,26 @@ fn load_everywhere(addrs: &[String], clients: usize, layers: &[u32]) -> JoinSet<
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_signal_at_any_rank_drains_every_rank_and_answers_everything_admitted() {
+    for nodes in ["1", "2"] {
+        drain_at_rank_2(nodes).await;
+    }
+}
+
+/// SIGTERM at rank 2 (on the second node of two): every rank drains and exits 0.
+async fn drain_at_rank_2(nodes: &str) {
     let spec = synthetic::preset("tiny").unwrap();
     assert_eq!(spec.hidden, H);
     let mut group = Group::launch(
         4,
         "synthetic:tiny",
-        &["--ingress", "all", "--drain-timeout", "10s"],
+        &[
+            "--ingress",
+            "all",
+            "--drain-timeout",
+            "10s",
+            "--nodes",
+            nodes,
+        ],
     );
     let addrs = ingress(&group, 4).await;
     let mut tasks = load_everywhere(&addrs, 4, &spec.moe_layers);
@@ -396,29 +448,51 @@ async fn a_signal_at_any_rank_drains_every_rank_and_answers_everything_admitted(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_rank_answers_every_client_of_every_rank() {
+    lose(&["--nodes", "1"], &[2], "KILL").await;
+}
+
+/// kill -9 of the second node's ranks (2 and 3) of two: every client of the first node is
+/// answered within the step timeout plus a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_node_answers_every_client_of_every_node() {
+    lose(&["--nodes", "2"], &[2, 3], "KILL").await;
+}
+
+/// SIGSTOP of the second node's ranks (a partitioned node: connections up, nothing answers):
+/// every client of the first node is answered within the step timeout plus a second; the
+/// stopped ranks' own clients when the launcher kills them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_node_answers_every_client_of_the_other_node() {
+    lose(&["--nodes", "2"], &[2, 3], "STOP").await;
+}
+
+/// Sends `sig` to `lost` under load at every rank; every other rank's clients are answered
+/// UNAVAILABLE within the step timeout (2 s) plus a second, some of them naming a lost rank;
+/// the launcher exits non-zero.
+async fn lose(extra: &[&str], lost: &[usize], sig: &str) {
     let spec = synthetic::preset("tiny").unwrap();
-    let mut group = Group::launch(
-        4,
-        "synthetic:tiny",
-        &[
-            "--ingress",
-            "all",
-            "--step-timeout",
-            "2s",
-            "--heartbeat-interval",
-            "200ms",
-            "--shutdown-grace",
-            "3s",
-        ],
-    );
+    let mut flags = vec![
+        "--ingress",
+        "all",
+        "--step-timeout",
+        "2s",
+        "--heartbeat-interval",
+        "200ms",
+        "--shutdown-grace",
+        "3s",
+    ];
+    flags.extend_from_slice(extra);
+    let mut group = Group::launch(4, "synthetic:tiny", &flags);
     let addrs = ingress(&group, 4).await;
     let pids: Vec<u32> = (0..4).map(|r| group.proc.rank_pid(r)).collect();
     let mut tasks = load_everywhere(&addrs, 4, &spec.moe_layers);
     tokio::time::sleep(Duration::from_millis(400)).await;
     let killed = Instant::now();
-    kill(pids[2], "KILL");
+    for &r in lost {
+        kill(pids[r], sig);
+    }
     // Every other rank's readiness turns NOT_SERVING (its port stays up for the grace).
-    for (r, a) in addrs.iter().enumerate().filter(|(r, _)| *r != 2) {
+    for (r, a) in addrs.iter().enumerate().filter(|(r, _)| !lost.contains(r)) {
         while health(a, "").await != NOT_SERVING {
             assert!(
                 killed.elapsed() < Duration::from_secs(3),
@@ -430,18 +504,20 @@ async fn a_lost_rank_answers_every_client_of_every_rank() {
     let mut named = 0;
     while let Some(t) = tasks.join_next().await {
         let (rank, _, code, msg, at) = t.unwrap();
+        // A stopped rank's own clients wait for it: nothing there can answer them.
+        let stopped = sig == "STOP" && lost.contains(&rank);
         assert!(
-            at - killed <= Duration::from_secs(3),
+            stopped || at - killed <= Duration::from_secs(3),
             "rank {rank}'s client answered after {:?}: {code:?} {msg}\n{}",
             at - killed,
             group.proc.log_text()
         );
-        if rank == 2 {
+        if lost.contains(&rank) {
             // Its own server is gone: the client library reports the dropped connection.
             continue;
         }
         assert_eq!(code, Code::Unavailable, "rank {rank}: {msg}");
-        if msg.contains("rank 2") {
+        if lost.iter().any(|r| msg.contains(&format!("rank {r}"))) {
             named += 1;
         }
     }

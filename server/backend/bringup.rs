@@ -10,20 +10,24 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use super::cpu::{default_lanes, CpuRank, SegmentShape};
+use super::cpu::{default_lanes, segment_path, CpuRank, SegmentShape};
 use super::gpu;
 use crate::lifecycle::Abort;
 use crate::model::{MoeSpec, RankWeights};
+use crate::nodes::plane::Links;
+use crate::nodes::Roster;
 use crate::shm::Shm;
 use crate::step::ring::Ring;
 use crate::step::Backend;
 use crate::watchdog::SetupDeadline;
 
-/// Where the group meets on this host.
+/// Where the group meets on this node.
 pub struct Site<'a> {
-    /// The directory of the group's shared-memory segments.
+    /// The directory of the node's shared-memory segments.
     pub dir: &'a Path,
     pub group: &'a str,
+    /// Every rank's node, and where its data connections reach it.
+    pub roster: &'a Roster,
     /// NCCL's unique id (GPU backends).
     pub nccl_id: &'a [u8],
     /// The step ring, mapped once every rank has arrived (the router creates it before then).
@@ -43,9 +47,15 @@ pub trait BringUp: Send {
     fn barriers(&self) -> [&'static str; 2];
     /// Before the first barrier: what the peers will map.
     fn create(&mut self, at: &Site) -> anyhow::Result<()>;
-    /// Between the barriers: the peers mapped (or NCCL joined); the backend. Once every rank
-    /// has joined, the handshake calls its `Backend::group_started`.
-    fn join(self: Box<Self>, at: &Site) -> anyhow::Result<Box<dyn Backend + Send>>;
+    /// After `create`: another mapping of what peers of other nodes write into through their
+    /// data connections (the cpu backend's segment; none on a GPU).
+    fn mirrored(&self, _at: &Site) -> anyhow::Result<Option<Shm>> {
+        Ok(None)
+    }
+    /// Between the barriers: the peers of its node mapped, those of others through `links` (or
+    /// NCCL joined); the backend. Once every rank has joined, the handshake calls its
+    /// `Backend::group_started`.
+    fn join(self: Box<Self>, at: &Site, links: &Links) -> anyhow::Result<Box<dyn Backend + Send>>;
 }
 
 /// The cpu backend: peers exchange through each rank's shared-memory segment.
@@ -73,7 +83,14 @@ impl BringUp for CpuBringUp {
         Ok(())
     }
 
-    fn join(self: Box<Self>, at: &Site) -> anyhow::Result<Box<dyn Backend + Send>> {
+    fn mirrored(&self, at: &Site) -> anyhow::Result<Option<Shm>> {
+        let path = segment_path(at.dir, at.group, self.rank);
+        let seg = Shm::open(&path, self.segment.bytes())
+            .with_context(|| format!("mapping {} for the data connections", path.display()))?;
+        Ok(Some(seg))
+    }
+
+    fn join(self: Box<Self>, at: &Site, links: &Links) -> anyhow::Result<Box<dyn Backend + Send>> {
         let me = *self;
         let own = me.own.context("joining before creating the segment")?;
         let lanes = match me.threads {
@@ -85,6 +102,7 @@ impl BringUp for CpuBringUp {
             at.group,
             me.rank,
             own,
+            (at.roster, links),
             me.segment,
             me.spec,
             me.weights,
@@ -128,7 +146,7 @@ impl BringUp for GpuBringUp {
         Ok(())
     }
 
-    fn join(self: Box<Self>, at: &Site) -> anyhow::Result<Box<dyn Backend + Send>> {
+    fn join(self: Box<Self>, at: &Site, _: &Links) -> anyhow::Result<Box<dyn Backend + Send>> {
         let _bound = SetupDeadline::new(GPU_SETUP, at.deadline);
         let me = *self;
         me.device.join(
@@ -138,6 +156,7 @@ impl BringUp for GpuBringUp {
             me.graphs,
             me.step_timeout,
             at.deadline,
+            at.abort.clone(),
         )
     }
 }

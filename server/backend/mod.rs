@@ -156,6 +156,7 @@ pub mod gpu {
             pub fn expert_bytes(&self) -> usize {
                 match *self {}
             }
+            #[allow(clippy::too_many_arguments)]
             pub fn join(
                 self,
                 _nccl_id: &[u8],
@@ -164,6 +165,7 @@ pub mod gpu {
                 _graphs: bool,
                 _step_timeout: Duration,
                 _deadline: Instant,
+                _abort: Arc<crate::lifecycle::Abort>,
             ) -> anyhow::Result<Box<dyn Backend + Send>> {
                 match self {}
             }

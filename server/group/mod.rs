@@ -14,6 +14,8 @@ use serde::Serialize;
 pub use msg::{Bringup, Fingerprint, IngressOrder, IngressReport, Order, Report};
 pub use wire::{recv, send};
 
+use crate::nodes::{RankNode, Roster};
+
 /// A rank's end of its control connection after startup, shared by its senders (the step loop,
 /// the watchdog, the ingress tasks): each report goes out whole.
 #[derive(Clone)]
@@ -99,20 +101,19 @@ pub struct Expect<'a> {
     pub world: usize,
     pub fingerprint: &'a Fingerprint,
     pub host: &'a str,
-    /// The cpu backend's ranks share host memory.
-    pub same_host: bool,
+    /// The router's `--node-id`: ranks that name it must run on its host.
+    pub node: &'a str,
+    /// The router's data listener's port.
+    pub data_port: u16,
     /// --group-token ("" for none).
     pub token: &'a str,
 }
 
-/// Compares secrets in time that does not depend on where they differ.
-fn same_secret(a: &str, b: &str) -> bool {
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    let diff = a
-        .iter()
-        .zip(b)
-        .fold(a.len() ^ b.len(), |d, (x, y)| d | usize::from(x ^ y));
-    diff == 0
+/// An admitted rank: its control connection, where it runs, and its host.
+struct Seated {
+    stream: TcpStream,
+    seat: RankNode,
+    host: String,
 }
 
 /// A connection's first message, read on a thread of its own.
@@ -130,6 +131,8 @@ fn read_hello(mut stream: TcpStream, peer: SocketAddr, limit: Duration) -> Hello
 /// Router side of the group: one control connection per other rank, index = rank - 1.
 pub struct RouterLink {
     pub workers: Vec<TcpStream>,
+    /// Every rank's node and data address, by rank.
+    pub roster: Roster,
 }
 
 impl RouterLink {
@@ -146,7 +149,7 @@ impl RouterLink {
     ) -> Result<Self, GroupError> {
         let world = want.world;
         let deadline = Instant::now() + timeout;
-        let mut slots: Vec<Option<TcpStream>> = (1..world).map(|_| None).collect();
+        let mut slots: Vec<Option<Seated>> = (1..world).map(|_| None).collect();
         listener
             .set_nonblocking(true)
             .map_err(io("rendezvous listener"))?;
@@ -181,8 +184,8 @@ impl RouterLink {
                 }
                 match hello_rx.recv_timeout(Duration::from_millis(5)) {
                     Ok((stream, peer, hello)) => {
-                        if let Some((rank, stream)) = admit(stream, peer, hello, want, &slots)? {
-                            slots[rank - 1] = Some(stream);
+                        if let Some((rank, seated)) = admit(stream, peer, hello, want, &slots)? {
+                            slots[rank - 1] = Some(seated);
                         }
                     }
                     Err(_) if Instant::now() >= deadline => {
@@ -202,7 +205,11 @@ impl RouterLink {
             }
             Ok(())
         })();
-        let mut workers: Vec<TcpStream> = slots.into_iter().flatten().collect();
+        let (mut workers, mut seats): (Vec<TcpStream>, Vec<RankNode>) = slots
+            .into_iter()
+            .flatten()
+            .map(|s| (s.stream, s.seat))
+            .unzip();
         if let Err(e) = result {
             for w in &mut workers {
                 let _ = send(
@@ -214,9 +221,25 @@ impl RouterLink {
             }
             return Err(e);
         }
-        let mut link = Self { workers };
+        // Peers reach the router's data listener where they reached the router.
+        let ip = match workers.first() {
+            Some(w) => w.local_addr().map_err(io("control socket"))?.ip(),
+            None => std::net::Ipv4Addr::LOCALHOST.into(),
+        };
+        seats.insert(
+            0,
+            RankNode {
+                node: want.node.to_string(),
+                data: SocketAddr::new(ip, want.data_port).to_string(),
+            },
+        );
+        let mut link = Self {
+            workers,
+            roster: Roster(seats.clone()),
+        };
         link.broadcast(&Bringup::Welcome {
             group: group.to_string(),
+            seats,
             nccl_id,
         })?;
         Ok(link)
@@ -317,16 +340,17 @@ fn admit(
     peer: SocketAddr,
     hello: std::io::Result<Bringup>,
     want: &Expect,
-    slots: &[Option<TcpStream>],
-) -> Result<Option<(usize, TcpStream)>, GroupError> {
-    let (rank, world, host, theirs, token) = match hello {
+    slots: &[Option<Seated>],
+) -> Result<Option<(usize, Seated)>, GroupError> {
+    let (rank, world, host, seat, theirs, token) = match hello {
         Ok(Bringup::Hello {
             rank,
             world,
             host,
+            seat,
             fingerprint,
             token,
-        }) => (rank, world, host, fingerprint, token),
+        }) => (rank, world, host, seat, fingerprint, token),
         Ok(other) => {
             tracing::warn!(%peer, "rendezvous: {} before hello; closing", other.name());
             return Ok(None);
@@ -336,7 +360,7 @@ fn admit(
             return Ok(None);
         }
     };
-    if !same_secret(&token, want.token) {
+    if !crate::flags::same_secret(&token, want.token) {
         tracing::warn!(%peer, rank, "rendezvous: wrong or missing --group-token; closing");
         let _ = send(
             &mut stream,
@@ -377,10 +401,10 @@ fn admit(
         Some(format!(
             "config mismatch in '{field}': rank {rank} has {theirs}, rank 0 has {ours}"
         ))
-    } else if want.same_host && host != want.host {
+    } else if let Some((other, their_host)) = node_host(want, slots, &seat.node, &host) {
         Some(format!(
-            "rank {rank} runs on host {host}, rank 0 on {}: the cpu backend needs every rank on one host",
-            want.host
+            "rank {rank} says it is on node {:?} but runs on host {host}, and rank {other} of that node on {their_host}: ranks of one --node-id share its memory and must share a host",
+            seat.node
         ))
     } else {
         None
@@ -397,7 +421,25 @@ fn admit(
     stream
         .set_read_timeout(None)
         .map_err(io("rendezvous socket"))?;
-    Ok(Some((rank, stream)))
+    Ok(Some((rank, Seated { stream, seat, host })))
+}
+
+/// A rank already admitted (or the router) on `node` whose host is not `host`: (its rank, its
+/// host).
+fn node_host<'a>(
+    want: &'a Expect,
+    slots: &'a [Option<Seated>],
+    node: &str,
+    host: &str,
+) -> Option<(usize, &'a str)> {
+    let router = (want.node == node && want.host != host).then_some((0, want.host));
+    router.or_else(|| {
+        slots.iter().enumerate().find_map(|(i, s)| {
+            s.as_ref()
+                .filter(|s| s.seat.node == node && s.host != host)
+                .map(|s| (i + 1, s.host.as_str()))
+        })
+    })
 }
 
 /// A group id as the router makes it (hex and dashes): it names files under --shm-dir.
@@ -410,17 +452,27 @@ pub struct Joined {
     pub stream: TcpStream,
     pub group: String,
     pub nccl_id: Option<Vec<u8>>,
+    /// Every rank's node and data address, by rank.
+    pub roster: Roster,
+}
+
+/// Who joins: its rank, the group's world size, its node and data listener's port.
+pub struct Joiner<'a> {
+    pub rank: usize,
+    pub world: usize,
+    pub node: &'a str,
+    pub data_port: u16,
 }
 
 /// Rank side: connects to the router (retrying until the deadline) and says hello.
 pub fn join(
     addr: &str,
-    rank: usize,
-    world: usize,
+    me: &Joiner,
     fingerprint: &Fingerprint,
     token: &str,
     timeout: Duration,
 ) -> Result<Joined, GroupError> {
+    let (rank, world) = (me.rank, me.world);
     let deadline = Instant::now() + timeout;
     let mut stream = loop {
         let addrs: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(addr)
@@ -440,12 +492,18 @@ pub fn join(
         std::thread::sleep(Duration::from_millis(50));
     };
     stream.set_nodelay(true).map_err(io("control socket"))?;
+    // Peers on other nodes reach this rank's data listener where it reaches the router from.
+    let ip = stream.local_addr().map_err(io("control socket"))?.ip();
     send(
         &mut stream,
         &Bringup::Hello {
             rank,
             world,
             host: host_id(),
+            seat: RankNode {
+                node: me.node.to_string(),
+                data: SocketAddr::new(ip, me.data_port).to_string(),
+            },
             fingerprint: fingerprint.clone(),
             token: token.to_string(),
         },
@@ -455,10 +513,21 @@ pub fn join(
         Bringup::Welcome { group, .. } if !valid_group_id(&group) => Err(GroupError::Protocol(
             format!("the router sent group id {group:?}, which is not hex"),
         )),
-        Bringup::Welcome { group, nccl_id } => Ok(Joined {
+        Bringup::Welcome { seats, .. } if seats.len() != world => {
+            Err(GroupError::Protocol(format!(
+                "the router sent {} seats for a world of {world}",
+                seats.len()
+            )))
+        }
+        Bringup::Welcome {
+            group,
+            seats,
+            nccl_id,
+        } => Ok(Joined {
             stream,
             group,
             nccl_id,
+            roster: Roster(seats),
         }),
         other => Err(GroupError::Protocol(format!(
             "expected welcome, got {other:?}"
@@ -513,7 +582,10 @@ mod tests {
         }
         // Rank 2's connection can no longer be written.
         workers[1].shutdown(std::net::Shutdown::Write).unwrap();
-        let mut link = RouterLink { workers };
+        let mut link = RouterLink {
+            workers,
+            roster: Roster::one_node(4),
+        };
         let e = link.broadcast(&Order::Shutdown).unwrap_err();
         assert!(e.to_string().contains("rank 2"), "{e}");
         for r in [0, 2] {

@@ -11,6 +11,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::nodes::RankNode;
 use crate::step::{StepDesc, StepKey};
 
 pub type Fingerprint = Vec<(String, String)>;
@@ -23,6 +24,8 @@ pub enum Bringup {
         rank: usize,
         world: usize,
         host: String,
+        /// Its node and data address (`nodes::RankNode`).
+        seat: RankNode,
         fingerprint: Fingerprint,
         /// --group-token, when the group has one.
         #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -30,6 +33,8 @@ pub enum Bringup {
     },
     Welcome {
         group: String,
+        /// Every rank's node and data address, by rank.
+        seats: Vec<RankNode>,
         /// The NCCL unique id of the group's communicator (GPU backends).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         nccl_id: Option<Vec<u8>>,

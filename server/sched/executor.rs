@@ -171,7 +171,6 @@ impl<B: Backend> Executor<B> {
             });
         }
         self.seq += 1;
-        self.ring.publish_input(slot, self.seq);
         let desc = StepDesc {
             step: self.seq,
             layer: f.step.layer as u32,
@@ -182,6 +181,9 @@ impl<B: Backend> Executor<B> {
             output: f.step.output,
             homes: f.step.homes.clone(),
         };
+        self.ring
+            .publish_input(&desc)
+            .map_err(ExecutorError::Broken)?;
         self.link.broadcast(&Order::Step(desc.clone()))?;
         self.driver.submit(&desc)?;
         if formed {

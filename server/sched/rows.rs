@@ -328,7 +328,7 @@ mod tests {
     use crate::dtype::Dtype;
     use crate::sched::{Job, JobInput, Rows, Segment};
     use crate::step::direct::ClientMemory;
-    use crate::step::ring::RingShape;
+    use crate::step::ring::{Output, RingShape};
 
     /// Host bytes standing in for a client's memory: a GPU's when `device`.
     struct Fake(Mutex<Vec<u8>>, bool);
@@ -452,14 +452,16 @@ mod tests {
         assert_eq!((i.offset, i.len), ((2 * row_bytes) as u64, row_bytes));
         assert_eq!((o.offset, o.len), (((2 + n) * row_bytes) as u64, row_bytes));
         // The ranks' outputs: 100 + row; this rank's device row it writes itself.
-        ring.write_output(
-            0,
-            0,
-            0..7,
-            Dtype::F32,
-            &rows((0..7).map(|r| 100.0 + r as f32)),
-            1,
-        );
+        let out = Output {
+            slot: 0,
+            rank: 0,
+            rows: 0..7,
+            dtype: Dtype::F32,
+            seq: 1,
+            to_router: true,
+        };
+        ring.write_output(&out, &rows((0..7).map(|r| 100.0 + r as f32)))
+            .unwrap();
         let bufs = Bufs::new(1 << 20, OUTPUT_BUFFERS_REUSED);
         deliver(&ring, &step, 0, 0, 1, &bufs, own);
         assert!(ring.direct.within(0, &(0..8)).is_empty(), "cleared");
@@ -532,7 +534,15 @@ mod tests {
             "{e}"
         );
         let outputs = rows((0..5).map(|r| 50.0 + r as f32));
-        ring.write_output(0, 0, 0..5, Dtype::F32, &outputs, 1);
+        let out = Output {
+            slot: 0,
+            rank: 0,
+            rows: 0..5,
+            dtype: Dtype::F32,
+            seq: 1,
+            to_router: true,
+        };
+        ring.write_output(&out, &outputs).unwrap();
         let bufs = Bufs::new(1 << 20, OUTPUT_BUFFERS_REUSED);
         deliver(&ring, &step, 0, 0, 1, &bufs, 0..5);
         assert!(rx0.try_recv().unwrap().unwrap().is_empty());

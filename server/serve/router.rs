@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use super::bringup::{bring_up, Side};
+use super::bringup::{bring_up, Reach, Side};
 use super::grpc::{set_ready, watch_liveness, Front};
 use super::prepare::Prepared;
 use super::stop::{wait_for_stop, Stop};
@@ -21,6 +21,7 @@ use crate::config::ServeArgs;
 use crate::group::{self, IngressOrder, Order, RouterLink};
 use crate::infer::Phase;
 use crate::lifecycle::Abort;
+use crate::nodes::plane::DataListener;
 use crate::sched::{
     run_batcher, run_coordinator, BatchConfig, Control, CoordConfig, Executor, ExecutorError, Job,
     Offer, PeerEvents, OFFERS_PENDING,
@@ -393,6 +394,7 @@ fn accept_ranks(
     p: &Prepared,
     rank: &dyn BringUp,
     listener: TcpListener,
+    data_port: u16,
 ) -> anyhow::Result<(RouterLink, String, Option<Vec<u8>>)> {
     let world = p.member.world;
     let bind = listener.local_addr()?;
@@ -408,7 +410,8 @@ fn accept_ranks(
         world,
         fingerprint: &p.fingerprint,
         host: &host,
-        same_host: true,
+        node: &p.member.node,
+        data_port,
         token: args.group_token.as_deref().unwrap_or_default(),
     };
     let timeout = args.rendezvous_timeout;
@@ -429,7 +432,10 @@ fn form_group(
 ) -> anyhow::Result<Formed> {
     let world = p.member.world;
     let timeout = args.rendezvous_timeout;
-    let (mut link, group_id, nccl_id) = accept_ranks(args, &p, rank.as_ref(), listener)?;
+    let data = DataListener::bind(args.data_listen)?;
+    let (mut link, group_id, nccl_id) =
+        accept_ranks(args, &p, rank.as_ref(), listener, data.port()?)?;
+    let roster = link.roster.clone();
     let dir = super::segment_dir(args)?;
     let swept = crate::shm::sweep_stale(&dir);
     if swept > 0 {
@@ -448,13 +454,20 @@ fn form_group(
         let site = Site {
             dir,
             group: &group_id,
+            roster: &roster,
             nccl_id: nccl_id.as_deref().unwrap_or_default(),
             ring: &mapped,
             deadline,
             abort: abort.clone(),
         };
+        let reach = Reach {
+            listener: data,
+            rank: 0,
+            token: args.group_token.clone().unwrap_or_default(),
+            step_timeout: args.step_timeout,
+        };
         crate::startup::enter(crate::startup::Stage::BringUp);
-        let backend = bring_up(&mut Side::Router(&mut link), rank, site)?;
+        let backend = bring_up(&mut Side::Router(&mut link), rank, site, reach)?;
         ring.unlink();
         let ingress = match events {
             Some(_) => link.gather_listening(here.clone(), deadline)?,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context};
 use tracing::info;
 
-use super::bringup::{bring_up, Side};
+use super::bringup::{bring_up, Reach, Side};
 use super::ingress::{Clients, Opener};
 use super::own_rows::{OwnRows, PackOrder};
 use super::prepare::{self, Prepared};
@@ -18,6 +18,7 @@ use crate::backend::bringup::{BringUp, Site};
 use crate::config::{Ingress, ServeArgs};
 use crate::group::{self, send, Bringup, IngressOrder, Joined, Order, Report, Reporter};
 use crate::lifecycle::{nap, Abort};
+use crate::nodes::plane::DataListener;
 use crate::sched::{Failure, Step};
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver, StepDesc, StepError};
@@ -67,14 +68,21 @@ fn join(
     let rank = p.member.rank;
     let timeout = args.rendezvous_timeout;
     crate::startup::enter(crate::startup::Stage::Rendezvous);
+    let data = DataListener::bind(args.data_listen)?;
+    let joiner = group::Joiner {
+        rank,
+        world: p.member.world,
+        node: &p.member.node,
+        data_port: data.port()?,
+    };
     let Joined {
         mut stream,
         group: group_id,
         nccl_id,
+        roster,
     } = group::join(
         &p.member.rendezvous,
-        rank,
-        p.member.world,
+        &joiner,
         &p.fingerprint,
         args.group_token.as_deref().unwrap_or_default(),
         timeout,
@@ -84,31 +92,54 @@ fn join(
     let dir = dir.as_path();
     let mapped: std::cell::RefCell<Option<Arc<Ring>>> = Default::default();
     let setup = {
+        // The first rank of a node other than rank 0's makes the node's ring, before the
+        // first barrier, so its node's ranks find it after.
+        let path = super::ring_path(dir, &group_id);
+        let leads = roster.leader(rank) == rank && !roster.same_node(rank, 0);
+        let made = match leads {
+            true => Ring::create(&path, p.ring)
+                .map(|r| *mapped.borrow_mut() = Some(Arc::new(r)))
+                .context("creating this node's step ring"),
+            false => Ok(()),
+        };
         let open_ring = || -> anyhow::Result<Arc<Ring>> {
-            let ring = Ring::open(&super::ring_path(dir, &group_id), p.ring)
-                .context("mapping the step ring")?;
-            let ring = Arc::new(ring);
+            if let Some(ring) = mapped.borrow().as_ref() {
+                return Ok(ring.clone());
+            }
+            let ring = Arc::new(Ring::open(&path, p.ring).context("mapping the step ring")?);
             *mapped.borrow_mut() = Some(ring.clone());
             Ok(ring)
         };
         let site = Site {
             dir,
             group: &group_id,
+            roster: &roster,
             nccl_id: nccl_id.as_deref().unwrap_or_default(),
             ring: &open_ring,
             deadline,
             abort: abort.clone(),
+        };
+        let reach = Reach {
+            listener: data,
+            rank,
+            token: args.group_token.clone().unwrap_or_default(),
+            step_timeout: args.step_timeout,
         };
         let mut side = Side::Worker {
             stream: &mut stream,
             rank,
         };
         crate::startup::enter(crate::startup::Stage::BringUp);
-        bring_up(&mut side, me, site).and_then(|b| match clients {
-            Some(c) => c.send_address(&mut stream).map(|()| b),
-            None => Ok(b),
-        })
+        made.and_then(|()| bring_up(&mut side, me, site, reach))
+            .and_then(|b| match clients {
+                Some(c) => c.send_address(&mut stream).map(|()| b),
+                None => Ok(b),
+            })
     };
+    // Every rank of the node mapped it (or the bring-up failed): its file can go.
+    if let Some(ring) = mapped.borrow().as_ref() {
+        ring.unlink();
+    }
     match setup {
         Ok(backend) => Ok(Member {
             stream,

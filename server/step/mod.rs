@@ -108,6 +108,9 @@ pub enum StepError {
         step: u64,
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// A data connection to another node failed (its rank is gone, stopped or unreachable).
+    #[error("step {step}: {msg}")]
+    Link { step: u64, msg: String },
     /// The step did not complete within its bound (a peer is gone or stuck).
     #[error("step {step}: did not finish within {after:?} (a peer is gone or stuck)")]
     Timeout { step: u64, after: Duration },

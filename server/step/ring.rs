@@ -2,14 +2,24 @@
 //! router writes a step's input into a slot; each rank reads its home slice and writes its combined
 //! slice back, then raises its output flag for the step. Hidden rows travel in the step's wire
 //! dtypes (`StepDesc::input`, `StepDesc::output`); a slot has room for f32, the widest.
+//!
+//! A group that spans nodes has a ring per node: rank 0's, and one each other node's lowest
+//! rank creates. The router's `publish_input` sends another node's ranks their home rows (router
+//! ingress) and the slot's input flag over the data connection to that node's leader; a rank of
+//! another node sends its output rows (router ingress) and its output flag to rank 0's ring.
+//! Under `--ingress all` rows never leave their node: only the flags cross.
 
 use std::ops::Range;
 use std::path::Path;
 use std::time::Instant;
 
+use std::sync::{Arc, OnceLock};
+
 use super::direct::DirectRows;
+use super::StepDesc;
 use crate::dtype::Dtype;
 use crate::lifecycle::Abort;
+use crate::nodes::mirror::{Link, Target};
 use crate::shm::{raise, wait_seq, Shm, WaitError};
 
 const LINE: usize = 64;
@@ -79,6 +89,42 @@ pub struct Ring {
     shm: Shm,
     /// This process's rows that skip the ring (its own, never another rank's).
     pub direct: DirectRows,
+    /// The rings of other nodes, once the data connections are made (none on one node).
+    remote: OnceLock<Remote>,
+}
+
+/// Where this ring's steps cross nodes.
+pub enum Remote {
+    /// Rank 0: each other node's leader, and that node's ranks.
+    Router(Vec<(Arc<Link>, Vec<usize>)>),
+    /// A rank of another node than rank 0's: its link to rank 0.
+    Away(Arc<Link>),
+}
+
+/// A rank's output rows of one step, as `publish_output` announces them.
+#[derive(Clone, Debug)]
+pub struct Output {
+    pub slot: usize,
+    pub rank: usize,
+    pub rows: Range<usize>,
+    pub dtype: Dtype,
+    pub seq: u64,
+    /// Router ingress: the router answers from these rows, so a rank of another node sends
+    /// them to rank 0's ring; under `--ingress all` the rank answers them itself.
+    pub to_router: bool,
+}
+
+impl Output {
+    pub fn of(desc: &StepDesc, rank: usize, rows: Range<usize>) -> Self {
+        Self {
+            slot: desc.slot as usize,
+            rank,
+            rows,
+            dtype: desc.output,
+            seq: desc.step,
+            to_router: desc.homes.is_empty(),
+        }
+    }
 }
 
 impl Ring {
@@ -87,6 +133,7 @@ impl Ring {
             shm: Shm::create(path, shape.bytes())?,
             direct: DirectRows::new(shape.slots),
             shape,
+            remote: OnceLock::new(),
         })
     }
     pub fn open(path: &Path, shape: RingShape) -> std::io::Result<Self> {
@@ -94,10 +141,17 @@ impl Ring {
             shm: Shm::open(path, shape.bytes())?,
             direct: DirectRows::new(shape.slots),
             shape,
+            remote: OnceLock::new(),
         })
     }
     pub fn unlink(&self) {
         self.shm.unlink()
+    }
+    /// Once, at startup: the links this ring's steps cross nodes by.
+    pub fn connect(&self, remote: Remote) {
+        if self.remote.set(remote).is_err() {
+            tracing::warn!("the step ring was connected to other nodes twice; kept the first");
+        }
     }
     pub fn buffer(&self) -> (&'static str, usize, usize) {
         ("step_ring", self.shm.addr(), self.shm.len())
@@ -134,20 +188,55 @@ impl Ring {
         self.shm.write(self.shape.ids_off(slot, row), ids);
         self.shm.write(self.shape.weights_off(slot, row), weights);
     }
-    /// Router: publishes slot `slot` as holding step `seq`.
-    pub fn publish_input(&self, slot: usize, seq: u64) {
-        self.shm
-            .flag(self.shape.in_flag(slot))
-            .store(seq, std::sync::atomic::Ordering::Release);
+    /// Router: publishes the slot as holding `desc`'s input, here and on every other node
+    /// (router ingress: with that node's ranks' home rows). Err: a data connection failed.
+    pub fn publish_input(&self, desc: &StepDesc) -> Result<(), String> {
+        let (slot, seq) = (desc.slot as usize, desc.step);
+        raise(self.shm.flag(self.shape.in_flag(slot)), seq);
+        let Some(Remote::Router(nodes)) = self.remote.get() else {
+            return Ok(());
+        };
+        let (world, stride) = (self.shape.world, self.shape.home_stride());
+        for (link, ranks) in nodes {
+            for &r in ranks.iter().filter(|_| desc.homes.is_empty()) {
+                let rows = desc.home(world, r, stride);
+                let (off, bytes) =
+                    self.place(slot, rows.clone(), desc.input, RingShape::hidden_off);
+                self.shm
+                    .view(off, bytes, |b| link.write(Target::Ring, off, b));
+                if desc.client_routing && !rows.is_empty() {
+                    let n = rows.len() * self.shape.top_k * 4;
+                    for off in [
+                        self.shape.ids_off(slot, rows.start),
+                        self.shape.weights_off(slot, rows.start),
+                    ] {
+                        self.shm.view(off, n, |b| link.write(Target::Ring, off, b));
+                    }
+                }
+            }
+            link.raise(Target::Ring, self.shape.in_flag(slot), seq)?;
+        }
+        Ok(())
     }
 
-    /// Rank: checks that the slot holds this step's input (it was published before the descriptor
-    /// was sent, so anything else is a protocol bug, not a wait).
-    pub fn input_ready(&self, slot: usize, seq: u64) -> bool {
-        self.shm
-            .flag(self.shape.in_flag(slot))
-            .load(std::sync::atomic::Ordering::Acquire)
-            == seq
+    /// Rank: waits for the slot to hold step `seq`'s input. On rank 0's node it does before
+    /// the step's descriptor is sent; on another node it arrives on its own connection.
+    pub fn wait_input(
+        &self,
+        slot: usize,
+        seq: u64,
+        deadline: Instant,
+        abort: &Abort,
+    ) -> Result<(), WaitError> {
+        assert!(slot < self.shape.slots, "ring slot {slot}");
+        let flag = self.shm.flag(self.shape.in_flag(slot));
+        wait_seq(flag, seq, deadline, abort)?;
+        match flag.load(std::sync::atomic::Ordering::Acquire) {
+            s if s == seq => Ok(()),
+            s => Err(WaitError::Aborted(format!(
+                "ring slot {slot} holds step {s}, not step {seq}"
+            ))),
+        }
     }
     pub fn read_hidden(&self, slot: usize, rows: Range<usize>, d: Dtype, dst: &mut [u8]) {
         self.check_rows(&rows, d, dst.len());
@@ -199,24 +288,31 @@ impl Ring {
         self.shm.read(self.shape.ids_off(slot, rows.start), ids);
         self.shm.read(self.shape.weights_off(slot, rows.start), w);
     }
-    /// Rank: its output rows, in `d`, then its flag for step `seq`.
-    pub fn write_output(
-        &self,
-        slot: usize,
-        rank: usize,
-        rows: Range<usize>,
-        d: Dtype,
-        data: &[u8],
-        seq: u64,
-    ) {
-        self.check_rows(&rows, d, data.len());
-        self.shm
-            .write(self.shape.out_off(slot, rows.start, d), data);
-        self.publish_output(slot, rank, seq);
+    /// Rank: its output rows, then its flag.
+    pub fn write_output(&self, out: &Output, data: &[u8]) -> Result<(), String> {
+        self.check_rows(&out.rows, out.dtype, data.len());
+        self.shm.write(
+            self.shape.out_off(out.slot, out.rows.start, out.dtype),
+            data,
+        );
+        self.publish_output(out)
     }
-    /// Rank: its output rows are in place (written by `write_output` or a device copy).
-    pub fn publish_output(&self, slot: usize, rank: usize, seq: u64) {
-        raise(self.shm.flag(self.shape.out_flag(slot, rank)), seq);
+    /// Rank: its output rows are in place (written by `write_output` or a device copy). From
+    /// another node than rank 0's they go to rank 0's ring too (router ingress), then the flag.
+    /// Err: the data connection failed.
+    pub fn publish_output(&self, out: &Output) -> Result<(), String> {
+        let flag = self.shape.out_flag(out.slot, out.rank);
+        raise(self.shm.flag(flag), out.seq);
+        let Some(Remote::Away(link)) = self.remote.get() else {
+            return Ok(());
+        };
+        if out.to_router {
+            let (off, bytes) =
+                self.place(out.slot, out.rows.clone(), out.dtype, RingShape::out_off);
+            self.shm
+                .view(off, bytes, |b| link.write(Target::Ring, off, b));
+        }
+        link.raise(Target::Ring, flag, out.seq)
     }
 
     /// Router: waits for every rank's output of step `seq`; the error names the first missing rank.

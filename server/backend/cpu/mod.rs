@@ -1,7 +1,8 @@
 //! The CPU backend: every rank owns one persistent shared-memory segment, created at startup and
 //! sized for the worst step, which peers map and write into one-sidedly. Each phase writes, then
 //! raises a per-source flag with the step's sequence number; readers wait for the flags of every
-//! source, so no step can read another's data. f32 math; GEMMs through ndarray (matrixmultiply),
+//! source, so no step can read another's data. A peer on another node gets the same writes and
+//! raises over its data connection (`nodes::mirror`), applied there to its own segment. f32 math; GEMMs through ndarray (matrixmultiply),
 //! the experts' blocks spread over the rank's lanes (`math`).
 
 mod math;
@@ -21,8 +22,11 @@ use phases::{run_phases, AllToAll, Experts, Gating, StepIo};
 use crate::lifecycle::Abort;
 use crate::model::routing::Router;
 use crate::model::{MoeSpec, Placement, RankWeights};
-use crate::shm::{wait_seq, Shm};
-use crate::step::ring::Ring;
+use crate::nodes::mirror::{Link, Target};
+use crate::nodes::plane::Links;
+use crate::nodes::Roster;
+use crate::shm::{wait_seq, Pod, Shm};
+use crate::step::ring::{Output, Ring};
 use crate::step::{Backend, PhaseTimes, StepDesc, StepError};
 
 const LINE: usize = 64;
@@ -76,14 +80,41 @@ pub fn segment_path(dir: &Path, group: &str, rank: usize) -> PathBuf {
     dir.join(format!("epserve-{group}-rank{rank}"))
 }
 
+/// Where a peer's segment is written: mapped here (same node), or over its data connection.
+enum Peer {
+    Mapped(Shm),
+    Linked(Arc<Link>),
+}
+
+impl Peer {
+    fn write<T: Pod>(&self, off: usize, src: &[T]) {
+        match self {
+            Peer::Mapped(s) => s.write(off, src),
+            Peer::Linked(l) => l.write(Target::Segment, off, src),
+        }
+    }
+    /// Raises the flag at `off`; Err: the data connection failed (now or at an earlier write).
+    fn raise(&self, off: usize, seq: u64) -> Result<(), String> {
+        match self {
+            Peer::Mapped(s) => {
+                crate::shm::raise(s.flag(off), seq);
+                Ok(())
+            }
+            Peer::Linked(l) => l.raise(Target::Segment, off, seq),
+        }
+    }
+}
+
 pub struct CpuRank {
     rank: usize,
     shape: SegmentShape,
     spec: MoeSpec,
     weights: RankWeights,
     placement: Placement,
-    /// Every rank's segment, this rank's own included, by rank.
-    segs: Vec<Shm>,
+    /// This rank's segment: what peers write into, and all it reads.
+    own: Shm,
+    /// Every rank's segment, this rank's own included (unused: `own`), by rank.
+    segs: Vec<Peer>,
     ring: Arc<Ring>,
     abort: Arc<Abort>,
     step_timeout: Duration,
@@ -130,14 +161,15 @@ impl CpuRank {
         Shm::create(&segment_path(dir, group, rank), shape.bytes())
     }
 
-    /// Maps every peer's segment and builds the rank; `own` came from `create_segment`. The
-    /// experts' math runs on `lanes` threads.
+    /// Maps the segment of every peer of its node, takes the links to the others, and builds
+    /// the rank; `own` came from `create_segment`. The experts' math runs on `lanes` threads.
     #[allow(clippy::too_many_arguments)]
     pub fn attach(
         dir: &Path,
         group: &str,
         rank: usize,
         own: Shm,
+        (roster, links): (&Roster, &Links),
         shape: SegmentShape,
         spec: MoeSpec,
         weights: RankWeights,
@@ -146,11 +178,18 @@ impl CpuRank {
         step_timeout: Duration,
         lanes: usize,
     ) -> std::io::Result<Self> {
-        let mut own = Some(own);
         let segs = (0..shape.world)
-            .map(|r| match r == rank {
-                true => Ok(own.take().expect("own segment")),
-                false => Shm::open(&segment_path(dir, group, r), shape.bytes()),
+            .map(|r| match links.to(r) {
+                Some(l) => Ok(Peer::Linked(l.clone())),
+                // Its own segment too, mapped a second time: one way to write to every rank.
+                None if roster.same_node(r, rank) => Ok(Peer::Mapped(Shm::open(
+                    &segment_path(dir, group, r),
+                    shape.bytes(),
+                )?)),
+                None => Err(std::io::Error::other(format!(
+                    "no data connection to rank {r} on node {}",
+                    roster.node(r)
+                ))),
             })
             .collect::<std::io::Result<Vec<_>>>()?;
         let (t, h, k, e) = (shape.max_home, shape.hidden, shape.top_k, shape.experts);
@@ -180,6 +219,7 @@ impl CpuRank {
             shape,
             spec,
             weights,
+            own,
             segs,
             ring,
             abort,
@@ -192,7 +232,7 @@ impl CpuRank {
     }
 
     fn wait_all(&self, desc: &StepDesc, kind: Flag, what: &'static str) -> Result<(), StepError> {
-        let own = &self.segs[self.rank];
+        let own = &self.own;
         for src in 0..self.shape.world {
             wait_seq(
                 own.flag(self.shape.flag(kind, src)),
@@ -210,8 +250,10 @@ impl CpuRank {
         Ok(())
     }
 
-    fn raise(&self, peer: usize, kind: Flag, step: u64) {
-        crate::shm::raise(self.segs[peer].flag(self.shape.flag(kind, self.rank)), step);
+    fn raise(&self, peer: usize, kind: Flag, step: u64) -> Result<(), StepError> {
+        self.segs[peer]
+            .raise(self.shape.flag(kind, self.rank), step)
+            .map_err(|msg| StepError::Link { step, msg })
     }
 
     /// First row of each of `dest`'s local experts' blocks in `dest`'s receive buffer, and the
@@ -242,12 +284,20 @@ impl StepIo for CpuRank {
             self.shape.hidden,
             self.shape.top_k,
         );
-        if !self.ring.input_ready(slot, desc.step) || n > self.shape.max_home {
+        if n > self.shape.max_home {
             return Err(StepError::Invalid {
                 step: desc.step,
-                msg: format!("slot {slot} does not hold this step's input, or {n} home tokens exceed the buffers"),
+                msg: format!("{n} home tokens exceed the buffers"),
             });
         }
+        self.ring
+            .wait_input(slot, desc.step, self.deadline, &self.abort)
+            .map_err(|source| StepError::Wait {
+                step: desc.step,
+                what: "the step's input",
+                rank: 0,
+                source,
+            })?;
         // The one conversion of the input: the wire dtype, widened to f32 here.
         let wire = &mut self.s.wire[..n * h * desc.input.bytes()];
         self.ring.read_hidden(slot, home.clone(), desc.input, wire);
@@ -277,15 +327,12 @@ impl StepIo for CpuRank {
         let n = home.len() * self.shape.hidden;
         let wire = &mut self.s.wire[..n * desc.output.bytes()];
         crate::dtype::from_f32(desc.output, &self.s.out[..n], wire);
-        self.ring.write_output(
-            desc.slot as usize,
-            self.rank,
-            home,
-            desc.output,
-            wire,
-            desc.step,
-        );
-        Ok(())
+        self.ring
+            .write_output(&Output::of(desc, self.rank, home), wire)
+            .map_err(|msg| StepError::Link {
+                step: desc.step,
+                msg,
+            })
     }
 }
 
@@ -324,11 +371,10 @@ impl AllToAll for CpuRank {
         }
         for peer in 0..self.shape.world {
             self.segs[peer].write(self.shape.counts(self.rank), &self.s.counts);
-            self.raise(peer, Flag::Counts, desc.step);
+            self.raise(peer, Flag::Counts, desc.step)?;
         }
         self.wait_all(desc, Flag::Counts, "routing counts")?;
-        let own = &self.segs[self.rank];
-        own.read(
+        self.own.read(
             self.shape.counts(0),
             &mut self.s.matrix[..self.shape.world * e],
         );
@@ -362,7 +408,7 @@ impl AllToAll for CpuRank {
         }
         self.s.next_row = next;
         for dest in 0..self.shape.world {
-            self.raise(dest, Flag::Dispatch, desc.step);
+            self.raise(dest, Flag::Dispatch, desc.step)?;
         }
         self.wait_all(desc, Flag::Dispatch, "dispatched tokens")
     }
@@ -370,11 +416,11 @@ impl AllToAll for CpuRank {
     /// Home side: weighted sum of the k expert outputs each token got back, plus shared experts.
     fn combine(&mut self, desc: &StepDesc, n: usize) -> Result<(), StepError> {
         for peer in 0..self.shape.world {
-            self.raise(peer, Flag::Combine, desc.step);
+            self.raise(peer, Flag::Combine, desc.step)?;
         }
         self.wait_all(desc, Flag::Combine, "combined rows")?;
         let (h, k, shape) = (self.shape.hidden, self.shape.top_k, self.shape);
-        let own = &self.segs[self.rank];
+        let own = &self.own;
         let shared = self.weights.layers[desc.layer as usize].shared.as_ref();
         let (x, w) = (&self.s.x, &self.s.w);
         // The weighted sums alone are too little math for the lanes (one block: this thread);
@@ -439,7 +485,7 @@ impl Experts for CpuRank {
             start += total;
         }
         let experts = &self.weights.layers[desc.layer as usize].experts;
-        let (own, segs) = (&self.segs[self.rank], &self.segs);
+        let (own, segs) = (&self.own, &self.segs);
         self.lanes.each(blocks.iter(), |b, lane| {
             let m = b.rows;
             own.read(shape.rows(b.first), &mut lane.rows[..m * h]);
@@ -458,7 +504,7 @@ impl Experts for CpuRank {
 impl Backend for CpuRank {
     /// Every peer has mapped this rank's segment: its file can go.
     fn group_started(&self) {
-        self.segs[self.rank].unlink();
+        self.own.unlink();
     }
 
     fn submit(&mut self, desc: &StepDesc, home: std::ops::Range<usize>) -> Result<(), StepError> {
@@ -486,9 +532,12 @@ impl Backend for CpuRank {
     fn buffers(&self) -> Vec<(&'static str, usize, usize)> {
         let v = |name, p: *const u8, len| (name, p as usize, len);
         let s = &self.s;
-        let mut out: Vec<_> = self
-            .segs
-            .iter()
+        let peers = self.segs.iter().enumerate().filter_map(|(r, p)| match p {
+            Peer::Mapped(s) if r != self.rank => Some(s),
+            _ => None,
+        });
+        let mut out: Vec<_> = std::iter::once(&self.own)
+            .chain(peers)
             .map(|seg| ("exchange_segment", seg.addr(), seg.len()))
             .collect();
         out.push(self.ring.buffer());

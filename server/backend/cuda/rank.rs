@@ -16,8 +16,9 @@ use super::transfer::{direct_in, direct_out, pack_rows, ring_in, ring_out, unpac
 use super::transfer::{Copies, RingPin, Staging, DEPTH};
 use super::GpuError;
 use crate::dtype::Dtype;
+use crate::lifecycle::Abort;
 use crate::step::direct::{pieces, DirectRun};
-use crate::step::ring::Ring;
+use crate::step::ring::{Output, Ring};
 use crate::step::{Backend, PhaseTimes, StepDesc, StepError};
 
 /// Waits for `ev` until `started + bound`, spinning briefly, then sleeping in short naps.
@@ -70,12 +71,15 @@ pub struct GpuRank {
     /// the per-step check allocates nothing.
     routed_local: Vec<i64>,
     step_timeout: Duration,
+    /// The group broken: ends a wait for a step's input from another node.
+    abort: Arc<Abort>,
 }
 
 /// A step submitted on the GPU.
 struct Submitted {
     step: u64,
-    slot: usize,
+    /// Its slot and output rows in the ring, announced when it completes.
+    output: Output,
     tokens: usize,
     bucket: usize,
     set: usize,
@@ -94,6 +98,7 @@ impl GpuRank {
         buckets: Vec<usize>,
         graphs: bool,
         step_timeout: Duration,
+        abort: Arc<Abort>,
     ) -> Result<Self, GpuError> {
         let s = core.shape;
         let t = s.max_home;
@@ -138,6 +143,7 @@ impl GpuRank {
             flight: std::collections::VecDeque::with_capacity(DEPTH),
             next_set: 0,
             step_timeout,
+            abort,
         };
         if let Some(f) = me.core().ex.footprint() {
             // Present (at zero) from the start, so a dashboard can alert on any increase.
@@ -281,11 +287,15 @@ impl GpuRank {
         let bi = self
             .bucket_of(desc.most_home(self.ring.shape.world))
             .ok_or_else(|| invalid(format!("{} tokens exceed the buffers", desc.tokens)))?;
-        if !self.ring.input_ready(slot, desc.step) {
-            return Err(invalid(format!(
-                "slot {slot} does not hold this step's input"
-            )));
-        }
+        let deadline = Instant::now() + self.step_timeout;
+        self.ring
+            .wait_input(slot, desc.step, deadline, &self.abort)
+            .map_err(|source| StepError::Wait {
+                step: desc.step,
+                what: "the step's input",
+                rank: 0,
+                source,
+            })?;
         let c = self
             .core
             .as_ref()
@@ -407,6 +417,8 @@ impl Backend for GpuRank {
     fn submit(&mut self, desc: &StepDesc, home: Range<usize>) -> Result<(), StepError> {
         let started = Instant::now();
         let (bi, set) = self.stage(desc, &home)?;
+        let rank = self.core.as_ref().map_or(0, |c| c.shape.rank);
+        let output = Output::of(desc, rank, home.clone());
         let direct = match self.launch(desc, home, bi, set) {
             Ok(runs) => runs,
             Err(e) => return Err(self.failed(desc.step, e)),
@@ -414,7 +426,7 @@ impl Backend for GpuRank {
         self.next_set = (set + 1) % DEPTH;
         self.flight.push_back(Submitted {
             step: desc.step,
-            slot: desc.slot as usize,
+            output,
             tokens: desc.tokens as usize,
             bucket: self.buckets[bi],
             set,
@@ -458,8 +470,9 @@ impl Backend for GpuRank {
             metrics::gauge!("epserve_device_memory_used_bytes").set((total - free) as f64);
         }
         // The rows went into the ring by DMA before the step's completion event.
-        let rank = self.core.as_ref().map_or(0, |c| c.shape.rank);
-        self.ring.publish_output(f.slot, rank, f.step);
+        self.ring
+            .publish_output(&f.output)
+            .map_err(|msg| StepError::Link { step: f.step, msg })?;
         let world = self.ring.shape.world;
         Ok(PhaseTimes {
             total: f.started.elapsed(),

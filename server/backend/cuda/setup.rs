@@ -15,6 +15,7 @@ use super::step::{DeviceLayer, GpuStep};
 use super::Alloc;
 use super::Gpu;
 use crate::backend::gpu::Seat;
+use crate::lifecycle::Abort;
 use crate::model::{ExpertDtype, MoeSpec, RankWeights};
 use crate::step::ring::Ring;
 use crate::step::Backend;
@@ -148,6 +149,7 @@ impl Device {
 
     /// Joins the communicator (bounded by `deadline`: a rank that never arrives would block NCCL
     /// init forever), allocates the step buffers, warms up and captures every bucket's graphs.
+    #[allow(clippy::too_many_arguments)]
     pub fn join(
         self,
         nccl_id: &[u8],
@@ -156,11 +158,12 @@ impl Device {
         graphs: bool,
         step_timeout: Duration,
         deadline: Instant,
+        abort: Arc<Abort>,
     ) -> anyhow::Result<Box<dyn Backend + Send>> {
         let (ordinal, graph_count) = (self.ordinal, buckets.len() * 2 * self.spec.moe_layers.len());
         let t0 = Instant::now();
         let (core, alloc) = self.connect(nccl_id, deadline)?;
-        let rank_ = GpuRank::new(core, ring, buckets, graphs, step_timeout)?;
+        let rank_ = GpuRank::new(core, ring, buckets, graphs, step_timeout, abort)?;
         tracing::info!(
             gpu = ordinal,
             device_mib = alloc.bytes >> 20,

@@ -1,0 +1,114 @@
+//! Groups that span nodes. A node is the ranks that share one host's memory (`--node-id`; each
+//! node its own `--shm-dir`). Within a node ranks write into each other's shared memory as
+//! before; to a rank of another node the same writes and flag raises travel over a TCP data
+//! connection (`mirror`) and are applied to the receiver's own mapping, in order, so readers on
+//! either side wait on the same flags. `plane` makes those connections once, at startup.
+//!
+//! The rendezvous hands every rank the `Roster`: each rank's node and data address.
+
+pub mod mirror;
+pub mod plane;
+
+use serde::{Deserialize, Serialize};
+
+/// Where one rank runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankNode {
+    /// Its `--node-id`.
+    pub node: String,
+    /// Its data listener, as peers on other nodes reach it (HOST:PORT).
+    pub data: String,
+}
+
+/// Every rank's seat, by rank.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Roster(pub Vec<RankNode>);
+
+impl Roster {
+    /// A group on one node (tests, and a router with no peers).
+    pub fn one_node(world: usize) -> Self {
+        Self(
+            (0..world)
+                .map(|_| RankNode {
+                    node: String::new(),
+                    data: String::new(),
+                })
+                .collect(),
+        )
+    }
+    pub fn world(&self) -> usize {
+        self.0.len()
+    }
+    pub fn node(&self, rank: usize) -> &str {
+        &self.0[rank].node
+    }
+    pub fn same_node(&self, a: usize, b: usize) -> bool {
+        self.node(a) == self.node(b)
+    }
+    /// The lowest rank of `rank`'s node: it creates the node's step ring (rank 0 on its own).
+    pub fn leader(&self, rank: usize) -> usize {
+        (0..self.world())
+            .find(|&r| self.same_node(r, rank))
+            .unwrap_or(rank)
+    }
+    /// Whether the group spans more than one node.
+    pub fn spans_nodes(&self) -> bool {
+        (1..self.world()).any(|r| !self.same_node(0, r))
+    }
+    /// Ranks on other nodes than `rank`'s.
+    pub fn away_from(&self, rank: usize) -> impl Iterator<Item = usize> + '_ {
+        (0..self.world()).filter(move |&r| !self.same_node(r, rank))
+    }
+    /// The nodes other than rank 0's, each as its leader and its ranks.
+    pub fn other_nodes(&self) -> Vec<(usize, Vec<usize>)> {
+        let mut out: Vec<(usize, Vec<usize>)> = Vec::new();
+        for r in self.away_from(0) {
+            let leader = self.leader(r);
+            match out.iter_mut().find(|(l, _)| *l == leader) {
+                Some((_, ranks)) => ranks.push(r),
+                None => out.push((leader, vec![r])),
+            }
+        }
+        out
+    }
+    /// Node ids in order of first rank, with their ranks (`GetModelInfo`, logs).
+    pub fn nodes(&self) -> Vec<(String, Vec<usize>)> {
+        let mut out: Vec<(String, Vec<usize>)> = Vec::new();
+        for (r, s) in self.0.iter().enumerate() {
+            match out.iter_mut().find(|(n, _)| *n == s.node) {
+                Some((_, ranks)) => ranks.push(r),
+                None => out.push((s.node.clone(), vec![r])),
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roster(nodes: &[&str]) -> Roster {
+        Roster(
+            nodes
+                .iter()
+                .map(|n| RankNode {
+                    node: n.to_string(),
+                    data: String::new(),
+                })
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn leaders_and_other_nodes() {
+        let r = roster(&["a", "b", "a", "b", "c"]);
+        assert!(r.spans_nodes());
+        assert_eq!(r.leader(3), 1);
+        assert_eq!(r.leader(2), 0);
+        assert_eq!(r.other_nodes(), vec![(1, vec![1, 3]), (4, vec![4])]);
+        assert_eq!(r.away_from(1).collect::<Vec<_>>(), vec![0, 2, 4]);
+        assert_eq!(r.nodes()[0], ("a".to_string(), vec![0, 2]));
+        assert!(!roster(&["a", "a"]).spans_nodes());
+    }
+}
