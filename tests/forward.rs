@@ -249,6 +249,19 @@ async fn two_nodes_match_one_node_and_the_reference() {
         out
     };
     let group = launch(4, preset, seed, MAX_TOKENS, &["--nodes", "2"]);
+    let info = group
+        .client()
+        .await
+        .get_model_info(epserve::proto::GetModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let nodes = &info.rank_nodes;
+    assert_eq!(nodes.len(), 4, "{nodes:?}");
+    assert!(
+        nodes[0] == nodes[1] && nodes[2] == nodes[3] && nodes[1] != nodes[2],
+        "ranks 0, 1 on one node and 2, 3 on the other: {nodes:?}"
+    );
     let two = check_group(&group, &spec, &refs, 1000 + seed).await;
     for (id, out) in &two {
         let d = rel_diff(out, &one[id]);

@@ -53,6 +53,7 @@ async fn ingress(group: &Group, ranks: usize) -> Vec<String> {
     assert_eq!(info.ingress_mode, "all");
     let addrs: Vec<String> = info.ingress.iter().map(|a| a.address.clone()).collect();
     assert_eq!(addrs.len(), ranks, "{:?}", info.ingress);
+    assert_eq!(info.rank_nodes.len(), ranks, "{:?}", info.rank_nodes);
     for (r, a) in info.ingress.iter().enumerate() {
         assert_eq!(a.rank as usize, r);
         let theirs = client(&a.address)
@@ -62,6 +63,10 @@ async fn ingress(group: &Group, ranks: usize) -> Vec<String> {
             .unwrap()
             .into_inner();
         assert_eq!(theirs.ingress, info.ingress, "rank {r} tells another list");
+        assert_eq!(
+            theirs.rank_nodes, info.rank_nodes,
+            "rank {r} tells other nodes"
+        );
     }
     addrs
 }

@@ -427,3 +427,46 @@ async fn ports_answer_while_weights_load_and_a_taken_port_fails_first() {
         p.log_text()
     );
 }
+
+/// Two nodes whose ranks start in reverse order (3, 2, then 1, then the router last) form the
+/// group within the rendezvous timeout and answer; each node its own --node-id and --shm-dir.
+#[test]
+fn nodes_joining_in_reverse_order_form_the_group() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let dirs = [TempDir::new("node-a"), TempDir::new("node-b")];
+    let node = |r: usize| ["a", "b"][r / 2];
+    let mut ranks: Vec<(usize, Proc)> = Vec::new();
+    for r in [3, 2, 1, 0] {
+        let flags = ["--node-id", node(r), "--rendezvous-timeout", "60s"];
+        ranks.push((r, serve(r, 4, &addr, &dirs[r / 2], &flags)));
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let (_, router) = ranks.iter_mut().find(|(r, _)| *r == 0).unwrap();
+    let grpc = router
+        .wait_for("serving gRPC on", Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let log = router.log_text();
+    assert!(
+        log.contains("the group's ranks on node b") && log.contains("ranks=[2, 3]"),
+        "{log}"
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c =
+            epserve::proto::moe_service_client::MoeServiceClient::connect(format!("http://{grpc}"))
+                .await
+                .unwrap();
+        let x = vec![0.5f32; 3 * 64];
+        let out = c
+            .forward(request("r", 0, f32_tensor(&x, [3, 64])))
+            .await
+            .expect("forward across nodes")
+            .into_inner();
+        assert_eq!(decode(out.output.as_ref().unwrap()).len(), 3 * 64);
+    });
+}

@@ -24,6 +24,7 @@ pub struct MoeApi {
     ep_footprint: std::sync::OnceLock<crate::step::EpFootprint>,
     /// Where each rank serves, once the group has formed.
     ingress: std::sync::OnceLock<Vec<crate::proto::IngressAddress>>,
+    nodes: std::sync::OnceLock<Vec<String>>,
     /// (exchange, expert) bytes per rank, once the weights are in place.
     footprint: std::sync::OnceLock<(u64, u64)>,
     /// Most requests of one ForwardStream answered or in progress but not yet taken by the
@@ -88,6 +89,7 @@ impl MoeApi {
             info,
             ep_footprint: std::sync::OnceLock::new(),
             ingress: std::sync::OnceLock::new(),
+            nodes: std::sync::OnceLock::new(),
             footprint: std::sync::OnceLock::new(),
             stream_in_flight: stream_in_flight.max(1),
         }
@@ -114,6 +116,11 @@ impl MoeApi {
             })
             .collect();
         let _ = self.ingress.set(list);
+    }
+
+    /// Each rank's node, by rank (set once, when the group forms).
+    pub fn set_nodes(&self, nodes: Vec<String>) {
+        let _ = self.nodes.set(nodes);
     }
 
     /// The output dtype: `output_dtype`, or the input's when unspecified.
@@ -309,6 +316,7 @@ impl MoeService for Arc<MoeApi> {
             expert_rows_bytes: f.expert_rows_bytes,
         });
         info.ingress = self.ingress.get().cloned().unwrap_or_default();
+        info.rank_nodes = self.nodes.get().cloned().unwrap_or_default();
         if let Some(&(exchange, experts)) = self.footprint.get() {
             info.exchange_bytes_per_rank = exchange;
             info.expert_bytes_per_rank = experts;

@@ -66,6 +66,12 @@ impl Clients {
         self.front.api.set_footprint(exchange, experts);
     }
 
+    /// Each rank's node, by rank, for GetModelInfo.
+    pub fn set_nodes(&self, roster: &crate::nodes::Roster) {
+        let nodes = roster.0.iter().map(|s| s.node.clone()).collect();
+        self.front.api.set_nodes(nodes);
+    }
+
     /// After startup: tells the router where this rank serves.
     pub fn send_address(&self, stream: &mut TcpStream) -> anyhow::Result<()> {
         let msg = Report::Ingress(IngressReport::Listening {

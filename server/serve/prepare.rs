@@ -308,5 +308,7 @@ pub fn model_info(p: &Prepared, args: &ServeArgs) -> ModelInfo {
         ingress: Vec::new(),
         expert_dtype: p.expert_dtype.name().into(),
         expert_bytes_per_rank: p.expert_bytes,
+        // Known when the group forms (MoeApi::set_nodes).
+        rank_nodes: Vec::new(),
     }
 }

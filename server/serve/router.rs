@@ -125,6 +125,7 @@ async fn form(
         front.api.set_ep_footprint(f.clone());
     }
     front.api.set_ingress(&formed.ingress);
+    front.api.set_nodes(formed.nodes.clone());
     Ok(formed)
 }
 
@@ -385,6 +386,17 @@ struct Formed {
     /// Where each rank that takes requests serves gRPC, by rank (`here` alone under router
     /// ingress).
     ingress: Vec<String>,
+    /// Each rank's node, by rank.
+    nodes: Vec<String>,
+}
+
+/// A group across nodes says which ranks each holds.
+fn log_nodes(roster: &crate::nodes::Roster) {
+    if roster.spans_nodes() {
+        for (node, ranks) in roster.nodes() {
+            info!(node = %node, ?ranks, "the group's ranks on node {node}");
+        }
+    }
 }
 
 /// Names the group (and makes its NCCL id, for a GPU backend), then waits for every rank to
@@ -503,9 +515,11 @@ fn form_group(
         buffers = %crate::step::buffer_sizes(&buffers),
         "group ready: every rank joined, weights loaded, warm-up step done"
     );
+    log_nodes(&roster);
     Ok(Formed {
         exec,
         footprint,
         ingress,
+        nodes: roster.0.iter().map(|s| s.node.clone()).collect(),
     })
 }

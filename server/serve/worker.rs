@@ -87,6 +87,9 @@ fn join(
         args.group_token.as_deref().unwrap_or_default(),
         timeout,
     )?;
+    if let Some(c) = clients {
+        c.set_nodes(&roster);
+    }
     let deadline = Instant::now() + timeout;
     let dir = super::segment_dir(args)?;
     let dir = dir.as_path();
