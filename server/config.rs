@@ -101,7 +101,7 @@ pub struct LaunchArgs {
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {
-    /// Shared-memory ranks on one host, f32 math.
+    /// Ranks exchanging through shared memory within a node (TCP between nodes), f32 math.
     Cpu,
     /// One GPU per rank: bf16 experts, NCCL all-gather + send/recv, CUDA graphs.
     Nccl,
@@ -422,8 +422,8 @@ pub struct ServeArgs {
     )]
     pub shm_dir: PathBuf,
     /// Threads each rank of the cpu backend runs its expert math on (up to 256, each with its
-    /// own scratch); 0: the host's cores shared by the group's ranks (which the cpu backend puts
-    /// on one host), at most 8.
+    /// own scratch); 0: the host's cores shared by the group's ranks (as if every rank ran on
+    /// this host, as simulated nodes do), at most 8.
     #[arg(help_heading = "Backend and GPU", long, env = "EPSERVE_CPU_THREADS", default_value_t = 0,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=256))]
     pub cpu_threads: usize,

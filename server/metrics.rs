@@ -51,6 +51,10 @@ pub fn install() -> anyhow::Result<()> {
         "Output bytes of requests answered, in their wire dtype"
     );
     metrics::describe_counter!("epserve_rejections_total", "Requests refused, by reason");
+    metrics::describe_counter!(
+        "epserve_cross_node_bytes_total",
+        "Bytes this rank sent to ranks of other nodes over its data connections"
+    );
     metrics::describe_gauge!(
         crate::transport::upload::UPLOAD_BYTES,
         "Bytes charged to the upload budget by request messages being read"

@@ -771,6 +771,7 @@ fn readme_lists_every_metric(addrs: &[String]) {
         "server/step",
         "server/api/kserve",
         "server/transport",
+        "server/nodes",
     ]
     .iter()
     .flat_map(|d| {

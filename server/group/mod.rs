@@ -602,6 +602,36 @@ mod tests {
     }
 
     #[test]
+    fn ranks_naming_one_node_must_share_its_host() {
+        let fingerprint = Vec::new();
+        let want = Expect {
+            world: 3,
+            fingerprint: &fingerprint,
+            host: "h0",
+            node: "a",
+            data_port: 1,
+            token: "",
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let _far = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let seated = Seated {
+            stream: listener.accept().unwrap().0,
+            seat: RankNode {
+                node: "b".into(),
+                data: String::new(),
+            },
+            host: "h1".into(),
+        };
+        let slots = vec![Some(seated), None];
+        assert_eq!(node_host(&want, &slots, "a", "h0"), None);
+        assert_eq!(node_host(&want, &slots, "a", "h9"), Some((0, "h0")));
+        assert_eq!(node_host(&want, &slots, "b", "h1"), None);
+        assert_eq!(node_host(&want, &slots, "b", "h0"), Some((1, "h1")));
+        // Another node on a host already seen: simulated nodes share one host.
+        assert_eq!(node_host(&want, &slots, "c", "h0"), None);
+    }
+
+    #[test]
     fn first_difference_names_the_field() {
         let a = vec![("x".into(), "1".into()), ("y".into(), "2".into())];
         let mut b = a.clone();

@@ -200,11 +200,14 @@ impl Ring {
         for (link, ranks) in nodes {
             for &r in ranks.iter().filter(|_| desc.homes.is_empty()) {
                 let rows = desc.home(world, r, stride);
+                if rows.is_empty() {
+                    continue;
+                }
                 let (off, bytes) =
                     self.place(slot, rows.clone(), desc.input, RingShape::hidden_off);
                 self.shm
                     .view(off, bytes, |b| link.write(Target::Ring, off, b));
-                if desc.client_routing && !rows.is_empty() {
+                if desc.client_routing {
                     let n = rows.len() * self.shape.top_k * 4;
                     for off in [
                         self.shape.ids_off(slot, rows.start),
@@ -306,7 +309,7 @@ impl Ring {
         let Some(Remote::Away(link)) = self.remote.get() else {
             return Ok(());
         };
-        if out.to_router {
+        if out.to_router && !out.rows.is_empty() {
             let (off, bytes) =
                 self.place(out.slot, out.rows.clone(), out.dtype, RingShape::out_off);
             self.shm
