@@ -78,18 +78,19 @@ def run(bin_dir, name, model, nodes, flags, i):
         # The phase figures cover the measured window alone: before and after.
         out = f"{OUT}/{name}-nodes{nodes}-{i}.json"
         lt = [f"{bin_dir}/epserve-loadtest", "--target", addr, "--api", "unary", "--dtype", "bf16",
-              "--warmup", "1s", "--duration", "5s", "--json", out] + flags
-        # Warm-up alone first, so the scrape below starts after it.
-        subprocess.run(lt[:-2] + ["--duration", "1s", "--warmup", "0s", "--json", os.devnull],
-                       check=True, stdout=subprocess.DEVNULL)
+              "--warmup", "0s"] + flags
+        # A warm-up run of its own, so that the scrapes bracket the measured run alone.
+        subprocess.run(lt + ["--duration", "1s"], check=True, stdout=subprocess.DEVNULL)
         before = {r: scrape(a) for r, a in metrics.items()}
-        subprocess.run(lt, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(lt + ["--duration", "5s", "--json", out], check=True, stdout=subprocess.DEVNULL)
         after = {r: scrape(a) for r, a in metrics.items()}
     finally:
         group.terminate()
         group.wait(timeout=60)
         subprocess.run(["rm", "-rf", shm, log.name])
-    res = json.load(open(out))["service"]
+    res = json.load(open(out))
+    if set(res["statuses"]) != {"OK"} or res["ok"] != res["sent"]:
+        raise SystemExit(f"{out}: not every request answered OK: {res['statuses']}, {res['ok']} of {res['sent']}")
     per_rank = {}
     for r in sorted(after):
         d = lambda k: after[r].get(k, 0.0) - before[r].get(k, 0.0)
