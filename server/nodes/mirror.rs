@@ -76,10 +76,6 @@ impl Link {
         })
     }
 
-    pub fn peer(&self) -> usize {
-        self.peer
-    }
-
     fn send(&self, head: [u8; HEADER], body: &[u8], flush: bool) -> Result<(), String> {
         let mut o = self.out.lock().unwrap_or_else(|e| e.into_inner());
         if o.broken.is_none() {

@@ -25,17 +25,6 @@ pub struct RankNode {
 pub struct Roster(pub Vec<RankNode>);
 
 impl Roster {
-    /// A group on one node (tests, and a router with no peers).
-    pub fn one_node(world: usize) -> Self {
-        Self(
-            (0..world)
-                .map(|_| RankNode {
-                    node: String::new(),
-                    data: String::new(),
-                })
-                .collect(),
-        )
-    }
     pub fn world(&self) -> usize {
         self.0.len()
     }

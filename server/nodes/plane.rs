@@ -44,15 +44,11 @@ struct Hello {
 }
 
 /// The links of one rank, by rank: one to each rank of another node.
-#[derive(Clone, Default)]
 pub struct Links(Vec<Option<Arc<Link>>>);
 
 impl Links {
     pub fn to(&self, rank: usize) -> Option<&Arc<Link>> {
         self.0.get(rank).and_then(Option::as_ref)
-    }
-    pub fn is_empty(&self) -> bool {
-        self.0.iter().all(Option::is_none)
     }
 }
 
