@@ -88,13 +88,24 @@ pub struct BenchArgs {
 
 #[derive(Args, Debug, Clone)]
 pub struct LaunchArgs {
-    /// Number of local rank processes.
+    /// Ranks of the group (one process each; with --node-index, only that node's run here).
     #[arg(long, env = "EPSERVE_RANKS", default_value_t = 2)]
     pub ranks: usize,
-    /// Simulated nodes the ranks are split over (evenly, in rank order): each its own node id
-    /// and its own `--shm-dir` subdirectory, so the group's cross-node paths run on one host.
-    #[arg(long, env = "EPSERVE_NODES", default_value_t = 1)]
+    /// Nodes the ranks are split over (evenly, in rank order). Without --node-index they are
+    /// simulated here, each its own node id and `--shm-dir` subdirectory, so the group's
+    /// cross-node paths run on one host.
+    #[arg(
+        help_heading = "Group",
+        long,
+        env = "EPSERVE_NODES",
+        default_value_t = 1
+    )]
     pub nodes: usize,
+    /// Run only this node's ranks (0-based, < --nodes), as one pod of a LeaderWorkerSet does
+    /// (its worker index): node id and --shm-dir as given, ports numbered from this node's
+    /// first rank, the rendezvous from --rendezvous, MASTER_ADDR or LWS_LEADER_ADDRESS.
+    #[arg(help_heading = "Group", long, env = "EPSERVE_NODE_INDEX")]
+    pub node_index: Option<usize>,
     #[command(flatten)]
     pub serve: ServeArgs,
 }

@@ -1,7 +1,8 @@
 //! `epserve launch`: N local rank processes of one group, supervised. Signals are forwarded; if
 //! any rank fails, the others are stopped and the launcher exits non-zero. `--nodes K` splits
 //! the ranks over K simulated nodes (each its own `--node-id` and `--shm-dir` subdirectory), so
-//! the paths between nodes run on one host.
+//! the paths between nodes run on one host; with `--node-index I` it runs node I's ranks only,
+//! one launcher per real node (a pod of a LeaderWorkerSet).
 
 use std::path::PathBuf;
 use std::process::ExitStatus;
@@ -27,6 +28,7 @@ const KILL_GRACE: Duration = Duration::from_secs(5);
 const PER_RANK: &[&str] = &[
     "--ranks",
     "--nodes",
+    "--node-index",
     "--metrics-listen",
     "--listen",
     "--http-listen",
@@ -36,42 +38,71 @@ const PER_RANK: &[&str] = &[
     "--group-token",
 ];
 
-/// Where rank `rank` of `ranks` runs when they are split evenly, in rank order, over `nodes`
-/// simulated nodes: (its node's index, its --node-id, its --shm-dir).
-fn node_of(args: &LaunchArgs, rank: usize) -> (usize, Option<String>, PathBuf) {
-    let shm = args.serve.shm_dir.clone();
-    if args.nodes <= 1 {
-        return (0, args.serve.node_id.clone(), shm);
+/// One rank this launcher runs.
+#[derive(Debug, PartialEq)]
+struct Seat {
+    rank: usize,
+    /// Its index among this launcher's ranks: per-rank ports are the base port plus it.
+    local: usize,
+    /// Its node's index.
+    node: usize,
+    node_id: Option<String>,
+    shm_dir: PathBuf,
+}
+
+/// The ranks this launcher runs: all of them (on simulated nodes when `--nodes` > 1), or with
+/// `--node-index` only that node's, as one pod of a multi-node group.
+fn seats(args: &LaunchArgs) -> Vec<Seat> {
+    let node_of = |rank: usize| rank * args.nodes / args.ranks;
+    let shm = &args.serve.shm_dir;
+    let mut out = Vec::new();
+    for rank in 0..args.ranks {
+        let node = node_of(rank);
+        let (node_id, shm_dir) = match args.node_index {
+            Some(i) if i != node => continue,
+            None if args.nodes > 1 => {
+                let base = args
+                    .serve
+                    .node_id
+                    .clone()
+                    .unwrap_or_else(crate::telemetry::node_name);
+                (
+                    Some(format!("{base}-node{node}")),
+                    shm.join(format!("node{node}")),
+                )
+            }
+            _ => (args.serve.node_id.clone(), shm.clone()),
+        };
+        out.push(Seat {
+            rank,
+            local: out.len(),
+            node,
+            node_id,
+            shm_dir,
+        });
     }
-    let k = rank * args.nodes / args.ranks;
-    let base = args
-        .serve
-        .node_id
-        .clone()
-        .unwrap_or_else(crate::telemetry::node_name);
-    (
-        k,
-        Some(format!("{base}-node{k}")),
-        shm.join(format!("node{k}")),
-    )
+    out
 }
 
 /// Each simulated node's --shm-dir subdirectory, this user's only.
-fn make_node_dirs(args: &LaunchArgs) -> anyhow::Result<Vec<PathBuf>> {
+fn make_node_dirs(args: &LaunchArgs, seats: &[Seat]) -> anyhow::Result<Vec<PathBuf>> {
     use std::os::unix::fs::DirBuilderExt;
     let mut dirs: Vec<PathBuf> = Vec::new();
-    for rank in 0..args.ranks {
-        let (_, _, dir) = node_of(args, rank);
-        if args.nodes > 1 && !dirs.contains(&dir) {
+    if args.nodes <= 1 || args.node_index.is_some() {
+        return Ok(dirs);
+    }
+    for seat in seats {
+        let dir = &seat.shm_dir;
+        if !dirs.contains(dir) {
             std::fs::DirBuilder::new()
                 .mode(0o700)
-                .create(&dir)
+                .create(dir)
                 .or_else(|e| match e.kind() {
                     std::io::ErrorKind::AlreadyExists => Ok(()),
                     _ => Err(e),
                 })
                 .with_context(|| format!("creating the node directory {}", dir.display()))?;
-            dirs.push(dir);
+            dirs.push(dir.clone());
         }
     }
     Ok(dirs)
@@ -118,16 +149,16 @@ async fn read_rendezvous(
     found
 }
 
-/// Rank r's address of a per-rank port (`flag`): the base port plus r (port 0 stays 0: any free
-/// port).
+/// A rank's address of a per-rank port (`flag`): the base port plus its local index (port 0
+/// stays 0: any free port).
 fn rank_addr(
     base: std::net::SocketAddr,
-    rank: usize,
+    local: usize,
     flag: &str,
 ) -> anyhow::Result<std::net::SocketAddr> {
     let mut a = base;
     if a.port() != 0 {
-        let port = usize::from(a.port()) + rank;
+        let port = usize::from(a.port()) + local;
         a.set_port(
             u16::try_from(port).with_context(|| format!("{flag} port + rank exceeds 65535"))?,
         );
@@ -149,65 +180,76 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
             args.ranks
         );
     }
-    let node_dirs = make_node_dirs(&args)?;
-    let nodes: Vec<_> = (0..args.ranks).map(|r| node_of(&args, r)).collect();
+    if let Some(i) = args.node_index {
+        if i >= args.nodes {
+            bail!("--node-index {i} is not one of --nodes {}", args.nodes);
+        }
+    }
+    let seats = seats(&args);
+    let node_dirs = make_node_dirs(&args, &seats)?;
     // Without --rendezvous, rank 0 binds port 0 and reports the port it got: no port is ever
-    // picked by one process and bound by another.
+    // picked by one process and bound by another. One node of several leaves it to the ranks
+    // (--rendezvous, MASTER_ADDR or LWS_LEADER_ADDRESS, and MASTER_PORT): the other nodes
+    // must know it in advance.
     let mut rendezvous = args.serve.rendezvous.clone();
+    let report_port = rendezvous.is_none() && args.node_index.is_none();
     let exe = std::env::current_exe().context("locating the epserve binary")?;
     let flags = passthrough();
     // Only the router serves gRPC unless every rank does.
-    let listen = |rank: usize| match args.serve.ingress {
-        Ingress::All => rank_addr(args.serve.listen, rank, "--listen"),
+    let listen = |local: usize| match args.serve.ingress {
+        Ingress::All => rank_addr(args.serve.listen, local, "--listen"),
         Ingress::Router => Ok(args.serve.listen),
     };
     // REST beside gRPC, on the same ranks.
-    let http_listen = |rank: usize| -> anyhow::Result<String> {
+    let http_listen = |local: usize| -> anyhow::Result<String> {
         Ok(match args.serve.http_listen.0 {
             None => "off".into(),
             Some(a) if args.serve.ingress == Ingress::All => {
-                rank_addr(a, rank, "--http-listen")?.to_string()
+                rank_addr(a, local, "--http-listen")?.to_string()
             }
             Some(a) => a.to_string(),
         })
     };
     if args.serve.ingress == Ingress::All && args.serve.listen.port() != 0 {
-        for rank in 0..args.ranks {
-            info!(rank, "gRPC of rank {rank} on {}", listen(rank)?);
+        for seat in &seats {
+            let rank = seat.rank;
+            info!(rank, "gRPC of rank {rank} on {}", listen(seat.local)?);
         }
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     runtime.block_on(async move {
-        let (exit_tx, mut exit_rx) = mpsc::channel::<(usize, std::io::Result<ExitStatus>)>(args.ranks);
+        let (exit_tx, mut exit_rx) = mpsc::channel::<(usize, std::io::Result<ExitStatus>)>(seats.len().max(1));
         let mut pids = Vec::new();
         let mut spawned = 0;
-        for (rank, (node, node_id, shm_dir)) in nodes.into_iter().enumerate() {
-            let addr = rendezvous.clone().unwrap_or_else(|| "127.0.0.1:0".into());
+        for seat in &seats {
+            let (rank, local) = (seat.rank, seat.local);
             let mut cmd = Command::new(&exe);
             cmd.arg("serve")
                 .args(&flags)
                 .args(["--rank", &rank.to_string(), "--world-size", &args.ranks.to_string()])
-                .args(["--rendezvous", &addr])
                 .arg("--shm-dir")
-                .arg(&shm_dir)
-                .args(["--data-listen", &rank_addr(args.serve.data_listen, rank, "--data-listen")?.to_string()])
-                .args(["--metrics-listen", &rank_addr(args.serve.metrics_listen, rank, "--metrics-listen")?.to_string()])
-                .args(["--listen", &listen(rank)?.to_string()])
-                .args(["--http-listen", &http_listen(rank)?])
+                .arg(&seat.shm_dir)
+                .args(["--data-listen", &rank_addr(args.serve.data_listen, local, "--data-listen")?.to_string()])
+                .args(["--metrics-listen", &rank_addr(args.serve.metrics_listen, local, "--metrics-listen")?.to_string()])
+                .args(["--listen", &listen(local)?.to_string()])
+                .args(["--http-listen", &http_listen(local)?])
                 .kill_on_drop(true);
-            if let Some(id) = node_id {
-                cmd.args(["--node-id", &id]);
+            match (&rendezvous, report_port) {
+                (Some(addr), _) => cmd.args(["--rendezvous", addr]),
+                (None, true) => cmd.args(["--rendezvous", "127.0.0.1:0"]).stdout(Stdio::piped()),
+                (None, false) => &mut cmd,
+            };
+            if let Some(id) = &seat.node_id {
+                cmd.args(["--node-id", id]);
             }
             if args.nodes > 1 {
-                info!(rank, node, "rank {rank} on simulated node {node}");
+                let node = seat.node;
+                info!(rank, node, "rank {rank} on node {node}");
             }
             if let Some(token) = &args.serve.group_token {
                 cmd.env("EPSERVE_GROUP_TOKEN", token);
-            }
-            if rendezvous.is_none() {
-                cmd.stdout(Stdio::piped());
             }
             let mut child = cmd.spawn().with_context(|| format!("spawning rank {rank}"))?;
             if let Some(out) = child.stdout.take() {
@@ -217,16 +259,17 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
             let tx = exit_tx.clone();
             tokio::spawn(async move {
                 let status = child.wait().await;
-                let _ = tx.send((rank, status)).await;
+                let _ = tx.send((local, status)).await;
             });
             spawned += 1;
-            if rendezvous.is_none() {
+            if report_port && rendezvous.is_none() {
                 // Rank 0 did not come up; its own error says why, and its exit ends the launch.
                 break;
             }
         }
-        let rendezvous = rendezvous.unwrap_or_default();
-        info!(ranks = args.ranks, %rendezvous, "launched");
+        let rendezvous = rendezvous.unwrap_or_else(|| "as the ranks resolve it".into());
+        let ranks: Vec<usize> = seats.iter().map(|s| s.rank).collect();
+        info!(world = args.ranks, ?ranks, %rendezvous, "launched");
         let signal_all = |pids: &[Option<Pid>], sig: Signal| {
             for pid in pids.iter().flatten() {
                 let _ = kill(*pid, sig);
@@ -241,9 +284,10 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
             tokio::select! {
                 _ = int.recv() => signal_all(&pids, Signal::SIGINT),
                 _ = term.recv() => signal_all(&pids, Signal::SIGTERM),
-                Some((rank, status)) = exit_rx.recv() => {
+                Some((local, status)) = exit_rx.recv() => {
                     running -= 1;
-                    pids[rank] = None;
+                    pids[local] = None;
+                    let rank = seats[local].rank;
                     let ok = status.as_ref().is_ok_and(ExitStatus::success);
                     if !ok && failed.is_none() {
                         let why = match status {
@@ -273,4 +317,68 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
             None => Ok(()),
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{rank_addr, seats, Seat};
+    use crate::config::{Cli, Command, LaunchArgs};
+    use clap::Parser;
+    use std::path::PathBuf;
+
+    fn launch(flags: &[&str]) -> LaunchArgs {
+        let argv = ["epserve", "launch", "--shm-dir", "/s"].iter().chain(flags);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Launch(a) => a,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn seat(rank: usize, local: usize, node: usize, id: Option<&str>, shm: &str) -> Seat {
+        Seat {
+            rank,
+            local,
+            node,
+            node_id: id.map(str::to_string),
+            shm_dir: PathBuf::from(shm),
+        }
+    }
+
+    /// Simulated nodes split the ranks in rank order, each its own id and directory; ports
+    /// count from the group's first rank.
+    #[test]
+    fn simulated_nodes_split_the_ranks_in_rank_order() {
+        let a = launch(&["--ranks", "4", "--nodes", "2", "--node-id", "h"]);
+        assert_eq!(
+            seats(&a),
+            vec![
+                seat(0, 0, 0, Some("h-node0"), "/s/node0"),
+                seat(1, 1, 0, Some("h-node0"), "/s/node0"),
+                seat(2, 2, 1, Some("h-node1"), "/s/node1"),
+                seat(3, 3, 1, Some("h-node1"), "/s/node1"),
+            ]
+        );
+        let one = launch(&["--ranks", "2"]);
+        assert_eq!(
+            seats(&one),
+            vec![seat(0, 0, 0, None, "/s"), seat(1, 1, 0, None, "/s")]
+        );
+    }
+
+    /// One node of several (a pod): only its ranks, its own id and directory as given, ports
+    /// counted from its first rank so that every pod declares the same ones.
+    #[test]
+    fn one_node_of_several_runs_only_its_ranks() {
+        let a = launch(&["--ranks", "8", "--nodes", "2", "--node-index", "1"]);
+        let got = seats(&a);
+        let want: Vec<Seat> = (4..8).map(|r| seat(r, r - 4, 1, None, "/s")).collect();
+        assert_eq!(got, want);
+        let base = "0.0.0.0:9400".parse().unwrap();
+        assert_eq!(rank_addr(base, got[3].local, "m").unwrap().port(), 9403);
+        let first = launch(&["--ranks", "8", "--nodes", "2", "--node-index", "0"]);
+        assert_eq!(
+            seats(&first).iter().map(|s| s.rank).collect::<Vec<_>>(),
+            [0, 1, 2, 3]
+        );
+    }
 }

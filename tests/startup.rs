@@ -470,3 +470,88 @@ fn nodes_joining_in_reverse_order_form_the_group() {
         assert_eq!(decode(out.output.as_ref().unwrap()).len(), 3 * 64);
     });
 }
+
+/// One launcher per node, as the pods of a LeaderWorkerSet run it (`launch --ranks 4 --nodes 2
+/// --node-index I`, the rendezvous from LWS_LEADER_ADDRESS and MASTER_PORT): the worker node
+/// starts first, the group forms, serves, and SIGTERM at the leader drains both; each launcher
+/// exits 0 and removes nothing of the other's.
+#[test]
+fn one_launcher_per_node_forms_the_group_and_drains() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let dirs = [TempDir::new("pod-0"), TempDir::new("pod-1")];
+    let pod = |i: usize| {
+        let mut args: Vec<String> = [
+            "launch",
+            "--ranks",
+            "4",
+            "--nodes",
+            "2",
+            "--node-index",
+            &i.to_string(),
+            "--node-id",
+            ["pod-0", "pod-1"][i],
+            "--model",
+            "synthetic:tiny",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "off",
+            "--rendezvous-timeout",
+            "60s",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(["--shm-dir".into(), dirs[i].0.display().to_string()]);
+        let env = [
+            ("LWS_LEADER_ADDRESS", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+        ];
+        Proc::spawn_env(&args, &env)
+    };
+    let mut worker = pod(1);
+    std::thread::sleep(Duration::from_millis(500));
+    let mut leader = pod(0);
+    let grpc = leader
+        .wait_for("serving gRPC on", Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{e}\nworker:\n{}", worker.log_text()));
+    let log = leader.log_text();
+    assert!(
+        log.contains("the group's ranks on node pod-1") && log.contains("ranks=[2, 3]"),
+        "{log}"
+    );
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut c =
+            epserve::proto::moe_service_client::MoeServiceClient::connect(format!("http://{grpc}"))
+                .await
+                .unwrap();
+        let x = vec![0.25f32; 5 * 64];
+        let out = c
+            .forward(request("r", 0, f32_tensor(&x, [5, 64])))
+            .await
+            .expect("forward across two launchers")
+            .into_inner();
+        assert_eq!(decode(out.output.as_ref().unwrap()).len(), 5 * 64);
+        let info = c
+            .get_model_info(epserve::proto::GetModelInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(info.rank_nodes, ["pod-0", "pod-0", "pod-1", "pod-1"]);
+    });
+    leader.signal("TERM");
+    for (name, p) in [("leader", &mut leader), ("worker", &mut worker)] {
+        let st = p
+            .wait_exit(Duration::from_secs(30))
+            .unwrap_or_else(|| panic!("{name} still running:\n{}", p.log_text()));
+        assert!(st.success(), "{name} exited {st}:\n{}", p.log_text());
+    }
+}
