@@ -142,8 +142,12 @@ impl BringUp for GpuBringUp {
         ]
     }
 
-    fn create(&mut self, _: &Site) -> anyhow::Result<()> {
-        Ok(())
+    /// Refuses a placement the exchange cannot carry (nccl-ep across nodes) on every rank alike,
+    /// before NCCL is joined.
+    fn create(&mut self, at: &Site) -> anyhow::Result<()> {
+        self.device
+            .check_nodes(&at.roster.nodes())
+            .map_err(|why| anyhow::anyhow!("nccl-ep cannot run this group: {why}"))
     }
 
     fn join(self: Box<Self>, at: &Site, _: &Links) -> anyhow::Result<Box<dyn Backend + Send>> {

@@ -150,6 +150,9 @@ pub mod gpu {
             ) -> anyhow::Result<Self> {
                 anyhow::bail!(WHY)
             }
+            pub fn check_nodes(&self, _nodes: &[(String, Vec<usize>)]) -> Result<(), String> {
+                match *self {}
+            }
             pub fn buffer_bytes(&self) -> usize {
                 match *self {}
             }

@@ -137,6 +137,15 @@ impl Device {
         })
     }
 
+    /// Whether this rank's exchange can carry the group on these nodes (nccl-ep: one node of at
+    /// most 8 ranks; nccl: any).
+    pub fn check_nodes(&self, nodes: &[(String, Vec<usize>)]) -> Result<(), String> {
+        match self.shape.ep {
+            Some(_) => super::ep::placement(nodes),
+            None => Ok(()),
+        }
+    }
+
     /// Device bytes of the step buffers `join` will allocate.
     pub fn buffer_bytes(&self) -> usize {
         self.shape.buffer_bytes()

@@ -25,7 +25,8 @@ use super::shape::StepShape;
 
 /// NCCL EP needs the device API of NCCL 2.30.4 or newer.
 pub const MIN_NCCL: i32 = 23004;
-/// NCCL EP runs at most 8 ranks per node.
+/// NCCL EP runs at most 8 ranks per node (one NVLink domain); groups here are one node (see
+/// `placement`), so this bounds the world before the roster is known.
 pub const MAX_WORLD: usize = 8;
 
 /// The library, loaded once for the process (see `setup::nccl` for why never unloaded).
@@ -81,7 +82,7 @@ pub fn gates(nccl_version: i32, world: usize) -> Result<String, String> {
     };
     if world > MAX_WORLD {
         return Err(format!(
-            "NCCL EP runs at most {MAX_WORLD} ranks per node; the group has {world}"
+            "NCCL EP runs at most {MAX_WORLD} ranks per node and this service runs it on one node; the group has {world}"
         ));
     }
     Ok(format!(
@@ -90,6 +91,29 @@ pub fn gates(nccl_version: i32, world: usize) -> Result<String, String> {
         ep.path.display(),
         nvcc.display()
     ))
+}
+
+/// Whether NCCL EP can carry a group placed on these nodes (each node id with its ranks), once
+/// the rendezvous has told every rank. Between nodes NCCL EP 0.2 moves rows through NCCL's
+/// GPU-initiated networking (GIN: GDAKI or a proxy, on RDMA NICs with GPUDirect), and within a
+/// node through NVLink for at most 8 ranks. No machine here has GIN, so no test has run a group
+/// of nodes on NCCL EP: it is refused, with `nccl` (NCCL's own network transports) as the way.
+pub fn placement(nodes: &[(String, Vec<usize>)]) -> Result<(), String> {
+    if let Some((node, ranks)) = nodes.iter().find(|(_, r)| r.len() > MAX_WORLD) {
+        return Err(format!(
+            "NCCL EP runs at most {MAX_WORLD} ranks per node; node {node} has {}",
+            ranks.len()
+        ));
+    }
+    if nodes.len() > 1 {
+        let names: Vec<&str> = nodes.iter().map(|(n, _)| n.as_str()).collect();
+        return Err(format!(
+            "the group spans {} nodes ({}); NCCL EP between nodes needs NCCL's GPU-initiated networking (GIN over RDMA NICs), which is not verified here: run --backend nccl, whose exchange crosses nodes on NCCL's network transports",
+            nodes.len(),
+            names.join(", ")
+        ));
+    }
+    Ok(())
 }
 
 /// The shape problems NCCL EP would reject, found first with a clear reason.
@@ -161,5 +185,31 @@ mod tests {
         assert!(e.contains("alignment 48 is not a power of two"), "{e}");
         let e = validate(&shape(4, 128, 8, 2044), 64).unwrap_err();
         assert!(e.contains("4088 bytes is not a multiple of 16"), "{e}");
+    }
+
+    fn nodes(sizes: &[usize]) -> Vec<(String, Vec<usize>)> {
+        let mut next = 0;
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let ranks = (next..next + n).collect();
+                next += n;
+                (format!("n{i}"), ranks)
+            })
+            .collect()
+    }
+
+    /// One node of up to 8 ranks runs; more per node, or a second node, is refused by name.
+    #[test]
+    fn nccl_ep_runs_one_node_of_at_most_eight() {
+        assert_eq!(placement(&nodes(&[8])), Ok(()));
+        let nine = placement(&nodes(&[9])).unwrap_err();
+        assert!(nine.contains("node n0 has 9"), "{nine}");
+        let two = placement(&nodes(&[4, 4])).unwrap_err();
+        assert!(
+            two.contains("2 nodes (n0, n1)") && two.contains("--backend nccl"),
+            "{two}"
+        );
     }
 }
