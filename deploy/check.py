@@ -6,7 +6,9 @@ dashboard and the alerts name is exported, and that each rank's page passes `pro
 metrics`. Every alert must be shown firing by rules.test.yaml. Last, it breaks copies of the
 manifests the ways CI must catch (an unserved probe service, an unexported metric, a GPU limit
 that is not --ranks, a rank's gRPC port not exposed, an alert no test shows firing, a GPU shape
-without its node knobs, a policy finding) and asserts each is caught. The KEDA and KServe
+without its node knobs, a policy finding, a pod of a two-pod group not told its node) and
+asserts each is caught. Then the lws-2 shape's two pods run as two launchers with their pods'
+env: one group, served at every rank, drained by SIGTERM. The KEDA and KServe
 examples are validated too, and checkov (findings justified in checkov.yaml) runs over all."""
 
 import copy
@@ -28,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 DEPLOY = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(DEPLOY)
-SHAPES = ["overlays/cpu-2", "overlays/h200-4", "overlays/h200-4-ingress-all", "overlays/h200-8", "lws"]
+SHAPES = ["overlays/cpu-2", "overlays/h200-4", "overlays/h200-4-ingress-all", "overlays/h200-8", "lws", "lws-2"]
 EXAMPLES = ["examples/keda", "examples/kserve"]
 CORE = {"StatefulSet", "Service", "PodDisruptionBudget", "ConfigMap", "NetworkPolicy", "PriorityClass", "PersistentVolumeClaim"}
 SCHEMAS = {
@@ -109,16 +111,23 @@ def check_objects(shape, docs, tmp):
 
 
 def check_shape(shape, docs):
-    """Ranks, metrics ports, scrape endpoints and GPUs agree; probes are gRPC on the service port."""
+    """Ranks, metrics ports, scrape endpoints and GPUs agree per pod; probes are gRPC on the
+    service port; a group of several pods is a LeaderWorkerSet that places them as its nodes."""
     g = group(docs)
     spec = pod_spec(g)
     (c,) = spec["containers"]
     env = env_of(c)
-    ranks = int(env["EPSERVE_RANKS"])
+    total = int(env["EPSERVE_RANKS"])
+    nodes = int(env.get("EPSERVE_NODES", "1"))
+    if total % nodes:
+        raise Failed(f"{shape}: --ranks {total} do not split evenly over --nodes {nodes}")
+    ranks = total // nodes  # this pod's
+    if nodes > 1:
+        check_nodes(shape, docs, g, c, env, nodes)
     want = {f"metrics-{r}": 9400 + r for r in range(ranks)}
     have = {p["name"]: p["containerPort"] for p in c["ports"] if p["name"].startswith("metrics-")}
     if have != want:
-        raise Failed(f"{shape}: --ranks {ranks} but metrics ports {sorted(have.items())}")
+        raise Failed(f"{shape}: {ranks} ranks per pod but metrics ports {sorted(have.items())}")
     # --ingress all: rank r serves gRPC on 50051 + r, and the Service exposes every rank's port.
     entry = ranks if env.get("EPSERVE_INGRESS", "router") == "all" else 1
     want_grpc = {("grpc" if r == 0 else f"grpc-{r}"): GRPC_PORT + r for r in range(entry)}
@@ -143,7 +152,7 @@ def check_shape(shape, docs):
         if gpus is not None:
             raise Failed(f"{shape}: the cpu backend asks for {gpus} GPUs")
     elif int(gpus or 0) != ranks:
-        raise Failed(f"{shape}: --ranks {ranks} but nvidia.com/gpu is {gpus} (one GPU per rank)")
+        raise Failed(f"{shape}: {ranks} ranks per pod but nvidia.com/gpu is {gpus} (one GPU per rank)")
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         p = c.get(probe, {}).get("grpc")
         if p is None or p["port"] != GRPC_PORT:
@@ -171,8 +180,31 @@ def check_shape(shape, docs):
         check_gpu_pod(shape, g, spec, c, env)
 
 
+def check_nodes(shape, docs, g, c, env, nodes):
+    """A group of several pods: a LeaderWorkerSet of that size, each pod told its node by its
+    worker index, the rendezvous on the leader's address and every interface, nccl between
+    nodes (nccl-ep refuses them), and a Service that reaches every pod."""
+    if g["kind"] != "LeaderWorkerSet" or g["spec"]["leaderWorkerTemplate"]["size"] != nodes:
+        raise Failed(f"{shape}: --nodes {nodes} needs a LeaderWorkerSet of size {nodes}")
+    index = [e for e in c["env"] if e["name"] == "EPSERVE_NODE_INDEX"]
+    field = index[0].get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") if index else None
+    if field != "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']":
+        raise Failed(f"{shape}: EPSERVE_NODE_INDEX must come from the pod's LWS worker index, not {index}")
+    if "EPSERVE_RENDEZVOUS" in env or "MASTER_ADDR" in env:
+        raise Failed(f"{shape}: the rendezvous must be the leader's (LWS_LEADER_ADDRESS), not set")
+    port = env.get("MASTER_PORT", "29500")
+    if env.get("EPSERVE_RENDEZVOUS_BIND") != f"0.0.0.0:{port}":
+        raise Failed(f"{shape}: rank 0 must accept the rendezvous on 0.0.0.0:{port} (EPSERVE_RENDEZVOUS_BIND)")
+    if env.get("EPSERVE_BACKEND", "auto") in ("nccl-ep", "auto"):
+        raise Failed(f"{shape}: a group across pods runs --backend nccl (nccl-ep refuses nodes)")
+    (svc,) = [d for d in docs if d["kind"] == "Service"]
+    if any("worker-index" in k for k in svc["spec"].get("selector", {})):
+        raise Failed(f"{shape}: the Service reaches one pod of the group only")
+
+
 def check_gpu_pod(shape, g, spec, c, env):
-    """A GPU group's node and scheduler knobs (components/gpu), and NCCL EP's JIT cache kept."""
+    """A GPU group's node and scheduler knobs (components/gpu), and NCCL EP's JIT cache kept
+    where it runs NCCL EP."""
     if "nvidia.com/gpu.product" not in spec.get("nodeSelector", {}):
         raise Failed(f"{shape}: no GPU product in the nodeSelector")
     if not any(t.get("key") == "nvidia.com/gpu" for t in spec.get("tolerations", [])):
@@ -180,6 +212,8 @@ def check_gpu_pod(shape, g, spec, c, env):
     for knob in ("runtimeClassName", "priorityClassName"):
         if not spec.get(knob):
             raise Failed(f"{shape}: no {knob}")
+    if env.get("EPSERVE_BACKEND", "auto") not in ("nccl-ep", "auto"):
+        return
     cache = env.get("NCCL_EP_JIT_CACHE_DIR")
     mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
     claims = {t["metadata"]["name"] for t in g["spec"].get("volumeClaimTemplates", [])}
@@ -358,6 +392,103 @@ class Smoke:
                 self.proc.kill()
 
 
+class Pods:
+    """The lws-2 shape's pods, run here as one launcher each with the rendered container's args
+    and env and what LWS adds (LWS_LEADER_ADDRESS; the worker index, which the manifest maps to
+    EPSERVE_NODE_INDEX; the pod's name as its host name; its own /dev/shm), on the cpu backend
+    and a synthetic model (no GPUs here). One host is one network, so pod i's ports move by
+    i x SHIFT. The worker pod starts first: the order must not matter."""
+
+    SHIFT = 100
+
+    def __init__(self, docs, tmp):
+        g = group(docs)
+        (c,) = pod_spec(g)["containers"]
+        base = {k: v for k, v in env_of(c).items() if v is not None and not k.startswith("NCCL_")}
+        self.nodes = int(base["EPSERVE_NODES"])
+        self.per_pod = int(base["EPSERVE_RANKS"]) // self.nodes
+        name = g["metadata"]["name"]
+        self.names = [f"{name}-0"] + [f"{name}-0-{i}" for i in range(1, self.nodes)]
+        base.update(EPSERVE_BACKEND="cpu", EPSERVE_MODEL="synthetic:tiny", LWS_LEADER_ADDRESS="127.0.0.1",
+                    LWS_GROUP_SIZE=str(self.nodes))
+        binary = os.environ.get("EPSERVE_BIN", os.path.join(ROOT, "target", "release", "epserve"))
+        self.procs, self.logs = [], []
+        for i in reversed(range(self.nodes)):
+            env = {**base, "EPSERVE_NODE_INDEX": str(i), "LWS_WORKER_INDEX": str(i), "EPSERVE_NODE_ID": self.names[i],
+                   "EPSERVE_SHM_DIR": os.path.join(tmp, f"pod-{i}")}
+            for k in ("EPSERVE_LISTEN", "EPSERVE_HTTP_LISTEN", "EPSERVE_METRICS_LISTEN", "EPSERVE_DATA_LISTEN"):
+                host, port = env[k].rsplit(":", 1)
+                env[k] = f"{host}:{int(port) + i * self.SHIFT}"
+            os.makedirs(env["EPSERVE_SHM_DIR"])
+            log = open(os.path.join(tmp, f"pod-{i}.log"), "w+")
+            proc = subprocess.Popen([binary, *c["args"]], env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+            self.procs.insert(0, proc)
+            self.logs.insert(0, log)
+            time.sleep(0.5)
+
+    def port(self, base, pod, local):
+        return base + pod * self.SHIFT + local
+
+    def text(self):
+        out = []
+        for i, log in enumerate(self.logs):
+            log.flush()
+            log.seek(0)
+            out.append(f"-- pod {i}:\n{log.read()[-3000:]}")
+        return "\n".join(out)
+
+    def check(self, docs, client):
+        """Every pod's probes SERVING, every rank answers a client, GetModelInfo names each
+        rank's pod, every rank counts bytes sent to the other pod, and SIGTERM drains both."""
+        for i in range(self.nodes):
+            channel = grpc.insecure_channel(f"127.0.0.1:{self.port(GRPC_PORT, i, 0)}")
+            health = health_pb2_grpc.HealthStub(channel)
+            for probe, service in probe_services(docs).items():
+                end = time.time() + 120
+                while True:
+                    if any(p.poll() is not None for p in self.procs):
+                        raise Failed(f"a pod exited:\n{self.text()}")
+                    try:
+                        r = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                        if r.status == health_pb2.HealthCheckResponse.SERVING:
+                            break
+                    except grpc.RpcError:
+                        pass
+                    if time.time() > end:
+                        raise Failed(f"pod {i}'s {probe} ({service!r}) never SERVING:\n{self.text()}")
+                    time.sleep(0.2)
+            channel.close()
+        want = " ".join(n for n in self.names for _ in range(self.per_pod))
+        for i in range(self.nodes):
+            for r in range(self.per_pod):
+                out = run([client, f"http://127.0.0.1:{self.port(GRPC_PORT, i, r)}", "16"])
+                if f"each rank's node: {want}" not in out:
+                    raise Failed(f"pod {i} rank {r}: GetModelInfo's nodes are not {want!r}:\n{out}")
+        for i in range(self.nodes):
+            for r in range(self.per_pod):
+                url = f"http://127.0.0.1:{self.port(9400, i, r)}/metrics"
+                with urllib.request.urlopen(url, timeout=5) as resp:
+                    body = resp.read().decode()
+                sent = [float(l.split()[-1]) for l in body.splitlines() if l.startswith("epserve_cross_node_bytes_total")]
+                if not sent or sent[0] <= 0:
+                    raise Failed(f"pod {i} rank {i * self.per_pod + r} sent no bytes to the other pod: {sent}")
+        self.stop()
+        for i, p in enumerate(self.procs):
+            if p.returncode != 0:
+                raise Failed(f"pod {i} exited {p.returncode} after SIGTERM:\n{self.text()}")
+
+    def stop(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 def check_probes(shape, docs, smoke):
     for probe, service in probe_services(docs).items():
         st = smoke.status(service)
@@ -445,7 +576,7 @@ def main():
             check_metrics(bad, exported)
 
         def ingress_port_missing():
-            path = os.path.join(bad, "k8s", "overlays", "h200-4-ingress-all", "service.yaml")
+            path = os.path.join(bad, "k8s", "components", "ingress-all-4", "service.yaml")
             with open(path) as f:
                 text = f.read()
             with open(path, "w") as f:
@@ -475,7 +606,12 @@ def main():
             edit(bad, "k8s/overlays/h200-4/group.yaml", "nvidia.com/gpu: 4", "nvidia.com/gpu: 3")
             check_shape("h200-4 (broken)", render(bad, "overlays/h200-4"))
 
+        def node_index_not_worker_index():
+            edit(bad, "k8s/lws-2/group.yaml", "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']", "metadata.name")
+            check_shape("lws-2 (broken)", render(bad, "lws-2"))
+
         expect_failure("a probe names a health service the binary does not serve", unserved_probe)
+        expect_failure("a pod of a multi-node group not told its node by its worker index", node_index_not_worker_index)
         expect_failure("the dashboard names a metric the binary does not export", unexported_metric)
         os.makedirs(os.path.join(tmp, "bad-rules"))
         expect_failure("an alert no unit test shows firing", alert_never_tested)
@@ -485,6 +621,13 @@ def main():
         expect_failure("a rank's gRPC port is not exposed under --ingress all", ingress_port_missing)
     finally:
         smoke.stop()
+    step("smoke: the lws-2 shape's two pods as two launchers, each with its pod's env")
+    pods = Pods(rendered["lws-2"], tmp)
+    try:
+        pods.check(rendered["lws-2"], client)
+        print(f"  {pods.nodes} pods of {pods.per_pod} ranks formed one group, served at every rank, drained")
+    finally:
+        pods.stop()
     shutil.rmtree(tmp, ignore_errors=True)
     print("deploy: 1 passed, 0 failed")
 

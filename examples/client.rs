@@ -29,6 +29,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         info.world_size,
         info.backend
     );
+    println!("each rank's node: {}", info.rank_nodes.join(" "));
     let h = info.hidden_size as usize;
     // A small deterministic pseudo-random input, so the example needs no RNG crate.
     let mut state = 0x2545_F491_4F6C_DD1Du64;
