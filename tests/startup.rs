@@ -104,9 +104,11 @@ fn experts_not_divisible_by_ranks() {
 fn missing_rank_and_missing_router_time_out_by_name() {
     let shm = TempDir::new("missing");
     let t0 = Instant::now();
-    let (mut r0, addr) = router(4, &shm, &["--rendezvous-timeout", "2s"]);
-    let mut r1 = serve(1, 4, &addr, &shm, &["--rendezvous-timeout", "2s"]);
-    let want = "rank(s) 2, 3 of world size 4 did not join the rendezvous within 2s";
+    let flags = |node| ["--rendezvous-timeout", "2s", "--node-id", node];
+    let (mut r0, addr) = router(4, &shm, &flags("node-a"));
+    let mut r1 = serve(1, 4, &addr, &shm, &flags("node-b"));
+    let want = "rank(s) 2, 3 of world size 4 did not join the rendezvous within 2s \
+                (joined: node node-a rank 0; node node-b rank 1)";
     fails_with(&mut r0, want, Duration::from_secs(15));
     fails_with(&mut r1, want, Duration::from_secs(15));
     assert!(

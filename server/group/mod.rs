@@ -117,6 +117,32 @@ struct Seated {
 }
 
 /// A connection's first message, read on a thread of its own.
+/// The ranks that did join, by node ("node a ranks 0, 1; node b rank 2"): where the missing
+/// ones were expected is where their node's other ranks are, or a node not heard from at all.
+fn joined_by_node(router_node: &str, slots: &[Option<Seated>]) -> String {
+    let seats = std::iter::once(Some(router_node)).chain(
+        slots
+            .iter()
+            .map(|s| s.as_ref().map(|s| s.seat.node.as_str())),
+    );
+    let mut nodes: Vec<(&str, Vec<String>)> = Vec::new();
+    for (rank, node) in seats.enumerate() {
+        let Some(node) = node else { continue };
+        match nodes.iter_mut().find(|(n, _)| *n == node) {
+            Some((_, ranks)) => ranks.push(rank.to_string()),
+            None => nodes.push((node, vec![rank.to_string()])),
+        }
+    }
+    let each: Vec<String> = nodes
+        .iter()
+        .map(|(n, r)| {
+            let word = if r.len() == 1 { "rank" } else { "ranks" };
+            format!("node {n} {word} {}", r.join(", "))
+        })
+        .collect();
+    each.join("; ")
+}
+
 type Hello = (TcpStream, SocketAddr, std::io::Result<Bringup>);
 
 fn read_hello(mut stream: TcpStream, peer: SocketAddr, limit: Duration) -> Hello {
@@ -196,8 +222,9 @@ impl RouterLink {
                             .map(|(i, _)| (i + 1).to_string())
                             .collect();
                         return Err(GroupError::Timeout(format!(
-                            "rank(s) {} of world size {world} did not join the rendezvous within {timeout:?}",
-                            missing.join(", ")
+                            "rank(s) {} of world size {world} did not join the rendezvous within {timeout:?} (joined: {})",
+                            missing.join(", "),
+                            joined_by_node(want.node, &slots)
                         )));
                     }
                     Err(_) => {}
