@@ -183,22 +183,31 @@ pub fn private_dir(shm_dir: &Path) -> std::io::Result<PathBuf> {
 
 /// Removes the segments of groups whose router is gone (a rank killed between creating and
 /// unlinking its files leaves them behind). A segment's name starts `epserve-<router pid in
-/// hex>-`; a live process of that pid keeps its files. Returns how many were removed.
-pub fn sweep_stale(dir: &Path) -> usize {
+/// hex>-<nanos>-<router's host tag>-`; a live process of that pid keeps its files, and a group
+/// routed from another host (`host` is this one's tag) is never judged by a pid of this one.
+/// Returns how many were removed.
+pub fn sweep_stale(dir: &Path, host: &str) -> usize {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return 0;
     };
     let mut removed = 0;
     for e in entries.flatten() {
         let name = e.file_name();
-        let Some(pid) = name
+        let mut parts = name
             .to_str()
             .and_then(|n| n.strip_prefix("epserve-"))
-            .and_then(|n| n.split_once('-'))
-            .and_then(|(pid, _)| u32::from_str_radix(pid, 16).ok())
+            .unwrap_or_default()
+            .split('-');
+        let (Some(pid), Some(_nanos), Some(tag)) = (parts.next(), parts.next(), parts.next())
         else {
             continue;
         };
+        let Ok(pid) = u32::from_str_radix(pid, 16) else {
+            continue;
+        };
+        if tag != host {
+            continue;
+        }
         if !Path::new(&format!("/proc/{pid}")).exists() && std::fs::remove_file(e.path()).is_ok() {
             removed += 1;
         }
@@ -369,16 +378,19 @@ mod tests {
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode(&dir), 0o700);
         assert_eq!(private_dir(&base).unwrap(), dir);
-        let live = dir.join(format!("epserve-{:x}-1-rank0", std::process::id()));
+        let live = dir.join(format!("epserve-{:x}-1-abcd0123-rank0", std::process::id()));
         let seg = Shm::create(&live, 64).unwrap();
         assert_eq!(mode(&live), 0o600);
         // A pid that cannot exist (above the kernel's limit): its group is gone.
-        let dead = dir.join("epserve-7fffffff-2-ring");
+        let dead = dir.join("epserve-7fffffff-2-abcd0123-ring");
         std::fs::write(&dead, b"x").unwrap();
+        // The same pid on another host (a node of a group routed elsewhere): not judged here.
+        let away = dir.join("epserve-7fffffff-3-ffff0000-ring");
+        std::fs::write(&away, b"x").unwrap();
         let other = dir.join("not-ours");
         std::fs::write(&other, b"x").unwrap();
-        assert_eq!(sweep_stale(&dir), 1);
-        assert!(live.exists() && other.exists() && !dead.exists());
+        assert_eq!(sweep_stale(&dir, "abcd0123"), 1);
+        assert!(live.exists() && other.exists() && away.exists() && !dead.exists());
         drop(seg);
         assert!(!live.exists());
         // Opened up to others: refused, not used.

@@ -61,6 +61,15 @@ pub fn host_id() -> String {
     format!("{name}/{}", boot.trim())
 }
 
+/// A short tag of `host_id()` (FNV-1a, 8 hex digits) that group ids carry, so that a sweep of
+/// stale files judges by pid only the groups whose router runs on its own host.
+pub fn host_tag() -> String {
+    let h = host_id().bytes().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
+    format!("{h:08x}")
+}
+
 /// The first field where two fingerprints differ: (field, ours, theirs).
 pub fn first_difference(
     ours: &Fingerprint,

@@ -413,7 +413,8 @@ fn accept_ranks(
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .subsec_nanos();
-    let group_id = format!("{:x}-{nanos:x}", std::process::id());
+    // The router's pid and host: `shm::sweep_stale` reads them back from file names.
+    let group_id = format!("{:x}-{nanos:x}-{}", std::process::id(), group::host_tag());
     let host = group::host_id();
     let nccl_id = rank.new_nccl_id()?;
     crate::startup::enter(crate::startup::Stage::Rendezvous);
@@ -449,7 +450,7 @@ fn form_group(
         accept_ranks(args, &p, rank.as_ref(), listener, data.port()?)?;
     let roster = link.roster.clone();
     let dir = super::segment_dir(args)?;
-    let swept = crate::shm::sweep_stale(&dir);
+    let swept = crate::shm::sweep_stale(&dir, &group::host_tag());
     if swept > 0 {
         info!("removed {swept} segment(s) of groups whose router is gone");
     }
