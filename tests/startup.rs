@@ -457,20 +457,31 @@ fn nodes_joining_in_reverse_order_form_the_group() {
         log.contains("the group's ranks on node b") && log.contains("ranks=[2, 3]"),
         "{log}"
     );
+    assert_eq!(forward_rows(&grpc, 3), ["a", "a", "b", "b"]);
+}
+
+/// One Forward of `rows` tokens of synthetic:tiny (hidden 64) at `grpc`, answered in full; then
+/// GetModelInfo's nodes of the group.
+fn forward_rows(grpc: &str, rows: usize) -> Vec<String> {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let mut c =
             epserve::proto::moe_service_client::MoeServiceClient::connect(format!("http://{grpc}"))
                 .await
                 .unwrap();
-        let x = vec![0.5f32; 3 * 64];
+        let x = vec![0.5f32; rows * 64];
         let out = c
-            .forward(request("r", 0, f32_tensor(&x, [3, 64])))
+            .forward(request("r", 0, f32_tensor(&x, [rows, 64])))
             .await
             .expect("forward across nodes")
             .into_inner();
-        assert_eq!(decode(out.output.as_ref().unwrap()).len(), 3 * 64);
-    });
+        assert_eq!(decode(out.output.as_ref().unwrap()).len(), rows * 64);
+        c.get_model_info(epserve::proto::GetModelInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .rank_nodes
+    })
 }
 
 /// One launcher per node, as the pods of a LeaderWorkerSet run it (`launch --ranks 4 --nodes 2
@@ -529,26 +540,8 @@ fn one_launcher_per_node_forms_the_group_and_drains() {
         log.contains("the group's ranks on node pod-1") && log.contains("ranks=[2, 3]"),
         "{log}"
     );
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        let mut c =
-            epserve::proto::moe_service_client::MoeServiceClient::connect(format!("http://{grpc}"))
-                .await
-                .unwrap();
-        let x = vec![0.25f32; 5 * 64];
-        let out = c
-            .forward(request("r", 0, f32_tensor(&x, [5, 64])))
-            .await
-            .expect("forward across two launchers")
-            .into_inner();
-        assert_eq!(decode(out.output.as_ref().unwrap()).len(), 5 * 64);
-        let info = c
-            .get_model_info(epserve::proto::GetModelInfoRequest {})
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(info.rank_nodes, ["pod-0", "pod-0", "pod-1", "pod-1"]);
-    });
+    let nodes = forward_rows(&grpc, 5);
+    assert_eq!(nodes, ["pod-0", "pod-0", "pod-1", "pod-1"]);
     leader.signal("TERM");
     for (name, p) in [("leader", &mut leader), ("worker", &mut worker)] {
         let st = p

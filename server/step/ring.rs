@@ -16,7 +16,7 @@ use std::time::Instant;
 use std::sync::{Arc, OnceLock};
 
 use super::direct::DirectRows;
-use super::StepDesc;
+use super::{StepDesc, StepError};
 use crate::dtype::Dtype;
 use crate::lifecycle::Abort;
 use crate::nodes::mirror::{Link, Target};
@@ -230,16 +230,23 @@ impl Ring {
         seq: u64,
         deadline: Instant,
         abort: &Abort,
-    ) -> Result<(), WaitError> {
+    ) -> Result<(), StepError> {
         assert!(slot < self.shape.slots, "ring slot {slot}");
         let flag = self.shm.flag(self.shape.in_flag(slot));
-        wait_seq(flag, seq, deadline, abort)?;
-        match flag.load(std::sync::atomic::Ordering::Acquire) {
-            s if s == seq => Ok(()),
-            s => Err(WaitError::Aborted(format!(
-                "ring slot {slot} holds step {s}, not step {seq}"
-            ))),
-        }
+        let waited = wait_seq(flag, seq, deadline, abort).and_then(|()| {
+            match flag.load(std::sync::atomic::Ordering::Acquire) {
+                s if s == seq => Ok(()),
+                s => Err(WaitError::Aborted(format!(
+                    "ring slot {slot} holds step {s}, not step {seq}"
+                ))),
+            }
+        });
+        waited.map_err(|source| StepError::Wait {
+            step: seq,
+            what: "the step's input",
+            rank: 0,
+            source,
+        })
     }
     pub fn read_hidden(&self, slot: usize, rows: Range<usize>, d: Dtype, dst: &mut [u8]) {
         self.check_rows(&rows, d, dst.len());

@@ -291,13 +291,7 @@ impl StepIo for CpuRank {
             });
         }
         self.ring
-            .wait_input(slot, desc.step, self.deadline, &self.abort)
-            .map_err(|source| StepError::Wait {
-                step: desc.step,
-                what: "the step's input",
-                rank: 0,
-                source,
-            })?;
+            .wait_input(slot, desc.step, self.deadline, &self.abort)?;
         // The one conversion of the input: the wire dtype, widened to f32 here.
         let wire = &mut self.s.wire[..n * h * desc.input.bytes()];
         self.ring.read_hidden(slot, home.clone(), desc.input, wire);

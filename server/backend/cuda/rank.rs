@@ -289,13 +289,7 @@ impl GpuRank {
             .ok_or_else(|| invalid(format!("{} tokens exceed the buffers", desc.tokens)))?;
         let deadline = Instant::now() + self.step_timeout;
         self.ring
-            .wait_input(slot, desc.step, deadline, &self.abort)
-            .map_err(|source| StepError::Wait {
-                step: desc.step,
-                what: "the step's input",
-                rank: 0,
-                source,
-            })?;
+            .wait_input(slot, desc.step, deadline, &self.abort)?;
         let c = self
             .core
             .as_ref()
