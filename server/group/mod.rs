@@ -125,7 +125,6 @@ struct Seated {
     host: String,
 }
 
-/// A connection's first message, read on a thread of its own.
 /// The ranks that did join, by node ("node a ranks 0, 1; node b rank 2"): where the missing
 /// ones were expected is where their node's other ranks are, or a node not heard from at all.
 fn joined_by_node(router_node: &str, slots: &[Option<Seated>]) -> String {
@@ -152,6 +151,7 @@ fn joined_by_node(router_node: &str, slots: &[Option<Seated>]) -> String {
     each.join("; ")
 }
 
+/// A connection's first message, read on a thread of its own.
 type Hello = (TcpStream, SocketAddr, std::io::Result<Bringup>);
 
 fn read_hello(mut stream: TcpStream, peer: SocketAddr, limit: Duration) -> Hello {
