@@ -449,11 +449,7 @@ fn form_group(
     let (mut link, group_id, nccl_id) =
         accept_ranks(args, &p, rank.as_ref(), listener, data.port()?)?;
     let roster = link.roster.clone();
-    let dir = super::segment_dir(args)?;
-    let swept = crate::shm::sweep_stale(&dir, &group::host_tag());
-    if swept > 0 {
-        info!("removed {swept} segment(s) of groups whose router is gone");
-    }
+    let dir = swept_segment_dir(args)?;
     let dir = dir.as_path();
     // The backend, the step ring, and where each rank serves.
     type Built = (Box<dyn Backend + Send>, Arc<Ring>, Vec<String>);
@@ -497,30 +493,60 @@ fn form_group(
     };
     link.clear_timeouts()?;
     super::group_info(p.backend, 0, world);
-    let buffers = rank.buffers();
-    // Logged per mode by every rank as its groups were made.
-    let footprint = rank.ep_footprint();
-    let driver = Driver::new(
+    log_nodes(&roster);
+    let buffers = crate::step::buffer_sizes(&rank.buffers());
+    let formed = Formed {
+        // Logged per mode by every rank as its groups were made.
+        footprint: rank.ep_footprint(),
+        exec: Executor::new(
+            driver(args, &p, rank),
+            ring,
+            link,
+            abort,
+            args.step_timeout,
+            events,
+        )?,
+        ingress,
+        nodes: roster.0.iter().map(|s| s.node.clone()).collect(),
+    };
+    warm_up(formed, buffers)
+}
+
+/// The segment directory, with the files of groups this host routed and whose router is gone
+/// removed.
+fn swept_segment_dir(args: &ServeArgs) -> anyhow::Result<std::path::PathBuf> {
+    let dir = super::segment_dir(args)?;
+    let swept = crate::shm::sweep_stale(&dir, &group::host_tag());
+    if swept > 0 {
+        info!("removed {swept} segment(s) of groups whose router is gone");
+    }
+    Ok(dir)
+}
+
+/// Rank 0's driver of the group's steps.
+fn driver(
+    args: &ServeArgs,
+    p: &Prepared,
+    rank: Box<dyn Backend + Send>,
+) -> Driver<Box<dyn Backend + Send>> {
+    Driver::new(
         rank,
         0,
-        world,
+        p.member.world,
         p.spec.moe_layers.clone(),
         args.metrics_per_expert,
         p.ring,
         args.steps_ahead(p.backend),
-    );
-    let mut exec = Executor::new(driver, ring, link, abort, args.step_timeout, events)?;
+    )
+}
+
+/// Runs the warm-up step through every rank: the group is formed once it returns.
+fn warm_up(mut formed: Formed, buffers: String) -> anyhow::Result<Formed> {
     crate::startup::enter(crate::startup::Stage::WarmUp);
-    exec.warm_up().context("warm-up step")?;
+    formed.exec.warm_up().context("warm-up step")?;
     info!(
-        buffers = %crate::step::buffer_sizes(&buffers),
+        %buffers,
         "group ready: every rank joined, weights loaded, warm-up step done"
     );
-    log_nodes(&roster);
-    Ok(Formed {
-        exec,
-        footprint,
-        ingress,
-        nodes: roster.0.iter().map(|s| s.node.clone()).collect(),
-    })
+    Ok(formed)
 }

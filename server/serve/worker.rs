@@ -66,53 +66,28 @@ fn join(
     abort: &Arc<Abort>,
 ) -> anyhow::Result<Member> {
     let rank = p.member.rank;
-    let timeout = args.rendezvous_timeout;
-    crate::startup::enter(crate::startup::Stage::Rendezvous);
-    let data = DataListener::bind(args.data_listen)?;
-    let joiner = group::Joiner {
-        rank,
-        world: p.member.world,
-        node: &p.member.node,
-        data_port: data.port()?,
-    };
+    let (data, joined) = rendezvous(args, p)?;
     let Joined {
         mut stream,
         group: group_id,
         nccl_id,
         roster,
-    } = group::join(
-        &p.member.rendezvous,
-        &joiner,
-        &p.fingerprint,
-        args.group_token.as_deref().unwrap_or_default(),
-        timeout,
-    )?;
+    } = joined;
     if let Some(c) = clients {
         c.set_nodes(&roster);
     }
-    let deadline = Instant::now() + timeout;
+    let deadline = Instant::now() + args.rendezvous_timeout;
     let dir = super::segment_dir(args)?;
     let dir = dir.as_path();
-    let mapped: std::cell::RefCell<Option<Arc<Ring>>> = Default::default();
+    let ring = NodeRing::new(super::ring_path(dir, &group_id), p.ring);
     let setup = {
         // The first rank of a node other than rank 0's makes the node's ring, before the
         // first barrier, so its node's ranks find it after.
-        let path = super::ring_path(dir, &group_id);
-        let leads = roster.leader(rank) == rank && !roster.same_node(rank, 0);
-        let made = match leads {
-            true => Ring::create(&path, p.ring)
-                .map(|r| *mapped.borrow_mut() = Some(Arc::new(r)))
-                .context("creating this node's step ring"),
+        let made = match roster.leader(rank) == rank && !roster.same_node(rank, 0) {
+            true => ring.create(),
             false => Ok(()),
         };
-        let open_ring = || -> anyhow::Result<Arc<Ring>> {
-            if let Some(ring) = mapped.borrow().as_ref() {
-                return Ok(ring.clone());
-            }
-            let ring = Arc::new(Ring::open(&path, p.ring).context("mapping the step ring")?);
-            *mapped.borrow_mut() = Some(ring.clone());
-            Ok(ring)
-        };
+        let open_ring = || ring.open();
         let site = Site {
             dir,
             group: &group_id,
@@ -140,20 +115,83 @@ fn join(
             })
     };
     // Every rank of the node mapped it (or the bring-up failed): its file can go.
-    if let Some(ring) = mapped.borrow().as_ref() {
-        ring.unlink();
-    }
+    let ring = ring.unlink();
     match setup {
         Ok(backend) => Ok(Member {
             stream,
             backend,
-            ring: mapped.take(),
+            ring,
         }),
         Err(e) => {
             let reason = format!("{e:#}");
             let _ = send(&mut stream, &Bringup::Failed { rank, reason });
             Err(e)
         }
+    }
+}
+
+/// Opens this rank's data listener (for ranks of other nodes) and joins the router's
+/// rendezvous, bounded by --rendezvous-timeout.
+fn rendezvous(args: &ServeArgs, p: &Prepared) -> anyhow::Result<(DataListener, Joined)> {
+    crate::startup::enter(crate::startup::Stage::Rendezvous);
+    let data = DataListener::bind(args.data_listen)?;
+    let joiner = group::Joiner {
+        rank: p.member.rank,
+        world: p.member.world,
+        node: &p.member.node,
+        data_port: data.port()?,
+    };
+    let joined = group::join(
+        &p.member.rendezvous,
+        &joiner,
+        &p.fingerprint,
+        args.group_token.as_deref().unwrap_or_default(),
+        args.rendezvous_timeout,
+    )?;
+    Ok((data, joined))
+}
+
+/// This rank's node's step ring, mapped once: made here by the node's first rank (a node other
+/// than rank 0's), opened by the others when their bring-up asks.
+struct NodeRing {
+    path: std::path::PathBuf,
+    shape: crate::step::ring::RingShape,
+    mapped: std::cell::RefCell<Option<Arc<Ring>>>,
+}
+
+impl NodeRing {
+    fn new(path: std::path::PathBuf, shape: crate::step::ring::RingShape) -> Self {
+        Self {
+            path,
+            shape,
+            mapped: Default::default(),
+        }
+    }
+
+    fn create(&self) -> anyhow::Result<()> {
+        let ring =
+            Ring::create(&self.path, self.shape).context("creating this node's step ring")?;
+        *self.mapped.borrow_mut() = Some(Arc::new(ring));
+        Ok(())
+    }
+
+    fn open(&self) -> anyhow::Result<Arc<Ring>> {
+        if let Some(ring) = self.mapped.borrow().as_ref() {
+            return Ok(ring.clone());
+        }
+        let ring = Arc::new(Ring::open(&self.path, self.shape).context("mapping the step ring")?);
+        *self.mapped.borrow_mut() = Some(ring.clone());
+        Ok(ring)
+    }
+
+    /// Once every rank of the node has mapped it (or the bring-up failed): its file goes, the
+    /// mapping stays.
+    fn unlink(self) -> Option<Arc<Ring>> {
+        let ring = self.mapped.into_inner();
+        if let Some(r) = &ring {
+            r.unlink();
+        }
+        ring
     }
 }
 
