@@ -80,6 +80,14 @@ pub fn segment_path(dir: &Path, group: &str, rank: usize) -> PathBuf {
     dir.join(format!("epserve-{group}-rank{rank}"))
 }
 
+/// This rank's own segment (always mapped: it is created here).
+fn own_of(segs: &[Peer], rank: usize) -> &Shm {
+    match &segs[rank] {
+        Peer::Mapped(s) => s,
+        Peer::Linked(_) => unreachable!("rank {rank}'s own segment is mapped by attach"),
+    }
+}
+
 /// Where a peer's segment is written: mapped here (same node), or over its data connection.
 enum Peer {
     Mapped(Shm),
@@ -111,9 +119,8 @@ pub struct CpuRank {
     spec: MoeSpec,
     weights: RankWeights,
     placement: Placement,
-    /// This rank's segment: what peers write into, and all it reads.
-    own: Shm,
-    /// Every rank's segment, this rank's own included (unused: `own`), by rank.
+    /// Every rank's segment by rank: mapped (this node's; this rank's own is what peers write
+    /// into and all it reads, `own_of`) or linked (another node's).
     segs: Vec<Peer>,
     ring: Arc<Ring>,
     abort: Arc<Abort>,
@@ -178,10 +185,11 @@ impl CpuRank {
         step_timeout: Duration,
         lanes: usize,
     ) -> std::io::Result<Self> {
+        let mut own = Some(own);
         let segs = (0..shape.world)
             .map(|r| match links.to(r) {
                 Some(l) => Ok(Peer::Linked(l.clone())),
-                // Its own segment too, mapped a second time: one way to write to every rank.
+                None if r == rank => Ok(Peer::Mapped(own.take().expect("own segment"))),
                 None if roster.same_node(r, rank) => Ok(Peer::Mapped(Shm::open(
                     &segment_path(dir, group, r),
                     shape.bytes(),
@@ -219,7 +227,6 @@ impl CpuRank {
             shape,
             spec,
             weights,
-            own,
             segs,
             ring,
             abort,
@@ -232,7 +239,7 @@ impl CpuRank {
     }
 
     fn wait_all(&self, desc: &StepDesc, kind: Flag, what: &'static str) -> Result<(), StepError> {
-        let own = &self.own;
+        let own = own_of(&self.segs, self.rank);
         for src in 0..self.shape.world {
             wait_seq(
                 own.flag(self.shape.flag(kind, src)),
@@ -368,7 +375,7 @@ impl AllToAll for CpuRank {
             self.raise(peer, Flag::Counts, desc.step)?;
         }
         self.wait_all(desc, Flag::Counts, "routing counts")?;
-        self.own.read(
+        own_of(&self.segs, self.rank).read(
             self.shape.counts(0),
             &mut self.s.matrix[..self.shape.world * e],
         );
@@ -414,7 +421,7 @@ impl AllToAll for CpuRank {
         }
         self.wait_all(desc, Flag::Combine, "combined rows")?;
         let (h, k, shape) = (self.shape.hidden, self.shape.top_k, self.shape);
-        let own = &self.own;
+        let own = own_of(&self.segs, self.rank);
         let shared = self.weights.layers[desc.layer as usize].shared.as_ref();
         let (x, w) = (&self.s.x, &self.s.w);
         // The weighted sums alone are too little math for the lanes (one block: this thread);
@@ -479,7 +486,8 @@ impl Experts for CpuRank {
             start += total;
         }
         let experts = &self.weights.layers[desc.layer as usize].experts;
-        let (own, segs) = (&self.own, &self.segs);
+        let segs = &self.segs;
+        let own = own_of(segs, self.rank);
         self.lanes.each(blocks.iter(), |b, lane| {
             let m = b.rows;
             own.read(shape.rows(b.first), &mut lane.rows[..m * h]);
@@ -498,7 +506,7 @@ impl Experts for CpuRank {
 impl Backend for CpuRank {
     /// Every peer has mapped this rank's segment: its file can go.
     fn group_started(&self) {
-        self.own.unlink();
+        own_of(&self.segs, self.rank).unlink();
     }
 
     fn submit(&mut self, desc: &StepDesc, home: std::ops::Range<usize>) -> Result<(), StepError> {
@@ -526,13 +534,11 @@ impl Backend for CpuRank {
     fn buffers(&self) -> Vec<(&'static str, usize, usize)> {
         let v = |name, p: *const u8, len| (name, p as usize, len);
         let s = &self.s;
-        let peers = self.segs.iter().enumerate().filter_map(|(r, p)| match p {
-            Peer::Mapped(s) if r != self.rank => Some(s),
-            _ => None,
-        });
-        let mut out: Vec<_> = std::iter::once(&self.own)
-            .chain(peers)
-            .map(|seg| ("exchange_segment", seg.addr(), seg.len()))
+        let mut out: Vec<_> = (self.segs.iter())
+            .filter_map(|p| match p {
+                Peer::Mapped(seg) => Some(("exchange_segment", seg.addr(), seg.len())),
+                Peer::Linked(_) => None,
+            })
             .collect();
         out.push(self.ring.buffer());
         out.extend([
