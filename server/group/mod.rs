@@ -128,23 +128,19 @@ struct Seated {
 /// The ranks that did join, by node ("node a ranks 0, 1; node b rank 2"): where the missing
 /// ones were expected is where their node's other ranks are, or a node not heard from at all.
 fn joined_by_node(router_node: &str, slots: &[Option<Seated>]) -> String {
-    let seats = std::iter::once(Some(router_node)).chain(
-        slots
-            .iter()
-            .map(|s| s.as_ref().map(|s| s.seat.node.as_str())),
-    );
-    let mut nodes: Vec<(&str, Vec<String>)> = Vec::new();
-    for (rank, node) in seats.enumerate() {
-        let Some(node) = node else { continue };
-        match nodes.iter_mut().find(|(n, _)| *n == node) {
-            Some((_, ranks)) => ranks.push(rank.to_string()),
-            None => nodes.push((node, vec![rank.to_string()])),
-        }
-    }
-    let each: Vec<String> = nodes
+    let seats = std::iter::once(Some(router_node))
+        .chain(
+            slots
+                .iter()
+                .map(|s| s.as_ref().map(|s| s.seat.node.as_str())),
+        )
+        .enumerate()
+        .filter_map(|(rank, node)| Some((rank, node?)));
+    let each: Vec<String> = crate::nodes::by_node(seats)
         .iter()
         .map(|(n, r)| {
             let word = if r.len() == 1 { "rank" } else { "ranks" };
+            let r: Vec<String> = r.iter().map(usize::to_string).collect();
             format!("node {n} {word} {}", r.join(", "))
         })
         .collect();

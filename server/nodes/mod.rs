@@ -62,15 +62,23 @@ impl Roster {
     }
     /// Node ids in order of first rank, with their ranks (`GetModelInfo`, logs).
     pub fn nodes(&self) -> Vec<(String, Vec<usize>)> {
-        let mut out: Vec<(String, Vec<usize>)> = Vec::new();
-        for (r, s) in self.0.iter().enumerate() {
-            match out.iter_mut().find(|(n, _)| *n == s.node) {
-                Some((_, ranks)) => ranks.push(r),
-                None => out.push((s.node.clone(), vec![r])),
-            }
-        }
-        out
+        by_node(self.0.iter().map(|s| s.node.as_str()).enumerate())
+            .into_iter()
+            .map(|(n, ranks)| (n.to_string(), ranks))
+            .collect()
     }
+}
+
+/// (rank, node) pairs grouped by node, in order of each node's first rank.
+pub fn by_node<'a>(seats: impl Iterator<Item = (usize, &'a str)>) -> Vec<(&'a str, Vec<usize>)> {
+    let mut out: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (r, node) in seats {
+        match out.iter_mut().find(|(n, _)| *n == node) {
+            Some((_, ranks)) => ranks.push(r),
+            None => out.push((node, vec![r])),
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -1,11 +1,10 @@
 //! The data connections between nodes, made once at startup: every rank connects to every rank
 //! of another node (its `Link` there) and accepts their connections (a thread each, applying
 //! their frames to its own mappings). A connection opens with a hello naming the rank, the
-//! group and the group token; one that names anything else is closed, and accepting goes on
-//! until every expected rank is in or the startup deadline passes, whose error names the
-//! missing ranks and their nodes.
+//! group and the group token (a control-channel frame, `group::wire`); one that names anything
+//! else is closed, and accepting goes on until every expected rank is in or the startup deadline
+//! passes, whose error names the missing ranks and their nodes.
 
-use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,10 +14,9 @@ use serde::{Deserialize, Serialize};
 
 use super::mirror::{apply, Link, Targets};
 use super::Roster;
+use crate::group::wire::{recv, send};
 use crate::lifecycle::Abort;
 
-/// Longest hello a data connection may send.
-const MAX_HELLO: u32 = 4096;
 /// How long an accepted connection has to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -65,24 +63,12 @@ pub struct Mesh<'a> {
     pub abort: Arc<Abort>,
 }
 
-fn send_hello(s: &mut TcpStream, h: &Hello) -> std::io::Result<()> {
-    let body = serde_json::to_vec(h)?;
-    s.write_all(&(body.len() as u32).to_le_bytes())?;
-    s.write_all(&body)
-}
-
+/// The hello an accepted connection must send first, read within `HELLO_TIMEOUT`.
 fn read_hello(s: &mut TcpStream) -> anyhow::Result<Hello> {
     s.set_read_timeout(Some(HELLO_TIMEOUT))?;
-    let mut len = [0u8; 4];
-    s.read_exact(&mut len)?;
-    let len = u32::from_le_bytes(len);
-    if len > MAX_HELLO {
-        bail!("a hello of {len} bytes");
-    }
-    let mut body = vec![0u8; len as usize];
-    s.read_exact(&mut body)?;
+    let hello = recv(s)?;
     s.set_read_timeout(None)?;
-    Ok(serde_json::from_slice(&body)?)
+    Ok(hello)
 }
 
 impl Mesh<'_> {
@@ -128,7 +114,7 @@ impl Mesh<'_> {
                 .iter()
                 .find_map(|a| TcpStream::connect_timeout(a, Duration::from_millis(500)).ok())
             {
-                send_hello(
+                send(
                     &mut s,
                     &Hello {
                         rank: self.rank,

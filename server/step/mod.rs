@@ -61,6 +61,12 @@ impl StepDesc {
         }
     }
 
+    /// Router ingress: the router packed every rank's rows into the slot (and answers from the
+    /// outputs there), so across nodes the rows travel with the ring's flags.
+    pub fn router_packed(&self) -> bool {
+        self.homes.is_empty()
+    }
+
     /// `rank`'s rows of the slot; `stride` is the most home rows a rank has (the ring's).
     pub fn home(&self, world: usize, rank: usize, stride: usize) -> Range<usize> {
         match self.homes.get(rank) {

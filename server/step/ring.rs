@@ -122,7 +122,7 @@ impl Output {
             rows,
             dtype: desc.output,
             seq: desc.step,
-            to_router: desc.homes.is_empty(),
+            to_router: desc.router_packed(),
         }
     }
 }
@@ -198,7 +198,12 @@ impl Ring {
         };
         let (world, stride) = (self.shape.world, self.shape.home_stride());
         for (link, ranks) in nodes {
-            for &r in ranks.iter().filter(|_| desc.homes.is_empty()) {
+            let shipped = if desc.router_packed() {
+                &ranks[..]
+            } else {
+                &[]
+            };
+            for &r in shipped {
                 let rows = desc.home(world, r, stride);
                 if rows.is_empty() {
                     continue;

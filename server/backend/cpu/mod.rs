@@ -2,8 +2,9 @@
 //! sized for the worst step, which peers map and write into one-sidedly. Each phase writes, then
 //! raises a per-source flag with the step's sequence number; readers wait for the flags of every
 //! source, so no step can read another's data. A peer on another node gets the same writes and
-//! raises over its data connection (`nodes::mirror`), applied there to its own segment. f32 math; GEMMs through ndarray (matrixmultiply),
-//! the experts' blocks spread over the rank's lanes (`math`).
+//! raises over its data connection (`nodes::mirror`), applied there to its own segment. f32
+//! math; GEMMs through ndarray (matrixmultiply), the experts' blocks spread over the rank's lanes
+//! (`math`).
 
 mod math;
 pub mod phases;
