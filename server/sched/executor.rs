@@ -209,16 +209,29 @@ impl<B: Backend> Executor<B> {
             let (_, times) = self.driver.complete().expect("a step in flight")?;
             f.own = Some(times);
         }
-        let output = |rank, e: WaitError| ExecutorError::Output {
-            step: f.seq,
-            rank,
-            reason: e.to_string(),
+        // Every rank still missing, not only the first: a healthy rank waiting on a lost one
+        // misses the deadline too, and may come first.
+        let output = |rank, e: WaitError| {
+            let missing: Vec<String> = self
+                .ring
+                .missing_outputs(f.slot, f.seq)
+                .map(|r| r.to_string())
+                .collect();
+            let reason = match missing.len() {
+                0 | 1 => e.to_string(),
+                _ => format!("{e} (ranks {} had not finished)", missing.join(", ")),
+            };
+            ExecutorError::Output {
+                step: f.seq,
+                rank,
+                reason,
+            }
         };
         if wait {
             self.ring
                 .wait_outputs(f.slot, f.seq, f.deadline, &self.abort)
                 .map_err(|(rank, e)| output(rank, e))?;
-        } else if let Some(rank) = self.ring.missing_output(f.slot, f.seq) {
+        } else if let Some(rank) = self.ring.missing_outputs(f.slot, f.seq).next() {
             return match self.abort.reason() {
                 Some(r) => Err(output(rank, WaitError::Aborted(r))),
                 None => Ok(None),

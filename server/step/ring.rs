@@ -349,9 +349,9 @@ impl Ring {
         }
         Ok(())
     }
-    /// Router, without waiting: the first rank whose output of step `seq` is not yet in place.
-    pub fn missing_output(&self, slot: usize, seq: u64) -> Option<usize> {
-        (0..self.shape.world).find(|&rank| {
+    /// Router, without waiting: the ranks whose output of step `seq` is not yet in place.
+    pub fn missing_outputs(&self, slot: usize, seq: u64) -> impl Iterator<Item = usize> + '_ {
+        (0..self.shape.world).filter(move |&rank| {
             self.shm
                 .flag(self.shape.out_flag(slot, rank))
                 .load(std::sync::atomic::Ordering::Acquire)
