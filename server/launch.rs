@@ -308,8 +308,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
         }
         // The node directories, once empty (each rank's private directory first).
         for dir in &node_dirs {
-            let uid = nix::unistd::getuid();
-            let _ = std::fs::remove_dir(dir.join(format!("epserve-{uid}")));
+            let _ = std::fs::remove_dir(crate::shm::private_path(dir));
             let _ = std::fs::remove_dir(dir);
         }
         match failed {

@@ -158,12 +158,17 @@ impl Drop for Shm {
     }
 }
 
+/// This user's directory under `shm_dir` (what `private_dir` makes and checks).
+pub fn private_path(shm_dir: &Path) -> PathBuf {
+    shm_dir.join(format!("epserve-{}", nix::unistd::getuid().as_raw()))
+}
+
 /// This user's directory for segments under `shm_dir`: created 0700, and refused if it exists
 /// with another owner or wider permissions (another user could then read or plant segments).
 pub fn private_dir(shm_dir: &Path) -> std::io::Result<PathBuf> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
     let uid = nix::unistd::getuid().as_raw();
-    let dir = shm_dir.join(format!("epserve-{uid}"));
+    let dir = private_path(shm_dir);
     match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}

@@ -50,15 +50,11 @@ impl Roster {
     }
     /// The nodes other than rank 0's, each as its leader and its ranks.
     pub fn other_nodes(&self) -> Vec<(usize, Vec<usize>)> {
-        let mut out: Vec<(usize, Vec<usize>)> = Vec::new();
-        for r in self.away_from(0) {
-            let leader = self.leader(r);
-            match out.iter_mut().find(|(l, _)| *l == leader) {
-                Some((_, ranks)) => ranks.push(r),
-                None => out.push((leader, vec![r])),
-            }
-        }
-        out
+        // In rank order, so each node's first rank is its leader.
+        by_node(self.away_from(0).map(|r| (r, self.node(r))))
+            .into_iter()
+            .map(|(_, ranks)| (ranks[0], ranks))
+            .collect()
     }
     /// Node ids in order of first rank, with their ranks (`GetModelInfo`, logs).
     pub fn nodes(&self) -> Vec<(String, Vec<usize>)> {

@@ -198,11 +198,8 @@ impl Ring {
         };
         let (world, stride) = (self.shape.world, self.shape.home_stride());
         for (link, ranks) in nodes {
-            let shipped = if desc.router_packed() {
-                &ranks[..]
-            } else {
-                &[]
-            };
+            // Under --ingress all a rank's rows never leave its node: only the flag goes.
+            let shipped: &[usize] = if desc.router_packed() { ranks } else { &[] };
             for &r in shipped {
                 let rows = desc.home(world, r, stride);
                 if rows.is_empty() {
