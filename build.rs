@@ -79,6 +79,12 @@ struct HopperTile {
     math_threads: u32,
     /// TMA multicast of the weight tile over a cluster of this many CTAs (1: none).
     multicast: u32,
+    /// Most experts a launch takes (`kNumGroups`): the scheduler walks them all at each CTA's
+    /// end, so fewer is faster where a rank holds fewer.
+    groups: u32,
+    /// N and K fixed at compile time, as DeepGEMM's JIT builds every instance; 0: given at
+    /// launch.
+    shape: [u32; 2],
 }
 
 /// Most local experts per launch (`kNumGroups`) and persistent CTAs (`kNumSMs`, one per
@@ -95,6 +101,8 @@ const HOPPER_TILES: [HopperTile; 2] = [
         stages: 3,
         math_threads: 256,
         multicast: 1,
+        groups: HOPPER_GROUPS,
+        shape: [0, 0],
     },
     // Masked, for experts of many rows (a 64-row tile reads each weight tile once per 64 rows);
     // decode's experts of a few rows run on kernels/decode_gemm.cuh.
@@ -106,16 +114,19 @@ const HOPPER_TILES: [HopperTile; 2] = [
         stages: 4,
         math_threads: 128,
         multicast: 1,
+        groups: HOPPER_GROUPS,
+        shape: [0, 0],
     },
 ];
 
 impl HopperTile {
-    /// The Itanium-mangled name of `deep_gemm::sm90_bf16_gemm_impl<K, K, 0, 0, 0, groups, M, N,
-    /// 64, 128, 128, 128, stages, 128, math, multicast, false, ctas, type, false, cutlass::bfloat16_t>`.
+    /// The Itanium-mangled name of `deep_gemm::sm90_bf16_gemm_impl<K, K, 0, N, K, groups, M, N,
+    /// 64, 128, 128, 128, stages, 128, math, multicast, false, ctas, type, false, cutlass::bfloat16_t>`
+    /// (the first N and K: `shape`).
     fn symbol(&self) -> String {
         format!(
-            "_ZN9deep_gemm19sm90_bf16_gemm_implILN4cute4UMMA5MajorE0ELS3_0ELj0ELj0ELj0ELj{HOPPER_GROUPS}ELj{}ELj{}ELj64ELj128ELj128ELj128ELj{}ELj128ELj{}ELj{}ELb0ELj{HOPPER_CTAS}ELNS_8GemmTypeE{}ELb0EN7cutlass10bfloat16_tEEEvPijjj14CUtensorMap_stS8_S8_",
-            self.block_m, self.block_n, self.stages, self.math_threads, self.multicast, self.gemm_type
+            "_ZN9deep_gemm19sm90_bf16_gemm_implILN4cute4UMMA5MajorE0ELS3_0ELj0ELj{}ELj{}ELj{}ELj{}ELj{}ELj64ELj128ELj128ELj128ELj{}ELj128ELj{}ELj{}ELb0ELj{HOPPER_CTAS}ELNS_8GemmTypeE{}ELb0EN7cutlass10bfloat16_tEEEvPijjj14CUtensorMap_stS8_S8_",
+            self.shape[0], self.shape[1], self.groups, self.block_m, self.block_n, self.stages, self.math_threads, self.multicast, self.gemm_type
         )
     }
 }
@@ -124,20 +135,17 @@ impl HopperTile {
 /// `HOPPER_TILES` are for bf16: psum for the contiguous layout (its row tile must be the bf16
 /// psum tile's, the exchange's block alignment), masked for the strided one. psum's N tile: 192
 /// (4 stages) ran prefill-rank's experts 4.5% faster than 128 (5 stages) on one H200, decode
-/// 0.7% slower (docs/benchmarks.md, "FP8 experts"); 256 spills (2.3 kB), and the D store's
-/// 64-column boxes rule out 160 and 224. psum's weight tiles multicast over CTA pairs: both
+/// 0.7% slower (docs/benchmarks.md, "FP8 experts"); 256 spills (2 kB; 3.4x slower), and the D
+/// store's 64-column boxes rule out 160 and 224 (160 under a 64-byte D swizzle did not finish in
+/// the probe). psum's weight tiles multicast over CTA pairs: both
 /// GEMMs of prefill-rank 7% faster on one H200, with A multicast instead no better than none
-/// (scripts/probes/prefill_fp8.cu; docs/benchmarks.md, "FP8 on the wire").
-const HOPPER_FP8_TILES: [HopperTile; 2] = [
-    HopperTile {
-        name: "PSUM",
-        gemm_type: 5,
-        block_m: 128,
-        block_n: 192,
-        stages: 4,
-        math_threads: 256,
-        multicast: 2,
-    },
+/// (scripts/probes/prefill_fp8.cu; docs/benchmarks.md, "FP8 on the wire"). DeepSeek-V3's
+/// expert shapes (its family's: gate/up 4096 x 7168, down 7168 x 2048) have psum instances of
+/// their own, N and K fixed and at most 64 experts (a rank of EP4 or wider): prefill-rank's
+/// ragged GEMMs 5.5% faster alone, its experts phase 2-3%, on one H100 (docs/benchmarks.md,
+/// "Fixed-shape instances").
+const HOPPER_FP8_TILES: [HopperTile; 4] = [
+    HOPPER_FP8_PSUM,
     HopperTile {
         name: "MASKED",
         gemm_type: 2,
@@ -146,17 +154,44 @@ const HOPPER_FP8_TILES: [HopperTile; 2] = [
         stages: 8,
         math_threads: 128,
         multicast: 1,
+        groups: HOPPER_GROUPS,
+        shape: [0, 0],
+    },
+    HopperTile {
+        name: "V3_GATE_UP",
+        shape: [4096, 7168],
+        groups: 64,
+        ..HOPPER_FP8_PSUM
+    },
+    HopperTile {
+        name: "V3_DOWN",
+        shape: [7168, 2048],
+        groups: 64,
+        ..HOPPER_FP8_PSUM
     },
 ];
 
+/// The general FP8 psum tile, which the fixed-shape ones repeat.
+const HOPPER_FP8_PSUM: HopperTile = HopperTile {
+    name: "PSUM",
+    gemm_type: 5,
+    block_m: 128,
+    block_n: 192,
+    stages: 4,
+    math_threads: 256,
+    multicast: 2,
+    groups: HOPPER_GROUPS,
+    shape: [0, 0],
+};
+
 impl HopperTile {
-    /// The Itanium-mangled name of `deep_gemm::sm90_fp8_gemm_1d2d_impl<K, 0, 0, 0, groups, M, N,
+    /// The Itanium-mangled name of `deep_gemm::sm90_fp8_gemm_1d2d_impl<K, 0, N, K, groups, M, N,
     /// 128, 128, 128, 128, stages, 128, math, multicast, false, ctas, type, cutlass::bfloat16_t,
-    /// 128>`.
+    /// 128>` (the first N and K: `shape`).
     fn fp8_symbol(&self) -> String {
         format!(
-            "_ZN9deep_gemm23sm90_fp8_gemm_1d2d_implILN4cute4UMMA5MajorE0ELj0ELj0ELj0ELj{HOPPER_GROUPS}ELj{}ELj{}ELj128ELj128ELj128ELj128ELj{}ELj128ELj{}ELj{}ELb0ELj{HOPPER_CTAS}ELNS_8GemmTypeE{}EN7cutlass10bfloat16_tELj128EEEvPfPijjj14CUtensorMap_stS9_S9_S9_",
-            self.block_m, self.block_n, self.stages, self.math_threads, self.multicast, self.gemm_type
+            "_ZN9deep_gemm23sm90_fp8_gemm_1d2d_implILN4cute4UMMA5MajorE0ELj0ELj{}ELj{}ELj{}ELj{}ELj{}ELj128ELj128ELj128ELj128ELj{}ELj128ELj{}ELj{}ELb0ELj{HOPPER_CTAS}ELNS_8GemmTypeE{}EN7cutlass10bfloat16_tELj128EEEvPfPijjj14CUtensorMap_stS9_S9_S9_",
+            self.shape[0], self.shape[1], self.groups, self.block_m, self.block_n, self.stages, self.math_threads, self.multicast, self.gemm_type
         )
     }
 }
@@ -228,31 +263,31 @@ fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
         )
         .into());
     }
-    let table = |groups: &str, ctas: &str, instance: &str, tiles: &[HopperTile]| -> String {
-        std::iter::once(format!(
-            "#define {groups} {HOPPER_GROUPS}\n#define {ctas} {HOPPER_CTAS}\n"
-        ))
-        .chain(tiles.iter().map(|t| {
-            format!(
-                "{instance}({}, {}, {}, {}, {}, {})\n",
-                t.gemm_type, t.block_m, t.block_n, t.stages, t.math_threads, t.multicast
-            )
-        }))
-        .collect()
+    let table = |ctas: &str, instance: &str, tiles: &[HopperTile]| -> String {
+        std::iter::once(format!("#define {ctas} {HOPPER_CTAS}\n"))
+            .chain(tiles.iter().map(|t| {
+                format!(
+                    "{instance}({}, {}, {}, {}, {}, {}, {}, {}, {})\n",
+                    t.gemm_type,
+                    t.block_m,
+                    t.block_n,
+                    t.stages,
+                    t.math_threads,
+                    t.multicast,
+                    t.groups,
+                    t.shape[0],
+                    t.shape[1]
+                )
+            }))
+            .collect()
     };
     std::fs::write(
         out.join("hopper_instances.inc"),
-        table(
-            "EPSERVE_GROUPS",
-            "EPSERVE_CTAS",
-            "EPSERVE_INSTANCE",
-            &HOPPER_TILES,
-        ),
+        table("EPSERVE_CTAS", "EPSERVE_INSTANCE", &HOPPER_TILES),
     )?;
     std::fs::write(
         out.join("hopper_fp8_instances.inc"),
         table(
-            "EPSERVE_FP8_GROUPS",
             "EPSERVE_FP8_CTAS",
             "EPSERVE_FP8_INSTANCE",
             &HOPPER_FP8_TILES,
@@ -289,8 +324,8 @@ fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
                 return Err(format!("{source} did not produce {sym}: the DeepGEMM headers or nvcc mangle it differently; update HopperTile's symbols").into());
             }
             consts.push_str(&format!(
-                "pub const {}: Tile = Tile {{ symbol: \"{sym}\", block_m: {}, block_n: {}, stages: {}, math_threads: {}, multicast: {} }};\n",
-                t.name, t.block_m, t.block_n, t.stages, t.math_threads, t.multicast
+                "pub const {}: Tile = Tile {{ symbol: \"{sym}\", block_m: {}, block_n: {}, stages: {}, math_threads: {}, multicast: {}, groups: {}, shape: [{}, {}] }};\n",
+                t.name, t.block_m, t.block_n, t.stages, t.math_threads, t.multicast, t.groups, t.shape[0], t.shape[1]
             ));
         }
         Ok(consts)

@@ -1,12 +1,13 @@
 //! FP8 experts' kernels against the CPU's recipe (`epserve::model::fp8`) on random data: the
 //! activation quantisation bit for bit, SwiGLU's quantisation within the rounding of its inputs,
 //! and DeepGEMM's FP8 grouped GEMM (and decode's own) against f64 over the same quantised
-//! operands, per expert, in both layouts, with empty, ragged and hot experts. They need a GPU: run them with `--ignored`
+//! operands, per expert, in both layouts, with empty, ragged and hot experts, and the psum
+//! instances compiled for DeepSeek-V3's shapes. They need a GPU: run them with `--ignored`
 //! on a GPU machine (scripts/gpu-check.sh).
 #![cfg(feature = "cuda")]
 
 use epserve::backend::cuda::decode_gemm::Spans;
-use epserve::backend::cuda::fp8::{Fp8Rows, Fp8Weights, Live};
+use epserve::backend::cuda::fp8::{Fp8, Fp8Rows, Fp8Weights, Live};
 use epserve::backend::cuda::hopper::{self, Layout};
 use epserve::backend::cuda::shape::Slots;
 use epserve::backend::cuda::slots::Pack;
@@ -305,10 +306,11 @@ fn weights(r: &mut ChaCha8Rng, groups: usize, n: usize, k: usize) -> (Vec<u8>, V
 /// Worst error of expert `e`'s output rows `rows` against f64 over the quantised operands the
 /// GPU used (its codes and scales, read back), per row: max |got - want| over the row's largest
 /// |want| (bf16 outputs and f32 accumulation err with the row's scale, not each element's).
+/// Rows are spread over the machine's cores: DeepSeek-V3's shapes are billions of products.
 #[allow(clippy::too_many_arguments)]
 fn expert_error(
     xq: &[u8],
-    sfa: impl Fn(usize, usize) -> f32,
+    sfa: impl Fn(usize, usize) -> f32 + Sync,
     (wq, wsf): (&[u8], &[f32]),
     y: &[bf16],
     e: usize,
@@ -316,15 +318,19 @@ fn expert_error(
     n: usize,
     k: usize,
 ) -> f64 {
-    let dq = |b: u8| f64::from(fp8::decode(b));
-    let mut worst = 0f64;
-    for row in rows {
+    let dq: Vec<f64> = (0..=255u8).map(|b| f64::from(fp8::decode(b))).collect();
+    let row_error = |row: usize| {
+        let x: Vec<f64> = xq[row * k..(row + 1) * k]
+            .iter()
+            .map(|&b| dq[b as usize])
+            .collect();
         let (mut diff, mut top) = (0f64, 0f64);
         for c in 0..n {
+            let w = &wq[(e * n + c) * k..(e * n + c + 1) * k];
             let mut want = 0f64;
             for kb in 0..k / B {
                 let part: f64 = (kb * B..(kb + 1) * B)
-                    .map(|q| dq(xq[row * k + q]) * dq(wq[(e * n + c) * k + q]))
+                    .map(|q| x[q] * dq[w[q] as usize])
                     .sum();
                 let sw = wsf[(e * (n / B) + c / B) * (k / B) + kb];
                 want += part * f64::from(sfa(row, kb)) * f64::from(sw);
@@ -332,9 +338,20 @@ fn expert_error(
             diff = diff.max((y[row * n + c].to_f64() - want).abs());
             top = top.max(want.abs());
         }
-        worst = worst.max(diff / top.max(1e-30));
-    }
-    worst
+        diff / top.max(1e-30)
+    };
+    let threads = std::thread::available_parallelism().map_or(4, |t| t.get());
+    let (rows, row_error): (Vec<usize>, _) = (rows.collect(), &row_error);
+    std::thread::scope(|sc| {
+        let workers: Vec<_> = rows
+            .chunks(rows.len().div_ceil(threads).max(1))
+            .map(|part| sc.spawn(move || part.iter().map(|&r| row_error(r)).fold(0f64, f64::max)))
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().unwrap())
+            .fold(0f64, f64::max)
+    })
 }
 
 fn upload_weights(g: &Gpu, q: &[u8], sf: &[f32], groups: usize, n: usize, k: usize) -> Fp8Weights {
@@ -352,7 +369,20 @@ fn upload_weights(g: &Gpu, q: &[u8], sf: &[f32], groups: usize, n: usize, k: usi
 fn fp8_psum_gemm_matches_f64_per_expert() {
     // An empty expert, counts off the 128-row tile, a hot expert; N = 384 is three column
     // tiles, K = 640 five 128-deep stages.
-    blocks_case(3, 384, &[5, 0, 700, 128, 1, 77], false);
+    blocks_case(3, (384, 5 * B), &[5, 0, 700, 128, 1, 77], false);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn fp8_psum_gemm_of_deepseek_v3_shapes_matches_f64_per_expert() {
+    // The instances compiled for DeepSeek-V3's shapes (N and K fixed, at most 64 experts), each
+    // checked to be the one that runs: gate/up, then down; an empty expert, one past a tile.
+    for (n, k, tile) in [(4096, 7168, "V3_GATE_UP"), (7168, 2048, "V3_DOWN")] {
+        assert_eq!(Fp8::psum_tile(4, n, k), tile);
+        blocks_case(11, (n, k), &[3, 0, 130, 1], false);
+    }
+    assert_eq!(Fp8::psum_tile(65, 4096, 7168), "PSUM");
+    assert_eq!(Fp8::psum_tile(4, 4096, 2048), "PSUM");
 }
 
 #[test]
@@ -360,16 +390,15 @@ fn fp8_psum_gemm_matches_f64_per_expert() {
 fn fp8_decode_gemm_over_blocks_matches_f64_per_expert() {
     // Decode's own GEMM over the same blocks (NCCL's layout): a hot expert of 700 rows is 22
     // passes over its weights; no row between an expert's count and the next block is written.
-    blocks_case(6, 512, &[5, 0, 700, 128, 1, 33, 77], true);
+    blocks_case(6, (512, 5 * B), &[5, 0, 700, 128, 1, 33, 77], true);
 }
 
-/// Experts of `counts` rows in contiguous 128-aligned blocks (the psum layout), K = 5 x 128,
-/// through DeepGEMM's psum GEMM or decode's (`decode`).
-fn blocks_case(seed: u64, n: usize, counts: &[usize], decode: bool) {
+/// Experts of `counts` rows in contiguous 128-aligned blocks (the psum layout) of `n x k`
+/// weights, through DeepGEMM's psum GEMM or decode's (`decode`).
+fn blocks_case(seed: u64, (n, k): (usize, usize), counts: &[usize], decode: bool) {
     let g = gpu();
     let s = &g.stream;
     let mut r = ChaCha8Rng::seed_from_u64(seed);
-    let k = 5 * B;
     let e = counts.len();
     let mut offsets = vec![0i32];
     for c in counts {

@@ -2,8 +2,11 @@
 // on an EP4 rank's prefill shapes of deepseek-v3 (64 experts, gate/up 4096 x 7168 and down
 // 7168 x 2048, 512 rows per expert, and the ragged counts of 4096 routed tokens), one instance per
 // build: -DBN (N tile), -DST (stages), -DMC (TMA multicast 1 or 2, a cluster of MC CTAs),
-// -DMCA (multicast on A, else on B). With -DQUANT it times the step's quantisation kernels
-// (kernels/fp8.cu, or -DFP8_KERNELS=\"path\") on the same rows instead. Timing only (random codes).
+// -DMCA (multicast on A, else on B), -DPF_SPEC (1: N and K compile-time constants, one instance
+// per GEMM, as DeepGEMM's JIT builds them), -DPF_SWD (the D store's swizzle, 128 or 64 bytes: 64
+// lets the N tile be 160), -DPF_GR (kNumGroups, the most experts a launch takes). With -DQUANT it
+// times the step's quantisation kernels (kernels/fp8.cu, or -DFP8_KERNELS=\"path\") on the same
+// rows instead. Timing only (random codes).
 #include "common.cuh"
 #include <random>
 #ifdef QUANT
@@ -16,7 +19,16 @@
 using namespace deep_gemm;
 using cute::UMMA::Major;
 #endif
-const int L = 64, ROWS = 512, H = 7168, I = 2048, GROUPS = 256, CTAS = 132;
+#ifndef PF_SPEC
+#define PF_SPEC 0
+#endif
+#ifndef PF_SWD
+#define PF_SWD 128
+#endif
+#ifndef PF_GR
+#define PF_GR 256
+#endif
+const int L = 64, ROWS = 512, H = 7168, I = 2048, GROUPS = PF_GR, CTAS = 132;
 
 __global__ void fill_bytes(uint8_t* p, size_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -99,18 +111,26 @@ int main() {
            rows * (double)I * 5 / ts / 1e6);
 #else
     constexpr bool uniform = 128 % BN == 0;
-    auto f = &sm90_fp8_gemm_1d2d_impl<Major::K, 0, 0, 0, GROUPS, 128, BN, 128, 128, 128, 128, ST, 128, 256, MC, (bool)MCA, CTAS,
+    // N and K given at compile time (PF_SPEC) or at launch (0).
+    auto inst = [](auto n, auto k) {
+      return &sm90_fp8_gemm_1d2d_impl<Major::K, 0, PF_SPEC ? decltype(n)::value : 0, PF_SPEC ? decltype(k)::value : 0, GROUPS,
+                                      128, BN, 128, 128, 128, PF_SWD, ST, 128, 256, MC, (bool)MCA, CTAS,
                                       GemmType::MGroupedContiguousWithPsumLayout, cutlass::bfloat16_t, 128>;
+    };
+    auto f_up = inst(std::integral_constant<uint32_t, 2 * I>{}, std::integral_constant<uint32_t, H>{});
+    auto f_down = inst(std::integral_constant<uint32_t, H>{}, std::integral_constant<uint32_t, I>{});
     auto smem = [&](int k) {
       int d = (128 * BN * 2 + 1023) / 1024 * 1024, stage = (128 + BN) * 128, sfa = (128 * 4 + 127) / 128 * 128;
       int sfb = ((k / 128) * (uniform ? 1 : 2) * 4 + 7) / 8 * 8;
       return d + ST * (stage + sfa) + sfb + ST * 16;
     };
-    CK(cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, smem(H)));
-    auto launch = [&](int n, int k, uint8_t* a, float* sfa, uint8_t* b, float* sfb, __nv_bfloat16* d) {
+    CK(cudaFuncSetAttribute(f_up, cudaFuncAttributeMaxDynamicSharedMemorySize, smem(H)));
+    CK(cudaFuncSetAttribute(f_down, cudaFuncAttributeMaxDynamicSharedMemorySize, smem(H)));
+    auto launch = [&](auto f, int n, int k, uint8_t* a, float* sfa, uint8_t* b, float* sfb, __nv_bfloat16* d) {
       auto ma = map_rows(a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, rows, 128, 128, CU_TENSOR_MAP_SWIZZLE_128B);
       auto mb = map_rows(b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, (uint64_t)L * n, 128, BN, CU_TENSOR_MAP_SWIZZLE_128B);
-      auto md = map_rows(d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, n, rows, 64, 128, CU_TENSOR_MAP_SWIZZLE_128B);
+      auto md = map_rows(d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, n, rows, PF_SWD / 2, 128,
+                         PF_SWD == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
       auto ms = map_rows(sfa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, cap, k / 128, 128, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
       cudaLaunchConfig_t cfg = {};
       cfg.gridDim = CTAS;
@@ -124,11 +144,11 @@ int main() {
       cfg.numAttrs = 1;
       CK(cudaLaunchKernelEx(&cfg, f, sfb, ends, 0u, (uint32_t)n, (uint32_t)k, ma, mb, md, ms));
     };
-    float t1 = median_us([&] { launch(2 * I, H, xq, xsf, wgu, sgu, gu); }, 50, st);
-    float t2 = median_us([&] { launch(H, I, aq, asf, wdn, sdn, y); }, 50, st);
+    float t1 = median_us([&] { launch(f_up, 2 * I, H, xq, xsf, wgu, sgu, gu); }, 50, st);
+    float t2 = median_us([&] { launch(f_down, H, I, aq, asf, wdn, sdn, y); }, 50, st);
     CK(cudaDeviceSynchronize());
-    printf("BN %d ST %d MC %d%s %s counts %d..%d (%d rows): gate/up %.1f us (%.0f TF/s) down %.1f us (%.0f TF/s) both %.1f us (%.0f TF/s)\n",
-           BN, ST, MC, MC > 1 ? (MCA ? " on A" : " on B") : "", ragged ? "ragged" : "even", mn, mx, tok, t1,
+    printf("BN %d ST %d MC %d%s SPEC %d SWD %d GR %d %s counts %d..%d (%d rows): gate/up %.1f us (%.0f TF/s) down %.1f us (%.0f TF/s) both %.1f us (%.0f TF/s)\n",
+           BN, ST, MC, MC > 1 ? (MCA ? " on A" : " on B") : "", PF_SPEC, PF_SWD, PF_GR, ragged ? "ragged" : "even", mn, mx, tok, t1,
            2.0 * tok * 2 * I * H / t1 / 1e6, t2, 2.0 * tok * H * I / t2 / 1e6, t1 + t2, flop / (t1 + t2) / 1e6);
 #endif
   }

@@ -20,9 +20,16 @@ use crate::model::fp8::BLOCK;
 
 mod tiles {
     use super::Tile;
-    // GROUPS, CTAS, then PSUM and MASKED: build.rs's HOPPER_FP8_TILES.
+    // GROUPS, CTAS, then PSUM, MASKED, V3_GATE_UP and V3_DOWN: build.rs's HOPPER_FP8_TILES.
     include!(concat!(env!("OUT_DIR"), "/hopper_fp8_tiles.rs"));
 }
+
+/// Psum instances of fixed shapes, DeepSeek-V3's gate/up and down (N and K compiled in, at most
+/// 64 experts: build.rs's HOPPER_FP8_TILES), each taken before the general one where it fits.
+const FIXED: [(&str, Tile); 2] = [
+    ("V3_GATE_UP", tiles::V3_GATE_UP),
+    ("V3_DOWN", tiles::V3_DOWN),
+];
 
 static QUANTIZE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fp8_kernels.fatbin"));
 static GEMM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/hopper_fp8_kernels.fatbin"));
@@ -108,6 +115,8 @@ pub struct Fp8 {
     swiglu_quantize: CudaFunction,
     fill: CudaFunction,
     psum: Instance,
+    /// `FIXED`'s, in its order.
+    fixed: Vec<Instance>,
     masked: Instance,
 }
 
@@ -136,14 +145,37 @@ impl Fp8 {
         let q = ctx.load_module(Ptx::from_binary(QUANTIZE.to_vec()))?;
         let m = ctx.load_module(Ptx::from_binary(GEMM.to_vec()))?;
         // The contiguous layout aligns each expert's block to the bf16 psum tile.
-        assert_eq!(tiles::PSUM.block_m as usize, ALIGN, "FP8 psum tile");
+        for t in FIXED.iter().map(|(_, t)| t).chain([&tiles::PSUM]) {
+            assert_eq!(t.block_m as usize, ALIGN, "FP8 psum tile");
+        }
         Ok(Self {
             quantize_rows: q.load_function("fp8_quantize_rows")?,
             swiglu_quantize: q.load_function("fp8_swiglu_quantize")?,
             fill: q.load_function("fp8_fill_random")?,
             psum: Instance::load(&m, tiles::PSUM, fp8_smem(&tiles::PSUM))?,
+            fixed: FIXED
+                .iter()
+                .map(|(_, t)| Instance::load(&m, *t, fp8_smem(t)))
+                .collect::<Result<_, _>>()?,
             masked: Instance::load(&m, tiles::MASKED, fp8_smem(&tiles::MASKED))?,
         })
+    }
+
+    /// Which psum instance runs `groups` experts of `n x k` weights: a fixed-shape one's name
+    /// where one takes them, else "PSUM".
+    pub fn psum_tile(groups: usize, n: usize, k: usize) -> &'static str {
+        FIXED
+            .iter()
+            .find(|(_, t)| t.takes(groups, n, k))
+            .map_or("PSUM", |(name, _)| name)
+    }
+
+    fn psum_instance(&self, groups: usize, n: usize, k: usize) -> &Instance {
+        FIXED
+            .iter()
+            .zip(&self.fixed)
+            .find(|((_, t), _)| t.takes(groups, n, k))
+            .map_or(&self.psum, |(_, i)| i)
     }
 
     /// Whether the FP8 GEMM takes this shape and layout.
@@ -264,7 +296,7 @@ impl Fp8 {
             "FP8 GEMM operands smaller than their shapes"
         );
         let (inst, shape_m, sf_dims) = match layout {
-            Layout::Psum => (&self.psum, 0, [x.ld(), k / BLOCK]),
+            Layout::Psum => (self.psum_instance(groups, n, k), 0, [x.ld(), k / BLOCK]),
             Layout::Masked { stride, .. } => {
                 assert!(stride * groups <= rows, "masked rows past the buffer");
                 (&self.masked, stride as u32, [stride, groups * (k / BLOCK)])

@@ -14,6 +14,7 @@ use cudarc::nvrtc::Ptx;
 use half::bf16;
 
 /// One compiled instance: its symbol and the tile it was compiled for.
+#[derive(Clone, Copy)]
 pub(super) struct Tile {
     pub(super) symbol: &'static str,
     pub(super) block_m: u32,
@@ -22,6 +23,18 @@ pub(super) struct Tile {
     pub(super) math_threads: u32,
     /// CTAs a cluster (the weight tile's TMA multicast); 1: no clusters.
     pub(super) multicast: u32,
+    /// Most experts a launch takes (`kNumGroups`).
+    pub(super) groups: u32,
+    /// N and K fixed at compile time; 0: given at launch.
+    pub(super) shape: [u32; 2],
+}
+
+impl Tile {
+    /// Whether a launch of `groups` experts of `n x k` weights may run this instance.
+    pub(super) fn takes(&self, groups: usize, n: usize, k: usize) -> bool {
+        let fixed = |want: u32, got: usize| want == 0 || want as usize == got;
+        groups <= self.groups as usize && fixed(self.shape[0], n) && fixed(self.shape[1], k)
+    }
 }
 
 mod tiles {
