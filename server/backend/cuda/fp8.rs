@@ -161,21 +161,20 @@ impl Fp8 {
         })
     }
 
+    /// The fixed-shape instance (its place in `FIXED`) that takes `groups` experts of `n x k`
+    /// weights, if one does.
+    fn fixed_for(groups: usize, n: usize, k: usize) -> Option<usize> {
+        FIXED.iter().position(|(_, t)| t.takes(groups, n, k))
+    }
+
     /// Which psum instance runs `groups` experts of `n x k` weights: a fixed-shape one's name
     /// where one takes them, else "PSUM".
     pub fn psum_tile(groups: usize, n: usize, k: usize) -> &'static str {
-        FIXED
-            .iter()
-            .find(|(_, t)| t.takes(groups, n, k))
-            .map_or("PSUM", |(name, _)| name)
+        Self::fixed_for(groups, n, k).map_or("PSUM", |i| FIXED[i].0)
     }
 
     fn psum_instance(&self, groups: usize, n: usize, k: usize) -> &Instance {
-        FIXED
-            .iter()
-            .zip(&self.fixed)
-            .find(|((_, t), _)| t.takes(groups, n, k))
-            .map_or(&self.psum, |(_, i)| i)
+        Self::fixed_for(groups, n, k).map_or(&self.psum, |i| &self.fixed[i])
     }
 
     /// Whether the FP8 GEMM takes this shape and layout.
