@@ -6,9 +6,12 @@
 // the masked layout each expert's block on its own, sf[(e * G + g) * stride + j] for row
 // r = e * stride + j of G groups.
 //
-// Which rows are live: r < *n_rows (the contiguous layout's padded total), or, with `counts`,
-// r % stride < counts[r / stride] (the masked layout). Other rows are left as they are: the
-// GEMM's tiles may read them, and their outputs are never used.
+// Which rows are live (`Live`): with `counts` (the masked layout), r % stride < counts[r / stride];
+// with `ends` (the psum layout), r < ends[e] for the expert e whose block holds r, each block
+// starting at the end before it rounded up to `align`; else r < *n_rows. Other rows are left as
+// they are: the GEMM's tiles may read them, and their outputs are never used. The psum layout's
+// padding is a ninth of prefill-rank's rows and seven eighths of decode-rank's (decode-rank's FP8
+// experts phase 994.6 -> 974.5 us on 1x H100, docs/benchmarks.md).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <stdint.h>
@@ -21,18 +24,47 @@ using fp8_rule::group_scale;
 using fp8_rule::load8;
 using fp8_rule::store8;
 
+// Passed by value; server/backend/cuda/fp8.rs's `LiveRows` mirrors it field for field.
+struct Live {
+  const int* n_rows;
+  const int* ends;    // psum: `groups` ends, non-decreasing
+  const int* counts;  // masked: one count per `stride` rows
+  int groups, align, stride;
+};
+
 namespace {
 
 constexpr int kGroup = 128;
 constexpr int kWarps = 4;
 
-__device__ inline bool live(int r, const int* n_rows, const int* counts, int stride) {
-  if (counts) return r % stride < counts[r / stride];
-  return !n_rows || r < *n_rows;
+// The expert holding r is the number of experts whose blocks end (rounded up to `align`) at or
+// before r: one pass over the ends, a load a thread and a counting barrier, so a row pays one
+// load's latency, as with `n_rows` (a binary search's chain of loads cost prefill-rank's SwiGLU
+// more than its padding rows did). Every thread of the block must call it.
+constexpr int kMaxGroups = 256;  // server/backend/cuda/fp8.rs's LIVE_GROUPS
+__device__ inline bool psum_live(int r, const Live& l) {
+  __shared__ int ends[kMaxGroups];
+  int e = 0;
+  for (int g0 = 0; g0 < l.groups; g0 += blockDim.x) {
+    const int g = g0 + threadIdx.x;
+    bool before = false;
+    if (g < l.groups) {
+      ends[g] = l.ends[g];
+      before = (ends[g] + l.align - 1) / l.align * l.align <= r;
+    }
+    e += __syncthreads_count(before);
+  }
+  return e < l.groups && r < ends[e];
 }
 
-__device__ inline size_t scale_at(int r, int g, int G, const int* counts, int stride, int ld) {
-  if (counts) return ((size_t)(r / stride) * G + g) * stride + r % stride;
+__device__ inline bool live(int r, const Live& l) {
+  if (l.counts) return r % l.stride < l.counts[r / l.stride];
+  if (l.ends) return psum_live(r, l);
+  return !l.n_rows || r < *l.n_rows;
+}
+
+__device__ inline size_t scale_at(int r, int g, int G, const Live& l, int ld) {
+  if (l.counts) return ((size_t)(r / l.stride) * G + g) * l.stride + r % l.stride;
   return (size_t)g * ld + r;
 }
 
@@ -43,10 +75,9 @@ extern "C" {
 // q[r, :K] and sf of x[r, :K] (bf16) for every live row r < gridDim.x. A block's kWarps warps
 // take the row's groups two at a time, one a half-warp, eight channels a lane (16-byte loads);
 // both halves run every iteration, as the scale's shuffles take the whole warp.
-__global__ void fp8_quantize_rows(const bf16* x, const int* n_rows, const int* counts, int stride, int K,
-                                  int ld, uint8_t* q, float* sf) {
+__global__ void fp8_quantize_rows(const bf16* x, Live l, int K, int ld, uint8_t* q, float* sf) {
   const int r = blockIdx.x, G = K / kGroup, half = threadIdx.x / 16 % 2, lane = threadIdx.x % 16;
-  if (!live(r, n_rows, counts, stride)) return;
+  if (!live(r, l)) return;
   for (int g0 = threadIdx.x / 32 * 2; g0 < G; g0 += 2 * kWarps) {
     const int g = g0 + half;
     const size_t at = (size_t)r * K + g * kGroup + lane * 8;
@@ -55,7 +86,7 @@ __global__ void fp8_quantize_rows(const bf16* x, const int* n_rows, const int* c
     const float s = group_scale<16>(amax8(v));
     if (g >= G) continue;
     store8(q + at, v, s);
-    if (lane == 0) sf[scale_at(r, g, G, counts, stride, ld)] = s;
+    if (lane == 0) sf[scale_at(r, g, G, l, ld)] = s;
   }
 }
 
@@ -64,10 +95,10 @@ __global__ void fp8_quantize_rows(const bf16* x, const int* n_rows, const int* c
 // fp8_quantize_rows. silu by the fast intrinsics (a few ulp on bf16 inputs): expf and IEEE
 // division's instructions bounded the kernel (32768 x 2048 rows, 1x H100: 138 -> 118 us,
 // scripts/probes/swiglu_fp8.cu); the quantisation keeps fp8_rule's division, the rule exactly.
-__global__ void fp8_swiglu_quantize(const bf16* gu, const int* n_rows, const int* counts, int stride, int I,
-                                    const float* w, int ld, uint8_t* q, float* sf) {
+__global__ void fp8_swiglu_quantize(const bf16* gu, Live l, int I, const float* w, int ld, uint8_t* q,
+                                    float* sf) {
   const int r = blockIdx.x, G = I / kGroup, half = threadIdx.x / 16 % 2, lane = threadIdx.x % 16;
-  if (!live(r, n_rows, counts, stride)) return;
+  if (!live(r, l)) return;
   const bf16* row = gu + (size_t)r * 2 * I;
   const float scale = w ? w[r] : 1.f;
   for (int g0 = threadIdx.x / 32 * 2; g0 < G; g0 += 2 * kWarps) {
@@ -82,7 +113,7 @@ __global__ void fp8_swiglu_quantize(const bf16* gu, const int* n_rows, const int
     const float s = group_scale<16>(amax8(a));
     if (g >= G) continue;
     store8(q + (size_t)r * I + c, a, s);
-    if (lane == 0) sf[scale_at(r, g, G, counts, stride, ld)] = s;
+    if (lane == 0) sf[scale_at(r, g, G, l, ld)] = s;
   }
 }
 

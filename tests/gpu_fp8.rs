@@ -57,28 +57,56 @@ fn scale_at(sf: &[f32], r: usize, g: usize, groups: usize, live: (usize, usize),
     }
 }
 
+/// Whether `row` is one of an expert's rows in the psum layout (each expert's block from the
+/// end before it rounded up to 128 to its end), by walking the blocks.
+fn psum_live(row: usize, ends: &[i32]) -> bool {
+    let mut start = 0;
+    for &end in ends {
+        if (start..end as usize).contains(&row) {
+            return true;
+        }
+        start = (end as usize).next_multiple_of(128);
+    }
+    false
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn quantize_rows_matches_the_cpu_rule_bit_for_bit() {
     let g = gpu();
     let s = &g.stream;
     let mut r = ChaCha8Rng::seed_from_u64(1);
-    let (cap, k) = (256usize, 7 * B);
+    let (cap, k) = (512usize, 7 * B);
     let x = rows(&mut r, cap, k);
     let dx = s.clone_htod(&x).unwrap();
     let mut a = Alloc::new(s.clone());
-    // Contiguous: the first 201 rows; masked: expert e's counts[e] rows of 64.
-    let counts = [0i32, 64, 13, 1];
-    for (live_rows, stride) in [(201usize, 0usize), (0, 64)] {
+    // Contiguous: the first 201 rows; psum: each expert's block (empty first and last, one
+    // row, one exactly a 128-row block); masked: expert e's counts[e] rows of 64.
+    let counts = [0i32, 64, 13, 1, 0, 5, 64, 2];
+    let ends = [0i32, 100, 129, 384, 411, 411];
+    let (n, c, e) = (
+        s.clone_htod(&[201i32]).unwrap(),
+        s.clone_htod(&counts).unwrap(),
+        s.clone_htod(&ends).unwrap(),
+    );
+    for layout in ["upto", "psum", "masked"] {
         let mut out = Fp8Rows::zeros(&mut a, cap, k).unwrap();
-        let n = s.clone_htod(&[live_rows as i32]).unwrap();
-        let c = s.clone_htod(&counts).unwrap();
-        let live = match stride {
-            0 => Live::Upto(&n),
-            st => Live::Masked {
-                counts: &c,
-                stride: st,
-            },
+        let (live, stride) = match layout {
+            "upto" => (Live::Upto(&n), 0),
+            "psum" => (
+                Live::Psum {
+                    ends: &e,
+                    groups: ends.len(),
+                },
+                0,
+            ),
+            _ => (
+                Live::Masked {
+                    counts: &c,
+                    stride: 64,
+                },
+                64,
+            ),
         };
         g.fp8.quantize(&dx, cap, live, &mut out, s).unwrap();
         let (q, sf) = (
@@ -86,20 +114,24 @@ fn quantize_rows_matches_the_cpu_rule_bit_for_bit() {
             s.clone_dtoh(&out.sf).unwrap(),
         );
         for row in 0..cap {
-            let is_live = match stride {
-                0 => row < live_rows,
-                st => (row % st) < counts[row / st] as usize,
+            let is_live = match layout {
+                "upto" => row < 201,
+                "psum" => psum_live(row, &ends),
+                _ => (row % 64) < counts[row / 64] as usize,
             };
             let got = &q[row * k..(row + 1) * k];
             if !is_live {
-                assert!(got.iter().all(|&b| b == 0), "row {row} is not live");
+                assert!(
+                    got.iter().all(|&b| b == 0),
+                    "row {row} is not live ({layout})"
+                );
                 continue;
             }
             let (want_q, want_sf) = cpu_row(&x[row * k..(row + 1) * k]);
-            assert_eq!(got, &want_q[..], "codes of row {row} (stride {stride})");
+            assert_eq!(got, &want_q[..], "codes of row {row} ({layout})");
             for (gi, &w) in want_sf.iter().enumerate() {
                 let at = scale_at(&sf, row, gi, k / B, (stride, 0), cap.next_multiple_of(4));
-                assert_eq!(at, w, "scale of row {row} group {gi} (stride {stride})");
+                assert_eq!(at, w, "scale of row {row} group {gi} ({layout})");
             }
         }
     }
@@ -111,47 +143,68 @@ fn swiglu_quantize_matches_the_cpu_rule() {
     let g = gpu();
     let s = &g.stream;
     let mut r = ChaCha8Rng::seed_from_u64(2);
-    let (cap, i) = (96usize, 3 * B);
+    let (cap, i) = (384usize, 3 * B);
     let gu = rows(&mut r, cap, 2 * i);
     let w: Vec<f32> = (0..cap).map(|_| r.random_range(0.1f32..1.0)).collect();
     let (dgu, dw) = (s.clone_htod(&gu).unwrap(), s.clone_htod(&w).unwrap());
-    let n = s.clone_htod(&[cap as i32]).unwrap();
-    let mut a = Alloc::new(s.clone());
-    let mut out = Fp8Rows::zeros(&mut a, cap, i).unwrap();
-    g.fp8
-        .swiglu_quantize(&dgu, cap, Live::Upto(&n), Some(&dw), &mut out, s)
-        .unwrap();
-    let (q, sf) = (
-        s.clone_dtoh(&out.q).unwrap(),
-        s.clone_dtoh(&out.sf).unwrap(),
+    // Every row; then the psum layout's (70 rows, a full block, 44 rows): its padding rows
+    // are left as they were.
+    let ends = [70i32, 256, 300];
+    let (n, e) = (
+        s.clone_htod(&[cap as i32]).unwrap(),
+        s.clone_htod(&ends).unwrap(),
     );
-    let ld = cap.next_multiple_of(4);
-    for row in 0..cap {
-        let src = &gu[row * 2 * i..(row + 1) * 2 * i];
-        let act: Vec<f32> = (0..i)
-            .map(|c| {
-                let (a, u) = (src[c].to_f32(), src[i + c].to_f32());
-                a / (1.0 + (-a).exp()) * u * w[row]
-            })
-            .collect();
-        for gi in 0..i / B {
-            let group = &act[gi * B..(gi + 1) * B];
-            let want_s = fp8::scale_of(group.iter().fold(0f32, |m, x| m.max(x.abs())));
-            let got_s = sf[gi * ld + row];
-            // expf on the GPU and the CPU may differ in the last place, and so the amax.
-            assert!(
-                (got_s - want_s).abs() <= want_s * 1e-6,
-                "row {row} group {gi}: scale {got_s} against {want_s}"
-            );
-            for (c, &v) in group.iter().enumerate() {
-                let got = fp8::decode(q[row * i + gi * B + c]) * got_s;
-                // Within half a step of E4M3 (1/16 of the value), plus the subnormal step.
-                let tol = v.abs() / 16.0 * 1.001 + got_s * 2f32.powi(-10);
+    let mut a = Alloc::new(s.clone());
+    for psum in [false, true] {
+        let mut out = Fp8Rows::zeros(&mut a, cap, i).unwrap();
+        let live = match psum {
+            false => Live::Upto(&n),
+            true => Live::Psum {
+                ends: &e,
+                groups: ends.len(),
+            },
+        };
+        g.fp8
+            .swiglu_quantize(&dgu, cap, live, Some(&dw), &mut out, s)
+            .unwrap();
+        let (q, sf) = (
+            s.clone_dtoh(&out.q).unwrap(),
+            s.clone_dtoh(&out.sf).unwrap(),
+        );
+        let ld = cap.next_multiple_of(4);
+        for row in 0..cap {
+            if psum && !psum_live(row, &ends) {
+                let untouched = q[row * i..(row + 1) * i].iter().all(|&b| b == 0)
+                    && (0..i / B).all(|gi| sf[gi * ld + row] == 0.0);
+                assert!(untouched, "padding row {row} was written");
+                continue;
+            }
+            let src = &gu[row * 2 * i..(row + 1) * 2 * i];
+            let act: Vec<f32> = (0..i)
+                .map(|c| {
+                    let (a, u) = (src[c].to_f32(), src[i + c].to_f32());
+                    a / (1.0 + (-a).exp()) * u * w[row]
+                })
+                .collect();
+            for gi in 0..i / B {
+                let group = &act[gi * B..(gi + 1) * B];
+                let want_s = fp8::scale_of(group.iter().fold(0f32, |m, x| m.max(x.abs())));
+                let got_s = sf[gi * ld + row];
+                // expf on the GPU and the CPU may differ in the last place, and so the amax.
                 assert!(
-                    (got - v).abs() <= tol,
-                    "row {row} column {}: {got} against {v}",
-                    gi * B + c
+                    (got_s - want_s).abs() <= want_s * 1e-6,
+                    "row {row} group {gi}: scale {got_s} against {want_s} (psum {psum})"
                 );
+                for (c, &v) in group.iter().enumerate() {
+                    let got = fp8::decode(q[row * i + gi * B + c]) * got_s;
+                    // Within half a step of E4M3 (1/16 of the value), plus the subnormal step.
+                    let tol = v.abs() / 16.0 * 1.001 + got_s * 2f32.powi(-10);
+                    assert!(
+                        (got - v).abs() <= tol,
+                        "row {row} column {}: {got} against {v} (psum {psum})",
+                        gi * B + c
+                    );
+                }
             }
         }
     }
@@ -416,17 +469,14 @@ fn blocks_case(seed: u64, (n, k): (usize, usize), counts: &[usize], decode: bool
     );
     let mut ends = s.alloc_zeros::<i32>(hopper::MAX_GROUPS).unwrap();
     g.psum_ends(&doff, &dcnt, &mut ends).unwrap();
-    let total = s.clone_htod(&[offsets[e]]).unwrap();
     let mut a = Alloc::new(s.clone());
     let mut xr = Fp8Rows::zeros(&mut a, cap, k).unwrap();
+    let live = Live::Psum {
+        ends: &ends,
+        groups: e,
+    };
     g.fp8
-        .quantize(
-            &s.clone_htod(&x).unwrap(),
-            cap,
-            Live::Upto(&total),
-            &mut xr,
-            s,
-        )
+        .quantize(&s.clone_htod(&x).unwrap(), cap, live, &mut xr, s)
         .unwrap();
     let mut y = s.clone_htod(&vec![bf16::from_f32(7.0); cap * n]).unwrap();
     match decode {

@@ -104,11 +104,16 @@ int main() {
     CK(cudaMemcpy(total, &rows, 4, cudaMemcpyHostToDevice));
     const double flop = 2.0 * tok * (2.0 * I * H + (double)H * I);
 #ifdef QUANT
-    float tq = median_us([&] { fp8_quantize_rows<<<rows, 128, 0, st>>>(xb, total, nullptr, 1, H, (int)cap, xq, xsf); }, 50, st);
-    float ts = median_us([&] { fp8_swiglu_quantize<<<rows, 128, 0, st>>>(gu, total, nullptr, 1, I, nullptr, (int)cap, aq, asf); }, 50, st);
-    printf("%s counts %d..%d (%d rows, %d padded): quantise rows %.1f us (%.2f TB/s), SwiGLU+quantise %.1f us (%.2f TB/s)\n",
-           ragged ? "ragged" : "even", mn, mx, tok, rows, tq, rows * (double)H * 3 / tq / 1e6, ts,
-           rows * (double)I * 5 / ts / 1e6);
+    // Every row below the padded total, then only the experts' rows (the psum layout's ends).
+    const Live upto{total, nullptr, nullptr, 0, 128, 1}, psum{nullptr, ends, nullptr, L, 128, 1};
+    for (const Live* l : {&upto, &psum}) {
+      const double live_rows = l == &psum ? tok : rows;
+      float tq = median_us([&] { fp8_quantize_rows<<<rows, 128, 0, st>>>(xb, *l, H, (int)cap, xq, xsf); }, 50, st);
+      float ts = median_us([&] { fp8_swiglu_quantize<<<rows, 128, 0, st>>>(gu, *l, I, nullptr, (int)cap, aq, asf); }, 50, st);
+      printf("%s counts %d..%d (%d rows, %d padded), %s: quantise rows %.1f us (%.2f TB/s), SwiGLU+quantise %.1f us (%.2f TB/s)\n",
+             ragged ? "ragged" : "even", mn, mx, tok, rows, l == &psum ? "routed rows" : "padded rows", tq,
+             live_rows * H * 3 / tq / 1e6, ts, live_rows * I * 5 / ts / 1e6);
+    }
 #else
     constexpr bool uniform = 128 % BN == 0;
     // N and K given at compile time (PF_SPEC) or at launch (0).

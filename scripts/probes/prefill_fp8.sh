@@ -14,7 +14,7 @@ nv="nvcc -O3 -std=c++20 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=
 configs=("$@")
 [ ${#configs[@]} -gt 0 ] || configs=("192 4 1 0" "192 4 2 0" "192 4 2 1" "128 5 1 0" "128 5 2 0" "128 5 2 1")
 $nv -DQUANT -o /tmp/probes/quant prefill_fp8.cu > "$out/build-quant.log" 2>&1 &
-# QUANT_BEFORE: another build's kernels/fp8.cu (a path from here), timed beside this one's.
+# QUANT_BEFORE: another build's kernels/fp8.cu (a path from here, one that takes `Live` by value), timed beside this one's.
 [ -z "${QUANT_BEFORE:-}" ] || $nv -DQUANT -DFP8_KERNELS="\"$QUANT_BEFORE\"" -o /tmp/probes/quant-before prefill_fp8.cu > "$out/build-quant-before.log" 2>&1 &
 for c in "${configs[@]}"; do
   set -- $c 0 128 256

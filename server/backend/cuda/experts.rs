@@ -270,11 +270,11 @@ pub fn routed(
                     cap,
                     offsets,
                     ends,
-                    total,
                     weights,
                     fp8,
+                    ..
                 } => {
-                    let at = (offsets, ends, total);
+                    let at = (offsets, ends);
                     fp8_ffn::contiguous(g, w, (cap, fp8), at, decode, weights, b, gu, x)
                 }
                 ExpertRows::Strided {

@@ -8,8 +8,8 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError,
-    LaunchConfig, PushKernelArg,
+    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    DriverError, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
@@ -86,16 +86,41 @@ impl Fp8Weights {
     }
 }
 
-/// Which rows a quantisation pass writes: those below the device count (the contiguous
-/// layout's padded total), or each expert's `counts[e]` rows of its `stride` (masked).
+/// Which rows a quantisation pass writes: those below the device count (the shared expert's
+/// bucket), each expert's rows of the psum layout (`ends`, `groups` of them, each block from
+/// the end before it rounded up to `hopper::ALIGN`: its padding rows are skipped), or each
+/// expert's `counts[e]` rows of its `stride` (masked).
 #[derive(Clone, Copy)]
 pub enum Live<'a> {
     Upto(&'a CudaSlice<i32>),
+    Psum {
+        ends: &'a CudaSlice<i32>,
+        groups: usize,
+    },
     Masked {
         counts: &'a CudaSlice<i32>,
         stride: usize,
     },
 }
+
+/// The most experts a psum `Live` takes (`kernels/fp8.cu`'s kMaxGroups: it stages their ends in
+/// shared memory).
+const LIVE_GROUPS: usize = 256;
+
+/// `kernels/fp8.cu`'s `Live`, field for field (a null pointer: not this layout).
+#[repr(C)]
+struct LiveRows {
+    n_rows: sys::CUdeviceptr,
+    ends: sys::CUdeviceptr,
+    counts: sys::CUdeviceptr,
+    groups: i32,
+    align: i32,
+    stride: i32,
+}
+
+// SAFETY: LiveRows is plain data laid out as the kernels' `Live` (three device pointers, three
+// ints, repr(C)), passed by value.
+unsafe impl DeviceRepr for LiveRows {}
 
 /// Shared memory of an FP8 tile, as the kernel lays it out: D tile; each stage's A and B tiles;
 /// each stage's A scales (128-byte aligned); the weight scales of one column block (a row of
@@ -214,18 +239,18 @@ impl Fp8 {
             out.k
         );
         let (k, ld) = (out.k as i32, out.ld() as i32);
-        let none = 0u64;
+        let live = live_rows(live, rows, stream);
         let mut b = stream.launch_builder(&self.quantize_rows);
-        b.arg(x);
-        let stride = push_live(&mut b, live, &none, rows);
-        b.arg(&stride)
+        b.arg(x)
+            .arg(&live)
             .arg(&k)
             .arg(&ld)
             .arg(&mut out.q)
             .arg(&mut out.sf);
         // SAFETY: x holds `rows` rows of k, q cap >= rows rows of k bytes, sf k / 128 rows of
-        // ld (or, masked, rows / stride blocks of k / 128 rows of stride, no more); counts
-        // holds rows / stride entries.
+        // ld (or, masked, rows / stride blocks of k / 128 rows of stride, no more); `live`'s
+        // arrays hold what `live_rows` checked, and outlive the launch (they are borrowed for
+        // this call and the stream orders their use).
         unsafe { b.launch(Self::quant_cfg(rows)) }.map(drop)
     }
 
@@ -252,17 +277,16 @@ impl Fp8 {
         );
         let (i, ld) = (out.k as i32, out.ld() as i32);
         let none = 0u64;
+        let live = live_rows(live, rows, stream);
         let mut b = stream.launch_builder(&self.swiglu_quantize);
-        b.arg(gu);
-        let stride = push_live(&mut b, live, &none, rows);
-        b.arg(&stride).arg(&i);
+        b.arg(gu).arg(&live).arg(&i);
         match weights {
             Some(w) => b.arg(w),
             None => b.arg(&none),
         };
         b.arg(&ld).arg(&mut out.q).arg(&mut out.sf);
         // SAFETY: gu holds `rows` rows of 2k, q cap >= rows rows of k bytes, sf as in
-        // `quantize`, weights (or a null pointer) `rows` floats.
+        // `quantize`, weights (or a null pointer) `rows` floats, `live` as in `quantize`.
         unsafe { b.launch(Self::quant_cfg(rows)) }.map(drop)
     }
 
@@ -349,17 +373,31 @@ impl Fp8 {
     }
 }
 
-/// The live-row arguments (`n_rows`, `counts`) of a quantisation kernel; returns its `stride`.
-fn push_live<'a>(
-    b: &mut cudarc::driver::LaunchArgs<'a>,
-    live: Live<'a>,
-    none: &'a u64,
-    cap: usize,
-) -> i32 {
+/// The kernels' `Live` of `live` over `cap` rows, its arrays checked against what the kernel
+/// reads.
+fn live_rows(live: Live, cap: usize, stream: &CudaStream) -> LiveRows {
+    let ptr = |s: &CudaSlice<i32>| s.device_ptr(stream).0;
+    let mut l = LiveRows {
+        n_rows: 0,
+        ends: 0,
+        counts: 0,
+        groups: 0,
+        align: ALIGN as i32,
+        stride: 1,
+    };
     match live {
         Live::Upto(n) => {
-            b.arg(n).arg(none);
-            1
+            assert!(!n.is_empty(), "a live-row count");
+            l.n_rows = ptr(n);
+        }
+        Live::Psum { ends, groups } => {
+            assert!(
+                groups > 0 && groups <= LIVE_GROUPS && ends.len() >= groups,
+                "psum rows: {groups} experts, {} ends",
+                ends.len()
+            );
+            l.ends = ptr(ends);
+            l.groups = groups as i32;
         }
         Live::Masked { counts, stride } => {
             assert!(
@@ -367,8 +405,9 @@ fn push_live<'a>(
                 "masked rows: {cap} in strides of {stride}, {} counts",
                 counts.len()
             );
-            b.arg(none).arg(counts);
-            stride as i32
+            l.counts = ptr(counts);
+            l.stride = stride as i32;
         }
     }
+    l
 }

@@ -150,20 +150,23 @@ fn ffn(
 /// The routed experts over contiguous expert-major blocks (`ExpertRows::Blocks`): DeepGEMM's
 /// psum layout (or decode's own GEMM, `decode`), over the `cap` rows quantised here, or as the
 /// exchange quantised them (`pre`); a row's routing weight scales its activation (the down
-/// projection is linear).
+/// projection is linear). The quantisation passes skip each block's padding rows.
 #[allow(clippy::too_many_arguments)]
 pub fn contiguous(
     g: &Gpu,
     w: (&Fp8Weights, &Fp8Weights),
     (cap, pre): (usize, Option<&Fp8Rows>),
-    (offsets, ends, total): (&CudaSlice<i32>, &CudaSlice<i32>, &CudaSlice<i32>),
+    (offsets, ends): (&CudaSlice<i32>, &CudaSlice<i32>),
     decode: bool,
     weights: Option<&CudaSlice<f32>>,
     b: &mut Fp8Bufs,
     gu: &mut CudaSlice<bf16>,
     x: &mut CudaSlice<bf16>,
 ) -> Result<(), GpuError> {
-    let live = Live::Upto(total);
+    let live = Live::Psum {
+        ends,
+        groups: w.0.groups,
+    };
     let decode = decode.then_some(Spans::Blocks { offsets, ends });
     let xq = match pre {
         Some(q) => q,
