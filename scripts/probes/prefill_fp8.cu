@@ -6,7 +6,8 @@
 // per GEMM, as DeepGEMM's JIT builds them), -DPF_SWD (the D store's swizzle, 128 or 64 bytes: 64
 // lets the N tile be 160), -DPF_GR (kNumGroups, the most experts a launch takes). With -DQUANT it
 // times the step's quantisation kernels (kernels/fp8.cu, or -DFP8_KERNELS=\"path\") on the same
-// rows instead. Timing only (random codes).
+// rows instead, over every row below the padded total and over the experts' rows alone (the psum
+// layout's `Live`). Timing only (random codes).
 #include "common.cuh"
 #include <random>
 #ifdef QUANT

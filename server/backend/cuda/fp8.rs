@@ -248,9 +248,8 @@ impl Fp8 {
             .arg(&mut out.q)
             .arg(&mut out.sf);
         // SAFETY: x holds `rows` rows of k, q cap >= rows rows of k bytes, sf k / 128 rows of
-        // ld (or, masked, rows / stride blocks of k / 128 rows of stride, no more); `live`'s
-        // arrays hold what `live_rows` checked, and outlive the launch (they are borrowed for
-        // this call and the stream orders their use).
+        // ld (or, masked, rows / stride blocks of k / 128 rows of stride, no more); `live`
+        // points into the slices `live_rows` checked, which the caller holds on this stream.
         unsafe { b.launch(Self::quant_cfg(rows)) }.map(drop)
     }
 
