@@ -244,6 +244,8 @@ fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
     run(cmd, "kernels/epserve.cu")?;
     let mut cmd = nvcc_cmd("-std=c++17");
     cmd.args(["-gencode=arch=compute_90a,code=sm_90a"])
+        // The most experts a quantisation pass's psum layout stages: the GEMMs' bound.
+        .arg(format!("-DEPSERVE_MAX_GROUPS={HOPPER_GROUPS}"))
         .arg("-o")
         .arg(out.join("fp8_kernels.fatbin"))
         .arg("kernels/fp8.cu");
@@ -324,8 +326,8 @@ fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
                 return Err(format!("{source} did not produce {sym}: the DeepGEMM headers or nvcc mangle it differently; update HopperTile's symbols").into());
             }
             consts.push_str(&format!(
-                "pub const {}: Tile = Tile {{ symbol: \"{sym}\", block_m: {}, block_n: {}, stages: {}, math_threads: {}, multicast: {}, groups: {}, shape: [{}, {}] }};\n",
-                t.name, t.block_m, t.block_n, t.stages, t.math_threads, t.multicast, t.groups, t.shape[0], t.shape[1]
+                "pub const {}: Tile = Tile {{ name: \"{}\", symbol: \"{sym}\", block_m: {}, block_n: {}, stages: {}, math_threads: {}, multicast: {}, groups: {}, shape: [{}, {}] }};\n",
+                t.name, t.name, t.block_m, t.block_n, t.stages, t.math_threads, t.multicast, t.groups, t.shape[0], t.shape[1]
             ));
         }
         Ok(consts)

@@ -41,9 +41,8 @@ constexpr int kWarps = 4;
 // before r: one pass over the ends, a load a thread and a counting barrier, so a row pays one
 // load's latency, as with `n_rows` (a binary search's chain of loads cost prefill-rank's SwiGLU
 // more than its padding rows did). Every thread of the block must call it.
-constexpr int kMaxGroups = 256;  // server/backend/cuda/fp8.rs's LIVE_GROUPS
 __device__ inline bool psum_live(int r, const Live& l) {
-  __shared__ int ends[kMaxGroups];
+  __shared__ int ends[EPSERVE_MAX_GROUPS];  // build.rs's HOPPER_GROUPS, the GEMMs' bound
   int e = 0;
   for (int g0 = 0; g0 < l.groups; g0 += blockDim.x) {
     const int g = g0 + threadIdx.x;

@@ -14,6 +14,7 @@
 #ifndef FP8_KERNELS  // another build's kernels/fp8.cu, to time against this one
 #define FP8_KERNELS "../../kernels/fp8.cu"
 #endif
+#define EPSERVE_MAX_GROUPS 256  // build.rs passes HOPPER_GROUPS
 #include FP8_KERNELS
 #else
 #include <deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh>

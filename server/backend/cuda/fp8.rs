@@ -26,10 +26,7 @@ mod tiles {
 
 /// Psum instances of fixed shapes, DeepSeek-V3's gate/up and down (N and K compiled in, at most
 /// 64 experts: build.rs's HOPPER_FP8_TILES), each taken before the general one where it fits.
-const FIXED: [(&str, Tile); 2] = [
-    ("V3_GATE_UP", tiles::V3_GATE_UP),
-    ("V3_DOWN", tiles::V3_DOWN),
-];
+const FIXED: [Tile; 2] = [tiles::V3_GATE_UP, tiles::V3_DOWN];
 
 static QUANTIZE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fp8_kernels.fatbin"));
 static GEMM: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/hopper_fp8_kernels.fatbin"));
@@ -87,9 +84,9 @@ impl Fp8Weights {
 }
 
 /// Which rows a quantisation pass writes: those below the device count (the shared expert's
-/// bucket), each expert's rows of the psum layout (`ends`, `groups` of them, each block from
-/// the end before it rounded up to `hopper::ALIGN`: its padding rows are skipped), or each
-/// expert's `counts[e]` rows of its `stride` (masked).
+/// bucket), each expert's rows of the psum layout (`ends`, `groups` <= `MAX_GROUPS` of them,
+/// each block from the end before it rounded up to `hopper::ALIGN`: its padding rows are
+/// skipped), or each expert's `counts[e]` rows of its `stride` (masked).
 #[derive(Clone, Copy)]
 pub enum Live<'a> {
     Upto(&'a CudaSlice<i32>),
@@ -102,10 +99,6 @@ pub enum Live<'a> {
         stride: usize,
     },
 }
-
-/// The most experts a psum `Live` takes (`kernels/fp8.cu`'s kMaxGroups: it stages their ends in
-/// shared memory).
-const LIVE_GROUPS: usize = 256;
 
 /// `kernels/fp8.cu`'s `Live`, field for field (a null pointer: not this layout).
 #[repr(C)]
@@ -170,7 +163,7 @@ impl Fp8 {
         let q = ctx.load_module(Ptx::from_binary(QUANTIZE.to_vec()))?;
         let m = ctx.load_module(Ptx::from_binary(GEMM.to_vec()))?;
         // The contiguous layout aligns each expert's block to the bf16 psum tile.
-        for t in FIXED.iter().map(|(_, t)| t).chain([&tiles::PSUM]) {
+        for t in FIXED.iter().chain([&tiles::PSUM]) {
             assert_eq!(t.block_m as usize, ALIGN, "FP8 psum tile");
         }
         Ok(Self {
@@ -180,7 +173,7 @@ impl Fp8 {
             psum: Instance::load(&m, tiles::PSUM, fp8_smem(&tiles::PSUM))?,
             fixed: FIXED
                 .iter()
-                .map(|(_, t)| Instance::load(&m, *t, fp8_smem(t)))
+                .map(|t| Instance::load(&m, *t, fp8_smem(t)))
                 .collect::<Result<_, _>>()?,
             masked: Instance::load(&m, tiles::MASKED, fp8_smem(&tiles::MASKED))?,
         })
@@ -189,13 +182,13 @@ impl Fp8 {
     /// The fixed-shape instance (its place in `FIXED`) that takes `groups` experts of `n x k`
     /// weights, if one does.
     fn fixed_for(groups: usize, n: usize, k: usize) -> Option<usize> {
-        FIXED.iter().position(|(_, t)| t.takes(groups, n, k))
+        FIXED.iter().position(|t| t.takes(groups, n, k))
     }
 
     /// Which psum instance runs `groups` experts of `n x k` weights: a fixed-shape one's name
     /// where one takes them, else "PSUM".
     pub fn psum_tile(groups: usize, n: usize, k: usize) -> &'static str {
-        Self::fixed_for(groups, n, k).map_or("PSUM", |i| FIXED[i].0)
+        Self::fixed_for(groups, n, k).map_or(tiles::PSUM.name, |i| FIXED[i].name)
     }
 
     fn psum_instance(&self, groups: usize, n: usize, k: usize) -> &Instance {
@@ -391,7 +384,7 @@ fn live_rows(live: Live, cap: usize, stream: &CudaStream) -> LiveRows {
         }
         Live::Psum { ends, groups } => {
             assert!(
-                groups > 0 && groups <= LIVE_GROUPS && ends.len() >= groups,
+                groups > 0 && groups <= MAX_GROUPS && ends.len() >= groups,
                 "psum rows: {groups} experts, {} ends",
                 ends.len()
             );

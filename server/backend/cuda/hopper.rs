@@ -16,6 +16,8 @@ use half::bf16;
 /// One compiled instance: its symbol and the tile it was compiled for.
 #[derive(Clone, Copy)]
 pub(super) struct Tile {
+    /// Its name in build.rs's tables.
+    pub(super) name: &'static str,
     pub(super) symbol: &'static str,
     pub(super) block_m: u32,
     pub(super) block_n: u32,
