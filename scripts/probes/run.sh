@@ -3,8 +3,9 @@
 # there): the HBM read ceiling and TMA box patterns, DeepGEMM's masked instances on decode's
 # expert shapes, the step's small kernels against the forms they replaced, the weight-streaming
 # decode GEMM against DeepGEMM, and the shared expert's GEMMs at decode. Output in $OUT.
-#   device tool: kind nvidia-h200, command: bash scripts/probes/run.sh [probe ...]   (default: all)
-# masked_gemm.cu, decode_gemm.cu and shared_expert.cu need DeepGEMM's headers: carry
+#   device tool: kind nvidia-h200, command: bash scripts/probes/run.sh [probe ...]   (default: all
+#   but swiglu_gemm_fp8, #35's fused gate/up + SwiGLU kernel, tried and not kept)
+# masked_gemm.cu, decode_gemm.cu, shared_expert.cu and swiglu_gemm_fp8.cu need DeepGEMM's headers: carry
 # .venv-cuda/deep_gemm-0.2.5/include as made by scripts/cuda-toolchain.sh (DEEP_GEMM_INCLUDE).
 set -uo pipefail
 cd "$(dirname "$0")"
@@ -28,5 +29,6 @@ if [ -d "$dg" ]; then
   probe masked_gemm -std=c++20 --expt-relaxed-constexpr -isystem "$dg" -lcuda
   probe decode_gemm -std=c++20 --expt-relaxed-constexpr -isystem "$dg" -lcuda
   probe shared_expert -std=c++20 --expt-relaxed-constexpr -isystem "$dg" -lcuda -lcublas
+  probe swiglu_gemm_fp8 -std=c++20 --expt-relaxed-constexpr -isystem "$dg" -lcuda
 fi
 exit $status
