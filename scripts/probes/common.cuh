@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cudaTypedefs.h>
 #include <algorithm>
+#include <random>
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -76,4 +77,20 @@ inline CUtensorMap map_rows(void* base, CUtensorMapDataType type, int bytes, uin
 // `outer` rows of `inner` bf16 at `base`, in boxes of 64 columns x `box_rows` rows.
 inline CUtensorMap map2d(void* base, uint64_t inner, uint64_t outer, uint32_t box_rows) {
   return map_rows(base, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, inner, outer, 64, box_rows, CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+// Rows per expert of `experts`: `rows` each, or (ragged) 4096 tokens routed top-8 over them at
+// random, as the bench's prefill-rank routes (the same counts on every run).
+inline std::vector<int> routed_counts(int experts, int rows, bool ragged) {
+  std::vector<int> c(experts, rows);
+  if (!ragged) return c;
+  std::fill(c.begin(), c.end(), 0);
+  std::mt19937 rng(7);
+  std::vector<int> e(experts);
+  for (int t = 0; t < 4096; t++) {
+    for (int i = 0; i < experts; i++) e[i] = i;
+    std::shuffle(e.begin(), e.end(), rng);
+    for (int k = 0; k < 8; k++) c[e[k]]++;
+  }
+  return c;
 }

@@ -9,7 +9,6 @@
 // rows instead, over every row below the padded total and over the experts' rows alone (the psum
 // layout's `Live`). Timing only (random codes).
 #include "common.cuh"
-#include <random>
 #ifdef QUANT
 #ifndef FP8_KERNELS  // another build's kernels/fp8.cu, to time against this one
 #define FP8_KERNELS "../../kernels/fp8.cu"
@@ -41,21 +40,6 @@ __global__ void fill_bytes(uint8_t* p, size_t n) {
 }
 __global__ void fill_f32(float* p, size_t n, float v) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
-}
-
-// Per expert counts: all ROWS, or 4096 tokens routed top-8 over the 64 (bench's prefill-rank).
-std::vector<int> counts(bool ragged) {
-  std::vector<int> c(L, ROWS);
-  if (!ragged) return c;
-  std::fill(c.begin(), c.end(), 0);
-  std::mt19937 rng(7);
-  std::vector<int> e(L);
-  for (int t = 0; t < 4096; t++) {
-    for (int i = 0; i < L; i++) e[i] = i;
-    std::shuffle(e.begin(), e.end(), rng);
-    for (int k = 0; k < 8; k++) c[e[k]]++;
-  }
-  return c;
 }
 
 int main() {
@@ -92,7 +76,7 @@ int main() {
   int* total;
   CK(cudaMalloc(&total, 4));
   for (bool ragged : {false, true}) {
-    auto c = counts(ragged);
+    auto c = routed_counts(L, ROWS, ragged);
     std::vector<int> e(GROUPS, 0);
     int at = 0, mn = 1 << 30, mx = 0, tok = 0;
     for (int g = 0; g < L; g++) {

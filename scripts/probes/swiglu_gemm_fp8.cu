@@ -11,7 +11,6 @@
 #include "common.cuh"
 #include <cuda_fp8.h>
 #include <cmath>
-#include <random>
 #define EPSERVE_MAX_GROUPS 256  // build.rs passes HOPPER_GROUPS
 #include "../../kernels/fp8.cu"
 #include "swiglu_gemm_fp8.cuh"
@@ -65,20 +64,6 @@ __global__ void check_code(unsigned long long n, unsigned long long* mismatches)
     const float v[4] = {x, 0.f, 0.f, 0.f};
     if ((fp8_rule::pack4(v, s) & 0xFFu) != fp8_swiglu_gemm::code(x, s, __frcp_rn(s))) atomicAdd(mismatches, 1ull);
   }
-}
-
-std::vector<int> counts(bool ragged) {
-  std::vector<int> c(L, ROWS);
-  if (!ragged) return c;
-  std::fill(c.begin(), c.end(), 0);
-  std::mt19937 rng(7);
-  std::vector<int> e(L);
-  for (int t = 0; t < 4096; t++) {
-    for (int i = 0; i < L; i++) e[i] = i;
-    std::shuffle(e.begin(), e.end(), rng);
-    for (int k = 0; k < 8; k++) c[e[k]]++;
-  }
-  return c;
 }
 
 float decode(uint8_t c) {
@@ -151,7 +136,7 @@ int main() {
 
   for (int round = 1; round <= 2; round++) {
     for (bool ragged : {false, true}) {
-      auto c = counts(ragged);
+      auto c = routed_counts(L, ROWS, ragged);
       std::vector<int> e(GROUPS, 0), start(L);
       int at = 0, mn = 1 << 30, mx = 0, tok = 0;
       for (int g = 0; g < L; g++) {

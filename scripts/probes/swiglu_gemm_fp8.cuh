@@ -4,8 +4,8 @@
 // straight from the f32 sums. The service writes gate/up as bf16 rows and reads them back
 // (prefill-rank: 302 MB written, 268 MB read), and its 192-wide column tile leaves the last one a third full on
 // 4,096 columns. Measured against that path (scripts/probes/swiglu_gemm_fp8.cu, 1x H100,
-// docs/results/gpu/fp8/fused/): no faster, so not kept (ragged counts 0.97-1.00x of its time, 512
-// rows each 0.96-1.10x, five calls).
+// docs/results/gpu/fp8/fused/): no faster beyond the noise, so not kept (ragged counts 0.96-1.00x
+// of its time, 512 rows each 0.96-1.10x, six calls of the forms kept here).
 // Its tensor cores wait through its promotions (twice a k block, where DeepGEMM's tile waits once)
 // and through its epilogue; the two ways tried of hiding the promotions (below) cost more than
 // they hid.
@@ -66,6 +66,19 @@ __device__ inline uint32_t code(float x, float s, float r) {
 using Barrier = cutlass::arch::ClusterTransactionBarrier;
 using WGMMA = deep_gemm::mma::sm90::FP8MMASelector<128>::type;
 using Chunk = deep_gemm::mma::sm90::FP8MMASelector<64>::type;  // the layout of one 64-wide chunk
+
+// n accumulators of a wgmma times the block's scales (s0 for a lane's first row, s1 for its row
+// 8 below) into `sum`, the k block's promotion to f32.
+template <uint32_t n>
+__device__ __forceinline__ void promote(float* sum, const float* acc, float s0, float s1) {
+#pragma unroll
+  for (uint32_t i = 0; i < n / 4; i++) {
+    sum[i * 4 + 0] += s0 * acc[i * 4 + 0];
+    sum[i * 4 + 1] += s0 * acc[i * 4 + 1];
+    sum[i * 4 + 2] += s1 * acc[i * 4 + 2];
+    sum[i * 4 + 3] += s1 * acc[i * 4 + 3];
+  }
+}
 
 // m64n64k32 E4M3 with A from registers (four per lane, the mma.m16n8k32 fragment of each warp's
 // 16 rows) and B from shared memory.
@@ -222,15 +235,6 @@ __device__ __forceinline__ void run(const Args& args, const CUtensorMap& map_a, 
       for (uint32_t i = 0; i < WGMMA::kNumAccum; i++) ptx::warpgroup_fence_operand(acc[i]);
       ptx::warpgroup_wait<0>();
     };
-    auto promote = [&](float* sum, float s0, float s1) {
-#pragma unroll
-      for (uint32_t i = 0; i < WGMMA::kNumAccum / 4; i++) {
-        sum[i * 4 + 0] += s0 * acc[i * 4 + 0];
-        sum[i * 4 + 1] += s0 * acc[i * 4 + 1];
-        sum[i * 4 + 2] += s1 * acc[i * 4 + 2];
-        sum[i * 4 + 3] += s1 * acc[i * 4 + 3];
-      }
-    };
 
     // kRegA: the warpgroup's A rows in registers (ldmatrix, once a k block), each 64-wide
     // weight chunk a register-A wgmma into one of two 32-float banks, two chunks in flight, so a
@@ -263,15 +267,6 @@ __device__ __forceinline__ void run(const Args& args, const CUtensorMap& map_a, 
 #pragma unroll
       for (uint32_t i = 0; i < Chunk::kNumAccum; i++) ptx::warpgroup_fence_operand(acc[i]);
     };
-    auto promote_chunk = [&](float* sum, const float* acc, float s0, float s1) {
-#pragma unroll
-      for (uint32_t i = 0; i < Chunk::kNumAccum / 4; i++) {
-        sum[i * 4 + 0] += s0 * acc[i * 4 + 0];
-        sum[i * 4 + 1] += s0 * acc[i * 4 + 1];
-        sum[i * 4 + 2] += s1 * acc[i * 4 + 2];
-        sum[i * 4 + 3] += s1 * acc[i * 4 + 3];
-      }
-    };
 
     if (kRegA && scheduler.is_computation_valid(m_block, wg * WGMMA::M)) {
 #pragma unroll 2
@@ -284,16 +279,16 @@ __device__ __forceinline__ void run(const Args& args, const CUtensorMap& map_a, 
         issue_chunk(0, bank0);
         issue_chunk(1, bank1);
         ptx::warpgroup_wait<1>();
-        promote_chunk(gate, bank0, a0 * sg, a1 * sg);
+        promote<Chunk::kNumAccum>(gate, bank0, a0 * sg, a1 * sg);
         issue_chunk(2, bank0);
         ptx::warpgroup_wait<1>();
-        promote_chunk(gate + Chunk::kNumAccum, bank1, a0 * sg, a1 * sg);
+        promote<Chunk::kNumAccum>(gate + Chunk::kNumAccum, bank1, a0 * sg, a1 * sg);
         issue_chunk(3, bank1);
         ptx::warpgroup_wait<1>();
-        promote_chunk(up, bank0, a0 * su, a1 * su);
+        promote<Chunk::kNumAccum>(up, bank0, a0 * su, a1 * su);
         ptx::warpgroup_wait<0>();
         free_stage();
-        promote_chunk(up + Chunk::kNumAccum, bank1, a0 * su, a1 * su);
+        promote<Chunk::kNumAccum>(up + Chunk::kNumAccum, bank1, a0 * su, a1 * su);
       }
     } else if (scheduler.is_computation_valid(m_block, wg * WGMMA::M)) {
 #pragma unroll 4
@@ -303,10 +298,10 @@ __device__ __forceinline__ void run(const Args& args, const CUtensorMap& map_a, 
         const float a0 = ptx::ld_shared(sfa0 + stage * kBlockM + r0);
         const float a1 = ptx::ld_shared(sfa0 + stage * kBlockM + r1);
         mma_half(0);
-        promote(gate, a0 * sg, a1 * sg);
+        promote<WGMMA::kNumAccum>(gate, acc, a0 * sg, a1 * sg);
         mma_half(1);
         free_stage();
-        promote(up, a0 * su, a1 * su);
+        promote<WGMMA::kNumAccum>(up, acc, a0 * su, a1 * su);
       }
     } else {
       // This warpgroup's 64 rows are all padding.
