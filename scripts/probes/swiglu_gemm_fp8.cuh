@@ -268,40 +268,35 @@ __device__ __forceinline__ void run(const Args& args, const CUtensorMap& map_a, 
       for (uint32_t i = 0; i < Chunk::kNumAccum; i++) ptx::warpgroup_fence_operand(acc[i]);
     };
 
-    if (kRegA && scheduler.is_computation_valid(m_block, wg * WGMMA::M)) {
-#pragma unroll 2
+    if (scheduler.is_computation_valid(m_block, wg * WGMMA::M)) {
+#pragma unroll(kRegA ? 2 : 4)
       for (uint32_t kb = 0; kb < num_k; kb++, advance()) {
         const float sg = ptx::ld_shared(sfb + kb), su = ptx::ld_shared(sfb + num_k + kb);
         full[stage].wait(phase);
         const float a0 = ptx::ld_shared(sfa0 + stage * kBlockM + r0);
         const float a1 = ptx::ld_shared(sfa0 + stage * kBlockM + r1);
-        load_a();
-        issue_chunk(0, bank0);
-        issue_chunk(1, bank1);
-        ptx::warpgroup_wait<1>();
-        promote<Chunk::kNumAccum>(gate, bank0, a0 * sg, a1 * sg);
-        issue_chunk(2, bank0);
-        ptx::warpgroup_wait<1>();
-        promote<Chunk::kNumAccum>(gate + Chunk::kNumAccum, bank1, a0 * sg, a1 * sg);
-        issue_chunk(3, bank1);
-        ptx::warpgroup_wait<1>();
-        promote<Chunk::kNumAccum>(up, bank0, a0 * su, a1 * su);
-        ptx::warpgroup_wait<0>();
-        free_stage();
-        promote<Chunk::kNumAccum>(up + Chunk::kNumAccum, bank1, a0 * su, a1 * su);
-      }
-    } else if (scheduler.is_computation_valid(m_block, wg * WGMMA::M)) {
-#pragma unroll 4
-      for (uint32_t kb = 0; kb < num_k; kb++, advance()) {
-        const float sg = ptx::ld_shared(sfb + kb), su = ptx::ld_shared(sfb + num_k + kb);
-        full[stage].wait(phase);
-        const float a0 = ptx::ld_shared(sfa0 + stage * kBlockM + r0);
-        const float a1 = ptx::ld_shared(sfa0 + stage * kBlockM + r1);
-        mma_half(0);
-        promote<WGMMA::kNumAccum>(gate, acc, a0 * sg, a1 * sg);
-        mma_half(1);
-        free_stage();
-        promote<WGMMA::kNumAccum>(up, acc, a0 * su, a1 * su);
+        if constexpr (kRegA) {
+          load_a();
+          issue_chunk(0, bank0);
+          issue_chunk(1, bank1);
+          ptx::warpgroup_wait<1>();
+          promote<Chunk::kNumAccum>(gate, bank0, a0 * sg, a1 * sg);
+          issue_chunk(2, bank0);
+          ptx::warpgroup_wait<1>();
+          promote<Chunk::kNumAccum>(gate + Chunk::kNumAccum, bank1, a0 * sg, a1 * sg);
+          issue_chunk(3, bank1);
+          ptx::warpgroup_wait<1>();
+          promote<Chunk::kNumAccum>(up, bank0, a0 * su, a1 * su);
+          ptx::warpgroup_wait<0>();
+          free_stage();
+          promote<Chunk::kNumAccum>(up + Chunk::kNumAccum, bank1, a0 * su, a1 * su);
+        } else {
+          mma_half(0);
+          promote<WGMMA::kNumAccum>(gate, acc, a0 * sg, a1 * sg);
+          mma_half(1);
+          free_stage();
+          promote<WGMMA::kNumAccum>(up, acc, a0 * su, a1 * su);
+        }
       }
     } else {
       // This warpgroup's 64 rows are all padding.
