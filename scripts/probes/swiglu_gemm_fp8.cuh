@@ -5,7 +5,7 @@
 // (prefill-rank: 302 MB written, 268 MB read), and its 192-wide column tile leaves the last one a third full on
 // 4,096 columns. Measured against that path (scripts/probes/swiglu_gemm_fp8.cu, 1x H100,
 // docs/results/gpu/fp8/fused/): no faster beyond the noise, so not kept (ragged counts 0.96-1.00x
-// of its time, 512 rows each 0.96-1.10x, six calls of the forms kept here).
+// of its time, 512 rows each 0.96-1.10x, seven calls of the forms kept here).
 // Its tensor cores wait through its promotions (twice a k block, where DeepGEMM's tile waits once)
 // and through its epilogue; the two ways tried of hiding the promotions (below) cost more than
 // they hid.
