@@ -67,14 +67,9 @@ __device__ inline size_t scale_at(int r, int g, int G, const Live& l, int ld) {
   return (size_t)g * ld + r;
 }
 
-}  // namespace
-
-extern "C" {
-
-// q[r, :K] and sf of x[r, :K] (bf16) for every live row r < gridDim.x. A block's kWarps warps
-// take the row's groups two at a time, one a half-warp, eight channels a lane (16-byte loads);
-// both halves run every iteration, as the scale's shuffles take the whole warp.
-__global__ void fp8_quantize_rows(const bf16* x, Live l, int K, int ld, uint8_t* q, float* sf) {
+// The body of the row quantisers: scales MN-major (scale_at) or token-major.
+template <bool kTokenMajor>
+__device__ inline void quantize_row(const bf16* x, const Live& l, int K, int ld, uint8_t* q, float* sf) {
   const int r = blockIdx.x, G = K / kGroup, half = threadIdx.x / 16 % 2, lane = threadIdx.x % 16;
   if (!live(r, l)) return;
   for (int g0 = threadIdx.x / 32 * 2; g0 < G; g0 += 2 * kWarps) {
@@ -85,7 +80,44 @@ __global__ void fp8_quantize_rows(const bf16* x, Live l, int K, int ld, uint8_t*
     const float s = group_scale<16>(amax8(v));
     if (g >= G) continue;
     store8(q + at, v, s);
-    if (lane == 0) sf[scale_at(r, g, G, l, ld)] = s;
+    if (lane == 0) sf[kTokenMajor ? (size_t)r * G + g : scale_at(r, g, G, l, ld)] = s;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// q[r, :K] and sf of x[r, :K] (bf16) for every live row r < gridDim.x. A block's kWarps warps
+// take the row's groups two at a time, one a half-warp, eight channels a lane (16-byte loads);
+// both halves run every iteration, as the scale's shuffles take the whole warp.
+__global__ void fp8_quantize_rows(const bf16* x, Live l, int K, int ld, uint8_t* q, float* sf) {
+  quantize_row<false>(x, l, K, ld, q, sf);
+}
+
+// As fp8_quantize_rows, the scales token-major (sf[r * K / 128 + g]: a row's scales together,
+// as NCCL EP forwards them beside its codes).
+__global__ void fp8_quantize_tokens(const bf16* x, Live l, int K, uint8_t* q, float* sf) {
+  quantize_row<true>(x, l, K, 0, q, sf);
+}
+
+// dst[(b * G + g) * ld + r] = src[(b * rows + r) * G + g] for blocks b < gridDim.z: token-major
+// scales (NCCL EP's received ones) into the FP8 GEMM's MN-major layout (one block, ld the rows
+// rounded up to 4: the psum layout; an expert's block each, ld = rows: the masked one). A 32 x 32
+// tile a block of 32 x 8 threads, so both sides move whole lines.
+__global__ void fp8_scales_mn(const float* src, int rows, int G, int ld, float* dst) {
+  __shared__ float tile[32][33];
+  const int b = blockIdx.z, r0 = blockIdx.x * 32, g0 = blockIdx.y * 32;
+  const float* s = src + (size_t)b * rows * G;
+  float* d = dst + (size_t)b * G * ld;
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int r = r0 + i, g = g0 + threadIdx.x;
+    if (r < rows && g < G) tile[i][threadIdx.x] = s[(size_t)r * G + g];
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int g = g0 + i, r = r0 + threadIdx.x;
+    if (r < rows && g < G) d[(size_t)g * ld + r] = tile[threadIdx.x][i];
   }
 }
 

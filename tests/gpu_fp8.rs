@@ -1,5 +1,6 @@
 //! FP8 experts' kernels against the CPU's recipe (`epserve::model::fp8`) on random data: the
-//! activation quantisation bit for bit, SwiGLU's quantisation within the rounding of its inputs,
+//! activation quantisation bit for bit (scales MN-major, and token-major as NCCL EP forwards
+//! them, with their move into the GEMM's layout), SwiGLU's quantisation within the rounding of its inputs,
 //! and DeepGEMM's FP8 grouped GEMM (and decode's own) against f64 over the same quantised
 //! operands, per expert, in both layouts, with empty, ragged and hot experts, and the psum
 //! instances compiled for DeepSeek-V3's shapes. They need a GPU: run them with `--ignored`
@@ -132,6 +133,88 @@ fn quantize_rows_matches_the_cpu_rule_bit_for_bit() {
             for (gi, &w) in want_sf.iter().enumerate() {
                 let at = scale_at(&sf, row, gi, k / B, (stride, 0), cap.next_multiple_of(4));
                 assert_eq!(at, w, "scale of row {row} group {gi} ({layout})");
+            }
+        }
+    }
+}
+
+/// NCCL EP's forwarded FP8 rows: the home rows below the live count quantised by the rule, a
+/// row's scales together (token-major), rows past the count untouched.
+#[test]
+#[ignore = "needs a GPU"]
+fn quantize_tokens_matches_the_cpu_rule_bit_for_bit() {
+    let g = gpu();
+    let s = &g.stream;
+    let mut r = ChaCha8Rng::seed_from_u64(5);
+    let (cap, k, live) = (300usize, 56 * B, 233usize);
+    let x = rows(&mut r, cap, k);
+    let dx = s.clone_htod(&x).unwrap();
+    let n = s.clone_htod(&[live as i32]).unwrap();
+    let mut a = Alloc::new(s.clone());
+    let mut q = a.zeros::<u8>(cap * k).unwrap();
+    let mut sf = a.zeros::<f32>(cap * (k / B)).unwrap();
+    g.fp8
+        .quantize_tokens(&dx, (cap, k), Live::Upto(&n), (&mut q, &mut sf), s)
+        .unwrap();
+    let (q, sf) = (s.clone_dtoh(&q).unwrap(), s.clone_dtoh(&sf).unwrap());
+    let groups = k / B;
+    for row in 0..cap {
+        let (got_q, got_sf) = (
+            &q[row * k..(row + 1) * k],
+            &sf[row * groups..(row + 1) * groups],
+        );
+        if row >= live {
+            assert!(got_q.iter().all(|&b| b == 0), "row {row} is past the count");
+            assert!(got_sf.iter().all(|&v| v == 0.0), "row {row}'s scales");
+            continue;
+        }
+        let (want_q, want_sf) = cpu_row(&x[row * k..(row + 1) * k]);
+        assert_eq!(got_q, &want_q[..], "codes of row {row}");
+        assert_eq!(got_sf, &want_sf[..], "scales of row {row}");
+    }
+}
+
+/// Token-major scales as they land from NCCL EP, laid out MN-major as the FP8 GEMM reads them:
+/// one psum block (ld the rows rounded up to 4) and the masked layout's expert blocks.
+#[test]
+#[ignore = "needs a GPU"]
+fn scales_mn_lays_landed_scales_out_as_the_gemm_reads_them() {
+    let g = gpu();
+    let s = &g.stream;
+    let mut r = ChaCha8Rng::seed_from_u64(6);
+    let mut a = Alloc::new(s.clone());
+    // 303 rows (not a multiple of 32 or 4) of 56 groups (not a multiple of 32); 5 experts of 64.
+    for (rows, k, layout) in [
+        (303usize, 56 * B, Layout::Psum),
+        (
+            5 * 64,
+            16 * B,
+            Layout::Masked {
+                stride: 64,
+                mean_rows: 0,
+            },
+        ),
+    ] {
+        let groups = k / B;
+        let landed: Vec<f32> = (0..rows * groups)
+            .map(|_| r.random_range(0.0f32..1.0))
+            .collect();
+        let d = s.clone_htod(&landed).unwrap();
+        let mut out = Fp8Rows::zeros(&mut a, rows, k).unwrap();
+        g.fp8.scales_mn(&d, rows, layout, &mut out, s).unwrap();
+        let sf = s.clone_dtoh(&out.sf).unwrap();
+        let stride = match layout {
+            Layout::Psum => 0,
+            Layout::Masked { stride, .. } => stride,
+        };
+        for row in 0..rows {
+            for gi in 0..groups {
+                let at = scale_at(&sf, row, gi, groups, (stride, 0), out.ld());
+                assert_eq!(
+                    at,
+                    landed[row * groups + gi],
+                    "row {row} group {gi} ({layout:?})"
+                );
             }
         }
     }

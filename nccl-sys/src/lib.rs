@@ -101,6 +101,8 @@ pub enum ncclDataType_t {
     Float32 = 7,
     Float64 = 8,
     Bfloat16 = 9,
+    /// NCCL 2.24 and later.
+    Float8e4m3 = 10,
 }
 
 /// `ncclRedOp_t` (the built-in ones).
@@ -395,6 +397,7 @@ mod tests {
         );
         assert_eq!(std::mem::size_of::<ncclDataType_t>(), 4);
         assert_eq!(ncclDataType_t::Bfloat16 as i32, 9);
+        assert_eq!(ncclDataType_t::Float8e4m3 as i32, 10);
         assert_eq!(ncclRedOp_t::Avg as i32, 4);
         let id = ncclUniqueId::from_bytes(&[7u8; 128]);
         assert_eq!(id.as_bytes(), [7u8; 128]);

@@ -37,7 +37,8 @@ pub enum ExpertRows<'a> {
     /// `hopper::MAX_GROUPS` ints); `total` (one int) is the padded total of at most `cap` rows.
     /// `weights`: each row's routing weight, to scale its output by (None: combine weighs).
     /// `fp8`: the rows as the FP8 GEMM's operand, quantised before they moved (the slot
-    /// exchange's FP8 rows); `x` then holds no input and takes the outputs.
+    /// exchange's FP8 rows, or NCCL EP's forwarded ones); `x` then holds no input and takes the
+    /// outputs.
     Blocks {
         x: &'a mut CudaSlice<bf16>,
         cap: usize,
@@ -49,13 +50,15 @@ pub enum ExpertRows<'a> {
     },
     /// Fixed strides: expert e's `counts[e]` rows start at `e * stride` (the Hopper GEMM's masked
     /// layout; `hopper::MAX_GROUPS` ints); `bounds` are the same blocks as starts then ends (the
-    /// WMMA kernels' form), `valid` the most rows they can hold in all. Combine weighs.
+    /// WMMA kernels' form), `valid` the most rows they can hold in all. Combine weighs. `fp8`: as
+    /// in `Blocks` (NCCL EP's forwarded FP8 rows, the scales in the masked layout).
     Strided {
         x: &'a mut CudaSlice<bf16>,
         stride: usize,
         counts: &'a CudaSlice<i32>,
         bounds: &'a CudaSlice<i32>,
         valid: usize,
+        fp8: Option<&'a Fp8Rows>,
     },
 }
 

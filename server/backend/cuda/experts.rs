@@ -278,8 +278,12 @@ pub fn routed(
                     fp8_ffn::contiguous(g, w, (cap, fp8), at, decode, weights, b, gu, x)
                 }
                 ExpertRows::Strided {
-                    x, stride, counts, ..
-                } => fp8_ffn::strided(g, w, (stride, counts), (mean_rows, decode), b, gu, x),
+                    x,
+                    stride,
+                    counts,
+                    fp8,
+                    ..
+                } => fp8_ffn::strided(g, w, (stride, counts, fp8), (mean_rows, decode), b, gu, x),
             };
         }
         (DeviceFfn::Bf16 { gate_up, down }, k, _) if !matches!(k, Routed::Fp8 { .. }) => {
@@ -328,6 +332,7 @@ pub fn routed(
                 counts,
                 bounds,
                 valid,
+                fp8: None,
             },
         ) => {
             let rows = Strided {

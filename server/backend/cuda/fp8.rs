@@ -130,6 +130,8 @@ fn fp8_smem(t: &Tile) -> u32 {
 
 pub struct Fp8 {
     quantize_rows: CudaFunction,
+    quantize_tokens: CudaFunction,
+    scales_mn: CudaFunction,
     swiglu_quantize: CudaFunction,
     fill: CudaFunction,
     psum: Instance,
@@ -168,6 +170,8 @@ impl Fp8 {
         }
         Ok(Self {
             quantize_rows: q.load_function("fp8_quantize_rows")?,
+            quantize_tokens: q.load_function("fp8_quantize_tokens")?,
+            scales_mn: q.load_function("fp8_scales_mn")?,
             swiglu_quantize: q.load_function("fp8_swiglu_quantize")?,
             fill: q.load_function("fp8_fill_random")?,
             psum: Instance::load(&m, tiles::PSUM, fp8_smem(&tiles::PSUM))?,
@@ -244,6 +248,83 @@ impl Fp8 {
         // ld (or, masked, rows / stride blocks of k / 128 rows of stride, no more); `live`
         // points into the slices `live_rows` checked, which the caller holds on this stream.
         unsafe { b.launch(Self::quant_cfg(rows)) }.map(drop)
+    }
+
+    /// `q [rows, k]` and `sf [rows, k / 128]` (token-major, as NCCL EP forwards a row's scales
+    /// beside its codes) = `x [rows, k]` (bf16) quantised, the `live` rows of the first `rows`.
+    pub fn quantize_tokens(
+        &self,
+        x: &CudaSlice<bf16>,
+        (rows, k): (usize, usize),
+        live: Live,
+        (q, sf): (&mut CudaSlice<u8>, &mut CudaSlice<f32>),
+        stream: &CudaStream,
+    ) -> Result<(), DriverError> {
+        assert!(
+            k % BLOCK == 0
+                && x.len() >= rows * k
+                && q.len() >= rows * k
+                && sf.len() >= rows * (k / BLOCK),
+            "FP8 token quantisation of {rows} rows of {k} ({} values) into {} codes, {} scales",
+            x.len(),
+            q.len(),
+            sf.len()
+        );
+        let k32 = k as i32;
+        let live = live_rows(live, rows, stream);
+        let mut b = stream.launch_builder(&self.quantize_tokens);
+        b.arg(x).arg(&live).arg(&k32).arg(q).arg(sf);
+        // SAFETY: x holds `rows` rows of k, q as many rows of k bytes, sf rows x k / 128 floats
+        // (asserted); `live` as in `quantize`.
+        unsafe { b.launch(Self::quant_cfg(rows)) }.map(drop)
+    }
+
+    /// `out.sf` = the token-major scales `sf` of the first `rows` rows, laid out MN-major as the
+    /// FP8 GEMM reads them in `layout` (psum: `[k / 128][out.ld()]`; masked: each expert's
+    /// `[k / 128][stride]` in turn).
+    pub fn scales_mn(
+        &self,
+        sf: &CudaSlice<f32>,
+        rows: usize,
+        layout: Layout,
+        out: &mut Fp8Rows,
+        stream: &CudaStream,
+    ) -> Result<(), DriverError> {
+        let g = out.k / BLOCK;
+        let (blocks, rows, ld) = match layout {
+            Layout::Psum => (1, rows, out.ld()),
+            Layout::Masked { stride, .. } => {
+                assert!(
+                    stride > 0 && rows % stride == 0,
+                    "masked scales of {rows} rows in strides of {stride}"
+                );
+                (rows / stride, stride, stride)
+            }
+        };
+        assert!(
+            blocks > 0
+                && blocks * rows <= out.cap
+                && sf.len() >= blocks * rows * g
+                && out.sf.len() >= blocks * g * ld,
+            "FP8 scales of {blocks} x {rows} rows into [{}, {}]",
+            out.cap,
+            out.k
+        );
+        let (rows32, g32, ld32) = (rows as i32, g as i32, ld as i32);
+        let mut b = stream.launch_builder(&self.scales_mn);
+        b.arg(sf).arg(&rows32).arg(&g32).arg(&ld32).arg(&mut out.sf);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                rows.div_ceil(32).max(1) as u32,
+                g.div_ceil(32) as u32,
+                blocks as u32,
+            ),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel reads sf[blocks][rows][g] and writes out.sf[blocks][g][ld], both
+        // within their slices (asserted).
+        unsafe { b.launch(cfg) }.map(drop)
     }
 
     /// `out` = SwiGLU of `gu [rows, 2 * out.k]` (gate, then up; times `weights[r]` where

@@ -83,7 +83,7 @@ pub fn random(
 }
 
 /// The step's quantised rows: the expert rows (unless the exchange quantises them:
-/// `StepShape::fp8_slots`) and their activations, the shared expert's home rows and its
+/// `StepShape::fp8_dispatch`) and their activations, the shared expert's home rows and its
 /// activations (`StepShape::fp8_rows`).
 pub struct Fp8Bufs {
     x: Option<Fp8Rows>,
@@ -96,7 +96,7 @@ impl Fp8Bufs {
     pub fn new(a: &mut Alloc, s: &StepShape) -> Result<Self, DriverError> {
         let [x, act, sx, sa] = s.fp8_rows();
         Ok(Self {
-            x: match s.fp8_slots() {
+            x: match s.fp8_dispatch() {
                 true => None,
                 false => Some(Fp8Rows::zeros(a, x.0, x.1)?),
             },
@@ -178,12 +178,13 @@ pub fn contiguous(
 }
 
 /// The routed experts over fixed strides (`ExpertRows::Strided`): DeepGEMM's masked layout (or
-/// decode's own GEMM, `decode`); combine weighs.
+/// decode's own GEMM, `decode`), over the rows quantised here, or as the exchange quantised them
+/// (`pre`); combine weighs.
 #[allow(clippy::too_many_arguments)]
 pub fn strided(
     g: &Gpu,
     w: (&Fp8Weights, &Fp8Weights),
-    (stride, counts): (usize, &CudaSlice<i32>),
+    (stride, counts, pre): (usize, &CudaSlice<i32>, Option<&Fp8Rows>),
     (mean_rows, decode): (usize, bool),
     b: &mut Fp8Bufs,
     gu: &mut CudaSlice<bf16>,
@@ -193,7 +194,10 @@ pub fn strided(
     let live = Live::Masked { counts, stride };
     let decode = decode.then_some(Spans::Strided { stride, counts });
     let rows = w.0.groups * stride;
-    let xq = quantise(g, x, rows, live, &mut b.x)?;
+    let xq = match pre {
+        Some(q) => q,
+        None => quantise(g, x, rows, live, &mut b.x)?,
+    };
     let at = (layout, live, counts);
     ffn(g, w, at, decode, rows, None, (xq, &mut b.act), gu, x)?;
     Ok(())

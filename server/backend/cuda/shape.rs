@@ -89,11 +89,21 @@ impl StepShape {
     pub fn slot_rows(&self, bucket: usize) -> usize {
         bucket * self.top_k.min(self.local())
     }
+    /// Whether the exchange moves the expert rows as FP8 (codes and scales, quantised before they
+    /// move) and the FFN takes them as they land: FP8 experts, on the slots, or on NCCL EP where
+    /// a row's scales fill whole 16-byte units as its forward recipe asks (a hidden size that is
+    /// a multiple of 512: DeepSeek-V3's 7,168, Qwen3-MoE's 2,048); narrower rows move as bf16
+    /// and are quantised after the exchange.
+    pub fn fp8_dispatch(&self) -> bool {
+        let scales_aligned = (self.hidden / fp8::BLOCK * 4) % 16 == 0;
+        self.expert_dtype == ExpertDtype::Fp8 && (self.ep.is_none() || scales_aligned)
+    }
+
     /// Whether the slot exchange moves rows as FP8 (its codes, then its scales): FP8 experts on
-    /// the `nccl` backend. The rows are then quantised as they are packed, and the FFN takes them
-    /// as they land (NCCL EP dispatches bf16 rows, quantised after the exchange).
+    /// the `nccl` backend, the rows quantised as they are packed (NCCL EP forwards codes and
+    /// scales quantised before its dispatch).
     pub fn fp8_slots(&self) -> bool {
-        self.ep.is_none() && self.expert_dtype == ExpertDtype::Fp8
+        self.ep.is_none() && self.fp8_dispatch()
     }
 
     /// Bytes of one slot row on the wire: bf16 values, or with `fp8_slots` the row's E4M3 codes
@@ -256,14 +266,27 @@ impl StepShape {
         ]
     }
 
+    /// FP8 experts' rows and scales: `fp8_rows`, the expert rows being the exchange's (NCCL EP:
+    /// each mode's, its scales also as they land, token-major, and the home rows' codes and
+    /// scales it sends).
     fn fp8_bytes(&self) -> usize {
+        let q = |(r, k): (usize, usize)| r * k + r.next_multiple_of(4) * (k / fp8::BLOCK) * 4;
+        let [x, act, sx, sa] = self.fp8_rows();
+        let rows_in = match self.ep {
+            Some(e) if self.fp8_dispatch() => {
+                let (ll, ht, t, h) = (
+                    self.ep_rows(e).0,
+                    self.ep_rows(e).1,
+                    self.max_home,
+                    self.hidden,
+                );
+                q((ll, h)) + q((ht, h)) + q((t, h)) + (ll + ht) * (h / fp8::BLOCK) * 4
+            }
+            _ => q(x),
+        };
         match self.expert_dtype {
             ExpertDtype::Bf16 => 0,
-            ExpertDtype::Fp8 => self
-                .fp8_rows()
-                .iter()
-                .map(|&(r, k)| r * k + r.next_multiple_of(4) * (k / fp8::BLOCK) * 4)
-                .sum(),
+            ExpertDtype::Fp8 => rows_in + q(act) + q(sx) + q(sa),
         }
     }
 }
@@ -318,10 +341,35 @@ mod tests {
         }
         assert_eq!(s.slot_row_bytes(), 7168 + 224);
         s.ep = Some(EpShape::new(0, false));
-        assert!(!s.fp8_slots(), "NCCL EP dispatches bf16 rows");
+        assert!(!s.fp8_slots(), "NCCL EP moves rows itself");
         assert_eq!(s.slot_row_bytes(), 2 * 7168);
         s.ep = None;
         s.expert_dtype = ExpertDtype::Bf16;
         assert_eq!(s.slot_row_bytes(), 2 * 7168);
+    }
+
+    #[test]
+    fn nccl_ep_forwards_fp8_rows_whose_scales_fill_16_byte_units() {
+        let mut s = StepShape::new(&crate::model::synthetic::preset("tiny").unwrap(), 2, 0, 64);
+        s.expert_dtype = ExpertDtype::Fp8;
+        s.ep = Some(EpShape::new(0, false));
+        for (h, forwards) in [
+            (128, false),
+            (256, false),
+            (384, false),
+            (512, true),
+            (2048, true),
+            (7168, true),
+        ] {
+            s.hidden = h;
+            assert_eq!(
+                s.fp8_dispatch(),
+                forwards,
+                "hidden {h}: {} bytes of scales a row",
+                h / fp8::BLOCK * 4
+            );
+        }
+        s.expert_dtype = ExpertDtype::Bf16;
+        assert!(!s.fp8_dispatch(), "bf16 experts move bf16 rows");
     }
 }

@@ -11,9 +11,11 @@ use nccl_sys::ep::*;
 use super::safe::{Dispatch, Group, Handle, Layout, Tensor};
 use super::{library, validate};
 use crate::backend::cuda::exchange::{Exchange, ExpertRows, Home};
+use crate::backend::cuda::fp8::{Fp8Rows, Live};
 use crate::backend::cuda::nccl::{Comm, SymBuffer};
 use crate::backend::cuda::shape::StepShape;
 use crate::backend::cuda::{hopper, Alloc, Gpu, GpuError};
+use crate::model::fp8::BLOCK;
 
 /// The expert rows: a registered window (zero-copy) or plain device memory.
 pub enum RowBuffer {
@@ -55,11 +57,22 @@ pub struct Footprint {
     pub windowed: bool,
 }
 
+/// FP8 dispatch's receive side (NCCL EP's QUANT_FWD: codes and scales forwarded as sent): the
+/// codes, as the FP8 GEMM's operand, and the scales as they land (token-major, `[.., k / 128]`),
+/// then laid out MN-major into `rows.sf` for the GEMM.
+struct Fp8Recv {
+    rows: Fp8Rows,
+    scales: CudaSlice<f32>,
+}
+
 /// One mode: its handle (with its group) and expert rows. Field order is teardown order: the
 /// handle and its group, then the window (deregistered before the communicator, which outlives the exchange).
 pub struct EpPath {
     handle: Handle,
+    /// The experts' outputs, combine's input (and with bf16 dispatch, the rows it lands).
     rows: RowBuffer,
+    /// With FP8 experts: where dispatch lands the rows.
+    fp8: Option<Fp8Recv>,
     /// HT: receive capacity in rows; LL: rows per local expert (world x tokens).
     pub cap: usize,
     /// Tokens per rank the group was sized for.
@@ -101,9 +114,12 @@ impl EpPath {
         cfg.max_dispatch_tokens_per_rank = tokens as u32;
         cfg.max_token_bytes = (s.hidden * 2) as u32;
         cfg.num_topk = s.top_k as u32;
-        cfg.zero_copy = match zero_copy {
-            true => ncclEpZeroCopyMode_t::ON,
-            false => ncclEpZeroCopyMode_t::OFF,
+        // ON asks for dispatch's output in a window too; FP8 rows land in plain memory, and AUTO
+        // still lets combine read the window directly.
+        cfg.zero_copy = match (zero_copy, s.fp8_dispatch()) {
+            (true, false) => ncclEpZeroCopyMode_t::ON,
+            (true, true) => ncclEpZeroCopyMode_t::AUTO,
+            (false, _) => ncclEpZeroCopyMode_t::OFF,
         };
         match low_latency {
             // LL sizes its receive side itself.
@@ -127,10 +143,20 @@ impl EpPath {
             true => RowBuffer::Window(comm.sym_alloc::<bf16>(rows_len * s.hidden, &stream)?),
             false => RowBuffer::Plain(a.zeros::<bf16>(rows_len * s.hidden)?),
         };
+        let fp8 = match s.fp8_dispatch() {
+            true => Some(Fp8Recv {
+                rows: Fp8Rows::zeros(a, rows_len, s.hidden)?,
+                scales: a.zeros(rows_len * (s.hidden / BLOCK))?,
+            }),
+            false => None,
+        };
+        let fp8_bytes = fp8.as_ref().map_or(0, |f| {
+            f.rows.q.len() + 4 * (f.rows.sf.len() + f.scales.len())
+        });
         let footprint = Footprint {
             group_bytes,
             handle_bytes: mem as u64,
-            rows_bytes: (rows_len * s.hidden * 2) as u64,
+            rows_bytes: (rows_len * s.hidden * 2 + fp8_bytes) as u64,
             windowed: zero_copy,
         };
         let extents = match low_latency {
@@ -140,6 +166,7 @@ impl EpPath {
         Ok(Self {
             handle,
             rows,
+            fp8,
             cap,
             tokens,
             footprint,
@@ -157,6 +184,52 @@ impl EpPath {
     /// The rows, with their extents, and the handle that moves them.
     fn parts(&mut self, stream: &CudaStream) -> (Tensor<'_>, &mut Handle) {
         (self.rows.tensor(&self.extents, stream), &mut self.handle)
+    }
+
+    /// Where dispatch lands the rows: the bf16 rows, or the FP8 codes with their scales as they
+    /// land (`[.., k / 128]` beside the rows' extents); and the handle.
+    fn landing(&mut self, stream: &CudaStream) -> (Tensor<'_>, Option<Tensor<'_>>, &mut Handle) {
+        match &mut self.fp8 {
+            None => (
+                self.rows.tensor(&self.extents, stream),
+                None,
+                &mut self.handle,
+            ),
+            Some(f) => {
+                let mut sf = self.extents.clone();
+                if let Some(last) = sf.last_mut() {
+                    *last /= BLOCK;
+                }
+                let codes = Tensor::fp8_mut(&mut f.rows.q, &self.extents, stream);
+                let scales = Tensor::of_mut(&mut f.scales, &sf, stream);
+                (codes, Some(scales), &mut self.handle)
+            }
+        }
+    }
+
+    /// With FP8 dispatch: the landed scales (every row of the mode's space) laid out as the FP8
+    /// GEMM reads them, MN-major over HT's psum blocks or each of LL's expert strides.
+    fn scales_for_gemm(&mut self, g: &Gpu, ll: bool) -> Result<(), GpuError> {
+        let Some(f) = self.fp8.as_mut() else {
+            return Ok(());
+        };
+        let layout = match ll {
+            true => hopper::Layout::Masked {
+                stride: self.cap,
+                mean_rows: 0,
+            },
+            false => hopper::Layout::Psum,
+        };
+        let rows = f.rows.cap;
+        g.fp8
+            .scales_mn(&f.scales, rows, layout, &mut f.rows, &g.stream)?;
+        Ok(())
+    }
+
+    /// The expert rows as the FFN takes them: the bf16 rows (its outputs) and, with FP8
+    /// dispatch, the landed FP8 rows as its operand.
+    fn expert_bufs(&mut self) -> (&mut CudaSlice<bf16>, Option<&Fp8Rows>) {
+        (self.rows.slice_mut(), self.fp8.as_ref().map(|f| &f.rows))
     }
 }
 
@@ -217,6 +290,9 @@ struct Bufs {
     recv_w: CudaSlice<f32>,
     /// Combined home rows `[T, hidden]` in bf16, before the shared expert is added.
     out_b: CudaSlice<bf16>,
+    /// With FP8 experts: the home rows' codes `[T, hidden]` and scales `[T, hidden / 128]`
+    /// (token-major), as dispatch sends them.
+    home_fp8: Option<(CudaSlice<u8>, CudaSlice<f32>)>,
 }
 
 impl EpExchange {
@@ -264,6 +340,13 @@ impl EpExchange {
             sizes: a.zeros(hopper::MAX_GROUPS)?,
             bounds: a.zeros(2 * l)?,
             out_b: a.zeros(s.max_home * s.hidden)?,
+            home_fp8: match s.fp8_dispatch() {
+                true => Some((
+                    a.zeros(s.max_home * s.hidden)?,
+                    a.zeros(s.max_home * (s.hidden / BLOCK))?,
+                )),
+                false => None,
+            },
         };
         Ok(Self {
             shape: *s,
@@ -352,7 +435,10 @@ impl Exchange for EpExchange {
         self.update_handle(home.ids, bucket, &g.stream)
     }
 
-    /// The bucket's home rows (HT: with their routing weights) into its expert rows.
+    /// The bucket's home rows (HT: with their routing weights) into its expert rows. With FP8
+    /// experts the live home rows are quantised first (the rule of `kernels/fp8_rule.cuh`) and
+    /// NCCL EP forwards their codes and scales (QUANT_FWD): half the bytes; the scales that land
+    /// are then laid out as the FP8 GEMM reads them.
     fn dispatch(
         &mut self,
         g: &Gpu,
@@ -366,37 +452,60 @@ impl Exchange for EpExchange {
         let local = self.b.counters.len();
         let (p, b) = (self.paths.get_mut(bucket), &mut self.b);
         let cap = p.cap;
-        let mut t_x = Tensor::of(x, &[bucket, hidden], stream);
-        let (mut t_r, handle) = p.parts(stream);
-        match ll {
-            // LL expert-major: the per-expert received counts, at dispatch time.
-            true => {
-                let mut t_cnt = Tensor::of_mut(&mut b.counters, &[local], stream);
-                let d = Dispatch {
-                    x: &mut t_x,
-                    w: None,
-                    rows: &mut t_r,
-                    rows_w: None,
-                };
-                let layout = Layout {
-                    counters: Some(&mut t_cnt),
-                    ..Layout::default()
-                };
-                handle.dispatch(d, Some(layout), stream)?;
-            }
-            // HT forward: the weights travel with the rows (one per received row).
-            false => {
-                let mut t_w = Tensor::of(w, &[bucket, k], stream);
-                let mut t_rw = Tensor::of_mut(&mut b.recv_w, &[cap], stream);
-                let d = Dispatch {
-                    x: &mut t_x,
-                    w: Some(&mut t_w),
-                    rows: &mut t_r,
-                    rows_w: Some(&mut t_rw),
-                };
-                handle.dispatch(d, None, stream)?;
+        let Bufs {
+            counters,
+            recv_w,
+            home_fp8,
+            ..
+        } = b;
+        if let Some((q, sf)) = home_fp8.as_mut() {
+            let live = Live::Upto(home.n);
+            g.fp8
+                .quantize_tokens(x, (bucket, hidden), live, (q, sf), stream)?;
+        }
+        let (mut t_x, mut t_sf) = match home_fp8.as_ref() {
+            Some((q, sf)) => (
+                Tensor::fp8(q, &[bucket, hidden], stream),
+                Some(Tensor::of(sf, &[bucket, hidden / BLOCK], stream)),
+            ),
+            None => (Tensor::of(x, &[bucket, hidden], stream), None),
+        };
+        {
+            let (mut t_r, mut t_rsf, handle) = p.landing(stream);
+            let scales = t_sf.as_mut().zip(t_rsf.as_mut());
+            match ll {
+                // LL expert-major: the per-expert received counts, at dispatch time.
+                true => {
+                    let mut t_cnt = Tensor::of_mut(counters, &[local], stream);
+                    let d = Dispatch {
+                        x: &mut t_x,
+                        w: None,
+                        rows: &mut t_r,
+                        rows_w: None,
+                        scales,
+                    };
+                    let layout = Layout {
+                        counters: Some(&mut t_cnt),
+                        ..Layout::default()
+                    };
+                    handle.dispatch(d, Some(layout), stream)?;
+                }
+                // HT forward: the weights travel with the rows (one per received row).
+                false => {
+                    let mut t_w = Tensor::of(w, &[bucket, k], stream);
+                    let mut t_rw = Tensor::of_mut(recv_w, &[cap], stream);
+                    let d = Dispatch {
+                        x: &mut t_x,
+                        w: Some(&mut t_w),
+                        rows: &mut t_r,
+                        rows_w: Some(&mut t_rw),
+                        scales,
+                    };
+                    handle.dispatch(d, None, stream)?;
+                }
             }
         }
+        p.scales_for_gemm(g, ll)?;
         Ok(())
     }
 
@@ -413,28 +522,31 @@ impl Exchange for EpExchange {
             recv_w,
             ..
         } = b;
+        let (stride, valid) = (p.cap, s.world * p.tokens * s.top_k.min(s.local()));
+        let (x, fp8) = p.expert_bufs();
         if ll {
             // LL rows: expert e's `counters[e]` rows start at e x (world x tokens).
-            g.ll_bounds(counters, p.cap, bounds, sizes)?;
+            g.ll_bounds(counters, stride, bounds, sizes)?;
             return Ok(ExpertRows::Strided {
-                stride: p.cap,
-                valid: s.world * p.tokens * s.top_k.min(s.local()),
-                x: p.rows_mut(),
+                stride,
+                valid,
+                x,
                 counts: sizes,
                 bounds,
+                fp8,
             });
         }
         // HT blocks start at multiples of `hopper::ALIGN` (the handle's expert alignment); its
         // combine sums rows as they come, so each row carries its routing weight.
         g.psum_ends(local_off, counters, sizes)?;
         Ok(ExpertRows::Blocks {
-            x: p.rows_mut(),
+            x,
             cap: s.recv_rows(bucket),
             offsets: local_off,
             ends: sizes,
             total,
             weights: Some(recv_w),
-            fp8: None,
+            fp8,
         })
     }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use nccl_sys::ep::*;
-use nccl_sys::ncclResult_t;
+use nccl_sys::{ncclDataType_t, ncclResult_t};
 
 use crate::backend::cuda::nccl::{Comm, NcclError, NcclType, SymBuffer};
 
@@ -61,6 +61,23 @@ impl<'a> Tensor<'a> {
         let len = buf.len();
         let ptr = buf.device_ptr_mut(stream).0;
         Self::new(len, sizes, |s| ncclEpTensor_t::describe(ptr, T::TYPE, s))
+    }
+
+    /// `buf`'s bytes as E4M3 values (NCCL EP's FP8 tokens), an input of extents `sizes`.
+    pub fn fp8(buf: &'a CudaSlice<u8>, sizes: &[usize], stream: &CudaStream) -> Self {
+        let ptr = buf.device_ptr(stream).0;
+        Self::new(buf.len(), sizes, |s| {
+            ncclEpTensor_t::describe(ptr, ncclDataType_t::Float8e4m3, s)
+        })
+    }
+
+    /// `buf`'s bytes as E4M3 values, an output of extents `sizes`.
+    pub fn fp8_mut(buf: &'a mut CudaSlice<u8>, sizes: &[usize], stream: &CudaStream) -> Self {
+        let len = buf.len();
+        let ptr = buf.device_ptr_mut(stream).0;
+        Self::new(len, sizes, |s| {
+            ncclEpTensor_t::describe(ptr, ncclDataType_t::Float8e4m3, s)
+        })
     }
 
     /// A registered window's rows, from its start, of extents `sizes`.
@@ -172,6 +189,9 @@ pub struct Dispatch<'t, 'a> {
     pub w: Option<&'t mut Tensor<'a>>,
     pub rows: &'t mut Tensor<'a>,
     pub rows_w: Option<&'t mut Tensor<'a>>,
+    /// FP8 rows' scales, sent and received (`x` and `rows` then hold E4M3 codes): forwarded as
+    /// they are (NCCL EP's QUANT_FWD recipe).
+    pub scales: Option<(&'t mut Tensor<'a>, &'t mut Tensor<'a>)>,
 }
 
 impl Handle {
@@ -246,10 +266,16 @@ impl Handle {
         if let Some(w) = d.rows_w {
             dout.topk_weights = w.raw();
         }
+        let mut cfg = ncclEpDispatchConfig_t::new();
+        if let Some((sent, received)) = d.scales {
+            din.scales = sent.raw();
+            dout.scales = received.raw();
+            cfg.quant_recipe = ncclEpDispQuant_t::FWD;
+        }
         let li = layout.map(Layout::raw);
         let li_ptr = li.as_ref().map_or(std::ptr::null(), |l| l as *const _);
-        let cfg = ncclEpDispatchConfig_t::new();
-        // SAFETY: as in `update`; the rows hold the group's receive capacity (their extents).
+        // SAFETY: as in `update`; the rows (and the received scales, where given) hold the
+        // group's receive capacity (their extents, checked against their buffers).
         check("ncclEpDispatch", unsafe {
             (self.group.ep.dispatch)(self.raw, &din, &dout, li_ptr, &cfg, Self::stream(stream))
         })
