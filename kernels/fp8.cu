@@ -4,7 +4,8 @@
 // lane, the group's amax by shuffles. Scales go out MN-major, as
 // DeepGEMM's FP8 kernels read them: sf[g * ld + r], ld the rows rounded up to 4 (16 bytes); in
 // the masked layout each expert's block on its own, sf[(e * G + g) * stride + j] for row
-// r = e * stride + j of G groups.
+// r = e * stride + j of G groups. For NCCL EP's dispatch they go out token-major (a row's G
+// together, as it forwards them), and fp8_scales_mn lays the landed ones out MN-major.
 //
 // Which rows are live (`Live`): with `counts` (the masked layout), r % stride < counts[r / stride];
 // with `ends` (the psum layout), r < ends[e] for the expert e whose block holds r, each block

@@ -88,8 +88,9 @@ if want ep; then
     (source /tmp/nccl230/env.sh && export NCCL_DEBUG=WARN &&
       run gpu_nccl_ep timeout 300 .device/bin/gpu_nccl_ep --ignored --nocapture --test-threads 1) || status=1
     grep -E "^(test |NCCL|[0-9]+ GPUs|LL|step)" "$out/gpu_nccl_ep.log" || true
+    # nccl_ep_fp8 alone takes about 400 s on one GPU (two models): run `ep` in a call of its own.
     (source /tmp/nccl230/env.sh && export NCCL_DEBUG=WARN &&
-      run gpu_serve_ep timeout 500 .device/bin/gpu_serve --ignored --nocapture --test-threads 1 matches_the_nccl_backend nccl_ep_two_steps_in_flight nccl_ep_fp8) || status=1
+      run gpu_serve_ep timeout 590 .device/bin/gpu_serve --ignored --nocapture --test-threads 1 matches_the_nccl_backend nccl_ep_two_steps_in_flight nccl_ep_fp8) || status=1
     grep -E "^(test |nccl-ep)" "$out/gpu_serve_ep.log" || true
   else
     echo "== gpu_nccl_ep: skipped (no .device/nccl230.tar.xz)"

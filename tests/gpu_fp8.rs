@@ -1,9 +1,9 @@
 //! FP8 experts' kernels against the CPU's recipe (`epserve::model::fp8`) on random data: the
 //! activation quantisation bit for bit (scales MN-major, and token-major as NCCL EP forwards
-//! them, with their move into the GEMM's layout), SwiGLU's quantisation within the rounding of its inputs,
-//! and DeepGEMM's FP8 grouped GEMM (and decode's own) against f64 over the same quantised
-//! operands, per expert, in both layouts, with empty, ragged and hot experts, and the psum
-//! instances compiled for DeepSeek-V3's shapes. They need a GPU: run them with `--ignored`
+//! them, with their move into the GEMM's layout), SwiGLU's quantisation within the rounding of
+//! its inputs, and DeepGEMM's FP8 grouped GEMM (and decode's own) against f64 over the same
+//! quantised operands, per expert, in both layouts, with empty, ragged and hot experts, and the
+//! psum instances compiled for DeepSeek-V3's shapes. They need a GPU: run them with `--ignored`
 //! on a GPU machine (scripts/gpu-check.sh).
 #![cfg(feature = "cuda")]
 
