@@ -274,12 +274,7 @@ impl StepShape {
         let [x, act, sx, sa] = self.fp8_rows();
         let rows_in = match self.ep {
             Some(e) if self.fp8_dispatch() => {
-                let (ll, ht, t, h) = (
-                    self.ep_rows(e).0,
-                    self.ep_rows(e).1,
-                    self.max_home,
-                    self.hidden,
-                );
+                let ((ll, ht), t, h) = (self.ep_rows(e), self.max_home, self.hidden);
                 q((ll, h)) + q((ht, h)) + q((t, h)) + (ll + ht) * (h / fp8::BLOCK) * 4
             }
             _ => q(x),

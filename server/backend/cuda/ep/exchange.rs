@@ -189,22 +189,17 @@ impl EpPath {
     /// Where dispatch lands the rows: the bf16 rows, or the FP8 codes with their scales as they
     /// land (`[.., k / 128]` beside the rows' extents); and the handle.
     fn landing(&mut self, stream: &CudaStream) -> (Tensor<'_>, Option<Tensor<'_>>, &mut Handle) {
-        match &mut self.fp8 {
-            None => (
-                self.rows.tensor(&self.extents, stream),
-                None,
-                &mut self.handle,
-            ),
-            Some(f) => {
-                let mut sf = self.extents.clone();
-                if let Some(last) = sf.last_mut() {
-                    *last /= BLOCK;
-                }
-                let codes = Tensor::fp8_mut(&mut f.rows.q, &self.extents, stream);
-                let scales = Tensor::of_mut(&mut f.scales, &sf, stream);
-                (codes, Some(scales), &mut self.handle)
-            }
+        let Some(f) = self.fp8.as_mut() else {
+            let rows = self.rows.tensor(&self.extents, stream);
+            return (rows, None, &mut self.handle);
+        };
+        let mut sf = self.extents.clone();
+        if let Some(last) = sf.last_mut() {
+            *last /= BLOCK;
         }
+        let codes = Tensor::fp8_mut(&mut f.rows.q, &self.extents, stream);
+        let scales = Tensor::of_mut(&mut f.scales, &sf, stream);
+        (codes, Some(scales), &mut self.handle)
     }
 
     /// With FP8 dispatch: the landed scales (every row of the mode's space) laid out as the FP8

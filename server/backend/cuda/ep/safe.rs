@@ -44,12 +44,14 @@ impl<'a> Tensor<'a> {
         }
     }
 
+    /// Device memory at `ptr` (`len` elements) as `dtype` values of extents `sizes`.
+    fn device(ptr: u64, len: usize, dtype: ncclDataType_t, sizes: &[usize]) -> Self {
+        Self::new(len, sizes, |s| ncclEpTensor_t::describe(ptr, dtype, s))
+    }
+
     /// `buf` as an input of extents `sizes`.
     pub fn of<T: NcclType>(buf: &'a CudaSlice<T>, sizes: &[usize], stream: &CudaStream) -> Self {
-        let ptr = buf.device_ptr(stream).0;
-        Self::new(buf.len(), sizes, |s| {
-            ncclEpTensor_t::describe(ptr, T::TYPE, s)
-        })
+        Self::device(buf.device_ptr(stream).0, buf.len(), T::TYPE, sizes)
     }
 
     /// `buf` as an output (or in-place operand) of extents `sizes`.
@@ -59,25 +61,28 @@ impl<'a> Tensor<'a> {
         stream: &CudaStream,
     ) -> Self {
         let len = buf.len();
-        let ptr = buf.device_ptr_mut(stream).0;
-        Self::new(len, sizes, |s| ncclEpTensor_t::describe(ptr, T::TYPE, s))
+        Self::device(buf.device_ptr_mut(stream).0, len, T::TYPE, sizes)
     }
 
     /// `buf`'s bytes as E4M3 values (NCCL EP's FP8 tokens), an input of extents `sizes`.
     pub fn fp8(buf: &'a CudaSlice<u8>, sizes: &[usize], stream: &CudaStream) -> Self {
-        let ptr = buf.device_ptr(stream).0;
-        Self::new(buf.len(), sizes, |s| {
-            ncclEpTensor_t::describe(ptr, ncclDataType_t::Float8e4m3, s)
-        })
+        Self::device(
+            buf.device_ptr(stream).0,
+            buf.len(),
+            ncclDataType_t::Float8e4m3,
+            sizes,
+        )
     }
 
     /// `buf`'s bytes as E4M3 values, an output of extents `sizes`.
     pub fn fp8_mut(buf: &'a mut CudaSlice<u8>, sizes: &[usize], stream: &CudaStream) -> Self {
         let len = buf.len();
-        let ptr = buf.device_ptr_mut(stream).0;
-        Self::new(len, sizes, |s| {
-            ncclEpTensor_t::describe(ptr, ncclDataType_t::Float8e4m3, s)
-        })
+        Self::device(
+            buf.device_ptr_mut(stream).0,
+            len,
+            ncclDataType_t::Float8e4m3,
+            sizes,
+        )
     }
 
     /// A registered window's rows, from its start, of extents `sizes`.
