@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod model;
 pub mod nodes;
 pub mod rejections;
+pub mod request;
 pub mod sched;
 pub mod serve;
 pub mod shm;

@@ -207,7 +207,7 @@ static PROCESS: std::sync::OnceLock<metrics_process::Collector> = std::sync::Onc
 /// Every known label value of the labelled counters, at 0 from start: a series an alert or a
 /// dashboard names exists before its first event.
 fn zero_series() {
-    for &reason in crate::sched::REJECTION_REASONS {
+    for &reason in crate::rejections::REJECTION_REASONS {
         counter!("epserve_rejections_total", "reason" => reason).increment(0);
     }
     for &method in crate::api::METHODS {

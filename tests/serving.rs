@@ -512,7 +512,7 @@ async fn metrics_of_every_rank_parse_and_add_up() {
         assert_eq!(hits.len(), 1, "{name} {with:?}: {hits:?}");
         hits[0]
     };
-    for &reason in epserve::sched::REJECTION_REASONS {
+    for &reason in epserve::rejections::REJECTION_REASONS {
         assert_eq!(
             value("epserve_rejections_total", &[("reason", reason)]),
             0.0

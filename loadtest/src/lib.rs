@@ -4,6 +4,7 @@
 pub mod config;
 pub mod echo;
 pub mod load;
+pub mod record;
 pub mod report;
 pub mod shm;
 pub mod sweep;

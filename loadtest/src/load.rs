@@ -2,7 +2,7 @@
 //! arrivals at a fixed rate, whatever the latency), over unary calls or long-lived streams.
 //! Every request started inside the measured window ends with exactly one recorded status.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -15,7 +15,6 @@ use epserve::inference::{
 };
 use epserve::proto::moe_service_client::MoeServiceClient;
 use epserve::proto::{DType, ForwardRequest, ForwardResponse};
-use hdrhistogram::Histogram;
 use rand::{Rng, SeedableRng};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
@@ -25,26 +24,11 @@ use tonic::transport::Channel;
 use tonic::Code;
 
 use crate::config::Api;
+use crate::record::Recorder;
 use crate::report::Report;
 use crate::workload::{Out, Workload};
 
-#[derive(Clone, Copy, Debug)]
-pub enum Mode {
-    Closed(usize),
-    Open(f64),
-}
-
-#[derive(Clone, Debug)]
-pub struct Plan {
-    pub http2: epserve::transport::Http2,
-    pub mode: Mode,
-    pub api: Api,
-    pub warmup: Duration,
-    pub duration: Duration,
-    pub timeout: Duration,
-    pub connections: usize,
-    pub max_in_flight: usize,
-}
+pub use crate::record::{Mode, Plan};
 
 pub fn code_name(c: Code) -> &'static str {
     match c {
@@ -74,71 +58,6 @@ fn status_name(s: &tonic::Status) -> String {
         return "DEADLINE_EXCEEDED".into();
     }
     code_name(s.code()).into()
-}
-
-/// Counts and latencies of the requests started inside the window.
-pub struct Recorder {
-    warm_end: Instant,
-    end: Instant,
-    hist: Mutex<Histogram<u64>>,
-    statuses: Mutex<BTreeMap<String, u64>>,
-    pub sent: AtomicU64,
-    pub not_sent: AtomicU64,
-    /// OK answers that arrived inside the window (whenever sent): the throughput.
-    completed: AtomicU64,
-    completed_tokens: AtomicU64,
-    bytes_out: AtomicU64,
-    bytes_in: AtomicU64,
-}
-
-impl Recorder {
-    fn new(warm_end: Instant, end: Instant) -> Self {
-        Self {
-            warm_end,
-            end,
-            hist: Mutex::new(
-                Histogram::new_with_bounds(1, 600_000_000, 3).expect("histogram bounds"),
-            ),
-            statuses: Mutex::new(BTreeMap::new()),
-            sent: AtomicU64::new(0),
-            not_sent: AtomicU64::new(0),
-            completed: AtomicU64::new(0),
-            completed_tokens: AtomicU64::new(0),
-            bytes_out: AtomicU64::new(0),
-            bytes_in: AtomicU64::new(0),
-        }
-    }
-    fn counted(&self, started: Instant) -> bool {
-        started >= self.warm_end && started < self.end
-    }
-    fn sent(&self, started: Instant, bytes: usize) {
-        if self.counted(started) {
-            self.sent.fetch_add(1, Ordering::Relaxed);
-            self.bytes_out.fetch_add(bytes as u64, Ordering::Relaxed);
-        }
-    }
-    fn done(&self, started: Instant, status: &str, tokens: usize, bytes_in: usize) {
-        let now = Instant::now();
-        if status == "OK" && now >= self.warm_end && now < self.end {
-            self.completed.fetch_add(1, Ordering::Relaxed);
-            self.completed_tokens
-                .fetch_add(tokens as u64, Ordering::Relaxed);
-        }
-        if !self.counted(started) {
-            return;
-        }
-        *self
-            .statuses
-            .lock()
-            .unwrap()
-            .entry(status.to_string())
-            .or_default() += 1;
-        if status == "OK" {
-            let us = started.elapsed().as_micros().max(1) as u64;
-            self.hist.lock().unwrap().saturating_record(us);
-            self.bytes_in.fetch_add(bytes_in as u64, Ordering::Relaxed);
-        }
-    }
 }
 
 fn v1_out(r: &ForwardResponse) -> Option<Out> {
@@ -497,26 +416,5 @@ pub async fn run(addr: &str, plan: &Plan, workload: Workload, seed: u64) -> anyh
     if let Some(regions) = &target.regions {
         regions.close(&mut target.kserve[0].clone()).await;
     }
-    Ok(Report::new(&rec, plan, addr, &rec_parts(&rec)))
-}
-
-/// What the report reads out of the recorder.
-pub struct Parts {
-    pub completed: u64,
-    pub completed_tokens: u64,
-    pub statuses: BTreeMap<String, u64>,
-    pub hist: Histogram<u64>,
-    pub bytes_out: u64,
-    pub bytes_in: u64,
-}
-
-fn rec_parts(rec: &Recorder) -> Parts {
-    Parts {
-        completed: rec.completed.load(Ordering::Relaxed),
-        completed_tokens: rec.completed_tokens.load(Ordering::Relaxed),
-        statuses: rec.statuses.lock().unwrap().clone(),
-        hist: rec.hist.lock().unwrap().clone(),
-        bytes_out: rec.bytes_out.load(Ordering::Relaxed),
-        bytes_in: rec.bytes_in.load(Ordering::Relaxed),
-    }
+    Ok(Report::new(&rec, plan, addr, &rec.parts()))
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use serde::Serialize;
 
 use crate::config::Api;
-use crate::load::{Mode, Parts, Plan, Recorder};
+use crate::record::{Mode, Parts, Plan, Recorder};
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Latency {

@@ -5,8 +5,8 @@ use std::time::Instant;
 
 use tonic::{Request, Response, Status, Streaming};
 
+use super::call::{record, Call, Done};
 use super::stream::{self, ResponseStream};
-use super::{Call, Done};
 use crate::infer::tensor::{self, Dtype, View, FLOATS, IDS};
 use crate::infer::{rejected, Infer, Request as Entry};
 use crate::proto::moe_service_server::MoeService;
@@ -14,7 +14,7 @@ use crate::proto::{
     self, DType, ForwardRequest, ForwardResponse, GetModelInfoRequest, ModelInfo, ProbeRequest,
     ProbeResponse,
 };
-use crate::sched::{Failure, JobInput, Permit};
+use crate::request::{Failure, JobInput, Permit};
 use crate::transport::unary::{Spliced, Unary};
 
 pub struct MoeApi {
@@ -69,7 +69,7 @@ fn view<'a>(t: &'a proto::Tensor, what: &str, accepted: &[Dtype]) -> Result<View
     Ok(View {
         dtype: dtype(t.dtype, what, accepted)?,
         shape: &t.shape,
-        data: crate::sched::Data::Host(t.data.clone()),
+        data: crate::request::Data::Host(t.data.clone()),
     })
 }
 
@@ -256,7 +256,7 @@ impl Unary for Forward {
     }
 
     fn refused(status: &Status, since: Instant) {
-        super::record(Self::METHOD, status.code(), 0, since);
+        record(Self::METHOD, status.code(), 0, since);
     }
 }
 
@@ -368,13 +368,13 @@ mod fuzz {
     use crate::api::status;
     use crate::infer::Phase;
     use crate::lifecycle::Abort;
-    use crate::sched::Admission;
+    use crate::request::Admission;
     use prost::Message;
     use rand::{Rng, SeedableRng};
     use tokio::sync::{mpsc, Notify};
     use tonic::Code;
 
-    fn infer(jobs: mpsc::Sender<Arc<crate::sched::Job>>, abort: Arc<Abort>) -> Arc<Infer> {
+    fn infer(jobs: mpsc::Sender<Arc<crate::infer::Job>>, abort: Arc<Abort>) -> Arc<Infer> {
         let spec = Arc::new(crate::model::synthetic::preset("tiny").unwrap());
         let adm = Admission::new(4, 64);
         Arc::new(Infer::new(spec, jobs, adm, Arc::new(Notify::new()), abort))

@@ -120,7 +120,7 @@ impl BringUp for CpuBringUp {
 /// A GPU backend (`nccl`, `nccl-ep`): its weights are on the device already; joining is NCCL's
 /// and the step graphs'.
 pub struct GpuBringUp {
-    pub device: Box<gpu::Device>,
+    pub device: Box<dyn gpu::GpuDevice>,
     /// Home-token buckets, ascending.
     pub buckets: Vec<usize>,
     pub graphs: bool,
@@ -153,14 +153,14 @@ impl BringUp for GpuBringUp {
     fn join(self: Box<Self>, at: &Site, _: &Links) -> anyhow::Result<Box<dyn Backend + Send>> {
         let _bound = SetupDeadline::new(GPU_SETUP, at.deadline);
         let me = *self;
-        me.device.join(
-            at.nccl_id,
-            (at.ring)()?,
-            me.buckets,
-            me.graphs,
-            me.step_timeout,
-            at.deadline,
-            at.abort.clone(),
-        )
+        me.device.join(gpu::Joining {
+            nccl_id: at.nccl_id,
+            ring: (at.ring)()?,
+            buckets: me.buckets,
+            graphs: me.graphs,
+            step_timeout: me.step_timeout,
+            deadline: at.deadline,
+            abort: at.abort.clone(),
+        })
     }
 }

@@ -2,7 +2,6 @@
 //! channel that carries step descriptors. Every wait has a deadline and names who is missing.
 
 pub mod msg;
-pub mod wire;
 
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -11,8 +10,8 @@ use std::time::{Duration, Instant};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+pub use crate::transport::frame::{recv, send};
 pub use msg::{Bringup, Fingerprint, IngressOrder, IngressReport, Order, Report};
-pub use wire::{recv, send};
 
 use crate::nodes::{RankNode, Roster};
 

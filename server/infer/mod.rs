@@ -16,7 +16,9 @@ use tokio::sync::{mpsc, Notify};
 
 use crate::lifecycle::Abort;
 use crate::model::MoeSpec;
-use crate::sched::{Admission, Failure, Job, JobInput, Permit};
+use crate::request::{Admission, Failure, JobInput, Permit};
+/// The queue's item, for whoever builds an `Infer` (the serving process, tests).
+pub use crate::sched::Job;
 use tensor::{Dtype, Names, View};
 
 /// Where the service is in its life; requests are only admitted while `Serving`.
@@ -69,7 +71,7 @@ pub struct Infer {
 
 /// Counts a refusal under `reason`, logs it at debug, and passes it on.
 pub fn rejected(reason: &'static str, f: Failure) -> Failure {
-    crate::sched::count_rejection(reason);
+    crate::rejections::count_rejection(reason);
     tracing::debug!(reason, "request refused: {f}");
     f
 }

@@ -5,7 +5,7 @@
 use bytes::Bytes;
 
 use super::quote::dims;
-use crate::sched::{Data, Failure, Rows};
+use crate::request::{Data, Failure, Rows};
 
 pub use crate::dtype::{encode, Dtype, FLOATS, IDS};
 

@@ -9,7 +9,8 @@ use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
 use super::fp8;
-use super::{ExpertDtype, Ffn, LayerWeights, ModelError, MoeSpec, RankWeights, Routing};
+use super::spec::{ModelError, MoeSpec, Routing};
+use super::weights::{ExpertDtype, Ffn, LayerWeights, RankWeights};
 
 pub const SUPPORTED: &[&str] = &[
     "mixtral (MixtralForCausalLM)",

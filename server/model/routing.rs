@@ -1,6 +1,6 @@
 //! Top-k routing on one row of router logits, with Hugging Face semantics.
 
-use super::Routing;
+use super::spec::Routing;
 
 /// Indices of the `k` largest values, largest first; ties go to the lower index (as torch.topk on
 /// CPU does for distinct values; exact ties do not occur on real data).

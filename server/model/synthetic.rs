@@ -3,7 +3,8 @@
 
 use std::ops::Range;
 
-use super::{Ffn, LayerWeights, ModelError, MoeSpec, Routing};
+use super::spec::{ModelError, MoeSpec, Routing};
+use super::weights::{Ffn, LayerWeights};
 
 pub const PRESETS: &[&str] = &[
     "tiny",

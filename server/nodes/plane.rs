@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use super::mirror::{apply, Link, Targets};
 use super::Roster;
-use crate::group::wire::{recv, send};
 use crate::lifecycle::Abort;
+use crate::transport::frame::{recv, send};
 
 /// How long an accepted connection has to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);

@@ -14,9 +14,10 @@ use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::job::{Job, Segment, Step};
 use super::pace::{Pace, PARTIAL_STEPS_BEHIND};
-use super::{Failure, Job, Segment, Step};
 use crate::lifecycle::Abort;
+use crate::request::Failure;
 use crate::step::StepKey;
 
 #[derive(Clone)]
@@ -78,7 +79,7 @@ pub async fn run_batcher(
         let now = std::time::Instant::now();
         queue.retain(|q| {
             if q.expired(now) {
-                super::count_rejection("deadline_in_queue");
+                crate::rejections::count_rejection("deadline_in_queue");
                 tracing::debug!(reason = "deadline_in_queue", "request refused");
                 q.job.fail(Failure::Deadline(
                     "the deadline passed while the request was queued".into(),
@@ -230,7 +231,7 @@ fn take_step(queue: &mut VecDeque<Queued>, budget: usize) -> Step {
 mod tests {
     use super::*;
     use crate::dtype::Dtype;
-    use crate::sched::JobInput;
+    use crate::request::JobInput;
 
     fn job(
         layer: usize,
@@ -238,7 +239,7 @@ mod tests {
         deadline: Option<std::time::Instant>,
     ) -> (
         Arc<Job>,
-        tokio::sync::oneshot::Receiver<crate::sched::Reply>,
+        tokio::sync::oneshot::Receiver<crate::request::Reply>,
     ) {
         typed(layer, tokens, deadline, Dtype::Bf16, Dtype::Bf16)
     }
@@ -251,15 +252,15 @@ mod tests {
         output: Dtype,
     ) -> (
         Arc<Job>,
-        tokio::sync::oneshot::Receiver<crate::sched::Reply>,
+        tokio::sync::oneshot::Receiver<crate::request::Reply>,
     ) {
         let input = JobInput {
             id: format!("{layer}/{tokens}"),
             layer,
             tokens,
-            hidden: crate::sched::Rows {
+            hidden: crate::request::Rows {
                 dtype: input,
-                data: crate::sched::Data::Host(bytes::Bytes::new()),
+                data: crate::request::Data::Host(bytes::Bytes::new()),
             },
             output,
             routing: None,

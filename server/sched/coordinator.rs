@@ -13,8 +13,9 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::batcher::ready_for_step;
-use super::{Failure, Step, OFFERS_PENDING, STEPS_IN_FLIGHT};
+use super::job::{Step, OFFERS_PENDING, STEPS_IN_FLIGHT};
 use crate::lifecycle::Abort;
+use crate::request::Failure;
 use crate::step::StepKey;
 
 /// One rank's offer (`IngressReport::Offer`): `tokens` rows of `key`, packed there.

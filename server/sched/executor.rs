@@ -16,11 +16,14 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
 
+use super::coordinator::Offer;
+use super::job::{Job, Segment, Step};
+use super::pace::Pace;
 use super::rows::{copy_threads, deliver, out_bufs, pack, router_rows};
-use super::{Failure, Offer, Pace, Step};
 use crate::dtype::Dtype;
 use crate::group::{recv, GroupError, IngressOrder, IngressReport, Order, Report, RouterLink};
 use crate::lifecycle::{nap, Abort};
+use crate::request::{Data, Failure, JobInput, Rows};
 use crate::shm::WaitError;
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver, PhaseTimes, StepDesc, StepError};
@@ -401,7 +404,7 @@ impl<B: Backend> Executor<B> {
             free.put(f.slot);
             if f.heartbeat.is_none() {
                 in_flight.add_permits(1);
-                metrics::gauge!(crate::sched::STEPS_IN_FLIGHT).decrement(1.0);
+                metrics::gauge!(super::job::STEPS_IN_FLIGHT).decrement(1.0);
             }
         }
         e
@@ -413,22 +416,22 @@ impl<B: Backend> Executor<B> {
         let hidden: Vec<f32> = (0..tokens * self.ring.shape.hidden)
             .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
             .collect();
-        let input = super::JobInput {
+        let input = JobInput {
             id: "warm-up".into(),
             layer: 0,
             tokens,
-            hidden: super::Rows {
+            hidden: Rows {
                 dtype: Dtype::F32,
-                data: super::Data::Host(crate::dtype::encode(&hidden, Dtype::F32).into()),
+                data: Data::Host(crate::dtype::encode(&hidden, Dtype::F32).into()),
             },
             output: Dtype::F32,
             routing: None,
             deadline: None,
             output_to: None,
         };
-        let (job, mut rx) = super::Job::new(input, None);
+        let (job, mut rx) = Job::new(input, None);
         let step = Step {
-            segments: vec![super::Segment {
+            segments: vec![Segment {
                 job,
                 rows: 0..tokens,
             }],
@@ -566,7 +569,7 @@ fn deliver_steps(
         );
         free.put(slot);
         in_flight.add_permits(1);
-        metrics::gauge!(crate::sched::STEPS_IN_FLIGHT).decrement(1.0);
+        metrics::gauge!(super::job::STEPS_IN_FLIGHT).decrement(1.0);
     }
 }
 

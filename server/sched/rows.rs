@@ -5,8 +5,10 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::{Data, Failure, Job, Step};
-use crate::step::direct::{ClientSpan, DirectRun};
+use super::job::{Job, Step};
+use crate::request::ClientSpan;
+use crate::request::{Data, Failure};
+use crate::step::direct::DirectRun;
 use crate::step::ring::Ring;
 use crate::transport::bufs::{Bufs, OUTPUT_BUFFERS_REUSED};
 
@@ -229,7 +231,7 @@ pub(crate) fn pack(
                 .sum::<usize>();
         let rows = start..start + step.segments[seg].rows.len();
         ring.fill_hidden(slot, rows, d, |dst| dst.fill(0));
-        super::count_rejection("invalid_argument");
+        crate::rejections::count_rejection("invalid_argument");
         job.fail(Failure::invalid(why));
     }
     let took = t.elapsed();
@@ -326,8 +328,9 @@ pub(crate) fn deliver(
 mod tests {
     use super::*;
     use crate::dtype::Dtype;
-    use crate::sched::{Job, JobInput, Rows, Segment};
-    use crate::step::direct::ClientMemory;
+    use crate::request::ClientMemory;
+    use crate::request::{JobInput, Rows};
+    use crate::sched::{Job, Segment};
     use crate::step::ring::{Output, RingShape};
 
     /// Host bytes standing in for a client's memory: a GPU's when `device`.
@@ -365,7 +368,7 @@ mod tests {
         output_to: Option<ClientSpan>,
     ) -> (
         Arc<Job>,
-        tokio::sync::oneshot::Receiver<crate::sched::Reply>,
+        tokio::sync::oneshot::Receiver<crate::request::Reply>,
     ) {
         let input = JobInput {
             id: String::new(),

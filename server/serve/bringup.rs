@@ -96,7 +96,7 @@ fn connect_nodes(site: &Site, rank: &dyn BringUp, reach: Reach) -> anyhow::Resul
     if roster.spans_nodes() {
         targets.segment = rank.mirrored(site)?;
         if roster.leader(me) == me {
-            let path = super::ring_path(site.dir, site.group);
+            let path = super::site::ring_path(site.dir, site.group);
             targets.ring = Some(Shm::open(&path, ring.shape.bytes())?);
         }
     }

@@ -25,7 +25,8 @@ use crate::infer::Infer;
 use crate::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
 use crate::lifecycle::Abort;
 use crate::proto::moe_service_server::MoeServiceServer;
-use crate::sched::{Admission, Job};
+use crate::request::Admission;
+use crate::sched::Job;
 use crate::transport::bufs::{Bufs, REQUEST_BUFFERS_REUSED};
 use crate::transport::conn::ConnArgs;
 use crate::transport::unary::{Limits, UnaryLayer};
@@ -67,17 +68,17 @@ impl Front {
         ));
         let api = Arc::new(MoeApi::new(infer.clone(), info, args.max_stream_in_flight));
         // CUDA shared memory where this rank has a GPU.
-        let no_cuda = match p.backend {
+        let cuda = match p.backend {
             crate::config::BackendKind::Nccl | crate::config::BackendKind::NcclEp => {
-                crate::backend::gpu::available().err()
+                crate::backend::gpu::open_device()
             }
-            b => Some(format!("the {} backend has no GPU", b.name())),
+            b => Err(format!("the {} backend has no GPU", b.name())),
         };
         let kserve = Arc::new(KserveApi::new(
             infer.clone(),
             args.max_stream_in_flight,
             args.regions.clone(),
-            no_cuda,
+            cuda,
             args.max_request_bytes,
         ));
         let (health, health_service) = tonic_health::server::health_reporter();

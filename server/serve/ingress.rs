@@ -17,7 +17,8 @@ use crate::config::ServeArgs;
 use crate::group::{IngressReport, Report, Reporter};
 use crate::infer::Phase;
 use crate::lifecycle::Abort;
-use crate::sched::{run_batcher, BatchConfig, Failure, Step, OFFERS_PENDING};
+use crate::request::Failure;
+use crate::sched::{run_batcher, BatchConfig, Step, OFFERS_PENDING};
 use crate::step::ring::Ring;
 use crate::watchdog::Progress;
 

@@ -8,16 +8,16 @@ mod ingress;
 mod own_rows;
 mod prepare;
 mod router;
+mod site;
 mod stop;
 mod unknown;
 mod worker;
 
 use std::net::{SocketAddr, TcpListener};
-use std::path::Path;
 
 use anyhow::{anyhow, Context};
 
-use crate::config::{BackendKind, ServeArgs};
+use crate::config::ServeArgs;
 
 /// A startup stage that lasts longer is said again this often (`startup: still ...`).
 const STILL_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
@@ -118,16 +118,6 @@ fn bind_rendezvous(addr: &str, given: Option<SocketAddr>) -> anyhow::Result<TcpL
     Ok(listener)
 }
 
-/// This user's private directory for the group's segments under --shm-dir.
-pub(crate) fn segment_dir(args: &ServeArgs) -> anyhow::Result<std::path::PathBuf> {
-    crate::shm::private_dir(&args.shm_dir)
-        .with_context(|| format!("the segment directory under {}", args.shm_dir.display()))
-}
-
-pub(crate) fn ring_path(dir: &Path, group: &str) -> std::path::PathBuf {
-    dir.join(format!("epserve-{group}-ring"))
-}
-
 /// The rendezvous listener binds the address the rendezvous name resolves to (its first IPv4
 /// one where there is one): ranks reach the router there, and nothing else is opened.
 fn rendezvous_bind(addr: &str) -> anyhow::Result<SocketAddr> {
@@ -141,15 +131,4 @@ fn rendezvous_bind(addr: &str) -> anyhow::Result<SocketAddr> {
         .or(all.first())
         .copied()
         .ok_or_else(|| anyhow!("rendezvous address '{addr}' resolves to no address"))
-}
-
-fn group_info(backend: BackendKind, rank: usize, world: usize) {
-    metrics::gauge!(
-        "epserve_group_info",
-        "backend" => prepare::backend_name(backend),
-        "world_size" => world.to_string(),
-        "ranks_joined" => world.to_string(),
-        "rank" => rank.to_string()
-    )
-    .set(1.0);
 }

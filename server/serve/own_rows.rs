@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
+use crate::request::Failure;
 use crate::sched::rows::{copy_threads, deliver, out_bufs, pack};
-use crate::sched::{Failure, Step, OFFERS_PENDING};
+use crate::sched::{Step, OFFERS_PENDING};
 use crate::step::ring::Ring;
 use crate::step::{StepDesc, StepKey};
 

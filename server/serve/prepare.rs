@@ -248,11 +248,11 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringU
                 max_home: p.segment.max_home,
                 ep: p.ep,
             };
-            let dev = gpu::Device::open(seat, &p.spec, weights)?;
+            let dev = gpu::open(seat, &p.spec, weights)?;
             p.exchange_bytes = dev.buffer_bytes() as u64;
             p.expert_bytes = dev.expert_bytes() as u64;
             Box::new(GpuBringUp {
-                device: Box::new(dev),
+                device: dev,
                 buckets: p.buckets.clone(),
                 graphs: args.cuda_graphs == OnOff::On,
                 step_timeout: args.step_timeout,

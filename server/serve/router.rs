@@ -456,7 +456,7 @@ fn form_group(
     let setup = (|| -> anyhow::Result<Built> {
         let deadline = Instant::now() + timeout;
         let ring = Arc::new(
-            Ring::create(&super::ring_path(dir, &group_id), p.ring)
+            Ring::create(&super::site::ring_path(dir, &group_id), p.ring)
                 .context("creating the step ring")?,
         );
         let mapped = || Ok(ring.clone());
@@ -492,7 +492,7 @@ fn form_group(
         }
     };
     link.clear_timeouts()?;
-    super::group_info(p.backend, 0, world);
+    super::site::group_info(p.backend, 0, world);
     log_nodes(&roster);
     let buffers = crate::step::buffer_sizes(&rank.buffers());
     let formed = Formed {
@@ -515,7 +515,7 @@ fn form_group(
 /// The segment directory, with the files of groups this host routed and whose router is gone
 /// removed.
 fn swept_segment_dir(args: &ServeArgs) -> anyhow::Result<std::path::PathBuf> {
-    let dir = super::segment_dir(args)?;
+    let dir = super::site::segment_dir(args)?;
     let swept = crate::shm::sweep_stale(&dir, &group::host_tag());
     if swept > 0 {
         info!("removed {swept} segment(s) of groups whose router is gone");

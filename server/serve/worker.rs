@@ -19,7 +19,8 @@ use crate::config::{Ingress, ServeArgs};
 use crate::group::{self, send, Bringup, IngressOrder, Joined, Order, Report, Reporter};
 use crate::lifecycle::{nap, Abort};
 use crate::nodes::plane::DataListener;
-use crate::sched::{Failure, Step};
+use crate::request::Failure;
+use crate::sched::Step;
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver, StepDesc, StepError};
 use crate::watchdog::{self, Progress};
@@ -77,9 +78,9 @@ fn join(
         c.set_nodes(&roster);
     }
     let deadline = Instant::now() + args.rendezvous_timeout;
-    let dir = super::segment_dir(args)?;
+    let dir = super::site::segment_dir(args)?;
     let dir = dir.as_path();
-    let ring = NodeRing::new(super::ring_path(dir, &group_id), p.ring);
+    let ring = NodeRing::new(super::site::ring_path(dir, &group_id), p.ring);
     let setup = {
         // The first rank of a node other than rank 0's makes the node's ring, before the
         // first barrier, so its node's ranks find it after.
@@ -208,7 +209,7 @@ fn follow(
     // The router sends a step or a heartbeat at least every heartbeat interval plus one step.
     let silence = args.heartbeat_interval + args.step_timeout + Duration::from_secs(1);
     stream.set_read_timeout(Some(silence))?;
-    super::group_info(p.backend, rank, p.member.world);
+    super::site::group_info(p.backend, rank, p.member.world);
     // The router drives the drain: a signalled rank keeps running the router's steps until it is
     // told to stop or loses the router, so nothing admitted is lost when every pod gets SIGTERM.
     let signalled = Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -1,14 +1,31 @@
 //! What a rank records after each step: its Prometheus step series (names described in
 //! `crate::metrics`) and the stats line's step time.
 
+use std::time::Duration;
+
 use metrics::{counter, gauge, histogram};
+
+/// Wall time of one step on this rank, and of each phase where the backend runs them one by one
+/// on the host (a GPU step is one graph: its phases are timed by `epserve bench`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PhaseTimes {
+    pub phased: bool,
+    /// Rows the backend computed beyond the step's tokens (bucket padding).
+    pub padding: usize,
+    pub gating: Duration,
+    pub prepare: Duration,
+    pub dispatch: Duration,
+    pub experts: Duration,
+    pub combine: Duration,
+    pub total: Duration,
+}
 
 /// Per-step figures a rank records after each step.
 pub struct StepRecord<'a> {
     pub layer: u32,
     pub tokens: usize,
     pub heartbeat: bool,
-    pub times: &'a super::PhaseTimes,
+    pub times: &'a PhaseTimes,
     /// `[world, experts]` token rows routed from each source rank to each expert.
     pub routed: &'a [u32],
     pub world: usize,

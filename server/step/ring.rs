@@ -15,8 +15,8 @@ use std::time::Instant;
 
 use std::sync::{Arc, OnceLock};
 
+use super::desc::{StepDesc, StepError};
 use super::direct::DirectRows;
-use super::{StepDesc, StepError};
 use crate::dtype::Dtype;
 use crate::lifecycle::Abort;
 use crate::nodes::mirror::{Link, Target};

@@ -2,11 +2,13 @@
 //! (`accept`) and HTTP/2 settings (`http2`), each connection's limits (`conn`) and share of the
 //! upload budget (`upload`), the unary calls' own framing (`unary`, a tower layer over tonic's
 //! services), the plain-HTTP ports (`http`), buffers kept for reuse (`bufs`), and accepting when
-//! descriptors run out (`listen`). Nothing here names a protocol's messages: `api/` does.
+//! descriptors run out (`listen`), and the length-prefixed frames between ranks (`frame`).
+//! Nothing here names a protocol's messages: `api/` and `group/` do.
 
 pub mod accept;
 pub mod bufs;
 pub mod conn;
+pub mod frame;
 pub mod http;
 pub mod http2;
 pub mod listen;

@@ -4,7 +4,7 @@
 
 use super::*;
 use crate::lifecycle::Abort;
-use crate::sched::Admission;
+use crate::request::Admission;
 use prost::Message;
 use rand::{Rng, SeedableRng};
 use tokio::sync::{mpsc, Notify};
@@ -104,7 +104,7 @@ fn no_request_panics_and_every_refusal_is_named() {
         shm_regions_mode: 0o600,
         shm_regions_max: 1,
     };
-    let api = KserveApi::new(Arc::new(infer), 1, regions, Some("a test".into()), 1 << 20);
+    let api = KserveApi::new(Arc::new(infer), 1, regions, Err("a test".into()), 1 << 20);
     let (h, k) = (spec.hidden, spec.top_k);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x6b73);
     let mut accepted = 0;

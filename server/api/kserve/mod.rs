@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::call::{code_name, record, status, Call, Done};
 use super::stream::{self, ResponseStream};
-use super::{code_name, status, Call, Done};
 use crate::infer::quote::quote;
 use crate::infer::stats::{LayerStats, Total};
 use crate::infer::tensor::{self, Dtype, View, FLOATS, IDS};
@@ -39,7 +39,7 @@ use crate::inference::{
     SystemSharedMemoryStatusResponse, SystemSharedMemoryUnregisterRequest,
     SystemSharedMemoryUnregisterResponse,
 };
-use crate::sched::{Data, Failure, Permit};
+use crate::request::{Data, Failure, Permit};
 use crate::transport::unary::{Spliced, Unary};
 use models::{name, Model, HIDDEN, IDS_IN, OUTPUT, PLATFORM, VERSION, WEIGHTS};
 use regions::{Regions, Span, SHM_BYTES, SHM_TENSORS};
@@ -205,7 +205,7 @@ fn tensor_parameters(
 
 /// A decoded request and what its answer needs.
 struct Decoded {
-    input: crate::sched::JobInput,
+    input: crate::request::JobInput,
     /// The output's type.
     out: Dtype,
     /// Mark a stream's answer as the request's last.
@@ -324,12 +324,12 @@ impl KserveApi {
         infer: Arc<Infer>,
         stream_in_flight: usize,
         regions: regions::RegionArgs,
-        no_cuda: Option<String>,
+        cuda: Result<Arc<dyn crate::request::OpenDevice>, String>,
         max_request: usize,
     ) -> Self {
         Self {
             infer,
-            regions: Regions::new(regions, no_cuda),
+            regions: Regions::new(regions, cuda),
             max_request,
             stream_in_flight: stream_in_flight.max(1),
         }
@@ -653,7 +653,7 @@ impl Unary for ModelInfer {
     }
 
     fn refused(status: &Status, since: Instant) {
-        super::record(Self::METHOD, status.code(), 0, since);
+        record(Self::METHOD, status.code(), 0, since);
     }
 }
 

@@ -17,7 +17,7 @@ use crate::inference::{
     DataType, ModelConfig, ModelInput, ModelOutput, ModelParameter, ModelTransactionPolicy,
 };
 use crate::model::MoeSpec;
-use crate::sched::Failure;
+use crate::request::Failure;
 
 /// Every model's one version; an empty version asks for it.
 pub const VERSION: &str = "1";

@@ -13,7 +13,8 @@
 //! nothing it still reads.
 //!
 //! CUDA shared memory (on the GPU backends): a client registers a raw CUDA IPC handle of its
-//! device memory, opened once here (`gpu::IpcRegion`: the handle's size and device checked) and
+//! device memory, opened once here by the backend's `OpenDevice` handed in at startup (the
+//! handle's size and device checked) and
 //! held by requests the same way. Its hidden states and output stay there: the GPU rank of this
 //! process copies its rows device to device (`step::direct`); only other ranks' rows and the
 //! small routing tensors cross the host. Both kinds share one namespace and
@@ -29,12 +30,10 @@ use bytes::Bytes;
 use clap::Args;
 use tonic::Status;
 
-use crate::backend::gpu::IpcRegion;
 use crate::infer::quote::quote;
 use crate::inference::cuda_shared_memory_status_response::RegionStatus as CudaStatus;
 use crate::inference::system_shared_memory_status_response::RegionStatus;
-use crate::sched::Failure;
-use crate::step::direct::{ClientMemory, ClientSpan};
+use crate::request::{ClientMemory, ClientSpan, Failure, OpenDevice};
 
 /// Bytes read from and written to clients' regions (`direction`: in, out).
 pub const SHM_BYTES: &str = "epserve_shm_bytes_total";
@@ -72,8 +71,11 @@ pub struct Region {
 enum Backing {
     /// A POSIX object's `[offset, offset + size)`.
     File(Arc<FileRegion>),
-    /// A client's CUDA allocation.
-    Device(Arc<IpcRegion>),
+    /// A client's CUDA allocation on device `device`.
+    Device {
+        mem: Arc<dyn ClientMemory>,
+        device: u64,
+    },
 }
 
 /// A POSIX object's part, read and written with `pread`/`pwrite` on the descriptor opened at
@@ -125,7 +127,7 @@ impl Region {
     fn kind(&self) -> Kind {
         match self.backing {
             Backing::File(_) => Kind::System,
-            Backing::Device(_) => Kind::Cuda,
+            Backing::Device { .. } => Kind::Cuda,
         }
     }
 }
@@ -163,7 +165,7 @@ impl Span {
     pub fn client(&self) -> ClientSpan {
         let mem: Arc<dyn ClientMemory> = match &self.region.backing {
             Backing::File(f) => f.clone(),
-            Backing::Device(d) => d.clone(),
+            Backing::Device { mem, .. } => mem.clone(),
         };
         ClientSpan {
             mem,
@@ -174,7 +176,7 @@ impl Span {
 
     /// Whether the span is a client's CUDA memory.
     pub fn on_device(&self) -> bool {
-        matches!(self.region.backing, Backing::Device(_))
+        matches!(self.region.backing, Backing::Device { .. })
     }
 
     /// Reads the span. A short read (the client truncated its object) is INVALID_ARGUMENT.
@@ -199,23 +201,23 @@ impl Span {
 pub struct Regions {
     args: RegionArgs,
     map: Mutex<HashMap<String, Arc<Region>>>,
-    /// Why CUDA regions are not served here (the cpu backend, a build without CUDA); None:
-    /// they are.
-    no_cuda: Option<String>,
+    /// What opens CUDA regions, or why they are not served here (the cpu backend, a build
+    /// without CUDA).
+    cuda: Result<Arc<dyn OpenDevice>, String>,
 }
 
 impl Regions {
-    pub fn new(args: RegionArgs, no_cuda: Option<String>) -> Self {
+    pub fn new(args: RegionArgs, cuda: Result<Arc<dyn OpenDevice>, String>) -> Self {
         Self {
             args,
             map: Mutex::new(HashMap::new()),
-            no_cuda,
+            cuda,
         }
     }
 
     /// Whether CUDA regions are served.
     pub fn cuda(&self) -> bool {
-        self.no_cuda.is_none()
+        self.cuda.is_ok()
     }
 
     /// Adds `region` under its name, unless the name is taken or the table full.
@@ -245,12 +247,12 @@ impl Regions {
         device: i64,
         size: u64,
     ) -> Result<(), Status> {
-        if let Some(why) = &self.no_cuda {
-            return Err(Status::unavailable(format!(
+        let opener = self.cuda.as_ref().map_err(|why| {
+            Status::unavailable(format!(
                 "CUDA shared memory is not served here ({why}): use system shared memory \
                  (SystemSharedMemoryRegister)"
-            )));
-        }
+            ))
+        })?;
         Self::named(name, size)?;
         if self.map().contains_key(name) {
             return Err(Status::already_exists(format!(
@@ -258,13 +260,17 @@ impl Regions {
                 quote(name)
             )));
         }
-        let device_memory = IpcRegion::open(handle, device, size).map_err(|e| {
+        let mem = opener.open(handle, device, size).map_err(|e| {
             Status::invalid_argument(format!("CUDA shared-memory region {}: {e}", quote(name)))
         })?;
         self.insert(Region {
             name: name.into(),
             size,
-            backing: Backing::Device(Arc::new(device_memory)),
+            backing: Backing::Device {
+                mem,
+                // `open` checked it names a device here.
+                device: device as u64,
+            },
         })
     }
 
@@ -418,7 +424,7 @@ impl Regions {
         self.listed(name, Kind::System, |r| {
             let (key, offset) = match &r.backing {
                 Backing::File(f) => (f.key.clone(), f.offset),
-                Backing::Device(_) => unreachable!("listed by kind"),
+                Backing::Device { .. } => unreachable!("listed by kind"),
             };
             RegionStatus {
                 name: r.name.clone(),
@@ -434,7 +440,7 @@ impl Regions {
         self.listed(name, Kind::Cuda, |r| CudaStatus {
             name: r.name.clone(),
             device_id: match &r.backing {
-                Backing::Device(d) => d.device() as u64,
+                Backing::Device { device, .. } => *device,
                 Backing::File(_) => unreachable!("listed by kind"),
             },
             byte_size: r.size,
@@ -464,7 +470,7 @@ mod tests {
                 shm_regions_mode: 0o600,
                 shm_regions_max: 2,
             },
-            Some("a test".into()),
+            Err("a test".into()),
         )
     }
 

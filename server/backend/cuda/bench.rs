@@ -16,8 +16,8 @@ use super::setup::{self, Device};
 use super::step::{GpuStep, HomeDtype, Variant};
 use super::{device_count, GpuError};
 use crate::backend::bench::{median, summarize, BenchConfig, ConfigResult, Plan, RankResult};
+use crate::backend::device::Seat;
 use crate::backend::ep_settings::{EpMode, EpSettings, EP_LL_MAX_TOKENS};
-use crate::backend::gpu::Seat;
 
 /// Each backend of `--backends` as run: `nccl`, and `nccl-ep` once per mode and zero-copy
 /// setting, each resolved as the service resolves `--ep-mode` for one bucket of the config's

@@ -14,7 +14,7 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
 use crate::dtype::Dtype;
-use crate::step::direct::ClientMemory;
+use crate::request::{ClientMemory, OpenDevice};
 
 /// Bytes of a `cudaIpcMemHandle_t`.
 pub const HANDLE_BYTES: usize = 64;
@@ -57,6 +57,21 @@ impl Check {
             first: stream.alloc_zeros::<u64>(1)?,
             stream,
         })
+    }
+}
+
+/// Opens clients' CUDA memory for the protocols (`request::OpenDevice`), when this process has a
+/// GPU.
+pub fn open_device() -> Result<Arc<dyn OpenDevice>, String> {
+    super::setup::available()?;
+    Ok(Arc::new(IpcOpener))
+}
+
+struct IpcOpener;
+
+impl OpenDevice for IpcOpener {
+    fn open(&self, handle: &[u8], device: i64, size: u64) -> Result<Arc<dyn ClientMemory>, String> {
+        Ok(Arc::new(IpcRegion::open(handle, device, size)?))
     }
 }
 
@@ -117,10 +132,6 @@ impl IpcRegion {
             ));
         }
         Ok(region)
-    }
-
-    pub fn device(&self) -> usize {
-        self.ctx.ordinal()
     }
 
     fn inside(&self, offset: u64, n: usize) -> Result<(), String> {

@@ -3,7 +3,7 @@
 //! (collective: every rank at once, after the router says so).
 
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{anyhow, Context};
 use nccl_sys::{ncclUniqueId, Nccl};
@@ -14,10 +14,8 @@ use super::shape::{EpShape, StepShape};
 use super::step::{DeviceLayer, GpuStep};
 use super::Alloc;
 use super::Gpu;
-use crate::backend::gpu::Seat;
-use crate::lifecycle::Abort;
+use crate::backend::device::{check_gpu_limits, GpuDevice, Joining, Seat};
 use crate::model::{ExpertDtype, MoeSpec, RankWeights};
-use crate::step::ring::Ring;
 use crate::step::Backend;
 
 /// NCCL, loaded once and never unloaded: `ncclGetUniqueId` starts a bootstrap thread that runs
@@ -55,6 +53,15 @@ pub fn ep_gates(world: usize) -> Result<String, String> {
 pub fn new_unique_id() -> anyhow::Result<Vec<u8>> {
     let nccl = nccl().map_err(|e| anyhow!(e))?;
     Ok(Comm::unique_id(&nccl)?.as_bytes().to_vec())
+}
+
+/// Opens GPU `seat.ordinal` with this rank's weights on it (`GpuDevice`).
+pub fn open(
+    seat: Seat,
+    spec: &MoeSpec,
+    weights: RankWeights,
+) -> anyhow::Result<Box<dyn GpuDevice>> {
+    Ok(Box::new(Device::open(seat, spec, weights)?))
 }
 
 /// A GPU with this rank's weights on it, not yet in the group. The service and `epserve bench`
@@ -109,7 +116,7 @@ impl Device {
             max_home,
             ep,
         } = seat;
-        crate::backend::check_gpu_limits(spec).map_err(|e| anyhow!(e))?;
+        check_gpu_limits(spec).map_err(|e| anyhow!(e))?;
         let mut shape = StepShape::new(spec, world, rank, max_home);
         shape.ep = ep.map(|e| EpShape::new(e.ll_max, e.zero_copy));
         shape.expert_dtype = dtype;
@@ -135,52 +142,6 @@ impl Device {
             spec: spec.clone(),
             ordinal,
         })
-    }
-
-    /// Whether this rank's exchange can carry the group on these nodes (nccl-ep: one node of at
-    /// most 8 ranks; nccl: any).
-    pub fn check_nodes(&self, nodes: &[(String, Vec<usize>)]) -> Result<(), String> {
-        match self.shape.ep {
-            Some(_) => super::ep::placement(nodes),
-            None => Ok(()),
-        }
-    }
-
-    /// Device bytes of the step buffers `join` will allocate.
-    pub fn buffer_bytes(&self) -> usize {
-        self.shape.buffer_bytes()
-    }
-
-    /// Device bytes of the experts' weights, routed and shared.
-    pub fn expert_bytes(&self) -> usize {
-        self.layers.iter().map(DeviceLayer::expert_bytes).sum()
-    }
-
-    /// Joins the communicator (bounded by `deadline`: a rank that never arrives would block NCCL
-    /// init forever), allocates the step buffers, warms up and captures every bucket's graphs.
-    #[allow(clippy::too_many_arguments)]
-    pub fn join(
-        self,
-        nccl_id: &[u8],
-        ring: Arc<Ring>,
-        buckets: Vec<usize>,
-        graphs: bool,
-        step_timeout: Duration,
-        deadline: Instant,
-        abort: Arc<Abort>,
-    ) -> anyhow::Result<Box<dyn Backend + Send>> {
-        let (ordinal, graph_count) = (self.ordinal, buckets.len() * 2 * self.spec.moe_layers.len());
-        let t0 = Instant::now();
-        let (core, alloc) = self.connect(nccl_id, deadline)?;
-        let rank_ = GpuRank::new(core, ring, buckets, graphs, step_timeout, abort)?;
-        tracing::info!(
-            gpu = ordinal,
-            device_mib = alloc.bytes >> 20,
-            graphs = if graphs { graph_count } else { 0 },
-            seconds = t0.elapsed().as_secs_f32(),
-            "GPU step ready"
-        );
-        Ok(Box::new(rank_))
     }
 
     /// Joins the communicator (bounded by `deadline`) and allocates the step buffers (and the
@@ -226,5 +187,41 @@ impl Device {
         )
         .context("the step's exchange and buffers")?;
         Ok((core, self.alloc))
+    }
+}
+
+impl GpuDevice for Device {
+    fn check_nodes(&self, nodes: &[(String, Vec<usize>)]) -> Result<(), String> {
+        match self.shape.ep {
+            Some(_) => super::ep::placement(nodes),
+            None => Ok(()),
+        }
+    }
+
+    fn buffer_bytes(&self) -> usize {
+        self.shape.buffer_bytes()
+    }
+
+    fn expert_bytes(&self) -> usize {
+        self.layers.iter().map(DeviceLayer::expert_bytes).sum()
+    }
+
+    fn join(self: Box<Self>, at: Joining) -> anyhow::Result<Box<dyn Backend + Send>> {
+        let graphs = at.graphs;
+        let (ordinal, graph_count) = (
+            self.ordinal,
+            at.buckets.len() * 2 * self.spec.moe_layers.len(),
+        );
+        let t0 = Instant::now();
+        let (core, alloc) = self.connect(at.nccl_id, at.deadline)?;
+        let rank_ = GpuRank::new(core, at.ring, at.buckets, graphs, at.step_timeout, at.abort)?;
+        tracing::info!(
+            gpu = ordinal,
+            device_mib = alloc.bytes >> 20,
+            graphs = if graphs { graph_count } else { 0 },
+            seconds = t0.elapsed().as_secs_f32(),
+            "GPU step ready"
+        );
+        Ok(Box::new(rank_))
     }
 }

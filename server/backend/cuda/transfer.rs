@@ -13,7 +13,7 @@ use cudarc::driver::{
 use super::shape::StepShape;
 use super::step::{GpuStep, Variant};
 use crate::dtype::Dtype;
-use crate::step::direct::ClientSpan;
+use crate::request::ClientSpan;
 use crate::step::ring::Ring;
 
 /// Page-locked host memory (an async copy from pageable memory would wait for the stream).

@@ -23,7 +23,7 @@ use super::json;
 use crate::infer::quote::quote;
 use crate::inference::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
 use crate::inference::{ModelInferRequest, ModelInferResponse};
-use crate::sched::Failure;
+use crate::request::Failure;
 
 /// The header that splits a body into its JSON and its binary tensors.
 pub const HEADER_LENGTH: &str = "inference-header-content-length";

@@ -15,7 +15,7 @@ use crate::infer::quote::quote;
 use crate::infer::tensor::Dtype;
 use crate::inference::infer_parameter::ParameterChoice;
 use crate::inference::InferParameter;
-use crate::sched::Failure;
+use crate::request::Failure;
 
 fn pool() -> &'static DescriptorPool {
     static POOL: OnceLock<DescriptorPool> = OnceLock::new();

@@ -25,7 +25,7 @@ use serde_json::{json, Value};
 use tonic::{Code, Request, Status};
 
 use super::KserveApi;
-use crate::api::{record, Call};
+use crate::api::call::{record, status, Call};
 use crate::inference::grpc_inference_service_server::GrpcInferenceService as Grpc;
 use crate::inference::*;
 use crate::transport::http::Held;
@@ -33,7 +33,7 @@ use crate::transport::unary::Encoding;
 use crate::transport::upload::Share;
 
 /// The `method` label of REST inference in the request metrics.
-pub const METHOD: &str = "HttpModelInfer";
+pub use crate::api::call::REST_METHOD as METHOD;
 /// The most a body other than an inference request may hold (a registration, an index query).
 const SMALL_BODY: usize = 64 << 10;
 
@@ -407,7 +407,7 @@ async fn cuda_unregister(
 
 /// A refusal before the request reaches the entry: counted and logged as the entry's are.
 fn refuse(reason: &'static str, s: Status, t0: Instant) -> Problem {
-    crate::sched::count_rejection(reason);
+    crate::rejections::count_rejection(reason);
     tracing::debug!(reason, "request refused: {}", s.message());
     record(METHOD, s.code(), 0, t0);
     Problem(s)
@@ -523,14 +523,14 @@ async fn model_infer(
     let header = number(&h, infer::HEADER_LENGTH).map_err(invalid)?;
     let (model, version) = named(&p);
     let (req, binary) = infer::request(&bytes, header, model, version, s.max_request)
-        .map_err(|f| invalid(crate::api::status(f)))?;
+        .map_err(|f| invalid(status(f)))?;
     drop(bytes);
     let call = Call {
         deadline: None,
         parent: crate::telemetry::remote_context(&tonic::metadata::MetadataMap::from_headers(h)),
     };
     let (resp, permit) = s.api.infer_one(req, &call, METHOD).await?;
-    let (parts, json_len) = infer::response(resp, &binary).map_err(crate::api::status)?;
+    let (parts, json_len) = infer::response(resp, &binary).map_err(status)?;
     let mut r = Response::new(Held::new(Body::new(parts), permit).into_body());
     let headers = r.headers_mut();
     match json_len {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use tokio::sync::Notify;
 
-use super::Failure;
+use super::failure::Failure;
 
 pub struct Admission {
     max_requests: usize,
