@@ -2,8 +2,8 @@
 validate the rendered objects, test the alerts, lint the Dockerfile, then run the cpu-2 shape's
 own command and env with the release binary, probe the health services its manifests name the way
 kubelet does, scrape every metrics port it declares, and check that every epserve_* metric the
-dashboard and the alerts name is exported, and that each rank's page passes `promtool check
-metrics`. Every alert must be shown firing by rules.test.yaml. Last, it breaks copies of the
+dashboard and the alerts name is exported (or, by the binary's own table, `epserve metrics
+--list`, exported by GPU ranks only), and that each rank's page passes `promtool check metrics`. Every alert must be shown firing by rules.test.yaml. Last, it breaks copies of the
 manifests the ways CI must catch (an unserved probe service, an unexported metric, a GPU limit
 that is not --ranks, a rank's gRPC port not exposed, an alert no test shows firing, a GPU shape
 without its node knobs, a policy finding, a pod of a two-pod group not told its node) and
@@ -43,13 +43,6 @@ SCHEMAS = {
 }
 # Images are pinned by digest.
 DIGEST = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
-# Exported by the GPU backends only (a CPU scrape cannot show them): each must be named in the
-# GPU backend's source instead.
-GPU_ONLY = {
-    "epserve_ep_recv_overflow_total",
-    "epserve_ep_recv_mismatch_total",
-    "epserve_device_memory_used_bytes",
-}
 GRPC_PORT = 50051
 
 
@@ -284,22 +277,26 @@ def named_metrics(deploy):
     return names
 
 
-def check_metrics(deploy, exported):
+def binary():
+    return os.environ.get("EPSERVE_BIN", os.path.join(ROOT, "target", "release", "epserve"))
+
+
+def metric_table():
+    """The binary's own table of metrics (`epserve metrics --list --format json`), by name."""
+    out = run([binary(), "metrics", "--list", "--format", "json"])
+    return {m["name"]: m for m in map(json.loads, out.splitlines())}
+
+
+def check_metrics(deploy, exported, table):
+    """Every metric the dashboard and alerts name is exported by the cpu-2 scrape, or is one the
+    table says only GPU ranks export (a CPU scrape cannot show those)."""
     missing = []
     for m in sorted(named_metrics(deploy)):
-        if m in exported:
-            continue
-        if m in GPU_ONLY and gpu_source_names(m):
+        if m in exported or table.get(m, {}).get("gpu_only"):
             continue
         missing.append(m)
     if missing:
         raise Failed(f"the dashboard or alerts name metrics the binary does not export: {missing}")
-
-
-def gpu_source_names(metric):
-    src = os.path.join(ROOT, "server", "backend", "cuda")
-    files = [os.path.join(d, f) for d, _, names in os.walk(src) for f in names if f.endswith(".rs")]
-    return any(f'"{metric}"' in open(p).read() for p in files)
 
 
 def check_rules(deploy, tmp):
@@ -328,9 +325,9 @@ class Smoke:
         env["EPSERVE_SHM_DIR"] = os.path.join(tmp, "shm")
         os.makedirs(env["EPSERVE_SHM_DIR"])
         self.ranks = int(env["EPSERVE_RANKS"])
-        binary = os.environ.get("EPSERVE_BIN", os.path.join(ROOT, "target", "release", "epserve"))
+        exe = binary()
         self.log = open(os.path.join(tmp, "smoke.log"), "w+")
-        self.proc = subprocess.Popen([binary, *c["args"]], env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen([exe, *c["args"]], env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}")
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
@@ -411,7 +408,7 @@ class Pods:
         self.names = [f"{name}-0"] + [f"{name}-0-{i}" for i in range(1, self.nodes)]
         base.update(EPSERVE_BACKEND="cpu", EPSERVE_MODEL="synthetic:tiny", LWS_LEADER_ADDRESS="127.0.0.1",
                     LWS_GROUP_SIZE=str(self.nodes))
-        binary = os.environ.get("EPSERVE_BIN", os.path.join(ROOT, "target", "release", "epserve"))
+        exe = binary()
         self.procs, self.logs = [], []
         for i in reversed(range(self.nodes)):
             env = {**base, "EPSERVE_NODE_INDEX": str(i), "LWS_WORKER_INDEX": str(i), "EPSERVE_NODE_ID": self.names[i],
@@ -421,7 +418,7 @@ class Pods:
                 env[k] = f"{host}:{int(port) + i * self.SHIFT}"
             os.makedirs(env["EPSERVE_SHM_DIR"])
             log = open(os.path.join(tmp, f"pod-{i}.log"), "w+")
-            proc = subprocess.Popen([binary, *c["args"]], env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen([exe, *c["args"]], env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
             self.procs.insert(0, proc)
             self.logs.insert(0, log)
             time.sleep(0.5)
@@ -551,7 +548,8 @@ def main():
             check_probes(s, docs, smoke)
         # At start, before any request: every series an alert or a panel names is there.
         exported = smoke.exported()
-        check_metrics(DEPLOY, exported)
+        table = metric_table()
+        check_metrics(DEPLOY, exported, table)
         client = os.environ.get("EPSERVE_CLIENT", os.path.join(ROOT, "target", "release", "examples", "client"))
         run([client, f"http://127.0.0.1:{GRPC_PORT}", "16"])
         smoke.bad_request()
@@ -573,7 +571,7 @@ def main():
             d["panels"][0]["targets"][0]["expr"] = "rate(epserve_no_such_metric_total[5m])"
             with open(path, "w") as f:
                 json.dump(d, f)
-            check_metrics(bad, exported)
+            check_metrics(bad, exported, table)
 
         def ingress_port_missing():
             path = os.path.join(bad, "k8s", "components", "ingress-all-4", "service.yaml")

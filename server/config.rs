@@ -31,6 +31,25 @@ pub enum Command {
     Launch(LaunchArgs),
     /// Time the GPU step and its phases with CUDA events (needs `--features cuda` and GPUs).
     Bench(BenchArgs),
+    /// The metrics this binary exports (`--list`): README's table, or JSON lines for tools.
+    Metrics(MetricsArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct MetricsArgs {
+    /// Print the table of every metric (the only thing this command does).
+    #[arg(long, required = true)]
+    pub list: bool,
+    /// `markdown` (README's table) or `json` (one object a line: name, type, unit, labels,
+    /// gpu_only, help).
+    #[arg(long, value_enum, default_value_t = MetricsFormat::Markdown)]
+    pub format: MetricsFormat,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MetricsFormat {
+    Markdown,
+    Json,
 }
 
 #[derive(Args, Debug, Clone)]

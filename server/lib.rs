@@ -10,6 +10,7 @@ pub mod group;
 pub mod infer;
 pub mod launch;
 pub mod lifecycle;
+pub mod metric_names;
 pub mod metrics;
 pub mod model;
 pub mod nodes;

@@ -1,7 +1,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use epserve::config::{Cli, Command};
+use epserve::config::{Cli, Command, MetricsFormat};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -19,6 +19,17 @@ fn main() -> ExitCode {
             None,
         ),
         Command::Bench(a) => (a.log_format, None, "bench", None),
+        Command::Metrics(a) => {
+            // Prints the table and nothing else: no logging to set up.
+            print!(
+                "{}",
+                match a.format {
+                    MetricsFormat::Markdown => epserve::metric_names::markdown(),
+                    MetricsFormat::Json => epserve::metric_names::json_lines(),
+                }
+            );
+            return ExitCode::SUCCESS;
+        }
     };
     let (rank, node) = member.map(|m| (m.rank, m.node)).unzip();
     let telemetry = match epserve::telemetry::init(format, otlp, role, rank, node) {
@@ -32,6 +43,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => epserve::serve::serve(args),
         Command::Launch(args) => epserve::launch::launch(args),
         Command::Bench(args) => epserve::bench::run(args),
+        Command::Metrics(_) => unreachable!("answered above"),
     };
     let code = match result {
         Ok(()) => ExitCode::SUCCESS,

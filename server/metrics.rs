@@ -7,6 +7,8 @@ use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tracing::info;
 
+use crate::metric_names::{self, Kind};
+
 const SECONDS: &[f64] = &[
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3,
     500e-3, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -22,177 +24,16 @@ pub fn install() -> anyhow::Result<()> {
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS)?
         .set_buckets_for_metric(Matcher::Suffix("_tokens".into()), TOKENS)?
         .install_recorder()?;
-    metrics::describe_counter!(
-        "epserve_requests_total",
-        "Requests answered, by method and gRPC status"
-    );
-    metrics::describe_histogram!(
-        "epserve_request_duration_seconds",
-        "Request latency at the gRPC front"
-    );
-    metrics::describe_histogram!(
-        "epserve_request_queue_seconds",
-        "Time from admission to the request's first step"
-    );
-    metrics::describe_histogram!(
-        "epserve_request_in_step_seconds",
-        "Time from the request's first step to its answer"
-    );
-    metrics::describe_counter!(
-        "epserve_request_tokens_total",
-        "Tokens of requests answered OK"
-    );
-    metrics::describe_counter!(
-        "epserve_ingress_bytes_total",
-        "Hidden-state bytes of requests queued, in their wire dtype"
-    );
-    metrics::describe_counter!(
-        "epserve_egress_bytes_total",
-        "Output bytes of requests answered, in their wire dtype"
-    );
-    metrics::describe_counter!("epserve_rejections_total", "Requests refused, by reason");
-    metrics::describe_counter!(
-        "epserve_cross_node_bytes_total",
-        "Bytes this rank sent to ranks of other nodes over its data connections"
-    );
-    metrics::describe_gauge!(
-        crate::transport::upload::UPLOAD_BYTES,
-        "Bytes charged to the upload budget by request messages being read"
-    );
-    metrics::gauge!(crate::transport::upload::UPLOAD_BYTES).set(0.0);
-    metrics::describe_gauge!("epserve_queue_requests", "Requests waiting for a step");
-    metrics::describe_gauge!("epserve_queue_tokens", "Tokens waiting for a step");
-    metrics::describe_gauge!(
-        "epserve_steps_in_flight",
-        "Steps formed and not yet delivered (packed, running or being answered), router only"
-    );
-    metrics::describe_gauge!(
-        "epserve_offers_pending",
-        "--ingress all: this rank's packed offers not yet taken into a step"
-    );
-    metrics::describe_counter!(
-        "epserve_steps_total",
-        "Steps run on this rank (kind: work or heartbeat)"
-    );
-    metrics::describe_histogram!("epserve_step_tokens", "Tokens per step, all ranks together");
-    metrics::describe_counter!(
-        "epserve_step_tokens_total",
-        "Tokens through steps, by layer"
-    );
-    metrics::describe_counter!(
-        "epserve_step_padding_tokens_total",
-        "Padding tokens added to steps (graph buckets)"
-    );
-    metrics::describe_histogram!(
-        "epserve_step_duration_seconds",
-        "Whole step on this rank, from its start (or the step before's end, when it was queued \
-         behind it) to its end: the sum is the time the rank was busy"
-    );
-    metrics::describe_counter!(
-        "epserve_steps_submitted_ahead_total",
-        "Steps this rank started while the step before was still running (--steps-ahead)"
-    );
-    metrics::describe_counter!(
-        crate::sched::PARTIAL_STEPS_BEHIND,
-        "Router: partial steps formed while another step was in the pipeline, just in time for \
-         the ranks"
-    );
-    metrics::describe_histogram!("epserve_step_phase_seconds", "Step phases on this rank");
-    metrics::describe_histogram!(
-        crate::sched::PACK_SECONDS,
-        "A step's input rows copied from its requests into the step ring"
-    );
-    metrics::describe_histogram!(
-        crate::sched::DELIVER_SECONDS,
-        "A finished step's output rows copied from the step ring to its requests"
-    );
-    metrics::describe_counter!(
-        crate::transport::bufs::OUTPUT_BUFFERS_REUSED,
-        "Answers of 1 MiB or more written into a buffer kept from an earlier answer"
-    );
-    metrics::describe_counter!(
-        crate::transport::bufs::REQUEST_BUFFERS_REUSED,
-        "Unary requests of 1 MiB or more read into a buffer kept from an earlier request"
-    );
-    metrics::describe_histogram!(
-        "epserve_rank_received_tokens",
-        "Token rows this rank received per step"
-    );
-    metrics::describe_gauge!(
-        "epserve_expert_balance_ratio",
-        "Last step: mean/max tokens per rank (1 = balanced)"
-    );
-    metrics::describe_gauge!(
-        "epserve_expert_skew_ratio",
-        "Last step: max/mean tokens per expert (1 = balanced)"
-    );
-    metrics::describe_counter!(
-        "epserve_expert_tokens_total",
-        "Token rows per local expert (--metrics-per-expert)"
-    );
-    metrics::describe_gauge!("epserve_group_info", "The EP group this rank belongs to");
-    metrics::describe_counter!(
-        "epserve_ep_steps_total",
-        "nccl-ep steps on this rank, by mode (ll, ht)"
-    );
-    metrics::describe_gauge!(
-        "epserve_ep_recv_rows",
-        "nccl-ep: rows this rank's experts received in the last step (HT: padded), by mode"
-    );
-    metrics::describe_counter!(
-        "epserve_ep_recv_overflow_total",
-        "nccl-ep steps that received past the group's capacity (never, by construction)"
-    );
-    metrics::describe_counter!(
-        "epserve_ep_recv_mismatch_total",
-        "nccl-ep steps whose received rows differ from what the routing sent"
-    );
-    metrics::describe_counter!(
-        "epserve_device_allocations_total",
-        "Device allocations by the GPU backend (all made at startup)"
-    );
-    metrics::describe_gauge!(
-        "epserve_device_memory_used_bytes",
-        "Memory in use on this rank's GPU after the last step (whole device)"
-    );
-    metrics::describe_gauge!("epserve_build_info", "Build of this binary");
-    gauge!("epserve_build_info", "version" => env!("CARGO_PKG_VERSION")).set(1.0);
-    metrics::describe_counter!(
-        crate::api::kserve::regions::SHM_TENSORS,
-        "KServe tensors read from (in) or written to (out) a client's shared-memory region"
-    );
-    metrics::describe_counter!(
-        crate::api::kserve::regions::SHM_BYTES,
-        "Bytes read from (in) or written to (out) clients' shared-memory regions"
-    );
-    metrics::describe_gauge!(
-        "epserve_admitted_requests",
-        "Requests admitted and not yet finished (running or queued)"
-    );
-    metrics::describe_gauge!(
-        "epserve_admitted_tokens",
-        "Tokens of the requests admitted and not yet finished"
-    );
-    metrics::describe_gauge!(
-        "epserve_limit_max_concurrent_requests",
-        "--max-concurrent-requests, for alerts as a ratio"
-    );
-    metrics::describe_gauge!(
-        "epserve_limit_max_queued_tokens",
-        "--max-queued-tokens, for alerts as a ratio"
-    );
-    metrics::describe_gauge!(
-        crate::sched::REQUESTS_RUNNING,
-        "Requests with rows in a step and not yet answered"
-    );
-    metrics::describe_gauge!(
-        crate::startup::STAGE,
-        "1 for the startup stage this rank is in (load, rendezvous, bringup, warmup, ready)"
-    );
-    metrics::describe_gauge!(
-        crate::startup::SECONDS,
-        "Seconds each finished startup stage took"
-    );
+    // Every metric described from the table, so HELP and README say the same.
+    for m in metric_names::TABLE {
+        match m.kind {
+            Kind::Counter => metrics::describe_counter!(m.name, m.help),
+            Kind::Gauge => metrics::describe_gauge!(m.name, m.help),
+            Kind::Histogram => metrics::describe_histogram!(m.name, m.help),
+        }
+    }
+    gauge!(metric_names::UPLOAD_BYTES).set(0.0);
+    gauge!(metric_names::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     zero_series();
     let process = metrics_process::Collector::default();
     process.describe();
@@ -208,42 +49,43 @@ static PROCESS: std::sync::OnceLock<metrics_process::Collector> = std::sync::Onc
 /// dashboard names exists before its first event.
 fn zero_series() {
     for &reason in crate::rejections::REJECTION_REASONS {
-        counter!("epserve_rejections_total", "reason" => reason).increment(0);
+        counter!(metric_names::REJECTIONS_TOTAL, "reason" => reason).increment(0);
     }
     for &method in crate::api::METHODS {
         for &status in crate::api::STATUSES {
-            counter!("epserve_requests_total", "method" => method, "status" => status).increment(0);
+            counter!(metric_names::REQUESTS_TOTAL, "method" => method, "status" => status)
+                .increment(0);
         }
     }
     for kind in ["work", "heartbeat"] {
-        counter!("epserve_steps_total", "kind" => kind).increment(0);
+        counter!(metric_names::STEPS_TOTAL, "kind" => kind).increment(0);
     }
     for direction in ["in", "out"] {
-        counter!(crate::api::kserve::regions::SHM_TENSORS, "direction" => direction).increment(0);
-        counter!(crate::api::kserve::regions::SHM_BYTES, "direction" => direction).increment(0);
+        counter!(metric_names::SHM_TENSORS_TOTAL, "direction" => direction).increment(0);
+        counter!(metric_names::SHM_BYTES_TOTAL, "direction" => direction).increment(0);
     }
     for name in [
-        "epserve_request_tokens_total",
-        "epserve_ingress_bytes_total",
-        "epserve_egress_bytes_total",
-        "epserve_step_padding_tokens_total",
-        "epserve_steps_submitted_ahead_total",
-        crate::sched::PARTIAL_STEPS_BEHIND,
+        metric_names::REQUEST_TOKENS_TOTAL,
+        metric_names::INGRESS_BYTES_TOTAL,
+        metric_names::EGRESS_BYTES_TOTAL,
+        metric_names::STEP_PADDING_TOKENS_TOTAL,
+        metric_names::STEPS_SUBMITTED_AHEAD_TOTAL,
+        metric_names::PARTIAL_STEPS_BEHIND_TOTAL,
     ] {
         counter!(name).increment(0);
     }
-    gauge!("epserve_admitted_requests").set(0.0);
-    gauge!("epserve_admitted_tokens").set(0.0);
-    gauge!(crate::sched::REQUESTS_RUNNING).set(0.0);
+    gauge!(metric_names::ADMITTED_REQUESTS).set(0.0);
+    gauge!(metric_names::ADMITTED_TOKENS).set(0.0);
+    gauge!(metric_names::REQUESTS_RUNNING).set(0.0);
     crate::startup::zero_series();
     // Histograms the dashboard and alerts name, empty until their first value.
     for &method in crate::api::METHODS {
-        let _ = histogram!("epserve_request_duration_seconds", "method" => method);
+        let _ = histogram!(metric_names::REQUEST_DURATION_SECONDS, "method" => method);
     }
     for name in [
-        "epserve_request_queue_seconds",
-        "epserve_request_in_step_seconds",
-        "epserve_step_duration_seconds",
+        metric_names::REQUEST_QUEUE_SECONDS,
+        metric_names::REQUEST_IN_STEP_SECONDS,
+        metric_names::STEP_DURATION_SECONDS,
     ] {
         let _ = histogram!(name);
     }
@@ -253,7 +95,7 @@ fn zero_series() {
 pub fn zero_expert_series(layers: &[u32], experts: std::ops::Range<usize>) {
     for layer in layers {
         for e in experts.clone() {
-            counter!("epserve_expert_tokens_total", "layer" => layer.to_string(), "expert" => e.to_string())
+            counter!(metric_names::EXPERT_TOKENS_TOTAL, "layer" => layer.to_string(), "expert" => e.to_string())
                 .increment(0);
         }
     }

@@ -2,6 +2,8 @@
 //! every layer that refuses (the transport, admission, the queue), so none imports another to
 //! count.
 
+use crate::metric_names;
+
 /// Every `reason` label of `epserve_rejections_total`: the series are exported at 0 from start,
 /// so an alert sees them before the first rejection (a test keeps the list complete).
 pub const REJECTION_REASONS: &[&str] = &[
@@ -30,7 +32,7 @@ pub fn count_rejection(reason: &'static str) {
         REJECTION_REASONS.contains(&reason),
         "rejection reason {reason:?} is not in REJECTION_REASONS"
     );
-    metrics::counter!("epserve_rejections_total", "reason" => reason).increment(1);
+    metrics::counter!(metric_names::REJECTIONS_TOTAL, "reason" => reason).increment(1);
 }
 
 #[cfg(test)]

@@ -7,8 +7,7 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-pub const STAGE: &str = "epserve_startup_stage";
-pub const SECONDS: &str = "epserve_startup_seconds";
+use crate::metric_names;
 
 /// A rank's stages, in order; a worker skips `WarmUp` (the router drives that step).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,7 +60,7 @@ static CURRENT: Mutex<Option<(Stage, Instant)>> = Mutex::new(None);
 /// Every stage at 0, so the series exist from the first scrape.
 pub fn zero_series() {
     for s in STAGES {
-        metrics::gauge!(STAGE, "stage" => s.name()).set(0.0);
+        metrics::gauge!(metric_names::STARTUP_STAGE, "stage" => s.name()).set(0.0);
     }
 }
 
@@ -70,11 +69,12 @@ pub fn enter(stage: Stage) {
     let mut cur = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
     let took = cur.take().map(|(before, since)| {
         let d = since.elapsed();
-        metrics::gauge!(STAGE, "stage" => before.name()).set(0.0);
-        metrics::gauge!(SECONDS, "stage" => before.name()).set(d.as_secs_f64());
+        metrics::gauge!(metric_names::STARTUP_STAGE, "stage" => before.name()).set(0.0);
+        metrics::gauge!(metric_names::STARTUP_SECONDS, "stage" => before.name())
+            .set(d.as_secs_f64());
         (before, d)
     });
-    metrics::gauge!(STAGE, "stage" => stage.name()).set(1.0);
+    metrics::gauge!(metric_names::STARTUP_STAGE, "stage" => stage.name()).set(1.0);
     match took {
         Some((before, d)) => tracing::info!(
             stage = stage.name(),

@@ -7,12 +7,13 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use epserve::metric_names;
 use epserve::proto::moe_service_server::{MoeService, MoeServiceServer};
 use epserve::proto::{
     DType, ForwardRequest, ForwardResponse, GetModelInfoRequest, ModelInfo, ProbeRequest,
     ProbeResponse, Tensor,
 };
-use epserve::transport::bufs::{Bufs, REQUEST_BUFFERS_REUSED};
+use epserve::transport::bufs::Bufs;
 use epserve::transport::unary::{Limits, Unary, WithUnary};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -146,7 +147,7 @@ pub async fn spawn(
         max_request: 1 << 30,
         max_response: 1 << 30,
         read_timeout: std::time::Duration::from_secs(60),
-        bufs: Bufs::new(256 << 20, REQUEST_BUFFERS_REUSED),
+        bufs: Bufs::new(256 << 20, metric_names::REQUEST_BUFFERS_REUSED_TOTAL),
     };
     let svc = WithUnary::new(
         MoeServiceServer::new(echo.clone())

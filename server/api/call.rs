@@ -8,6 +8,7 @@ use tonic::{Code, Request, Status};
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
+use crate::metric_names;
 use crate::request::{Failure, Permit};
 
 /// The gRPC status of a request that got no output.
@@ -109,12 +110,12 @@ pub(super) fn record(method: &'static str, code: Code, tokens: u64, t0: Instant)
         "method {method:?} is not in METHODS"
     );
     if code == Code::Ok {
-        metrics::counter!("epserve_request_tokens_total").increment(tokens);
+        metrics::counter!(metric_names::REQUEST_TOKENS_TOTAL).increment(tokens);
     }
     crate::stats_log::request(code == Code::Ok, tokens);
-    metrics::counter!("epserve_requests_total", "method" => method, "status" => code_name(code))
+    metrics::counter!(metric_names::REQUESTS_TOTAL, "method" => method, "status" => code_name(code))
         .increment(1);
-    metrics::histogram!("epserve_request_duration_seconds", "method" => method)
+    metrics::histogram!(metric_names::REQUEST_DURATION_SECONDS, "method" => method)
         .record(t0.elapsed().as_secs_f64());
 }
 

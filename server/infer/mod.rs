@@ -15,6 +15,7 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, Notify};
 
 use crate::lifecycle::Abort;
+use crate::metric_names;
 use crate::model::MoeSpec;
 use crate::request::{Admission, Failure, JobInput, Permit};
 /// The queue's item, for whoever builds an `Infer` (the serving process, tests).
@@ -299,7 +300,7 @@ impl Infer {
         })?;
         // Hidden-state bytes as they crossed the wire: in for each queued request, out for each
         // answered one.
-        metrics::counter!("epserve_ingress_bytes_total").increment(ingress as u64);
+        metrics::counter!(metric_names::INGRESS_BYTES_TOTAL).increment(ingress as u64);
         let _wake = WakeOnDrop(self.wake.clone());
         let wait = async {
             match deadline {
@@ -320,7 +321,7 @@ impl Infer {
         let output = answer.map_err(|_| {
             Failure::unavailable("dropped", "the request was dropped: the EP group stopped")
         })??;
-        metrics::counter!("epserve_egress_bytes_total").increment(output.len() as u64);
+        metrics::counter!(metric_names::EGRESS_BYTES_TOTAL).increment(output.len() as u64);
         Ok(Answer {
             output,
             tokens,

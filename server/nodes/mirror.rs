@@ -12,6 +12,7 @@ use std::net::TcpStream;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::metric_names;
 use crate::shm::{bytes_of, Pod, Shm};
 
 /// Which of the receiver's mappings a frame writes into.
@@ -72,7 +73,7 @@ impl Link {
                 broken: None,
                 queued: 0,
             }),
-            sent: metrics::counter!("epserve_cross_node_bytes_total", "rank" => rank.to_string()),
+            sent: metrics::counter!(metric_names::CROSS_NODE_BYTES_TOTAL, "rank" => rank.to_string()),
         })
     }
 

@@ -8,6 +8,8 @@ use tokio::sync::Notify;
 
 use super::failure::Failure;
 
+use crate::metric_names;
+
 pub struct Admission {
     max_requests: usize,
     max_tokens: usize,
@@ -34,8 +36,8 @@ impl std::fmt::Debug for Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         if self.admitted {
-            metrics::gauge!("epserve_admitted_requests").decrement(1.0);
-            metrics::gauge!("epserve_admitted_tokens").decrement(self.tokens as f64);
+            metrics::gauge!(metric_names::ADMITTED_REQUESTS).decrement(1.0);
+            metrics::gauge!(metric_names::ADMITTED_TOKENS).decrement(self.tokens as f64);
         }
         self.adm.tokens.fetch_sub(self.tokens, Ordering::AcqRel);
         self.adm.requests.fetch_sub(1, Ordering::AcqRel);
@@ -45,8 +47,8 @@ impl Drop for Permit {
 
 impl Admission {
     pub fn new(max_requests: usize, max_tokens: usize) -> Arc<Self> {
-        metrics::gauge!("epserve_limit_max_concurrent_requests").set(max_requests as f64);
-        metrics::gauge!("epserve_limit_max_queued_tokens").set(max_tokens as f64);
+        metrics::gauge!(metric_names::LIMIT_MAX_CONCURRENT_REQUESTS).set(max_requests as f64);
+        metrics::gauge!(metric_names::LIMIT_MAX_QUEUED_TOKENS).set(max_tokens as f64);
         Arc::new(Self {
             max_requests,
             max_tokens,
@@ -101,8 +103,8 @@ impl Admission {
             });
         }
         permit.admitted = true;
-        metrics::gauge!("epserve_admitted_requests").increment(1.0);
-        metrics::gauge!("epserve_admitted_tokens").increment(tokens as f64);
+        metrics::gauge!(metric_names::ADMITTED_REQUESTS).increment(1.0);
+        metrics::gauge!(metric_names::ADMITTED_TOKENS).increment(tokens as f64);
         Ok(permit)
     }
 

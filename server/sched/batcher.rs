@@ -15,8 +15,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::job::{Job, Segment, Step};
-use super::pace::{Pace, PARTIAL_STEPS_BEHIND};
+use super::pace::Pace;
 use crate::lifecycle::Abort;
+use crate::metric_names;
 use crate::request::Failure;
 use crate::step::StepKey;
 
@@ -90,8 +91,8 @@ pub async fn run_batcher(
             q.next_row > 0 || !q.job.abandoned()
         });
         let queued = queue.iter().map(Queued::left).sum::<usize>();
-        metrics::gauge!("epserve_queue_requests").set(queue.len() as f64);
-        metrics::gauge!("epserve_queue_tokens").set(queued as f64);
+        metrics::gauge!(metric_names::QUEUE_REQUESTS).set(queue.len() as f64);
+        metrics::gauge!(metric_names::QUEUE_TOKENS).set(queued as f64);
         crate::stats_log::queue(queue.len(), queued);
         let open = !stop.is_cancelled();
         if !open && queue.is_empty() {
@@ -140,7 +141,7 @@ pub async fn run_batcher(
             permit = ready_for_step(&in_flight, need, &steps, cfg.gauge), if ready => match permit {
                 Some(permit) => {
                     if !full && in_flight.available_permits() + 1 < cfg.depth {
-                        metrics::counter!(PARTIAL_STEPS_BEHIND).increment(1);
+                        metrics::counter!(metric_names::PARTIAL_STEPS_BEHIND_TOTAL).increment(1);
                     }
                     if let Some(p) = &cfg.pace {
                         p.formed();
@@ -302,7 +303,7 @@ mod tests {
             max_tokens_per_step,
             max_wait: Duration::from_millis(max_wait_ms),
             depth,
-            gauge: crate::sched::STEPS_IN_FLIGHT,
+            gauge: metric_names::STEPS_IN_FLIGHT,
             pace,
         };
         let in_flight = Arc::new(Semaphore::new(depth));

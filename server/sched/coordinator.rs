@@ -13,8 +13,9 @@ use tokio::sync::{mpsc, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::batcher::ready_for_step;
-use super::job::{Step, OFFERS_PENDING, STEPS_IN_FLIGHT};
+use super::job::Step;
 use crate::lifecycle::Abort;
+use crate::metric_names;
 use crate::request::Failure;
 use crate::step::StepKey;
 
@@ -137,12 +138,12 @@ pub async fn run_coordinator(
                 None => own_open = false,
             },
             Some((rank, offer)) = peers.recv() => heads.push(rank, offer, None),
-            permit = ready_for_step(&in_flight, need, &steps, STEPS_IN_FLIGHT), if next.is_some() => match permit {
+            permit = ready_for_step(&in_flight, need, &steps, metric_names::STEPS_IN_FLIGHT), if next.is_some() => match permit {
                 Some(permit) => {
                     let (step, own_taken) = heads.take(next.expect("a key").0);
                     if own_taken {
                         own_permits.add_permits(1);
-                        metrics::gauge!(OFFERS_PENDING).decrement(1.0);
+                        metrics::gauge!(metric_names::OFFERS_PENDING).decrement(1.0);
                     }
                     permit.send(step);
                 }

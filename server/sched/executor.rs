@@ -23,6 +23,7 @@ use super::rows::{copy_threads, deliver, out_bufs, pack, router_rows};
 use crate::dtype::Dtype;
 use crate::group::{recv, GroupError, IngressOrder, IngressReport, Order, Report, RouterLink};
 use crate::lifecycle::{nap, Abort};
+use crate::metric_names;
 use crate::request::{Data, Failure, JobInput, Rows};
 use crate::shm::WaitError;
 use crate::step::ring::Ring;
@@ -404,7 +405,7 @@ impl<B: Backend> Executor<B> {
             free.put(f.slot);
             if f.heartbeat.is_none() {
                 in_flight.add_permits(1);
-                metrics::gauge!(super::job::STEPS_IN_FLIGHT).decrement(1.0);
+                metrics::gauge!(metric_names::STEPS_IN_FLIGHT).decrement(1.0);
             }
         }
         e
@@ -569,7 +570,7 @@ fn deliver_steps(
         );
         free.put(slot);
         in_flight.add_permits(1);
-        metrics::gauge!(super::job::STEPS_IN_FLIGHT).decrement(1.0);
+        metrics::gauge!(metric_names::STEPS_IN_FLIGHT).decrement(1.0);
     }
 }
 

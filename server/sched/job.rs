@@ -7,14 +7,10 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 
 use crate::dtype::Dtype;
+use crate::metric_names;
 use crate::request::{Failure, JobInput, Permit, Reply};
 use crate::step::StepKey;
 use crate::transport::bufs::Bufs;
-
-/// Steps formed and not yet answered (the ring's slots in use).
-pub const STEPS_IN_FLIGHT: &str = "epserve_steps_in_flight";
-/// `--ingress all`: this rank's packed offers the router has not yet put in a step.
-pub const OFFERS_PENDING: &str = "epserve_offers_pending";
 
 /// One admitted request on its way through the steps.
 pub struct Job {
@@ -41,15 +37,12 @@ struct Sink {
     reply: Option<oneshot::Sender<Reply>>,
 }
 
-/// Requests with rows in a step and not yet answered (gauge).
-pub const REQUESTS_RUNNING: &str = "epserve_requests_running";
-
 impl Sink {
     /// The reply, taken to answer once; a running request stops counting as running.
     fn answer(&mut self) -> Option<oneshot::Sender<Reply>> {
         let tx = self.reply.take();
         if tx.is_some() && self.first_step.is_some() {
-            metrics::gauge!(REQUESTS_RUNNING).decrement(1.0);
+            metrics::gauge!(metric_names::REQUESTS_RUNNING).decrement(1.0);
         }
         tx
     }
@@ -130,9 +123,9 @@ impl Job {
         if s.first_step.is_none() {
             s.first_step = Some(at);
             if s.reply.is_some() {
-                metrics::gauge!(REQUESTS_RUNNING).increment(1.0);
+                metrics::gauge!(metric_names::REQUESTS_RUNNING).increment(1.0);
             }
-            metrics::histogram!("epserve_request_queue_seconds")
+            metrics::histogram!(metric_names::REQUEST_QUEUE_SECONDS)
                 .record((at - self.admitted).as_secs_f64());
         }
     }
@@ -182,7 +175,7 @@ impl Job {
             if let Some(t) = s.first_step {
                 let d = t.elapsed();
                 s.in_step = Some(d);
-                metrics::histogram!("epserve_request_in_step_seconds").record(d.as_secs_f64());
+                metrics::histogram!(metric_names::REQUEST_IN_STEP_SECONDS).record(d.as_secs_f64());
             }
             let out = bufs.freeze(std::mem::take(&mut s.out));
             if let Some(tx) = s.answer() {

@@ -13,6 +13,5 @@ pub(crate) mod rows;
 pub use batcher::{run_batcher, BatchConfig};
 pub use coordinator::{run_coordinator, CoordConfig, Offer};
 pub use executor::{Control, Executor, ExecutorError, PeerEvents};
-pub use job::{Job, Segment, Step, Timings, OFFERS_PENDING, REQUESTS_RUNNING, STEPS_IN_FLIGHT};
-pub use pace::{Pace, PARTIAL_STEPS_BEHIND};
-pub use rows::{DELIVER_SECONDS, PACK_SECONDS};
+pub use job::{Job, Segment, Step, Timings};
+pub use pace::Pace;

@@ -46,9 +46,6 @@ impl Default for Pace {
     }
 }
 
-/// Counts partial steps formed while another step was in the pipeline.
-pub const PARTIAL_STEPS_BEHIND: &str = "epserve_partial_steps_behind_total";
-
 /// An eighth of each new sample: steps of one load settle within a few dozen.
 fn average(into: &AtomicU64, sample: Duration) {
     let new = sample.as_micros() as u64;

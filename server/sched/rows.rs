@@ -6,16 +6,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::job::{Job, Step};
+use crate::metric_names;
 use crate::request::ClientSpan;
 use crate::request::{Data, Failure};
 use crate::step::direct::DirectRun;
 use crate::step::ring::Ring;
-use crate::transport::bufs::{Bufs, OUTPUT_BUFFERS_REUSED};
-
-/// A step's input rows copied from its requests into the ring, on this rank.
-pub const PACK_SECONDS: &str = "epserve_step_pack_seconds";
-/// A finished step's output rows copied out of the ring to its requests, on this rank.
-pub const DELIVER_SECONDS: &str = "epserve_step_deliver_seconds";
+use crate::transport::bufs::Bufs;
 
 /// Below this many bytes a step's rows are copied on one thread: starting more costs more than
 /// it saves.
@@ -35,7 +31,7 @@ pub(crate) fn copy_threads() -> usize {
 pub(crate) fn out_bufs(ring: &Ring) -> Arc<Bufs> {
     Bufs::new(
         (ring.shape.max_tokens * ring.shape.hidden * 4).max(64 << 20),
-        OUTPUT_BUFFERS_REUSED,
+        metric_names::OUTPUT_BUFFERS_REUSED_TOTAL,
     )
 }
 
@@ -238,7 +234,7 @@ pub(crate) fn pack(
     for seg in &step.segments {
         seg.job.packed(took);
     }
-    metrics::histogram!(PACK_SECONDS).record(took.as_secs_f64());
+    metrics::histogram!(metric_names::STEP_PACK_SECONDS).record(took.as_secs_f64());
 }
 
 /// Hands a finished step's output rows in `slot`, from row `base` on, to its requests, in their
@@ -321,7 +317,7 @@ pub(crate) fn deliver(
     for (seg, out) in step.segments.iter().zip(outs) {
         seg.job.put_out(out, seg.rows.len(), took, bufs);
     }
-    metrics::histogram!(DELIVER_SECONDS).record(took.as_secs_f64());
+    metrics::histogram!(metric_names::STEP_DELIVER_SECONDS).record(took.as_secs_f64());
 }
 
 #[cfg(test)]
@@ -465,7 +461,7 @@ mod tests {
         };
         ring.write_output(&out, &rows((0..7).map(|r| 100.0 + r as f32)))
             .unwrap();
-        let bufs = Bufs::new(1 << 20, OUTPUT_BUFFERS_REUSED);
+        let bufs = Bufs::new(1 << 20, metric_names::OUTPUT_BUFFERS_REUSED_TOTAL);
         deliver(&ring, &step, 0, 0, 1, &bufs, own);
         assert!(ring.direct.within(0, &(0..8)).is_empty(), "cleared");
         let mut out = vec![0u8; n * row_bytes];
@@ -546,7 +542,7 @@ mod tests {
             to_router: true,
         };
         ring.write_output(&out, &outputs).unwrap();
-        let bufs = Bufs::new(1 << 20, OUTPUT_BUFFERS_REUSED);
+        let bufs = Bufs::new(1 << 20, metric_names::OUTPUT_BUFFERS_REUSED_TOTAL);
         deliver(&ring, &step, 0, 0, 1, &bufs, 0..5);
         assert!(rx0.try_recv().unwrap().unwrap().is_empty());
         let mut out = vec![0u8; 3 * row_bytes];

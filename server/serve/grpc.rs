@@ -24,10 +24,11 @@ use crate::config::ServeArgs;
 use crate::infer::Infer;
 use crate::inference::grpc_inference_service_server::GrpcInferenceServiceServer;
 use crate::lifecycle::Abort;
+use crate::metric_names;
 use crate::proto::moe_service_server::MoeServiceServer;
 use crate::request::Admission;
 use crate::sched::Job;
-use crate::transport::bufs::{Bufs, REQUEST_BUFFERS_REUSED};
+use crate::transport::bufs::Bufs;
 use crate::transport::conn::ConnArgs;
 use crate::transport::unary::{Limits, UnaryLayer};
 use crate::transport::upload::Budget;
@@ -288,7 +289,7 @@ fn grpc_routes(
         read_timeout,
         bufs: Bufs::new(
             max_request_bytes.saturating_mul(4).min(256 << 20),
-            REQUEST_BUFFERS_REUSED,
+            metric_names::REQUEST_BUFFERS_REUSED_TOTAL,
         ),
     };
     let moe = UnaryLayer::new(Forward(api.clone()), unary.clone()).layer(

@@ -17,8 +17,9 @@ use crate::config::ServeArgs;
 use crate::group::{IngressReport, Report, Reporter};
 use crate::infer::Phase;
 use crate::lifecycle::Abort;
+use crate::metric_names;
 use crate::request::Failure;
-use crate::sched::{run_batcher, BatchConfig, Step, OFFERS_PENDING};
+use crate::sched::{run_batcher, BatchConfig, Step};
 use crate::step::ring::Ring;
 use crate::watchdog::Progress;
 
@@ -111,7 +112,7 @@ impl Clients {
             max_tokens_per_step: stride,
             max_wait: Duration::from_micros(args.max_batch_wait_us),
             depth: ring.shape.slots,
-            gauge: OFFERS_PENDING,
+            gauge: metric_names::OFFERS_PENDING,
             pace: None,
         };
         let (offer_tx, offer_rx) = mpsc::channel(1);

@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
+use crate::metric_names;
 use crate::request::Failure;
 use crate::sched::rows::{copy_threads, deliver, out_bufs, pack};
-use crate::sched::{Step, OFFERS_PENDING};
+use crate::sched::Step;
 use crate::step::ring::Ring;
 use crate::step::{StepDesc, StepKey};
 
@@ -243,7 +244,7 @@ fn pack_offer(
     let n = order.homes[rank] as usize;
     let step = lock(offered).pop_front().ok_or(RowsError::NotOffered)?;
     permits.add_permits(1);
-    metrics::gauge!(OFFERS_PENDING).decrement(1.0);
+    metrics::gauge!(metric_names::OFFERS_PENDING).decrement(1.0);
     if step.key() == order.key && step.tokens() == n {
         return Ok(step);
     }

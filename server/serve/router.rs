@@ -21,10 +21,11 @@ use crate::config::ServeArgs;
 use crate::group::{self, IngressOrder, Order, RouterLink};
 use crate::infer::Phase;
 use crate::lifecycle::Abort;
+use crate::metric_names;
 use crate::nodes::plane::DataListener;
 use crate::sched::{
     run_batcher, run_coordinator, BatchConfig, Control, CoordConfig, Executor, ExecutorError, Job,
-    Offer, PeerEvents, OFFERS_PENDING,
+    Offer, PeerEvents,
 };
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver};
@@ -162,7 +163,7 @@ impl Pipeline {
         let (step_tx, step_rx) = mpsc::channel(1);
         // One permit per ring slot: a step holds one from when it is formed until it is delivered.
         let in_flight = Arc::new(tokio::sync::Semaphore::new(shape.slots));
-        metrics::gauge!(crate::sched::STEPS_IN_FLIGHT).set(0.0);
+        metrics::gauge!(metric_names::STEPS_IN_FLIGHT).set(0.0);
         let executor = spawn_executor(exec, step_rx, in_flight.clone(), args, abort)?;
         let batch_stop = CancellationToken::new();
         let batch = |max_tokens_per_step, gauge, pace| BatchConfig {
@@ -188,7 +189,7 @@ impl Pipeline {
             Feed::Router => {
                 let cfg = batch(
                     args.max_tokens_per_step,
-                    crate::sched::STEPS_IN_FLIGHT,
+                    metric_names::STEPS_IN_FLIGHT,
                     Some(pace),
                 );
                 (batcher(cfg, step_tx, in_flight), None)
@@ -198,7 +199,7 @@ impl Pipeline {
                 let (own_tx, own_rx) = mpsc::channel(1);
                 let own_permits = Arc::new(tokio::sync::Semaphore::new(shape.slots));
                 let b = batcher(
-                    batch(shape.stride, OFFERS_PENDING, None),
+                    batch(shape.stride, metric_names::OFFERS_PENDING, None),
                     own_tx,
                     own_permits.clone(),
                 );

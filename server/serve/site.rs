@@ -6,6 +6,7 @@ use std::path::Path;
 use anyhow::Context;
 
 use crate::config::{BackendKind, ServeArgs};
+use crate::metric_names;
 
 /// This user's private directory for the group's segments under --shm-dir.
 pub(super) fn segment_dir(args: &ServeArgs) -> anyhow::Result<std::path::PathBuf> {
@@ -20,7 +21,7 @@ pub(super) fn ring_path(dir: &Path, group: &str) -> std::path::PathBuf {
 /// The group's info series: its backend, size and this rank.
 pub(super) fn group_info(backend: BackendKind, rank: usize, world: usize) {
     metrics::gauge!(
-        "epserve_group_info",
+        metric_names::GROUP_INFO,
         "backend" => super::prepare::backend_name(backend),
         "world_size" => world.to_string(),
         "ranks_joined" => world.to_string(),

@@ -16,6 +16,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::metric_names;
 use crate::watchdog::Progress;
 
 /// A rank's share of each step. A step is submitted, then completed, oldest first; a backend
@@ -225,7 +226,7 @@ impl<B: Backend> Driver<B> {
         let at = Instant::now();
         match self.flight.is_empty() {
             true => self.progress.begin_at(at),
-            false => metrics::counter!("epserve_steps_submitted_ahead_total").increment(1),
+            false => metrics::counter!(metric_names::STEPS_SUBMITTED_AHEAD_TOTAL).increment(1),
         }
         self.backend.submit(desc, home)?;
         self.flight.push_back((desc.clone(), at));

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
 
+use crate::metric_names;
+
 /// Wall time of one step on this rank, and of each phase where the backend runs them one by one
 /// on the host (a GPU step is one graph: its phases are timed by `epserve bench`).
 #[derive(Clone, Copy, Debug, Default)]
@@ -35,15 +37,15 @@ pub struct StepRecord<'a> {
 
 pub fn record_step(r: &StepRecord) {
     let kind = if r.heartbeat { "heartbeat" } else { "work" };
-    counter!("epserve_steps_total", "kind" => kind).increment(1);
+    counter!(metric_names::STEPS_TOTAL, "kind" => kind).increment(1);
     if r.heartbeat {
         return;
     }
     let layer = r.layer.to_string();
-    histogram!("epserve_step_tokens").record(r.tokens as f64);
-    counter!("epserve_step_tokens_total", "layer" => layer.clone()).increment(r.tokens as u64);
-    counter!("epserve_step_padding_tokens_total").increment(r.times.padding as u64);
-    histogram!("epserve_step_duration_seconds").record(r.times.total.as_secs_f64());
+    histogram!(metric_names::STEP_TOKENS).record(r.tokens as f64);
+    counter!(metric_names::STEP_TOKENS_TOTAL, "layer" => layer.clone()).increment(r.tokens as u64);
+    counter!(metric_names::STEP_PADDING_TOKENS_TOTAL).increment(r.times.padding as u64);
+    histogram!(metric_names::STEP_DURATION_SECONDS).record(r.times.total.as_secs_f64());
     crate::stats_log::step(r.times.total);
     let phases = if r.times.phased { 5 } else { 0 };
     for (phase, d) in [
@@ -56,7 +58,7 @@ pub fn record_step(r: &StepRecord) {
     .into_iter()
     .take(phases)
     {
-        histogram!("epserve_step_phase_seconds", "phase" => phase).record(d.as_secs_f64());
+        histogram!(metric_names::STEP_PHASE_SECONDS, "phase" => phase).record(d.as_secs_f64());
     }
     let experts = r.routed.len() / r.world.max(1);
     if experts == 0 {
@@ -71,20 +73,22 @@ pub fn record_step(r: &StepRecord) {
         .collect();
     let local = experts / r.world;
     let per_rank: Vec<u64> = per_expert.chunks(local).map(|c| c.iter().sum()).collect();
-    histogram!("epserve_rank_received_tokens").record(per_rank[r.rank] as f64);
+    histogram!(metric_names::RANK_RECEIVED_TOKENS).record(per_rank[r.rank] as f64);
     let total: u64 = per_expert.iter().sum();
     if total > 0 {
         let max_rank = *per_rank.iter().max().unwrap_or(&1) as f64;
         let max_expert = *per_expert.iter().max().unwrap_or(&1) as f64;
         let mean_rank = total as f64 / r.world as f64;
         let mean_expert = total as f64 / experts as f64;
-        gauge!("epserve_expert_balance_ratio", "layer" => layer.clone()).set(mean_rank / max_rank);
-        gauge!("epserve_expert_skew_ratio", "layer" => layer.clone()).set(max_expert / mean_expert);
+        gauge!(metric_names::EXPERT_BALANCE_RATIO, "layer" => layer.clone())
+            .set(mean_rank / max_rank);
+        gauge!(metric_names::EXPERT_SKEW_RATIO, "layer" => layer.clone())
+            .set(max_expert / mean_expert);
     }
     if r.per_expert {
         let first = r.rank * local;
         for (e, &n) in per_expert.iter().enumerate().skip(first).take(local) {
-            counter!("epserve_expert_tokens_total", "layer" => layer.clone(), "expert" => e.to_string()).increment(n);
+            counter!(metric_names::EXPERT_TOKENS_TOTAL, "layer" => layer.clone(), "expert" => e.to_string()).increment(n);
         }
     }
 }

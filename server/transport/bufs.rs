@@ -8,11 +8,6 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 
-/// Answers written into a buffer kept from an earlier answer.
-pub const OUTPUT_BUFFERS_REUSED: &str = "epserve_output_buffers_reused_total";
-/// Requests read off the wire into a buffer kept from an earlier request.
-pub const REQUEST_BUFFERS_REUSED: &str = "epserve_request_buffers_reused_total";
-
 /// Below this a buffer comes from the allocator, which reuses small blocks itself (no faults
 /// were measured for 512 KiB answers).
 const MIN_BYTES: usize = 1 << 20;
@@ -98,10 +93,11 @@ impl Drop for Kept {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metric_names;
 
     #[test]
     fn a_dropped_answer_is_reused_for_the_next_that_fits() {
-        let pool = Bufs::new(8 * MIN_BYTES, OUTPUT_BUFFERS_REUSED);
+        let pool = Bufs::new(8 * MIN_BYTES, metric_names::OUTPUT_BUFFERS_REUSED_TOTAL);
         let mut buf = pool.take(2 * MIN_BYTES);
         buf.fill(7);
         let ptr = buf.as_ptr();
@@ -124,7 +120,7 @@ mod tests {
 
     #[test]
     fn the_smallest_fitting_buffer_is_taken() {
-        let pool = Bufs::new(16 * MIN_BYTES, OUTPUT_BUFFERS_REUSED);
+        let pool = Bufs::new(16 * MIN_BYTES, metric_names::OUTPUT_BUFFERS_REUSED_TOTAL);
         let big = pool.take(4 * MIN_BYTES);
         let small = pool.take(2 * MIN_BYTES);
         let small_ptr = small.as_ptr();
@@ -135,7 +131,7 @@ mod tests {
 
     #[test]
     fn what_it_keeps_is_bounded_and_small_answers_are_not_kept() {
-        let pool = Bufs::new(3 * MIN_BYTES, OUTPUT_BUFFERS_REUSED);
+        let pool = Bufs::new(3 * MIN_BYTES, metric_names::OUTPUT_BUFFERS_REUSED_TOTAL);
         let bufs: Vec<_> = (0..3).map(|_| pool.take(2 * MIN_BYTES)).collect();
         drop(bufs.into_iter().map(|b| pool.freeze(b)).collect::<Vec<_>>());
         assert_eq!(pool.held(), 2 * MIN_BYTES, "one fits under the cap");

@@ -448,9 +448,9 @@ mod tests {
     use super::*;
     use crate::inference::model_infer_response::InferOutputTensor;
     use crate::inference::ModelInferResponse;
+    use crate::metric_names;
     use crate::proto::ForwardResponse;
     use crate::proto::{Error, Tensor};
-    use crate::transport::bufs::REQUEST_BUFFERS_REUSED;
     use rand::{Rng, SeedableRng};
     use tonic::Code;
 
@@ -617,7 +617,7 @@ mod tests {
     #[tokio::test]
     async fn a_message_is_read_whole_across_any_frame_boundaries() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
-        let bufs = Bufs::new(64 << 20, REQUEST_BUFFERS_REUSED);
+        let bufs = Bufs::new(64 << 20, metric_names::REQUEST_BUFFERS_REUSED_TOTAL);
         for &len in LENS {
             let msg = bytes(&mut rng, len);
             for _ in 0..3 {
@@ -652,7 +652,7 @@ mod tests {
     /// Bad framing gets the status tonic gave it, and nothing is read past it.
     #[tokio::test]
     async fn bad_framing_gets_a_clear_status() {
-        let bufs = Bufs::new(0, REQUEST_BUFFERS_REUSED);
+        let bufs = Bufs::new(0, metric_names::REQUEST_BUFFERS_REUSED_TOTAL);
         let read = |chunks: Vec<Vec<u8>>, max| {
             let bufs = bufs.clone();
             async move {
@@ -695,7 +695,7 @@ mod tests {
     async fn compressed_messages_are_inflated_within_the_limit() {
         use flate2::write::{GzEncoder, ZlibEncoder};
         use std::io::Write;
-        let bufs = Bufs::new(0, REQUEST_BUFFERS_REUSED);
+        let bufs = Bufs::new(0, metric_names::REQUEST_BUFFERS_REUSED_TOTAL);
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
         for len in [0, 7, 100_000] {
             // Half random, half zeros: it compresses.

@@ -28,9 +28,7 @@ use tokio::time::Instant;
 use tonic::Status;
 
 use crate::flags::{duration, size};
-
-/// Bytes charged by request messages being read.
-pub const UPLOAD_BYTES: &str = "epserve_upload_bytes";
+use crate::metric_names;
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 type Charged = Result<Charge, Status>;
@@ -204,14 +202,14 @@ pub struct Charge {
 
 impl Charge {
     fn new(mine: OwnedSemaphorePermit, all: OwnedSemaphorePermit) -> Self {
-        metrics::gauge!(UPLOAD_BYTES).increment(all.num_permits() as f64);
+        metrics::gauge!(metric_names::UPLOAD_BYTES).increment(all.num_permits() as f64);
         Self { _mine: mine, all }
     }
 }
 
 impl Drop for Charge {
     fn drop(&mut self) {
-        metrics::gauge!(UPLOAD_BYTES).decrement(self.all.num_permits() as f64);
+        metrics::gauge!(metric_names::UPLOAD_BYTES).decrement(self.all.num_permits() as f64);
     }
 }
 

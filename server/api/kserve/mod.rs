@@ -39,10 +39,11 @@ use crate::inference::{
     SystemSharedMemoryStatusResponse, SystemSharedMemoryUnregisterRequest,
     SystemSharedMemoryUnregisterResponse,
 };
+use crate::metric_names;
 use crate::request::{Data, Failure, Permit};
 use crate::transport::unary::{Spliced, Unary};
 use models::{name, Model, HIDDEN, IDS_IN, OUTPUT, PLATFORM, VERSION, WEIGHTS};
-use regions::{Regions, Span, SHM_BYTES, SHM_TENSORS};
+use regions::{Regions, Span};
 
 /// Request parameters understood here: the output's float type, and Triton's timeout (µs).
 /// Triton's reserved `triton_*` ones are taken as Triton takes them.
@@ -521,13 +522,14 @@ impl KserveApi {
             true => {
                 // A POSIX object's reads count themselves as they happen.
                 if span.on_device() {
-                    metrics::counter!(SHM_BYTES, "direction" => "in").increment(len);
+                    metrics::counter!(metric_names::SHM_BYTES_TOTAL, "direction" => "in")
+                        .increment(len);
                 }
                 Data::Client(span.client())
             }
             false => Data::Host(span.read()?),
         };
-        metrics::counter!(SHM_TENSORS, "direction" => "in").increment(1);
+        metrics::counter!(metric_names::SHM_TENSORS_TOTAL, "direction" => "in").increment(1);
         Ok(data)
     }
 
@@ -566,12 +568,12 @@ impl KserveApi {
                 let len = a.tokens * hidden * d.out.bytes();
                 match span.on_device() {
                     // Written there before the answer (`JobInput::output_to`).
-                    true => {
-                        metrics::counter!(SHM_BYTES, "direction" => "out").increment(len as u64)
-                    }
+                    true => metrics::counter!(metric_names::SHM_BYTES_TOTAL, "direction" => "out")
+                        .increment(len as u64),
                     false => span.client().write(&a.output).map_err(Failure::invalid)?,
                 }
-                metrics::counter!(SHM_TENSORS, "direction" => "out").increment(1);
+                metrics::counter!(metric_names::SHM_TENSORS_TOTAL, "direction" => "out")
+                    .increment(1);
                 let p = &mut output.parameters;
                 p.insert(
                     "shared_memory_region".into(),

@@ -33,12 +33,8 @@ use tonic::Status;
 use crate::infer::quote::quote;
 use crate::inference::cuda_shared_memory_status_response::RegionStatus as CudaStatus;
 use crate::inference::system_shared_memory_status_response::RegionStatus;
+use crate::metric_names;
 use crate::request::{ClientMemory, ClientSpan, Failure, OpenDevice};
-
-/// Bytes read from and written to clients' regions (`direction`: in, out).
-pub const SHM_BYTES: &str = "epserve_shm_bytes_total";
-/// Inputs and outputs that named a region.
-pub const SHM_TENSORS: &str = "epserve_shm_tensors_total";
 
 #[derive(Args, Debug, Clone)]
 pub struct RegionArgs {
@@ -103,7 +99,8 @@ impl ClientMemory for FileRegion {
         self.file
             .read_exact_at(out, self.offset + offset)
             .map_err(|e| self.failure("reading", e))?;
-        metrics::counter!(SHM_BYTES, "direction" => "in").increment(out.len() as u64);
+        metrics::counter!(metric_names::SHM_BYTES_TOTAL, "direction" => "in")
+            .increment(out.len() as u64);
         Ok(())
     }
 
@@ -111,7 +108,8 @@ impl ClientMemory for FileRegion {
         self.file
             .write_all_at(data, self.offset + offset)
             .map_err(|e| self.failure("writing", e))?;
-        metrics::counter!(SHM_BYTES, "direction" => "out").increment(data.len() as u64);
+        metrics::counter!(metric_names::SHM_BYTES_TOTAL, "direction" => "out")
+            .increment(data.len() as u64);
         Ok(())
     }
 }
@@ -192,7 +190,8 @@ impl Span {
                 false => Failure::invalid(e),
             })?;
         if self.on_device() {
-            metrics::counter!(SHM_BYTES, "direction" => "in").increment(self.len as u64);
+            metrics::counter!(metric_names::SHM_BYTES_TOTAL, "direction" => "in")
+                .increment(self.len as u64);
         }
         Ok(buf.into())
     }

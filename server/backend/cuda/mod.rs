@@ -38,6 +38,8 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+use crate::metric_names;
+
 /// `kernels/epserve.cu` (its parts: routing, layout, ffn, convert), compiled for sm_90a (plus
 /// compute_90a PTX).
 pub static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/epserve_kernels.fatbin"));
@@ -79,7 +81,7 @@ impl Alloc {
     }
     fn count<T>(&mut self, n: usize) {
         self.bytes += n * std::mem::size_of::<T>();
-        metrics::counter!("epserve_device_allocations_total").increment(1);
+        metrics::counter!(metric_names::DEVICE_ALLOCATIONS_TOTAL).increment(1);
     }
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
         &mut self,

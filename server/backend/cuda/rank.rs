@@ -17,6 +17,7 @@ use super::transfer::{Copies, RingPin, Staging, DEPTH};
 use super::GpuError;
 use crate::dtype::Dtype;
 use crate::lifecycle::Abort;
+use crate::metric_names;
 use crate::step::direct::{pieces, DirectRun};
 use crate::step::ring::{Output, Ring};
 use crate::step::{Backend, PhaseTimes, StepDesc, StepError};
@@ -149,8 +150,10 @@ impl GpuRank {
             // Present (at zero) from the start, so a dashboard can alert on any increase.
             for mode in ["ll", "ht"] {
                 if f.modes.contains(mode) {
-                    metrics::counter!("epserve_ep_recv_overflow_total", "mode" => mode).absolute(0);
-                    metrics::counter!("epserve_ep_recv_mismatch_total", "mode" => mode).absolute(0);
+                    metrics::counter!(metric_names::EP_RECV_OVERFLOW_TOTAL, "mode" => mode)
+                        .absolute(0);
+                    metrics::counter!(metric_names::EP_RECV_MISMATCH_TOTAL, "mode" => mode)
+                        .absolute(0);
                 }
             }
         }
@@ -461,7 +464,7 @@ impl Backend for GpuRank {
         self.check_receive(f.step, f.bucket, f.set)?;
         // Whole-device use, so an allocation by anyone in the process (NCCL included) shows.
         if let Ok((free, total)) = result::mem_get_info() {
-            metrics::gauge!("epserve_device_memory_used_bytes").set((total - free) as f64);
+            metrics::gauge!(metric_names::DEVICE_MEMORY_USED_BYTES).set((total - free) as f64);
         }
         // The rows went into the ring by DMA before the step's completion event.
         self.ring

@@ -15,6 +15,7 @@ use crate::backend::cuda::fp8::{Fp8Rows, Live};
 use crate::backend::cuda::nccl::{Comm, SymBuffer};
 use crate::backend::cuda::shape::StepShape;
 use crate::backend::cuda::{hopper, Alloc, Gpu, GpuError};
+use crate::metric_names;
 use crate::model::fp8::BLOCK;
 
 /// The expert rows: a registered window (zero-copy) or plain device memory.
@@ -604,16 +605,16 @@ impl Exchange for EpExchange {
                 ("ht", total, padded, total > cap)
             }
         };
-        metrics::counter!("epserve_ep_steps_total", "mode" => mode).increment(1);
-        metrics::gauge!("epserve_ep_recv_rows", "mode" => mode).set(rows as f64);
+        metrics::counter!(metric_names::EP_STEPS_TOTAL, "mode" => mode).increment(1);
+        metrics::gauge!(metric_names::EP_RECV_ROWS, "mode" => mode).set(rows as f64);
         if overflow {
-            metrics::counter!("epserve_ep_recv_overflow_total", "mode" => mode).increment(1);
+            metrics::counter!(metric_names::EP_RECV_OVERFLOW_TOTAL, "mode" => mode).increment(1);
             return Err(format!(
                 "NCCL EP ({mode}) received past its capacity: {rows} rows, capacity {cap}"
             ));
         }
         if rows != expected {
-            metrics::counter!("epserve_ep_recv_mismatch_total", "mode" => mode).increment(1);
+            metrics::counter!(metric_names::EP_RECV_MISMATCH_TOTAL, "mode" => mode).increment(1);
             return Err(format!(
                 "NCCL EP ({mode}) received {rows} rows where the routing sent {expected}"
             ));
