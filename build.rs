@@ -244,7 +244,7 @@ fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
     run(cmd, "kernels/epserve.cu")?;
     let mut cmd = nvcc_cmd("-std=c++17");
     cmd.args(["-gencode=arch=compute_90a,code=sm_90a"])
-        // The most experts a quantisation pass's psum layout stages: the GEMMs' bound.
+        // The most experts a quantization pass's psum layout stages: the GEMMs' bound.
         .arg(format!("-DEPSERVE_MAX_GROUPS={HOPPER_GROUPS}"))
         .arg("-o")
         .arg(out.join("fp8_kernels.fatbin"))

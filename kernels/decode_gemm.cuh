@@ -246,7 +246,7 @@ template <bool kGated, bool kFp8>
 __device__ __forceinline__ void run(const CUtensorMap* w, const CUtensorMap* x, const float* wsf, const float* xsf,
                                     const int* sizes, const int* offsets, int groups, int S, int xs_ld, int N, int K,
                                     __nv_bfloat16* y, int* ticket) {
-  static_assert(!(kGated && kFp8), "FP8 SwiGLU is quantised apart (kernels/fp8.cu)");
+  static_assert(!(kGated && kFp8), "FP8 SwiGLU is quantized apart (kernels/fp8.cu)");
   constexpr int kStageK = kFp8 ? 2 * kBoxK : kBoxK;  // channels per 128-byte row
   extern __shared__ uint8_t raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));

@@ -1,5 +1,5 @@
 // FP8 activations for the experts' GEMMs (DeepSeek-V3's recipe, server/model/fp8.rs): each row
-// quantised per 128 channels by kernels/fp8_rule.cuh. One block a row (so the rows past the
+// quantized per 128 channels by kernels/fp8_rule.cuh. One block a row (so the rows past the
 // live count cost one early exit each), one half-warp a 128-channel group, eight channels a
 // lane, the group's amax by shuffles. Scales go out MN-major, as
 // DeepGEMM's FP8 kernels read them: sf[g * ld + r], ld the rows rounded up to 4 (16 bytes); in
@@ -68,7 +68,7 @@ __device__ inline size_t scale_at(int r, int g, int G, const Live& l, int ld) {
   return (size_t)g * ld + r;
 }
 
-// The body of the row quantisers: scales MN-major (scale_at) or token-major.
+// The body of the row quantizers: scales MN-major (scale_at) or token-major.
 template <bool kTokenMajor>
 __device__ inline void quantize_row(const bf16* x, const Live& l, int K, int ld, uint8_t* q, float* sf) {
   const int r = blockIdx.x, G = K / kGroup, half = threadIdx.x / 16 % 2, lane = threadIdx.x % 16;
@@ -123,10 +123,10 @@ __global__ void fp8_scales_mn(const float* src, int rows, int G, int ld, float* 
 }
 
 // act = silu(gate) * up (times w[r] where w is given) of gu[r] = [gate | up] (bf16, 2I wide),
-// in f32, quantised into q[r, :I] and sf, for every live row r < gridDim.x; the groups as in
+// in f32, quantized into q[r, :I] and sf, for every live row r < gridDim.x; the groups as in
 // fp8_quantize_rows. silu by the fast intrinsics (a few ulp on bf16 inputs): expf and IEEE
 // division's instructions bounded the kernel (32768 x 2048 rows, 1x H100: 138 -> 118 us,
-// scripts/probes/swiglu_fp8.cu); the quantisation keeps fp8_rule's division, the rule exactly.
+// scripts/probes/swiglu_fp8.cu); the quantization keeps fp8_rule's division, the rule exactly.
 __global__ void fp8_swiglu_quantize(const bf16* gu, Live l, int I, const float* w, int ld, uint8_t* q,
                                     float* sf) {
   const int r = blockIdx.x, G = I / kGroup, half = threadIdx.x / 16 % 2, lane = threadIdx.x % 16;

@@ -1,4 +1,4 @@
-// DeepSeek-V3's activation rule (server/model/fp8.rs), shared by the kernels that quantise rows
+// DeepSeek-V3's activation rule (server/model/fp8.rs), shared by the kernels that quantize rows
 // (kernels/fp8.cu after the exchange, kernels/epserve.cu's FP8 slots before it): per 128
 // channels, s = amax / 448 (0 where that is not a normal float, the group's values then 0),
 // q = e4m3(x / s) rounded to nearest even and saturated. The result depends only on the group's
@@ -19,7 +19,7 @@ __device__ inline float group_scale(float amax) {
   return (s >= 1.17549435e-38f && s <= 3.40282347e38f) ? s : 0.f;
 }
 
-// Four values of one lane quantised with the group's scale, packed little-endian.
+// Four values of one lane quantized with the group's scale, packed little-endian.
 __device__ inline uint32_t pack4(const float v[4], float s) {
   uint32_t out = 0;
 #pragma unroll
@@ -50,7 +50,7 @@ __device__ inline float amax8(const float v[8]) {
   return m;
 }
 
-// Eight values quantised with the group's scale into eight bytes at `q`.
+// Eight values quantized with the group's scale into eight bytes at `q`.
 __device__ inline void store8(uint8_t* q, const float v[8], float s) {
   *reinterpret_cast<uint2*>(q) = make_uint2(pack4(v, s), pack4(v + 4, s));
 }

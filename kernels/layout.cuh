@@ -52,7 +52,7 @@ __global__ void pack_slots(const bf16* x, const int* entry_of, const int* offset
   for (int i = threadIdx.x; i < H / 8; i += blockDim.x) dst[i] = src[i];
 }
 
-// FP8 experts: pack_slots's rows quantised on the way out (fp8_rule.cuh), each slot row R bytes:
+// FP8 experts: pack_slots's rows quantized on the way out (fp8_rule.cuh), each slot row R bytes:
 // the H E4M3 codes, then the H / 128 f32 scales (R = StepShape::slot_row_bytes). Block per row
 // r < offsets[E]; each half-warp one 128-channel group, eight channels a lane.
 __global__ void pack_slots_fp8(const bf16* x, const int* entry_of, const int* offsets, int E, int L, int K, int H,

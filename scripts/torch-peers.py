@@ -7,8 +7,8 @@ Per config (tokens per rank, hidden, intermediate, experts, top-k as in server/b
 random routing over distinct experts, bf16:
   - experts: this rank's SwiGLU FFN over the rows it receives, with torch._grouped_mm (CUTLASS
     grouped GEMM), beside dense cuBLAS (torch.mm) on the same rows; and in FP8 (W8A8, row-wise
-    scales: torch._scaled_grouped_mm, dense torch._scaled_mm), activations quantised in the
-    timed region as epserve's FP8 experts phase quantises them;
+    scales: torch._scaled_grouped_mm, dense torch._scaled_mm), activations quantized in the
+    timed region as epserve's FP8 experts phase quantizes them;
   - layer: the whole EP layer as a PyTorch user writes it: router GEMM + top-k, all_to_all_single
     of counts and rows, grouped FFN, all_to_all_single back, weighted sum.
 Times are medians over iterations of the slowest rank (CUDA events, ranks aligned by a barrier).
@@ -39,7 +39,7 @@ def fp8_rowwise(t):
 
 
 def ffn_fp8(x, offs, gu, down):
-    """The SwiGLU FFN in FP8: rows and activations quantised per row, weights per column."""
+    """The SwiGLU FFN in FP8: rows and activations quantized per row, weights per column."""
     (gu_q, gu_s), (dn_q, dn_s) = gu, down
     xq, xs = fp8_rowwise(x)
     h = torch._scaled_grouped_mm(xq, gu_q.transpose(-2, -1), xs, gu_s, offs=offs, out_dtype=torch.bfloat16)
@@ -153,7 +153,7 @@ def main():
         try:
             gu8, dn8 = fp8_rowwise(w_gu), fp8_rowwise(w_down)
             fp8_ms = timed(lambda: ffn_fp8(rows, offs, gu8, dn8), args.iters, args.warmup)
-            # The two GEMMs alone, operands quantised beforehand (the anchors' figure).
+            # The two GEMMs alone, operands quantized beforehand (the anchors' figure).
             xq, xs = fp8_rowwise(rows)
             aq, as_ = fp8_rowwise(torch.randn(rows.shape[0], i, device="cuda", dtype=torch.bfloat16, generator=g))
 

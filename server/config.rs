@@ -159,9 +159,9 @@ impl BackendKind {
 pub enum ExpertDtypeArg {
     /// FP8 checkpoints as they ship (fp8, where the recipe applies), everything else bf16.
     Auto,
-    /// DeepSeek-V3's FP8 recipe; other checkpoints and synthetic models quantised at load.
+    /// DeepSeek-V3's FP8 recipe; other checkpoints and synthetic models quantized at load.
     Fp8,
-    /// Weights as values (FP8 checkpoints dequantised at load).
+    /// Weights as values (FP8 checkpoints dequantized at load).
     Bf16,
 }
 
@@ -231,7 +231,7 @@ pub struct ServeArgs {
     )]
     pub seed: u64,
     /// Experts' weights and math: fp8 is DeepSeek-V3's recipe (E4M3 weights in 128x128 blocks
-    /// with f32 scales, activations quantised per token per 128 channels; hidden and
+    /// with f32 scales, activations quantized per token per 128 channels; hidden and
     /// intermediate sizes multiples of 128), bf16 holds them as values; auto keeps an FP8
     /// checkpoint's FP8 and runs everything else bf16.
     #[arg(

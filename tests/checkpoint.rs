@@ -53,7 +53,7 @@ impl Ckpt {
         v.iter().map(|&x| f64::from(x)).collect()
     }
     /// FP8 E4M3 values built from their fields (so no decoder is shared with the server), with a
-    /// per-block f32 `weight_scale_inv`; returns the dequantised values.
+    /// per-block f32 `weight_scale_inv`; returns the dequantized values.
     fn fp8(
         &mut self,
         rng: &mut ChaCha8Rng,
@@ -275,7 +275,7 @@ fn write_model(dir: &std::path::Path, a: &Arch, seed: u64) -> (MoeSpec, Vec<RefL
 }
 
 /// The FP8 recipe's reference of a checkpoint: experts it ships in FP8 as they are (their values
-/// are the dequantised FP8), every other expert matrix quantised in 128x128 blocks.
+/// are the dequantized FP8), every other expert matrix quantized in 128x128 blocks.
 fn fp8_reference(refs: &mut [RefLayer], a: &Arch) {
     for r in refs {
         match a.fp8_block {
@@ -395,15 +395,15 @@ async fn deepseek_v3_checkpoint_with_fp8_experts() {
 }
 
 /// DeepSeek-V3 as it ships: FP8 experts in 128x128 blocks, served as FP8 by default (`auto`),
-/// the routed experts' bytes as shipped and the bf16 shared expert quantised at load.
+/// the routed experts' bytes as shipped and the bf16 shared expert quantized at load.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deepseek_v3_fp8_checkpoint_served_fp8() {
     check_as(deepseek_fp8_128(), 24, &[], "fp8").await;
 }
 
-/// The same checkpoint with `--expert-dtype bf16`: dequantised at load, as before FP8 experts.
+/// The same checkpoint with `--expert-dtype bf16`: dequantized at load, as before FP8 experts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn deepseek_v3_fp8_checkpoint_dequantised_on_request() {
+async fn deepseek_v3_fp8_checkpoint_dequantized_on_request() {
     check_as(deepseek_fp8_128(), 25, &["--expert-dtype", "bf16"], "bf16").await;
 }
 
@@ -420,9 +420,9 @@ fn deepseek_fp8_128() -> Arch {
     }
 }
 
-/// A bf16 Mixtral checkpoint with `--expert-dtype fp8`: quantised in 128x128 blocks at load.
+/// A bf16 Mixtral checkpoint with `--expert-dtype fp8`: quantized in 128x128 blocks at load.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mixtral_checkpoint_quantised_to_fp8_at_load() {
+async fn mixtral_checkpoint_quantized_to_fp8_at_load() {
     let a = Arch {
         model_type: "mixtral",
         hidden: 128,

@@ -1,5 +1,5 @@
 //! FP8 experts (`--expert-dtype fp8`, DeepSeek-V3's recipe) on the cpu backend: every token of
-//! every request against the f64 reference with the same quantisation (random data, gating and
+//! every request against the f64 reference with the same quantization (random data, gating and
 //! client routing, a hot expert with the others left empty, a zero row, an outlier row, requests
 //! split over steps), on one rank and on two; what GetModelInfo says of the experts' memory
 //! against bf16; and sizes the recipe cannot take refused by name.
@@ -112,7 +112,7 @@ fn cases(spec: &MoeSpec, rng: &mut ChaCha8Rng) -> Vec<Case> {
 }
 
 /// Sends every case concurrently; checks each token against the FP8 reference (<= 1e-5 of the
-/// token's largest output) and reports the worst token against the unquantised one.
+/// token's largest output) and reports the worst token against the unquantized one.
 async fn check(g: &Group, spec: &MoeSpec, seed: u64) {
     let (fp8, plain) = (reference(spec, true), reference(spec, false));
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -144,12 +144,12 @@ async fn check(g: &Group, spec: &MoeSpec, seed: u64) {
         excluded * 100 <= rows,
         "{excluded} of {rows} rows were routing near-ties"
     );
-    // FP8 differs from the unquantised experts by design (3 mantissa bits): reported, and only
+    // FP8 differs from the unquantized experts by design (3 mantissa bits): reported, and only
     // bounded loosely so that a wrong scale (off by a factor) cannot pass.
-    eprintln!("fp8 against unquantised experts: worst token {vs_plain:.3e} of its largest output");
+    eprintln!("fp8 against unquantized experts: worst token {vs_plain:.3e} of its largest output");
     assert!(
         vs_plain < 0.5,
-        "fp8 is {vs_plain:.3e} from the unquantised experts"
+        "fp8 is {vs_plain:.3e} from the unquantized experts"
     );
 }
 

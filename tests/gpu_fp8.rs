@@ -1,8 +1,8 @@
 //! FP8 experts' kernels against the CPU's recipe (`epserve::model::fp8`) on random data: the
-//! activation quantisation bit for bit (scales MN-major, and token-major as NCCL EP forwards
-//! them, with their move into the GEMM's layout), SwiGLU's quantisation within the rounding of
+//! activation quantization bit for bit (scales MN-major, and token-major as NCCL EP forwards
+//! them, with their move into the GEMM's layout), SwiGLU's quantization within the rounding of
 //! its inputs, and DeepGEMM's FP8 grouped GEMM (and decode's own) against f64 over the same
-//! quantised operands, per expert, in both layouts, with empty, ragged and hot experts, and the
+//! quantized operands, per expert, in both layouts, with empty, ragged and hot experts, and the
 //! psum instances compiled for DeepSeek-V3's shapes. They need a GPU: run them with `--ignored`
 //! on a GPU machine (scripts/gpu-check.sh).
 #![cfg(feature = "cuda")]
@@ -138,7 +138,7 @@ fn quantize_rows_matches_the_cpu_rule_bit_for_bit() {
     }
 }
 
-/// NCCL EP's forwarded FP8 rows: the home rows below the live count quantised by the rule, a
+/// NCCL EP's forwarded FP8 rows: the home rows below the live count quantized by the rule, a
 /// row's scales together (token-major), rows past the count untouched.
 #[test]
 #[ignore = "needs a GPU"]
@@ -293,13 +293,13 @@ fn swiglu_quantize_matches_the_cpu_rule() {
     }
 }
 
-/// FP8 on the wire (the `nccl` exchange with FP8 experts): rows quantised as they are packed
+/// FP8 on the wire (the `nccl` exchange with FP8 experts): rows quantized as they are packed
 /// into two peers' slots, then scattered from the slots into the FFN's operand by a map, equal
 /// to the CPU rule bit for bit at every step; slot rows and operand rows nothing maps to stay
 /// untouched. Seven 128-channel groups: the pack's last pair of groups is half idle.
 #[test]
 #[ignore = "needs a GPU"]
-fn fp8_slots_carry_rows_quantised_by_the_cpu_rule() {
+fn fp8_slots_carry_rows_quantized_by_the_cpu_rule() {
     let g = gpu();
     let s = &g.stream;
     let mut r = ChaCha8Rng::seed_from_u64(5);
@@ -439,7 +439,7 @@ fn weights(r: &mut ChaCha8Rng, groups: usize, n: usize, k: usize) -> (Vec<u8>, V
     (q, sf)
 }
 
-/// Worst error of expert `e`'s output rows `rows` against f64 over the quantised operands the
+/// Worst error of expert `e`'s output rows `rows` against f64 over the quantized operands the
 /// GPU used (its codes and scales, read back), per row: max |got - want| over the row's largest
 /// |want| (bf16 outputs and f32 accumulation err with the row's scale, not each element's).
 /// Rows are spread over the machine's cores: DeepSeek-V3's shapes are billions of products.

@@ -121,7 +121,7 @@ fn reference_layers_of(model: &str) -> (MoeSpec, Vec<RefLayer>) {
     (spec, layers)
 }
 
-/// The f64 reference of `spec`'s layers under the FP8 recipe (weights quantised in 128x128
+/// The f64 reference of `spec`'s layers under the FP8 recipe (weights quantized in 128x128
 /// blocks at load, as the service does with `--expert-dtype fp8`).
 fn fp8_reference(spec: &MoeSpec) -> Vec<RefLayer> {
     spec.moe_layers
@@ -369,9 +369,9 @@ fn mixed_steps(
     }
 }
 
-/// FP8 experts (`--expert-dtype fp8`, DeepSeek-V3's recipe, quantised at load) on the `nccl`
+/// FP8 experts (`--expert-dtype fp8`, DeepSeek-V3's recipe, quantized at load) on the `nccl`
 /// backend, every token against the f64 reference of the recipe (weights in 128x128 blocks,
-/// activations in bf16 quantised per 128 channels), graphs on and off: the test model's 1,000
+/// activations in bf16 quantized per 128 channels), graphs on and off: the test model's 1,000
 /// requests under the bf16 tests' bound; and a DeepSeek layer with a shared expert at small
 /// sizes (intermediate 128), steps of 600-900 tokens mixed with small ones, under a bound of its
 /// own. Why two bounds: the FP8 tensor cores accumulate with ~14 bits between DeepGEMM's f32
@@ -523,7 +523,7 @@ fn nccl_ep_fp8_experts_match_the_f64_reference() {
         check_f64(&what, &spec, &layers, &reqs, &out, TOKEN_TOL);
     }
     // Rows of 256 channels carry two scales (8 bytes), not the whole 16-byte units NCCL EP's
-    // forward recipe moves: they go as bf16 and are quantised after the exchange.
+    // forward recipe moves: they go as bf16 and are quantized after the exchange.
     const SMALL: &str = "synthetic:small-deepseek";
     let (spec, _) = reference_layers_of(SMALL);
     let layers = fp8_reference(&spec);

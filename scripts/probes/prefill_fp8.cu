@@ -5,7 +5,7 @@
 // -DMCA (multicast on A, else on B), -DPF_SPEC (1: N and K compile-time constants, one instance
 // per GEMM, as DeepGEMM's JIT builds them), -DPF_SWD (the D store's swizzle, 128 or 64 bytes: 64
 // lets the N tile be 160), -DPF_GR (kNumGroups, the most experts a launch takes). With -DQUANT it
-// times the step's quantisation kernels (kernels/fp8.cu, or -DFP8_KERNELS=\"path\") on the same
+// times the step's quantization kernels (kernels/fp8.cu, or -DFP8_KERNELS=\"path\") on the same
 // rows instead, over every row below the padded total and over the experts' rows alone (the psum
 // layout's `Live`). Timing only (random codes).
 #include "common.cuh"
@@ -96,7 +96,7 @@ int main() {
       const double live_rows = l == &psum ? tok : rows;
       float tq = median_us([&] { fp8_quantize_rows<<<rows, 128, 0, st>>>(xb, *l, H, (int)cap, xq, xsf); }, 50, st);
       float ts = median_us([&] { fp8_swiglu_quantize<<<rows, 128, 0, st>>>(gu, *l, I, nullptr, (int)cap, aq, asf); }, 50, st);
-      printf("%s counts %d..%d (%d rows, %d padded), %s: quantise rows %.1f us (%.2f TB/s), SwiGLU+quantise %.1f us (%.2f TB/s)\n",
+      printf("%s counts %d..%d (%d rows, %d padded), %s: quantize rows %.1f us (%.2f TB/s), SwiGLU+quantize %.1f us (%.2f TB/s)\n",
              ragged ? "ragged" : "even", mn, mx, tok, rows, l == &psum ? "routed rows" : "padded rows", tq,
              live_rows * H * 3 / tq / 1e6, ts, live_rows * I * 5 / ts / 1e6);
     }

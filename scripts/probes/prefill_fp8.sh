@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds scripts/probes/prefill_fp8.cu once per DeepGEMM FP8 psum instance (in parallel), then
-# runs each in turn, and the quantisation kernels on the same rows. Output in $OUT.
+# runs each in turn, and the quantization kernels on the same rows. Output in $OUT.
 #   device tool: kind nvidia-h200, command: bash scripts/probes/prefill_fp8.sh ["BN ST MC MCA [SPEC SWD GR]" ...]
 #   (SPEC 1: compile-time N and K; SWD: the D swizzle, 128 or 64; GR: kNumGroups; all three or none, 0 128 256 if none)
 set -uo pipefail

@@ -1,5 +1,5 @@
 // kernels/fp8.cu's fp8_swiglu_quantize in variants, on prefill-rank's rows (32768 x 2048): silu
-// by expf and IEEE division (base) or by __expf and __fdividef (-DFAST_SILU); the quantisation
+// by expf and IEEE division (base) or by __expf and __fdividef (-DFAST_SILU); the quantization
 // by __fdiv_rn (fp8_rule) or by a correctly rounded reciprocal and one Markstein step (-DRCP,
 // checked against __fdiv_rn on 2^32 random pairs) or a plain reciprocal (-DRCP_INEXACT, the
 // ceiling only). Times each, and writes its codes and scales (argv[1]) for a byte comparison.
@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
   cudaStream_t st; CK(cudaStreamCreate(&st));
   float t = median_us([&] { swiglu<<<cap, 128, 0, st>>>(gu, n, I, w, cap, q, sf); }, 100, st, 5);
   CK(cudaDeviceSynchronize());
-  printf("%s: SwiGLU+quantise %d rows x %d: %.1f us (%.2f TB/s)\n", argv[0], ROWS, I, t, ROWS * (double)I * 5 / t / 1e6);
+  printf("%s: SwiGLU+quantize %d rows x %d: %.1f us (%.2f TB/s)\n", argv[0], ROWS, I, t, ROWS * (double)I * 5 / t / 1e6);
   std::vector<uint8_t> hq((size_t)cap * I); std::vector<float> hs((size_t)cap * (I / 128));
   CK(cudaMemcpy(hq.data(), q, hq.size(), cudaMemcpyDeviceToHost));
   CK(cudaMemcpy(hs.data(), sf, hs.size() * 4, cudaMemcpyDeviceToHost));

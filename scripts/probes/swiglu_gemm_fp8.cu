@@ -1,12 +1,12 @@
 // prefill-rank's FP8 gate/up step two ways, on the same rows (64 experts of deepseek-v3, 512
 // rows each and the ragged counts of 4096 tokens routed top-8): DeepGEMM's psum GEMM (the
 // fixed-shape instance the service runs: N tile 192, 4 stages, multicast 2 on B, 64 groups) into
-// bf16 gate/up rows, then kernels/fp8.cu's SwiGLU quantisation; against swiglu_gemm_fp8.cuh,
-// SwiGLU and its quantisation in the GEMM's epilogue (its two mainloops, and one without silu).
+// bf16 gate/up rows, then kernels/fp8.cu's SwiGLU quantization; against swiglu_gemm_fp8.cuh,
+// SwiGLU and its quantization in the GEMM's epilogue (its two mainloops, and one without silu).
 // Prints each one's median of 50 (us) and how the outputs differ on the experts' rows: codes
-// equal, and the largest difference of dequantised values over their group's amax (the unfused
+// equal, and the largest difference of dequantized values over their group's amax (the unfused
 // path rounds gate/up to bf16 first, so a code may move by one step). First it checks the
-// epilogue's quantisation by multiplication against fp8_rule's division on 2^32 random pairs.
+// epilogue's quantization by multiplication against fp8_rule's division on 2^32 random pairs.
 //   device tool: bash scripts/probes/run.sh swiglu_gemm_fp8 (with DeepGEMM's headers, as run.sh says)
 #include "common.cuh"
 #include <cuda_fp8.h>
@@ -38,11 +38,11 @@ __global__ void fill_f32(float* p, size_t n, float lo, float hi, unsigned seed) 
   }
 }
 
-template <uint32_t K, uint32_t G, bool kQuantise, bool kRegA>
+template <uint32_t K, uint32_t G, bool kQuantize, bool kRegA>
 __global__ void __launch_bounds__(fp8_swiglu_gemm::kThreads, 1)
     fused(fp8_swiglu_gemm::Args args, const __grid_constant__ CUtensorMap a, const __grid_constant__ CUtensorMap b,
           const __grid_constant__ CUtensorMap sfa, const __grid_constant__ CUtensorMap out) {
-  fp8_swiglu_gemm::run<K, G, CTAS, kQuantise, kRegA>(args, a, b, sfa, out);
+  fp8_swiglu_gemm::run<K, G, CTAS, kQuantize, kRegA>(args, a, b, sfa, out);
 }
 
 // The epilogue's code() against fp8_rule's division (pack4) on `n` random pairs: a scale s of any
@@ -116,7 +116,7 @@ int main() {
   const int dg_smem = (128 * BN * 2 + 1023) / 1024 * 1024 + ST * ((128 + BN) * 128 + 512) + ((H / 128) * 2 * 4 + 7) / 8 * 8 + ST * 16;
   CK(cudaFuncSetAttribute(dg, cudaFuncAttributeMaxDynamicSharedMemorySize, dg_smem));
   // The kernel (A in registers), the kernel with A from shared memory (two 128-wide halves a k
-  // block), and the first quantising gate + up instead of SwiGLU (what silu costs).
+  // block), and the first quantizing gate + up instead of SwiGLU (what silu costs).
   const void* fz_variants[3] = {(const void*)&fused<H, GROUPS, true, true>, (const void*)&fused<H, GROUPS, true, false>,
                                 (const void*)&fused<H, GROUPS, false, true>};
   const char* fz_names[3] = {"", "A from shared memory", "without silu"};
@@ -203,7 +203,7 @@ int main() {
       for (int v = 1; v < 3; v++)
         t_var[v] = median_us([&] { launch_cluster(fz_variants[v], fz_smem, st, fz_params); }, 50, st);
       const double flop = 2.0 * tok * 2.0 * I * H;
-      printf("round %d %s counts %d..%d (%d rows, %d padded): DeepGEMM gate/up %.1f us (%.0f TF/s), + SwiGLU quantise %.1f us; "
+      printf("round %d %s counts %d..%d (%d rows, %d padded): DeepGEMM gate/up %.1f us (%.0f TF/s), + SwiGLU quantize %.1f us; "
              "fused %.1f us (%.0f TF/s), %.3fx | codes equal %.5f, worst |deq diff| / amax %.4f, worst scale rel diff %.2e, "
              "zero-scale groups %zu\n",
              round, ragged ? "ragged" : "even", mn, mx, tok, rows, t_gemm, flop / t_gemm / 1e6, t_unfused, t_fused,

@@ -1,6 +1,6 @@
 // A probe's kernel, not the service's (#35, session 33): the FP8 gate/up GEMM with SwiGLU and its
-// quantisation in the epilogue (DeepSeek-V3's recipe, server/model/fp8.rs): act = silu(x.gate^T) *
-// (x.up^T) (times the row's weight where given), quantised per 128 channels by fp8_rule's rule,
+// quantization in the epilogue (DeepSeek-V3's recipe, server/model/fp8.rs): act = silu(x.gate^T) *
+// (x.up^T) (times the row's weight where given), quantized per 128 channels by fp8_rule's rule,
 // straight from the f32 sums. The service writes gate/up as bf16 rows and reads them back
 // (prefill-rank: 302 MB written, 268 MB read), and its 192-wide column tile leaves the last one a third full on
 // 4,096 columns. Measured against that path (scripts/probes/swiglu_gemm_fp8.cu, 1x H100,
@@ -115,9 +115,9 @@ struct Args {
   uint32_t inter, k, rows, ld;
 };
 
-// kQuantise false quantises gate + up instead of SwiGLU's output (timing SwiGLU's part:
+// kQuantize false quantizes gate + up instead of SwiGLU's output (timing SwiGLU's part:
 // scripts/probes/swiglu_gemm_fp8.cu).
-template <uint32_t SHAPE_K, uint32_t kNumGroups, uint32_t kNumSMs, bool kQuantise = true, bool kRegA = true>
+template <uint32_t SHAPE_K, uint32_t kNumGroups, uint32_t kNumSMs, bool kQuantize = true, bool kRegA = true>
 __device__ __forceinline__ void run(const Args& args, const CUtensorMap& map_a, const CUtensorMap& map_b,
                                     const CUtensorMap& map_sfa, const CUtensorMap& map_out) {
   using namespace deep_gemm;
@@ -318,7 +318,7 @@ __device__ __forceinline__ void run(const Args& args, const CUtensorMap& map_a, 
     for (uint32_t i = 0; i < WGMMA::kNumAccum; i++) {
       // As kernels/fp8.cu's fp8_swiglu_quantize, from f32 sums instead of bf16 rows.
       const float g = gate[i];
-      if constexpr (kQuantise)
+      if constexpr (kQuantize)
         gate[i] = __fdividef(g, 1.f + __expf(-g)) * up[i] * (i % 4 < 2 ? w0 : w1);
       else
         gate[i] = g + up[i];

@@ -1,11 +1,11 @@
 //! FP8 experts as DeepSeek-V3 ships them: OCP E4M3FN values with one f32 scale per 128x128
-//! weight block (`dequantised = q * scale`), and activations quantised per token per 128
+//! weight block (`dequantized = q * scale`), and activations quantized per token per 128
 //! channels (`s = amax / 448`, `q = e4m3(x / s)`, round to nearest even). The rule is written
 //! once here; the CPU backend, the loader and the GPU's kernels (`kernels/fp8.cu`) follow it.
 //!
 //! Where the activations are bf16, as in DeepSeek-V3's own inference: an expert's input rows
 //! are bf16 (they cross the exchange so), and so are the gate/up GEMM's outputs; SwiGLU runs in
-//! f32 on those and is quantised as it comes (`bf16` rounds a value as those steps do).
+//! f32 on those and is quantized as it comes (`bf16` rounds a value as those steps do).
 
 /// Rows and columns of one weight block; channels of one activation group.
 pub const BLOCK: usize = 128;
@@ -59,7 +59,7 @@ pub fn bf16(x: f32) -> f32 {
 }
 
 /// The scale of a group whose largest magnitude is `amax`: values divided by it span ±448. A
-/// group of zeros, or of values too small for a normal scale, gets 0 (its values quantise to 0).
+/// group of zeros, or of values too small for a normal scale, gets 0 (its values quantize to 0).
 pub fn scale_of(amax: f32) -> f32 {
     let s = amax / MAX;
     if s.is_normal() {
@@ -69,7 +69,7 @@ pub fn scale_of(amax: f32) -> f32 {
     }
 }
 
-/// Quantises `x` in groups of `BLOCK` channels and writes the dequantised values (`q * s`,
+/// Quantizes `x` in groups of `BLOCK` channels and writes the dequantized values (`q * s`,
 /// exact in f64) to `out`: what the FP8 GEMM sees of an activation row.
 pub fn quantize_row(x: &[f32], out: &mut [f64]) {
     for (g, o) in x.chunks(BLOCK).zip(out.chunks_mut(BLOCK)) {
@@ -95,7 +95,7 @@ pub struct Blocks {
 }
 
 impl Blocks {
-    /// Quantises `v` (`[rows, cols]`, row-major) block by block: scale = block amax / 448.
+    /// Quantizes `v` (`[rows, cols]`, row-major) block by block: scale = block amax / 448.
     pub fn quantize(v: &[f32], rows: usize, cols: usize) -> Self {
         assert!(
             rows % BLOCK == 0 && cols % BLOCK == 0 && v.len() == rows * cols,
@@ -144,7 +144,7 @@ impl Blocks {
         self.scales[(row / BLOCK) * (self.cols / BLOCK) + col / BLOCK]
     }
 
-    /// Rows `[BLOCK * b, BLOCK * (b + 1))` dequantised into `out` (`BLOCK * cols`), exactly.
+    /// Rows `[BLOCK * b, BLOCK * (b + 1))` dequantized into `out` (`BLOCK * cols`), exactly.
     pub fn dequantize_block_rows(&self, b: usize, out: &mut [f64]) {
         let c = self.cols;
         let first = b * BLOCK;
@@ -234,7 +234,7 @@ mod tests {
     }
 
     #[test]
-    fn blocks_quantise_within_half_a_step_and_scale_to_448() {
+    fn blocks_quantize_within_half_a_step_and_scale_to_448() {
         let (rows, cols) = (256, 384);
         let v: Vec<f32> = (0..rows * cols)
             .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1 + i % 5) as f32)
@@ -273,7 +273,7 @@ mod tests {
     }
 
     #[test]
-    fn activation_rows_quantise_per_group_of_128() {
+    fn activation_rows_quantize_per_group_of_128() {
         let x: Vec<f32> = (0..300)
             .map(|i| if i < 128 { 0.0 } else { (i as f32).sin() * 3.0 })
             .collect();

@@ -139,7 +139,7 @@ fn limit(key: &str) -> usize {
     }
 }
 
-/// FP8 block quantisation (DeepSeek-V3's `quantization_config`).
+/// FP8 block quantization (DeepSeek-V3's `quantization_config`).
 #[derive(Clone, Copy, Debug)]
 pub struct Fp8Blocks {
     pub rows: usize,
@@ -155,7 +155,7 @@ fn quantization(v: &serde_json::Map<String, Value>) -> Result<Option<Fp8Blocks>,
         .as_object()
         .ok_or_else(|| wrong("quantization_config", q, "an object"))?;
     let c = Cfg { v: q, aliases: &[] };
-    c.one_of("quant_method", &["fp8"], "supported quantisation")?;
+    c.one_of("quant_method", &["fp8"], "supported quantization")?;
     c.one_of("fmt", &["e4m3"], "supported FP8 formats")?;
     let block = q.get("weight_block_size");
     let pair = block
@@ -605,7 +605,7 @@ impl Checkpoint {
         Ok((q, scales, blocks))
     }
 
-    /// An F8_E4M3 weight dequantised (`q * scale` of its block), any block size.
+    /// An F8_E4M3 weight dequantized (`q * scale` of its block), any block size.
     fn read_dequantized(
         &self,
         tensor: (&Path, &safetensors::tensor::TensorView<'_>),
@@ -625,7 +625,7 @@ impl Checkpoint {
     }
 
     /// A weight as FP8 blocks: an F8_E4M3 tensor as shipped (128x128 blocks: `ExpertDtype::
-    /// resolve` keeps FP8 for no other), any other dtype quantised at load.
+    /// resolve` keeps FP8 for no other), any other dtype quantized at load.
     fn read_fp8(&self, name: &str, shape: [usize; 2]) -> Result<fp8::Blocks, ModelError> {
         let (path, t) = self.tensor(name)?;
         if t.dtype() != Dtype::F8_E4M3 {

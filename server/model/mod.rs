@@ -72,7 +72,7 @@ impl ModelSource {
     }
 
     /// The weights of `experts` (and all routers) for every layer of `spec`, experts held as
-    /// `dtype` says: FP8 blocks as shipped or quantised at load, or values. `loaded` sees each
+    /// `dtype` says: FP8 blocks as shipped or quantized at load, or values. `loaded` sees each
     /// layer as it is read (progress).
     pub fn load(
         &self,
@@ -126,7 +126,7 @@ mod tests {
         let (d, note) = r(None, &tiny, Some((128, 128))).unwrap();
         assert_eq!(d, ExpertDtype::Bf16);
         assert!(note.unwrap().contains("hidden size 64"));
-        // fp8: quantised at load where nothing ships FP8; refused where the recipe cannot apply.
+        // fp8: quantized at load where nothing ships FP8; refused where the recipe cannot apply.
         assert_eq!(r(fp8, &v3, None).unwrap(), (ExpertDtype::Fp8, None));
         let e = r(fp8, &tiny, None).unwrap_err().to_string();
         assert!(
@@ -141,7 +141,7 @@ mod tests {
             e.contains("intermediate size 96, shared intermediate size 96, the checkpoint's 128x64 FP8 blocks"),
             "{e}"
         );
-        // bf16: always, FP8 checkpoints dequantised.
+        // bf16: always, FP8 checkpoints dequantized.
         assert_eq!(
             r(bf16, &v3, Some((128, 128))).unwrap(),
             (ExpertDtype::Bf16, None)
@@ -158,7 +158,7 @@ mod tests {
         let fp8_bytes: usize = q.experts.iter().chain(&q.shared).map(Ffn::bytes).sum();
         // One byte a weight and one f32 scale per 16384 weights, against four bytes a weight.
         assert_eq!(fp8_bytes * 4 * 16384, f32_bytes * (16384 + 4));
-        // gate/up stacked then quantised = each quantised then stacked (128-row blocks).
+        // gate/up stacked then quantized = each quantized then stacked (128-row blocks).
         let (h, i) = (spec.hidden, spec.intermediate);
         let Matrix::F32(gu) = &w.experts[0].gate_up else {
             panic!()

@@ -11,9 +11,9 @@ use super::spec::{ModelError, MoeSpec};
 #[serde(rename_all = "lowercase")]
 pub enum ExpertDtype {
     /// Weights as values: f32 on the CPU backend, bf16 on the GPU ones; an FP8 checkpoint is
-    /// dequantised at load.
+    /// dequantized at load.
     Bf16,
-    /// DeepSeek-V3's recipe (`fp8`): FP8 weights in 128x128 blocks, activations quantised per
+    /// DeepSeek-V3's recipe (`fp8`): FP8 weights in 128x128 blocks, activations quantized per
     /// token per 128 channels before each expert GEMM.
     Fp8,
 }
@@ -73,7 +73,7 @@ impl ExpertDtype {
             (None, Some(_)) if !stops.is_empty() => Ok((
                 ExpertDtype::Bf16,
                 Some(format!(
-                    "--expert-dtype auto: the checkpoint ships FP8, dequantised to bf16 ({})",
+                    "--expert-dtype auto: the checkpoint ships FP8, dequantized to bf16 ({})",
                     why()
                 )),
             )),
@@ -98,7 +98,7 @@ impl Matrix {
         }
     }
 
-    /// Every value as f32 (FP8 dequantised), for a path that computes in another format.
+    /// Every value as f32 (FP8 dequantized), for a path that computes in another format.
     pub fn values(&self) -> Cow<'_, [f32]> {
         match self {
             Matrix::F32(v) => Cow::Borrowed(v),
@@ -106,7 +106,7 @@ impl Matrix {
         }
     }
 
-    /// As FP8 blocks (`[rows, cols]`): kept if already, quantised if values.
+    /// As FP8 blocks (`[rows, cols]`): kept if already, quantized if values.
     fn into_fp8(self, rows: usize, cols: usize) -> fp8::Blocks {
         match self {
             Matrix::F32(v) => fp8::Blocks::quantize(&v, rows, cols),
@@ -150,7 +150,7 @@ impl Ffn {
         self.gate_up.bytes() + self.down.bytes()
     }
 
-    /// Both matrices as FP8 blocks (values quantised by 128x128 block).
+    /// Both matrices as FP8 blocks (values quantized by 128x128 block).
     pub fn into_fp8(self, hidden: usize) -> Self {
         let i = self.inter;
         Self {

@@ -1,8 +1,8 @@
 //! An independent f64 reference of one MoE layer (router, top-k routing, SwiGLU experts, shared
 //! expert, weighted sum), written from the Hugging Face definitions, not from the server's code;
 //! with FP8 experts, DeepSeek-V3's recipe (its reference inference code): weights in 128x128
-//! blocks scaled by amax / 448, activations quantised per token per 128 channels before each
-//! expert GEMM, then f64 math on the quantised values; activations bf16 where DeepSeek-V3's
+//! blocks scaled by amax / 448, activations quantized per token per 128 channels before each
+//! expert GEMM, then f64 math on the quantized values; activations bf16 where DeepSeek-V3's
 //! inference holds them so (an expert's input, the gate/up outputs).
 
 use epserve::model::{LayerWeights, Matrix, MoeSpec, Routing};
@@ -19,8 +19,8 @@ pub struct RefLayer {
     pub bias: Option<Vec<f64>>,
     pub experts: Vec<RefFfn>,
     pub shared: Option<RefFfn>,
-    /// FP8 experts: the weights above are already the dequantised FP8 values, and every expert
-    /// quantises its activations.
+    /// FP8 experts: the weights above are already the dequantized FP8 values, and every expert
+    /// quantizes its activations.
     pub fp8: bool,
 }
 
@@ -57,14 +57,14 @@ impl RefLayer {
         }
     }
 
-    /// The same weights with FP8 experts: every expert matrix quantised in 128x128 blocks.
+    /// The same weights with FP8 experts: every expert matrix quantized in 128x128 blocks.
     pub fn from_weights_fp8(w: &LayerWeights, hidden: usize) -> Self {
         let mut r = Self::from_weights(w, hidden);
         r.quantize_experts(hidden);
         r
     }
 
-    /// Quantises every expert matrix held as values (FP8 experts of a checkpoint that ships
+    /// Quantizes every expert matrix held as values (FP8 experts of a checkpoint that ships
     /// other dtypes, or of a synthetic model).
     pub fn quantize_experts(&mut self, hidden: usize) {
         for f in self.experts.iter_mut().chain(self.shared.as_mut()) {
@@ -75,7 +75,7 @@ impl RefLayer {
 }
 
 impl RefFfn {
-    /// Each matrix quantised in 128x128 blocks (as values).
+    /// Each matrix quantized in 128x128 blocks (as values).
     pub fn quantize(&mut self, hidden: usize) {
         self.gate = fp8::quantize_blocks(&self.gate, self.inter, hidden);
         self.up = fp8::quantize_blocks(&self.up, self.inter, hidden);
@@ -131,7 +131,7 @@ pub mod fp8 {
         }
     }
 
-    /// One activation row quantised per 128 channels, as values.
+    /// One activation row quantized per 128 channels, as values.
     pub fn quantize_row(x: &[f32]) -> Vec<f64> {
         x.chunks(BLOCK)
             .flat_map(|g| {
@@ -147,7 +147,7 @@ pub mod fp8 {
             .collect()
     }
 
-    /// A `[rows, cols]` weight (values exactly representable in f32) quantised in 128x128
+    /// A `[rows, cols]` weight (values exactly representable in f32) quantized in 128x128
     /// blocks, as values.
     pub fn quantize_blocks(w: &[f64], rows: usize, cols: usize) -> Vec<f64> {
         assert!(rows % BLOCK == 0 && cols % BLOCK == 0);
@@ -179,7 +179,7 @@ fn bf16(v: f64) -> f64 {
 }
 
 /// One expert; with `fp8`, its input (in bf16) and its SwiGLU output (of gate/up in bf16, as
-/// f32) quantised per 128 channels.
+/// f32) quantized per 128 channels.
 fn ffn(f: &RefFfn, x: &[f64], fp8: bool) -> Vec<f64> {
     let h = x.len();
     let q;

@@ -6,7 +6,7 @@
 //! local expert's rows, the shared expert's tokens). With one lane the blocks run on the step's own
 //! thread, in order, as they always did.
 //!
-//! FP8 experts (`model::fp8`'s recipe) run in f64 over exactly dequantised operands: every
+//! FP8 experts (`model::fp8`'s recipe) run in f64 over exactly dequantized operands: every
 //! product of two E4M3 values times two f32 scales is exact in f64 and the sums round at 1e-16,
 //! so the result does not depend on summation order. That makes this backend the recipe itself,
 //! what the f64 reference in tests and the GPU's f32 accumulation are compared with: an f32 sum
@@ -38,9 +38,9 @@ pub struct Scratch {
     fp8: Option<Fp8Scratch>,
 }
 
-/// The f64 images the FP8 path computes on: a block's quantised rows (then its quantised SwiGLU
+/// The f64 images the FP8 path computes on: a block's quantized rows (then its quantized SwiGLU
 /// output), the gate/up output, one 128-row block of weights, one 128-column block of output;
-/// and one row in f32 before it is quantised (an input row in bf16, or SwiGLU's output).
+/// and one row in f32 before it is quantized (an input row in bf16, or SwiGLU's output).
 struct Fp8Scratch {
     x: Vec<f64>,
     gu: Vec<f64>,
@@ -160,8 +160,8 @@ fn ffn_f32(
     general_mat_mul(1.0, &aa, &wd.t(), 0.0, &mut ya);
 }
 
-/// The FP8 recipe (`model::fp8`): rows in bf16 quantised per 128 channels, gate/up against FP8
-/// weight blocks, its output in bf16, SwiGLU (in f32, as a GPU holds it) quantised the same way,
+/// The FP8 recipe (`model::fp8`): rows in bf16 quantized per 128 channels, gate/up against FP8
+/// weight blocks, its output in bf16, SwiGLU (in f32, as a GPU holds it) quantized the same way,
 /// down against FP8 blocks. Each GEMM runs one 128-row weight block at a time, so scratch holds
 /// one block, not an expert.
 #[allow(clippy::too_many_arguments)]
@@ -394,8 +394,8 @@ mod tests {
     }
 
     /// The FP8 path against the recipe written out in f64, row by row with no blocking: the
-    /// dequantised weights, each row in bf16 quantised per 128 channels, gate/up in bf16,
-    /// SwiGLU, its output quantised.
+    /// dequantized weights, each row in bf16 quantized per 128 channels, gate/up in bf16,
+    /// SwiGLU, its output quantized.
     #[test]
     fn fp8_ffn_is_the_recipe_row_by_row() {
         let (h, i, m) = (256, 384, 37);

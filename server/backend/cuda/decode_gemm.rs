@@ -144,7 +144,7 @@ impl DecodeGemm {
     }
 
     /// The FP8 form of `Out::Plain`: `y [rows, w.n]` = expert e's rows of `x` (`spans`; `x`
-    /// quantised in the matching layout, `fp8::Live`) times its weights; no other row is
+    /// quantized in the matching layout, `fp8::Live`) times its weights; no other row is
     /// written.
     pub fn gemm_fp8(
         &self,

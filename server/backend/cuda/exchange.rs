@@ -36,7 +36,7 @@ pub enum ExpertRows<'a> {
     /// multiple of `hopper::ALIGN` (the Hopper GEMM's psum layout; `ends` holds
     /// `hopper::MAX_GROUPS` ints); `total` (one int) is the padded total of at most `cap` rows.
     /// `weights`: each row's routing weight, to scale its output by (None: combine weighs).
-    /// `fp8`: the rows as the FP8 GEMM's operand, quantised before they moved (the slot
+    /// `fp8`: the rows as the FP8 GEMM's operand, quantized before they moved (the slot
     /// exchange's FP8 rows, or NCCL EP's forwarded ones); `x` then holds no input and takes the
     /// outputs.
     Blocks {

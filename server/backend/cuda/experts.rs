@@ -234,7 +234,7 @@ impl Choices {
 }
 
 /// The FFN's scratch rows in the step's buffers: gate/up, activation, the WMMA kernels' tiles,
-/// and the FP8 experts' quantised rows.
+/// and the FP8 experts' quantized rows.
 pub struct Scratch<'a> {
     pub gu: &'a mut CudaSlice<bf16>,
     pub act: &'a mut CudaSlice<bf16>,

@@ -1,4 +1,4 @@
-//! FP8 experts on Hopper, DeepSeek-V3's recipe (`model::fp8`): the activation quantisation
+//! FP8 experts on Hopper, DeepSeek-V3's recipe (`model::fp8`): the activation quantization
 //! kernels (`kernels/fp8.cu`: rows, and SwiGLU's output, per 128 channels) and DeepGEMM's SM90
 //! FP8 m-grouped GEMM with 1x128 activation and 128x128 weight scales, compiled ahead of time by
 //! build.rs from the pinned headers (`kernels/hopper_fp8.cu`; which tiles: `HOPPER_FP8_TILES`).
@@ -37,7 +37,7 @@ pub const MAX_GROUPS: usize = tiles::GROUPS;
 pub const MASKED_ROWS: usize = tiles::MASKED.block_m as usize;
 /// The largest K the instances' shared memory is sized for (its weight scales are staged whole).
 const MAX_K: usize = 32768;
-/// Warps of one quantisation block, one row's 128-channel groups in turn (`kernels/fp8.cu`'s
+/// Warps of one quantization block, one row's 128-channel groups in turn (`kernels/fp8.cu`'s
 /// kWarps).
 const QUANT_WARPS: usize = 4;
 
@@ -83,7 +83,7 @@ impl Fp8Weights {
     }
 }
 
-/// Which rows a quantisation pass writes: those below the device count (the shared expert's
+/// Which rows a quantization pass writes: those below the device count (the shared expert's
 /// bucket), each expert's rows of the psum layout (`ends`, `groups` <= `MAX_GROUPS` of them,
 /// each block from the end before it rounded up to `hopper::ALIGN`: its padding rows are
 /// skipped), or each expert's `counts[e]` rows of its `stride` (masked).
@@ -219,7 +219,7 @@ impl Fp8 {
         }
     }
 
-    /// `out` = `x [rows, out.k]` (bf16) quantised, the `live` rows of the first `rows`.
+    /// `out` = `x [rows, out.k]` (bf16) quantized, the `live` rows of the first `rows`.
     pub fn quantize(
         &self,
         x: &CudaSlice<bf16>,
@@ -230,7 +230,7 @@ impl Fp8 {
     ) -> Result<(), DriverError> {
         assert!(
             x.len() >= rows * out.k && rows <= out.cap && out.k % BLOCK == 0,
-            "FP8 quantisation of {rows} rows ({} values) into [{}, {}]",
+            "FP8 quantization of {rows} rows ({} values) into [{}, {}]",
             x.len(),
             out.cap,
             out.k
@@ -251,7 +251,7 @@ impl Fp8 {
     }
 
     /// `q [rows, k]` and `sf [rows, k / 128]` (token-major, as NCCL EP forwards a row's scales
-    /// beside its codes) = `x [rows, k]` (bf16) quantised, the `live` rows of the first `rows`.
+    /// beside its codes) = `x [rows, k]` (bf16) quantized, the `live` rows of the first `rows`.
     pub fn quantize_tokens(
         &self,
         x: &CudaSlice<bf16>,
@@ -265,7 +265,7 @@ impl Fp8 {
                 && x.len() >= rows * k
                 && q.len() >= rows * k
                 && sf.len() >= rows * (k / BLOCK),
-            "FP8 token quantisation of {rows} rows of {k} ({} values) into {} codes, {} scales",
+            "FP8 token quantization of {rows} rows of {k} ({} values) into {} codes, {} scales",
             x.len(),
             q.len(),
             sf.len()
@@ -328,7 +328,7 @@ impl Fp8 {
     }
 
     /// `out` = SwiGLU of `gu [rows, 2 * out.k]` (gate, then up; times `weights[r]` where
-    /// given), quantised, the `live` rows of the first `rows`.
+    /// given), quantized, the `live` rows of the first `rows`.
     pub fn swiglu_quantize(
         &self,
         gu: &CudaSlice<bf16>,

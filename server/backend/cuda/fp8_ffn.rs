@@ -1,7 +1,7 @@
 //! FP8 experts in the step (DeepSeek-V3's recipe, `model::fp8`): weights on the device as
-//! shipped (E4M3 with 128x128 block scales), and each grouped SwiGLU FFN as rows quantised per
+//! shipped (E4M3 with 128x128 block scales), and each grouped SwiGLU FFN as rows quantized per
 //! 128 channels (here, or by the slot exchange as it packs them), the FP8 gate/up GEMM
-//! (DeepGEMM's; decode's own for experts of few rows), SwiGLU quantised in the same pass, the
+//! (DeepGEMM's; decode's own for experts of few rows), SwiGLU quantized in the same pass, the
 //! FP8 down GEMM, in the layouts the exchange gives (`exchange::ExpertRows`). Outputs are bf16,
 //! as the bf16 path's, so combine is unchanged.
 
@@ -18,7 +18,7 @@ use super::{Alloc, Gpu, GpuError};
 use crate::model::fp8::{Blocks, BLOCK};
 use crate::model::{Ffn, Matrix};
 
-/// A matrix as FP8 blocks: as held, or quantised here if held as values.
+/// A matrix as FP8 blocks: as held, or quantized here if held as values.
 fn blocks(m: &Matrix, rows: usize, cols: usize) -> Cow<'_, Blocks> {
     match m {
         Matrix::Fp8(b) => Cow::Borrowed(b),
@@ -82,7 +82,7 @@ pub fn random(
     Ok((one(2 * inter, hidden, seed)?, one(hidden, inter, seed + 2)?))
 }
 
-/// The step's quantised rows: the expert rows (unless the exchange quantises them:
+/// The step's quantized rows: the expert rows (unless the exchange quantizes them:
 /// `StepShape::fp8_dispatch`) and their activations, the shared expert's home rows and its
 /// activations (`StepShape::fp8_rows`).
 pub struct Fp8Bufs {
@@ -107,8 +107,8 @@ impl Fp8Bufs {
     }
 }
 
-/// `x`'s first `rows` rows quantised (the `live` ones) into the step's buffer.
-fn quantise<'b>(
+/// `x`'s first `rows` rows quantized (the `live` ones) into the step's buffer.
+fn quantize<'b>(
     g: &Gpu,
     x: &CudaSlice<bf16>,
     rows: usize,
@@ -122,8 +122,8 @@ fn quantise<'b>(
     Ok(q)
 }
 
-/// One FFN over `rows` quantised rows `xq` in `layout`: gate/up into `gu`, SwiGLU (times
-/// `weights` where given) quantised into `aq`, down into `x`. Experts of few rows each
+/// One FFN over `rows` quantized rows `xq` in `layout`: gate/up into `gu`, SwiGLU (times
+/// `weights` where given) quantized into `aq`, down into `x`. Experts of few rows each
 /// (`decode`: where their rows are) go to decode's own GEMM, as in bf16; the rest to DeepGEMM's.
 #[allow(clippy::too_many_arguments)]
 fn ffn(
@@ -148,9 +148,9 @@ fn ffn(
 }
 
 /// The routed experts over contiguous expert-major blocks (`ExpertRows::Blocks`): DeepGEMM's
-/// psum layout (or decode's own GEMM, `decode`), over the `cap` rows quantised here, or as the
-/// exchange quantised them (`pre`); a row's routing weight scales its activation (the down
-/// projection is linear). The quantisation passes skip each block's padding rows.
+/// psum layout (or decode's own GEMM, `decode`), over the `cap` rows quantized here, or as the
+/// exchange quantized them (`pre`); a row's routing weight scales its activation (the down
+/// projection is linear). The quantization passes skip each block's padding rows.
 #[allow(clippy::too_many_arguments)]
 pub fn contiguous(
     g: &Gpu,
@@ -170,7 +170,7 @@ pub fn contiguous(
     let decode = decode.then_some(Spans::Blocks { offsets, ends });
     let xq = match pre {
         Some(q) => q,
-        None => quantise(g, x, cap, live, &mut b.x)?,
+        None => quantize(g, x, cap, live, &mut b.x)?,
     };
     let at = (Layout::Psum, live, ends);
     ffn(g, w, at, decode, cap, weights, (xq, &mut b.act), gu, x)?;
@@ -178,7 +178,7 @@ pub fn contiguous(
 }
 
 /// The routed experts over fixed strides (`ExpertRows::Strided`): DeepGEMM's masked layout (or
-/// decode's own GEMM, `decode`), over the rows quantised here, or as the exchange quantised them
+/// decode's own GEMM, `decode`), over the rows quantized here, or as the exchange quantized them
 /// (`pre`); combine weighs.
 #[allow(clippy::too_many_arguments)]
 pub fn strided(
@@ -196,7 +196,7 @@ pub fn strided(
     let rows = w.0.groups * stride;
     let xq = match pre {
         Some(q) => q,
-        None => quantise(g, x, rows, live, &mut b.x)?,
+        None => quantize(g, x, rows, live, &mut b.x)?,
     };
     let at = (layout, live, counts);
     ffn(g, w, at, decode, rows, None, (xq, &mut b.act), gu, x)?;

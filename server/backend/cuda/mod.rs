@@ -102,7 +102,7 @@ pub struct Gpu {
     pub k: Kernels,
     /// The Hopper grouped GEMM (DeepGEMM's kernels).
     pub hopper: hopper::Hopper,
-    /// FP8 experts: activation quantisation and DeepGEMM's FP8 grouped GEMM.
+    /// FP8 experts: activation quantization and DeepGEMM's FP8 grouped GEMM.
     pub fp8: fp8::Fp8,
     /// Decode's expert GEMM (experts of a few rows, the masked layout).
     pub decode: decode_gemm::DecodeGemm,

@@ -19,7 +19,7 @@ pub struct StepShape {
     pub max_home: usize,
     /// The NCCL EP exchange, or (None) the NCCL slot exchange.
     pub ep: Option<EpShape>,
-    /// bf16 experts, or FP8 (their rows quantised before each GEMM, into buffers of their own).
+    /// bf16 experts, or FP8 (their rows quantized before each GEMM, into buffers of their own).
     pub expert_dtype: ExpertDtype,
 }
 
@@ -89,19 +89,19 @@ impl StepShape {
     pub fn slot_rows(&self, bucket: usize) -> usize {
         bucket * self.top_k.min(self.local())
     }
-    /// Whether the exchange moves the expert rows as FP8 (codes and scales, quantised before they
+    /// Whether the exchange moves the expert rows as FP8 (codes and scales, quantized before they
     /// move) and the FFN takes them as they land: FP8 experts, on the slots, or on NCCL EP where
     /// a row's scales fill whole 16-byte units as its forward recipe asks (a hidden size that is
     /// a multiple of 512: DeepSeek-V3's 7,168, Qwen3-MoE's 2,048); narrower rows move as bf16
-    /// and are quantised after the exchange.
+    /// and are quantized after the exchange.
     pub fn fp8_dispatch(&self) -> bool {
         let scales_aligned = (self.hidden / fp8::BLOCK * 4) % 16 == 0;
         self.expert_dtype == ExpertDtype::Fp8 && (self.ep.is_none() || scales_aligned)
     }
 
     /// Whether the slot exchange moves rows as FP8 (its codes, then its scales): FP8 experts on
-    /// the `nccl` backend, the rows quantised as they are packed (NCCL EP forwards codes and
-    /// scales quantised before its dispatch).
+    /// the `nccl` backend, the rows quantized as they are packed (NCCL EP forwards codes and
+    /// scales quantized before its dispatch).
     pub fn fp8_slots(&self) -> bool {
         self.ep.is_none() && self.fp8_dispatch()
     }
@@ -253,7 +253,7 @@ impl StepShape {
             + self.fp8_bytes()
     }
 
-    /// FP8 experts' quantised rows: the expert rows and their activations, the shared expert's
+    /// FP8 experts' quantized rows: the expert rows and their activations, the shared expert's
     /// home rows and its activations, each with one f32 scale per 128 values (rows rounded up
     /// to 4): `cuda::fp8::Fp8Rows`.
     pub fn fp8_rows(&self) -> [(usize, usize); 4] {

@@ -3,8 +3,8 @@
 //! experts), so the exchange is one capturable group whatever the routing. Received rows are
 //! scattered into expert-major blocks aligned to the Hopper GEMM's row tile; combine gathers the
 //! outputs back into the slots, sends them home, and sums each token's k rows by its weights.
-//! With FP8 experts the rows go out quantised (`StepShape::fp8_slots`): half the bytes on the
-//! wire and in both copies, and the FFN reads them as they land (no quantisation pass of its
+//! With FP8 experts the rows go out quantized (`StepShape::fp8_slots`): half the bytes on the
+//! wire and in both copies, and the FFN reads them as they land (no quantization pass of its
 //! own); the outputs come back in bf16.
 
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DriverError, PushKernelArg};
@@ -100,7 +100,7 @@ impl Exchange for SlotExchange {
         Ok(())
     }
 
-    /// Home rows into per-peer slots (quantised with `fp8_slots`), one grouped send/recv,
+    /// Home rows into per-peer slots (quantized with `fp8_slots`), one grouped send/recv,
     /// received rows into expert-major blocks.
     fn dispatch(
         &mut self,
@@ -227,7 +227,7 @@ impl Gpu {
         unsafe { b.launch(Self::cfg((p.rows_cap as u32, 1), 128, 0)) }.map(drop)
     }
 
-    /// `pack_slots` with each row quantised on the way (DeepSeek-V3's rule, as
+    /// `pack_slots` with each row quantized on the way (DeepSeek-V3's rule, as
     /// `Fp8::quantize`): a slot row is `row_bytes` (`StepShape::slot_row_bytes`), the h E4M3
     /// codes then h / 128 f32 scales.
     pub fn pack_slots_fp8(

@@ -160,7 +160,7 @@ pub struct Buffers {
     sh_ends: CudaSlice<i32>,
     /// Combined home rows `[T, hidden]` in f32.
     pub out: CudaSlice<f32>,
-    /// FP8 experts: their quantised rows.
+    /// FP8 experts: their quantized rows.
     fp8: Option<Fp8Bufs>,
 }
 

@@ -432,7 +432,7 @@ impl Exchange for EpExchange {
     }
 
     /// The bucket's home rows (HT: with their routing weights) into its expert rows. With FP8
-    /// experts the live home rows are quantised first (the rule of `kernels/fp8_rule.cuh`) and
+    /// experts the live home rows are quantized first (the rule of `kernels/fp8_rule.cuh`) and
     /// NCCL EP forwards their codes and scales (QUANT_FWD): half the bytes; the scales that land
     /// are then laid out as the FP8 GEMM reads them.
     fn dispatch(

@@ -7,7 +7,7 @@
 //! library weighs them). With zero-copy on, HT's expert rows are `ncclMemAlloc` memory registered
 //! once as a symmetric window, and the library moves rows straight into and out of it (NCCL EP
 //! 0.2 has no zero-copy for LL's expert-major layout: LL always stages). With FP8 experts the
-//! rows move as FP8 (`StepShape::fp8_dispatch`): quantised at home, their codes and scales
+//! rows move as FP8 (`StepShape::fp8_dispatch`): quantized at home, their codes and scales
 //! forwarded as they are (QUANT_FWD), landing in plain memory beside the window, which then
 //! takes only the experts' outputs for combine.
 //!
