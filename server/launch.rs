@@ -308,7 +308,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
         }
         // The node directories, once empty (each rank's private directory first).
         for dir in &node_dirs {
-            let _ = std::fs::remove_dir(crate::shm::private_path(dir));
+            let _ = std::fs::remove_dir(crate::sys::shm::private_path(dir));
             let _ = std::fs::remove_dir(dir);
         }
         match failed {

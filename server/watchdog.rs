@@ -80,8 +80,7 @@ pub fn exit_now(code: i32, why: &str) -> ! {
     eprintln!("epserve: exiting without teardown: {why}");
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
-    // SAFETY: _exit has no preconditions; it ends the process without touching Rust state.
-    unsafe { libc::_exit(code) }
+    crate::sys::exit_immediately(code)
 }
 
 /// Ends the process if the setup it guards has not finished by `deadline` (collective setup that

@@ -7,11 +7,11 @@
 //! on a GPU machine (scripts/gpu-check.sh).
 #![cfg(feature = "cuda")]
 
-use epserve::backend::cuda::decode_gemm::Spans;
-use epserve::backend::cuda::fp8::{Fp8, Fp8Rows, Fp8Weights, Live};
-use epserve::backend::cuda::hopper::{self, Layout};
+use epserve::backend::cuda::kernels::decode_gemm::Spans;
+use epserve::backend::cuda::kernels::fp8::{Fp8, Fp8Rows, Fp8Weights, Live};
+use epserve::backend::cuda::kernels::hopper::{self, Layout};
+use epserve::backend::cuda::kernels::slots::Pack;
 use epserve::backend::cuda::shape::Slots;
-use epserve::backend::cuda::slots::Pack;
 use epserve::backend::cuda::{Alloc, Gpu};
 use epserve::model::fp8;
 use half::bf16;
@@ -491,13 +491,13 @@ fn expert_error(
 }
 
 fn upload_weights(g: &Gpu, q: &[u8], sf: &[f32], groups: usize, n: usize, k: usize) -> Fp8Weights {
-    Fp8Weights {
-        q: g.stream.clone_htod(q).unwrap(),
-        sf: g.stream.clone_htod(sf).unwrap(),
+    Fp8Weights::new(
+        g.stream.clone_htod(q).unwrap(),
+        g.stream.clone_htod(sf).unwrap(),
         groups,
         n,
         k,
-    }
+    )
 }
 
 #[test]

@@ -3,8 +3,8 @@
 //! scripts/gpu-check.sh).
 #![cfg(feature = "cuda")]
 
-use epserve::backend::cuda::decode_gemm::{DecodeGemm, Out};
-use epserve::backend::cuda::hopper::{self, Gemm, Layout};
+use epserve::backend::cuda::kernels::decode_gemm::{DecodeGemm, Out};
+use epserve::backend::cuda::kernels::hopper::{self, Gemm, Layout};
 use epserve::backend::cuda::{
     max_tiles, sigmoid_group_in_regs, Blocks, Gpu, Logits, ROUTER_PIECES, TOPK_REGS_EXPERTS,
 };

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream};
-use epserve::backend::cuda::nccl::{Comm, NcclError};
+use epserve::backend::cuda::sys::nccl::{Comm, NcclError};
 use epserve::backend::cuda::{device_count, Gpu};
 use half::bf16;
 use nccl_sys::{ncclUniqueId, version_string, Nccl};

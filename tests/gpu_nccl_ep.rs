@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
-use epserve::backend::cuda::nccl::Comm;
+use epserve::backend::cuda::sys::nccl::Comm;
 use epserve::backend::cuda::{device_count, Gpu};
 use half::bf16;
 use nccl_sys::ep::*;

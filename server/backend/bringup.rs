@@ -16,9 +16,9 @@ use crate::lifecycle::Abort;
 use crate::model::{MoeSpec, RankWeights};
 use crate::nodes::plane::Links;
 use crate::nodes::Roster;
-use crate::shm::Shm;
 use crate::step::ring::Ring;
 use crate::step::Backend;
+use crate::sys::shm::Shm;
 use crate::watchdog::SetupDeadline;
 
 /// Where the group meets on this node.

@@ -6,9 +6,9 @@ pub use super::device::{GpuDevice, Joining, Seat};
 #[cfg(feature = "cuda")]
 pub use super::cuda::bench::run as bench;
 #[cfg(feature = "cuda")]
-pub use super::cuda::ipc::open_device;
-#[cfg(feature = "cuda")]
 pub use super::cuda::setup::{available, device_count, ep_gates, new_unique_id, open};
+#[cfg(feature = "cuda")]
+pub use super::cuda::sys::ipc::open_device;
 
 #[cfg(not(feature = "cuda"))]
 pub use nocuda::*;

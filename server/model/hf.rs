@@ -445,9 +445,8 @@ impl Checkpoint {
         let mut index: HashMap<String, usize> = HashMap::new();
         for path in files {
             let file = std::fs::File::open(&path).map_err(io(&path))?;
-            // SAFETY: the checkpoint is read-only input; the map lives only while loading, and a
-            // file truncated underneath us is the operator's error (it would fault, not corrupt).
-            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io(&path))?;
+            // Read-only input, mapped only while loading.
+            let map = crate::sys::map_file(&file).map_err(io(&path))?;
             let err = |msg: String| ModelError::Checkpoint {
                 path: path.display().to_string(),
                 msg,

@@ -13,7 +13,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::metric_names;
-use crate::shm::{bytes_of, Pod, Shm};
+use crate::sys::shm::{bytes_of, Pod, Shm};
 
 /// Which of the receiver's mappings a frame writes into.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -155,7 +155,7 @@ pub fn apply(stream: TcpStream, peer: usize, targets: &Targets) -> std::io::Resu
         };
         match h[0] {
             WRITE if within(n, 1) => shm.fill(off as usize, n as usize, |b| r.read_exact(b))?,
-            RAISE if within(8, 8) => crate::shm::raise(shm.flag(off as usize), n),
+            RAISE if within(8, 8) => crate::sys::shm::raise(shm.flag(off as usize), n),
             kind => {
                 return Err(bad(format!(
                     "rank {peer} sent frame kind {kind} at offset {off} (+{n}) of target {}: out of bounds or unknown",
@@ -198,7 +198,7 @@ mod tests {
         link.write(Target::Segment, 64, &[1.5f32, -2.0]);
         link.raise(Target::Segment, 0, 7).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
-        crate::shm::wait_seq(seg.flag(0), 7, deadline, &Default::default()).unwrap();
+        crate::sys::shm::wait_seq(seg.flag(0), 7, deadline, &Default::default()).unwrap();
         let mut got = [0f32; 2];
         seg.read(64, &mut got);
         assert_eq!(got, [1.5, -2.0]);

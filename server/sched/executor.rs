@@ -25,9 +25,9 @@ use crate::group::{recv, GroupError, IngressOrder, IngressReport, Order, Report,
 use crate::lifecycle::{nap, Abort};
 use crate::metric_names;
 use crate::request::{Data, Failure, JobInput, Rows};
-use crate::shm::WaitError;
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver, PhaseTimes, StepDesc, StepError};
+use crate::sys::shm::WaitError;
 use crate::transport::bufs::Bufs;
 use crate::watchdog::{AbortOnPanic, Progress};
 

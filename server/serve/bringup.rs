@@ -14,9 +14,9 @@ use crate::group::{expect, send, Bringup, RouterLink};
 use crate::nodes::mirror::Targets;
 use crate::nodes::plane::{DataListener, Links, Mesh};
 use crate::nodes::Roster;
-use crate::shm::Shm;
 use crate::step::ring::{Remote, Ring};
 use crate::step::Backend;
+use crate::sys::shm::Shm;
 
 /// This rank's end of the control connections.
 pub enum Side<'a> {

@@ -517,7 +517,7 @@ fn form_group(
 /// removed.
 fn swept_segment_dir(args: &ServeArgs) -> anyhow::Result<std::path::PathBuf> {
     let dir = super::site::segment_dir(args)?;
-    let swept = crate::shm::sweep_stale(&dir, &group::host_tag());
+    let swept = crate::sys::shm::sweep_stale(&dir, &group::host_tag());
     if swept > 0 {
         info!("removed {swept} segment(s) of groups whose router is gone");
     }

@@ -10,7 +10,7 @@ use crate::metric_names;
 
 /// This user's private directory for the group's segments under --shm-dir.
 pub(super) fn segment_dir(args: &ServeArgs) -> anyhow::Result<std::path::PathBuf> {
-    crate::shm::private_dir(&args.shm_dir)
+    crate::sys::shm::private_dir(&args.shm_dir)
         .with_context(|| format!("the segment directory under {}", args.shm_dir.display()))
 }
 

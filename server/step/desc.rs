@@ -93,7 +93,7 @@ pub enum StepError {
         step: u64,
         what: &'static str,
         rank: usize,
-        source: crate::shm::WaitError,
+        source: crate::sys::shm::WaitError,
     },
     #[error("step {step}: {msg}")]
     Invalid { step: u64, msg: String },

@@ -20,7 +20,7 @@ use super::direct::DirectRows;
 use crate::dtype::Dtype;
 use crate::lifecycle::Abort;
 use crate::nodes::mirror::{Link, Target};
-use crate::shm::{raise, wait_seq, Shm, WaitError};
+use crate::sys::shm::{raise, wait_seq, Shm, WaitError};
 
 const LINE: usize = 64;
 

@@ -26,9 +26,9 @@ use crate::model::{MoeSpec, Placement, RankWeights};
 use crate::nodes::mirror::{Link, Target};
 use crate::nodes::plane::Links;
 use crate::nodes::Roster;
-use crate::shm::{wait_seq, Pod, Shm};
 use crate::step::ring::{Output, Ring};
 use crate::step::{Backend, PhaseTimes, StepDesc, StepError};
+use crate::sys::shm::{wait_seq, Pod, Shm};
 
 const LINE: usize = 64;
 
@@ -106,7 +106,7 @@ impl Peer {
     fn raise(&self, off: usize, seq: u64) -> Result<(), String> {
         match self {
             Peer::Mapped(s) => {
-                crate::shm::raise(s.flag(off), seq);
+                crate::sys::shm::raise(s.flag(off), seq);
                 Ok(())
             }
             Peer::Linked(l) => l.raise(Target::Segment, off, seq),

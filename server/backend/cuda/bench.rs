@@ -7,15 +7,14 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
 use half::bf16;
 
-use super::setup::{self, Device};
-use super::step::{GpuStep, HomeDtype, Variant};
-use super::{device_count, GpuError};
 use crate::backend::bench::{median, summarize, BenchConfig, ConfigResult, Plan, RankResult};
+use crate::backend::cuda::setup::{self, Device};
+use crate::backend::cuda::step::{GpuStep, HomeDtype, Variant};
+use crate::backend::cuda::{device_count, GpuError};
 use crate::backend::device::Seat;
 use crate::backend::ep_settings::{EpMode, EpSettings, EP_LL_MAX_TOKENS};
 
@@ -227,29 +226,13 @@ fn rank_main(
         .fill_uniform_bf16(&mut w2, 4000 + rank as u64, (3.0 / i as f32).sqrt())?;
     let mut y1 = a.zeros::<bf16>(rows * 2 * i)?;
     let mut y2 = a.zeros::<bf16>(rows * h)?;
-    let blas = CudaBlas::new(s.clone())?;
-    // Row-major Y [rows, n] = X [rows, k] . W [n, k]^T, as column-major Y^T = W^T' . X^T.
-    let cfg = |n: usize, k: usize| GemmConfig {
-        transa: cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T,
-        transb: cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N,
-        m: n as i32,
-        n: rows as i32,
-        k: k as i32,
-        alpha: bf16::ONE,
-        lda: k as i32,
-        ldb: k as i32,
-        beta: bf16::ZERO,
-        ldc: n as i32,
-    };
     let mut dense = Vec::with_capacity(args.iters);
     for it in 0..args.warmup + args.iters {
         ev[0].record(&s)?;
-        // SAFETY: buffer sizes match the configs (rows x h, 2i x h, rows x 2i; then the down
-        // projection over the first i columns' worth of the same buffers).
-        unsafe {
-            blas.gemm(cfg(2 * i, h), &w1, &x, &mut y1)?;
-            blas.gemm(cfg(h, i), &w2, &y1, &mut y2)?;
-        }
+        // Row-major Y [rows, n] = X [rows, k] . W [n, k]^T: the gate/up projection, then the
+        // down projection over the first i columns' worth of the same buffers.
+        core.g.gemm_bf16(&w1, &x, (rows, 2 * i, h), &mut y1)?;
+        core.g.gemm_bf16(&w2, &y1, (rows, h, i), &mut y2)?;
         ev[1].record(&s)?;
         s.synchronize()?;
         if it >= args.warmup {

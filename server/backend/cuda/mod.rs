@@ -1,40 +1,36 @@
-//! The GPU layer (`--features cuda`): one context and compute stream per rank, the kernels
-//! compiled by build.rs and embedded in the binary (`kernels`: one declaration each), typed
-//! launchers for them by concern (`router`, `layout`, `slots`, `ffn`, `convert`; cuBLAS for the
-//! router GEMM), the one device allocator (`Alloc`) and the GPU error type.
+//! The GPU floor (`--features cuda`), in rooms:
+//! - `sys`: every raw driver and library call behind a safe type (NCCL, NCCL EP, cuBLAS,
+//!   page-locked and registered host memory, CUDA IPC, graphs, device attributes);
+//! - `kernels`: the kernel table (one declaration each) and the typed launchers by concern
+//!   (routing, layout, the FFN pieces, conversions, FP8, DeepGEMM's Hopper GEMMs, decode's GEMM);
+//! - `exchange`: the `Exchange` trait and its two implementations (`slots`, `ep`);
+//! - `experts`: the experts' weights and the kernels chosen for them, bf16 and FP8;
+//! - the rank: `shape` (its sizes), `step` (its phases), `transfer` (rows to and from the GPU),
+//!   `rank` (graphs and the steps in flight), `setup` (bring-up), `bench`.
+//!
+//! This file holds one context and compute stream per rank (`Gpu`), the one device allocator
+//! (`Alloc`) and the GPU error type. Raw calls live in `sys` and the kernel launchers only.
 
 pub mod bench;
-mod blas;
-mod convert;
-pub mod decode_gemm;
-pub mod ep;
 pub mod exchange;
 mod experts;
-mod ffn;
-pub mod fp8;
-mod fp8_ffn;
-pub mod hopper;
-pub mod ipc;
-mod kernels;
-mod layout;
-pub mod nccl;
+pub mod kernels;
 pub mod rank;
-mod router;
 pub mod setup;
 pub mod shape;
-pub mod slots;
 pub mod step;
+pub mod sys;
 mod transfer;
 
-pub use ffn::{max_tiles, Blocks, GEMM_TILE, GEMM_WIDE_N};
+pub use kernels::ffn::{max_tiles, Blocks, GEMM_TILE, GEMM_WIDE_N};
+pub use kernels::router::{sigmoid_group_in_regs, Logits, ROUTER_PIECES, TOPK_REGS_EXPERTS};
 pub use kernels::Kernels;
-pub use router::{sigmoid_group_in_regs, Logits, ROUTER_PIECES, TOPK_REGS_EXPERTS};
 
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, DriverError, ValidAsZeroBits,
+    CudaContext, CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -55,7 +51,7 @@ pub enum GpuError {
     #[error("CUDA: {0}")]
     Driver(#[from] DriverError),
     #[error("NCCL: {0}")]
-    Nccl(#[from] nccl::NcclError),
+    Nccl(#[from] sys::nccl::NcclError),
     #[error("cuBLAS: {0}")]
     Blas(#[from] cudarc::cublas::result::CublasError),
     #[error("{0}")]
@@ -101,11 +97,11 @@ pub struct Gpu {
     pub stream: Arc<CudaStream>,
     pub k: Kernels,
     /// The Hopper grouped GEMM (DeepGEMM's kernels).
-    pub hopper: hopper::Hopper,
+    pub hopper: kernels::hopper::Hopper,
     /// FP8 experts: activation quantization and DeepGEMM's FP8 grouped GEMM.
-    pub fp8: fp8::Fp8,
+    pub fp8: kernels::fp8::Fp8,
     /// Decode's expert GEMM (experts of a few rows, the masked layout).
-    pub decode: decode_gemm::DecodeGemm,
+    pub decode: kernels::decode_gemm::DecodeGemm,
     /// cuBLAS on `stream` (the router GEMM), then the workspace it owns (dropped after it).
     blas: CudaBlas,
     _blas_workspace: CudaSlice<u8>,
@@ -119,26 +115,19 @@ pub fn device_count() -> usize {
 impl Gpu {
     pub fn new(ordinal: usize) -> Result<Self, GpuError> {
         let ctx = CudaContext::new(ordinal)?;
-        // SAFETY: called before the first allocation on this context: cudarc's per-allocation
-        // events would otherwise be recorded into captured graphs. Streams are ordered by hand.
-        unsafe { ctx.disable_event_tracking() };
+        sys::device::untracked(&ctx);
         let stream = ctx.new_stream()?;
         let module = ctx.load_module(Ptx::from_binary(FATBIN.to_vec()))?;
         let k = Kernels::load(&module)?;
-        let hopper = hopper::Hopper::load(&ctx)?;
-        let fp8 = fp8::Fp8::load(&ctx)?;
+        let hopper = kernels::hopper::Hopper::load(&ctx)?;
+        let fp8 = kernels::fp8::Fp8::load(&ctx)?;
         // Through `Alloc`, as every device allocation, so it is counted.
         let mut a = Alloc::new(stream.clone());
-        let decode = decode_gemm::DecodeGemm::load(&ctx, &module, &mut a)?;
+        let decode = kernels::decode_gemm::DecodeGemm::load(&ctx, &module, &mut a)?;
         let blas = CudaBlas::new(stream.clone())?;
         let mut workspace = a.zeros::<u8>(BLAS_WORKSPACE)?;
-        let ws = workspace.device_ptr_mut(&stream).0;
-        // SAFETY: the workspace is a live device allocation of BLAS_WORKSPACE bytes, kept in
-        // `self` and dropped after the handle.
-        unsafe {
-            cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ws as *mut _, BLAS_WORKSPACE)
-        }
-        .result()?;
+        // Kept in `self` and dropped after the handle.
+        sys::device::set_blas_workspace(&blas, &mut workspace, &stream)?;
         Ok(Self {
             ctx,
             stream,

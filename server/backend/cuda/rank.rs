@@ -11,10 +11,12 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, CudaEvent, CudaGraph, DevicePtr};
 
-use super::step::{GpuStep, HomeDtype, Variant};
-use super::transfer::{direct_in, direct_out, pack_rows, ring_in, ring_out, unpack_rows};
-use super::transfer::{Copies, RingPin, Staging, DEPTH};
-use super::GpuError;
+use crate::backend::cuda::sys::graph::Graph;
+
+use crate::backend::cuda::step::{GpuStep, HomeDtype, Variant};
+use crate::backend::cuda::sys::memory::{direct_in, direct_out, ring_in, ring_out, RingPin};
+use crate::backend::cuda::transfer::{pack_rows, unpack_rows, Copies, Staging, DEPTH};
+use crate::backend::cuda::GpuError;
 use crate::dtype::Dtype;
 use crate::lifecycle::Abort;
 use crate::metric_names;
@@ -37,20 +39,13 @@ fn wait_event(ev: &CudaEvent, started: Instant, bound: Duration) -> Result<(), G
     }
 }
 
-/// A captured step.
-struct Graph(CudaGraph);
-
-// SAFETY: a graph exec may be launched from any thread with its context; the rank owns it and
-// launches it through &mut self, one thread at a time.
-unsafe impl Send for Graph {}
-
 pub struct GpuRank {
     /// None once poisoned: a failed step leaks the device state rather than free memory a hung
     /// kernel may still touch (the process is about to exit).
     core: Option<GpuStep>,
     /// One set per step in flight. Dropped only while not poisoned and idle: a copy into it may
     /// still be in flight otherwise.
-    st: std::mem::ManuallyDrop<Vec<Staging>>,
+    st: Vec<Staging>,
     copies: Copies,
     /// Before `ring`, so it is unregistered before the ring is unmapped; None once poisoned.
     pinned: Option<RingPin>,
@@ -133,7 +128,7 @@ impl GpuRank {
             routed: vec![0; s.world * s.experts],
             routed_local: vec![0; s.local()],
             core: Some(core),
-            st: std::mem::ManuallyDrop::new(st),
+            st,
             copies,
             pinned,
             ring,
@@ -169,7 +164,7 @@ impl GpuRank {
                 for bucket in me.buckets.clone() {
                     for v in Variant::ALL {
                         let g = me.capture(layer, bucket, v)?;
-                        me.graphs.push(Some(Graph(g)));
+                        me.graphs.push(Some(Graph::new(g)));
                     }
                 }
             }
@@ -230,6 +225,8 @@ impl GpuRank {
             self.graphs.drain(..).for_each(std::mem::forget);
             // A copy may still be in flight to or from the ring: keep it registered.
             std::mem::forget(self.pinned.take());
+            // So is the staging (empty from here: every use of it checks `core` first).
+            std::mem::forget(std::mem::take(&mut self.st));
         }
     }
 
@@ -382,7 +379,7 @@ impl GpuRank {
                 let st = &mut self.st[set];
                 let c = self.core.as_mut().expect("checked in stage");
                 st.copy_in(c, bucket, v)?;
-                graph.0.launch()?;
+                graph.launch()?;
                 st.copy_out(c)?;
             }
         }
@@ -508,10 +505,8 @@ impl Drop for GpuRank {
         }
         // Graphs go before the buffers and communicator they reference.
         self.graphs.clear();
-        if self.core.is_some() {
-            // SAFETY: dropped once, here; nothing is in flight (every step's completion event
-            // was waited for), so no copy touches the staging.
-            unsafe { std::mem::ManuallyDrop::drop(&mut self.st) };
-        }
+        // Before the step's context: nothing is in flight (every step's completion event was
+        // waited for), so no copy touches the staging. Poisoned, it was leaked already.
+        drop(std::mem::take(&mut self.st));
     }
 }

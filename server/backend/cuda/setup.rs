@@ -8,12 +8,12 @@ use std::time::Instant;
 use anyhow::{anyhow, Context};
 use nccl_sys::{ncclUniqueId, Nccl};
 
-use super::nccl::Comm;
-use super::rank::GpuRank;
-use super::shape::{EpShape, StepShape};
-use super::step::{DeviceLayer, GpuStep};
-use super::Alloc;
-use super::Gpu;
+use crate::backend::cuda::rank::GpuRank;
+use crate::backend::cuda::shape::{EpShape, StepShape};
+use crate::backend::cuda::step::{DeviceLayer, GpuStep};
+use crate::backend::cuda::sys::nccl::Comm;
+use crate::backend::cuda::Alloc;
+use crate::backend::cuda::Gpu;
 use crate::backend::device::{check_gpu_limits, GpuDevice, Joining, Seat};
 use crate::model::{ExpertDtype, MoeSpec, RankWeights};
 use crate::step::Backend;
@@ -28,7 +28,7 @@ pub fn nccl() -> Result<Arc<Nccl>, String> {
 
 /// Why the GPU backend cannot run here, if it cannot: no device, or no NCCL.
 pub fn available() -> Result<String, String> {
-    let n = super::device_count();
+    let n = crate::backend::cuda::device_count();
     if n == 0 {
         return Err("no CUDA device is visible".into());
     }
@@ -41,12 +41,12 @@ pub fn available() -> Result<String, String> {
 }
 
 pub fn device_count() -> usize {
-    super::device_count()
+    crate::backend::cuda::device_count()
 }
 
 /// Why `nccl-ep` cannot run here (after `available`), or what it will run on.
 pub fn ep_gates(world: usize) -> Result<String, String> {
-    super::ep::gates(nccl()?.version, world)
+    crate::backend::cuda::exchange::ep::gates(nccl()?.version, world)
 }
 
 /// The router's NCCL unique id, handed to every rank in the rendezvous Welcome.
@@ -121,7 +121,8 @@ impl Device {
         shape.ep = ep.map(|e| EpShape::new(e.ll_max, e.zero_copy));
         shape.expert_dtype = dtype;
         if let Some(e) = shape.ep {
-            super::ep::validate(&shape, e.align).map_err(|e| anyhow!(e))?;
+            crate::backend::cuda::exchange::ep::validate(&shape, e.align)
+                .map_err(|e| anyhow!(e))?;
         }
         shape.check().map_err(|e| anyhow!(e))?;
         let g = Gpu::new(ordinal).with_context(|| format!("opening GPU {ordinal}"))?;
@@ -193,7 +194,7 @@ impl Device {
 impl GpuDevice for Device {
     fn check_nodes(&self, nodes: &[(String, Vec<usize>)]) -> Result<(), String> {
         match self.shape.ep {
-            Some(_) => super::ep::placement(nodes),
+            Some(_) => crate::backend::cuda::exchange::ep::placement(nodes),
             None => Ok(()),
         }
     }

@@ -1,7 +1,8 @@
 //! What sizes a rank's step: the model's shapes over the group, the buckets' row capacities
 //! for each exchange, and the device bytes they take. Plain numbers: no device, no exchange.
 
-use super::{hopper, max_tiles, GEMM_TILE, MAX_EXPERTS};
+use crate::backend::cuda::kernels::hopper;
+use crate::backend::cuda::{max_tiles, GEMM_TILE, MAX_EXPERTS};
 use crate::model::{fp8, ExpertDtype, MoeSpec};
 
 /// Everything that sizes the step's buffers.
@@ -206,10 +207,10 @@ impl StepShape {
             // NCCL EP's low-latency rows: each expert's block is world x ll_max rows.
             if let Some(e) = self.ep.filter(|e| e.ll_max > 0) {
                 let stride = self.world * e.ll_max;
-                if stride % super::fp8::MASKED_ROWS != 0 {
+                if stride % crate::backend::cuda::kernels::fp8::MASKED_ROWS != 0 {
                     bad.push(format!(
                         "FP8 experts: NCCL EP low-latency blocks of {stride} rows are not a multiple of {}",
-                        super::fp8::MASKED_ROWS
+                        crate::backend::cuda::kernels::fp8::MASKED_ROWS
                     ));
                 }
             }

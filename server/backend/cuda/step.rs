@@ -9,16 +9,16 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, DriverError};
 use half::bf16;
 
-use super::ep::EpExchange;
-use super::exchange::{Exchange, Home};
-use super::experts::{self, Choices, DeviceFfn, Scratch, SharedRows};
-use super::fp8_ffn::Fp8Bufs;
-use super::hopper;
-use super::nccl::Comm;
-use super::shape::StepShape;
-use super::slots::SlotExchange;
-use super::{max_tiles, Gpu, Logits, ROUTER_PIECES};
-use super::{Alloc, GpuError};
+use crate::backend::cuda::exchange::ep::EpExchange;
+use crate::backend::cuda::exchange::slots::SlotExchange;
+use crate::backend::cuda::exchange::{Exchange, Home};
+use crate::backend::cuda::experts::fp8::Fp8Bufs;
+use crate::backend::cuda::experts::{self, Choices, DeviceFfn, Scratch, SharedRows};
+use crate::backend::cuda::kernels::hopper;
+use crate::backend::cuda::shape::StepShape;
+use crate::backend::cuda::sys::nccl::Comm;
+use crate::backend::cuda::{max_tiles, Gpu, Logits, ROUTER_PIECES};
+use crate::backend::cuda::{Alloc, GpuError};
 use crate::model::{ExpertDtype, LayerWeights, Routing};
 
 /// One MoE layer on the device: the router in f32 (and as bf16 pieces, for bf16 rows), this

@@ -14,9 +14,11 @@ use cudarc::driver::{
 };
 use half::bf16;
 
-use super::fp8::{Fp8Rows, Fp8Weights};
-use super::hopper::{tensor_map, tensor_map_2d, Elem, Gemm, Layout, MAX_GROUPS};
-use super::Alloc;
+use crate::backend::cuda::kernels::fp8::{Fp8Rows, Fp8Weights};
+use crate::backend::cuda::kernels::hopper::{
+    tensor_map, tensor_map_2d, Elem, Gemm, Layout, MAX_GROUPS,
+};
+use crate::backend::cuda::Alloc;
 use crate::model::fp8::BLOCK;
 
 /// Rows of an expert one pass over its weights takes (the kernel's `kChunk`). An expert of more

@@ -3,7 +3,7 @@
 use cudarc::driver::{CudaSlice, DriverError, PushKernelArg};
 use half::bf16;
 
-use super::Gpu;
+use crate::backend::cuda::Gpu;
 
 impl Gpu {
     pub fn f32_to_bf16(

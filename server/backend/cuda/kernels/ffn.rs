@@ -4,7 +4,7 @@
 use cudarc::driver::{CudaSlice, CudaView, DriverError, PushKernelArg};
 use half::bf16;
 
-use super::Gpu;
+use crate::backend::cuda::Gpu;
 
 /// Rows per grouped-GEMM tile (the kernel's `kTile`).
 pub const GEMM_TILE: usize = 64;

@@ -5,7 +5,8 @@
 use cudarc::driver::{CudaSlice, DriverError, PushKernelArg};
 use half::bf16;
 
-use super::{hopper, Gpu};
+use crate::backend::cuda::kernels::hopper;
+use crate::backend::cuda::Gpu;
 
 impl Gpu {
     /// counts [e] (zeroed here), offsets [e + 1], and the expert-major position of every entry:

@@ -13,6 +13,7 @@ use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, Driv
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
+use crate::backend::cuda::kernels::FiniteCheck;
 use crate::dtype::Dtype;
 use crate::request::{ClientMemory, OpenDevice};
 
@@ -44,8 +45,9 @@ impl Check {
             match k.iter().find(|(d, _)| *d == ctx.ordinal()) {
                 Some((_, f)) => f.clone(),
                 None => {
-                    let m = ctx.load_module(Ptx::from_binary(super::FATBIN.to_vec()))?;
-                    let f = m.load_function("first_non_finite")?;
+                    let m =
+                        ctx.load_module(Ptx::from_binary(crate::backend::cuda::FATBIN.to_vec()))?;
+                    let f = FiniteCheck::load(&m)?.first_non_finite;
                     k.push((ctx.ordinal(), f.clone()));
                     f
                 }
@@ -63,7 +65,7 @@ impl Check {
 /// Opens clients' CUDA memory for the protocols (`request::OpenDevice`), when this process has a
 /// GPU.
 pub fn open_device() -> Result<Arc<dyn OpenDevice>, String> {
-    super::setup::available()?;
+    crate::backend::cuda::setup::available()?;
     Ok(Arc::new(IpcOpener))
 }
 
@@ -88,7 +90,7 @@ impl IpcRegion {
                 handle.len()
             )
         })?;
-        let count = super::setup::device_count();
+        let count = crate::backend::cuda::setup::device_count();
         let ordinal = usize::try_from(device)
             .ok()
             .filter(|&d| d < count)

@@ -7,12 +7,15 @@
 //! sync), so a whole step can be captured as a graph; every rank calls them in the same order
 //! (they communicate).
 
+pub mod ep;
+pub mod slots;
+
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
-use super::fp8::Fp8Rows;
-use super::nccl::Comm;
-use super::{Gpu, GpuError};
+use crate::backend::cuda::kernels::fp8::Fp8Rows;
+use crate::backend::cuda::sys::nccl::Comm;
+use crate::backend::cuda::{Gpu, GpuError};
 use crate::step::EpFootprint;
 
 /// What the exchange reads of the home side, in a step of `bucket` home rows.

@@ -11,11 +11,10 @@
 //! forwarded as they are (QUANT_FWD), landing in plain memory beside the window, which then
 //! takes only the experts' outputs for combine.
 //!
-//! `safe` wraps the library (RAII groups and handles, checked tensor descriptions; every
-//! `unsafe` of the exchange), `exchange` is the `Exchange` over it.
+//! `sys::nccl_ep` wraps the library (RAII groups and handles, checked tensor descriptions; every
+//! raw call of the exchange), `exchange` is the `Exchange` over it.
 
 mod exchange;
-mod safe;
 
 pub use exchange::{EpExchange, EpPath, Footprint, RowBuffer};
 
@@ -24,7 +23,8 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::result;
 use nccl_sys::ep::NcclEp;
 
-use super::shape::StepShape;
+use crate::backend::cuda::shape::StepShape;
+use crate::backend::cuda::sys::device::compute_major;
 
 /// NCCL EP needs the device API of NCCL 2.30.4 or newer.
 pub const MIN_NCCL: i32 = 23004;
@@ -56,15 +56,7 @@ fn nvcc() -> Option<std::path::PathBuf> {
 /// anything is created.
 pub fn gates(nccl_version: i32, world: usize) -> Result<String, String> {
     result::init().map_err(|e| format!("CUDA: {e}"))?;
-    let dev = result::device::get(0).map_err(|e| format!("CUDA device 0: {e}"))?;
-    // SAFETY: a device handle from cuDeviceGet; plain attribute query.
-    let major = unsafe {
-        result::device::get_attribute(
-            dev,
-            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-        )
-    }
-    .map_err(|e| format!("CUDA device 0: {e}"))?;
+    let major = compute_major(0).map_err(|e| format!("CUDA device 0: {e}"))?;
     if major < 9 {
         return Err(format!(
             "NCCL EP needs SM 90 or newer; this GPU is SM {major}x"

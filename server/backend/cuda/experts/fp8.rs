@@ -10,11 +10,11 @@ use std::borrow::Cow;
 use cudarc::driver::{CudaSlice, DriverError};
 use half::bf16;
 
-use super::decode_gemm::Spans;
-use super::fp8::{Fp8Rows, Fp8Weights, Live};
-use super::hopper::Layout;
-use super::shape::StepShape;
-use super::{Alloc, Gpu, GpuError};
+use crate::backend::cuda::kernels::decode_gemm::Spans;
+use crate::backend::cuda::kernels::fp8::{Fp8Rows, Fp8Weights, Live};
+use crate::backend::cuda::kernels::hopper::Layout;
+use crate::backend::cuda::shape::StepShape;
+use crate::backend::cuda::{Alloc, Gpu, GpuError};
 use crate::model::fp8::{Blocks, BLOCK};
 use crate::model::{Ffn, Matrix};
 
@@ -45,13 +45,7 @@ pub fn upload<'a>(
         ds.extend_from_slice(&down.scales);
     }
     let weights = |a: &mut Alloc, q: &[u8], sf: &[f32], n, k| -> Result<_, DriverError> {
-        Ok(Fp8Weights {
-            q: a.upload(q)?,
-            sf: a.upload(sf)?,
-            groups,
-            n,
-            k,
-        })
+        Ok(Fp8Weights::new(a.upload(q)?, a.upload(sf)?, groups, n, k))
     };
     Ok((
         weights(a, &gq, &gs, 2 * inter, hidden)?,
@@ -71,13 +65,7 @@ pub fn random(
         let mut sf = a.zeros::<f32>(groups * (n / BLOCK) * (k / BLOCK))?;
         g.fp8.fill_random(&mut q, seed, &g.stream)?;
         g.fill_uniform_f32(&mut sf, seed + 1, (3.0 / k as f32).sqrt() / 448.0)?;
-        Ok(Fp8Weights {
-            q,
-            sf,
-            groups,
-            n,
-            k,
-        })
+        Ok(Fp8Weights::new(q, sf, groups, n, k))
     };
     Ok((one(2 * inter, hidden, seed)?, one(hidden, inter, seed + 2)?))
 }

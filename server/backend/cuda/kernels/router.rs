@@ -5,7 +5,7 @@ use cudarc::cublas::{Gemm, GemmConfig};
 use cudarc::driver::{CudaSlice, DriverError, LaunchConfig, PushKernelArg};
 use half::bf16;
 
-use super::{Alloc, Gpu, GpuError};
+use crate::backend::cuda::{Alloc, Gpu, GpuError};
 
 /// Pieces of the f32 router the bf16 router multiplies (`bf16_pieces`).
 pub const ROUTER_PIECES: usize = 3;

@@ -8,14 +8,16 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-    DriverError, LaunchConfig, PushKernelArg,
+    sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DriverError,
+    LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 
-use super::hopper::{tensor_map, tensor_map_2d, Elem, Instance, Layout, Tile, ALIGN};
-use super::Alloc;
+use crate::backend::cuda::kernels::hopper::{
+    tensor_map, tensor_map_2d, Elem, Instance, Layout, Tile, ALIGN,
+};
+use crate::backend::cuda::Alloc;
 use crate::model::fp8::BLOCK;
 
 mod tiles {
@@ -68,16 +70,30 @@ impl Fp8Rows {
 }
 
 /// Experts' weights in FP8 as checkpoints ship them: `q [groups][n][k]` and one f32 scale per
-/// 128x128 block, `sf [groups][n / 128][k / 128]`.
+/// 128x128 block, `sf [groups][n / 128][k / 128]`. The psum GEMM instance that runs them is
+/// chosen with their shape, once (`new`), not at each launch.
 pub struct Fp8Weights {
     pub q: CudaSlice<u8>,
     pub sf: CudaSlice<f32>,
     pub groups: usize,
     pub n: usize,
     pub k: usize,
+    /// The fixed-shape psum instance (its place in `FIXED`) that takes this shape, if one does.
+    fixed: Option<usize>,
 }
 
 impl Fp8Weights {
+    pub fn new(q: CudaSlice<u8>, sf: CudaSlice<f32>, groups: usize, n: usize, k: usize) -> Self {
+        Self {
+            q,
+            sf,
+            groups,
+            n,
+            k,
+            fixed: Fp8::fixed_for(groups, n, k),
+        }
+    }
+
     pub fn bytes(&self) -> usize {
         self.q.len() + 4 * self.sf.len()
     }
@@ -129,11 +145,7 @@ fn fp8_smem(t: &Tile) -> u32 {
 }
 
 pub struct Fp8 {
-    quantize_rows: CudaFunction,
-    quantize_tokens: CudaFunction,
-    scales_mn: CudaFunction,
-    swiglu_quantize: CudaFunction,
-    fill: CudaFunction,
+    k: super::Fp8Kernels,
     psum: Instance,
     /// `FIXED`'s, in its order.
     fixed: Vec<Instance>,
@@ -150,7 +162,7 @@ impl Fp8 {
         stream: &CudaStream,
     ) -> Result<(), DriverError> {
         let n = q.len() as u64;
-        let mut b = stream.launch_builder(&self.fill);
+        let mut b = stream.launch_builder(&self.k.fp8_fill_random);
         b.arg(q).arg(&n).arg(&seed);
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(4 * 256).clamp(1, 65535) as u32, 1, 1),
@@ -169,11 +181,7 @@ impl Fp8 {
             assert_eq!(t.block_m as usize, ALIGN, "FP8 psum tile");
         }
         Ok(Self {
-            quantize_rows: q.load_function("fp8_quantize_rows")?,
-            quantize_tokens: q.load_function("fp8_quantize_tokens")?,
-            scales_mn: q.load_function("fp8_scales_mn")?,
-            swiglu_quantize: q.load_function("fp8_swiglu_quantize")?,
-            fill: q.load_function("fp8_fill_random")?,
+            k: super::Fp8Kernels::load(&q)?,
             psum: Instance::load(&m, tiles::PSUM, fp8_smem(&tiles::PSUM))?,
             fixed: FIXED
                 .iter()
@@ -195,8 +203,9 @@ impl Fp8 {
         Self::fixed_for(groups, n, k).map_or(tiles::PSUM.name, |i| FIXED[i].name)
     }
 
-    fn psum_instance(&self, groups: usize, n: usize, k: usize) -> &Instance {
-        Self::fixed_for(groups, n, k).map_or(&self.psum, |i| &self.fixed[i])
+    /// The psum instance `w` was given when it was made.
+    fn psum_instance(&self, w: &Fp8Weights) -> &Instance {
+        w.fixed.map_or(&self.psum, |i| &self.fixed[i])
     }
 
     /// Whether the FP8 GEMM takes this shape and layout.
@@ -237,7 +246,7 @@ impl Fp8 {
         );
         let (k, ld) = (out.k as i32, out.ld() as i32);
         let live = live_rows(live, rows, stream);
-        let mut b = stream.launch_builder(&self.quantize_rows);
+        let mut b = stream.launch_builder(&self.k.fp8_quantize_rows);
         b.arg(x)
             .arg(&live)
             .arg(&k)
@@ -272,7 +281,7 @@ impl Fp8 {
         );
         let k32 = k as i32;
         let live = live_rows(live, rows, stream);
-        let mut b = stream.launch_builder(&self.quantize_tokens);
+        let mut b = stream.launch_builder(&self.k.fp8_quantize_tokens);
         b.arg(x).arg(&live).arg(&k32).arg(q).arg(sf);
         // SAFETY: x holds `rows` rows of k, q as many rows of k bytes, sf rows x k / 128 floats
         // (asserted); `live` as in `quantize`.
@@ -311,7 +320,7 @@ impl Fp8 {
             out.k
         );
         let (rows32, g32, ld32) = (rows as i32, g as i32, ld as i32);
-        let mut b = stream.launch_builder(&self.scales_mn);
+        let mut b = stream.launch_builder(&self.k.fp8_scales_mn);
         b.arg(sf).arg(&rows32).arg(&g32).arg(&ld32).arg(&mut out.sf);
         let cfg = LaunchConfig {
             grid_dim: (
@@ -351,7 +360,7 @@ impl Fp8 {
         let (i, ld) = (out.k as i32, out.ld() as i32);
         let none = 0u64;
         let live = live_rows(live, rows, stream);
-        let mut b = stream.launch_builder(&self.swiglu_quantize);
+        let mut b = stream.launch_builder(&self.k.fp8_swiglu_quantize);
         b.arg(gu).arg(&live).arg(&i);
         match weights {
             Some(w) => b.arg(w),
@@ -392,7 +401,7 @@ impl Fp8 {
             "FP8 GEMM operands smaller than their shapes"
         );
         let (inst, shape_m, sf_dims) = match layout {
-            Layout::Psum => (self.psum_instance(groups, n, k), 0, [x.ld(), k / BLOCK]),
+            Layout::Psum => (self.psum_instance(w), 0, [x.ld(), k / BLOCK]),
             Layout::Masked { stride, .. } => {
                 assert!(stride * groups <= rows, "masked rows past the buffer");
                 (&self.masked, stride as u32, [stride, groups * (k / BLOCK)])

@@ -6,7 +6,7 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use half::bf16;
 
-use super::{Gpu, GpuError};
+use crate::backend::cuda::{Gpu, GpuError};
 
 /// An element type cuBLAS writes a bf16 GEMM's output in.
 pub trait BlasOut: DeviceRepr {

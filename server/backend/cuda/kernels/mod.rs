@@ -1,20 +1,29 @@
-//! epserve.cu's kernels, each declared once: the table below makes the `Kernels` field and
-//! loads the function by the same name. Their launchers live by concern, as the kernels do:
+//! Every kernel module's kernels, each declared once: a table makes the field and loads the
+//! function by the same name (`Kernels` for epserve.cu, `Fp8Kernels` for fp8.cu, `FiniteCheck`). Their launchers live by concern, as the kernels do:
 //! `router` (routing.cuh's top-k), `layout` and `slots` (layout.cuh), `ffn` (ffn.cuh), `convert`
 //! (convert.cuh).
 
+pub mod convert;
+pub mod decode_gemm;
+pub mod ffn;
+pub mod fp8;
+pub mod hopper;
+pub mod layout;
+pub mod router;
+pub mod slots;
+
 use cudarc::driver::{CudaFunction, CudaModule, DriverError, LaunchConfig};
 
-use super::Gpu;
+use crate::backend::cuda::Gpu;
 
 macro_rules! kernel_table {
-    ($($name:ident),* $(,)?) => {
-        /// epserve.cu's kernels, loaded once per context.
-        pub struct Kernels {
-            $(pub(super) $name: CudaFunction,)*
+    ($(#[$doc:meta])* $table:ident { $($(#[$c:meta])* $name:ident),* $(,)? }) => {
+        $(#[$doc])*
+        pub struct $table {
+            $($(#[$c])* pub(super) $name: CudaFunction,)*
         }
 
-        impl Kernels {
+        impl $table {
             pub(super) fn load(module: &std::sync::Arc<CudaModule>) -> Result<Self, DriverError> {
                 Ok(Self {
                     $($name: module.load_function(stringify!($name))?,)*
@@ -25,6 +34,8 @@ macro_rules! kernel_table {
 }
 
 kernel_table! {
+    /// epserve.cu's kernels, loaded once per context.
+    Kernels {
     // routing.cuh (launched by `router`)
     bf16_pieces,
     topk_softmax,
@@ -61,6 +72,26 @@ kernel_table! {
     widen_add,
     fill_uniform_bf16,
     fill_uniform_f32,
+    }
+}
+
+kernel_table! {
+    /// fp8.cu's kernels (launched by `fp8`): the activation quantizers, by fp8_rule.cuh's rule.
+    Fp8Kernels {
+        fp8_quantize_rows,
+        fp8_quantize_tokens,
+        fp8_scales_mn,
+        fp8_swiglu_quantize,
+        fp8_fill_random,
+    }
+}
+
+kernel_table! {
+    /// epserve.cu's check of a client's device rows (launched by `sys::ipc`, per device rather
+    /// than per rank: a region may live on any GPU of the host).
+    FiniteCheck {
+        first_non_finite,
+    }
 }
 
 impl Gpu {

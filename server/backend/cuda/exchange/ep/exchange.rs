@@ -1,6 +1,6 @@
 //! The `Exchange` over NCCL EP (see the module above): a path per mode (its handle, group and
 //! expert rows), prepare, dispatch and combine as tensor descriptions of the step's buffers.
-//! No `unsafe` here: `safe` holds it.
+//! No raw call here: `sys::nccl_ep` holds them.
 
 use std::sync::Arc;
 
@@ -8,13 +8,14 @@ use cudarc::driver::{result, CudaSlice, CudaStream};
 use half::bf16;
 use nccl_sys::ep::*;
 
-use super::safe::{Dispatch, Group, Handle, Layout, Tensor};
-use super::{library, validate};
+use crate::backend::cuda::exchange::ep::{library, validate};
 use crate::backend::cuda::exchange::{Exchange, ExpertRows, Home};
-use crate::backend::cuda::fp8::{Fp8Rows, Live};
-use crate::backend::cuda::nccl::{Comm, SymBuffer};
+use crate::backend::cuda::kernels::fp8::{Fp8Rows, Live};
+use crate::backend::cuda::kernels::hopper;
 use crate::backend::cuda::shape::StepShape;
-use crate::backend::cuda::{hopper, Alloc, Gpu, GpuError};
+use crate::backend::cuda::sys::nccl::{Comm, SymBuffer};
+use crate::backend::cuda::sys::nccl_ep::{Dispatch, Group, Handle, Layout, Tensor};
+use crate::backend::cuda::{Alloc, Gpu, GpuError};
 use crate::metric_names;
 use crate::model::fp8::BLOCK;
 

@@ -10,7 +10,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use nccl_sys::ep::*;
 use nccl_sys::{ncclDataType_t, ncclResult_t};
 
-use crate::backend::cuda::nccl::{Comm, NcclError, NcclType, SymBuffer};
+use crate::backend::cuda::sys::nccl::{Comm, NcclError, NcclType, SymBuffer};
 
 pub fn check(op: &'static str, r: ncclResult_t) -> Result<(), NcclError> {
     r.ok().map_err(|result| NcclError {

@@ -1,0 +1,42 @@
+//! Device attributes and the context settings the step needs before its first allocation.
+
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{result, CudaContext, CudaSlice, CudaStream, DevicePtrMut, DriverError};
+
+/// Device `ordinal`'s compute capability major version (9 for Hopper).
+pub fn compute_major(ordinal: usize) -> Result<i32, DriverError> {
+    result::init()?;
+    let dev = result::device::get(ordinal as i32)?;
+    // SAFETY: a device handle from cuDeviceGet; a plain attribute query.
+    unsafe {
+        result::device::get_attribute(
+            dev,
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+        )
+    }
+}
+
+/// Stops cudarc recording an event per allocation on `ctx`, which captured graphs would
+/// otherwise contain. Call before the first allocation on the context (`Gpu::new` does).
+pub fn untracked(ctx: &Arc<CudaContext>) {
+    // SAFETY: the caller has made no allocation on this context yet; streams are ordered by
+    // hand (events recorded explicitly), which is all the tracking provided.
+    unsafe { ctx.disable_event_tracking() };
+}
+
+/// Gives cuBLAS `workspace` so that captured graphs never make it allocate. The workspace must
+/// outlive the handle: its owner drops it after `blas`.
+pub fn set_blas_workspace(
+    blas: &CudaBlas,
+    workspace: &mut CudaSlice<u8>,
+    stream: &Arc<CudaStream>,
+) -> Result<(), cudarc::cublas::result::CublasError> {
+    let bytes = workspace.len();
+    let ws = workspace.device_ptr_mut(stream).0;
+    // SAFETY: `ws` is a live device allocation of `bytes` bytes, which the caller keeps alive
+    // for as long as the handle.
+    unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ws as *mut _, bytes) }
+        .result()
+}
