@@ -19,7 +19,8 @@ use tokio_util::sync::CancellationToken;
 use super::coordinator::Offer;
 use super::job::{Job, Segment, Step};
 use super::pace::Pace;
-use super::rows::{copy_threads, deliver, out_bufs, pack, router_rows};
+use super::pipeline::{Delivery, Share};
+use super::rows::{copy_threads, deliver, out_bufs, pack};
 use crate::dtype::Dtype;
 use crate::group::{recv, GroupError, IngressOrder, IngressReport, Order, Report, RouterLink};
 use crate::lifecycle::{nap, Abort};
@@ -261,7 +262,6 @@ impl<B: Backend> Executor<B> {
         let free = Arc::new(FreeSlots::new(self.ring.shape.slots));
         let depth = self.ring.shape.slots;
         let (packed_tx, packed) = std::sync::mpsc::sync_channel::<(Step, usize)>(depth);
-        let (done, done_rx) = std::sync::mpsc::sync_channel::<(Step, usize)>(depth);
         let packer = {
             let (ring, free, abort) = (self.ring.clone(), free.clone(), self.abort.clone());
             let (control, pace) = (self.link.clone(), self.pace.clone());
@@ -279,16 +279,17 @@ impl<B: Backend> Executor<B> {
                 })
                 .map_err(|e| ExecutorError::Broken(format!("spawning the packer: {e}")))?
         };
+        // Each finished step's requests answered, then its slot and permit given back.
         let delivery = {
-            let (ring, free, permits) = (self.ring.clone(), free.clone(), in_flight.clone());
-            let bufs = self.bufs.clone();
+            let (free, permits) = (free.clone(), in_flight.clone());
+            let release = move |slot| {
+                free.put(slot);
+                permits.add_permits(1);
+                metrics::gauge!(metric_names::STEPS_IN_FLIGHT).decrement(1.0);
+            };
             let guard = AbortOnPanic(self.abort.clone(), "the step delivery panicked");
-            std::thread::Builder::new()
-                .name("step-deliver".into())
-                .spawn(move || {
-                    let _guard = guard;
-                    deliver_steps(done_rx, &ring, &free, &permits, &bufs)
-                })
+            let (ring, bufs) = (self.ring.clone(), self.bufs.clone());
+            Delivery::start(ring, Share::Leader, bufs, release, Some(guard))
                 .map_err(|e| ExecutorError::Broken(format!("spawning the delivery: {e}")))?
         };
         let ahead = self.driver.depth();
@@ -349,8 +350,7 @@ impl<B: Backend> Executor<B> {
                         "step"
                     );
                     self.pace.finished(times.total);
-                    // The delivery thread only ends after this loop, so the send cannot fail.
-                    let _ = done.send((f.step, f.slot));
+                    delivery.send(f.step, f.slot);
                 }
                 Ok(None) => nap(&mut polls),
                 Err(e) => break Err(self.fail_all(e, &mut flight, &free, &in_flight)),
@@ -362,8 +362,8 @@ impl<B: Backend> Executor<B> {
             fail_step(&step, &self.abort);
         }
         drop(packed);
-        drop(done);
-        let _ = delivery.join();
+        // Answers every finished step before the ranks are told to stop.
+        drop(delivery);
         if result.is_ok() {
             let _ = packer.join();
         }
@@ -524,8 +524,7 @@ impl Packer<'_> {
                     abort.trigger(format!("sending a step's slot to the ranks: {e}"));
                 }
             }
-            let own = router_rows(&step, self.ring.shape.world);
-            pack(self.ring, &step, slot, 0, threads, own);
+            Share::Leader.pack(self.ring, &step, slot, threads);
             self.pace.packed(t0.elapsed());
             if let Err(std::sync::mpsc::SendError((step, _))) = packed.send((step, slot)) {
                 fail_step(&step, abort);
@@ -547,31 +546,6 @@ fn fail_step(step: &Step, abort: &Abort) {
         "broken",
         format!("EP group broken: {why}"),
     ));
-}
-
-/// The delivery thread: answers each finished step's requests, then frees its slot and permit.
-fn deliver_steps(
-    done: std::sync::mpsc::Receiver<(Step, usize)>,
-    ring: &Ring,
-    free: &FreeSlots,
-    in_flight: &tokio::sync::Semaphore,
-    bufs: &Arc<Bufs>,
-) {
-    let threads = copy_threads();
-    for (step, slot) in done {
-        deliver(
-            ring,
-            &step,
-            slot,
-            0,
-            threads,
-            bufs,
-            router_rows(&step, ring.shape.world),
-        );
-        free.put(slot);
-        in_flight.add_permits(1);
-        metrics::gauge!(metric_names::STEPS_IN_FLIGHT).decrement(1.0);
-    }
 }
 
 /// Reads one rank's control connection after startup.

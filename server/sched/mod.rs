@@ -1,17 +1,21 @@
-//! The request path (scheduling requests into steps; "router" names the rank-0 process and the
-//! MoE gate, not this): admission bounds what is held, an actor owning the queue packs
-//! requests of one layer into steps of at most `max_tokens_per_step` tokens (splitting large ones),
-//! and the executor thread runs each step across the group and answers finished requests.
+//! The request path, scheduling requests into steps: an actor owning the queue packs requests
+//! of one layer into steps of at most `max_tokens_per_step` tokens (splitting large ones,
+//! `batcher`; under `--ingress all` the `coordinator` forms steps from every rank's offers), and
+//! one pipeline (`pipeline`) packs each step's rows into the ring, runs it and answers from it:
+//! the leader's `executor` for every rank's rows, a worker's `own_rows` for its own clients'.
 
 mod batcher;
 mod coordinator;
 mod executor;
 mod job;
+mod own_rows;
 mod pace;
+mod pipeline;
 pub(crate) mod rows;
 
 pub use batcher::{run_batcher, BatchConfig};
 pub use coordinator::{run_coordinator, CoordConfig, Offer};
 pub use executor::{Control, Executor, ExecutorError, PeerEvents};
 pub use job::{Job, Segment, Step, Timings};
+pub use own_rows::{lock, Offered, OwnRows, PackOrder, RowsError};
 pub use pace::Pace;

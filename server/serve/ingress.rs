@@ -11,7 +11,6 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use super::grpc::{set_ready, watch_liveness, Front};
-use super::own_rows::{lock, Offered, OwnRows};
 use super::prepare::Prepared;
 use crate::config::ServeArgs;
 use crate::group::{IngressReport, Report, Reporter};
@@ -19,6 +18,7 @@ use crate::infer::Phase;
 use crate::lifecycle::Abort;
 use crate::metric_names;
 use crate::request::Failure;
+use crate::sched::{lock, Offered, OwnRows};
 use crate::sched::{run_batcher, BatchConfig, Step};
 use crate::step::ring::Ring;
 use crate::watchdog::Progress;

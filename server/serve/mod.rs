@@ -5,7 +5,6 @@
 mod bringup;
 mod grpc;
 mod ingress;
-mod own_rows;
 mod prepare;
 mod router;
 mod site;

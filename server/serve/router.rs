@@ -51,18 +51,14 @@ async fn router_main(args: &ServeArgs, p: Prepared, rendezvous: TcpListener) -> 
         stride: p.ring.home_stride(),
         slots: p.ring.slots,
     };
-    // --ingress all: the other ranks' offers and drain messages, from their control connections.
-    let (offers_tx, offers_rx) = mpsc::unbounded_channel();
-    let events = (args.ingress == Ingress::All).then(|| PeerEvents {
-        offers: offers_tx,
-        drain: CancellationToken::new(),
-        drained: Arc::new(tokio::sync::Semaphore::new(0)),
-    });
+    // --ingress all: the other ranks' offers and drain messages; None under leader ingress.
+    let mut peers = (args.ingress == Ingress::All).then(Peers::new);
     info!(
         "gRPC listening on {}, NOT_SERVING until the group is ready",
         front.addr
     );
-    let formed = match form(args, p, rendezvous, &front, &abort, &events).await {
+    let events = peers.as_ref().map(|p| p.events.clone());
+    let formed = match form(args, p, rendezvous, &front, &abort, events).await {
         Ok(f) => f,
         Err(e) => {
             let _ = front.close_now().await;
@@ -70,16 +66,22 @@ async fn router_main(args: &ServeArgs, p: Prepared, rendezvous: TcpListener) -> 
         }
     };
     let ingress = formed.ingress.clone();
-    let feed = match &events {
-        None => Feed::Router,
-        Some(_) => Feed::Coordinated(offers_rx),
-    };
-    let pipe = Pipeline::start(args, formed, shape, job_rx, feed, &front, &abort)?;
-    let watchdog = go_live(args, &front, &abort, &pipe, events.is_some(), ingress).await?;
-    let stop = wait_for_stop(&abort, events.as_ref().map(|e| e.drain.clone())).await;
+    let offers = peers.as_mut().and_then(|p| p.offers.take());
+    let pipe = Pipeline::start(args, formed, shape, job_rx, offers, &front, &abort)?;
+    let watchdog = go_live(args, &front, &abort, &pipe, peers.is_some(), ingress).await?;
+    let stop = wait_for_stop(&abort, peers.as_ref().map(|p| p.events.drain.clone())).await;
     let drained = match &stop {
         Stop::Signal(name) => {
-            drain(args, name, &front, &abort, &pipe, events.as_ref(), shape).await
+            drain(
+                args,
+                name,
+                &front,
+                &abort,
+                &pipe,
+                peers.as_ref().map(|p| &p.events),
+                shape,
+            )
+            .await
         }
         Stop::Broken(reason) => {
             front.infer.set_phase(Phase::Broken);
@@ -111,9 +113,9 @@ async fn form(
     rendezvous: TcpListener,
     front: &Front,
     abort: &Arc<Abort>,
-    events: &Option<PeerEvents>,
+    events: Option<PeerEvents>,
 ) -> anyhow::Result<Formed> {
-    let (args, abort, events) = (args.clone(), abort.clone(), events.clone());
+    let (args, abort) = (args.clone(), abort.clone());
     let (api, here) = (front.api.clone(), front.addr.to_string());
     let setup = tokio::task::spawn_blocking(move || {
         let rank = super::prepare::load(&args, &mut p)?;
@@ -130,11 +132,26 @@ async fn form(
     Ok(formed)
 }
 
-/// Where the group's steps come from: the router's batcher, or (--ingress all) the coordinator
-/// over every rank's offers, this rank's from its own batcher.
-enum Feed {
-    Router,
-    Coordinated(mpsc::UnboundedReceiver<(usize, Offer)>),
+/// `--ingress all` on the leader: what the other ranks send it after startup, from their
+/// control connections (`events`: offers, drain, drained), and the offers' receiving end, which
+/// the coordinator takes. One value for every phase that differs by ingress.
+struct Peers {
+    events: PeerEvents,
+    offers: Option<mpsc::UnboundedReceiver<(usize, Offer)>>,
+}
+
+impl Peers {
+    fn new() -> Self {
+        let (offers_tx, offers_rx) = mpsc::unbounded_channel();
+        Self {
+            events: PeerEvents {
+                offers: offers_tx,
+                drain: CancellationToken::new(),
+                drained: Arc::new(tokio::sync::Semaphore::new(0)),
+            },
+            offers: Some(offers_rx),
+        }
+    }
 }
 
 /// The serving pipeline: the step executor on its own thread, fed by the batcher (and the
@@ -154,7 +171,8 @@ impl Pipeline {
         formed: Formed,
         shape: Shape,
         jobs: mpsc::Receiver<Arc<Job>>,
-        feed: Feed,
+        // --ingress all: the other ranks' offers; None: the leader's batcher forms every step.
+        offers: Option<mpsc::UnboundedReceiver<(usize, Offer)>>,
         front: &Front,
         abort: &Arc<Abort>,
     ) -> anyhow::Result<Self> {
@@ -185,8 +203,8 @@ impl Pipeline {
                 abort.clone(),
             ))
         };
-        let (batcher, coordinator) = match feed {
-            Feed::Router => {
+        let (batcher, coordinator) = match offers {
+            None => {
                 let cfg = batch(
                     args.max_tokens_per_step,
                     metric_names::STEPS_IN_FLIGHT,
@@ -195,7 +213,7 @@ impl Pipeline {
                 (batcher(cfg, step_tx, in_flight), None)
             }
             // This rank's batcher forms offers; the coordinator forms the group's steps.
-            Feed::Coordinated(offers) => {
+            Some(offers) => {
                 let (own_tx, own_rx) = mpsc::channel(1);
                 let own_permits = Arc::new(tokio::sync::Semaphore::new(shape.slots));
                 let b = batcher(

@@ -12,7 +12,6 @@ use tracing::info;
 
 use super::bringup::{bring_up, Reach, Side};
 use super::ingress::{Clients, Opener};
-use super::own_rows::{OwnRows, PackOrder};
 use super::prepare::{self, Prepared};
 use crate::backend::bringup::{BringUp, Site};
 use crate::config::{Ingress, ServeArgs};
@@ -20,7 +19,7 @@ use crate::group::{self, send, Bringup, IngressOrder, Joined, Order, Report, Rep
 use crate::lifecycle::{nap, Abort};
 use crate::nodes::plane::DataListener;
 use crate::request::Failure;
-use crate::sched::Step;
+use crate::sched::{OwnRows, PackOrder, Step};
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver, StepDesc, StepError};
 use crate::watchdog::{self, Progress};

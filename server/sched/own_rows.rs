@@ -1,6 +1,7 @@
-//! `--ingress all`, a worker's step-loop side: a packer thread puts each of this rank's offers
-//! into its rows of the slot the router names (`IngressOrder::Pack`, while the step before runs), the step
-//! takes it from there, and a delivery thread answers its requests after the step.
+//! `--ingress all`, a worker's side of the pipeline (`pipeline`): a packer thread puts each of
+//! this rank's offers into its rows of the slot the leader names (`IngressOrder::Pack`, while the
+//! step before runs), the step takes it from there, and the delivery thread answers its requests
+//! after the step.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
@@ -8,10 +9,11 @@ use std::time::Duration;
 
 use tokio::sync::Semaphore;
 
+use super::job::Step;
+use super::pipeline::{Delivery, Share};
+use super::rows::{copy_threads, out_bufs};
 use crate::metric_names;
 use crate::request::Failure;
-use crate::sched::rows::{copy_threads, deliver, out_bufs, pack};
-use crate::sched::Step;
 use crate::step::ring::Ring;
 use crate::step::{StepDesc, StepKey};
 
@@ -21,7 +23,7 @@ pub type Offered = Arc<Mutex<VecDeque<Step>>>;
 
 /// A lock whose holder panicking leaves the data usable (every critical section here is a
 /// push, pop or flag flip).
-pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -112,8 +114,7 @@ pub struct OwnRows {
     packed: Arc<Packed>,
     gate: Arc<SlotGate>,
     orders: Option<std::sync::mpsc::Sender<PackOrder>>,
-    delivery: Option<std::sync::mpsc::SyncSender<(Step, usize)>>,
-    deliverer: Option<std::thread::JoinHandle<()>>,
+    delivery: Option<Delivery>,
     /// Bound on waiting for a slot to be packed.
     wait: Duration,
 }
@@ -150,36 +151,29 @@ impl OwnRows {
                         }
                         let r = pack_offer(&order, rank, &offered, &permits);
                         if let Ok(step) = &r {
-                            // A worker packs only its own rows: its GPU rank loads them all.
-                            let own = base..base + step.tokens();
-                            pack(&ring, step, slot, base, threads, own);
+                            Share::Own { base }.pack(&ring, step, slot, threads);
                         }
                         lock(&packed.slots)[slot] = Some(r);
                         packed.ready.notify_all();
                     }
                 })?;
         }
-        let (tx, rx) = std::sync::mpsc::sync_channel::<(Step, usize)>(slots);
-        let deliverer = {
-            let gate = gate.clone();
-            std::thread::Builder::new()
-                .name("step-deliver".into())
-                .spawn(move || {
-                    let (threads, bufs) = (copy_threads(), out_bufs(&ring));
-                    for (step, slot) in rx {
-                        let own = base..base + step.tokens();
-                        deliver(&ring, &step, slot, base, threads, &bufs, own);
-                        gate.free(slot);
-                    }
-                })?
+        let delivery = {
+            let (gate, bufs) = (gate.clone(), out_bufs(&ring));
+            Delivery::start(
+                ring,
+                Share::Own { base },
+                bufs,
+                move |slot| gate.free(slot),
+                None,
+            )?
         };
         Ok(Self {
             rank,
             packed,
             gate,
             orders: Some(orders),
-            delivery: Some(tx),
-            deliverer: Some(deliverer),
+            delivery: Some(delivery),
             wait,
         })
     }
@@ -226,8 +220,8 @@ impl OwnRows {
     /// After the step ran: its requests are answered on the delivery thread.
     pub fn after(&mut self, step: Step, slot: usize) {
         self.gate.hold(slot);
-        if let Some(tx) = &self.delivery {
-            let _ = tx.send((step, slot));
+        if let Some(d) = &self.delivery {
+            d.send(step, slot);
         }
     }
 }
@@ -258,10 +252,8 @@ impl Drop for OwnRows {
     /// will take are refused.
     fn drop(&mut self) {
         self.orders.take();
+        // Answers every step handed over before it returns.
         self.delivery.take();
-        if let Some(d) = self.deliverer.take() {
-            let _ = d.join();
-        }
         for s in lock(&self.packed.slots).iter_mut() {
             if let Some(Ok(step)) = s.take() {
                 step.fail(&Failure::unavailable("broken", "the EP group stopped"));
