@@ -122,7 +122,7 @@ def check_shape(shape, docs):
     if have != want:
         raise Failed(f"{shape}: {ranks} ranks per pod but metrics ports {sorted(have.items())}")
     # --ingress all: rank r serves gRPC on 50051 + r, and the Service exposes every rank's port.
-    entry = ranks if env.get("EPSERVE_INGRESS", "router") == "all" else 1
+    entry = ranks if env.get("EPSERVE_INGRESS", "leader") == "all" else 1
     want_grpc = {("grpc" if r == 0 else f"grpc-{r}"): GRPC_PORT + r for r in range(entry)}
     have_grpc = {p["name"]: p["containerPort"] for p in c["ports"] if p["name"].startswith("grpc")}
     if have_grpc != want_grpc:

@@ -121,7 +121,7 @@ if want cpu; then
   # The CPU backend on this host's cores (synthetic:tiny, 2 ranks, 16-token bf16 requests), each
   # load against the bare echo in the same run, for each binary in CPU_BINS (default: the one
   # built). CPU_CONFIGS: "api:clients ..."; CPU_FLAGS: more launch flags (e.g. --cpu-threads 1).
-  # Busy: the router's step seconds over the 6 s loaded.
+  # Busy: the leader's step seconds over the 6 s loaded.
   for bin in ${CPU_BINS:-$EPSERVE_BIN}; do
     shm=$(mktemp -d -p /dev/shm)
     "$bin" launch --ranks 2 --backend cpu --model synthetic:tiny --listen 127.0.0.1:0 \
@@ -139,7 +139,7 @@ if want cpu; then
       s1=$(metric "$m0" epserve_step_duration_seconds_sum); k1=$(metric "$m0" epserve_step_tokens_sum)
       n1=$(metric "$m0" epserve_step_duration_seconds_count); curl -s "$m0" >"$out/cpu-m1.txt"
       echo "== cpu $(basename "$bin") $1 c$2 (nproc $(nproc)): busy $(python3 -c "print(round(($s1 - $s0) / 6, 3))"), the step alone $(python3 -c "print(round(($k1 - $k0) / ($s1 - $s0)))") tokens/s, $(python3 -c "print(round(($k1 - $k0) / max($n1 - $n0, 1), 1))") tokens and $(python3 -c "print(round(($s1 - $s0) / max($n1 - $n0, 1) * 1e6, 1))") us a step"
-      # The router's own phases, µs per step (its share of each step; waits on peers included).
+      # The leader's own phases, µs per step (its share of each step; waits on peers included).
       for p in gating prepare dispatch experts combine; do
         a=$(awk -v m="epserve_step_phase_seconds_sum{phase=\"$p\"}" '$1 == m {print $2}' "$out/cpu-m0.txt")
         b=$(awk -v m="epserve_step_phase_seconds_sum{phase=\"$p\"}" '$1 == m {print $2}' "$out/cpu-m1.txt")
@@ -203,21 +203,21 @@ if want serve; then
       # Cores each kind of thread kept busy over the service's 10 s, busiest first.
       awk -F'|' 'NR == FNR {a[$1] = $2; next} {printf "%s=%.2f\n", $1, ($2 - a[$1]) / 10}' \
         "$out/threads0.txt" "$out/threads1.txt" | sort -t= -k2 -rn | head -12 | paste -sd' ' |
-        sed 's/^/== router threads, cores: /'
+        sed 's/^/== leader threads, cores: /'
       rm -f "$out/threads0.txt" "$out/threads1.txt"
-      # The router's copies per step (ms), and its CPU cores and page faults per request.
+      # The leader's copies per step (ms), and its CPU cores and page faults per request.
       python3 - "${copies0[@]}" "${copies1[@]}" "${use0[@]}" "${use1[@]}" <<'PY'
 import sys
 a = [float(x) for x in sys.argv[1:]]
 c0, c1, (u0, f0, u1, f1) = a[0:6], a[6:12], a[12:16]
 steps, reqs = c1[0] - c0[0], c1[5] - c0[5]
 per = lambda i: round(1e3 * (c1[i] - c0[i]) / max(c1[i + 1] - c0[i + 1], 1), 3)
-print(f"== router: {steps:.0f} steps, pack {per(1)} ms and deliver {per(3)} ms per step; "
+print(f"== leader: {steps:.0f} steps, pack {per(1)} ms and deliver {per(3)} ms per step; "
       f"{(u1 - u0) / 10:.2f} cores busy over the service's 10 s, "
       f"{(f1 - f0) / max(reqs, 1):.0f} minor faults per request")
 PY
       # GPU busy: step seconds over the service's 10 s; the step alone: its tokens over its seconds.
-      echo "== serve $tag: router step seconds $s0 -> $s1, step tokens $k0 -> $k1 over $(python3 -c "print(round($t1 - $t0, 1))") s of wall (the service part is 10 s of it): busy $(python3 -c "print(round(($s1 - $s0) / 10, 3))"), the step alone $(python3 -c "print(round(($k1 - $k0) / ($s1 - $s0)))") tokens/s"
+      echo "== serve $tag: leader step seconds $s0 -> $s1, step tokens $k0 -> $k1 over $(python3 -c "print(round($t1 - $t0, 1))") s of wall (the service part is 10 s of it): busy $(python3 -c "print(round(($s1 - $s0) / 10, 3))"), the step alone $(python3 -c "print(round(($k1 - $k0) / ($s1 - $s0)))") tokens/s"
       cat "$out/serve-$tag.txt"
       # Latency at 70% of the closed loop's throughput, open loop (Poisson arrivals); SERVE_OPEN=0
       # skips it.
@@ -238,11 +238,11 @@ PY
   # Fewer, larger files travel back more easily: the runs' JSON and text go back as one archive.
   tar czf "$out/serve.tgz" -C "$out" $(cd "$out" && ls serve-*) && (cd "$out" && rm -f serve-*)
 fi
-# `ingress`: the same layer on every GPU (or INGRESS_RANKS) under --ingress router and --ingress
+# `ingress`: the same layer on every GPU (or INGRESS_RANKS) under --ingress leader and --ingress
 # all, loaded with 2048-token requests through 1, 2, 4 ... ingress ranks at once: one loadtest
 # process per rank, INGRESS_CLIENTS clients each (default 8), so the load generator scales with
 # the ranks too. Rank r serves on port 50100 + r. INGRESS_BINS: binaries to compare in the same
-# run (default the one built); INGRESS_MODES: default "router all".
+# run (default the one built); INGRESS_MODES: default "leader all".
 if want ingress; then
   mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230
   # shellcheck disable=SC1091
@@ -250,7 +250,7 @@ if want ingress; then
   clients=${INGRESS_CLIENTS:-8}
   ranks=${INGRESS_RANKS:-$(nvidia-smi -L | wc -l)}
   for bin in ${INGRESS_BINS:-$EPSERVE_BIN}; do
-   for mode in ${INGRESS_MODES:-router all}; do
+   for mode in ${INGRESS_MODES:-leader all}; do
     name=$(basename "$bin")-$mode
     shm=$(mktemp -d -p /dev/shm)
     "$bin" launch --ranks "$ranks" --backend nccl-ep --model synthetic:deepseek-v3 --layers 1 \
@@ -262,7 +262,7 @@ if want ingress; then
       [ "$(grep -c 'serving gRPC on' "$out/ingress-$name.log")" -ge "$want_lines" ] && break; sleep 0.2
     done
     m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$out/ingress-$name.log" | head -1)
-    # "n:c": n ingress ranks loaded, c clients each. The router alone is also loaded with as
+    # "n:c": n ingress ranks loaded, c clients each. The leader alone is also loaded with as
     # many clients as all ranks together get.
     counts=$([ $mode = all ] && python3 -c "print(*[f'{n}:$clients' for n in (1, 2, 4, 8) if n <= $ranks])" || echo "1:$clients 1:$((clients * ranks))")
     for nc in $counts; do
@@ -271,14 +271,14 @@ if want ingress; then
       s0=$(metric "$m0" epserve_step_duration_seconds_sum)
       pids=()
       for r in $(seq 0 $((n - 1))); do
-        echo_flag=$([ $mode = router ] && echo --echo || true)
+        echo_flag=$([ $mode = leader ] && echo --echo || true)
         "$loadtest" --target 127.0.0.1:$((50100 + r)) $echo_flag --concurrency "$c" \
           --tokens 2048 --dtype bf16 --warmup 2s --duration 8s --json "$out/$tag-r$r.json" >"$out/$tag-r$r.txt" 2>&1 &
         pids+=($!)
       done
       wait "${pids[@]}"
       s1=$(metric "$m0" epserve_step_duration_seconds_sum)
-      echo "== $tag: $n ingress rank(s), $c clients each; router step seconds $s0 -> $s1 (busy $(python3 -c "print(round(($s1 - $s0) / 10, 3))") of the 10 s service window)"
+      echo "== $tag: $n ingress rank(s), $c clients each; leader step seconds $s0 -> $s1 (busy $(python3 -c "print(round(($s1 - $s0) / 10, 3))") of the 10 s service window)"
       for r in $(seq 0 $((n - 1))); do cat "$out/$tag-r$r.txt"; done
       python3 - "$out" "$tag" "$n" "$ranks" <<'PY'
 import json, sys

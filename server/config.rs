@@ -23,7 +23,7 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Run one rank of an EP group (rank 0 is the router and serves gRPC).
+    /// Run one rank of an EP group (rank 0 is the leader and serves gRPC).
     Serve(ServeArgs),
     /// Spawn N local ranks of one group and supervise them.
     // Launch gives each rank its seat itself: those flags are not its to take.
@@ -179,8 +179,10 @@ impl ExpertDtypeArg {
 /// Which ranks take clients' requests.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Ingress {
-    /// Rank 0 serves gRPC and packs every step.
-    Router,
+    /// Rank 0 (the leader) serves gRPC and packs every step. `router`, its earlier name, is
+    /// still accepted.
+    #[value(alias = "router")]
+    Leader,
     /// Every rank serves gRPC on its own --listen; its requests are its home tokens.
     All,
 }
@@ -188,7 +190,7 @@ pub enum Ingress {
 impl Ingress {
     pub fn name(self) -> &'static str {
         match self {
-            Ingress::Router => "router",
+            Ingress::Leader => "leader",
             Ingress::All => "all",
         }
     }
@@ -307,7 +309,7 @@ pub struct ServeArgs {
     #[arg(help_heading = "Group", long, env = "EPSERVE_NODE_ID")]
     pub node_id: Option<String>,
     /// Address this rank's data listener binds, for peers on other nodes (rows, exchange
-    /// writes); port 0 picks any. Peers reach it at the address this rank reaches the router
+    /// writes); port 0 picks any. Peers reach it at the address this rank reaches the leader
     /// from.
     #[arg(
         help_heading = "Group",
@@ -316,11 +318,11 @@ pub struct ServeArgs {
         default_value = "0.0.0.0:0"
     )]
     pub data_listen: SocketAddr,
-    /// Router's rendezvous address HOST:PORT (else MASTER_ADDR:MASTER_PORT, then
+    /// Leader's rendezvous address HOST:PORT (else MASTER_ADDR:MASTER_PORT, then
     /// LWS_LEADER_ADDRESS:MASTER_PORT, else 127.0.0.1:29500).
     #[arg(help_heading = "Group", long, env = "EPSERVE_RENDEZVOUS")]
     pub rendezvous: Option<String>,
-    /// gRPC address of the router (with --ingress all, of this rank; launch gives rank r this
+    /// gRPC address of the leader (with --ingress all, of this rank; launch gives rank r this
     /// port + r; port 0 picks any).
     #[arg(
         help_heading = "Serving",
@@ -333,14 +335,14 @@ pub struct ServeArgs {
     /// launch gives rank r this port + r; port 0 picks any; `off`: none.
     #[arg(help_heading = "Serving", long, env = "EPSERVE_HTTP_LISTEN", default_value = "127.0.0.1:8000", value_parser = http_listen)]
     pub http_listen: HttpListen,
-    /// Who serves gRPC: the router alone, or every rank for its own clients (ingress bandwidth
+    /// Who serves gRPC: the leader alone, or every rank for its own clients (ingress bandwidth
     /// grows with the ranks).
     #[arg(
         help_heading = "Group",
         long,
         env = "EPSERVE_INGRESS",
         value_enum,
-        default_value = "router"
+        default_value = "leader"
     )]
     pub ingress: Ingress,
     /// Most tokens in one step, all ranks together; sizes every exchange buffer.
@@ -398,7 +400,7 @@ pub struct ServeArgs {
         default_value_t = 64
     )]
     pub max_stream_in_flight: usize,
-    /// Address the router's rendezvous listener binds (default: the rendezvous host's own
+    /// Address the leader's rendezvous listener binds (default: the rendezvous host's own
     /// address as it resolves; e.g. 0.0.0.0:29500 to accept on every interface).
     #[arg(help_heading = "Group", long, env = "EPSERVE_RENDEZVOUS_BIND")]
     pub rendezvous_bind: Option<SocketAddr>,
@@ -425,7 +427,7 @@ pub struct ServeArgs {
     /// above drain timeout + grace).
     #[arg(help_heading = "Serving", long, env = "EPSERVE_SHUTDOWN_GRACE", default_value = "1s", value_parser = duration)]
     pub shutdown_grace: Duration,
-    /// An idle router runs an empty step through every rank this often, so a lost or stopped rank
+    /// An idle leader runs an empty step through every rank this often, so a lost or stopped rank
     /// is found without traffic.
     #[arg(help_heading = "Group", long, env = "EPSERVE_HEARTBEAT_INTERVAL", default_value = "1s", value_parser = duration)]
     pub heartbeat_interval: Duration,
@@ -464,15 +466,15 @@ pub struct ServeArgs {
     #[arg(help_heading = "Group", long, env = "EPSERVE_STEPS_AHEAD",
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1))]
     pub steps_ahead: Option<usize>,
-    /// Slots of the step ring, the steps the router holds at once (packed, running or being
+    /// Cells of the step ring, the steps the leader holds at once (packed, running or being
     /// answered); each holds a whole step's rows in and out, in f32. Two let one step be packed
     /// or answered while another runs; more let the next be packed while one is answered and
     /// another runs, at that much more shared memory each. Three measured no faster than two on
     /// 4x H200 with one step in flight, nor three and four on one H200 with two
     /// (docs/benchmarks.md).
-    #[arg(help_heading = "Group", long, env = "EPSERVE_RING_SLOTS", default_value_t = 2,
+    #[arg(help_heading = "Group", long, alias = "ring-slots", env = "EPSERVE_RING_CELLS", default_value_t = 2,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(2..=4))]
-    pub ring_slots: usize,
+    pub ring_cells: usize,
     /// Log lines as text (`rank=R node=H` first on a rank's) or as JSON objects (with `rank`
     /// and `node` keys).
     #[arg(
@@ -736,11 +738,13 @@ mod tests {
     }
 
     #[test]
-    fn ring_slots_default_to_two_and_are_bounded() {
-        assert_eq!(serve_args(&[]).unwrap().ring_slots, 2);
-        assert_eq!(serve_args(&["--ring-slots", "4"]).unwrap().ring_slots, 4);
+    fn ring_cells_default_to_two_and_are_bounded() {
+        assert_eq!(serve_args(&[]).unwrap().ring_cells, 2);
+        assert_eq!(serve_args(&["--ring-cells", "4"]).unwrap().ring_cells, 4);
+        // Its earlier name.
+        assert_eq!(serve_args(&["--ring-slots", "3"]).unwrap().ring_cells, 3);
         for bad in ["1", "5"] {
-            let e = serve_args(&["--ring-slots", bad]).unwrap_err().to_string();
+            let e = serve_args(&["--ring-cells", bad]).unwrap_err().to_string();
             assert!(e.contains("not in 2..=4"), "{e}");
         }
     }

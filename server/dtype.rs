@@ -44,7 +44,7 @@ pub fn first_non_finite(d: Dtype, data: &[u8]) -> Option<usize> {
 
 /// The first `N`-byte value that is `bad`. Each block of values is checked whole, with no early
 /// exit, which the compiler vectorizes, and searched only when it holds one: a value-by-value
-/// search was a fifth of the router's CPU at 2048-token requests (~1.7 ms per 8 MB).
+/// search was a fifth of the leader's CPU at 2048-token requests (~1.7 ms per 8 MB).
 fn first_of<const N: usize>(data: &[u8], bad: impl Fn([u8; N]) -> bool) -> Option<usize> {
     const BLOCK: usize = 256;
     let value = |b: &[u8]| -> [u8; N] { b.try_into().expect("chunks of N bytes") };

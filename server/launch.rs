@@ -195,10 +195,10 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
     let report_port = rendezvous.is_none() && args.node_index.is_none();
     let exe = std::env::current_exe().context("locating the epserve binary")?;
     let flags = passthrough();
-    // Only the router serves gRPC unless every rank does.
+    // Only the leader serves gRPC unless every rank does.
     let listen = |local: usize| match args.serve.ingress {
         Ingress::All => rank_addr(args.serve.listen, local, "--listen"),
-        Ingress::Router => Ok(args.serve.listen),
+        Ingress::Leader => Ok(args.serve.listen),
     };
     // REST beside gRPC, on the same ranks.
     let http_listen = |local: usize| -> anyhow::Result<String> {

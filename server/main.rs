@@ -4,6 +4,14 @@ use clap::Parser;
 use epserve::config::{Cli, Command, MetricsFormat};
 
 fn main() -> ExitCode {
+    // The ring's cells were its slots: the old variable still sets them when the new one is unset.
+    if let (Ok(v), Err(_)) = (
+        std::env::var("EPSERVE_RING_SLOTS"),
+        std::env::var("EPSERVE_RING_CELLS"),
+    ) {
+        // Before any other thread exists (first thing in main).
+        std::env::set_var("EPSERVE_RING_CELLS", v);
+    }
     let cli = Cli::parse();
     let (format, otlp, role, member) = match &cli.command {
         Command::Serve(a) => (

@@ -90,7 +90,7 @@ table! {
     SHM_BYTES_TOTAL: Counter "epserve_shm_bytes_total", "bytes", ["direction"], any,
         "bytes through clients' shared-memory regions";
     STEPS_IN_FLIGHT: Gauge "epserve_steps_in_flight", "steps", [], any,
-        "router: steps formed and not yet answered (at most `--ring-slots`)";
+        "leader: steps formed and not yet answered (at most `--ring-cells`)";
     OFFERS_PENDING: Gauge "epserve_offers_pending", "offers", [], any,
         "`--ingress all`: this rank's packed offers not yet in a step";
     STEPS_TOTAL: Counter "epserve_steps_total", "steps", ["kind"], any,
@@ -112,7 +112,7 @@ table! {
     STEPS_SUBMITTED_AHEAD_TOTAL: Counter "epserve_steps_submitted_ahead_total", "steps", [], any,
         "steps started while the one before still ran (`--steps-ahead`)";
     PARTIAL_STEPS_BEHIND_TOTAL: Counter "epserve_partial_steps_behind_total", "steps", [], any,
-        "router: partial steps formed while another was in the pipeline";
+        "leader: partial steps formed while another was in the pipeline";
     OUTPUT_BUFFERS_REUSED_TOTAL: Counter "epserve_output_buffers_reused_total", "answers", [], any,
         "answers of 1 MiB or more written into a kept buffer";
     REQUEST_BUFFERS_REUSED_TOTAL: Counter "epserve_request_buffers_reused_total", "requests", [], any,

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::metric_names;
 
-/// A rank's stages, in order; a worker skips `WarmUp` (the router drives that step).
+/// A rank's stages, in order; a worker skips `WarmUp` (the leader drives that step).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stage {
     /// Reading this rank's experts and placing them where they compute.

@@ -240,9 +240,9 @@ async fn two_nodes_match_one_node_and_the_reference() {
     let one = {
         let group = launch(4, preset, seed, MAX_TOKENS, &[]);
         let out = check_group(&group, &spec, &refs, 1000 + seed).await;
-        let router = prom::scrape(&group.metrics_addrs(4)[0]);
+        let leader = prom::scrape(&group.metrics_addrs(4)[0]);
         assert_eq!(
-            prom::sum(&router, "epserve_cross_node_bytes_total", &[]),
+            prom::sum(&leader, "epserve_cross_node_bytes_total", &[]),
             0.0,
             "one node sends nothing across nodes"
         );
@@ -302,9 +302,9 @@ async fn expert_math_over_several_threads_per_rank() {
     }
 }
 
-/// Two steps in flight (`--steps-ahead 1`): the router sends the next step while the one before
+/// Two steps in flight (`--steps-ahead 1`): the leader sends the next step while the one before
 /// runs. Every request against the reference, unary and stream, in steps of 16 tokens, so the
-/// requests take many steps; the same outputs as one step at a time; and the router says it
+/// requests take many steps; the same outputs as one step at a time; and the leader says it
 /// started steps ahead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_steps_in_flight_match_the_reference() {
@@ -319,16 +319,16 @@ async fn two_steps_in_flight_match_the_reference() {
         let group = launch(2, preset, seed, MAX_TOKENS, &flags);
         outs.push(check_group(&group, &spec, &refs, 1000 + seed).await);
         let addr = &group.metrics_addrs(2)[0];
-        let router = prom::scrape(addr);
-        let started_ahead = prom::sum(&router, "epserve_steps_submitted_ahead_total", &[]);
+        let leader = prom::scrape(addr);
+        let started_ahead = prom::sum(&leader, "epserve_steps_submitted_ahead_total", &[]);
         match ahead {
             "0" => assert_eq!(started_ahead, 0.0),
             _ => assert!(started_ahead > 0.0, "no step was started ahead"),
         }
         // Every step was packed and delivered once (the warm-up step too). A step's delivery is
         // timed after its answers, so it may trail them a moment.
-        let steps = prom::sum(&router, "epserve_steps_total", &[("kind", "work")]);
-        let packed = prom::sum(&router, "epserve_step_pack_seconds_count", &[]);
+        let steps = prom::sum(&leader, "epserve_steps_total", &[("kind", "work")]);
+        let packed = prom::sum(&leader, "epserve_step_pack_seconds_count", &[]);
         assert_eq!(packed, steps, "steps packed");
         let until = Instant::now() + Duration::from_secs(5);
         let delivered = loop {
@@ -385,13 +385,13 @@ async fn large_requests_and_answers_reuse_buffers_and_match_the_reference() {
         assert!(err <= 1e-5, "big-{i}: max relative error {err:.3e}");
         assert!(excluded * 100 <= n, "big-{i}: {excluded} near-tie rows");
     }
-    let router = prom::scrape(&group.metrics_addrs(2)[0]);
-    let reused = prom::sum(&router, "epserve_output_buffers_reused_total", &[]);
+    let leader = prom::scrape(&group.metrics_addrs(2)[0]);
+    let reused = prom::sum(&leader, "epserve_output_buffers_reused_total", &[]);
     assert_eq!(reused, (sizes.len() - 1) as f64, "answers in a kept buffer");
     // The requests (over 1 MiB each) were read by the unary path into kept buffers too. A request
     // lets its buffer go once its step is done with it, which may be a moment after its answer
     // left: at least one of the three that followed found one.
-    let reused = prom::sum(&router, "epserve_request_buffers_reused_total", &[]);
+    let reused = prom::sum(&leader, "epserve_request_buffers_reused_total", &[]);
     assert!(
         (1.0..=(sizes.len() - 1) as f64).contains(&reused),
         "requests in a kept buffer: {reused}"

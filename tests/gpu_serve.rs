@@ -5,7 +5,7 @@
 //! `nccl-ep` in each mode, zero-copy on and off, graphs on and off, gives the `nccl` backend's
 //! outputs (needs NCCL >= 2.30.4 and libnccl_ep: scripts/device-run.sh ep).
 //! Outputs of both GPU backends are checked per request and per token against the f64 reference
-//! (`tests/common/reference.rs`, near-ties excepted). A fault drill stops or kills a non-router
+//! (`tests/common/reference.rs`, near-ties excepted). A fault drill stops or kills a non-leader
 //! rank under load and times the answers and the group's exit. BF16 and F16 rows, copied from the
 //! host ring as they came and converted on the GPU, give the F32 rows' outputs, in every output
 //! dtype. Two steps in flight (`--steps-ahead 1`) and one at a time both match the f64 reference.
@@ -474,10 +474,10 @@ fn graph_replays_are_bitwise_identical_and_steps_allocate_nothing() {
     assert_eq!(before, after, "device allocations changed across the steps");
 }
 
-/// Two steps in flight (`--steps-ahead 1`, the `nccl` default): the router sends a step while the
+/// Two steps in flight (`--steps-ahead 1`, the `nccl` default): the leader sends a step while the
 /// one before runs, each rank queues it, and the rows move on their own copy streams. Against one
 /// step at a time (`--steps-ahead 0`), every request's tokens against the f64 reference (the
-/// steps' compositions differ between the two, so the bits may too); with 1, the router started
+/// steps' compositions differ between the two, so the bits may too); with 1, the leader started
 /// steps ahead.
 #[test]
 #[ignore = "needs GPUs and NCCL"]
@@ -567,7 +567,7 @@ fn two_steps_in_flight(backend: &str, extra: &[&str]) {
         );
         match ahead {
             "0" => assert!(started.iter().all(|&n| n == 0.0), "{started:?}"),
-            _ => assert!(started[0] > 0.0, "the router started no step ahead"),
+            _ => assert!(started[0] > 0.0, "the leader started no step ahead"),
         }
     }
 }
@@ -778,7 +778,7 @@ fn run_spread(addrs: &[String], reqs: &[ForwardRequest], in_flight: usize) -> Ve
     })
 }
 
-/// --ingress all: the requests spread over every rank give what router ingress gives (nccl
+/// --ingress all: the requests spread over every rank give what leader ingress gives (nccl
 /// backend, same requests), and each token matches the f64 reference.
 #[test]
 #[ignore = "needs GPUs, NCCL >= 2.30.4 and libnccl_ep"]
@@ -806,7 +806,7 @@ fn nccl_ep_ingress_all_matches_the_nccl_backend() {
     let what = format!("nccl-ep auto, --ingress all, {world} GPUs");
     check_f64(&what, &spec, &layers, &reqs, &out, TOKEN_TOL);
     let (rel, worst) = relative_error(&out, &reference);
-    eprintln!("{what}: against router ingress on nccl: ||out-ref||/||ref|| = {rel:.3e} (worst request {worst:.3e})");
+    eprintln!("{what}: against leader ingress on nccl: ||out-ref||/||ref|| = {rel:.3e} (worst request {worst:.3e})");
     assert!(rel <= 1e-2, "{what}: {rel:.3e}");
 }
 
@@ -895,7 +895,7 @@ fn nccl_ep_refuses_on_old_nccl_and_auto_serves_on_nccl() {
 }
 
 /// Under load from 32 clients, stops (`STOP`) or kills (`KILL`) the last rank (a worker, never
-/// the router): every client is answered within --step-timeout + 1 s, with UNAVAILABLE naming the
+/// the leader): every client is answered within --step-timeout + 1 s, with UNAVAILABLE naming the
 /// broken group, and the group exits non-zero. Prints the time to the first answer and to the
 /// group's exit.
 fn fault_drill(backend: &str, sig: &str, extra: &[&str]) {
@@ -960,7 +960,7 @@ fn fault_drill(backend: &str, sig: &str, extra: &[&str]) {
             let since = done.saturating_duration_since(at);
             first = first.min(since);
             last = last.max(since);
-            // A request sent as the router's port closed sees the closed connection.
+            // A request sent as the leader's port closed sees the closed connection.
             let closed = msg.contains("transport") || msg.contains("connect");
             assert!(
                 code == tonic::Code::Unavailable || closed,

@@ -1,5 +1,5 @@
 //! `--ingress all` with real rank groups: every rank serves, the same input gives the same output
-//! at every rank and as with router ingress (and as the f64 reference); concurrent load at every
+//! at every rank and as with leader ingress (and as the f64 reference); concurrent load at every
 //! rank is all answered; a drain and a rank failure answer every client of every rank; a trickle
 //! at one rank is not starved by a flood at another. The same on two simulated nodes
 //! (`launch --nodes 2`), and a node killed or stopped.
@@ -155,13 +155,13 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_rank_answers_as_the_router_does_and_as_the_reference() {
+async fn every_rank_answers_as_the_leader_does_and_as_the_reference() {
     let spec = synthetic::preset(PRESET).unwrap();
     let refs = refs(&spec);
     let cases = cases(&spec, &mut ChaCha8Rng::seed_from_u64(5), 24, "same");
     let model = format!("synthetic:{PRESET}");
     let routed = {
-        let group = Group::launch(4, &model, &flags("router"));
+        let group = Group::launch(4, &model, &flags("leader"));
         send_all(&group.addr, &cases).await
     };
     // On one node, and on two (`--nodes 2`: the flags cross nodes, the rows stay home).
@@ -174,7 +174,7 @@ async fn every_rank_answers_as_the_router_does_and_as_the_reference() {
 }
 
 /// Every rank of `group` sent every case at once (their requests share steps): each answer
-/// against the reference and against `routed`, router ingress's on one node.
+/// against the reference and against `routed`, leader ingress's on one node.
 async fn every_rank_at_once(
     group: &Group,
     spec: &MoeSpec,
@@ -211,7 +211,7 @@ async fn every_rank_at_once(
             let d = max_diff(out, want);
             assert!(
                 d <= 1e-6,
-                "{nodes} node(s), rank {rank} {}: {d:e} from router ingress on one node",
+                "{nodes} node(s), rank {rank} {}: {d:e} from leader ingress on one node",
                 case.req.id
             );
         }

@@ -71,10 +71,10 @@ async fn a_flood_gets_only_resource_exhausted_and_memory_stays_bounded() {
             &max_tokens.to_string(),
         ],
     );
-    let router = group.proc.rank_pid(0);
+    let leader = group.proc.rank_pid(0);
     let worker = group.proc.rank_pid(1);
     let c = group.client().await;
-    let base = rss(router);
+    let base = rss(leader);
     // Stall the group so nothing drains: capacity is exactly what admission allows.
     kill(worker, "STOP");
     let payload = req("flood", 0, n);
@@ -85,7 +85,7 @@ async fn a_flood_gets_only_resource_exhausted_and_memory_stays_bounded() {
         let peak = peak.clone();
         tokio::spawn(async move {
             loop {
-                peak.fetch_max(rss(router), std::sync::atomic::Ordering::Relaxed);
+                peak.fetch_max(rss(leader), std::sync::atomic::Ordering::Relaxed);
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         })
@@ -104,7 +104,7 @@ async fn a_flood_gets_only_resource_exhausted_and_memory_stays_bounded() {
             (r.map(|_| ()).map_err(|s| s.code()), t0.elapsed())
         });
     }
-    // Let every request reach the router; the admitted ones wait behind the stalled rank.
+    // Let every request reach the leader; the admitted ones wait behind the stalled rank.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     kill(worker, "CONT");
     let mut codes: HashMap<String, usize> = HashMap::new();
@@ -136,7 +136,7 @@ async fn a_flood_gets_only_resource_exhausted_and_memory_stays_bounded() {
         .saturating_sub(base);
     assert!(
         grew < bound,
-        "router grew {grew} B under a flood of {} B; bound {bound} B",
+        "leader grew {grew} B under a flood of {} B; bound {bound} B",
         offered as u64 * request_bytes
     );
     let mut c = c.clone();
@@ -147,8 +147,8 @@ async fn a_flood_gets_only_resource_exhausted_and_memory_stays_bounded() {
     }
 }
 
-/// The router's metric, by name and labels.
-fn router_metric(group: &Group, name: &str, with: &[(&str, &str)]) -> f64 {
+/// The leader's metric, by name and labels.
+fn leader_metric(group: &Group, name: &str, with: &[(&str, &str)]) -> f64 {
     sum(&scrape(&group.metrics_addrs(2)[0]), name, with)
 }
 
@@ -178,14 +178,14 @@ async fn deadlines_expire_in_the_queue_and_cancelled_streams_free_their_tokens()
         .unwrap()
         .into_inner();
     let end = Instant::now() + Duration::from_secs(5);
-    while router_metric(&group, "epserve_queue_tokens", &[]) < 50.0 {
+    while leader_metric(&group, "epserve_queue_tokens", &[]) < 50.0 {
         assert!(Instant::now() < end, "the stream's tokens never queued");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     drop(stream);
     drop(tx);
     let end = Instant::now() + Duration::from_secs(3);
-    while router_metric(&group, "epserve_queue_tokens", &[]) > 0.0 {
+    while leader_metric(&group, "epserve_queue_tokens", &[]) > 0.0 {
         assert!(
             Instant::now() < end,
             "cancelling the stream did not free its queued tokens"
@@ -200,17 +200,17 @@ async fn deadlines_expire_in_the_queue_and_cancelled_streams_free_their_tokens()
     c.forward(req("again", 0, 4)).await.unwrap();
     // Nothing of layer 1 ever reached a step: not the late request, not the cancelled stream.
     assert_eq!(
-        router_metric(&group, "epserve_step_tokens_total", &[("layer", "1")]),
+        leader_metric(&group, "epserve_step_tokens_total", &[("layer", "1")]),
         0.0
     );
     assert!(
-        router_metric(
+        leader_metric(
             &group,
             "epserve_requests_total",
             &[("status", "DEADLINE_EXCEEDED")]
         ) >= 1.0
     );
-    assert!(router_metric(&group, "epserve_step_tokens_total", &[("layer", "0")]) >= 6.0);
+    assert!(leader_metric(&group, "epserve_step_tokens_total", &[("layer", "0")]) >= 6.0);
 }
 
 /// One unary Forward over plain HTTP/2 with a `grpc-timeout` header and no client-side timer;
@@ -341,7 +341,7 @@ async fn sigterm_under_load_answers_everything_admitted_and_exits_zero() {
     drain_under_load(&[]).await;
 }
 
-/// As above with two steps in flight (`--steps-ahead 1`): the router sends a step while the one
+/// As above with two steps in flight (`--steps-ahead 1`): the leader sends a step while the one
 /// before runs, and the drain still answers every admitted request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_with_two_steps_in_flight_answers_everything_admitted() {
@@ -416,13 +416,13 @@ async fn rank_loss(rank: usize, sig: &str, extra: &[&str]) {
                 || msg.contains("transport")
                 || msg.contains("canceled")
                 || msg.contains("error reading a body from connection");
-            assert!(transport, "{sig} router: {code:?} {msg}");
+            assert!(transport, "{sig} leader: {code:?} {msg}");
             continue;
         }
         assert_eq!(code, Code::Unavailable, "{sig} rank {rank}: {msg}");
-        // The router names the lost rank; requests sent after it stopped see a closed port. The
+        // The leader names the lost rank; requests sent after it stopped see a closed port. The
         // launcher stops the group when it sees the rank exit, so a request can also reach the
-        // router after that stop and before its own failure detection: refused as draining.
+        // leader after that stop and before its own failure detection: refused as draining.
         if msg.contains(&format!("rank {rank}")) {
             named += 1;
         } else {
@@ -642,10 +642,10 @@ async fn a_grpc_timeout_past_eight_digits_is_refused_not_a_panic() {
 }
 
 /// A ForwardStream client that sends 1M tokens and never reads: the stream stops being read once
-/// its in-flight answers wait for the client (HTTP/2 flow control holds the sends), the router's
+/// its in-flight answers wait for the client (HTTP/2 flow control holds the sends), the leader's
 /// memory stays within the queue bound, and once the client reads, every answer comes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_that_is_not_read_is_held_by_flow_control_not_router_memory() {
+async fn a_stream_that_is_not_read_is_held_by_flow_control_not_leader_memory() {
     let (n, in_flight, max_tokens) = (256usize, 16usize, 4096usize);
     let total_tokens = 1usize << 20;
     let group = Group::launch(
@@ -658,7 +658,7 @@ async fn a_stream_that_is_not_read_is_held_by_flow_control_not_router_memory() {
             &max_tokens.to_string(),
         ],
     );
-    let router = group.proc.rank_pid(0);
+    let leader = group.proc.rank_pid(0);
     let mut c = group.client().await;
     let one = req("x", 0, n);
     let want = decode(
@@ -669,7 +669,7 @@ async fn a_stream_that_is_not_read_is_held_by_flow_control_not_router_memory() {
             .output
             .unwrap(),
     );
-    let base = rss(router);
+    let base = rss(leader);
     let sent = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counter = sent.clone();
     let requests = tokio_stream::iter(0..total_tokens / n).map(move |i| {
@@ -683,7 +683,7 @@ async fn a_stream_that_is_not_read_is_held_by_flow_control_not_router_memory() {
     let mut peak = base;
     for _ in 0..60 {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        peak = peak.max(rss(router));
+        peak = peak.max(rss(leader));
     }
     let taken = sent.load(std::sync::atomic::Ordering::Relaxed);
     assert!(
@@ -695,7 +695,7 @@ async fn a_stream_that_is_not_read_is_held_by_flow_control_not_router_memory() {
     let request_bytes = (n * H * 4) as u64;
     let bound = (max_tokens * H * 8) as u64 + in_flight as u64 * request_bytes * 2 + (24 << 20);
     let grew = peak.saturating_sub(base);
-    assert!(grew < bound, "router grew {grew} B; bound {bound} B");
+    assert!(grew < bound, "leader grew {grew} B; bound {bound} B");
     // Now read: the stream serves on, every answer right.
     for i in 0..200 {
         let a = answers

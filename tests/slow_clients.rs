@@ -1,6 +1,6 @@
-//! Clients that hold the router's memory or descriptors without doing work: uploads that declare
+//! Clients that hold the leader's memory or descriptors without doing work: uploads that declare
 //! large messages and stall (unary and streams), and connections that never open a call or stop
-//! opening them. The router must bound the memory (the upload budget), end every such call with
+//! opening them. The leader must bound the memory (the upload budget), end every such call with
 //! a status, keep serving a well-behaved client, and close such connections.
 
 mod common;
@@ -78,7 +78,7 @@ async fn stalled_call(mut conn: Conn, path: &str, declared: usize, sent: usize) 
 }
 
 /// 2 connections x 16 calls (unary Forward on one, ForwardStream on the other) each declare 48 MiB,
-/// send 16 MiB and stall. The router's resident memory grows by less than its upload budget +
+/// send 16 MiB and stall. The leader's resident memory grows by less than its upload budget +
 /// 32 MiB, every stalled call ends with DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED, a client on
 /// another connection keeps its p99 under 50 ms throughout, and the upload and queue metrics
 /// are back at 0 after. (On the build before the budget, #40's probe of this load held 528 MiB,
@@ -170,7 +170,7 @@ async fn stalled_uploads_hold_no_more_than_the_budget_and_end_with_a_status() {
     let growth = peak.saturating_sub(base);
     eprintln!(
         "32 stalled calls ended in {lasted:.1?}: {} DEADLINE_EXCEEDED, {} RESOURCE_EXHAUSTED; \
-         router RSS {} MiB before, peak growth {} MiB (budget {} MiB); {} polite calls, p50 \
+         leader RSS {} MiB before, peak growth {} MiB (budget {} MiB); {} polite calls, p50 \
          {:.2} ms p99 {p99:.2} ms",
         count(4),
         count(8),

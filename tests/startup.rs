@@ -24,7 +24,7 @@ fn fails_with(p: &mut Proc, needle: &str, limit: Duration) {
 }
 
 /// Rank 0 on rendezvous port 0, and the address it got.
-fn router(world: usize, shm: &TempDir, extra: &[&str]) -> (Proc, String) {
+fn leader(world: usize, shm: &TempDir, extra: &[&str]) -> (Proc, String) {
     let mut p = serve(0, world, "127.0.0.1:0", shm, extra);
     let addr = p
         .wait_for("epserve-rendezvous ", Duration::from_secs(20))
@@ -35,7 +35,7 @@ fn router(world: usize, shm: &TempDir, extra: &[&str]) -> (Proc, String) {
 #[test]
 fn config_mismatch_names_the_field_on_every_rank() {
     let shm = TempDir::new("mismatch");
-    let (mut r0, addr) = router(
+    let (mut r0, addr) = leader(
         2,
         &shm,
         &["--max-tokens-per-step", "32", "--rendezvous-timeout", "20s"],
@@ -50,7 +50,7 @@ fn config_mismatch_names_the_field_on_every_rank() {
     let want = "config mismatch in 'max_tokens_per_step': rank 1 has 64, rank 0 has 32";
     fails_with(&mut r0, want, Duration::from_secs(20));
     fails_with(&mut r1, want, Duration::from_secs(20));
-    let (mut r0, addr) = router(2, &shm, &["--model", "synthetic:tiny-qwen3"]);
+    let (mut r0, addr) = leader(2, &shm, &["--model", "synthetic:tiny-qwen3"]);
     let mut r1 = serve(1, 2, &addr, &shm, &["--model", "synthetic:tiny"]);
     fails_with(
         &mut r0,
@@ -101,11 +101,11 @@ fn experts_not_divisible_by_ranks() {
 }
 
 #[test]
-fn missing_rank_and_missing_router_time_out_by_name() {
+fn missing_rank_and_missing_leader_time_out_by_name() {
     let shm = TempDir::new("missing");
     let t0 = Instant::now();
     let flags = |node| ["--rendezvous-timeout", "2s", "--node-id", node];
-    let (mut r0, addr) = router(4, &shm, &flags("node-a"));
+    let (mut r0, addr) = leader(4, &shm, &flags("node-a"));
     let mut r1 = serve(1, 4, &addr, &shm, &flags("node-b"));
     let want = "rank(s) 2, 3 of world size 4 did not join the rendezvous within 2s \
                 (joined: node node-a rank 0; node node-b rank 1)";
@@ -120,7 +120,7 @@ fn missing_rank_and_missing_router_time_out_by_name() {
     let mut lonely = serve(1, 2, NOBODY, &shm, &["--rendezvous-timeout", "1s"]);
     fails_with(
         &mut lonely,
-        &format!("router (rank 0) at {NOBODY} was not reachable within 1s"),
+        &format!("leader (rank 0) at {NOBODY} was not reachable within 1s"),
         Duration::from_secs(10),
     );
 }
@@ -230,7 +230,7 @@ fn strays_at_the_rendezvous_are_closed_and_the_group_forms() {
         .unwrap();
     let log = r0.log_text();
     for want in ["no hello", "wrong or missing --group-token"] {
-        assert!(log.contains(want), "router log lacks '{want}':\n{log}");
+        assert!(log.contains(want), "leader log lacks '{want}':\n{log}");
     }
     drop(silent);
 }
@@ -241,7 +241,7 @@ fn strays_at_the_rendezvous_are_closed_and_the_group_forms() {
 #[test]
 fn without_a_token_a_seatless_hello_is_a_stray() {
     let shm = TempDir::new("seatless");
-    let (mut r0, addr) = router(2, &shm, &["--rendezvous-timeout", "60s"]);
+    let (mut r0, addr) = leader(2, &shm, &["--rendezvous-timeout", "60s"]);
     // Ranks of a group of 4 (a real process checks its own rank against its own world size, so
     // an out-of-range rank of this world cannot be started; it takes the same path).
     let mut first = serve(1, 4, &addr, &shm, &["--rendezvous-timeout", "20s"]);
@@ -430,7 +430,7 @@ async fn ports_answer_while_weights_load_and_a_taken_port_fails_first() {
     );
 }
 
-/// Two nodes whose ranks start in reverse order (3, 2, then 1, then the router last) form the
+/// Two nodes whose ranks start in reverse order (3, 2, then 1, then the leader last) form the
 /// group within the rendezvous timeout and answer; each node its own --node-id and --shm-dir.
 #[test]
 fn nodes_joining_in_reverse_order_form_the_group() {
@@ -448,11 +448,11 @@ fn nodes_joining_in_reverse_order_form_the_group() {
         ranks.push((r, serve(r, 4, &addr, &dirs[r / 2], &flags)));
         std::thread::sleep(Duration::from_millis(300));
     }
-    let (_, router) = ranks.iter_mut().find(|(r, _)| *r == 0).unwrap();
-    let grpc = router
+    let (_, leader) = ranks.iter_mut().find(|(r, _)| *r == 0).unwrap();
+    let grpc = leader
         .wait_for("serving gRPC on", Duration::from_secs(60))
         .unwrap_or_else(|e| panic!("{e}"));
-    let log = router.log_text();
+    let log = leader.log_text();
     assert!(
         log.contains("the group's ranks on node b") && log.contains("ranks=[2, 3]"),
         "{log}"

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A group on two simulated nodes against the same ranks on one node, on this machine, in one run
-(#38): `epserve launch --ranks R [--nodes 2]` on the cpu backend, `epserve-loadtest` at the router,
+(#38): `epserve launch --ranks R [--nodes 2]` on the cpu backend, `epserve-loadtest` at the leader,
 the two alternated REPEATS times. Prints the median row of each and where a step's time goes
 (each rank's mean phase times from `epserve_step_phase_seconds` over the measured window, and
 the bytes it sent to the other node).

@@ -88,7 +88,7 @@ pub struct Args {
     /// service the same ones).
     #[command(flatten)]
     pub http2: epserve::transport::Http2,
-    /// The service to load, HOST:PORT (epserve's router, or an echo service), or several
+    /// The service to load, HOST:PORT (epserve's leader, or an echo service), or several
     /// comma-separated (the ranks of --ingress all): the load is spread evenly over them.
     #[arg(long, env = "LOADTEST_TARGET")]
     pub target: Option<String>,

@@ -14,7 +14,7 @@ use super::cpu::{default_lanes, segment_path, CpuRank, SegmentShape};
 use super::gpu;
 use crate::lifecycle::Abort;
 use crate::model::{MoeSpec, RankWeights};
-use crate::nodes::plane::Links;
+use crate::nodes::plane::DataLinks;
 use crate::nodes::Roster;
 use crate::step::ring::Ring;
 use crate::step::Backend;
@@ -30,7 +30,7 @@ pub struct Site<'a> {
     pub roster: &'a Roster,
     /// NCCL's unique id (GPU backends).
     pub nccl_id: &'a [u8],
-    /// The step ring, mapped once every rank has arrived (the router creates it before then).
+    /// The step ring, mapped once every rank has arrived (the leader creates it before then).
     pub ring: &'a dyn Fn() -> anyhow::Result<Arc<Ring>>,
     pub deadline: Instant,
     pub abort: Arc<Abort>,
@@ -38,7 +38,7 @@ pub struct Site<'a> {
 
 /// One rank's backend on its way into the group.
 pub trait BringUp: Send {
-    /// The router's id for the group's communicator, handed to every rank in its welcome
+    /// The leader's id for the group's communicator, handed to every rank in its welcome
     /// (GPU backends: NCCL's unique id).
     fn new_nccl_id(&self) -> anyhow::Result<Option<Vec<u8>>> {
         Ok(None)
@@ -55,7 +55,11 @@ pub trait BringUp: Send {
     /// Between the barriers: the peers of its node mapped, those of others through `links` (or
     /// NCCL joined); the backend. Once every rank has joined, the handshake calls its
     /// `Backend::group_started`.
-    fn join(self: Box<Self>, at: &Site, links: &Links) -> anyhow::Result<Box<dyn Backend + Send>>;
+    fn join(
+        self: Box<Self>,
+        at: &Site,
+        links: &DataLinks,
+    ) -> anyhow::Result<Box<dyn Backend + Send>>;
 }
 
 /// The cpu backend: peers exchange through each rank's shared-memory segment.
@@ -90,7 +94,11 @@ impl BringUp for CpuBringUp {
         Ok(Some(seg))
     }
 
-    fn join(self: Box<Self>, at: &Site, links: &Links) -> anyhow::Result<Box<dyn Backend + Send>> {
+    fn join(
+        self: Box<Self>,
+        at: &Site,
+        links: &DataLinks,
+    ) -> anyhow::Result<Box<dyn Backend + Send>> {
         let me = *self;
         let own = me.own.context("joining before creating the segment")?;
         let lanes = match me.threads {
@@ -150,7 +158,7 @@ impl BringUp for GpuBringUp {
             .map_err(|why| anyhow::anyhow!("nccl-ep cannot run this group: {why}"))
     }
 
-    fn join(self: Box<Self>, at: &Site, _: &Links) -> anyhow::Result<Box<dyn Backend + Send>> {
+    fn join(self: Box<Self>, at: &Site, _: &DataLinks) -> anyhow::Result<Box<dyn Backend + Send>> {
         let _bound = SetupDeadline::new(GPU_SETUP, at.deadline);
         let me = *self;
         me.device.join(gpu::Joining {

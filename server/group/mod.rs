@@ -1,4 +1,4 @@
-//! The EP group: rendezvous at the router (rank 0), config fingerprint check, and the control
+//! The EP group: rendezvous at the leader (rank 0), config fingerprint check, and the control
 //! channel that carries step descriptors. Every wait has a deadline and names who is missing.
 
 pub mod msg;
@@ -61,7 +61,7 @@ pub fn host_id() -> String {
 }
 
 /// A short tag of `host_id()` (FNV-1a, 8 hex digits) that group ids carry, so that a sweep of
-/// stale files judges by pid only the groups whose router runs on its own host.
+/// stale files judges by pid only the groups whose leader runs on its own host.
 pub fn host_tag() -> String {
     let h = host_id().bytes().fold(0x811c_9dc5u32, |h, b| {
         (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
@@ -104,14 +104,14 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 /// threads).
 const MAX_PENDING_HELLOS: usize = 64;
 
-/// What the router checks every joining rank against.
+/// What the leader checks every joining rank against.
 pub struct Expect<'a> {
     pub world: usize,
     pub fingerprint: &'a Fingerprint,
     pub host: &'a str,
-    /// The router's `--node-id`: ranks that name it must run on its host.
+    /// The leader's `--node-id`: ranks that name it must run on its host.
     pub node: &'a str,
-    /// The router's data listener's port.
+    /// The leader's data listener's port.
     pub data_port: u16,
     /// --group-token ("" for none).
     pub token: &'a str,
@@ -126,8 +126,8 @@ struct Seated {
 
 /// The ranks that did join, by node ("node a ranks 0, 1; node b rank 2"): where the missing
 /// ones were expected is where their node's other ranks are, or a node not heard from at all.
-fn joined_by_node(router_node: &str, slots: &[Option<Seated>]) -> String {
-    let seats = std::iter::once(Some(router_node))
+fn joined_by_node(leader_node: &str, slots: &[Option<Seated>]) -> String {
+    let seats = std::iter::once(Some(leader_node))
         .chain(
             slots
                 .iter()
@@ -158,14 +158,14 @@ fn read_hello(mut stream: TcpStream, peer: SocketAddr, limit: Duration) -> Hello
     (stream, peer, hello)
 }
 
-/// Router side of the group: one control connection per other rank, index = rank - 1.
-pub struct RouterLink {
+/// Leader side of the group: one control connection per other rank, index = rank - 1.
+pub struct ControlLink {
     pub workers: Vec<TcpStream>,
     /// Every rank's node and data address, by rank.
     pub roster: Roster,
 }
 
-impl RouterLink {
+impl ControlLink {
     /// Accepts every rank, checks its fingerprint against ours, and welcomes the group. A
     /// connection that says nothing, sends garbage or presents the wrong token is logged and
     /// closed, and accepting goes on; a rank that joins with a different config fails the group,
@@ -252,7 +252,7 @@ impl RouterLink {
             }
             return Err(e);
         }
-        // Peers reach the router's data listener where they reached the router.
+        // Peers reach the leader's data listener where they reached the leader.
         let ip = match workers.first() {
             Some(w) => w.local_addr().map_err(io("control socket"))?.ip(),
             None => std::net::Ipv4Addr::LOCALHOST.into(),
@@ -455,7 +455,7 @@ fn admit(
     Ok(Some((rank, Seated { stream, seat, host })))
 }
 
-/// A rank already admitted (or the router) on `node` whose host is not `host`: (its rank, its
+/// A rank already admitted (or the leader) on `node` whose host is not `host`: (its rank, its
 /// host).
 fn node_host<'a>(
     want: &'a Expect,
@@ -463,8 +463,8 @@ fn node_host<'a>(
     node: &str,
     host: &str,
 ) -> Option<(usize, &'a str)> {
-    let router = (want.node == node && want.host != host).then_some((0, want.host));
-    router.or_else(|| {
+    let leader = (want.node == node && want.host != host).then_some((0, want.host));
+    leader.or_else(|| {
         slots.iter().enumerate().find_map(|(i, s)| {
             s.as_ref()
                 .filter(|s| s.seat.node == node && s.host != host)
@@ -473,7 +473,7 @@ fn node_host<'a>(
     })
 }
 
-/// A group id as the router makes it (hex and dashes): it names files under --shm-dir.
+/// A group id as the leader makes it (hex and dashes): it names files under --shm-dir.
 pub fn valid_group_id(g: &str) -> bool {
     (1..=64).contains(&g.len()) && g.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')
 }
@@ -495,7 +495,7 @@ pub struct Joiner<'a> {
     pub data_port: u16,
 }
 
-/// Rank side: connects to the router (retrying until the deadline) and says hello.
+/// Rank side: connects to the leader (retrying until the deadline) and says hello.
 pub fn join(
     addr: &str,
     me: &Joiner,
@@ -517,13 +517,13 @@ pub fn join(
         }
         if Instant::now() >= deadline {
             return Err(GroupError::Timeout(format!(
-                "rank {rank}: router (rank 0) at {addr} was not reachable within {timeout:?}"
+                "rank {rank}: leader (rank 0) at {addr} was not reachable within {timeout:?}"
             )));
         }
         std::thread::sleep(Duration::from_millis(50));
     };
     stream.set_nodelay(true).map_err(io("control socket"))?;
-    // Peers on other nodes reach this rank's data listener where it reaches the router from.
+    // Peers on other nodes reach this rank's data listener where it reaches the leader from.
     let ip = stream.local_addr().map_err(io("control socket"))?.ip();
     send(
         &mut stream,
@@ -542,11 +542,11 @@ pub fn join(
     .map_err(io("sending hello"))?;
     match expect(&mut stream, "welcome", deadline)? {
         Bringup::Welcome { group, .. } if !valid_group_id(&group) => Err(GroupError::Protocol(
-            format!("the router sent group id {group:?}, which is not hex"),
+            format!("the leader sent group id {group:?}, which is not hex"),
         )),
         Bringup::Welcome { seats, .. } if seats.len() != world => {
             Err(GroupError::Protocol(format!(
-                "the router sent {} seats for a world of {world}",
+                "the leader sent {} seats for a world of {world}",
                 seats.len()
             )))
         }
@@ -566,14 +566,14 @@ pub fn join(
     }
 }
 
-/// Rank side: the router's next message before `deadline`; a `Reject` becomes an error with its
+/// Rank side: the leader's next message before `deadline`; a `Reject` becomes an error with its
 /// reason.
 pub fn expect(
     stream: &mut TcpStream,
     what: &str,
     deadline: Instant,
 ) -> Result<Bringup, GroupError> {
-    match recv_until(stream, deadline, what, "the router (rank 0)")? {
+    match recv_until(stream, deadline, what, "the leader (rank 0)")? {
         Bringup::Reject { reason } => Err(GroupError::Rejected(reason)),
         m => Ok(m),
     }
@@ -613,7 +613,7 @@ mod tests {
         }
         // Rank 2's connection can no longer be written.
         workers[1].shutdown(std::net::Shutdown::Write).unwrap();
-        let mut link = RouterLink {
+        let mut link = ControlLink {
             workers,
             roster: Roster(Vec::new()),
         };

@@ -1,9 +1,9 @@
 //! The control channel's messages, one enum per phase and direction, so each reader matches only
 //! what its phase can carry:
 //! - `Bringup`, both ways, in lockstep: the rendezvous (hello, welcome) and the startup barriers.
-//! - after `Go`, router → rank: `Order` (steps and the end of the group), its `--ingress all`
+//! - after `Go`, leader → rank: `Order` (steps and the end of the group), its `--ingress all`
 //!   part in `IngressOrder`;
-//! - after `Go`, rank → router: `Report` (failures), its `--ingress all` part in `IngressReport`.
+//! - after `Go`, rank → leader: `Report` (failures), its `--ingress all` part in `IngressReport`.
 //!
 //! Frames are JSON objects tagged by `msg` (`ingress` names the ingress variant); a `failed`
 //! frame reads the same in `Bringup` and `Report`, so a rank failing across `Go` is heard either
@@ -39,7 +39,7 @@ pub enum Bringup {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         nccl_id: Option<Vec<u8>>,
     },
-    /// Router to a rank: startup failed, or this rank may not join.
+    /// Leader to a rank: startup failed, or this rank may not join.
     Reject {
         reason: String,
     },
@@ -54,7 +54,7 @@ pub enum Bringup {
     },
     /// Every rank mapped every segment: unlink your files and start.
     Go,
-    /// Rank to router: this rank's startup failed.
+    /// Rank to leader: this rank's startup failed.
     Failed {
         rank: usize,
         reason: String,
@@ -77,14 +77,14 @@ impl Bringup {
     }
 }
 
-/// Router to ranks, after startup.
+/// Leader to ranks, after startup.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "msg", rename_all = "snake_case")]
 pub enum Order {
     Step(StepDesc),
     /// Leave the step loop and exit cleanly.
     Shutdown,
-    /// The group broke (`rank` is the router's own, 0).
+    /// The group broke (`rank` is the leader's own, 0).
     Failed {
         rank: usize,
         reason: String,
@@ -92,16 +92,16 @@ pub enum Order {
     Ingress(IngressOrder),
 }
 
-/// Router to ranks, `--ingress all` only.
+/// Leader to ranks, `--ingress all` only.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "ingress", rename_all = "snake_case")]
 pub enum IngressOrder {
     /// The group is ready: where every rank serves, by rank.
     Open { addrs: Vec<String> },
     /// Before the step's descriptor: the step that takes `homes[rank]` rows of your offers goes
-    /// in ring slot `slot`; pack them now.
+    /// in ring cell `cell`; pack them now.
     Pack {
-        slot: u32,
+        cell: u32,
         key: StepKey,
         homes: Vec<u32>,
     },
@@ -109,7 +109,7 @@ pub enum IngressOrder {
     Drain,
 }
 
-/// Rank to router, after startup.
+/// Rank to leader, after startup.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "msg", rename_all = "snake_case")]
 pub enum Report {
@@ -126,13 +126,13 @@ pub enum Report {
     Ingress(IngressReport),
 }
 
-/// Rank to router, `--ingress all` only.
+/// Rank to leader, `--ingress all` only.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "ingress", rename_all = "snake_case")]
 pub enum IngressReport {
     /// Right after `Go`: where this rank serves gRPC.
     Listening { rank: usize, addr: String },
-    /// This many tokens of `key` are packed for the router to schedule.
+    /// This many tokens of `key` are packed for the leader to schedule.
     Offer { key: StepKey, tokens: u32 },
     /// This rank was signalled: drain the group.
     Drain,
@@ -156,7 +156,7 @@ mod tests {
     #[test]
     fn ingress_messages_nest_under_one_tag_and_round_trip() {
         let pack = Order::Ingress(IngressOrder::Pack {
-            slot: 3,
+            cell: 3,
             key: StepKey {
                 layer: 1,
                 client_routing: false,

@@ -41,7 +41,7 @@ fn header(kind: u8, target: Target, off: usize, n: u64) -> [u8; HEADER] {
 }
 
 /// This rank's sending end to one rank of another node; shared by the threads that write to it.
-pub struct Link {
+pub struct DataLink {
     peer: usize,
     out: Mutex<Out>,
     sent: metrics::Counter,
@@ -55,7 +55,7 @@ struct Out {
     queued: u64,
 }
 
-impl Link {
+impl DataLink {
     /// `timeout` bounds each send (a stopped peer stops reading; the step fails, not hangs);
     /// `rank` is this rank, the label of the bytes it sends across nodes.
     pub fn new(
@@ -184,7 +184,7 @@ mod tests {
         let seg = Shm::create(&dir.join("seg"), 4096).unwrap();
         let mine = Shm::open(&dir.join("seg"), 4096).unwrap();
         let (tx, rx) = pair();
-        let link = Link::new(1, tx, Duration::from_secs(5), 0).unwrap();
+        let link = DataLink::new(1, tx, Duration::from_secs(5), 0).unwrap();
         let t = std::thread::spawn(move || {
             apply(
                 rx,
@@ -210,7 +210,7 @@ mod tests {
         assert_eq!(seg.flag(8).load(std::sync::atomic::Ordering::Acquire), 0);
         // A target the receiver does not hold.
         let (tx, rx) = pair();
-        let link = Link::new(1, tx, Duration::from_secs(5), 0).unwrap();
+        let link = DataLink::new(1, tx, Duration::from_secs(5), 0).unwrap();
         link.raise(Target::Ring, 0, 1).unwrap();
         let e = apply(rx, 0, &Targets::default()).unwrap_err();
         assert!(e.to_string().contains("does not hold"), "{e}");

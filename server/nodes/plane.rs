@@ -1,5 +1,5 @@
 //! The data connections between nodes, made once at startup: every rank connects to every rank
-//! of another node (its `Link` there) and accepts their connections (a thread each, applying
+//! of another node (its `DataLink` there) and accepts their connections (a thread each, applying
 //! their frames to its own mappings). A connection opens with a hello naming the rank, the
 //! group and the group token (a control-channel frame, `group::wire`); one that names anything
 //! else is closed, and accepting goes on until every expected rank is in or the startup deadline
@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 
-use super::mirror::{apply, Link, Targets};
+use super::mirror::{apply, DataLink, Targets};
 use super::Roster;
 use crate::lifecycle::Abort;
 use crate::transport::frame::{recv, send};
@@ -42,10 +42,10 @@ struct Hello {
 }
 
 /// The links of one rank, by rank: one to each rank of another node.
-pub struct Links(Vec<Option<Arc<Link>>>);
+pub struct DataLinks(Vec<Option<Arc<DataLink>>>);
 
-impl Links {
-    pub fn to(&self, rank: usize) -> Option<&Arc<Link>> {
+impl DataLinks {
+    pub fn to(&self, rank: usize) -> Option<&Arc<DataLink>> {
         self.0.get(rank).and_then(Option::as_ref)
     }
 }
@@ -75,17 +75,17 @@ impl Mesh<'_> {
     /// Connects to every rank of another node and accepts theirs, each accepted connection
     /// applied to `targets` on a thread of its own. Nothing to do on one node: the listener is
     /// closed.
-    pub fn connect(&self, listener: DataListener, targets: Targets) -> anyhow::Result<Links> {
+    pub fn connect(&self, listener: DataListener, targets: Targets) -> anyhow::Result<DataLinks> {
         let world = self.roster.world();
         let away: Vec<usize> = self.roster.away_from(self.rank).collect();
         if away.is_empty() {
-            return Ok(Links(vec![None; world]));
+            return Ok(DataLinks(vec![None; world]));
         }
         let accepting = self.accept(listener, Arc::new(targets), away.clone())?;
         let mut links = vec![None; world];
         for &r in &away {
             let stream = self.dial(r)?;
-            links[r] = Some(Arc::new(Link::new(
+            links[r] = Some(Arc::new(DataLink::new(
                 r,
                 stream,
                 self.step_timeout,
@@ -99,7 +99,7 @@ impl Mesh<'_> {
             peers = away.len(),
             "data connections to the other nodes made"
         );
-        Ok(Links(links))
+        Ok(DataLinks(links))
     }
 
     fn dial(&self, r: usize) -> anyhow::Result<TcpStream> {

@@ -1,4 +1,4 @@
-//! Admission control: bounds on requests and tokens held by the router, checked before a request
+//! Admission control: bounds on requests and tokens held by the leader, checked before a request
 //! is queued. Past a bound a request is refused at once with RESOURCE_EXHAUSTED.
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,5 +1,5 @@
-//! `--ingress all`, on the router: every rank batches its own clients' requests into offers of at
-//! most one home slice (its batcher, as the router's), and this actor turns the ranks' offers into
+//! `--ingress all`, on the leader: every rank batches its own clients' requests into offers of at
+//! most one home slice (its batcher, as the leader's), and this actor turns the ranks' offers into
 //! group steps. Each rank's offers are taken in order; a step takes the key (layer, dtypes,
 //! routing) of the oldest offer at the head of any rank, and every rank whose head has that key
 //! joins with it, the others with zero rows. So no rank's requests wait behind another's flood:
@@ -31,7 +31,7 @@ pub struct CoordConfig {
     pub world: usize,
     /// Most rows of one rank's offer (its home slice).
     pub stride: usize,
-    /// Steps in flight at most (the ring's slots).
+    /// Steps in flight at most (the ring's cells).
     pub depth: usize,
 }
 
@@ -39,7 +39,7 @@ struct Pending {
     offer: Offer,
     /// Arrival order: the oldest head picks the next step's key.
     seq: u64,
-    /// The router's own offers carry their requests.
+    /// The leader's own offers carry their requests.
     own: Option<Step>,
 }
 
@@ -76,7 +76,7 @@ impl Heads {
         Some((key, full))
     }
 
-    /// Takes every head of `key` into one step; returns it and whether the router's own offer
+    /// Takes every head of `key` into one step; returns it and whether the leader's own offer
     /// was in it.
     fn take(&mut self, key: StepKey) -> (Step, bool) {
         let mut homes = vec![0u32; self.ranks.len()];
@@ -101,10 +101,10 @@ impl Heads {
 }
 
 /// Runs until `stop` (the group has drained) or until the executor goes away or the group
-/// breaks; the router's own offers still waiting then fail UNAVAILABLE (the ranks fail theirs
-/// when told the group stopped). `own` is the router's batcher; `own_permits` its pipeline,
+/// breaks; the leader's own offers still waiting then fail UNAVAILABLE (the ranks fail theirs
+/// when told the group stopped). `own` is the leader's batcher; `own_permits` its pipeline,
 /// whose permit comes back when a step takes its offer. `peers` brings the other ranks' offers;
-/// `in_flight` holds one permit per ring slot, as for the router's batcher.
+/// `in_flight` holds one permit per ring cell, as for the leader's batcher.
 #[allow(clippy::too_many_arguments)]
 pub async fn run_coordinator(
     cfg: CoordConfig,
@@ -227,7 +227,7 @@ mod tests {
         }
     }
 
-    /// Hands a step's slot back, as the executor does once it is delivered.
+    /// Hands a step's cell back, as the executor does once it is delivered.
     fn delivered(r: &Run) {
         r.in_flight.add_permits(1);
     }

@@ -1,7 +1,7 @@
-//! The router's step pipeline. Up to one step per ring slot is in flight: a packer thread writes a
-//! step's input into a free slot, the executor thread publishes it, sends the descriptor to every
+//! The leader's step pipeline. Up to one step per ring cell is in flight: a packer thread writes a
+//! step's input into a free cell, the executor thread publishes it, sends the descriptor to every
 //! rank, runs its own share and waits for every rank's output, and a delivery thread reads the
-//! outputs and answers the finished requests, then frees the slot. So while the ranks run step N,
+//! outputs and answers the finished requests, then frees the cell. So while the ranks run step N,
 //! step N+1 is being packed and step N-1's answers delivered. Steps complete in order; up to the
 //! driver's depth of them are on the ranks at once (`--steps-ahead`).
 
@@ -22,7 +22,7 @@ use super::pace::Pace;
 use super::pipeline::{Delivery, Share};
 use super::rows::{copy_threads, deliver, out_bufs, pack};
 use crate::dtype::Dtype;
-use crate::group::{recv, GroupError, IngressOrder, IngressReport, Order, Report, RouterLink};
+use crate::group::{recv, ControlLink, GroupError, IngressOrder, IngressReport, Order, Report};
 use crate::lifecycle::{nap, Abort};
 use crate::metric_names;
 use crate::request::{Data, Failure, JobInput, Rows};
@@ -48,9 +48,9 @@ pub enum ExecutorError {
     },
 }
 
-/// The router's control connections after startup, shared by the step executor and the drain.
+/// The leader's control connections after startup, shared by the step executor and the drain.
 #[derive(Clone)]
-pub struct Control(Arc<Mutex<RouterLink>>);
+pub struct Control(Arc<Mutex<ControlLink>>);
 
 impl Control {
     /// Sends `msg` to every rank; whole frames, never interleaved with another sender's.
@@ -62,7 +62,7 @@ impl Control {
     }
 }
 
-/// What the other ranks send the router after startup besides failures (`--ingress all`).
+/// What the other ranks send the leader after startup besides failures (`--ingress all`).
 #[derive(Clone)]
 pub struct PeerEvents {
     pub offers: mpsc::UnboundedSender<(usize, Offer)>,
@@ -92,14 +92,14 @@ impl<B: Backend> Executor<B> {
     pub fn new(
         driver: Driver<B>,
         ring: Arc<Ring>,
-        link: RouterLink,
+        link: ControlLink,
         abort: Arc<Abort>,
         step_timeout: Duration,
         events: Option<PeerEvents>,
     ) -> Result<Self, GroupError> {
         let stride = ring.shape.home_stride();
         // A rank that reports failure or disconnects breaks the group at once, instead of
-        // leaving the router to find out at the step timeout.
+        // leaving the leader to find out at the step timeout.
         let closing = Arc::new(AtomicBool::new(false));
         for (i, w) in link.workers.iter().enumerate() {
             let mut r = w.try_clone().map_err(|source| GroupError::Io {
@@ -142,14 +142,14 @@ impl<B: Backend> Executor<B> {
         self.link.clone()
     }
 
-    /// Starts `step` (packed into `slot` already) through the whole group: publishes its input,
+    /// Starts `step` (packed into `cell` already) through the whole group: publishes its input,
     /// sends its descriptor to every rank and submits this rank's share, behind the steps in
     /// flight. It joins `flight` first, so that a failure to start fails it with the rest.
     fn start(
         &mut self,
         flight: &mut VecDeque<SentStep>,
         step: Step,
-        slot: usize,
+        cell: usize,
         heartbeat: Option<OwnedSemaphorePermit>,
     ) -> Result<(), ExecutorError> {
         let now = Instant::now();
@@ -160,7 +160,7 @@ impl<B: Backend> Executor<B> {
         });
         flight.push_back(SentStep {
             step,
-            slot,
+            cell,
             heartbeat,
             seq: self.seq + 1,
             // One deadline for the whole step, whichever wait it ends up in.
@@ -180,7 +180,7 @@ impl<B: Backend> Executor<B> {
             step: self.seq,
             layer: f.step.layer as u32,
             tokens: f.step.group_tokens() as u32,
-            slot: slot as u32,
+            cell: cell as u32,
             client_routing: f.step.client_routing,
             input: f.step.input,
             output: f.step.output,
@@ -219,7 +219,7 @@ impl<B: Backend> Executor<B> {
         let output = |rank, e: WaitError| {
             let missing: Vec<String> = self
                 .ring
-                .missing_outputs(f.slot, f.seq)
+                .missing_outputs(f.cell, f.seq)
                 .map(|r| r.to_string())
                 .collect();
             let reason = match missing.len() {
@@ -234,9 +234,9 @@ impl<B: Backend> Executor<B> {
         };
         if wait {
             self.ring
-                .wait_outputs(f.slot, f.seq, f.deadline, &self.abort)
+                .wait_outputs(f.cell, f.seq, f.deadline, &self.abort)
                 .map_err(|(rank, e)| output(rank, e))?;
-        } else if let Some(rank) = self.ring.missing_outputs(f.slot, f.seq).next() {
+        } else if let Some(rank) = self.ring.missing_outputs(f.cell, f.seq).next() {
             return match self.abort.reason() {
                 Some(r) => Err(output(rank, WaitError::Aborted(r))),
                 None => Ok(None),
@@ -246,7 +246,7 @@ impl<B: Backend> Executor<B> {
     }
 
     /// Serves steps until the batcher closes the channel (drain) or a step fails (group broken).
-    /// `in_flight` holds one permit per ring slot: the batcher takes one per step, and it comes
+    /// `in_flight` holds one permit per ring cell: the batcher takes one per step, and it comes
     /// back once the step is delivered. Up to the driver's depth of steps run at once: the next
     /// packed step is sent to the ranks while the one before runs, so a GPU rank queues its
     /// copies and launches behind it instead of idling for a round trip. When idle for
@@ -259,8 +259,8 @@ impl<B: Backend> Executor<B> {
         runtime: tokio::runtime::Handle,
         heartbeat: Duration,
     ) -> Result<(), ExecutorError> {
-        let free = Arc::new(FreeSlots::new(self.ring.shape.slots));
-        let depth = self.ring.shape.slots;
+        let free = Arc::new(FreeCells::new(self.ring.shape.cells));
+        let depth = self.ring.shape.cells;
         let (packed_tx, packed) = std::sync::mpsc::sync_channel::<(Step, usize)>(depth);
         let packer = {
             let (ring, free, abort) = (self.ring.clone(), free.clone(), self.abort.clone());
@@ -279,11 +279,11 @@ impl<B: Backend> Executor<B> {
                 })
                 .map_err(|e| ExecutorError::Broken(format!("spawning the packer: {e}")))?
         };
-        // Each finished step's requests answered, then its slot and permit given back.
+        // Each finished step's requests answered, then its cell and permit given back.
         let delivery = {
             let (free, permits) = (free.clone(), in_flight.clone());
-            let release = move |slot| {
-                free.put(slot);
+            let release = move |cell| {
+                free.put(cell);
                 permits.add_permits(1);
                 metrics::gauge!(metric_names::STEPS_IN_FLIGHT).decrement(1.0);
             };
@@ -300,7 +300,7 @@ impl<B: Backend> Executor<B> {
             // queues it, and the sooner it is queued the less its GPU idles.
             let started = if flight.is_empty() {
                 match packed.recv_timeout(heartbeat) {
-                    Ok((step, slot)) => self.start(&mut flight, step, slot, None),
+                    Ok((step, cell)) => self.start(&mut flight, step, cell, None),
                     Err(RecvTimeoutError::Disconnected) => break Ok(()),
                     Err(RecvTimeoutError::Timeout) => {
                         // Idle: an empty step through every rank finds a lost one, unless a step
@@ -308,14 +308,14 @@ impl<B: Backend> Executor<B> {
                         let Ok(permit) = in_flight.clone().try_acquire_owned() else {
                             continue;
                         };
-                        let slot = free.take();
-                        self.start(&mut flight, Step::empty(), slot, Some(permit))
+                        let cell = free.take();
+                        self.start(&mut flight, Step::empty(), cell, Some(permit))
                     }
                 }
                 .map(|()| true)
             } else if flight.len() < ahead && !closed {
                 match packed.try_recv() {
-                    Ok((step, slot)) => self.start(&mut flight, step, slot, None).map(|()| true),
+                    Ok((step, cell)) => self.start(&mut flight, step, cell, None).map(|()| true),
                     Err(TryRecvError::Empty) => Ok(false),
                     Err(TryRecvError::Disconnected) => {
                         closed = true;
@@ -340,7 +340,7 @@ impl<B: Backend> Executor<B> {
                     polls = 0;
                     let f = flight.pop_front().expect("the front");
                     if f.heartbeat.is_some() {
-                        free.put(f.slot);
+                        free.put(f.cell);
                         continue;
                     }
                     tracing::debug!(
@@ -350,7 +350,7 @@ impl<B: Backend> Executor<B> {
                         "step"
                     );
                     self.pace.finished(times.total);
-                    delivery.send(f.step, f.slot);
+                    delivery.send(f.step, f.cell);
                 }
                 Ok(None) => nap(&mut polls),
                 Err(e) => break Err(self.fail_all(e, &mut flight, &free, &in_flight)),
@@ -385,12 +385,12 @@ impl<B: Backend> Executor<B> {
     }
 
     /// Breaks the group for a failed step and fails every step in flight with it (INTERNAL for a
-    /// wrong result, UNAVAILABLE for a lost rank), giving back their slots and permits.
+    /// wrong result, UNAVAILABLE for a lost rank), giving back their cells and permits.
     fn fail_all(
         &self,
         e: ExecutorError,
         flight: &mut VecDeque<SentStep>,
-        free: &FreeSlots,
+        free: &FreeCells,
         in_flight: &tokio::sync::Semaphore,
     ) -> ExecutorError {
         let why = if matches!(e, ExecutorError::Step(StepError::Corrupt { .. })) {
@@ -402,7 +402,7 @@ impl<B: Backend> Executor<B> {
         };
         for f in flight.drain(..) {
             f.step.fail(&why);
-            free.put(f.slot);
+            free.put(f.cell);
             if f.heartbeat.is_none() {
                 in_flight.add_permits(1);
                 metrics::gauge!(metric_names::STEPS_IN_FLIGHT).decrement(1.0);
@@ -459,8 +459,8 @@ impl<B: Backend> Executor<B> {
 /// A step sent to the ranks and not yet finished.
 struct SentStep {
     step: Step,
-    slot: usize,
-    /// An idle heartbeat's hold on its slot (it delivers nothing).
+    cell: usize,
+    /// An idle heartbeat's hold on its cell (it delivers nothing).
     heartbeat: Option<OwnedSemaphorePermit>,
     seq: u64,
     deadline: Instant,
@@ -468,11 +468,11 @@ struct SentStep {
     own: Option<PhaseTimes>,
 }
 
-/// The ring slots not held by a step in flight. A step holds an `in_flight` permit before it
-/// takes a slot and gives the slot back before the permit, so a permit holder always finds one.
-struct FreeSlots(Mutex<Vec<usize>>);
+/// The ring cells not held by a step in flight. A step holds an `in_flight` permit before it
+/// takes a cell and gives the cell back before the permit, so a permit holder always finds one.
+struct FreeCells(Mutex<Vec<usize>>);
 
-impl FreeSlots {
+impl FreeCells {
     fn new(n: usize) -> Self {
         Self(Mutex::new((0..n).rev().collect()))
     }
@@ -480,26 +480,26 @@ impl FreeSlots {
     fn take(&self) -> usize {
         let mut free = self.0.lock().unwrap_or_else(|e| e.into_inner());
         free.pop()
-            .expect("a step holding a permit finds a free slot")
+            .expect("a step holding a permit finds a free cell")
     }
 
-    fn put(&self, slot: usize) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(slot);
+    fn put(&self, cell: usize) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(cell);
     }
 }
 
 /// The packer's share of the executor's state.
 struct Packer<'a> {
     ring: &'a Ring,
-    free: &'a FreeSlots,
+    free: &'a FreeCells,
     control: &'a Control,
     pace: &'a Pace,
     abort: &'a Arc<Abort>,
 }
 
 impl Packer<'_> {
-    /// Each step from the batcher into a free slot, on to the executor. Under --ingress all the
-    /// other ranks are told the slot first (`IngressOrder::Pack`), so they pack their rows while the step
+    /// Each step from the batcher into a free cell, on to the executor. Under --ingress all the
+    /// other ranks are told the cell first (`IngressOrder::Pack`), so they pack their rows while the step
     /// before runs, as this thread does. When the executor is gone (the group broke), the step
     /// in hand and every later one fail.
     fn run(
@@ -512,21 +512,21 @@ impl Packer<'_> {
         let _guard = AbortOnPanic(abort.clone(), "the step packer panicked");
         let threads = copy_threads();
         while let Some(step) = runtime.block_on(steps.recv()) {
-            let slot = self.free.take();
+            let cell = self.free.take();
             let t0 = Instant::now();
             if step.homes.iter().skip(1).any(|&n| n > 0) {
                 let order = Order::Ingress(IngressOrder::Pack {
-                    slot: slot as u32,
+                    cell: cell as u32,
                     key: step.key(),
                     homes: step.homes.clone(),
                 });
                 if let Err(e) = self.control.broadcast(&order) {
-                    abort.trigger(format!("sending a step's slot to the ranks: {e}"));
+                    abort.trigger(format!("sending a step's cell to the ranks: {e}"));
                 }
             }
-            Share::Leader.pack(self.ring, &step, slot, threads);
+            Share::Leader.pack(self.ring, &step, cell, threads);
             self.pace.packed(t0.elapsed());
-            if let Err(std::sync::mpsc::SendError((step, _))) = packed.send((step, slot)) {
+            if let Err(std::sync::mpsc::SendError((step, _))) = packed.send((step, cell)) {
                 fail_step(&step, abort);
                 break;
             }

@@ -198,9 +198,9 @@ pub struct Step {
     /// Every request in a step shares its input and output dtypes: the ring carries them as is.
     pub input: Dtype,
     pub output: Dtype,
-    /// This rank's rows (the router's: every rank's, under `--ingress all` its own).
+    /// This rank's rows (the leader's: every rank's, under `--ingress all` its own).
     pub segments: Vec<Segment>,
-    /// `--ingress all`: every rank's home rows (`StepDesc::homes`); empty when the router packs
+    /// `--ingress all`: every rank's home rows (`StepDesc::homes`); empty when the leader packs
     /// the whole step.
     pub homes: Vec<u32>,
 }

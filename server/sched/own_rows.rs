@@ -1,5 +1,5 @@
 //! `--ingress all`, a worker's side of the pipeline (`pipeline`): a packer thread puts each of
-//! this rank's offers into its rows of the slot the leader names (`IngressOrder::Pack`, while the
+//! this rank's offers into its rows of the cell the leader names (`IngressOrder::Pack`, while the
 //! step before runs), the step takes it from there, and the delivery thread answers its requests
 //! after the step.
 
@@ -17,7 +17,7 @@ use crate::request::Failure;
 use crate::step::ring::Ring;
 use crate::step::{StepDesc, StepKey};
 
-/// This rank's offers the router has not yet put in a step, oldest first (the router takes
+/// This rank's offers the leader has not yet put in a step, oldest first (the leader takes
 /// each rank's in this order).
 pub type Offered = Arc<Mutex<VecDeque<Step>>>;
 
@@ -27,48 +27,48 @@ pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Which ring slots still hold this rank's rows of a step being answered.
-struct SlotGate {
+/// Which ring cells still hold this rank's rows of a step being answered.
+struct CellGate {
     busy: Mutex<Vec<bool>>,
     freed: Condvar,
 }
 
-impl SlotGate {
-    fn new(slots: usize) -> Self {
+impl CellGate {
+    fn new(cells: usize) -> Self {
         Self {
-            busy: Mutex::new(vec![false; slots]),
+            busy: Mutex::new(vec![false; cells]),
             freed: Condvar::new(),
         }
     }
 
-    fn hold(&self, slot: usize) {
-        lock(&self.busy)[slot] = true;
+    fn hold(&self, cell: usize) {
+        lock(&self.busy)[cell] = true;
     }
 
-    fn free(&self, slot: usize) {
-        lock(&self.busy)[slot] = false;
+    fn free(&self, cell: usize) {
+        lock(&self.busy)[cell] = false;
         self.freed.notify_all();
     }
 
-    /// Waits, at most `limit`, until the slot's last answers are out.
-    fn wait_free(&self, slot: usize, limit: Duration) -> bool {
+    /// Waits, at most `limit`, until the cell's last answers are out.
+    fn wait_free(&self, cell: usize, limit: Duration) -> bool {
         let busy = lock(&self.busy);
         let (busy, _) = self
             .freed
-            .wait_timeout_while(busy, limit, |b| b[slot])
+            .wait_timeout_while(busy, limit, |b| b[cell])
             .unwrap_or_else(|e| e.into_inner());
-        !busy[slot]
+        !busy[cell]
     }
 }
 
-/// Why this rank's rows of a step are not there: the router and this rank disagree, or a wait
+/// Why this rank's rows of a step are not there: the leader and this rank disagree, or a wait
 /// ran out. Either way the group breaks.
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum RowsError {
-    #[error("the router took an offer this rank did not make")]
+    #[error("the leader took an offer this rank did not make")]
     NotOffered,
     #[error(
-        "the router took {want} rows of {want_key:?}, this rank offered {have} of {have_key:?}"
+        "the leader took {want} rows of {want_key:?}, this rank offered {have} of {have_key:?}"
     )]
     Mismatch {
         want: usize,
@@ -76,12 +76,12 @@ pub enum RowsError {
         have: usize,
         have_key: StepKey,
     },
-    #[error("ring slot {slot} of {slots}")]
-    NoSlot { slot: usize, slots: usize },
-    #[error("slot {slot} not packed within {after:?}")]
-    NotPacked { slot: usize, after: Duration },
-    #[error("slot {slot}'s answers not out within {after:?}")]
-    NotDelivered { slot: usize, after: Duration },
+    #[error("ring cell {cell} of {cells}")]
+    NoCell { cell: usize, cells: usize },
+    #[error("cell {cell} not packed within {after:?}")]
+    NotPacked { cell: usize, after: Duration },
+    #[error("cell {cell}'s answers not out within {after:?}")]
+    NotDelivered { cell: usize, after: Duration },
 }
 
 impl RowsError {
@@ -95,16 +95,16 @@ impl RowsError {
     }
 }
 
-/// `IngressOrder::Pack`: the slot of the step that takes this rank's next offer.
+/// `IngressOrder::Pack`: the cell of the step that takes this rank's next offer.
 pub struct PackOrder {
-    pub slot: usize,
+    pub cell: usize,
     pub key: StepKey,
     pub homes: Vec<u32>,
 }
 
-/// Offers packed into their slots, waiting for their step's descriptor.
+/// Offers packed into their cells, waiting for their step's descriptor.
 struct Packed {
-    slots: Mutex<Vec<Option<Result<Step, RowsError>>>>,
+    cells: Mutex<Vec<Option<Result<Step, RowsError>>>>,
     ready: Condvar,
 }
 
@@ -112,10 +112,10 @@ struct Packed {
 pub struct OwnRows {
     rank: usize,
     packed: Arc<Packed>,
-    gate: Arc<SlotGate>,
+    gate: Arc<CellGate>,
     orders: Option<std::sync::mpsc::Sender<PackOrder>>,
     delivery: Option<Delivery>,
-    /// Bound on waiting for a slot to be packed.
+    /// Bound on waiting for a cell to be packed.
     wait: Duration,
 }
 
@@ -127,11 +127,11 @@ impl OwnRows {
         permits: Arc<Semaphore>,
         wait: Duration,
     ) -> anyhow::Result<Self> {
-        let slots = ring.shape.slots;
+        let cells = ring.shape.cells;
         let base = rank * ring.shape.home_stride();
-        let gate = Arc::new(SlotGate::new(slots));
+        let gate = Arc::new(CellGate::new(cells));
         let packed = Arc::new(Packed {
-            slots: Mutex::new((0..slots).map(|_| None).collect()),
+            cells: Mutex::new((0..cells).map(|_| None).collect()),
             ready: Condvar::new(),
         });
         let (orders, orders_rx) = std::sync::mpsc::channel::<PackOrder>();
@@ -142,18 +142,18 @@ impl OwnRows {
                 .spawn(move || {
                     let threads = copy_threads();
                     for order in orders_rx {
-                        let slot = order.slot;
+                        let cell = order.cell;
                         // Not this rank's rows; or out of range: the step's descriptor fails
                         // on it (`before`).
                         let mine = order.homes.get(rank).is_some_and(|&n| n > 0);
-                        if !mine || slot >= slots {
+                        if !mine || cell >= cells {
                             continue;
                         }
                         let r = pack_offer(&order, rank, &offered, &permits);
                         if let Ok(step) = &r {
-                            Share::Own { base }.pack(&ring, step, slot, threads);
+                            Share::Own { base }.pack(&ring, step, cell, threads);
                         }
-                        lock(&packed.slots)[slot] = Some(r);
+                        lock(&packed.cells)[cell] = Some(r);
                         packed.ready.notify_all();
                     }
                 })?;
@@ -164,7 +164,7 @@ impl OwnRows {
                 ring,
                 Share::Own { base },
                 bufs,
-                move |slot| gate.free(slot),
+                move |cell| gate.free(cell),
                 None,
             )?
         };
@@ -178,7 +178,7 @@ impl OwnRows {
         })
     }
 
-    /// Where the router's `IngressOrder::Pack` orders go.
+    /// Where the leader's `IngressOrder::Pack` orders go.
     pub fn orders(&self) -> Option<std::sync::mpsc::Sender<PackOrder>> {
         self.orders.clone()
     }
@@ -189,27 +189,27 @@ impl OwnRows {
         if n == 0 {
             return Ok(None);
         }
-        let slot = desc.slot as usize;
-        let slots = lock(&self.packed.slots);
-        if slot >= slots.len() {
-            let slots = slots.len();
-            return Err(RowsError::NoSlot { slot, slots });
+        let cell = desc.cell as usize;
+        let cells = lock(&self.packed.cells);
+        if cell >= cells.len() {
+            let cells = cells.len();
+            return Err(RowsError::NoCell { cell, cells });
         }
-        let (mut slots, _) = self
+        let (mut cells, _) = self
             .packed
             .ready
-            .wait_timeout_while(slots, self.wait, |s| s[slot].is_none())
+            .wait_timeout_while(cells, self.wait, |s| s[cell].is_none())
             .unwrap_or_else(|e| e.into_inner());
         let after = self.wait;
-        let step = slots[slot]
+        let step = cells[cell]
             .take()
-            .ok_or(RowsError::NotPacked { slot, after })??;
-        drop(slots);
+            .ok_or(RowsError::NotPacked { cell, after })??;
+        drop(cells);
         let why = if step.key() != desc.key() || step.tokens() != n {
             RowsError::mismatch(n, desc.key(), &step)
-        } else if !self.gate.wait_free(slot, self.wait) {
-            // The step writes its output rows where the last step in this slot left its own.
-            RowsError::NotDelivered { slot, after }
+        } else if !self.gate.wait_free(cell, self.wait) {
+            // The step writes its output rows where the last step in this cell left its own.
+            RowsError::NotDelivered { cell, after }
         } else {
             return Ok(Some(step));
         };
@@ -218,16 +218,16 @@ impl OwnRows {
     }
 
     /// After the step ran: its requests are answered on the delivery thread.
-    pub fn after(&mut self, step: Step, slot: usize) {
-        self.gate.hold(slot);
+    pub fn after(&mut self, step: Step, cell: usize) {
+        self.gate.hold(cell);
         if let Some(d) = &self.delivery {
-            d.send(step, slot);
+            d.send(step, cell);
         }
     }
 }
 
 /// The packer's part of an `IngressOrder::Pack`: this rank's oldest offer, checked against the order. Its
-/// input rows may go in at once: the router reuses a slot only once every rank's step in it is
+/// input rows may go in at once: the leader reuses a cell only once every rank's step in it is
 /// done (the output rows are `before`'s to wait for).
 fn pack_offer(
     order: &PackOrder,
@@ -254,7 +254,7 @@ impl Drop for OwnRows {
         self.orders.take();
         // Answers every step handed over before it returns.
         self.delivery.take();
-        for s in lock(&self.packed.slots).iter_mut() {
+        for s in lock(&self.packed.cells).iter_mut() {
             if let Some(Ok(step)) = s.take() {
                 step.fail(&Failure::unavailable("broken", "the EP group stopped"));
             }

@@ -20,12 +20,12 @@ const SPLIT_BYTES: usize = 4 << 20;
 const PIECE_BYTES: usize = 1 << 20;
 
 /// Threads that copy one large step's rows between the requests and the ring: memory bandwidth,
-/// not one core's copy rate, bounds what a step of MB requests costs the router.
+/// not one core's copy rate, bounds what a step of MB requests costs the leader.
 pub(crate) fn copy_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
 }
 
-/// The answers' buffers of one rank: it keeps unused ones up to one slot's output rows in f32
+/// The answers' buffers of one rank: it keeps unused ones up to one cell's output rows in f32
 /// (the most one step delivers), and at least 64 MiB (the default largest request), for answers
 /// larger than a step.
 pub(crate) fn out_bufs(ring: &Ring) -> Arc<Bufs> {
@@ -61,9 +61,9 @@ fn copy_all<T: Send>(threads: usize, bytes: usize, items: Vec<T>, f: impl Fn(T) 
     });
 }
 
-/// The slot rows that this process's own GPU rank loads for `step` when the router packs it
+/// The cell rows that this process's own GPU rank loads for `step` when the leader packs it
 /// (rank 0's home: its clients' rows under `--ingress all`, else its even share).
-pub(crate) fn router_rows(step: &Step, world: usize) -> Range<usize> {
+pub(crate) fn leader_rows(step: &Step, world: usize) -> Range<usize> {
     match step.homes.first() {
         Some(&n) => 0..n as usize,
         None => crate::step::home_range(step.group_tokens(), world, 0),
@@ -78,7 +78,7 @@ fn split(a: Range<usize>, b: &Range<usize>) -> (Range<usize>, [Range<usize>; 2])
     (inside, [before, after])
 }
 
-/// A piece of a request's rows between the ring (slot rows `rows`) and a client's memory.
+/// A piece of a request's rows between the ring (cell rows `rows`) and a client's memory.
 struct Piece<'a> {
     rows: Range<usize>,
     span: ClientSpan,
@@ -88,7 +88,7 @@ struct Piece<'a> {
     job_row: usize,
 }
 
-/// A request's rows `rows` of the slot (its segment starts at slot row `row`, at its own row
+/// A request's rows `rows` of the cell (its segment starts at cell row `row`, at its own row
 /// `first`) in pieces of at most `per` rows of `row_bytes`, as parts of `span`.
 #[allow(clippy::too_many_arguments)]
 fn cut<'a>(
@@ -114,16 +114,16 @@ fn cut<'a>(
     }
 }
 
-/// Writes a step's input rows into `slot` from row `base` on, straight from where the requests
+/// Writes a step's input rows into `cell` from row `base` on, straight from where the requests
 /// have them: their bytes, or a client's memory read straight into the ring (a POSIX object's
 /// rows checked for non-finite values there: a request with one fails INVALID_ARGUMENT and its
 /// rows are zeroed). Rows in a client's device memory that this process's GPU rank loads
-/// (`own`) stay there, a direct run of the slot; so do the output rows it will write for a
+/// (`own`) stay there, a direct run of the cell; so do the output rows it will write for a
 /// request whose output goes to device memory.
 pub(crate) fn pack(
     ring: &Ring,
     step: &Step,
-    slot: usize,
+    cell: usize,
     base: usize,
     threads: usize,
     own: Range<usize>,
@@ -140,7 +140,7 @@ pub(crate) fn pack(
     for (i, seg) in step.segments.iter().enumerate() {
         let (a, b) = (seg.rows.start, seg.rows.end);
         let input = &seg.job.input;
-        // Slot rows `r` are the job's rows `r - row + a`.
+        // Cell rows `r` are the job's rows `r - row + a`.
         let at = row..row + seg.rows.len();
         let (mine, others) = split(at.clone(), &own);
         let mut run = DirectRun {
@@ -179,19 +179,19 @@ pub(crate) fn pack(
             runs.push((i, run));
         }
         if let Some((ids, w)) = &input.routing {
-            ring.write_routing(slot, row, &ids[a * k..b * k], &w[a * k..b * k]);
+            ring.write_routing(cell, row, &ids[a * k..b * k], &w[a * k..b * k]);
         }
         row += seg.rows.len();
     }
     copy_all(threads, (row - base) * row_bytes, pieces, |(r, src)| {
-        ring.write_hidden(slot, r, d, src)
+        ring.write_hidden(cell, r, d, src)
     });
     // Straight from the clients' memory into the ring; what fails, by request.
     let failed = Mutex::new(Vec::new());
     let bytes = reads.iter().map(|p| p.span.len).sum();
     copy_all(threads, bytes, reads, |p| {
         let checked = p.span.device_address().is_some();
-        let r = ring.fill_hidden(slot, p.rows.clone(), d, |dst| {
+        let r = ring.fill_hidden(cell, p.rows.clone(), d, |dst| {
             p.span
                 .read(dst)
                 .map_err(|e| format!("hidden_states: reading the client's shared memory: {e}"))?;
@@ -218,7 +218,7 @@ pub(crate) fn pack(
     failed.dedup_by_key(|f| f.0);
     runs.retain(|(i, _)| failed.iter().all(|f| f.0 != *i));
     ring.direct
-        .set(slot, runs.into_iter().map(|(_, r)| r).collect());
+        .set(cell, runs.into_iter().map(|(_, r)| r).collect());
     for (seg, _, why, job) in failed {
         let start = base
             + step.segments[..seg]
@@ -226,7 +226,7 @@ pub(crate) fn pack(
                 .map(|s| s.rows.len())
                 .sum::<usize>();
         let rows = start..start + step.segments[seg].rows.len();
-        ring.fill_hidden(slot, rows, d, |dst| dst.fill(0));
+        ring.fill_hidden(cell, rows, d, |dst| dst.fill(0));
         crate::rejections::count_rejection("invalid_argument");
         job.fail(Failure::invalid(why));
     }
@@ -237,14 +237,14 @@ pub(crate) fn pack(
     metrics::histogram!(metric_names::STEP_PACK_SECONDS).record(took.as_secs_f64());
 }
 
-/// Hands a finished step's output rows in `slot`, from row `base` on, to its requests, in their
+/// Hands a finished step's output rows in `cell`, from row `base` on, to its requests, in their
 /// output dtype: into buffers from `bufs`, or, for a request whose output goes to a client's
 /// memory, straight from the ring into it (but for the rows this process's GPU rank wrote there
-/// itself, `own`, in device memory), answering with no bytes. Clears the slot's direct runs.
+/// itself, `own`, in device memory), answering with no bytes. Clears the cell's direct runs.
 pub(crate) fn deliver(
     ring: &Ring,
     step: &Step,
-    slot: usize,
+    cell: usize,
     base: usize,
     threads: usize,
     bufs: &Arc<Bufs>,
@@ -302,17 +302,17 @@ pub(crate) fn deliver(
         row += seg.rows.len();
     }
     copy_all(threads, (row - base) * row_bytes, pieces, |(r, dst)| {
-        ring.read_output(slot, r, d, dst)
+        ring.read_output(cell, r, d, dst)
     });
     let bytes = writes.iter().map(|p| p.span.len).sum();
     copy_all(threads, bytes, writes, |p| {
-        if let Err(e) = ring.view_output(slot, p.rows.clone(), d, |src| p.span.write(src)) {
+        if let Err(e) = ring.view_output(cell, p.rows.clone(), d, |src| p.span.write(src)) {
             p.job.fail(Failure::invalid(format!(
                 "output: writing to the client's shared memory: {e}"
             )));
         }
     });
-    ring.direct.set(slot, Vec::new());
+    ring.direct.set(cell, Vec::new());
     let took = t.elapsed();
     for (seg, out) in step.segments.iter().zip(outs) {
         seg.job.put_out(out, seg.rows.len(), took, bufs);
@@ -382,7 +382,7 @@ mod tests {
         Job::new(input, None)
     }
 
-    /// Two ranks, the router's own the first four rows: a request on the host is packed as
+    /// Two ranks, the leader's own the first four rows: a request on the host is packed as
     /// ever; one in device memory leaves its own rows there (a direct run, input and output)
     /// and has the other rank's staged through the ring both ways, answering with no bytes.
     #[test]
@@ -427,7 +427,7 @@ mod tests {
             ],
             ..Step::empty()
         };
-        let own = router_rows(&step, 2);
+        let own = leader_rows(&step, 2);
         assert_eq!(own, 0..4);
         pack(&ring, &step, 0, 0, 1, own.clone());
         let mut got = vec![0u8; 7 * row_bytes];
@@ -452,12 +452,12 @@ mod tests {
         assert_eq!((o.offset, o.len), (((2 + n) * row_bytes) as u64, row_bytes));
         // The ranks' outputs: 100 + row; this rank's device row it writes itself.
         let out = Output {
-            slot: 0,
+            cell: 0,
             rank: 0,
             rows: 0..7,
             dtype: Dtype::F32,
             seq: 1,
-            to_router: true,
+            to_leader: true,
         };
         ring.write_output(&out, &rows((0..7).map(|r| 100.0 + r as f32)))
             .unwrap();
@@ -534,12 +534,12 @@ mod tests {
         );
         let outputs = rows((0..5).map(|r| 50.0 + r as f32));
         let out = Output {
-            slot: 0,
+            cell: 0,
             rank: 0,
             rows: 0..5,
             dtype: Dtype::F32,
             seq: 1,
-            to_router: true,
+            to_leader: true,
         };
         ring.write_output(&out, &outputs).unwrap();
         let bufs = Bufs::new(1 << 20, metric_names::OUTPUT_BUFFERS_REUSED_TOTAL);

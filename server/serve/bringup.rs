@@ -1,6 +1,6 @@
 //! The startup handshake after the rendezvous, written once for both sides and every backend.
 //! Each rank builds its backend between two barriers (`backend::bringup::BringUp`: its resources
-//! created; its peers mapped, or NCCL joined): the router gathers every rank's arrival and
+//! created; its peers mapped, or NCCL joined): the leader gathers every rank's arrival and
 //! releases them all, a worker reports and waits. Between the barriers, before the backend
 //! joins, every rank makes its data connections to the ranks of other nodes (none on one node).
 
@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 
 use crate::backend::bringup::{BringUp, Site};
-use crate::group::{expect, send, Bringup, RouterLink};
+use crate::group::{expect, send, Bringup, ControlLink};
 use crate::nodes::mirror::Targets;
-use crate::nodes::plane::{DataListener, Links, Mesh};
+use crate::nodes::plane::{DataLinks, DataListener, Mesh};
 use crate::nodes::Roster;
 use crate::step::ring::{Remote, Ring};
 use crate::step::Backend;
@@ -20,7 +20,7 @@ use crate::sys::shm::Shm;
 
 /// This rank's end of the control connections.
 pub enum Side<'a> {
-    Router(&'a mut RouterLink),
+    Leader(&'a mut ControlLink),
     Worker {
         stream: &'a mut TcpStream,
         rank: usize,
@@ -28,7 +28,7 @@ pub enum Side<'a> {
 }
 
 impl Side<'_> {
-    /// Every rank has done `what`: the router gathers `arrived` from each worker, then sends
+    /// Every rank has done `what`: the leader gathers `arrived` from each worker, then sends
     /// `release` to all; a worker sends its own `arrived` and waits for `release`.
     fn barrier(
         &mut self,
@@ -38,7 +38,7 @@ impl Side<'_> {
         deadline: Instant,
     ) -> anyhow::Result<()> {
         match self {
-            Side::Router(link) => {
+            Side::Leader(link) => {
                 link.gather(what, deadline, arrived)?;
                 link.broadcast(&release)?;
             }
@@ -89,7 +89,7 @@ pub fn bring_up(
 }
 
 /// The data connections to the ranks of other nodes, and the step ring joined to theirs.
-fn connect_nodes(site: &Site, rank: &dyn BringUp, reach: Reach) -> anyhow::Result<Links> {
+fn connect_nodes(site: &Site, rank: &dyn BringUp, reach: Reach) -> anyhow::Result<DataLinks> {
     let (me, roster) = (reach.rank, site.roster);
     let ring = (site.ring)()?;
     let mut targets = Targets::default();
@@ -115,7 +115,7 @@ fn connect_nodes(site: &Site, rank: &dyn BringUp, reach: Reach) -> anyhow::Resul
 }
 
 /// Rank 0's ring sends to each other node's leader; a rank of another node sends to rank 0.
-fn join_rings(ring: &Ring, roster: &Roster, me: usize, links: &Links) -> anyhow::Result<()> {
+fn join_rings(ring: &Ring, roster: &Roster, me: usize, links: &DataLinks) -> anyhow::Result<()> {
     let link = |r: usize| {
         links
             .to(r)
@@ -128,7 +128,7 @@ fn join_rings(ring: &Ring, roster: &Roster, me: usize, links: &Links) -> anyhow:
             .into_iter()
             .map(|(leader, ranks)| Ok((link(leader)?, ranks)))
             .collect::<anyhow::Result<Vec<_>>>()?;
-        ring.connect(Remote::Router(nodes));
+        ring.connect(Remote::Leader(nodes));
     } else if !roster.same_node(me, 0) {
         ring.connect(Remote::Away(link(0)?));
     }
@@ -138,7 +138,7 @@ fn join_rings(ring: &Ring, roster: &Roster, me: usize, links: &Links) -> anyhow:
 pub fn expect_msg(stream: &mut TcpStream, want: Bringup, deadline: Instant) -> anyhow::Result<()> {
     let got = expect(stream, &format!("{want:?}"), deadline)?;
     if got != want {
-        bail!("expected {want:?} from the router, got {got:?}");
+        bail!("expected {want:?} from the leader, got {got:?}");
     }
     Ok(())
 }

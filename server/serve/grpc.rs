@@ -160,7 +160,7 @@ pub async fn set_ready(health: &HealthReporter, ready: bool) {
         .await;
 }
 
-/// `liveness` is NOT_SERVING while one step has run longer than `limit` (a stuck rank or router).
+/// `liveness` is NOT_SERVING while one step has run longer than `limit` (a stuck rank or leader).
 pub async fn watch_liveness(
     health: HealthReporter,
     infer: Arc<Infer>,

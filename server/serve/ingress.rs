@@ -1,4 +1,4 @@
-//! `--ingress all` on a worker rank: its own gRPC front and batcher, whose offers the router
+//! `--ingress all` on a worker rank: its own gRPC front and batcher, whose offers the leader
 //! schedules (`sched::run_coordinator`); the step loop's share is `own_rows`.
 
 use std::net::TcpStream;
@@ -33,7 +33,7 @@ pub struct Clients {
     /// The batcher's pipeline: one permit per offer not yet in a step.
     permits: Arc<Semaphore>,
     batch_stop: CancellationToken,
-    /// Set when the router says drain.
+    /// Set when the leader says drain.
     pub drain: CancellationToken,
     rank: usize,
 }
@@ -56,7 +56,7 @@ impl Clients {
             jobs: Some(jobs),
             abort,
             offered: Arc::default(),
-            permits: Arc::new(Semaphore::new(p.ring.slots)),
+            permits: Arc::new(Semaphore::new(p.ring.cells)),
             batch_stop: CancellationToken::new(),
             drain: CancellationToken::new(),
             rank,
@@ -74,7 +74,7 @@ impl Clients {
         self.front.api.set_nodes(nodes);
     }
 
-    /// After startup: tells the router where this rank serves.
+    /// After startup: tells the leader where this rank serves.
     pub fn send_address(&self, stream: &mut TcpStream) -> anyhow::Result<()> {
         let msg = Report::Ingress(IngressReport::Listening {
             rank: self.rank,
@@ -83,7 +83,7 @@ impl Clients {
         Ok(crate::group::send(stream, &msg)?)
     }
 
-    /// What turns this rank SERVING once the router says the group is ready.
+    /// What turns this rank SERVING once the leader says the group is ready.
     pub fn opener(&self) -> Opener {
         Opener {
             api: self.front.api.clone(),
@@ -95,7 +95,7 @@ impl Clients {
         }
     }
 
-    /// Starts the batcher, the offers to the router, the drain, a signal here asking the router
+    /// Starts the batcher, the offers to the leader, the drain, a signal here asking the leader
     /// to drain the group, and liveness (requests are admitted once `Opener::open`); returns the
     /// step loop's share.
     pub fn serve(
@@ -111,7 +111,7 @@ impl Clients {
         let batch = BatchConfig {
             max_tokens_per_step: stride,
             max_wait: Duration::from_micros(args.max_batch_wait_us),
-            depth: ring.shape.slots,
+            depth: ring.shape.cells,
             gauge: metric_names::OFFERS_PENDING,
             pace: None,
         };
@@ -181,7 +181,7 @@ impl Clients {
     }
 }
 
-/// Turns a rank SERVING when the router says the group is ready (`IngressOrder::Open`, after its
+/// Turns a rank SERVING when the leader says the group is ready (`IngressOrder::Open`, after its
 /// warm-up step), with every rank's address for GetModelInfo.
 pub struct Opener {
     api: Arc<crate::api::MoeApi>,
@@ -201,7 +201,7 @@ impl Opener {
     }
 }
 
-/// Each offer the batcher forms waits here for its step, and the router hears of it.
+/// Each offer the batcher forms waits here for its step, and the leader hears of it.
 async fn forward_offers(
     mut offers: mpsc::Receiver<Step>,
     offered: Offered,
@@ -215,13 +215,13 @@ async fn forward_offers(
         });
         lock(&offered).push_back(step);
         if let Err(e) = writer.send(&msg) {
-            abort.trigger(format!("lost the router (rank 0): {e}"));
+            abort.trigger(format!("lost the leader (rank 0): {e}"));
             break;
         }
     }
 }
 
-/// SIGTERM or SIGINT here drains the whole group: the router decides when it stops.
+/// SIGTERM or SIGINT here drains the whole group: the leader decides when it stops.
 async fn ask_to_drain_on_signal(writer: Reporter) {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut int), Ok(mut term)) = (
@@ -234,6 +234,6 @@ async fn ask_to_drain_on_signal(writer: Reporter) {
         _ = int.recv() => {}
         _ = term.recv() => {}
     }
-    warn!("signalled: asking the router to drain the group");
+    warn!("signalled: asking the leader to drain the group");
     let _ = writer.send(&Report::Ingress(IngressReport::Drain));
 }

@@ -1,12 +1,12 @@
 //! One rank's life, by concern: `prepare` (model, backend, weights, before the group), `bringup`
-//! (the startup handshake, the same on every rank), then `router` (rank 0: gRPC, batcher, step
-//! executor, drain) or `worker` (follows the router's steps); `grpc` and `stop` serve the router.
+//! (the startup handshake, the same on every rank), then `leader` (rank 0: gRPC, batcher, step
+//! executor, drain) or `worker` (follows the leader's steps); `grpc` and `stop` serve the leader.
 
 mod bringup;
 mod grpc;
 mod ingress;
+mod leader;
 mod prepare;
-mod router;
 mod site;
 mod stop;
 mod unknown;
@@ -29,7 +29,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         Ok((before, now)) => tracing::info!(before, now, "open files limit (soft)"),
         Err(e) => tracing::warn!("open files limit: {e}"),
     }
-    // The router binds its rendezvous port before anything slow, so ranks can connect while it
+    // The leader binds its rendezvous port before anything slow, so ranks can connect while it
     // loads; given port 0 it says on stdout which port it got (how `launch` avoids port races).
     let listener = match rank {
         0 => Some(bind_rendezvous(&member.rendezvous, args.rendezvous_bind).context("rank 0")?),
@@ -60,7 +60,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     crate::stats_log::spawn(args.log_stats_interval)?;
     crate::startup::watch(STILL_EVERY)?;
     let r = match listener {
-        Some(l) => router::run(&args, p, l),
+        Some(l) => leader::run(&args, p, l),
         None => worker::run(&args, p),
     };
     r.with_context(|| format!("rank {rank}"))
@@ -118,7 +118,7 @@ fn bind_rendezvous(addr: &str, given: Option<SocketAddr>) -> anyhow::Result<TcpL
 }
 
 /// The rendezvous listener binds the address the rendezvous name resolves to (its first IPv4
-/// one where there is one): ranks reach the router there, and nothing else is opened.
+/// one where there is one): ranks reach the leader there, and nothing else is opened.
 fn rendezvous_bind(addr: &str) -> anyhow::Result<SocketAddr> {
     use std::net::ToSocketAddrs;
     let all: Vec<SocketAddr> = addr

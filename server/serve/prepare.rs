@@ -165,7 +165,7 @@ pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
             args.max_tokens_per_step.to_string(),
         ),
         ("ingress".into(), args.ingress.name().into()),
-        ("ring_slots".into(), args.ring_slots.to_string()),
+        ("ring_cells".into(), args.ring_cells.to_string()),
         ("expert_dtype".into(), expert_dtype.name().into()),
     ];
     fingerprint.extend(spec.fingerprint());
@@ -185,7 +185,7 @@ pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
         max_home,
     };
     let ring = RingShape::new(
-        args.ring_slots,
+        args.ring_cells,
         member.world,
         max_home,
         spec.hidden,

@@ -1,10 +1,10 @@
-//! What ends the router's serving: a signal (drain) or the group breaking.
+//! What ends the leader's serving: a signal (drain) or the group breaking.
 
 use tokio_util::sync::CancellationToken;
 
 use crate::lifecycle::Abort;
 
-/// Why the router stops serving.
+/// Why the leader stops serving.
 pub enum Stop {
     Signal(&'static str),
     Broken(String),

@@ -1,5 +1,5 @@
-//! Ranks 1..: join the router's group, build the backend in lockstep, then run each step the
-//! router sends until told to stop or the router is gone.
+//! Ranks 1..: join the leader's group, build the backend in lockstep, then run each step the
+//! leader sends until told to stop or the leader is gone.
 
 use std::collections::VecDeque;
 use std::net::TcpStream;
@@ -24,15 +24,15 @@ use crate::step::ring::Ring;
 use crate::step::{Backend, Driver, StepDesc, StepError};
 use crate::watchdog::{self, Progress};
 
-/// Joins the router's group and runs its steps until told to stop.
+/// Joins the leader's group and runs its steps until told to stop.
 pub fn run(args: &ServeArgs, mut p: Prepared) -> anyhow::Result<()> {
-    // --ingress all: this rank's gRPC is up (NOT_SERVING) before it joins, as the router's is.
+    // --ingress all: this rank's gRPC is up (NOT_SERVING) before it joins, as the leader's is.
     // One cause ends everything: a failed group stops this rank's waits inside a step and
     // answers its clients.
     let abort = Arc::new(Abort::default());
     let clients = match args.ingress {
         Ingress::All => Some(Clients::start(args, &p, abort.clone())?),
-        Ingress::Router => None,
+        Ingress::Leader => None,
     };
     let me = prepare::load(args, &mut p)?;
     if let Some(c) = &clients {
@@ -56,8 +56,8 @@ struct Member {
     ring: Option<Arc<Ring>>,
 }
 
-/// Joins the router's group and brings the backend up in lockstep with it (then tells the router
-/// where this rank's clients reach it, --ingress all). A failed bring-up is told to the router.
+/// Joins the leader's group and brings the backend up in lockstep with it (then tells the leader
+/// where this rank's clients reach it, --ingress all). A failed bring-up is told to the leader.
 fn join(
     args: &ServeArgs,
     p: &Prepared,
@@ -130,7 +130,7 @@ fn join(
     }
 }
 
-/// Opens this rank's data listener (for ranks of other nodes) and joins the router's
+/// Opens this rank's data listener (for ranks of other nodes) and joins the leader's
 /// rendezvous, bounded by --rendezvous-timeout.
 fn rendezvous(args: &ServeArgs, p: &Prepared) -> anyhow::Result<(DataListener, Joined)> {
     crate::startup::enter(crate::startup::Stage::Rendezvous);
@@ -195,8 +195,8 @@ impl NodeRing {
     }
 }
 
-/// Runs the router's steps (and, --ingress all, serves this rank's clients) until told to stop
-/// or the router is gone, then closes the clients' front.
+/// Runs the leader's steps (and, --ingress all, serves this rank's clients) until told to stop
+/// or the leader is gone, then closes the clients' front.
 fn follow(
     args: &ServeArgs,
     p: &Prepared,
@@ -205,12 +205,12 @@ fn follow(
     abort: Arc<Abort>,
 ) -> anyhow::Result<()> {
     let (rank, stream, backend) = (p.member.rank, m.stream, m.backend);
-    // The router sends a step or a heartbeat at least every heartbeat interval plus one step.
+    // The leader sends a step or a heartbeat at least every heartbeat interval plus one step.
     let silence = args.heartbeat_interval + args.step_timeout + Duration::from_secs(1);
     stream.set_read_timeout(Some(silence))?;
     super::site::group_info(p.backend, rank, p.member.world);
-    // The router drives the drain: a signalled rank keeps running the router's steps until it is
-    // told to stop or loses the router, so nothing admitted is lost when every pod gets SIGTERM.
+    // The leader drives the drain: a signalled rank keeps running the leader's steps until it is
+    // told to stop or loses the leader, so nothing admitted is lost when every pod gets SIGTERM.
     let signalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(sig, signalled.clone())?;
@@ -259,23 +259,23 @@ fn follow(
     }
 }
 
-/// Reads the router's messages on a thread of its own, so that a failed group is known at once,
+/// Reads the leader's messages on a thread of its own, so that a failed group is known at once,
 /// even while a step here waits for a lost rank: `abort` ends that wait.
 /// Pack orders go straight to `orders` (--ingress all), so this rank packs its rows while
 /// the step before runs.
-fn read_router(
+fn read_leader(
     mut stream: TcpStream,
     abort: Arc<Abort>,
     orders: Option<std::sync::mpsc::Sender<PackOrder>>,
 ) -> anyhow::Result<std::sync::mpsc::Receiver<std::io::Result<Order>>> {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
-        .name("ctl-router".into())
+        .name("ctl-leader".into())
         .spawn(move || loop {
             let msg = match (group::recv(&mut stream), &orders) {
-                (Ok(Order::Ingress(IngressOrder::Pack { slot, key, homes })), Some(o)) => {
+                (Ok(Order::Ingress(IngressOrder::Pack { cell, key, homes })), Some(o)) => {
                     let order = PackOrder {
-                        slot: slot as usize,
+                        cell: cell as usize,
                         key,
                         homes,
                     };
@@ -292,7 +292,7 @@ fn read_router(
                 Ok(Order::Shutdown) => true,
                 Ok(_) => false,
                 Err(e) => {
-                    abort.trigger(format!("lost the router (rank 0): {e}"));
+                    abort.trigger(format!("lost the leader (rank 0): {e}"));
                     true
                 }
             };
@@ -305,10 +305,10 @@ fn read_router(
 
 /// The step loop's connections and this rank's share of its clients (--ingress all).
 struct Follow {
-    /// Sends to the router (the step loop, the watchdog and the ingress tasks share it).
+    /// Sends to the leader (the step loop, the watchdog and the ingress tasks share it).
     writer: Reporter,
     progress: Arc<Progress>,
-    /// The router sends a step or heartbeat at least this often.
+    /// The leader sends a step or heartbeat at least this often.
     silence: Duration,
     step_timeout: Duration,
     /// --ingress all: this rank's own clients.
@@ -317,8 +317,8 @@ struct Follow {
 }
 
 /// What a worker that takes requests (--ingress all) adds to the step loop: its clients' rows
-/// in the steps, the drain the router's signal starts, and the gate that admits requests once the
-/// router says the group is ready.
+/// in the steps, the drain the leader's signal starts, and the gate that admits requests once the
+/// leader says the group is ready.
 struct OwnIngress {
     rows: OwnRows,
     drain: tokio_util::sync::CancellationToken,
@@ -326,7 +326,7 @@ struct OwnIngress {
 }
 
 impl OwnIngress {
-    /// The router's `--ingress all` orders that reach the step loop (the reader thread hands
+    /// The leader's `--ingress all` orders that reach the step loop (the reader thread hands
     /// packs to the packer).
     fn obey(&self, order: IngressOrder) -> Next {
         match order {
@@ -340,7 +340,7 @@ impl OwnIngress {
     }
 }
 
-/// What the step loop does after a message from the router.
+/// What the step loop does after a message from the leader.
 enum Next {
     Go,
     Stop,
@@ -348,9 +348,9 @@ enum Next {
 }
 
 impl Follow {
-    /// Runs each step the router sends, until told to stop. A step that outlives --step-timeout
+    /// Runs each step the leader sends, until told to stop. A step that outlives --step-timeout
     /// (a device call that never returns) ends the process from the watchdog: nothing here could.
-    /// Up to the driver's depth of steps are in flight: a step the router sends while the one
+    /// Up to the driver's depth of steps are in flight: a step the leader sends while the one
     /// before runs is submitted at once (a GPU rank queues it behind), and the oldest is completed
     /// when done, or first, when no more may start.
     fn run<B: Backend>(mut self, stream: TcpStream, mut driver: Driver<B>) -> anyhow::Result<()> {
@@ -365,7 +365,7 @@ impl Follow {
             watchdog::exit_now(1, &reason);
         })?;
         let orders = self.ingress.as_ref().and_then(|i| i.rows.orders());
-        let messages = read_router(stream, self.abort.clone(), orders)?;
+        let messages = read_leader(stream, self.abort.clone(), orders)?;
         let depth = driver.depth();
         let mut flight: VecDeque<Running> = VecDeque::with_capacity(depth);
         let mut polls = 0u32;
@@ -415,7 +415,7 @@ impl Follow {
         Err(e)
     }
 
-    /// What one message from the router does: a step is submitted, the others change what this
+    /// What one message from the leader does: a step is submitted, the others change what this
     /// rank serves, stop it, or end the group.
     fn on_message<B: Backend>(
         &mut self,
@@ -430,8 +430,8 @@ impl Follow {
                 Err(e) => Next::Fail(e),
             },
             Ok(Order::Shutdown) => {
-                // The router asks only once every step is answered: nothing is in flight.
-                info!("router asked to stop; exiting");
+                // The leader asks only once every step is answered: nothing is in flight.
+                info!("leader asked to stop; exiting");
                 Next::Stop
             }
             Ok(Order::Ingress(order)) => match &self.ingress {
@@ -450,19 +450,19 @@ impl Follow {
                 Next::Fail((
                     None,
                     anyhow!(
-                        "the router (rank 0) sent nothing for {silence:?}: it is stuck or gone"
+                        "the leader (rank 0) sent nothing for {silence:?}: it is stuck or gone"
                     ),
                 ))
             }
             Err(e) => Next::Fail((
                 None,
-                anyhow!("lost the connection to the router (rank 0): {e}"),
+                anyhow!("lost the connection to the leader (rank 0): {e}"),
             )),
         }
     }
 
     /// Submits a step behind those in flight, with this rank's own rows when it brought some.
-    /// A failure comes with what to tell the router.
+    /// A failure comes with what to tell the leader.
     fn submit<B: Backend>(
         &mut self,
         driver: &mut Driver<B>,
@@ -496,7 +496,7 @@ impl Follow {
             Ok(_) => {
                 let done = flight.pop_front().expect("a step in flight");
                 if let (Some(i), Some(step)) = (&mut self.ingress, done.mine) {
-                    i.rows.after(step, done.desc.slot as usize);
+                    i.rows.after(step, done.desc.cell as usize);
                 }
                 Ok(())
             }
@@ -505,7 +505,7 @@ impl Follow {
     }
 }
 
-/// What a failed step tells the router (None: nothing), and the error this rank exits with.
+/// What a failed step tells the leader (None: nothing), and the error this rank exits with.
 type Failed = (Option<Report>, anyhow::Error);
 
 /// A step submitted on this rank and not yet completed.
@@ -516,7 +516,7 @@ struct Running {
 }
 
 /// A step failed: this rank's own rows in every step in flight fail with it (INTERNAL for a
-/// wrong result, UNAVAILABLE otherwise), and the router is told.
+/// wrong result, UNAVAILABLE otherwise), and the leader is told.
 fn broken(rank: usize, e: StepError, flight: &mut VecDeque<Running>) -> Failed {
     let reason = e.to_string();
     let why = format!("EP group broken: {reason}");

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::dtype::Dtype;
 
-/// What the router tells every rank about a step (sent over the control channel).
+/// What the leader tells every rank about a step (sent over the control channel).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepDesc {
     /// Monotonic from 1; doubles as the sequence number of every flag the step sets.
@@ -16,8 +16,8 @@ pub struct StepDesc {
     pub layer: u32,
     /// Tokens in the whole step (all ranks' home slices together).
     pub tokens: u32,
-    /// Step-ring slot holding the input and receiving the output.
-    pub slot: u32,
+    /// Step-ring cell holding the input and receiving the output.
+    pub cell: u32,
     /// The ring carries the client's top-k ids and weights: gating is skipped.
     pub client_routing: bool,
     /// The dtype of the step's input rows in the ring, as the clients sent them.
@@ -25,7 +25,7 @@ pub struct StepDesc {
     /// The dtype the ranks write the output rows in, as the clients asked for them.
     pub output: Dtype,
     /// `--ingress all`: each rank's home rows, its own clients' requests, at `rank * stride` in
-    /// the slot. Empty: the router packed `tokens` rows, split evenly (`home_range`).
+    /// the cell. Empty: the leader packed `tokens` rows, split evenly (`home_range`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub homes: Vec<u32>,
 }
@@ -50,13 +50,13 @@ impl StepDesc {
         }
     }
 
-    /// Router ingress: the router packed every rank's rows into the slot (and answers from the
+    /// Leader ingress: the leader packed every rank's rows into the cell (and answers from the
     /// outputs there), so across nodes the rows travel with the ring's flags.
-    pub fn router_packed(&self) -> bool {
+    pub fn leader_packed(&self) -> bool {
         self.homes.is_empty()
     }
 
-    /// `rank`'s rows of the slot; `stride` is the most home rows a rank has (the ring's).
+    /// `rank`'s rows of the cell; `stride` is the most home rows a rank has (the ring's).
     pub fn home(&self, world: usize, rank: usize, stride: usize) -> Range<usize> {
         match self.homes.get(rank) {
             Some(&n) => rank * stride..rank * stride + n as usize,
@@ -105,7 +105,7 @@ pub enum StepError {
     },
     /// A data connection to another node failed (its rank is gone, stopped or unreachable).
     #[error("step {step}: {msg}")]
-    Link { step: u64, msg: String },
+    DataLink { step: u64, msg: String },
     /// The step did not complete within its bound (a peer is gone or stuck).
     #[error("step {step}: did not finish within {after:?} (a peer is gone or stuck)")]
     Timeout { step: u64, after: Duration },

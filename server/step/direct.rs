@@ -2,7 +2,7 @@
 //! object, or a client's CUDA memory that this process's own GPU rank reads and writes device
 //! to device.
 //!
-//! The ring is the way between processes; direct runs are not: a packer records, per slot, which
+//! The ring is the way between processes; direct runs are not: a packer records, per cell, which
 //! of the rows it would have written are in a client's device memory instead, and the GPU rank
 //! of the same process copies them from there into its step buffers (and its output rows back)
 //! on its copy streams. Rows in a POSIX object, and device rows that another process's rank
@@ -14,7 +14,7 @@ use std::sync::Mutex;
 
 use crate::request::ClientSpan;
 
-/// Rows `rows` of a slot whose input comes from, or whose output goes to, a client's device
+/// Rows `rows` of a cell whose input comes from, or whose output goes to, a client's device
 /// memory (the span holds exactly those rows, in the step's input or output dtype).
 #[derive(Clone)]
 pub struct DirectRun {
@@ -23,27 +23,27 @@ pub struct DirectRun {
     pub output: Option<ClientSpan>,
 }
 
-/// Each slot's direct runs, in row order, set by the packer before the step is submitted and
-/// read by the GPU rank when it loads the slot.
+/// Each cell's direct runs, in row order, set by the packer before the step is submitted and
+/// read by the GPU rank when it loads the cell.
 pub struct DirectRows(Mutex<Vec<Vec<DirectRun>>>);
 
 impl DirectRows {
-    pub fn new(slots: usize) -> Self {
-        Self(Mutex::new(vec![Vec::new(); slots]))
+    pub fn new(cells: usize) -> Self {
+        Self(Mutex::new(vec![Vec::new(); cells]))
     }
 
-    fn slots(&self) -> std::sync::MutexGuard<'_, Vec<Vec<DirectRun>>> {
+    fn cells(&self) -> std::sync::MutexGuard<'_, Vec<Vec<DirectRun>>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Replaces `slot`'s runs (empty: every row goes through the ring).
-    pub fn set(&self, slot: usize, runs: Vec<DirectRun>) {
-        self.slots()[slot] = runs;
+    /// Replaces `cell`'s runs (empty: every row goes through the ring).
+    pub fn set(&self, cell: usize, runs: Vec<DirectRun>) {
+        self.cells()[cell] = runs;
     }
 
-    /// `slot`'s runs that lie within `rows`.
-    pub fn within(&self, slot: usize, rows: &Range<usize>) -> Vec<DirectRun> {
-        self.slots()[slot]
+    /// `cell`'s runs that lie within `rows`.
+    pub fn within(&self, cell: usize, rows: &Range<usize>) -> Vec<DirectRun> {
+        self.cells()[cell]
             .iter()
             .filter(|r| r.rows.start >= rows.start && r.rows.end <= rows.end)
             .cloned()

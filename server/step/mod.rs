@@ -119,7 +119,7 @@ pub struct Driver<B> {
     pub layer_ids: Vec<u32>,
     /// Export per-expert token counters (one series per expert and layer).
     pub per_expert: bool,
-    /// The ring's slots and tokens: a descriptor must fit them.
+    /// The ring's cells and tokens: a descriptor must fit them.
     ring: ring::RingShape,
     /// Steps submitted and not yet completed, oldest first, with when each was submitted.
     flight: std::collections::VecDeque<(StepDesc, Instant)>,
@@ -141,7 +141,7 @@ impl<B: Backend> Driver<B> {
         ring: ring::RingShape,
         ahead: usize,
     ) -> Self {
-        let depth = (1 + ahead).min(backend.depth()).min(ring.slots).max(1);
+        let depth = (1 + ahead).min(backend.depth()).min(ring.cells).max(1);
         Self {
             backend,
             rank,
@@ -180,8 +180,8 @@ impl<B: Backend> Driver<B> {
                 desc.layer,
                 self.layer_ids.len()
             )
-        } else if desc.slot as usize >= self.ring.slots {
-            format!("ring slot {} of {}", desc.slot, self.ring.slots)
+        } else if desc.cell as usize >= self.ring.cells {
+            format!("ring cell {} of {}", desc.cell, self.ring.cells)
         } else if !desc.input.is_float() || !desc.output.is_float() {
             format!("rows of {:?} in, {:?} out", desc.input, desc.output)
         } else if desc.tokens as usize > self.ring.max_tokens {
@@ -337,7 +337,7 @@ mod tests {
     #[test]
     fn a_descriptor_out_of_range_is_refused_before_the_backend_sees_it() {
         let ring = ring::RingShape {
-            slots: 2,
+            cells: 2,
             world: 2,
             max_tokens: 64,
             hidden: 8,
@@ -356,7 +356,7 @@ mod tests {
             step: 1,
             layer: 1,
             tokens: 64,
-            slot: 1,
+            cell: 1,
             client_routing: false,
             input: Dtype::Bf16,
             output: Dtype::F32,
@@ -373,10 +373,10 @@ mod tests {
             ),
             (
                 StepDesc {
-                    slot: 2,
+                    cell: 2,
                     ..ok.clone()
                 },
-                "ring slot 2 of 2",
+                "ring cell 2 of 2",
             ),
             (
                 StepDesc {
@@ -443,7 +443,7 @@ mod tests {
     #[test]
     fn steps_in_flight_are_bounded_by_the_depth_and_complete_in_order() {
         let ring = ring::RingShape {
-            slots: 2,
+            cells: 2,
             world: 1,
             max_tokens: 8,
             hidden: 4,
@@ -453,7 +453,7 @@ mod tests {
             step,
             layer: 0,
             tokens: 8,
-            slot: (step % 2) as u32,
+            cell: (step % 2) as u32,
             client_routing: false,
             input: Dtype::F32,
             output: Dtype::F32,
@@ -466,7 +466,7 @@ mod tests {
         one.submit(&desc(1)).unwrap();
         let e = one.submit(&desc(2)).unwrap_err().to_string();
         assert!(e.contains("1 steps in flight already"), "{e}");
-        // 1 ahead: two in flight, completed oldest first; never more than the ring's slots.
+        // 1 ahead: two in flight, completed oldest first; never more than the ring's cells.
         let mut two = Driver::new(queue(), 0, 1, vec![0], false, ring, 5);
         assert_eq!(two.depth(), 2);
         assert!(!two.ready().unwrap(), "nothing in flight is not ready");

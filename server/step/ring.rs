@@ -1,12 +1,12 @@
-//! The step ring: host shared memory owned by the router, mapped by every rank of the host. The
-//! router writes a step's input into a slot; each rank reads its home slice and writes its combined
+//! The step ring: host shared memory owned by the leader, mapped by every rank of the host. The
+//! leader writes a step's input into a cell; each rank reads its home slice and writes its combined
 //! slice back, then raises its output flag for the step. Hidden rows travel in the step's wire
-//! dtypes (`StepDesc::input`, `StepDesc::output`); a slot has room for f32, the widest.
+//! dtypes (`StepDesc::input`, `StepDesc::output`); a cell has room for f32, the widest.
 //!
 //! A group that spans nodes has a ring per node: rank 0's, and one each other node's lowest
-//! rank creates. The router's `publish_input` sends another node's ranks their home rows (router
-//! ingress) and the slot's input flag over the data connection to that node's leader; a rank of
-//! another node sends its output rows (router ingress) and its output flag to rank 0's ring.
+//! rank creates. The leader's `publish_input` sends another node's ranks their home rows (leader
+//! ingress) and the cell's input flag over the data connection to that node's leader; a rank of
+//! another node sends its output rows (leader ingress) and its output flag to rank 0's ring.
 //! Under `--ingress all` rows never leave their node: only the flags cross.
 
 use std::ops::Range;
@@ -19,16 +19,16 @@ use super::desc::{StepDesc, StepError};
 use super::direct::DirectRows;
 use crate::dtype::Dtype;
 use crate::lifecycle::Abort;
-use crate::nodes::mirror::{Link, Target};
+use crate::nodes::mirror::{DataLink, Target};
 use crate::sys::shm::{raise, wait_seq, Shm, WaitError};
 
 const LINE: usize = 64;
 
 #[derive(Clone, Copy, Debug)]
 pub struct RingShape {
-    pub slots: usize,
+    pub cells: usize,
     pub world: usize,
-    /// Rows of a slot: `world` home slices of `home_stride()` rows.
+    /// Rows of a cell: `world` home slices of `home_stride()` rows.
     pub max_tokens: usize,
     pub hidden: usize,
     pub top_k: usize,
@@ -36,9 +36,9 @@ pub struct RingShape {
 
 impl RingShape {
     /// The ring of `world` ranks with at most `max_home` home rows each.
-    pub fn new(slots: usize, world: usize, max_home: usize, hidden: usize, top_k: usize) -> Self {
+    pub fn new(cells: usize, world: usize, max_home: usize, hidden: usize, top_k: usize) -> Self {
         Self {
-            slots,
+            cells,
             world,
             max_tokens: world * max_home,
             hidden,
@@ -50,37 +50,37 @@ impl RingShape {
         self.max_tokens / self.world.max(1)
     }
     fn flags_bytes(&self) -> usize {
-        self.slots * (1 + self.world) * LINE
+        self.cells * (1 + self.world) * LINE
     }
-    fn slot_bytes(&self) -> usize {
+    fn cell_bytes(&self) -> usize {
         let rows = self.max_tokens;
         (rows * self.hidden * 2 + rows * self.top_k * 2) * 4
     }
     pub fn bytes(&self) -> usize {
-        self.flags_bytes() + self.slots * self.slot_bytes().next_multiple_of(LINE)
+        self.flags_bytes() + self.cells * self.cell_bytes().next_multiple_of(LINE)
     }
-    fn slot_base(&self, slot: usize) -> usize {
-        self.flags_bytes() + slot * self.slot_bytes().next_multiple_of(LINE)
+    fn cell_base(&self, cell: usize) -> usize {
+        self.flags_bytes() + cell * self.cell_bytes().next_multiple_of(LINE)
     }
-    fn hidden_off(&self, slot: usize, row: usize, d: Dtype) -> usize {
-        self.slot_base(slot) + row * self.hidden * d.bytes()
+    fn hidden_off(&self, cell: usize, row: usize, d: Dtype) -> usize {
+        self.cell_base(cell) + row * self.hidden * d.bytes()
     }
-    fn ids_off(&self, slot: usize, row: usize) -> usize {
-        self.slot_base(slot) + (self.max_tokens * self.hidden + row * self.top_k) * 4
+    fn ids_off(&self, cell: usize, row: usize) -> usize {
+        self.cell_base(cell) + (self.max_tokens * self.hidden + row * self.top_k) * 4
     }
-    fn weights_off(&self, slot: usize, row: usize) -> usize {
-        self.slot_base(slot) + (self.max_tokens * (self.hidden + self.top_k) + row * self.top_k) * 4
+    fn weights_off(&self, cell: usize, row: usize) -> usize {
+        self.cell_base(cell) + (self.max_tokens * (self.hidden + self.top_k) + row * self.top_k) * 4
     }
-    fn out_off(&self, slot: usize, row: usize, d: Dtype) -> usize {
-        self.slot_base(slot)
+    fn out_off(&self, cell: usize, row: usize, d: Dtype) -> usize {
+        self.cell_base(cell)
             + self.max_tokens * (self.hidden + 2 * self.top_k) * 4
             + row * self.hidden * d.bytes()
     }
-    fn in_flag(&self, slot: usize) -> usize {
-        slot * (1 + self.world) * LINE
+    fn in_flag(&self, cell: usize) -> usize {
+        cell * (1 + self.world) * LINE
     }
-    fn out_flag(&self, slot: usize, rank: usize) -> usize {
-        self.in_flag(slot) + (1 + rank) * LINE
+    fn out_flag(&self, cell: usize, rank: usize) -> usize {
+        self.in_flag(cell) + (1 + rank) * LINE
     }
 }
 
@@ -96,33 +96,33 @@ pub struct Ring {
 /// Where this ring's steps cross nodes.
 pub enum Remote {
     /// Rank 0: each other node's leader, and that node's ranks.
-    Router(Vec<(Arc<Link>, Vec<usize>)>),
+    Leader(Vec<(Arc<DataLink>, Vec<usize>)>),
     /// A rank of another node than rank 0's: its link to rank 0.
-    Away(Arc<Link>),
+    Away(Arc<DataLink>),
 }
 
 /// A rank's output rows of one step, as `publish_output` announces them.
 #[derive(Clone, Debug)]
 pub struct Output {
-    pub slot: usize,
+    pub cell: usize,
     pub rank: usize,
     pub rows: Range<usize>,
     pub dtype: Dtype,
     pub seq: u64,
-    /// Router ingress: the router answers from these rows, so a rank of another node sends
+    /// Leader ingress: the leader answers from these rows, so a rank of another node sends
     /// them to rank 0's ring; under `--ingress all` the rank answers them itself.
-    pub to_router: bool,
+    pub to_leader: bool,
 }
 
 impl Output {
     pub fn of(desc: &StepDesc, rank: usize, rows: Range<usize>) -> Self {
         Self {
-            slot: desc.slot as usize,
+            cell: desc.cell as usize,
             rank,
             rows,
             dtype: desc.output,
             seq: desc.step,
-            to_router: desc.router_packed(),
+            to_leader: desc.leader_packed(),
         }
     }
 }
@@ -131,7 +131,7 @@ impl Ring {
     pub fn create(path: &Path, shape: RingShape) -> std::io::Result<Self> {
         Ok(Self {
             shm: Shm::create(path, shape.bytes())?,
-            direct: DirectRows::new(shape.slots),
+            direct: DirectRows::new(shape.cells),
             shape,
             remote: OnceLock::new(),
         })
@@ -139,7 +139,7 @@ impl Ring {
     pub fn open(path: &Path, shape: RingShape) -> std::io::Result<Self> {
         Ok(Self {
             shm: Shm::open(path, shape.bytes())?,
-            direct: DirectRows::new(shape.slots),
+            direct: DirectRows::new(shape.cells),
             shape,
             remote: OnceLock::new(),
         })
@@ -157,89 +157,89 @@ impl Ring {
         ("step_ring", self.shm.addr(), self.shm.len())
     }
 
-    /// Router: input rows from `row` on, in `d`. Disjoint rows may be written from several
+    /// Leader: input rows from `row` on, in `d`. Disjoint rows may be written from several
     /// threads at once.
-    pub fn write_hidden(&self, slot: usize, row: usize, d: Dtype, data: &[u8]) {
-        self.shm.write(self.shape.hidden_off(slot, row, d), data);
+    pub fn write_hidden(&self, cell: usize, row: usize, d: Dtype, data: &[u8]) {
+        self.shm.write(self.shape.hidden_off(cell, row, d), data);
     }
-    /// Router: lends `f` the input rows `rows` in `d`, to fill in place.
+    /// Leader: lends `f` the input rows `rows` in `d`, to fill in place.
     pub fn fill_hidden<R>(
         &self,
-        slot: usize,
+        cell: usize,
         rows: Range<usize>,
         d: Dtype,
         f: impl FnOnce(&mut [u8]) -> R,
     ) -> R {
-        let (off, bytes) = self.place(slot, rows, d, RingShape::hidden_off);
+        let (off, bytes) = self.place(cell, rows, d, RingShape::hidden_off);
         self.shm.fill(off, bytes, f)
     }
-    /// Router: lends `f` the output rows `rows` in `d`, to read in place.
+    /// Leader: lends `f` the output rows `rows` in `d`, to read in place.
     pub fn view_output<R>(
         &self,
-        slot: usize,
+        cell: usize,
         rows: Range<usize>,
         d: Dtype,
         f: impl FnOnce(&[u8]) -> R,
     ) -> R {
-        let (off, bytes) = self.place(slot, rows, d, RingShape::out_off);
+        let (off, bytes) = self.place(cell, rows, d, RingShape::out_off);
         self.shm.view(off, bytes, f)
     }
-    pub fn write_routing(&self, slot: usize, row: usize, ids: &[i32], weights: &[f32]) {
-        self.shm.write(self.shape.ids_off(slot, row), ids);
-        self.shm.write(self.shape.weights_off(slot, row), weights);
+    pub fn write_routing(&self, cell: usize, row: usize, ids: &[i32], weights: &[f32]) {
+        self.shm.write(self.shape.ids_off(cell, row), ids);
+        self.shm.write(self.shape.weights_off(cell, row), weights);
     }
-    /// Router: publishes the slot as holding `desc`'s input, here and on every other node
-    /// (router ingress: with that node's ranks' home rows). Err: a data connection failed.
+    /// Leader: publishes the cell as holding `desc`'s input, here and on every other node
+    /// (leader ingress: with that node's ranks' home rows). Err: a data connection failed.
     pub fn publish_input(&self, desc: &StepDesc) -> Result<(), String> {
-        let (slot, seq) = (desc.slot as usize, desc.step);
-        raise(self.shm.flag(self.shape.in_flag(slot)), seq);
-        let Some(Remote::Router(nodes)) = self.remote.get() else {
+        let (cell, seq) = (desc.cell as usize, desc.step);
+        raise(self.shm.flag(self.shape.in_flag(cell)), seq);
+        let Some(Remote::Leader(nodes)) = self.remote.get() else {
             return Ok(());
         };
         let (world, stride) = (self.shape.world, self.shape.home_stride());
         for (link, ranks) in nodes {
             // Under --ingress all a rank's rows never leave its node: only the flag goes.
-            let shipped: &[usize] = if desc.router_packed() { ranks } else { &[] };
+            let shipped: &[usize] = if desc.leader_packed() { ranks } else { &[] };
             for &r in shipped {
                 let rows = desc.home(world, r, stride);
                 if rows.is_empty() {
                     continue;
                 }
                 let (off, bytes) =
-                    self.place(slot, rows.clone(), desc.input, RingShape::hidden_off);
+                    self.place(cell, rows.clone(), desc.input, RingShape::hidden_off);
                 self.shm
                     .view(off, bytes, |b| link.write(Target::Ring, off, b));
                 if desc.client_routing {
                     let n = rows.len() * self.shape.top_k * 4;
                     for off in [
-                        self.shape.ids_off(slot, rows.start),
-                        self.shape.weights_off(slot, rows.start),
+                        self.shape.ids_off(cell, rows.start),
+                        self.shape.weights_off(cell, rows.start),
                     ] {
                         self.shm.view(off, n, |b| link.write(Target::Ring, off, b));
                     }
                 }
             }
-            link.raise(Target::Ring, self.shape.in_flag(slot), seq)?;
+            link.raise(Target::Ring, self.shape.in_flag(cell), seq)?;
         }
         Ok(())
     }
 
-    /// Rank: waits for the slot to hold step `seq`'s input. On rank 0's node it does before
+    /// Rank: waits for the cell to hold step `seq`'s input. On rank 0's node it does before
     /// the step's descriptor is sent; on another node it arrives on its own connection.
     pub fn wait_input(
         &self,
-        slot: usize,
+        cell: usize,
         seq: u64,
         deadline: Instant,
         abort: &Abort,
     ) -> Result<(), StepError> {
-        assert!(slot < self.shape.slots, "ring slot {slot}");
-        let flag = self.shm.flag(self.shape.in_flag(slot));
+        assert!(cell < self.shape.cells, "ring cell {cell}");
+        let flag = self.shm.flag(self.shape.in_flag(cell));
         let waited = wait_seq(flag, seq, deadline, abort).and_then(|()| {
             match flag.load(std::sync::atomic::Ordering::Acquire) {
                 s if s == seq => Ok(()),
                 s => Err(WaitError::Aborted(format!(
-                    "ring slot {slot} holds step {s}, not step {seq}"
+                    "ring cell {cell} holds step {s}, not step {seq}"
                 ))),
             }
         });
@@ -250,43 +250,43 @@ impl Ring {
             source,
         })
     }
-    pub fn read_hidden(&self, slot: usize, rows: Range<usize>, d: Dtype, dst: &mut [u8]) {
+    pub fn read_hidden(&self, cell: usize, rows: Range<usize>, d: Dtype, dst: &mut [u8]) {
         self.check_rows(&rows, d, dst.len());
         self.shm
-            .read(self.shape.hidden_off(slot, rows.start, d), dst);
+            .read(self.shape.hidden_off(cell, rows.start, d), dst);
     }
     /// Rank: (address in this process, bytes) of input rows `rows` in `d`, for a device copy
     /// straight from the ring.
-    pub fn hidden_span(&self, slot: usize, rows: Range<usize>, d: Dtype) -> (usize, usize) {
-        self.span(slot, rows, d, RingShape::hidden_off)
+    pub fn hidden_span(&self, cell: usize, rows: Range<usize>, d: Dtype) -> (usize, usize) {
+        self.span(cell, rows, d, RingShape::hidden_off)
     }
     /// Rank: (address, bytes) of output rows `rows` in `d`, for a device copy into the ring.
-    pub fn output_span(&self, slot: usize, rows: Range<usize>, d: Dtype) -> (usize, usize) {
-        self.span(slot, rows, d, RingShape::out_off)
+    pub fn output_span(&self, cell: usize, rows: Range<usize>, d: Dtype) -> (usize, usize) {
+        self.span(cell, rows, d, RingShape::out_off)
     }
     fn span(
         &self,
-        slot: usize,
+        cell: usize,
         rows: Range<usize>,
         d: Dtype,
         off: fn(&RingShape, usize, usize, Dtype) -> usize,
     ) -> (usize, usize) {
-        let (at, bytes) = self.place(slot, rows, d, off);
+        let (at, bytes) = self.place(cell, rows, d, off);
         (self.shm.addr() + at, bytes)
     }
-    /// The offset in the segment and the byte count of rows `rows` in `d` of slot `slot`, at
-    /// `off`'s part of the slot, checked.
+    /// The offset in the segment and the byte count of rows `rows` in `d` of cell `cell`, at
+    /// `off`'s part of the cell, checked.
     fn place(
         &self,
-        slot: usize,
+        cell: usize,
         rows: Range<usize>,
         d: Dtype,
         off: fn(&RingShape, usize, usize, Dtype) -> usize,
     ) -> (usize, usize) {
         let bytes = rows.len() * self.shape.hidden * d.bytes();
         self.check_rows(&rows, d, bytes);
-        assert!(slot < self.shape.slots, "ring slot {slot}");
-        (off(&self.shape, slot, rows.start, d), bytes)
+        assert!(cell < self.shape.cells, "ring cell {cell}");
+        (off(&self.shape, cell, rows.start, d), bytes)
     }
     fn check_rows(&self, rows: &Range<usize>, d: Dtype, bytes: usize) {
         assert!(
@@ -296,48 +296,48 @@ impl Ring {
             "ring rows {rows:?} of {d:?}: {bytes} bytes"
         );
     }
-    pub fn read_routing(&self, slot: usize, rows: Range<usize>, ids: &mut [i32], w: &mut [f32]) {
-        self.shm.read(self.shape.ids_off(slot, rows.start), ids);
-        self.shm.read(self.shape.weights_off(slot, rows.start), w);
+    pub fn read_routing(&self, cell: usize, rows: Range<usize>, ids: &mut [i32], w: &mut [f32]) {
+        self.shm.read(self.shape.ids_off(cell, rows.start), ids);
+        self.shm.read(self.shape.weights_off(cell, rows.start), w);
     }
     /// Rank: its output rows, then its flag.
     pub fn write_output(&self, out: &Output, data: &[u8]) -> Result<(), String> {
         self.check_rows(&out.rows, out.dtype, data.len());
         self.shm.write(
-            self.shape.out_off(out.slot, out.rows.start, out.dtype),
+            self.shape.out_off(out.cell, out.rows.start, out.dtype),
             data,
         );
         self.publish_output(out)
     }
     /// Rank: its output rows are in place (written by `write_output` or a device copy). From
-    /// another node than rank 0's they go to rank 0's ring too (router ingress), then the flag.
+    /// another node than rank 0's they go to rank 0's ring too (leader ingress), then the flag.
     /// Err: the data connection failed.
     pub fn publish_output(&self, out: &Output) -> Result<(), String> {
-        let flag = self.shape.out_flag(out.slot, out.rank);
+        let flag = self.shape.out_flag(out.cell, out.rank);
         raise(self.shm.flag(flag), out.seq);
         let Some(Remote::Away(link)) = self.remote.get() else {
             return Ok(());
         };
-        if out.to_router && !out.rows.is_empty() {
+        if out.to_leader && !out.rows.is_empty() {
             let (off, bytes) =
-                self.place(out.slot, out.rows.clone(), out.dtype, RingShape::out_off);
+                self.place(out.cell, out.rows.clone(), out.dtype, RingShape::out_off);
             self.shm
                 .view(off, bytes, |b| link.write(Target::Ring, off, b));
         }
         link.raise(Target::Ring, flag, out.seq)
     }
 
-    /// Router: waits for every rank's output of step `seq`; the error names the first missing rank.
+    /// Leader: waits for every rank's output of step `seq`; the error names the first missing rank.
     pub fn wait_outputs(
         &self,
-        slot: usize,
+        cell: usize,
         seq: u64,
         deadline: Instant,
         abort: &Abort,
     ) -> Result<(), (usize, WaitError)> {
         for rank in 0..self.shape.world {
             wait_seq(
-                self.shm.flag(self.shape.out_flag(slot, rank)),
+                self.shm.flag(self.shape.out_flag(cell, rank)),
                 seq,
                 deadline,
                 abort,
@@ -346,17 +346,17 @@ impl Ring {
         }
         Ok(())
     }
-    /// Router, without waiting: the ranks whose output of step `seq` is not yet in place.
-    pub fn missing_outputs(&self, slot: usize, seq: u64) -> impl Iterator<Item = usize> + '_ {
+    /// Leader, without waiting: the ranks whose output of step `seq` is not yet in place.
+    pub fn missing_outputs(&self, cell: usize, seq: u64) -> impl Iterator<Item = usize> + '_ {
         (0..self.shape.world).filter(move |&rank| {
             self.shm
-                .flag(self.shape.out_flag(slot, rank))
+                .flag(self.shape.out_flag(cell, rank))
                 .load(std::sync::atomic::Ordering::Acquire)
                 < seq
         })
     }
-    /// Router: output rows from `row` on, in `d`. Disjoint rows may be read from several threads.
-    pub fn read_output(&self, slot: usize, row: usize, d: Dtype, dst: &mut [u8]) {
-        self.shm.read(self.shape.out_off(slot, row, d), dst);
+    /// Leader: output rows from `row` on, in `d`. Disjoint rows may be read from several threads.
+    pub fn read_output(&self, cell: usize, row: usize, d: Dtype, dst: &mut [u8]) {
+        self.shm.read(self.shape.out_off(cell, row, d), dst);
     }
 }

@@ -186,9 +186,9 @@ pub fn private_dir(shm_dir: &Path) -> std::io::Result<PathBuf> {
     Ok(dir)
 }
 
-/// Removes the segments of groups whose router is gone (a rank killed between creating and
-/// unlinking its files leaves them behind). A segment's name starts `epserve-<router pid in
-/// hex>-<nanos>-<router's host tag>-`; a live process of that pid keeps its files, and a group
+/// Removes the segments of groups whose leader is gone (a rank killed between creating and
+/// unlinking its files leaves them behind). A segment's name starts `epserve-<leader pid in
+/// hex>-<nanos>-<leader's host tag>-`; a live process of that pid keeps its files, and a group
 /// routed from another host (`host` is this one's tag) is never judged by a pid of this one.
 /// Returns how many were removed.
 pub fn sweep_stale(dir: &Path, host: &str) -> usize {

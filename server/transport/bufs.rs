@@ -1,7 +1,7 @@
 //! Buffers of megabytes kept for reuse: answers (the step's delivery writes them) and requests
 //! (the gRPC front reads them off the wire, `api::unary`). A fresh buffer of megabytes costs a
 //! page fault for every 4 KiB written into it, because the allocator hands large freed blocks
-//! back to the kernel: on 1x H200 the router took 1,400-2,100 minor faults per answer of 8 MB and
+//! back to the kernel: on 1x H200 the leader took 1,400-2,100 minor faults per answer of 8 MB and
 //! 2-5 ms to deliver a 16 MB step. A reused buffer is already mapped.
 
 use std::sync::{Arc, Mutex};

@@ -44,7 +44,7 @@ mod tests {
             step: 9,
             layer: 1,
             tokens: 33,
-            slot: 1,
+            cell: 1,
             client_routing: true,
             input: crate::dtype::Dtype::F16,
             output: crate::dtype::Dtype::Bf16,

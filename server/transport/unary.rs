@@ -1,7 +1,7 @@
 //! Unary calls that carry one large tensor each way (Forward, ModelInfer), framed here rather
 //! than by tonic's codec, which copies every message twice: into a fresh buffer as it arrives,
 //! and into another as it leaves, and at megabytes both fault in page by page (on 1x H200 at
-//! 2048-token requests, memcpy was 22% and page faults 12% of the router's CPU). Here a request
+//! 2048-token requests, memcpy was 22% and page faults 12% of the leader's CPU). Here a request
 //! is read into a kept buffer (`bufs`), its tensors stay slices of it, and an answer's tensor
 //! bytes go to the transport as they are, behind the rest of the message: a decoder merges a
 //! second occurrence of a message field into the first and appends one of a repeated field, so

@@ -1,7 +1,7 @@
 //! The decode budget: memory held by request messages while they are read. Admission counts a
 //! request's tokens only once its message is whole, and both readers (the unary framing and
 //! tonic's stream decoder) size a buffer from the 5-byte prefix's declared length; so 2
-//! connections x 16 streams that declared 48 MiB, sent 16 and stalled held 528 MiB of the router
+//! connections x 16 streams that declared 48 MiB, sent 16 and stalled held 528 MiB of the leader
 //! with every queue metric at 0. Here a request body is metered: a message's declared length is
 //! charged against its connection's share and the rank's budget before the reader sees the
 //! prefix, and released when its last byte has passed. Over budget a message waits

@@ -23,8 +23,8 @@ use phases::{run_phases, AllToAll, Experts, Gating, StepIo};
 use crate::lifecycle::Abort;
 use crate::model::routing::Router;
 use crate::model::{MoeSpec, Placement, RankWeights};
-use crate::nodes::mirror::{Link, Target};
-use crate::nodes::plane::Links;
+use crate::nodes::mirror::{DataLink, Target};
+use crate::nodes::plane::DataLinks;
 use crate::nodes::Roster;
 use crate::step::ring::{Output, Ring};
 use crate::step::{Backend, PhaseTimes, StepDesc, StepError};
@@ -92,7 +92,7 @@ fn own_of(segs: &[Peer], rank: usize) -> &Shm {
 /// Where a peer's segment is written: mapped here (same node), or over its data connection.
 enum Peer {
     Mapped(Shm),
-    Linked(Arc<Link>),
+    Linked(Arc<DataLink>),
 }
 
 impl Peer {
@@ -177,7 +177,7 @@ impl CpuRank {
         group: &str,
         rank: usize,
         own: Shm,
-        (roster, links): (&Roster, &Links),
+        (roster, links): (&Roster, &DataLinks),
         shape: SegmentShape,
         spec: MoeSpec,
         weights: RankWeights,
@@ -205,7 +205,7 @@ impl CpuRank {
         let inter = spec.intermediate.max(spec.shared_intermediate);
         let lanes = Lanes::new(lanes, h, inter, weights.dtype)?;
         let local = e / shape.world.max(1);
-        let slots = ring.shape.slots;
+        let cells = ring.shape.cells;
         let s = Scratch {
             x: vec![0.0; t * h],
             ids: vec![0; t * k],
@@ -235,7 +235,7 @@ impl CpuRank {
             deadline: Instant::now(),
             s,
             lanes,
-            done: std::collections::VecDeque::with_capacity(slots),
+            done: std::collections::VecDeque::with_capacity(cells),
         })
     }
 
@@ -261,7 +261,7 @@ impl CpuRank {
     fn raise(&self, peer: usize, kind: Flag, step: u64) -> Result<(), StepError> {
         self.segs[peer]
             .raise(self.shape.flag(kind, self.rank), step)
-            .map_err(|msg| StepError::Link { step, msg })
+            .map_err(|msg| StepError::DataLink { step, msg })
     }
 
     /// First row of each of `dest`'s local experts' blocks in `dest`'s receive buffer, and the
@@ -286,8 +286,8 @@ impl StepIo for CpuRank {
         home: std::ops::Range<usize>,
     ) -> Result<(), StepError> {
         self.deadline = Instant::now() + self.step_timeout;
-        let (slot, n, h, k) = (
-            desc.slot as usize,
+        let (cell, n, h, k) = (
+            desc.cell as usize,
             home.len(),
             self.shape.hidden,
             self.shape.top_k,
@@ -299,14 +299,14 @@ impl StepIo for CpuRank {
             });
         }
         self.ring
-            .wait_input(slot, desc.step, self.deadline, &self.abort)?;
+            .wait_input(cell, desc.step, self.deadline, &self.abort)?;
         // The one conversion of the input: the wire dtype, widened to f32 here.
         let wire = &mut self.s.wire[..n * h * desc.input.bytes()];
-        self.ring.read_hidden(slot, home.clone(), desc.input, wire);
+        self.ring.read_hidden(cell, home.clone(), desc.input, wire);
         crate::dtype::to_f32(desc.input, wire, &mut self.s.x[..n * h]);
         if desc.client_routing {
             self.ring
-                .read_routing(slot, home, &mut self.s.ids[..n * k], &mut self.s.w[..n * k]);
+                .read_routing(cell, home, &mut self.s.ids[..n * k], &mut self.s.w[..n * k]);
             let e = self.shape.experts as i32;
             if let Some(bad) = self.s.ids[..n * k]
                 .iter()
@@ -331,7 +331,7 @@ impl StepIo for CpuRank {
         crate::dtype::from_f32(desc.output, &self.s.out[..n], wire);
         self.ring
             .write_output(&Output::of(desc, self.rank, home), wire)
-            .map_err(|msg| StepError::Link {
+            .map_err(|msg| StepError::DataLink {
                 step: desc.step,
                 msg,
             })
@@ -525,7 +525,7 @@ impl Backend for CpuRank {
     }
 
     fn depth(&self) -> usize {
-        self.ring.shape.slots
+        self.ring.shape.cells
     }
 
     fn routed(&self) -> &[u32] {

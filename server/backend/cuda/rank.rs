@@ -74,7 +74,7 @@ pub struct GpuRank {
 /// A step submitted on the GPU.
 struct Submitted {
     step: u64,
-    /// Its slot and output rows in the ring, announced when it completes.
+    /// Its cell and output rows in the ring, announced when it completes.
     output: Output,
     tokens: usize,
     bucket: usize,
@@ -85,7 +85,7 @@ struct Submitted {
 }
 
 impl GpuRank {
-    /// Warms every bucket up eagerly, once per router (NCCL connects, and cuBLAS picks and loads
+    /// Warms every bucket up eagerly, once per leader (NCCL connects, and cuBLAS picks and loads
     /// each GEMM's kernel, on first use: never inside a capture), then captures each graph.
     /// Every rank calls this in lockstep: the warm-up steps communicate.
     pub fn new(
@@ -283,13 +283,13 @@ impl GpuRank {
         if self.flight.len() >= DEPTH {
             return Err(invalid(format!("{DEPTH} steps in flight already")));
         }
-        let (slot, n) = (desc.slot as usize, home.len());
+        let (cell, n) = (desc.cell as usize, home.len());
         let bi = self
             .bucket_of(desc.most_home(self.ring.shape.world))
             .ok_or_else(|| invalid(format!("{} tokens exceed the buffers", desc.tokens)))?;
         let deadline = Instant::now() + self.step_timeout;
         self.ring
-            .wait_input(slot, desc.step, deadline, &self.abort)?;
+            .wait_input(cell, desc.step, deadline, &self.abort)?;
         let c = self
             .core
             .as_ref()
@@ -306,7 +306,7 @@ impl GpuRank {
         let st: &mut Staging = &mut self.st[set];
         if desc.client_routing {
             self.ring.read_routing(
-                slot,
+                cell,
                 home.clone(),
                 &mut st.ids.as_mut_slice()[..n * k],
                 &mut st.w.as_mut_slice()[..n * k],
@@ -336,7 +336,7 @@ impl GpuRank {
         bi: usize,
         set: usize,
     ) -> Result<Vec<DirectRun>, GpuError> {
-        let (slot, n, layer) = (desc.slot as usize, home.len(), desc.layer as usize);
+        let (cell, n, layer) = (desc.cell as usize, home.len(), desc.layer as usize);
         let bucket = self.buckets[bi];
         let rows = match desc.input {
             Dtype::Bf16 => HomeDtype::Bf16,
@@ -348,7 +348,7 @@ impl GpuRank {
         let c = self.core.as_mut().expect("checked in stage");
         let s = c.g.stream.clone();
         // Rows in a client's device memory come from there; the rest from the ring.
-        let runs = ring.direct.within(slot, &home);
+        let runs = ring.direct.within(cell, &home);
         let (in_row, out_row) = (
             c.shape.hidden * desc.input.bytes(),
             c.shape.hidden * desc.output.bytes(),
@@ -359,7 +359,7 @@ impl GpuRank {
             match span {
                 Some(span) => direct_in(span, &mut c.b.inbox, at, &cp.h2d)?,
                 None => ring_in(
-                    ring.hidden_span(slot, rows, desc.input),
+                    ring.hidden_span(cell, rows, desc.input),
                     &mut c.b.inbox,
                     at,
                     &cp.h2d,
@@ -396,7 +396,7 @@ impl GpuRank {
                 None => ring_out(
                     &c.b.outbox,
                     at,
-                    ring.output_span(slot, rows, desc.output),
+                    ring.output_span(cell, rows, desc.output),
                     &cp.d2h,
                 )?,
             }
@@ -466,7 +466,7 @@ impl Backend for GpuRank {
         // The rows went into the ring by DMA before the step's completion event.
         self.ring
             .publish_output(&f.output)
-            .map_err(|msg| StepError::Link { step: f.step, msg })?;
+            .map_err(|msg| StepError::DataLink { step: f.step, msg })?;
         let world = self.ring.shape.world;
         Ok(PhaseTimes {
             total: f.started.elapsed(),

@@ -1,6 +1,6 @@
 //! Bringing a GPU rank up, in the order the rendezvous needs: open the device and upload the
 //! weights (slow, done while the group gathers), then join the communicator and capture the steps
-//! (collective: every rank at once, after the router says so).
+//! (collective: every rank at once, after the leader says so).
 
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
@@ -49,7 +49,7 @@ pub fn ep_gates(world: usize) -> Result<String, String> {
     crate::backend::cuda::exchange::ep::gates(nccl()?.version, world)
 }
 
-/// The router's NCCL unique id, handed to every rank in the rendezvous Welcome.
+/// The leader's NCCL unique id, handed to every rank in the rendezvous Welcome.
 pub fn new_unique_id() -> anyhow::Result<Vec<u8>> {
     let nccl = nccl().map_err(|e| anyhow!(e))?;
     Ok(Comm::unique_id(&nccl)?.as_bytes().to_vec())
@@ -155,7 +155,7 @@ impl Device {
     ) -> anyhow::Result<(GpuStep, Alloc)> {
         let id: &[u8; 128] = nccl_id
             .try_into()
-            .map_err(|_| anyhow!("the router sent no NCCL unique id"))?;
+            .map_err(|_| anyhow!("the leader sent no NCCL unique id"))?;
         let id = ncclUniqueId::from_bytes(id);
         let nccl = nccl().map_err(|e| anyhow!(e))?;
         let (world, rank) = (self.shape.world, self.shape.rank);

@@ -132,7 +132,7 @@ pub fn ring_in<T>(
     }
     let (d, _sync) = dst.device_ptr_mut(stream);
     // SAFETY: the span lies inside the ring's mapping (`Ring::hidden_span` checks the rows) and
-    // `dst` holds `at + bytes` (asserted); the router rewrites a slot only after every rank has
+    // `dst` holds `at + bytes` (asserted); the leader rewrites a cell only after every rank has
     // published its output, which this rank does after the step's completion event.
     unsafe {
         sys::cuMemcpyHtoDAsync_v2(
@@ -162,7 +162,7 @@ pub fn ring_out<T>(
         return Ok(());
     }
     let (s, _sync) = src.device_ptr(stream);
-    // SAFETY: as in `ring_in` (`Ring::output_span` checks the rows); the router reads these rows
+    // SAFETY: as in `ring_in` (`Ring::output_span` checks the rows); the leader reads these rows
     // only after this rank publishes them, after the step's completion event.
     unsafe {
         sys::cuMemcpyDtoHAsync_v2(

@@ -18,7 +18,7 @@ use super::stop::{wait_for_stop, Stop};
 use crate::backend::bringup::{BringUp, Site};
 use crate::config::Ingress;
 use crate::config::ServeArgs;
-use crate::group::{self, IngressOrder, Order, RouterLink};
+use crate::group::{self, ControlLink, IngressOrder, Order};
 use crate::infer::Phase;
 use crate::lifecycle::Abort;
 use crate::metric_names;
@@ -31,25 +31,25 @@ use crate::step::ring::Ring;
 use crate::step::{Backend, Driver};
 use crate::watchdog::{self, AbortOnPanic, Progress, STUCK_GRACE};
 
-/// How long a broken router waits for its step executor before exiting without it.
+/// How long a broken leader waits for its step executor before exiting without it.
 const BROKEN_JOIN: Duration = Duration::from_secs(2);
 
-/// The router: gRPC comes up first (NOT_SERVING), the group forms, a warm-up step runs, then it
+/// The leader: gRPC comes up first (NOT_SERVING), the group forms, a warm-up step runs, then it
 /// serves until a signal (drain) or a broken group.
 pub fn run(args: &ServeArgs, p: Prepared, rendezvous: TcpListener) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(router_main(args, p, rendezvous))
+    runtime.block_on(leader_main(args, p, rendezvous))
 }
 
-async fn router_main(args: &ServeArgs, p: Prepared, rendezvous: TcpListener) -> anyhow::Result<()> {
+async fn leader_main(args: &ServeArgs, p: Prepared, rendezvous: TcpListener) -> anyhow::Result<()> {
     let abort = Arc::new(Abort::default());
     let (front, job_rx) = Front::start(args, &p, abort.clone()).await?;
     let shape = Shape {
         world: p.member.world,
         stride: p.ring.home_stride(),
-        slots: p.ring.slots,
+        cells: p.ring.cells,
     };
     // --ingress all: the other ranks' offers and drain messages; None under leader ingress.
     let mut peers = (args.ingress == Ingress::All).then(Peers::new);
@@ -97,12 +97,12 @@ async fn router_main(args: &ServeArgs, p: Prepared, rendezvous: TcpListener) -> 
     Ok(())
 }
 
-/// The group's shape as the router's phases need it: ranks, home rows per rank, ring slots.
+/// The group's shape as the leader's phases need it: ranks, home rows per rank, ring cells.
 #[derive(Clone, Copy)]
 struct Shape {
     world: usize,
     stride: usize,
-    slots: usize,
+    cells: usize,
 }
 
 /// Loads the weights and forms the group (blocking, off the runtime), then tells the API what
@@ -179,15 +179,15 @@ impl Pipeline {
         let exec = formed.exec;
         let (progress, pace, control) = (exec.progress.clone(), exec.pace.clone(), exec.control());
         let (step_tx, step_rx) = mpsc::channel(1);
-        // One permit per ring slot: a step holds one from when it is formed until it is delivered.
-        let in_flight = Arc::new(tokio::sync::Semaphore::new(shape.slots));
+        // One permit per ring cell: a step holds one from when it is formed until it is delivered.
+        let in_flight = Arc::new(tokio::sync::Semaphore::new(shape.cells));
         metrics::gauge!(metric_names::STEPS_IN_FLIGHT).set(0.0);
         let executor = spawn_executor(exec, step_rx, in_flight.clone(), args, abort)?;
         let batch_stop = CancellationToken::new();
         let batch = |max_tokens_per_step, gauge, pace| BatchConfig {
             max_tokens_per_step,
             max_wait: Duration::from_micros(args.max_batch_wait_us),
-            depth: shape.slots,
+            depth: shape.cells,
             gauge,
             pace,
         };
@@ -215,7 +215,7 @@ impl Pipeline {
             // This rank's batcher forms offers; the coordinator forms the group's steps.
             Some(offers) => {
                 let (own_tx, own_rx) = mpsc::channel(1);
-                let own_permits = Arc::new(tokio::sync::Semaphore::new(shape.slots));
+                let own_permits = Arc::new(tokio::sync::Semaphore::new(shape.cells));
                 let b = batcher(
                     batch(shape.stride, metric_names::OFFERS_PENDING, None),
                     own_tx,
@@ -224,7 +224,7 @@ impl Pipeline {
                 let cfg = CoordConfig {
                     world: shape.world,
                     stride: shape.stride,
-                    depth: shape.slots,
+                    depth: shape.cells,
                 };
                 let c = run_coordinator(
                     cfg,
@@ -402,7 +402,7 @@ struct Formed {
     exec: Executor<Box<dyn Backend + Send>>,
     /// What the NCCL EP exchange takes on this GPU (nccl-ep).
     footprint: Option<crate::step::EpFootprint>,
-    /// Where each rank that takes requests serves gRPC, by rank (`here` alone under router
+    /// Where each rank that takes requests serves gRPC, by rank (`here` alone under leader
     /// ingress).
     ingress: Vec<String>,
     /// Each rank's node, by rank.
@@ -426,13 +426,13 @@ fn accept_ranks(
     rank: &dyn BringUp,
     listener: TcpListener,
     data_port: u16,
-) -> anyhow::Result<(RouterLink, String, Option<Vec<u8>>)> {
+) -> anyhow::Result<(ControlLink, String, Option<Vec<u8>>)> {
     let world = p.member.world;
     let bind = listener.local_addr()?;
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .subsec_nanos();
-    // The router's pid and host: `shm::sweep_stale` reads them back from file names.
+    // The leader's pid and host: `shm::sweep_stale` reads them back from file names.
     let group_id = format!("{:x}-{nanos:x}-{}", std::process::id(), group::host_tag());
     let host = group::host_id();
     let nccl_id = rank.new_nccl_id()?;
@@ -447,7 +447,7 @@ fn accept_ranks(
         token: args.group_token.as_deref().unwrap_or_default(),
     };
     let timeout = args.rendezvous_timeout;
-    let link = RouterLink::accept(&listener, &want, &group_id, nccl_id.clone(), timeout)?;
+    let link = ControlLink::accept(&listener, &want, &group_id, nccl_id.clone(), timeout)?;
     Ok((link, group_id, nccl_id))
 }
 
@@ -495,7 +495,7 @@ fn form_group(
             step_timeout: args.step_timeout,
         };
         crate::startup::enter(crate::startup::Stage::BringUp);
-        let backend = bring_up(&mut Side::Router(&mut link), rank, site, reach)?;
+        let backend = bring_up(&mut Side::Leader(&mut link), rank, site, reach)?;
         ring.unlink();
         let ingress = match events {
             Some(_) => link.gather_listening(here.clone(), deadline)?,
@@ -531,13 +531,13 @@ fn form_group(
     warm_up(formed, buffers)
 }
 
-/// The segment directory, with the files of groups this host routed and whose router is gone
+/// The segment directory, with the files of groups this host routed and whose leader is gone
 /// removed.
 fn swept_segment_dir(args: &ServeArgs) -> anyhow::Result<std::path::PathBuf> {
     let dir = super::site::segment_dir(args)?;
     let swept = crate::sys::shm::sweep_stale(&dir, &group::host_tag());
     if swept > 0 {
-        info!("removed {swept} segment(s) of groups whose router is gone");
+        info!("removed {swept} segment(s) of groups whose leader is gone");
     }
     Ok(dir)
 }
