@@ -323,19 +323,12 @@ fn expert_parallel_layer_matches_the_f64_reference_and_replays_bitwise() {
         eprintln!("skipped: needs 2+ GPUs dividing {E} experts, found {world}");
         return;
     }
-    let nccl = Arc::new(Nccl::load().unwrap_or_else(|e| panic!("{e}")));
-    let id = Comm::unique_id(&nccl).unwrap();
+    let nccl = common::gpu::nccl();
     let m = Arc::new(model());
-    let ranks: Vec<_> = (0..world)
-        .map(|rank| {
-            let (nccl, m) = (nccl.clone(), m.clone());
-            std::thread::spawn(move || rank_main(nccl, id, world, rank, m))
-        })
-        .collect();
-    let outs: Vec<Vec<f32>> = ranks
-        .into_iter()
-        .map(|h| h.join().expect("a rank failed"))
-        .collect();
+    let (n, mm) = (nccl.clone(), m.clone());
+    let outs: Vec<Vec<f32>> = common::gpu::on_ranks(&nccl, world, move |id, rank| {
+        rank_main(n.clone(), id, world, rank, mm.clone())
+    });
 
     let f64s = |v: &[bf16]| v.iter().map(|x| x.to_f64()).collect::<Vec<_>>();
     let layer = RefLayer {

@@ -7,6 +7,9 @@
 //! on a GPU machine (scripts/gpu-check.sh).
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::gpu::gpu;
 use epserve::backend::cuda::kernels::decode_gemm::Spans;
 use epserve::backend::cuda::kernels::fp8::{Fp8, Fp8Rows, Fp8Weights, Live};
 use epserve::backend::cuda::kernels::hopper::{self, Layout};
@@ -19,10 +22,6 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 const B: usize = fp8::BLOCK;
-
-fn gpu() -> Gpu {
-    Gpu::new(0).expect("a CUDA device (these tests run with --ignored on a GPU machine)")
-}
 
 /// Random bf16 rows, one 128-channel group of zeros and one row 1000 times the rest.
 fn rows(r: &mut ChaCha8Rng, n: usize, k: usize) -> Vec<bf16> {

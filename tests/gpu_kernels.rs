@@ -3,6 +3,9 @@
 //! scripts/gpu-check.sh).
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::gpu::gpu;
 use epserve::backend::cuda::kernels::decode_gemm::{DecodeGemm, Out};
 use epserve::backend::cuda::kernels::hopper::{self, Gemm, Layout};
 use epserve::backend::cuda::{
@@ -13,10 +16,6 @@ use epserve::model::Routing;
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-
-fn gpu() -> Gpu {
-    Gpu::new(0).expect("a CUDA device (these tests run with --ignored on a GPU machine)")
-}
 
 fn rng(seed: u64) -> ChaCha8Rng {
     ChaCha8Rng::seed_from_u64(seed)

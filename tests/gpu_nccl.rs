@@ -3,6 +3,8 @@
 //! NCCL, so it is ignored by default (run with `--ignored` on a multi-GPU machine).
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -10,7 +12,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use epserve::backend::cuda::sys::nccl::{Comm, NcclError};
 use epserve::backend::cuda::{device_count, Gpu};
 use half::bf16;
-use nccl_sys::{ncclUniqueId, version_string, Nccl};
+use nccl_sys::{ncclUniqueId, Nccl};
 
 const E: usize = 16;
 const ROWS: usize = 37;
@@ -108,20 +110,9 @@ fn all_gather_and_ring_exchange_eagerly_and_in_a_graph() {
         eprintln!("skipped: needs at least 2 GPUs, found {world}");
         return;
     }
-    let nccl = Arc::new(Nccl::load().unwrap_or_else(|e| panic!("{e}")));
-    eprintln!(
-        "NCCL {} from {}",
-        version_string(nccl.version),
-        nccl.path.display()
-    );
-    let id = Comm::unique_id(&nccl).unwrap();
-    let ranks: Vec<_> = (0..world)
-        .map(|rank| {
-            let nccl = nccl.clone();
-            std::thread::spawn(move || rank_main(nccl, id, world, rank))
-        })
-        .collect();
-    for r in ranks {
-        r.join().expect("a rank failed");
-    }
+    let nccl = common::gpu::nccl();
+    let n = nccl.clone();
+    common::gpu::on_ranks(&nccl, world, move |id, rank| {
+        rank_main(n.clone(), id, world, rank)
+    });
 }

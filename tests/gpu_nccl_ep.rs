@@ -1,18 +1,22 @@
-//! NCCL EP through nccl-sys's hand-declared ABI, on every GPU of the machine (a thread per GPU):
-//! an HT group, an expert-major handle, then per step UpdateHandle, Dispatch, an identity expert
-//! that scales each received row by its routing weight, and Combine; every token must come back
-//! as x * sum(weights), and the per-expert counters must match the routing. Needs NCCL >= 2.30.4
+//! NCCL EP through the service's safe layer (`backend::cuda::sys::nccl_ep`, over nccl-sys's
+//! hand-declared ABI), on every GPU of the machine (a thread per GPU): an HT group, an
+//! expert-major handle, then per step UpdateHandle, Dispatch, an identity expert that scales each
+//! received row by its routing weight, and Combine; every token must come back as
+//! x * sum(weights), and the per-expert counters must match the routing. Needs NCCL >= 2.30.4
 //! and libnccl_ep (see scripts/device-run.sh); ignored by default.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream};
 use epserve::backend::cuda::sys::nccl::Comm;
+use epserve::backend::cuda::sys::nccl_ep::{Dispatch, Group, Handle, Layout, Tensor};
 use epserve::backend::cuda::{device_count, Gpu};
 use half::bf16;
 use nccl_sys::ep::*;
-use nccl_sys::{ncclDataType_t, ncclResult_t, ncclUniqueId, Nccl};
+use nccl_sys::{ncclResult_t, ncclUniqueId, Nccl};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -21,27 +25,14 @@ const K: usize = 4;
 const H: usize = 512; // NCCL EP's LL kernels need a multiple of 512
 const T: usize = 64; // tokens per rank
 
-fn ok(what: &str, r: ncclResult_t) {
-    assert_eq!(r, ncclResult_t::SUCCESS, "{what}: {r}");
-}
-
-fn dptr<T>(s: &CudaSlice<T>, st: &CudaStream) -> u64 {
-    s.device_ptr(st).0
-}
-
-fn dptr_mut<T>(s: &mut CudaSlice<T>, st: &CudaStream) -> u64 {
-    s.device_ptr_mut(st).0
-}
-
-/// An HT group for `tokens` per rank and an expert-major handle over memory it returns (which
-/// must outlive the handle).
+/// An HT group for `tokens` per rank and an expert-major handle over its own memory.
 fn open(
-    ep: &NcclEp,
     comm: &Comm,
+    ep: &Arc<NcclEp>,
     tokens: usize,
     recv_cap: usize,
     s: &Arc<CudaStream>,
-) -> (ncclEpGroup_t, ncclEpHandle_t, CudaSlice<u8>) {
+) -> Handle {
     let mut cfg = ncclEpGroupConfig_t::new();
     cfg.algorithm = ncclEpAlgorithm_t::HIGH_THROUGHPUT;
     cfg.num_experts = E as u32;
@@ -50,54 +41,21 @@ fn open(
     cfg.max_token_bytes = (H * 2) as u32;
     let mut hcfg = ncclEpHandleConfig_t::new();
     hcfg.dispatch_output_per_expert_alignment = 1;
-    open_with(ep, comm, &cfg, &hcfg, s)
+    open_with(comm, ep, &cfg, &hcfg, s).unwrap()
 }
 
-/// A group of `cfg` and an expert-major handle of `hcfg` over memory it returns (which must
-/// outlive the handle).
+/// A group of `cfg` and an expert-major handle of `hcfg` over memory of the size it asks for.
 fn open_with(
-    ep: &NcclEp,
     comm: &Comm,
+    ep: &Arc<NcclEp>,
     cfg: &ncclEpGroupConfig_t,
     hcfg: &ncclEpHandleConfig_t,
     s: &Arc<CudaStream>,
-) -> (ncclEpGroup_t, ncclEpHandle_t, CudaSlice<u8>) {
-    let mut group: ncclEpGroup_t = std::ptr::null_mut();
-    // SAFETY: valid out-pointer, live communicator, a config built by its constructor.
-    ok("ncclEpCreateGroup", unsafe {
-        (ep.create_group)(&mut group, comm.raw(), cfg)
-    });
-    let mut mem_size = 0usize;
-    // SAFETY: live group, valid config and out-pointer.
-    ok("ncclEpHandleMemSize", unsafe {
-        (ep.handle_mem_size)(
-            group,
-            ncclEpLayout_t::EXPERT_MAJOR,
-            hcfg,
-            &mut mem_size,
-            K as i32,
-        )
-    });
-    let mut handle_mem = s.alloc_zeros::<u8>(mem_size.max(1)).unwrap();
-    let mut hm_sizes = [mem_size];
-    let hm = ncclEpTensor_t::describe(
-        handle_mem.device_ptr_mut(s).0,
-        ncclDataType_t::Uint8,
-        &mut hm_sizes,
-    );
-    let mut handle: ncclEpHandle_t = std::ptr::null_mut();
-    // SAFETY: handle_mem holds mem_size bytes; the caller keeps it past the handle.
-    ok("ncclEpInitHandle", unsafe {
-        (ep.init_handle)(
-            &mut handle,
-            group,
-            ncclEpLayout_t::EXPERT_MAJOR,
-            hcfg,
-            K as i32,
-            &hm,
-        )
-    });
-    (group, handle, handle_mem)
+) -> Result<Handle, epserve::backend::cuda::sys::nccl::NcclError> {
+    let group = Group::create(ep, comm, cfg)?;
+    let bytes = group.handle_bytes(hcfg, K)?;
+    let mem = s.alloc_zeros::<u8>(bytes.max(1)).unwrap();
+    Handle::init(group, hcfg, K, mem, s)
 }
 
 /// One rank's tokens and routing (distinct experts per token, positive weights).
@@ -131,12 +89,10 @@ fn rank_main(
     let g = Gpu::new(rank).unwrap();
     g.ctx.bind_to_thread().unwrap();
     let s = g.stream.clone();
-    let raw = s.cu_stream() as nccl_sys::cudaStream_t;
     let comm = Comm::init(nccl, &id, world, rank).unwrap();
     let local = E / world;
     let recv_cap = world * T * K.min(local);
-
-    let (group, handle, handle_mem) = open(&ep, &comm, T, recv_cap, &s);
+    let mut handle = open(&comm, &ep, T, recv_cap, &s);
 
     let (x, ids, w) = routing(rank);
     let dx = s.clone_htod(&x).unwrap();
@@ -147,41 +103,29 @@ fn rank_main(
     let mut recv_w = s.alloc_zeros::<f32>(recv_cap).unwrap();
     let mut out = s.alloc_zeros::<bf16>(T * H).unwrap();
 
-    let (mut ids_sz, mut cnt_sz) = ([T, K], [local]);
-    let t_ids = ncclEpTensor_t::describe(dptr(&dids, &s), ncclDataType_t::Int64, &mut ids_sz);
-    let mut t_cnt = ncclEpTensor_t::describe(
-        dptr_mut(&mut counters, &s),
-        ncclDataType_t::Int32,
-        &mut cnt_sz,
-    );
-    let mut li = ncclEpLayoutInfo_t::new();
-    li.expert_counters = &mut t_cnt;
-    // SAFETY: descriptors and their size arrays live on this frame through the call.
-    ok("ncclEpUpdateHandle", unsafe {
-        (ep.update_handle)(handle, &t_ids, &li, raw)
-    });
-
-    let (mut x_sz, mut w_sz, mut r_sz, mut rw_sz) = ([T, H], [T, K], [recv_cap, H], [recv_cap]);
-    let mut t_x = ncclEpTensor_t::describe(dptr(&dx, &s), ncclDataType_t::Bfloat16, &mut x_sz);
-    let mut t_w = ncclEpTensor_t::describe(dptr(&dw, &s), ncclDataType_t::Float32, &mut w_sz);
-    let mut t_r =
-        ncclEpTensor_t::describe(dptr_mut(&mut recv, &s), ncclDataType_t::Bfloat16, &mut r_sz);
-    let mut t_rw = ncclEpTensor_t::describe(
-        dptr_mut(&mut recv_w, &s),
-        ncclDataType_t::Float32,
-        &mut rw_sz,
-    );
-    let mut din = ncclEpDispatchInputs_t::new();
-    din.tokens = &mut t_x;
-    din.topk_weights = &mut t_w;
-    let mut dout = ncclEpDispatchOutputs_t::new();
-    dout.tokens = &mut t_r;
-    dout.topk_weights = &mut t_rw;
-    let dcfg = ncclEpDispatchConfig_t::new();
-    // SAFETY: as above; recv holds recv_cap rows, the most this rank can receive.
-    ok("ncclEpDispatch", unsafe {
-        (ep.dispatch)(handle, &din, &dout, std::ptr::null(), &dcfg, raw)
-    });
+    let mut t_ids = Tensor::of(&dids, &[T, K], &s);
+    let mut t_cnt = Tensor::of_mut(&mut counters, &[local], &s);
+    let layout = Layout {
+        counters: Some(&mut t_cnt),
+        ..Default::default()
+    };
+    handle.update(&mut t_ids, Some(layout), &s).unwrap();
+    drop(t_cnt);
+    {
+        let mut t_x = Tensor::of(&dx, &[T, H], &s);
+        let mut t_w = Tensor::of(&dw, &[T, K], &s);
+        let mut t_r = Tensor::of_mut(&mut recv, &[recv_cap, H], &s);
+        let mut t_rw = Tensor::of_mut(&mut recv_w, &[recv_cap], &s);
+        let d = Dispatch {
+            x: &mut t_x,
+            w: Some(&mut t_w),
+            rows: &mut t_r,
+            rows_w: Some(&mut t_rw),
+            scales: None,
+        };
+        // recv holds recv_cap rows, the most this rank can receive.
+        handle.dispatch(d, None, &s).unwrap();
+    }
     s.synchronize().unwrap();
 
     // The identity expert, weighted on the host: each received row times its routing weight.
@@ -195,20 +139,11 @@ fn rank_main(
         }
     }
     let scaled = s.clone_htod(&rh).unwrap();
-    let mut c_sz = [recv_cap, H];
-    let mut o_sz = [T, H];
-    let mut t_c = ncclEpTensor_t::describe(dptr(&scaled, &s), ncclDataType_t::Bfloat16, &mut c_sz);
-    let mut t_o =
-        ncclEpTensor_t::describe(dptr_mut(&mut out, &s), ncclDataType_t::Bfloat16, &mut o_sz);
-    let mut cin = ncclEpCombineInputs_t::new();
-    cin.tokens = &mut t_c;
-    let mut cout = ncclEpCombineOutputs_t::new();
-    cout.tokens = &mut t_o;
-    let ccfg = ncclEpCombineConfig_t::new();
-    // SAFETY: as for dispatch.
-    ok("ncclEpCombine", unsafe {
-        (ep.combine)(handle, &cin, &cout, &ccfg, raw)
-    });
+    {
+        let mut t_c = Tensor::of(&scaled, &[recv_cap, H], &s);
+        let mut t_o = Tensor::of_mut(&mut out, &[T, H], &s);
+        handle.combine(&mut t_c, &mut t_o, None, &s).unwrap();
+    }
     s.synchronize().unwrap();
     let got = s.clone_dtoh(&out).unwrap();
     let mut worst = 0f64;
@@ -220,12 +155,8 @@ fn rank_main(
             worst = worst.max(d);
         }
     }
-    // SAFETY: the handle, then the group, before the communicator and buffers go.
-    unsafe {
-        ok("ncclEpHandleDestroy", (ep.handle_destroy)(handle));
-        ok("ncclEpGroupDestroy", (ep.group_destroy)(group));
-    }
-    drop(handle_mem);
+    // The handle (then its group) before the communicator and buffers go.
+    drop(handle);
     (cnt, worst)
 }
 
@@ -255,14 +186,10 @@ fn ht_expert_major_dispatch_and_combine_round_trip() {
         ep.version,
         ep.path.display()
     );
-    let id = Comm::unique_id(&nccl).unwrap();
-    let ranks: Vec<_> = (0..world)
-        .map(|rank| {
-            let (nccl, ep) = (nccl.clone(), ep.clone());
-            std::thread::spawn(move || rank_main(nccl, ep, id, world, rank))
-        })
-        .collect();
-    let outs: Vec<(Vec<i32>, f64)> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+    let (n, e) = (nccl.clone(), ep.clone());
+    let outs: Vec<(Vec<i32>, f64)> = common::gpu::on_ranks(&nccl, world, move |id, rank| {
+        rank_main(n.clone(), e.clone(), id, world, rank)
+    });
     // Counters: rank r's local experts received every (token, k) routed to them, from all ranks.
     let mut want = vec![0i32; E];
     for r in 0..world {
@@ -318,6 +245,67 @@ fn round_trip_error(x: &[bf16], w: &[f32], got: &[bf16]) -> f64 {
     worst
 }
 
+/// One HT step's device buffers.
+struct Padded {
+    x: CudaSlice<bf16>,
+    ids: CudaSlice<i32>,
+    w: CudaSlice<f32>,
+    counters: CudaSlice<i32>,
+    total: CudaSlice<i32>,
+    recv: CudaSlice<bf16>,
+    recv_w: CudaSlice<f32>,
+    out: CudaSlice<bf16>,
+    recv_cap: usize,
+}
+
+impl Padded {
+    /// UpdateHandle, Dispatch, weight the received rows, Combine, on `g`'s stream only. The
+    /// descriptors are made per call, as the service makes them: a captured graph keeps the
+    /// device pointers they held.
+    fn enqueue(&mut self, g: &Gpu, handle: &mut Handle) {
+        let (s, cap, local) = (&g.stream, self.recv_cap, self.counters.len());
+        {
+            let mut t_ids = Tensor::of(&self.ids, &[T_CAP, K], s);
+            let mut t_cnt = Tensor::of_mut(&mut self.counters, &[local], s);
+            let mut t_tot = Tensor::of_mut(&mut self.total, &[1], s);
+            let layout = Layout {
+                counters: Some(&mut t_cnt),
+                total: Some(&mut t_tot),
+                ..Default::default()
+            };
+            handle.update(&mut t_ids, Some(layout), s).unwrap();
+        }
+        {
+            let mut t_x = Tensor::of(&self.x, &[T_CAP, H], s);
+            let mut t_w = Tensor::of(&self.w, &[T_CAP, K], s);
+            let mut t_r = Tensor::of_mut(&mut self.recv, &[cap, H], s);
+            let mut t_rw = Tensor::of_mut(&mut self.recv_w, &[cap], s);
+            let d = Dispatch {
+                x: &mut t_x,
+                w: Some(&mut t_w),
+                rows: &mut t_r,
+                rows_w: Some(&mut t_rw),
+                scales: None,
+            };
+            handle.dispatch(d, None, s).unwrap();
+        }
+        g.scale_rows(&mut self.recv, &self.recv_w, &self.total, cap, H)
+            .unwrap();
+        let mut t_c = Tensor::of(&self.recv, &[cap, H], s);
+        let mut t_o = Tensor::of_mut(&mut self.out, &[T_CAP, H], s);
+        handle.combine(&mut t_c, &mut t_o, None, s).unwrap();
+    }
+
+    /// Step `step`'s inputs into the buffers; returns them for the check.
+    fn load(&mut self, s: &Arc<CudaStream>, rank: usize, step: u64) -> (Vec<bf16>, Vec<f32>) {
+        let (x, ids, w) = padded_inputs(rank, step);
+        s.memcpy_htod(&x, &mut self.x).unwrap();
+        s.memcpy_htod(&ids, &mut self.ids).unwrap();
+        s.memcpy_htod(&w, &mut self.w).unwrap();
+        (x, w)
+    }
+}
+
 /// One rank's step on the device only: UpdateHandle, Dispatch, weight the received rows,
 /// Combine. Returns per-step (counters, worst error) for an eager step and 3 graph replays.
 fn padded_rank(
@@ -330,123 +318,52 @@ fn padded_rank(
     let g = Gpu::new(rank).unwrap();
     g.ctx.bind_to_thread().unwrap();
     let s = g.stream.clone();
-    let raw = s.cu_stream() as nccl_sys::cudaStream_t;
     let comm = Comm::init(nccl, &id, world, rank).unwrap();
     let local = E / world;
     let recv_cap = world * T_CAP * K.min(local);
-    let (group, handle, _handle_mem) = open(&ep, &comm, T_CAP, recv_cap, &s);
-    let mut dx = s.alloc_zeros::<bf16>(T_CAP * H).unwrap();
-    let mut dids = s.alloc_zeros::<i32>(T_CAP * K).unwrap();
-    let mut dw = s.alloc_zeros::<f32>(T_CAP * K).unwrap();
-    let mut counters = s.alloc_zeros::<i32>(local).unwrap();
-    let mut total = s.alloc_zeros::<i32>(1).unwrap();
-    let mut recv = s.alloc_zeros::<bf16>(recv_cap * H).unwrap();
-    let mut recv_w = s.alloc_zeros::<f32>(recv_cap).unwrap();
-    let mut out = s.alloc_zeros::<bf16>(T_CAP * H).unwrap();
-    // Descriptors and their extents live for the whole test: a captured graph replays the
-    // pointers they held at capture.
-    let (mut ids_sz, mut cnt_sz, mut tot_sz) = ([T_CAP, K], [local], [1usize]);
-    let (mut x_sz, mut w_sz, mut r_sz, mut rw_sz) =
-        ([T_CAP, H], [T_CAP, K], [recv_cap, H], [recv_cap]);
-    let mut o_sz = [T_CAP, H];
-    let mut c_sz = [recv_cap, H];
-    let t_ids = ncclEpTensor_t::describe(dptr(&dids, &s), ncclDataType_t::Int32, &mut ids_sz);
-    let mut t_cnt = ncclEpTensor_t::describe(
-        dptr_mut(&mut counters, &s),
-        ncclDataType_t::Int32,
-        &mut cnt_sz,
-    );
-    let mut t_tot =
-        ncclEpTensor_t::describe(dptr_mut(&mut total, &s), ncclDataType_t::Int32, &mut tot_sz);
-    let mut t_x = ncclEpTensor_t::describe(dptr(&dx, &s), ncclDataType_t::Bfloat16, &mut x_sz);
-    let mut t_w = ncclEpTensor_t::describe(dptr(&dw, &s), ncclDataType_t::Float32, &mut w_sz);
-    let mut t_r =
-        ncclEpTensor_t::describe(dptr_mut(&mut recv, &s), ncclDataType_t::Bfloat16, &mut r_sz);
-    let mut t_rw = ncclEpTensor_t::describe(
-        dptr_mut(&mut recv_w, &s),
-        ncclDataType_t::Float32,
-        &mut rw_sz,
-    );
-    let mut t_c = ncclEpTensor_t::describe(dptr(&recv, &s), ncclDataType_t::Bfloat16, &mut c_sz);
-    let mut t_o =
-        ncclEpTensor_t::describe(dptr_mut(&mut out, &s), ncclDataType_t::Bfloat16, &mut o_sz);
-    let mut li = ncclEpLayoutInfo_t::new();
-    li.expert_counters = &mut t_cnt;
-    li.recv_total_counter = &mut t_tot;
-    let mut din = ncclEpDispatchInputs_t::new();
-    din.tokens = &mut t_x;
-    din.topk_weights = &mut t_w;
-    let mut dout = ncclEpDispatchOutputs_t::new();
-    dout.tokens = &mut t_r;
-    dout.topk_weights = &mut t_rw;
-    let mut cin = ncclEpCombineInputs_t::new();
-    cin.tokens = &mut t_c;
-    let mut cout = ncclEpCombineOutputs_t::new();
-    cout.tokens = &mut t_o;
-    let (dcfg, ccfg) = (ncclEpDispatchConfig_t::new(), ncclEpCombineConfig_t::new());
-
-    let enqueue = |recv: &mut CudaSlice<bf16>| {
-        // SAFETY: every descriptor above points at live buffers of the sizes it states.
-        unsafe {
-            ok(
-                "ncclEpUpdateHandle",
-                (ep.update_handle)(handle, &t_ids, &li, raw),
-            );
-            ok(
-                "ncclEpDispatch",
-                (ep.dispatch)(handle, &din, &dout, std::ptr::null(), &dcfg, raw),
-            );
-        }
-        g.scale_rows(recv, &recv_w, &total, recv_cap, H).unwrap();
-        // SAFETY: as above.
-        ok("ncclEpCombine", unsafe {
-            (ep.combine)(handle, &cin, &cout, &ccfg, raw)
-        });
+    let mut handle = open(&comm, &ep, T_CAP, recv_cap, &s);
+    let mut b = Padded {
+        x: s.alloc_zeros::<bf16>(T_CAP * H).unwrap(),
+        ids: s.alloc_zeros::<i32>(T_CAP * K).unwrap(),
+        w: s.alloc_zeros::<f32>(T_CAP * K).unwrap(),
+        counters: s.alloc_zeros::<i32>(local).unwrap(),
+        total: s.alloc_zeros::<i32>(1).unwrap(),
+        recv: s.alloc_zeros::<bf16>(recv_cap * H).unwrap(),
+        recv_w: s.alloc_zeros::<f32>(recv_cap).unwrap(),
+        out: s.alloc_zeros::<bf16>(T_CAP * H).unwrap(),
+        recv_cap,
     };
     let mut results = Vec::new();
-    let load = |step: u64,
-                dx: &mut CudaSlice<bf16>,
-                dids: &mut CudaSlice<i32>,
-                dw: &mut CudaSlice<f32>| {
-        let (x, ids, w) = padded_inputs(rank, step);
-        s.memcpy_htod(&x, dx).unwrap();
-        s.memcpy_htod(&ids, dids).unwrap();
-        s.memcpy_htod(&w, dw).unwrap();
-        (x, w)
-    };
-    let (x, w) = load(0, &mut dx, &mut dids, &mut dw);
-    enqueue(&mut recv);
+    let (x, w) = b.load(&s, rank, 0);
+    b.enqueue(&g, &mut handle);
     s.synchronize().unwrap();
-    let got = s.clone_dtoh(&out).unwrap();
+    let got = s.clone_dtoh(&b.out).unwrap();
     results.push((
-        s.clone_dtoh(&counters).unwrap(),
+        s.clone_dtoh(&b.counters).unwrap(),
         round_trip_error(&x, &w, &got),
     ));
 
     s.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .unwrap();
-    enqueue(&mut recv);
+    b.enqueue(&g, &mut handle);
     let graph = s
         .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
         .unwrap()
         .expect("a captured step");
     for step in 1..=3 {
-        let (x, w) = load(step, &mut dx, &mut dids, &mut dw);
-        s.memset_zeros(&mut out).unwrap();
+        let (x, w) = b.load(&s, rank, step);
+        s.memset_zeros(&mut b.out).unwrap();
         graph.launch().unwrap();
         s.synchronize().unwrap();
-        let got = s.clone_dtoh(&out).unwrap();
+        let got = s.clone_dtoh(&b.out).unwrap();
         results.push((
-            s.clone_dtoh(&counters).unwrap(),
+            s.clone_dtoh(&b.counters).unwrap(),
             round_trip_error(&x, &w, &got),
         ));
     }
+    // The graph, then the handle (and its group), before the communicator and buffers go.
     drop(graph);
-    // SAFETY: handle, then group, before the communicator and buffers go.
-    unsafe {
-        ok("ncclEpHandleDestroy", (ep.handle_destroy)(handle));
-        ok("ncclEpGroupDestroy", (ep.group_destroy)(group));
-    }
+    drop(handle);
     results
 }
 
@@ -456,14 +373,10 @@ fn ht_padding_rows_are_ignored_and_captured_steps_replay() {
     let Some((world, nccl, ep)) = group_here() else {
         return;
     };
-    let id = Comm::unique_id(&nccl).unwrap();
-    let ranks: Vec<_> = (0..world)
-        .map(|rank| {
-            let (nccl, ep) = (nccl.clone(), ep.clone());
-            std::thread::spawn(move || padded_rank(nccl, ep, id, world, rank))
-        })
-        .collect();
-    let outs: Vec<Vec<(Vec<i32>, f64)>> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+    let (n, e) = (nccl.clone(), ep.clone());
+    let outs: Vec<Vec<(Vec<i32>, f64)>> = common::gpu::on_ranks(&nccl, world, move |id, rank| {
+        padded_rank(n.clone(), e.clone(), id, world, rank)
+    });
     for step in 0..4u64 {
         let mut want = vec![0i32; E];
         for r in 0..world {
@@ -502,7 +415,6 @@ fn ll_rank(
     let g = Gpu::new(rank).unwrap();
     g.ctx.bind_to_thread().unwrap();
     let s = g.stream.clone();
-    let raw = s.cu_stream() as nccl_sys::cudaStream_t;
     let comm = Comm::init(nccl, &id, world, rank).unwrap();
     let local = E / world;
     let stride = world * T_CAP;
@@ -516,7 +428,7 @@ fn ll_rank(
         true => ncclEpZeroCopyMode_t::ON,
         false => ncclEpZeroCopyMode_t::OFF,
     };
-    let (group, handle, handle_mem) = open_with(&ep, &comm, &cfg, &ncclEpHandleConfig_t::new(), &s);
+    let mut handle = open_with(&comm, &ep, &cfg, &ncclEpHandleConfig_t::new(), &s).unwrap();
     let (x, ids, w) = padded_inputs(rank, 7);
     let dx = s.clone_htod(&x).unwrap();
     let dids = s.clone_htod(&ids).unwrap();
@@ -525,63 +437,45 @@ fn ll_rank(
     let mut out = s.alloc_zeros::<bf16>(T_CAP * H).unwrap();
     let mut win_rows = zero_copy.then(|| comm.sym_alloc::<bf16>(local * stride * H, &s).unwrap());
     let mut plain_rows = (!zero_copy).then(|| s.alloc_zeros::<bf16>(local * stride * H).unwrap());
-    let mut r_sz = [local, stride, H];
-    let mut t_r = match (&mut win_rows, &mut plain_rows) {
-        (Some(wr), _) => {
-            ncclEpTensor_t::in_window(wr.window(), 0, ncclDataType_t::Bfloat16, &mut r_sz)
-        }
-        (_, Some(p)) => {
-            ncclEpTensor_t::describe(dptr_mut(p, &s), ncclDataType_t::Bfloat16, &mut r_sz)
-        }
-        _ => unreachable!(),
+    let r_sz = [local, stride, H];
+    let mut t_ids = Tensor::of(&dids, &[T_CAP, K], &s);
+    handle.update(&mut t_ids, None, &s).unwrap();
+    let dispatched = {
+        let mut t_r = match (&mut win_rows, &mut plain_rows) {
+            (Some(wr), _) => Tensor::window(wr, &r_sz),
+            (_, Some(p)) => Tensor::of_mut(p, &r_sz, &s),
+            _ => unreachable!(),
+        };
+        let mut t_x = Tensor::of(&dx, &[T_CAP, H], &s);
+        let mut t_cnt = Tensor::of_mut(&mut counters, &[local], &s);
+        let d = Dispatch {
+            x: &mut t_x,
+            w: None,
+            rows: &mut t_r,
+            rows_w: None,
+            scales: None,
+        };
+        let layout = Layout {
+            counters: Some(&mut t_cnt),
+            ..Default::default()
+        };
+        handle.dispatch(d, Some(layout), &s)
     };
-    let (mut ids_sz, mut x_sz, mut w_sz, mut o_sz, mut cnt_sz) =
-        ([T_CAP, K], [T_CAP, H], [T_CAP, K], [T_CAP, H], [local]);
-    let t_ids = ncclEpTensor_t::describe(dptr(&dids, &s), ncclDataType_t::Int32, &mut ids_sz);
-    let mut t_x = ncclEpTensor_t::describe(dptr(&dx, &s), ncclDataType_t::Bfloat16, &mut x_sz);
-    let mut t_w = ncclEpTensor_t::describe(dptr(&dw, &s), ncclDataType_t::Float32, &mut w_sz);
-    let mut t_o =
-        ncclEpTensor_t::describe(dptr_mut(&mut out, &s), ncclDataType_t::Bfloat16, &mut o_sz);
-    let mut t_cnt = ncclEpTensor_t::describe(
-        dptr_mut(&mut counters, &s),
-        ncclDataType_t::Int32,
-        &mut cnt_sz,
-    );
-    let mut li = ncclEpLayoutInfo_t::new();
-    li.expert_counters = &mut t_cnt;
-    let mut din = ncclEpDispatchInputs_t::new();
-    din.tokens = &mut t_x;
-    let mut dout = ncclEpDispatchOutputs_t::new();
-    dout.tokens = &mut t_r;
-    let mut cin = ncclEpCombineInputs_t::new();
-    cin.tokens = &mut t_r;
-    let mut cout = ncclEpCombineOutputs_t::new();
-    cout.tokens = &mut t_o;
-    cout.topk_weights = &mut t_w;
-    let (dcfg, ccfg) = (ncclEpDispatchConfig_t::new(), ncclEpCombineConfig_t::new());
-    // SAFETY: every descriptor points at live buffers of the extents it states, on this frame.
-    ok("ncclEpUpdateHandle (LL)", unsafe {
-        (ep.update_handle)(handle, &t_ids, std::ptr::null(), raw)
-    });
-    // SAFETY: as above.
-    let r = unsafe { (ep.dispatch)(handle, &din, &dout, &li, &dcfg, raw) };
     if zero_copy {
         // NCCL EP 0.2: "zero_copy=ON on LL dispatch requires NCCL_EP_LAYOUT_RANK_MAJOR". When a
         // release takes it, this fails and the service's LL path can use windows too.
+        let refused = dispatched.as_ref().err().map(|e| e.result);
         assert_eq!(
-            r,
-            ncclResult_t::INVALID_ARGUMENT,
+            refused,
+            Some(ncclResult_t::INVALID_ARGUMENT),
             "zero-copy LL expert-major dispatch"
         );
-        // SAFETY: handle, then group, then the window, before the communicator.
-        unsafe {
-            ok("ncclEpHandleDestroy", (ep.handle_destroy)(handle));
-            ok("ncclEpGroupDestroy", (ep.group_destroy)(group));
-        }
-        drop((win_rows, plain_rows, handle_mem));
+        // The handle (and its group), then the window, before the communicator.
+        drop(handle);
+        drop((win_rows, plain_rows));
         return (Vec::new(), true, 0.0);
     }
-    ok("ncclEpDispatch (LL)", r);
+    dispatched.unwrap();
     s.synchronize().unwrap();
     let cnt = s.clone_dtoh(&counters).unwrap();
     let rows = match (&win_rows, &plain_rows) {
@@ -615,18 +509,20 @@ fn ll_rank(
         got.sort();
         laid_out &= want == got;
     }
-    // SAFETY: as above; Combine applies the weights itself in LL expert-major.
-    ok("ncclEpCombine (LL)", unsafe {
-        (ep.combine)(handle, &cin, &cout, &ccfg, raw)
-    });
+    {
+        // Combine applies the weights itself in LL expert-major.
+        let mut t_r = Tensor::of_mut(plain_rows.as_mut().expect("plain rows"), &r_sz, &s);
+        let mut t_o = Tensor::of_mut(&mut out, &[T_CAP, H], &s);
+        let mut t_w = Tensor::of(&dw, &[T_CAP, K], &s);
+        handle
+            .combine(&mut t_r, &mut t_o, Some(&mut t_w), &s)
+            .unwrap();
+    }
     s.synchronize().unwrap();
     let worst = round_trip_error(&x, &w, &s.clone_dtoh(&out).unwrap());
-    // SAFETY: handle, then group, then the window, before the communicator.
-    unsafe {
-        ok("ncclEpHandleDestroy", (ep.handle_destroy)(handle));
-        ok("ncclEpGroupDestroy", (ep.group_destroy)(group));
-    }
-    drop((win_rows, plain_rows, handle_mem));
+    // The handle (and its group), then the rows, before the communicator.
+    drop(handle);
+    drop((win_rows, plain_rows));
     (cnt, laid_out, worst)
 }
 
@@ -643,15 +539,11 @@ fn ll_expert_major_layout_and_weighted_combine_and_no_windows() {
         }
     }
     for zero_copy in [false, true] {
-        let id = Comm::unique_id(&nccl).unwrap();
-        let ranks: Vec<_> = (0..world)
-            .map(|rank| {
-                let (nccl, ep) = (nccl.clone(), ep.clone());
-                std::thread::spawn(move || ll_rank(nccl, ep, id, world, rank, zero_copy))
-            })
-            .collect();
+        let (n, e) = (nccl.clone(), ep.clone());
         let outs: Vec<(Vec<i32>, bool, f64)> =
-            ranks.into_iter().map(|h| h.join().unwrap()).collect();
+            common::gpu::on_ranks(&nccl, world, move |id, rank| {
+                ll_rank(n.clone(), e.clone(), id, world, rank, zero_copy)
+            });
         if zero_copy {
             eprintln!("LL expert-major, zero-copy: refused by this NCCL EP, as expected");
             continue;

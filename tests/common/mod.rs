@@ -2,6 +2,8 @@
 //! on free ports), a gRPC client, and an independent f64 reference of the MoE layer.
 #![allow(dead_code)]
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod prom;
 pub mod reference;
 

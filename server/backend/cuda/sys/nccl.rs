@@ -39,6 +39,9 @@ pub trait NcclType {
 impl NcclType for i32 {
     const TYPE: ncclDataType_t = ncclDataType_t::Int32;
 }
+impl NcclType for i64 {
+    const TYPE: ncclDataType_t = ncclDataType_t::Int64;
+}
 impl NcclType for f32 {
     const TYPE: ncclDataType_t = ncclDataType_t::Float32;
 }
