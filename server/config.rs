@@ -38,11 +38,11 @@ pub enum Command {
 #[derive(Args, Debug, Clone)]
 pub struct MetricsArgs {
     /// Print the table of every metric (the only thing this command does).
-    #[arg(long, required = true)]
+    #[arg(help_heading = "Output", long, required = true)]
     pub list: bool,
     /// `markdown` (README's table) or `json` (one object a line: name, type, unit, labels,
     /// gpu_only, help).
-    #[arg(long, value_enum, default_value_t = MetricsFormat::Markdown)]
+    #[arg(help_heading = "Output", long, value_enum, default_value_t = MetricsFormat::Markdown)]
     pub format: MetricsFormat,
 }
 
