@@ -115,7 +115,7 @@ fi
 if want torch; then
   # The PyTorch peers of the bench (torch._grouped_mm, dense cuBLAS, the all_to_all EP layer).
   run torch python3 -m torch.distributed.run --nproc_per_node "$(nvidia-smi -L | wc -l)" \
-    scripts/torch-peers.py --json "$out/torch.json"
+    scripts/bench/torch-peers.py --json "$out/torch.json"
 fi
 if want cpu; then
   # The CPU backend on this host's cores (synthetic:tiny, 2 ranks, 16-token bf16 requests), each

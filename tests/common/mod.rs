@@ -4,6 +4,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod gpu;
+pub mod kserve;
 pub mod prom;
 pub mod reference;
 

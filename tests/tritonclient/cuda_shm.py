@@ -8,7 +8,7 @@ refused by row and column. Prints one line per check; exits non-zero on the firs
 
 Needs tritonclient (grpc), cuda-python's cuda.bindings, ml_dtypes and epserve.v1's Python stubs
 (epserve_pb2*.py, from proto/epserve.proto) on the path: the GPU machine has no registry, so
-scripts/cuda-shm-bench.sh puts them there from a folder built beside the checkout.
+scripts/bench/cuda-shm-bench.sh puts them there from a folder built beside the checkout.
 """
 
 import os
