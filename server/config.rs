@@ -513,11 +513,10 @@ pub fn graph_buckets(given: &[usize], max_home: usize) -> Result<Vec<usize>, Str
     Ok(out)
 }
 
-/// Where this rank sits in its group.
+/// Where this rank sits in its group, as its flags say.
 #[derive(Clone, Debug)]
 pub struct Member {
-    pub rank: usize,
-    pub world: usize,
+    pub place: crate::place::Place,
     pub rendezvous: String,
     /// `--node-id`, else the host name.
     pub node: String,
@@ -600,8 +599,7 @@ impl ServeArgs {
             ));
         }
         Ok(Member {
-            rank,
-            world,
+            place: crate::place::Place { rank, world },
             rendezvous,
             node,
         })

@@ -40,7 +40,7 @@ const PER_RANK: &[&str] = &[
 
 /// One rank this launcher runs.
 #[derive(Debug, PartialEq)]
-struct Seat {
+struct Child {
     rank: usize,
     /// Its index among this launcher's ranks: per-rank ports are the base port plus it.
     local: usize,
@@ -52,7 +52,7 @@ struct Seat {
 
 /// The ranks this launcher runs: all of them (on simulated nodes when `--nodes` > 1), or with
 /// `--node-index` only that node's, as one pod of a multi-node group.
-fn seats(args: &LaunchArgs) -> Vec<Seat> {
+fn children(args: &LaunchArgs) -> Vec<Child> {
     let node_of = |rank: usize| rank * args.nodes / args.ranks;
     let shm = &args.serve.shm_dir;
     let mut out = Vec::new();
@@ -73,7 +73,7 @@ fn seats(args: &LaunchArgs) -> Vec<Seat> {
             }
             _ => (args.serve.node_id.clone(), shm.clone()),
         };
-        out.push(Seat {
+        out.push(Child {
             rank,
             local: out.len(),
             node,
@@ -85,14 +85,14 @@ fn seats(args: &LaunchArgs) -> Vec<Seat> {
 }
 
 /// Each simulated node's --shm-dir subdirectory, this user's only.
-fn make_node_dirs(args: &LaunchArgs, seats: &[Seat]) -> anyhow::Result<Vec<PathBuf>> {
+fn make_node_dirs(args: &LaunchArgs, children: &[Child]) -> anyhow::Result<Vec<PathBuf>> {
     use std::os::unix::fs::DirBuilderExt;
     let mut dirs: Vec<PathBuf> = Vec::new();
     if args.nodes <= 1 || args.node_index.is_some() {
         return Ok(dirs);
     }
-    for seat in seats {
-        let dir = &seat.shm_dir;
+    for child in children {
+        let dir = &child.shm_dir;
         if !dirs.contains(dir) {
             std::fs::DirBuilder::new()
                 .mode(0o700)
@@ -185,8 +185,8 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
             bail!("--node-index {i} is not one of --nodes {}", args.nodes);
         }
     }
-    let seats = seats(&args);
-    let node_dirs = make_node_dirs(&args, &seats)?;
+    let children = children(&args);
+    let node_dirs = make_node_dirs(&args, &children)?;
     // Without --rendezvous, rank 0 binds port 0 and reports the port it got: no port is ever
     // picked by one process and bound by another. One node of several leaves it to the ranks
     // (--rendezvous, MASTER_ADDR or LWS_LEADER_ADDRESS, and MASTER_PORT): the other nodes
@@ -211,26 +211,26 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
         })
     };
     if args.serve.ingress == Ingress::All && args.serve.listen.port() != 0 {
-        for seat in &seats {
-            let rank = seat.rank;
-            info!(rank, "gRPC of rank {rank} on {}", listen(seat.local)?);
+        for child in &children {
+            let rank = child.rank;
+            info!(rank, "gRPC of rank {rank} on {}", listen(child.local)?);
         }
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
     runtime.block_on(async move {
-        let (exit_tx, mut exit_rx) = mpsc::channel::<(usize, std::io::Result<ExitStatus>)>(seats.len().max(1));
+        let (exit_tx, mut exit_rx) = mpsc::channel::<(usize, std::io::Result<ExitStatus>)>(children.len().max(1));
         let mut pids = Vec::new();
         let mut spawned = 0;
-        for seat in &seats {
-            let (rank, local) = (seat.rank, seat.local);
+        for c in &children {
+            let (rank, local) = (c.rank, c.local);
             let mut cmd = Command::new(&exe);
             cmd.arg("serve")
                 .args(&flags)
                 .args(["--rank", &rank.to_string(), "--world-size", &args.ranks.to_string()])
                 .arg("--shm-dir")
-                .arg(&seat.shm_dir)
+                .arg(&c.shm_dir)
                 .args(["--data-listen", &rank_addr(args.serve.data_listen, local, "--data-listen")?.to_string()])
                 .args(["--metrics-listen", &rank_addr(args.serve.metrics_listen, local, "--metrics-listen")?.to_string()])
                 .args(["--listen", &listen(local)?.to_string()])
@@ -241,11 +241,11 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                 (None, true) => cmd.args(["--rendezvous", "127.0.0.1:0"]).stdout(Stdio::piped()),
                 (None, false) => &mut cmd,
             };
-            if let Some(id) = &seat.node_id {
+            if let Some(id) = &c.node_id {
                 cmd.args(["--node-id", id]);
             }
             if args.nodes > 1 {
-                let node = seat.node;
+                let node = c.node;
                 info!(rank, node, "rank {rank} on node {node}");
             }
             if let Some(token) = &args.serve.group_token {
@@ -268,7 +268,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
             }
         }
         let rendezvous = rendezvous.unwrap_or_else(|| "as the ranks resolve it".into());
-        let ranks: Vec<usize> = seats.iter().map(|s| s.rank).collect();
+        let ranks: Vec<usize> = children.iter().map(|s| s.rank).collect();
         info!(world = args.ranks, ?ranks, %rendezvous, "launched");
         let signal_all = |pids: &[Option<Pid>], sig: Signal| {
             for pid in pids.iter().flatten() {
@@ -287,7 +287,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                 Some((local, status)) = exit_rx.recv() => {
                     running -= 1;
                     pids[local] = None;
-                    let rank = seats[local].rank;
+                    let rank = children[local].rank;
                     let ok = status.as_ref().is_ok_and(ExitStatus::success);
                     if !ok && failed.is_none() {
                         let why = match status {
@@ -320,7 +320,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{rank_addr, seats, Seat};
+    use super::{children, rank_addr, Child};
     use crate::config::{Cli, Command, LaunchArgs};
     use clap::Parser;
     use std::path::PathBuf;
@@ -333,8 +333,8 @@ mod tests {
         }
     }
 
-    fn seat(rank: usize, local: usize, node: usize, id: Option<&str>, shm: &str) -> Seat {
-        Seat {
+    fn child(rank: usize, local: usize, node: usize, id: Option<&str>, shm: &str) -> Child {
+        Child {
             rank,
             local,
             node,
@@ -349,18 +349,18 @@ mod tests {
     fn simulated_nodes_split_the_ranks_in_rank_order() {
         let a = launch(&["--ranks", "4", "--nodes", "2", "--node-id", "h"]);
         assert_eq!(
-            seats(&a),
+            children(&a),
             vec![
-                seat(0, 0, 0, Some("h-node0"), "/s/node0"),
-                seat(1, 1, 0, Some("h-node0"), "/s/node0"),
-                seat(2, 2, 1, Some("h-node1"), "/s/node1"),
-                seat(3, 3, 1, Some("h-node1"), "/s/node1"),
+                child(0, 0, 0, Some("h-node0"), "/s/node0"),
+                child(1, 1, 0, Some("h-node0"), "/s/node0"),
+                child(2, 2, 1, Some("h-node1"), "/s/node1"),
+                child(3, 3, 1, Some("h-node1"), "/s/node1"),
             ]
         );
         let one = launch(&["--ranks", "2"]);
         assert_eq!(
-            seats(&one),
-            vec![seat(0, 0, 0, None, "/s"), seat(1, 1, 0, None, "/s")]
+            children(&one),
+            vec![child(0, 0, 0, None, "/s"), child(1, 1, 0, None, "/s")]
         );
     }
 
@@ -369,14 +369,14 @@ mod tests {
     #[test]
     fn one_node_of_several_runs_only_its_ranks() {
         let a = launch(&["--ranks", "8", "--nodes", "2", "--node-index", "1"]);
-        let got = seats(&a);
-        let want: Vec<Seat> = (4..8).map(|r| seat(r, r - 4, 1, None, "/s")).collect();
+        let got = children(&a);
+        let want: Vec<Child> = (4..8).map(|r| child(r, r - 4, 1, None, "/s")).collect();
         assert_eq!(got, want);
         let base = "0.0.0.0:9400".parse().unwrap();
         assert_eq!(rank_addr(base, got[3].local, "m").unwrap().port(), 9403);
         let first = launch(&["--ranks", "8", "--nodes", "2", "--node-index", "0"]);
         assert_eq!(
-            seats(&first).iter().map(|s| s.rank).collect::<Vec<_>>(),
+            children(&first).iter().map(|s| s.rank).collect::<Vec<_>>(),
             [0, 1, 2, 3]
         );
     }

@@ -14,6 +14,7 @@ pub mod metric_names;
 pub mod metrics;
 pub mod model;
 pub mod nodes;
+pub mod place;
 pub mod rejections;
 pub mod request;
 pub mod sched;

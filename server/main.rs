@@ -39,7 +39,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
     };
-    let (rank, node) = member.map(|m| (m.rank, m.node)).unzip();
+    let (rank, node) = member.map(|m| (m.place.rank, m.node)).unzip();
     let telemetry = match epserve::telemetry::init(format, otlp, role, rank, node) {
         Ok(t) => t,
         Err(e) => {

@@ -39,8 +39,7 @@ pub fn check_gpu_limits(spec: &MoeSpec) -> Result<(), String> {
 #[derive(Clone, Copy, Debug)]
 pub struct Seat {
     pub ordinal: usize,
-    pub world: usize,
-    pub rank: usize,
+    pub place: crate::place::Place,
     pub max_home: usize,
     pub ep: Option<super::ep_settings::EpSettings>,
 }

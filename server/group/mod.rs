@@ -487,10 +487,9 @@ pub struct Joined {
     pub roster: Roster,
 }
 
-/// Who joins: its rank, the group's world size, its node and data listener's port.
+/// Who joins: its place, its node and data listener's port.
 pub struct Joiner<'a> {
-    pub rank: usize,
-    pub world: usize,
+    pub place: crate::place::Place,
     pub node: &'a str,
     pub data_port: u16,
 }
@@ -503,7 +502,7 @@ pub fn join(
     token: &str,
     timeout: Duration,
 ) -> Result<Joined, GroupError> {
-    let (rank, world) = (me.rank, me.world);
+    let (rank, world) = (me.place.rank, me.place.world);
     let deadline = Instant::now() + timeout;
     let mut stream = loop {
         let addrs: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(addr)

@@ -94,7 +94,7 @@ impl Front {
         let server_stop = CancellationToken::new();
         let uploads = crate::transport::upload::Budget::new(&args.upload, args.max_request_bytes)
             .map_err(anyhow::Error::msg)?;
-        let rank = p.member.rank;
+        let rank = p.member.place.rank;
         let http_server = start_rest(args, &kserve, &uploads, rank, &server_stop).await?;
         let server = tokio::spawn(serve_grpc(
             args.http2.clone(),

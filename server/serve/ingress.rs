@@ -45,7 +45,7 @@ impl Clients {
             .thread_name("ingress")
             .build()?;
         let (front, jobs) = runtime.block_on(Front::start(args, p, abort.clone()))?;
-        let rank = p.member.rank;
+        let rank = p.member.place.rank;
         info!(
             "rank {rank} gRPC listening on {}, NOT_SERVING until the group is ready",
             front.addr

@@ -47,7 +47,7 @@ async fn leader_main(args: &ServeArgs, p: Prepared, rendezvous: TcpListener) -> 
     let abort = Arc::new(Abort::default());
     let (front, job_rx) = Front::start(args, &p, abort.clone()).await?;
     let shape = Shape {
-        world: p.member.world,
+        world: p.member.place.world,
         stride: p.ring.home_stride(),
         cells: p.ring.cells,
     };
@@ -427,7 +427,7 @@ fn accept_ranks(
     listener: TcpListener,
     data_port: u16,
 ) -> anyhow::Result<(ControlLink, String, Option<Vec<u8>>)> {
-    let world = p.member.world;
+    let world = p.member.place.world;
     let bind = listener.local_addr()?;
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
@@ -462,7 +462,7 @@ fn form_group(
     events: Option<PeerEvents>,
     here: String,
 ) -> anyhow::Result<Formed> {
-    let world = p.member.world;
+    let world = p.member.place.world;
     let timeout = args.rendezvous_timeout;
     let data = DataListener::bind(args.data_listen)?;
     let (mut link, group_id, nccl_id) =
@@ -551,7 +551,7 @@ fn driver(
     Driver::new(
         rank,
         0,
-        p.member.world,
+        p.member.place.world,
         p.spec.moe_layers.clone(),
         args.metrics_per_expert,
         p.ring,

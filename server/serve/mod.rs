@@ -24,7 +24,7 @@ const STILL_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 /// `epserve serve`: one rank's whole life.
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let member = args.member().map_err(|e| anyhow!(e))?;
-    let rank = member.rank;
+    let rank = member.place.rank;
     match crate::transport::listen::raise_open_files() {
         Ok((before, now)) => tracing::info!(before, now, "open files limit (soft)"),
         Err(e) => tracing::warn!("open files limit: {e}"),
@@ -44,7 +44,7 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         experts = p.spec.num_experts,
         expert_dtype = p.expert_dtype.name(),
         backend = prepare::backend_name(p.backend),
-        world = p.member.world,
+        world = p.member.place.world,
         ingress = args.ingress.name(),
         max_tokens_per_step = args.max_tokens_per_step,
         "epserve starting"

@@ -150,10 +150,10 @@ pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
     let mut spec = source.spec()?;
     spec.cap_layers(args.layers);
     spec.validate()?;
-    let placement = Placement::new(spec.num_experts, member.world)?;
-    let backend = resolve_backend(args.backend, member.world)?;
+    let placement = Placement::new(spec.num_experts, member.place.world)?;
+    let backend = resolve_backend(args.backend, member.place.world)?;
     let expert_dtype = resolve_expert_dtype(args, &spec, &source)?;
-    let max_home = max_home_tokens(args.max_tokens_per_step, member.world);
+    let max_home = max_home_tokens(args.max_tokens_per_step, member.place.world);
     let buckets = graph_buckets(&args.graph_buckets, max_home).map_err(|e| anyhow!(e))?;
     let mut fingerprint = vec![
         ("version".to_string(), env!("CARGO_PKG_VERSION").to_string()),
@@ -178,7 +178,7 @@ pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
         _ => None,
     };
     let segment = SegmentShape {
-        world: member.world,
+        world: member.place.world,
         experts: spec.num_experts,
         top_k: spec.top_k,
         hidden: spec.hidden,
@@ -186,7 +186,7 @@ pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
     };
     let ring = RingShape::new(
         args.ring_cells,
-        member.world,
+        member.place.world,
         max_home,
         spec.hidden,
         spec.top_k,
@@ -220,7 +220,7 @@ const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringUp>> {
     crate::startup::enter(crate::startup::Stage::Load);
     let t0 = Instant::now();
-    let rank = p.member.rank;
+    let rank = p.member.place.rank;
     let experts = p.placement.experts_of(rank);
     let layers = p.spec.moe_layers.len();
     info!(experts = ?experts, layers, "loading weights");
@@ -243,8 +243,7 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringU
         BackendKind::Nccl | BackendKind::NcclEp => {
             let seat = gpu::Seat {
                 ordinal: device_ordinal(args, rank)?,
-                world: p.member.world,
-                rank,
+                place: p.member.place,
                 max_home: p.segment.max_home,
                 ep: p.ep,
             };

@@ -50,7 +50,7 @@ pub fn run(args: &ServeArgs, mut p: Prepared) -> anyhow::Result<()> {
 }
 
 /// This rank in the group: its control connection, its backend, and the step ring it mapped.
-struct Member {
+struct InGroup {
     stream: TcpStream,
     backend: Box<dyn Backend + Send>,
     ring: Option<Arc<Ring>>,
@@ -64,8 +64,8 @@ fn join(
     me: Box<dyn BringUp>,
     clients: Option<&Clients>,
     abort: &Arc<Abort>,
-) -> anyhow::Result<Member> {
-    let rank = p.member.rank;
+) -> anyhow::Result<InGroup> {
+    let rank = p.member.place.rank;
     let (data, joined) = rendezvous(args, p)?;
     let Joined {
         mut stream,
@@ -117,7 +117,7 @@ fn join(
     // Every rank of the node mapped it (or the bring-up failed): its file can go.
     let ring = ring.unlink();
     match setup {
-        Ok(backend) => Ok(Member {
+        Ok(backend) => Ok(InGroup {
             stream,
             backend,
             ring,
@@ -136,8 +136,7 @@ fn rendezvous(args: &ServeArgs, p: &Prepared) -> anyhow::Result<(DataListener, J
     crate::startup::enter(crate::startup::Stage::Rendezvous);
     let data = DataListener::bind(args.data_listen)?;
     let joiner = group::Joiner {
-        rank: p.member.rank,
-        world: p.member.world,
+        place: p.member.place,
         node: &p.member.node,
         data_port: data.port()?,
     };
@@ -200,15 +199,15 @@ impl NodeRing {
 fn follow(
     args: &ServeArgs,
     p: &Prepared,
-    m: Member,
+    m: InGroup,
     mut clients: Option<Clients>,
     abort: Arc<Abort>,
 ) -> anyhow::Result<()> {
-    let (rank, stream, backend) = (p.member.rank, m.stream, m.backend);
+    let (rank, stream, backend) = (p.member.place.rank, m.stream, m.backend);
     // The leader sends a step or a heartbeat at least every heartbeat interval plus one step.
     let silence = args.heartbeat_interval + args.step_timeout + Duration::from_secs(1);
     stream.set_read_timeout(Some(silence))?;
-    super::site::group_info(p.backend, rank, p.member.world);
+    super::site::group_info(p.backend, rank, p.member.place.world);
     // The leader drives the drain: a signalled rank keeps running the leader's steps until it is
     // told to stop or loses the leader, so nothing admitted is lost when every pod gets SIGTERM.
     let signalled = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -223,7 +222,7 @@ fn follow(
     let driver = Driver::new(
         backend,
         rank,
-        p.member.world,
+        p.member.place.world,
         p.spec.moe_layers.clone(),
         args.metrics_per_expert,
         p.ring,

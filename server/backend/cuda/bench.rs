@@ -124,8 +124,7 @@ fn rank_main(
 ) -> anyhow::Result<RankResult> {
     let seat = Seat {
         ordinal: rank,
-        world,
-        rank,
+        place: crate::place::Place { rank, world },
         max_home: c.tokens_per_rank,
         ep,
     };

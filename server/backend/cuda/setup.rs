@@ -16,6 +16,7 @@ use crate::backend::cuda::Alloc;
 use crate::backend::cuda::Gpu;
 use crate::backend::device::{check_gpu_limits, GpuDevice, Joining, Seat};
 use crate::model::{ExpertDtype, MoeSpec, RankWeights};
+use crate::place::Place;
 use crate::step::Backend;
 
 /// NCCL, loaded once and never unloaded: `ncclGetUniqueId` starts a bootstrap thread that runs
@@ -111,8 +112,7 @@ impl Device {
     ) -> anyhow::Result<Self> {
         let Seat {
             ordinal,
-            world,
-            rank,
+            place: Place { rank, world },
             max_home,
             ep,
         } = seat;

@@ -1,0 +1,16 @@
+//! A rank's place in its group: which rank, of how many. One type wherever a rank says where it
+//! sits (its flags' `config::Member`, the rendezvous's `group::Joiner`, a GPU's `gpu::Seat`);
+//! where it runs is its node (`nodes::RankNode`), and rank 0 is the leader.
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Place {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl Place {
+    /// Rank 0 forms the group and drives its steps.
+    pub fn is_leader(self) -> bool {
+        self.rank == 0
+    }
+}
