@@ -58,6 +58,30 @@ fn open_with(
     Handle::init(group, hcfg, K, mem, s)
 }
 
+/// HT dispatch of `tokens` home rows `x` and their routing weights `w` into `rows` and one
+/// weight per received row, which hold the group's receive capacity.
+fn dispatch_ht(
+    handle: &mut Handle,
+    (x, w): (&CudaSlice<bf16>, &CudaSlice<f32>),
+    (rows, rows_w): (&mut CudaSlice<bf16>, &mut CudaSlice<f32>),
+    tokens: usize,
+    s: &CudaStream,
+) {
+    let cap = rows_w.len();
+    let mut t_x = Tensor::of(x, &[tokens, H], s);
+    let mut t_w = Tensor::of(w, &[tokens, K], s);
+    let mut t_r = Tensor::of_mut(rows, &[cap, H], s);
+    let mut t_rw = Tensor::of_mut(rows_w, &[cap], s);
+    let d = Dispatch {
+        x: &mut t_x,
+        w: Some(&mut t_w),
+        rows: &mut t_r,
+        rows_w: Some(&mut t_rw),
+        scales: None,
+    };
+    handle.dispatch(d, None, s).unwrap();
+}
+
 /// One rank's tokens and routing (distinct experts per token, positive weights).
 fn routing(rank: usize) -> (Vec<bf16>, Vec<i64>, Vec<f32>) {
     let mut r = ChaCha8Rng::seed_from_u64(500 + rank as u64);
@@ -112,19 +136,8 @@ fn rank_main(
     handle.update(&mut t_ids, Some(layout), &s).unwrap();
     drop(t_cnt);
     {
-        let mut t_x = Tensor::of(&dx, &[T, H], &s);
-        let mut t_w = Tensor::of(&dw, &[T, K], &s);
-        let mut t_r = Tensor::of_mut(&mut recv, &[recv_cap, H], &s);
-        let mut t_rw = Tensor::of_mut(&mut recv_w, &[recv_cap], &s);
-        let d = Dispatch {
-            x: &mut t_x,
-            w: Some(&mut t_w),
-            rows: &mut t_r,
-            rows_w: Some(&mut t_rw),
-            scales: None,
-        };
         // recv holds recv_cap rows, the most this rank can receive.
-        handle.dispatch(d, None, &s).unwrap();
+        dispatch_ht(&mut handle, (&dx, &dw), (&mut recv, &mut recv_w), T, &s);
     }
     s.synchronize().unwrap();
 
@@ -276,18 +289,8 @@ impl Padded {
             handle.update(&mut t_ids, Some(layout), s).unwrap();
         }
         {
-            let mut t_x = Tensor::of(&self.x, &[T_CAP, H], s);
-            let mut t_w = Tensor::of(&self.w, &[T_CAP, K], s);
-            let mut t_r = Tensor::of_mut(&mut self.recv, &[cap, H], s);
-            let mut t_rw = Tensor::of_mut(&mut self.recv_w, &[cap], s);
-            let d = Dispatch {
-                x: &mut t_x,
-                w: Some(&mut t_w),
-                rows: &mut t_r,
-                rows_w: Some(&mut t_rw),
-                scales: None,
-            };
-            handle.dispatch(d, None, s).unwrap();
+            let rows = (&mut self.recv, &mut self.recv_w);
+            dispatch_ht(handle, (&self.x, &self.w), rows, T_CAP, s);
         }
         g.scale_rows(&mut self.recv, &self.recv_w, &self.total, cap, H)
             .unwrap();
