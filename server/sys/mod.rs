@@ -8,8 +8,9 @@ pub mod shm;
 /// `file` mapped read-only. The file must not be truncated while mapped: a checkpoint truncated
 /// underneath a loading rank is the operator's error, and faults rather than corrupts.
 pub fn map_file(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
-    // SAFETY: the map is read-only and owned by the returned value; its bytes are read as plain
-    // bytes (never as references to typed data that a concurrent write could invalidate).
+    // SAFETY: read-only input that nothing writes while it is mapped (a checkpoint being
+    // loaded, the operator's to keep still); the map is owned by the returned value, which
+    // outlives every slice read from it.
     unsafe { memmap2::Mmap::map(file) }
 }
 
