@@ -67,7 +67,7 @@ fn find_nvcc() -> Option<PathBuf> {
 
 /// The DeepGEMM instances `kernels/hopper.cu` compiles, one table for the three places that need
 /// them: the template arguments (OUT_DIR/hopper_instances.inc), the mangled symbols (checked in
-/// the fatbin) and the constants `server/backend/cuda/hopper.rs` launches them with
+/// the fatbin) and the constants `server/backend/cuda/kernels/hopper.rs` launches them with
 /// (OUT_DIR/hopper_tiles.rs). Measured choices: docs/benchmarks.md, "Expert GEMM on Hopper".
 struct HopperTile {
     name: &'static str,

@@ -36,7 +36,7 @@ constexpr int kBoxRows = 128;                           // weight rows per TMA b
 constexpr int kBoxK = 64;                               // K per stage: one 128-byte swizzle row
 constexpr int kChunk = 32;                              // rows of x per pass over a unit's weights
 constexpr int kWarps = 8;                               // math warps: 16 rows of each box each
-// 5 in the build (server/backend/cuda/decode_gemm.rs sizes shared memory for it); the probe
+// 5 in the build (server/backend/cuda/kernels/decode_gemm.rs sizes shared memory for it); the probe
 // (scripts/probes/decode_gemm.cu) may set it to time others.
 #ifndef DECODE_GEMM_STAGES
 #define DECODE_GEMM_STAGES 5

@@ -1,7 +1,7 @@
 // DeepGEMM's SM90 bf16 m-grouped GEMM (TMA loads, WGMMA, warp-specialised persistent CTAs),
 // compiled ahead of time from the pinned headers that scripts/cuda-toolchain.sh fetches. Every
 // parameter is fixed here except the shapes, so one instance serves every model; the host builds
-// the TMA descriptors (server/backend/cuda/hopper.rs).
+// the TMA descriptors (server/backend/cuda/kernels/hopper.rs).
 //
 // Each instance: A [rows, K] and B [groups * N, K] K-major bf16 (B is the experts' nn.Linear
 // weights stacked), D [rows, N] bf16; 64-deep K stages; 128-byte swizzles; `groups` groups at

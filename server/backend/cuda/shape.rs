@@ -256,7 +256,7 @@ impl StepShape {
 
     /// FP8 experts' quantized rows: the expert rows and their activations, the shared expert's
     /// home rows and its activations, each with one f32 scale per 128 values (rows rounded up
-    /// to 4): `cuda::fp8::Fp8Rows`.
+    /// to 4): `cuda::kernels::fp8::Fp8Rows`.
     pub fn fp8_rows(&self) -> [(usize, usize); 4] {
         let (rows, t) = (self.row_space(), self.max_home);
         [

@@ -1,7 +1,7 @@
 //! The expert-parallel exchange the GPU step runs over: how a step's routed rows leave home, where
 //! the experts find them, and how their outputs come back. The step (`step.rs`) is the same
 //! straight line for every exchange; each exchange is a file of its own: the fixed-slot NCCL
-//! exchange (`slots.rs`, backend `nccl`) and NVIDIA NCCL EP (`ep.rs`, backend `nccl-ep`).
+//! exchange (`slots`, backend `nccl`) and NVIDIA NCCL EP (`ep/`, backend `nccl-ep`).
 //!
 //! The step's methods (`count` to `combine`) only enqueue work on the rank's stream (no host
 //! sync), so a whole step can be captured as a graph; every rank calls them in the same order
