@@ -21,7 +21,7 @@ pub struct MoeApi {
     infer: Arc<Infer>,
     info: ModelInfo,
     /// Measured once the group has formed (nccl-ep).
-    ep_footprint: std::sync::OnceLock<crate::step::EpFootprint>,
+    ep_footprint: std::sync::OnceLock<crate::infer::EpFootprint>,
     /// Where each rank serves, once the group has formed.
     ingress: std::sync::OnceLock<Vec<crate::proto::IngressAddress>>,
     nodes: std::sync::OnceLock<Vec<String>>,
@@ -96,7 +96,7 @@ impl MoeApi {
     }
 
     /// What the NCCL EP exchange takes on the GPU, for GetModelInfo (set once, at startup).
-    pub fn set_ep_footprint(&self, f: crate::step::EpFootprint) {
+    pub fn set_ep_footprint(&self, f: crate::infer::EpFootprint) {
         let _ = self.ep_footprint.set(f);
     }
 

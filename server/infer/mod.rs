@@ -20,6 +20,8 @@ use crate::model::MoeSpec;
 use crate::request::{Admission, Failure, JobInput, Permit};
 /// The queue's item, for whoever builds an `Infer` (the serving process, tests).
 pub use crate::sched::Job;
+/// What the exchange holds on each GPU, as GetModelInfo reports it.
+pub use crate::step::EpFootprint;
 use tensor::{Dtype, Names, View};
 
 /// Where the service is in its life; requests are only admitted while `Serving`.
