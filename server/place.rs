@@ -7,10 +7,3 @@ pub struct Place {
     pub rank: usize,
     pub world: usize,
 }
-
-impl Place {
-    /// Rank 0 forms the group and drives its steps.
-    pub fn is_leader(self) -> bool {
-        self.rank == 0
-    }
-}

@@ -11,9 +11,8 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, CudaEvent, CudaGraph, DevicePtr};
 
-use crate::backend::cuda::sys::graph::Graph;
-
 use crate::backend::cuda::step::{GpuStep, HomeDtype, Variant};
+use crate::backend::cuda::sys::graph::Graph;
 use crate::backend::cuda::sys::memory::{direct_in, direct_out, ring_in, ring_out, RingPin};
 use crate::backend::cuda::transfer::{pack_rows, unpack_rows, Copies, Staging, DEPTH};
 use crate::backend::cuda::GpuError;
