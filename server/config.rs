@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use crate::backend::ep_settings::{EpMode, EP_LL_MAX_TOKENS};
-use crate::flags::{duration, size_in, OnOff};
+use crate::flags::{duration, off_or_duration, size_in, Every, OnOff};
 use crate::telemetry::LogFormat;
 
 #[derive(Parser, Debug)]
@@ -224,6 +224,40 @@ pub struct ServeArgs {
     /// Serve only the first N MoE layers.
     #[arg(help_heading = "Model", long, env = "EPSERVE_LAYERS")]
     pub layers: Option<usize>,
+    /// Expert slots per MoE layer beyond one per expert, spread over the ranks (experts + N
+    /// must divide by the ranks): the EPLB balancer replicates hot experts into them. 0 with no
+    /// --placement: experts in contiguous blocks.
+    #[arg(
+        help_heading = "Load balance",
+        long,
+        env = "EPSERVE_REDUNDANT_EXPERTS",
+        default_value_t = 0
+    )]
+    pub redundant_experts: usize,
+    /// Start from this placement: JSON `{"phy2log": [[expert of each slot], ...]}`, one list per
+    /// MoE layer (DeepSeek EPLB's phy2log), slots in rank order.
+    #[arg(help_heading = "Load balance", long, env = "EPSERVE_PLACEMENT")]
+    pub placement: Option<std::path::PathBuf>,
+    /// Look at the routed load this often and move slots where a layer is out of balance
+    /// (e.g. 60s; off: never).
+    #[arg(help_heading = "Load balance", long, env = "EPSERVE_EPLB_INTERVAL", default_value = "off", value_parser = off_or_duration)]
+    pub eplb_interval: Every,
+    /// Steps (all layers) the balancer sums the load over.
+    #[arg(
+        help_heading = "Load balance",
+        long,
+        env = "EPSERVE_EPLB_WINDOW",
+        default_value_t = 1000
+    )]
+    pub eplb_window: usize,
+    /// A layer whose busiest rank gets at most this times the mean rows is left as it is.
+    #[arg(
+        help_heading = "Load balance",
+        long,
+        env = "EPSERVE_EPLB_THRESHOLD",
+        default_value_t = 1.05
+    )]
+    pub eplb_threshold: f64,
     /// Seed of synthetic weights.
     #[arg(
         help_heading = "Model",
@@ -584,6 +618,14 @@ impl ServeArgs {
                 "--max-concurrent-requests, --max-queued-tokens and --max-stream-in-flight must be at least 1"
                     .into(),
             );
+        }
+        if self.eplb_window == 0 || !self.eplb_threshold.is_finite() || self.eplb_threshold < 1.0 {
+            return Err(
+                "--eplb-window must be at least 1 and --eplb-threshold at least 1.0".into(),
+            );
+        }
+        if self.eplb_interval.0.is_some_and(|d| d.is_zero()) {
+            return Err("--eplb-interval must be positive, or off".into());
         }
         if self.heartbeat_interval.is_zero() || self.step_timeout.is_zero() {
             return Err("--heartbeat-interval and --step-timeout must be positive".into());

@@ -26,6 +26,17 @@ pub(crate) fn duration(s: &str) -> Result<Duration, String> {
     humantime::parse_duration(s).map_err(|e| format!("'{s}': {e} (write e.g. 2s, 500ms)"))
 }
 
+/// A period that can be off (`--eplb-interval`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Every(pub Option<Duration>);
+
+pub(crate) fn off_or_duration(s: &str) -> Result<Every, String> {
+    match s {
+        "off" => Ok(Every(None)),
+        s => duration(s).map(|d| Every(Some(d))),
+    }
+}
+
 /// A size in bytes: a number of bytes, or with a unit (256MiB, 1GiB, 64MB).
 pub(crate) fn size(s: &str) -> Result<u64, String> {
     s.parse::<bytesize::ByteSize>()

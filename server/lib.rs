@@ -5,6 +5,7 @@ pub mod backend;
 pub mod bench;
 pub mod config;
 pub mod dtype;
+pub mod eplb;
 pub mod flags;
 pub mod group;
 pub mod infer;

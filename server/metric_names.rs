@@ -124,7 +124,17 @@ table! {
     EXPERT_SKEW_RATIO: Gauge "epserve_expert_skew_ratio", "ratio", ["layer"], any,
         "last step: max/mean tokens per expert (1 = balanced)";
     EXPERT_TOKENS_TOTAL: Counter "epserve_expert_tokens_total", "tokens", ["layer", "expert"], any,
-        "token rows per local expert (`--metrics-per-expert`, on the owning rank)";
+        "token rows per local expert slot, labelled by its logical expert (`--metrics-per-expert`, on the owning rank)";
+    RANK_LOAD_RATIO: Gauge "epserve_rank_load_ratio", "ratio", ["layer"], any,
+        "leader, over the EPLB window: max/mean routed rows per rank (1 = balanced)";
+    EXPERT_REPLICAS: Gauge "epserve_expert_replicas", "slots", ["layer"], any,
+        "leader: slots of the most replicated expert in the current placement";
+    EPLB_REBALANCES_TOTAL: Counter "epserve_eplb_rebalances_total", "placements", [], any,
+        "leader: placements applied by the EPLB balancer";
+    EPLB_MOVED_BYTES_TOTAL: Counter "epserve_eplb_moved_bytes_total", "bytes", [], any,
+        "leader: expert weight bytes every rank loaded into rewritten slots";
+    EPLB_REBALANCE_SECONDS: Histogram "epserve_eplb_rebalance_seconds", "seconds", [], any,
+        "leader: a placement's proposal to its first step";
     STARTUP_STAGE: Gauge "epserve_startup_stage", "0/1", ["stage"], any,
         "1 for the startup stage this rank is in: load, rendezvous, bringup, warmup, ready";
     STARTUP_SECONDS: Gauge "epserve_startup_seconds", "seconds", ["stage"], any,

@@ -92,9 +92,9 @@ fn zero_series() {
 }
 
 /// `--metrics-per-expert`: each of this rank's experts on every layer at 0 from start.
-pub fn zero_expert_series(layers: &[u32], experts: std::ops::Range<usize>) {
-    for layer in layers {
-        for e in experts.clone() {
+pub fn zero_expert_series(layers: &[u32], experts: &[Vec<usize>]) {
+    for (layer, mine) in layers.iter().zip(experts) {
+        for e in mine {
             counter!(metric_names::EXPERT_TOKENS_TOTAL, "layer" => layer.to_string(), "expert" => e.to_string())
                 .increment(0);
         }

@@ -17,6 +17,9 @@ use crate::proto::{
 use crate::request::{Failure, JobInput, Permit};
 use crate::transport::unary::{Spliced, Unary};
 
+/// The expert placement now: its epoch and each layer's slots.
+pub type PlacementView = Arc<dyn Fn() -> (u32, Vec<proto::LayerPlacement>) + Send + Sync>;
+
 pub struct MoeApi {
     infer: Arc<Infer>,
     info: ModelInfo,
@@ -27,6 +30,8 @@ pub struct MoeApi {
     nodes: std::sync::OnceLock<Vec<String>>,
     /// (exchange, expert) bytes per rank, once the weights are in place.
     footprint: std::sync::OnceLock<(u64, u64)>,
+    /// The placement steps run on now (the leader's balancer), once the group has formed.
+    placement: std::sync::OnceLock<PlacementView>,
     /// Most requests of one ForwardStream answered or in progress but not yet taken by the
     /// transport (--max-stream-in-flight).
     stream_in_flight: usize,
@@ -91,6 +96,7 @@ impl MoeApi {
             ingress: std::sync::OnceLock::new(),
             nodes: std::sync::OnceLock::new(),
             footprint: std::sync::OnceLock::new(),
+            placement: std::sync::OnceLock::new(),
             stream_in_flight: stream_in_flight.max(1),
         }
     }
@@ -116,6 +122,11 @@ impl MoeApi {
             })
             .collect();
         let _ = self.ingress.set(list);
+    }
+
+    /// Where GetModelInfo reads the current expert placement from (set once, on the leader).
+    pub fn set_placement(&self, view: PlacementView) {
+        let _ = self.placement.set(view);
     }
 
     /// Each rank's node, by rank (set once, when the group forms).
@@ -317,6 +328,11 @@ impl MoeService for Arc<MoeApi> {
         });
         info.ingress = self.ingress.get().cloned().unwrap_or_default();
         info.rank_nodes = self.nodes.get().cloned().unwrap_or_default();
+        if let Some(view) = self.placement.get() {
+            let (epoch, layers) = view();
+            info.placement_epoch = epoch;
+            info.layer_placement = layers;
+        }
         if let Some(&(exchange, experts)) = self.footprint.get() {
             info.exchange_bytes_per_rank = exchange;
             info.expert_bytes_per_rank = experts;

@@ -12,8 +12,9 @@ use anyhow::Context;
 
 use super::cpu::{default_lanes, segment_path, CpuRank, SegmentShape};
 use super::gpu;
+use crate::eplb::SlotMap;
 use crate::lifecycle::Abort;
-use crate::model::{MoeSpec, RankWeights};
+use crate::model::{ModelSource, MoeSpec, RankWeights};
 use crate::nodes::plane::DataLinks;
 use crate::nodes::Roster;
 use crate::step::ring::Ring;
@@ -68,6 +69,9 @@ pub struct CpuBringUp {
     pub segment: SegmentShape,
     pub spec: MoeSpec,
     pub weights: RankWeights,
+    /// The slots the weights fill, and where a moved slot's weights are read again.
+    pub slots: SlotMap,
+    pub source: ModelSource,
     pub step_timeout: Duration,
     /// --cpu-threads (0: by the world size).
     pub threads: usize,
@@ -113,7 +117,7 @@ impl BringUp for CpuBringUp {
             (at.roster, links),
             me.segment,
             me.spec,
-            me.weights,
+            (me.weights, me.slots, me.source),
             (at.ring)()?,
             at.abort.clone(),
             me.step_timeout,

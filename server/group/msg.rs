@@ -90,6 +90,13 @@ pub enum Order {
         reason: String,
     },
     Ingress(IngressOrder),
+    /// A new expert placement (per layer, the logical expert of every slot): stage the weights
+    /// of your rewritten slots and report `Staged`; the first step whose `placement` is `epoch`
+    /// runs on it.
+    Placement {
+        epoch: u32,
+        phy2log: Vec<Vec<u32>>,
+    },
 }
 
 /// Leader to ranks, `--ingress all` only.
@@ -124,6 +131,15 @@ pub enum Report {
         reason: String,
     },
     Ingress(IngressReport),
+    /// This rank has the weights of placement `epoch` staged (`bytes` loaded), or could not
+    /// (`error`).
+    Staged {
+        rank: usize,
+        epoch: u32,
+        bytes: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
+    },
 }
 
 /// Rank to leader, `--ingress all` only.

@@ -2,7 +2,6 @@
 //! the routers and its own experts, so its resident memory follows its share of the experts.
 
 use std::collections::HashMap;
-use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
@@ -684,10 +683,11 @@ fn maps_path(maps: &[(PathBuf, memmap2::Mmap)], i: usize) -> String {
     maps[i].0.display().to_string()
 }
 
+/// `experts[i]`: the routed experts to load of MoE layer `i`, in slot order.
 pub fn load_weights(
     dir: &Path,
     spec: &MoeSpec,
-    experts: Range<usize>,
+    experts: &[Vec<usize>],
     dtype: ExpertDtype,
     loaded: &mut dyn FnMut(&LayerWeights),
 ) -> Result<RankWeights, ModelError> {
@@ -695,7 +695,7 @@ pub fn load_weights(
     let ckpt = Checkpoint::open(dir, fp8)?;
     let (h, arch) = (spec.hidden, spec.architecture.as_str());
     let mut layers = Vec::with_capacity(spec.moe_layers.len());
-    for &l in &spec.moe_layers {
+    for (&l, mine) in spec.moe_layers.iter().zip(experts) {
         let router = ckpt.read(&router_name(arch, l), &[spec.num_experts, h])?;
         let bias = match spec.routing {
             Routing::SigmoidGroupTopK { .. } => Some(ckpt.read(
@@ -704,9 +704,9 @@ pub fn load_weights(
             )?),
             Routing::SoftmaxTopK { .. } => None,
         };
-        let experts = experts
-            .clone()
-            .map(|e| {
+        let experts = mine
+            .iter()
+            .map(|&e| {
                 let names = [Part::Gate, Part::Up, Part::Down].map(|p| expert_name(arch, l, e, p));
                 ckpt.ffn(names, h, spec.intermediate, dtype)
             })
@@ -727,11 +727,28 @@ pub fn load_weights(
         loaded(&layer);
         layers.push(layer);
     }
-    Ok(RankWeights {
-        layers,
-        experts,
-        dtype,
-    })
+    Ok(RankWeights { layers, dtype })
+}
+
+/// Routed experts `(layer index, expert)` alone, as `load_weights` reads them (a move's
+/// weights, read again from the checkpoint).
+pub fn load_experts(
+    dir: &Path,
+    spec: &MoeSpec,
+    wanted: &[(usize, usize)],
+    dtype: ExpertDtype,
+) -> Result<Vec<Ffn>, ModelError> {
+    let (_, fp8) = load_spec(dir)?;
+    let ckpt = Checkpoint::open(dir, fp8)?;
+    let arch = spec.architecture.as_str();
+    wanted
+        .iter()
+        .map(|&(i, e)| {
+            let l = spec.moe_layers[i];
+            let names = [Part::Gate, Part::Up, Part::Down].map(|p| expert_name(arch, l, e, p));
+            ckpt.ffn(names, spec.hidden, spec.intermediate, dtype)
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -7,10 +7,8 @@ mod spec;
 pub mod synthetic;
 mod weights;
 
-pub use spec::{ModelError, MoeSpec, Placement, Routing};
+pub use spec::{ModelError, MoeSpec, Routing};
 pub use weights::{ExpertDtype, Ffn, LayerWeights, Matrix, RankWeights};
-
-use std::ops::Range;
 
 /// Where the weights come from (`--model`).
 #[derive(Clone, Debug, PartialEq)]
@@ -71,23 +69,22 @@ impl ModelSource {
         }
     }
 
-    /// The weights of `experts` (and all routers) for every layer of `spec`, experts held as
-    /// `dtype` says: FP8 blocks as shipped or quantized at load, or values. `loaded` sees each
-    /// layer as it is read (progress).
+    /// The weights of every MoE layer of `spec` for one rank: `experts[i]` lists the routed
+    /// experts of layer `i` in its slots' order (`eplb::SlotMap::experts_of`), with all routers.
+    /// Experts held as `dtype` says: FP8 blocks as shipped or quantized at load, or values.
+    /// `loaded` sees each layer as it is read (progress).
     pub fn load(
         &self,
         spec: &MoeSpec,
-        experts: Range<usize>,
+        experts: &[Vec<usize>],
         dtype: ExpertDtype,
         loaded: &mut dyn FnMut(&LayerWeights),
     ) -> Result<RankWeights, ModelError> {
         match self {
             ModelSource::Synthetic { seed, .. } => Ok(RankWeights {
-                layers: spec
-                    .moe_layers
-                    .iter()
-                    .map(|&l| {
-                        let w = synthetic::layer(spec, *seed, l, experts.clone());
+                layers: (spec.moe_layers.iter().zip(experts))
+                    .map(|(&l, mine)| {
+                        let w = synthetic::layer(spec, *seed, l, mine.iter().copied());
                         let w = match dtype {
                             ExpertDtype::Fp8 => w.into_fp8(spec.hidden),
                             ExpertDtype::Bf16 => w,
@@ -96,10 +93,32 @@ impl ModelSource {
                         w
                     })
                     .collect(),
-                experts,
                 dtype,
             }),
             ModelSource::HuggingFace(dir) => hf::load_weights(dir, spec, experts, dtype, loaded),
+        }
+    }
+
+    /// Routed experts `(layer index, expert)` alone, exactly as `load` holds them (the weights a
+    /// placement change moves into a slot).
+    pub fn load_experts(
+        &self,
+        spec: &MoeSpec,
+        wanted: &[(usize, usize)],
+        dtype: ExpertDtype,
+    ) -> Result<Vec<Ffn>, ModelError> {
+        match self {
+            ModelSource::Synthetic { seed, .. } => Ok(wanted
+                .iter()
+                .map(|&(i, e)| {
+                    let f = synthetic::expert(spec, *seed, spec.moe_layers[i], e);
+                    match dtype {
+                        ExpertDtype::Fp8 => f.into_fp8(spec.hidden),
+                        ExpertDtype::Bf16 => f,
+                    }
+                })
+                .collect()),
+            ModelSource::HuggingFace(dir) => hf::load_experts(dir, spec, wanted, dtype),
         }
     }
 }

@@ -1,8 +1,6 @@
 //! What every rank must agree on about the MoE layers, whatever the source: shapes, routing,
 //! and which experts a rank holds.
 
-use std::ops::Range;
-
 /// How a token picks its experts.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Routing {
@@ -156,33 +154,5 @@ impl MoeSpec {
                 self.shared_intermediate.to_string(),
             ),
         ]
-    }
-}
-
-/// Contiguous blocks of E/W experts per rank.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Placement {
-    pub num_experts: usize,
-    pub world: usize,
-}
-
-impl Placement {
-    pub fn new(num_experts: usize, world: usize) -> Result<Self, ModelError> {
-        if world == 0 || num_experts % world != 0 {
-            return Err(ModelError::Invalid(format!(
-                "{num_experts} experts cannot be split evenly over {world} ranks (experts must be divisible by the world size)"
-            )));
-        }
-        Ok(Self { num_experts, world })
-    }
-    pub fn per_rank(&self) -> usize {
-        self.num_experts / self.world
-    }
-    pub fn experts_of(&self, rank: usize) -> Range<usize> {
-        let n = self.per_rank();
-        rank * n..(rank + 1) * n
-    }
-    pub fn owner(&self, expert: usize) -> usize {
-        expert / self.per_rank()
     }
 }

@@ -108,11 +108,21 @@ fn ffn(spec_hidden: usize, inter: usize, seed: u64, layer: u32, expert: u64) -> 
     )
 }
 
+/// Routed expert `e` of model layer `layer`, as any rank generates it.
+pub fn expert(spec: &MoeSpec, seed: u64, layer: u32, e: usize) -> Ffn {
+    ffn(spec.hidden, spec.intermediate, seed, layer, e as u64)
+}
+
 /// The expert id used for the shared expert's tensors.
 const SHARED: u64 = u64::MAX >> 33;
 
-/// One layer: the router for all experts, and `experts` only.
-pub fn layer(spec: &MoeSpec, seed: u64, layer: u32, experts: Range<usize>) -> LayerWeights {
+/// One layer: the router for all experts, and `experts` only, in the order given.
+pub fn layer(
+    spec: &MoeSpec,
+    seed: u64,
+    layer: u32,
+    experts: impl IntoIterator<Item = usize>,
+) -> LayerWeights {
     let h = spec.hidden;
     let a_router = (3.0 / h as f32).sqrt();
     let bias = matches!(spec.routing, Routing::SigmoidGroupTopK { .. })
@@ -121,7 +131,8 @@ pub fn layer(spec: &MoeSpec, seed: u64, layer: u32, experts: Range<usize>) -> La
         router: tensor(seed, layer, Kind::Router, 0, spec.num_experts * h, a_router),
         bias,
         experts: experts
-            .map(|e| ffn(h, spec.intermediate, seed, layer, e as u64))
+            .into_iter()
+            .map(|e| expert(spec, seed, layer, e))
             .collect(),
         shared: (spec.shared_intermediate > 0)
             .then(|| ffn(h, spec.shared_intermediate, seed, layer, SHARED)),

@@ -1,7 +1,6 @@
 //! The weights a rank holds: each layer's router and its experts, as values or FP8 blocks.
 
 use std::borrow::Cow;
-use std::ops::Range;
 
 use super::fp8;
 use super::spec::{ModelError, MoeSpec};
@@ -168,7 +167,7 @@ pub struct LayerWeights {
     pub router: Vec<f32>,
     /// DeepSeek-V3 `e_score_correction_bias`, `[num_experts]`.
     pub bias: Option<Vec<f32>>,
-    /// This rank's experts, in order.
+    /// This rank's experts, one per slot, in slot order.
     pub experts: Vec<Ffn>,
     pub shared: Option<Ffn>,
 }
@@ -199,8 +198,8 @@ impl LayerWeights {
 
 /// The weights one rank holds, one entry per MoE layer.
 pub struct RankWeights {
+    /// Per MoE layer; a layer's `experts` are the rank's slots, in order.
     pub layers: Vec<LayerWeights>,
-    pub experts: Range<usize>,
     pub dtype: ExpertDtype,
 }
 

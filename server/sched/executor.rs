@@ -22,6 +22,7 @@ use super::pace::Pace;
 use super::pipeline::{Delivery, Share};
 use super::rows::{copy_threads, deliver, out_bufs, pack};
 use crate::dtype::Dtype;
+use crate::eplb::Balance;
 use crate::group::{recv, ControlLink, GroupError, IngressOrder, IngressReport, Order, Report};
 use crate::lifecycle::{nap, Abort};
 use crate::metric_names;
@@ -86,6 +87,8 @@ pub struct Executor<B> {
     /// Its steps' packing, start and end, for the batcher.
     pub pace: Arc<Pace>,
     bufs: Arc<Bufs>,
+    /// The expert placement and the load it is balanced from.
+    balance: Arc<Balance>,
 }
 
 impl<B: Backend> Executor<B> {
@@ -96,6 +99,7 @@ impl<B: Backend> Executor<B> {
         abort: Arc<Abort>,
         step_timeout: Duration,
         events: Option<PeerEvents>,
+        balance: Arc<Balance>,
     ) -> Result<Self, GroupError> {
         let stride = ring.shape.home_stride();
         // A rank that reports failure or disconnects breaks the group at once, instead of
@@ -107,6 +111,7 @@ impl<B: Backend> Executor<B> {
                 source,
             })?;
             let (abort, closing, events) = (abort.clone(), closing.clone(), events.clone());
+            let balance = balance.clone();
             let rank = i + 1;
             std::thread::Builder::new()
                 .name(format!("ctl-rank{rank}"))
@@ -115,6 +120,7 @@ impl<B: Backend> Executor<B> {
                         rank,
                         stride,
                         events,
+                        balance,
                     };
                     watch.run(&mut r, &abort, &closing)
                 })
@@ -134,7 +140,25 @@ impl<B: Backend> Executor<B> {
             closing,
             step_timeout,
             seq: 0,
+            balance,
         })
+    }
+
+    /// The expert placement every step runs on, and the load over the window.
+    pub fn balance(&self) -> Arc<Balance> {
+        self.balance.clone()
+    }
+
+    /// The placement epoch of the next step: a proposal is first handed to this rank's backend
+    /// to stage (the other ranks got it from the balancer), and once every rank has staged it,
+    /// the next step carries it.
+    fn stamp(&mut self) -> u32 {
+        if let Some((epoch, next)) = self.balance.take_own() {
+            let balance = self.balance.clone();
+            let done = Box::new(move |r| balance.staged(0, epoch, r));
+            self.driver.stage(epoch, (*next).clone(), done);
+        }
+        self.balance.stamp()
     }
 
     /// The control connections, for the drain to tell every rank.
@@ -185,6 +209,7 @@ impl<B: Backend> Executor<B> {
             input: f.step.input,
             output: f.step.output,
             homes: f.step.homes.clone(),
+            placement: self.stamp(),
         };
         self.ring
             .publish_input(&desc)
@@ -211,7 +236,10 @@ impl<B: Backend> Executor<B> {
             if !wait && !self.driver.ready()? {
                 return Ok(None);
             }
-            let (_, times) = self.driver.complete().expect("a step in flight")?;
+            let (desc, times) = self.driver.complete().expect("a step in flight")?;
+            let routed = self.driver.backend.routed();
+            self.balance
+                .record(desc.layer as usize, desc.placement, routed);
             f.own = Some(times);
         }
         // Every rank still missing, not only the first: a healthy rank waiting on a lost one
@@ -554,6 +582,7 @@ struct Watch {
     /// Most rows of one offer.
     stride: usize,
     events: Option<PeerEvents>,
+    balance: Arc<Balance>,
 }
 
 impl Watch {
@@ -574,6 +603,14 @@ impl Watch {
                 Ok(Report::Corrupt { reason, .. }) => {
                     break (format!("rank {rank}: {reason}"), true)
                 }
+                Ok(Report::Staged {
+                    epoch,
+                    bytes,
+                    error,
+                    ..
+                }) => self
+                    .balance
+                    .staged(rank, epoch, error.map_or(Ok(bytes), Err)),
                 Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
                     break (format!("rank {rank} disconnected"), false)
                 }

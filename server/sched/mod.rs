@@ -3,7 +3,9 @@
 //! `batcher`; under `--ingress all` the `coordinator` forms steps from every rank's offers), and
 //! one pipeline (`pipeline`) packs each step's rows into the ring, runs it and answers from it:
 //! the leader's `executor` for every rank's rows, a worker's `own_rows` for its own clients'.
+//! The leader's `balancer` moves expert slots from the routed load (`--eplb-interval`).
 
+mod balancer;
 mod batcher;
 mod coordinator;
 mod executor;
@@ -13,6 +15,7 @@ mod pace;
 mod pipeline;
 pub(crate) mod rows;
 
+pub use balancer::spawn as spawn_balancer;
 pub use batcher::{run_batcher, BatchConfig};
 pub use coordinator::{run_coordinator, CoordConfig, Offer};
 pub use executor::{Control, Executor, ExecutorError, PeerEvents};

@@ -18,6 +18,7 @@ use super::stop::{wait_for_stop, Stop};
 use crate::backend::bringup::{BringUp, Site};
 use crate::config::Ingress;
 use crate::config::ServeArgs;
+use crate::eplb::{Balance, EplbConfig};
 use crate::group::{self, ControlLink, IngressOrder, Order};
 use crate::infer::Phase;
 use crate::lifecycle::Abort;
@@ -128,6 +129,11 @@ async fn form(
         front.api.set_ep_footprint(f.clone());
     }
     front.api.set_ingress(&formed.ingress);
+    let (balance, layers) = (formed.exec.balance(), formed.layer_ids.clone());
+    front.api.set_placement(Arc::new(move || {
+        let (epoch, map) = balance.current();
+        (epoch, super::prepare::layer_placement(&layers, &map))
+    }));
     front.api.set_nodes(formed.nodes.clone());
     Ok(formed)
 }
@@ -178,12 +184,18 @@ impl Pipeline {
     ) -> anyhow::Result<Self> {
         let exec = formed.exec;
         let (progress, pace, control) = (exec.progress.clone(), exec.pace.clone(), exec.control());
+        let batch_stop = CancellationToken::new();
+        crate::sched::spawn_balancer(
+            exec.balance(),
+            control.clone(),
+            batch_stop.clone(),
+            abort.clone(),
+        )?;
         let (step_tx, step_rx) = mpsc::channel(1);
         // One permit per ring cell: a step holds one from when it is formed until it is delivered.
         let in_flight = Arc::new(tokio::sync::Semaphore::new(shape.cells));
         metrics::gauge!(metric_names::STEPS_IN_FLIGHT).set(0.0);
         let executor = spawn_executor(exec, step_rx, in_flight.clone(), args, abort)?;
-        let batch_stop = CancellationToken::new();
         let batch = |max_tokens_per_step, gauge, pace| BatchConfig {
             max_tokens_per_step,
             max_wait: Duration::from_micros(args.max_batch_wait_us),
@@ -407,6 +419,8 @@ struct Formed {
     ingress: Vec<String>,
     /// Each rank's node, by rank.
     nodes: Vec<String>,
+    /// The model's index of each MoE layer.
+    layer_ids: Vec<u32>,
 }
 
 /// A group across nodes says which ranks each holds.
@@ -524,9 +538,11 @@ fn form_group(
             abort,
             args.step_timeout,
             events,
+            Arc::new(balance(args, &p, &roster)),
         )?,
         ingress,
         nodes: roster.0.iter().map(|s| s.node.clone()).collect(),
+        layer_ids: p.spec.moe_layers.clone(),
     };
     warm_up(formed, buffers)
 }
@@ -552,11 +568,27 @@ fn driver(
         rank,
         0,
         p.member.place.world,
-        p.spec.moe_layers.clone(),
+        (p.spec.moe_layers.clone(), p.slots.clone()),
         args.metrics_per_expert,
         p.ring,
         args.steps_ahead(p.backend),
     )
+}
+
+/// The leader's view of the expert placement and its load (`--eplb-*`).
+fn balance(args: &ServeArgs, p: &Prepared, roster: &crate::nodes::Roster) -> Balance {
+    let groups = match p.spec.routing {
+        crate::model::Routing::SigmoidGroupTopK { n_group, .. } => n_group,
+        crate::model::Routing::SoftmaxTopK { .. } => 1,
+    };
+    let cfg = EplbConfig {
+        interval: args.eplb_interval.0,
+        window: args.eplb_window,
+        threshold: args.eplb_threshold,
+        groups,
+        nodes: roster.nodes().len().max(1),
+    };
+    Balance::new(p.slots.clone(), p.spec.moe_layers.clone(), cfg)
 }
 
 /// Runs the warm-up step through every rank: the group is formed once it returns.

@@ -54,8 +54,8 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
     crate::metrics::install()?;
     serve_metrics(&args, rank).with_context(|| format!("rank {rank}"))?;
     if args.metrics_per_expert {
-        let experts = p.placement.experts_of(rank);
-        crate::metrics::zero_expert_series(&p.spec.moe_layers, experts);
+        let experts = p.slots.experts_of(rank);
+        crate::metrics::zero_expert_series(&p.spec.moe_layers, &experts);
     }
     crate::stats_log::spawn(args.log_stats_interval)?;
     crate::startup::watch(STILL_EVERY)?;

@@ -12,10 +12,11 @@ use crate::backend::cpu::SegmentShape;
 use crate::backend::ep_settings::EpSettings;
 use crate::backend::gpu;
 use crate::config::{graph_buckets, BackendKind, Member, ServeArgs};
+use crate::eplb::SlotMap;
 use crate::flags::OnOff;
 use crate::group::Fingerprint;
-use crate::model::{ExpertDtype, ModelSource, MoeSpec, Placement};
-use crate::proto::{DType, ExpertRange, ModelInfo};
+use crate::model::{ExpertDtype, ModelSource, MoeSpec};
+use crate::proto::{DType, ExpertRange, LayerPlacement, ModelInfo};
 use crate::step::max_home_tokens;
 use crate::step::ring::RingShape;
 
@@ -24,7 +25,8 @@ pub struct Prepared {
     pub member: Member,
     pub source: ModelSource,
     pub spec: MoeSpec,
-    pub placement: Placement,
+    /// The expert slots every rank starts from.
+    pub slots: SlotMap,
     pub fingerprint: Fingerprint,
     pub backend: BackendKind,
     pub segment: SegmentShape,
@@ -150,8 +152,14 @@ pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
     let mut spec = source.spec()?;
     spec.cap_layers(args.layers);
     spec.validate()?;
-    let placement = Placement::new(spec.num_experts, member.place.world)?;
-    let backend = resolve_backend(args.backend, member.place.world)?;
+    let world = member.place.world;
+    let slots = starting_slots(args, &spec, world)?;
+    let backend = resolve_backend(args.backend, world)?;
+    if backend != BackendKind::Cpu && (!slots.is_contiguous() || args.eplb_interval.0.is_some()) {
+        bail!(
+            "--redundant-experts, --placement and --eplb-interval need the cpu backend for now: the GPU backends serve experts in contiguous blocks"
+        );
+    }
     let expert_dtype = resolve_expert_dtype(args, &spec, &source)?;
     let max_home = max_home_tokens(args.max_tokens_per_step, member.place.world);
     let buckets = graph_buckets(&args.graph_buckets, max_home).map_err(|e| anyhow!(e))?;
@@ -169,6 +177,7 @@ pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
         ("expert_dtype".into(), expert_dtype.name().into()),
     ];
     fingerprint.extend(spec.fingerprint());
+    fingerprint.push(("expert_slots".into(), slots_digest(&slots)));
     if matches!(backend, BackendKind::Nccl | BackendKind::NcclEp) {
         fingerprint.push(("graph_buckets".into(), format!("{buckets:?}")));
         fingerprint.push(("cuda_graphs".into(), format!("{:?}", args.cuda_graphs)));
@@ -179,7 +188,7 @@ pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
     };
     let segment = SegmentShape {
         world: member.place.world,
-        experts: spec.num_experts,
+        slots: slots.slots(),
         top_k: spec.top_k,
         hidden: spec.hidden,
         max_home,
@@ -199,7 +208,7 @@ pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
         member,
         source,
         spec,
-        placement,
+        slots,
         fingerprint,
         backend,
         segment,
@@ -221,18 +230,16 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringU
     crate::startup::enter(crate::startup::Stage::Load);
     let t0 = Instant::now();
     let rank = p.member.place.rank;
-    let experts = p.placement.experts_of(rank);
+    let experts = p.slots.experts_of(rank);
     let layers = p.spec.moe_layers.len();
-    info!(experts = ?experts, layers, "loading weights");
+    let first = &experts[0];
+    info!(slots = ?p.slots.slots_of(rank), experts = ?first, layers, "loading weights");
     let mut progress = crate::startup::Progress::new("layers loaded", layers, PROGRESS_EVERY);
-    let weights = p
-        .source
-        .load(&p.spec, experts.clone(), p.expert_dtype, &mut |l| {
-            progress.tick(l.expert_bytes() as u64);
-        })?;
+    let weights = p.source.load(&p.spec, &experts, p.expert_dtype, &mut |l| {
+        progress.tick(l.expert_bytes() as u64);
+    })?;
     let host_bytes = weights.expert_bytes() as u64;
     info!(
-        experts = ?experts,
         layers,
         expert_dtype = %p.expert_dtype.name(),
         expert_bytes = host_bytes,
@@ -263,6 +270,8 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringU
                 rank,
                 segment: p.segment,
                 spec: p.spec.clone(),
+                slots: p.slots.clone(),
+                source: p.source.clone(),
                 weights,
                 step_timeout: args.step_timeout,
                 threads: args.cpu_threads,
@@ -275,7 +284,7 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringU
 
 /// What GetModelInfo says of this group.
 pub fn model_info(p: &Prepared, args: &ServeArgs) -> ModelInfo {
-    let (spec, source, placement) = (&p.spec, &p.source, &p.placement);
+    let (spec, source, slots) = (&p.spec, &p.source, &p.slots);
     ModelInfo {
         model: source.describe(),
         architecture: spec.architecture.clone(),
@@ -288,16 +297,19 @@ pub fn model_info(p: &Prepared, args: &ServeArgs) -> ModelInfo {
         renormalize: spec.routing.renormalize(),
         num_shared_experts: spec.num_shared_experts as u32,
         accepted_dtypes: vec![DType::Bf16 as i32, DType::F16 as i32, DType::F32 as i32],
-        world_size: placement.world as u32,
+        world_size: slots.world as u32,
         backend: backend_name(p.backend),
         max_tokens_per_step: args.max_tokens_per_step as u32,
-        placement: (0..placement.world)
-            .map(|r| ExpertRange {
-                rank: r as u32,
-                first: placement.experts_of(r).start as u32,
-                count: placement.per_rank() as u32,
-            })
-            .collect(),
+        placement: match slots.is_contiguous() {
+            true => (0..slots.world)
+                .map(|r| ExpertRange {
+                    rank: r as u32,
+                    first: slots.slots_of(r).start as u32,
+                    count: slots.per_rank() as u32,
+                })
+                .collect(),
+            false => Vec::new(),
+        },
         exchange_bytes_per_rank: p.exchange_bytes,
         version: env!("CARGO_PKG_VERSION").into(),
         // Measured when the group forms (MoeApi::set_ep_footprint).
@@ -309,5 +321,62 @@ pub fn model_info(p: &Prepared, args: &ServeArgs) -> ModelInfo {
         expert_bytes_per_rank: p.expert_bytes,
         // Known when the group forms (MoeApi::set_nodes).
         rank_nodes: Vec::new(),
+        redundant_experts: slots.redundant() as u32,
+        slots_per_rank: slots.per_rank() as u32,
+        // The leader's balancer says which placement is current (MoeApi::set_placement).
+        layer_placement: layer_placement(&spec.moe_layers, slots),
+        placement_epoch: 0,
     }
+}
+
+/// GetModelInfo's placement of `slots`.
+pub fn layer_placement(layer_ids: &[u32], slots: &SlotMap) -> Vec<LayerPlacement> {
+    (layer_ids.iter().zip(slots.layers()))
+        .map(|(&layer, l)| LayerPlacement {
+            layer,
+            phy2log: l.phy2log().to_vec(),
+        })
+        .collect()
+}
+
+/// `--placement`, else `--redundant-experts` slots after the contiguous blocks.
+fn starting_slots(args: &ServeArgs, spec: &MoeSpec, world: usize) -> anyhow::Result<SlotMap> {
+    let (e, layers) = (spec.num_experts, spec.moe_layers.len());
+    let slots = match &args.placement {
+        Some(file) => SlotMap::from_file(file, e, world, layers).map_err(|e| anyhow!(e))?,
+        None => SlotMap::contiguous(e, world, args.redundant_experts, layers).map_err(|e| {
+            anyhow!(
+                "{e} ({e_} experts + --redundant-experts {r} over {world} ranks)",
+                e_ = spec.num_experts,
+                r = args.redundant_experts
+            )
+        })?,
+    };
+    if args.placement.is_some()
+        && args.redundant_experts != 0
+        && slots.redundant() != args.redundant_experts
+    {
+        bail!(
+            "--placement has {} redundant slots per layer, --redundant-experts says {}",
+            slots.redundant(),
+            args.redundant_experts
+        );
+    }
+    Ok(slots)
+}
+
+/// The starting placement, for the fingerprint: every rank must start from the same one.
+fn slots_digest(slots: &SlotMap) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for l in slots.layers() {
+        for &g in l.phy2log() {
+            h = (h ^ u64::from(g)).wrapping_mul(0x0100_0000_01b3);
+        }
+        h = (h ^ 0xff).wrapping_mul(0x0100_0000_01b3);
+    }
+    format!(
+        "{} slots, {} redundant, {h:016x}",
+        slots.slots(),
+        slots.redundant()
+    )
 }

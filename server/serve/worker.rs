@@ -15,6 +15,7 @@ use super::ingress::{Clients, Opener};
 use super::prepare::{self, Prepared};
 use crate::backend::bringup::{BringUp, Site};
 use crate::config::{Ingress, ServeArgs};
+use crate::eplb::SlotMap;
 use crate::group::{self, send, Bringup, IngressOrder, Joined, Order, Report, Reporter};
 use crate::lifecycle::{nap, Abort};
 use crate::nodes::plane::DataListener;
@@ -223,7 +224,7 @@ fn follow(
         backend,
         rank,
         p.member.place.world,
-        p.spec.moe_layers.clone(),
+        (p.spec.moe_layers.clone(), p.slots.clone()),
         args.metrics_per_expert,
         p.ring,
         args.steps_ahead(p.backend),
@@ -440,6 +441,10 @@ impl Follow {
             Ok(Order::Failed { reason, .. }) => {
                 Next::Fail((None, anyhow!("the EP group stopped: {reason}")))
             }
+            Ok(Order::Placement { epoch, phy2log }) => {
+                self.stage(driver, epoch, phy2log);
+                Next::Go
+            }
             Err(e)
                 if matches!(
                     e.kind(),
@@ -457,6 +462,34 @@ impl Follow {
                 None,
                 anyhow!("lost the connection to the leader (rank 0): {e}"),
             )),
+        }
+    }
+
+    /// Stages a new expert placement off the step loop and tells the leader when it is staged;
+    /// a placement this rank cannot take is refused to the leader, which keeps the old one.
+    fn stage<B: Backend>(&self, driver: &mut Driver<B>, epoch: u32, phy2log: Vec<Vec<u32>>) {
+        let (rank, writer) = (driver.rank, self.writer.clone());
+        let done = Box::new(move |r: Result<u64, String>| {
+            let (bytes, error) = match r {
+                Ok(b) => (b, None),
+                Err(e) => (0, Some(e)),
+            };
+            let _ = writer.send(&Report::Staged {
+                rank,
+                epoch,
+                bytes,
+                error,
+            });
+        });
+        let map = driver.map().1.clone();
+        match SlotMap::from_tables(map.experts, map.world, phy2log) {
+            Ok(next)
+                if next.slots() == map.slots() && next.layers().len() == map.layers().len() =>
+            {
+                driver.stage(epoch, next, done)
+            }
+            Ok(_) => done(Err("the placement's shape differs from the group's".into())),
+            Err(e) => done(Err(e)),
         }
     }
 

@@ -28,6 +28,14 @@ pub struct StepDesc {
     /// the cell. Empty: the leader packed `tokens` rows, split evenly (`home_range`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub homes: Vec<u32>,
+    /// The expert placement's epoch this step runs on: a new one is applied by every rank
+    /// before the step (it was staged on each already).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub placement: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// What requests must share to be in one step: the ring carries one layout per step.

@@ -16,8 +16,12 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
+use crate::eplb::SlotMap;
 use crate::metric_names;
 use crate::watchdog::Progress;
+
+/// Hears once a placement's weights are staged on this rank (the bytes loaded), or why not.
+pub type StageDone = Box<dyn FnOnce(Result<u64, String>) + Send>;
 
 /// A rank's share of each step. A step is submitted, then completed, oldest first; a backend
 /// that runs on a device may hold up to `depth` steps submitted, so the next step's copies and
@@ -35,9 +39,22 @@ pub trait Backend {
     fn depth(&self) -> usize;
     /// (name, address, bytes) of every persistent buffer, for logs and the no-regrowth check.
     fn buffers(&self) -> Vec<(&'static str, usize, usize)>;
-    /// The last completed step's routing: `[world, experts]` token rows from each source rank per
-    /// expert.
+    /// The last completed step's routing: `[world, slots]` token rows from each source rank per
+    /// expert slot.
     fn routed(&self) -> &[u32];
+    /// Starts loading, off the step path, the weights `next` puts into this rank's slots;
+    /// `done` hears when they are staged or why not. A backend whose slots do not move says so.
+    fn stage(&mut self, epoch: u32, _next: Arc<SlotMap>, done: StageDone) {
+        done(Err(format!(
+            "placement epoch {epoch}: this backend's expert slots do not move"
+        )))
+    }
+    /// Swaps in what `stage` loaded for `epoch`, between steps.
+    fn apply(&mut self, epoch: u32) -> Result<(), String> {
+        Err(format!(
+            "placement epoch {epoch}: this backend's expert slots do not move"
+        ))
+    }
     /// The NCCL EP exchange's footprint on this GPU (the nccl-ep backend only).
     fn ep_footprint(&self) -> Option<EpFootprint> {
         None
@@ -103,6 +120,12 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     fn routed(&self) -> &[u32] {
         (**self).routed()
     }
+    fn stage(&mut self, epoch: u32, next: Arc<SlotMap>, done: StageDone) {
+        (**self).stage(epoch, next, done)
+    }
+    fn apply(&mut self, epoch: u32) -> Result<(), String> {
+        (**self).apply(epoch)
+    }
     fn ep_footprint(&self) -> Option<EpFootprint> {
         (**self).ep_footprint()
     }
@@ -119,6 +142,11 @@ pub struct Driver<B> {
     pub layer_ids: Vec<u32>,
     /// Export per-expert token counters (one series per expert and layer).
     pub per_expert: bool,
+    /// The expert slots steps run on, and its epoch (`StepDesc::placement`).
+    map: Arc<SlotMap>,
+    epoch: u32,
+    /// A placement handed to the backend to stage, until a step applies it.
+    staging: Option<(u32, Arc<SlotMap>)>,
     /// The ring's cells and tokens: a descriptor must fit them.
     ring: ring::RingShape,
     /// Steps submitted and not yet completed, oldest first, with when each was submitted.
@@ -136,7 +164,7 @@ impl<B: Backend> Driver<B> {
         backend: B,
         rank: usize,
         world: usize,
-        layer_ids: Vec<u32>,
+        (layer_ids, map): (Vec<u32>, SlotMap),
         per_expert: bool,
         ring: ring::RingShape,
         ahead: usize,
@@ -148,6 +176,9 @@ impl<B: Backend> Driver<B> {
             world,
             layer_ids,
             per_expert,
+            map: Arc::new(map),
+            epoch: 0,
+            staging: None,
             ring,
             flight: std::collections::VecDeque::with_capacity(depth),
             last_done: Instant::now(),
@@ -164,6 +195,43 @@ impl<B: Backend> Driver<B> {
     /// Most steps this rank holds in flight at once.
     pub fn depth(&self) -> usize {
         self.depth
+    }
+
+    /// The placement steps run on now.
+    pub fn map(&self) -> (u32, &Arc<SlotMap>) {
+        (self.epoch, &self.map)
+    }
+
+    /// Hands a new placement to the backend to stage; the step whose descriptor carries `epoch`
+    /// applies it.
+    pub fn stage(&mut self, epoch: u32, next: SlotMap, done: StageDone) {
+        let next = Arc::new(next);
+        self.staging = Some((epoch, next.clone()));
+        self.backend.stage(epoch, next, done);
+    }
+
+    /// The placement of `desc`, applied before it runs where it is a new one.
+    fn placement(&mut self, desc: &StepDesc) -> Result<(), StepError> {
+        if desc.placement == self.epoch {
+            return Ok(());
+        }
+        let bad = |msg| StepError::Invalid {
+            step: desc.step,
+            msg,
+        };
+        let next = match self.staging.take() {
+            Some((epoch, next)) if epoch == desc.placement => next,
+            _ => {
+                return Err(bad(format!(
+                    "placement epoch {} was never staged here",
+                    desc.placement
+                )))
+            }
+        };
+        self.backend.apply(desc.placement).map_err(bad)?;
+        self.map = next;
+        self.epoch = desc.placement;
+        Ok(())
     }
 
     /// Steps submitted and not yet completed.
@@ -222,6 +290,7 @@ impl<B: Backend> Driver<B> {
                 msg: format!("{} steps in flight already", self.flight.len()),
             });
         }
+        self.placement(desc)?;
         let home = desc.home(self.world, self.rank, self.ring.home_stride());
         let at = Instant::now();
         match self.flight.is_empty() {
@@ -268,6 +337,8 @@ impl<B: Backend> Driver<B> {
             heartbeat: desc.tokens == 0,
             times: &times,
             routed: self.backend.routed(),
+            slots: &self.map,
+            layer_index: desc.layer as usize,
             world: self.world,
             rank: self.rank,
             per_expert: self.per_expert,
@@ -306,6 +377,10 @@ mod tests {
             "2 exchange_segment 2.0 MiB, 1 step_ring 1.0 MiB (3.0 MiB)"
         );
         assert!(!line.contains(&0x7f00_0000_1000usize.to_string()));
+    }
+
+    fn one_slot() -> SlotMap {
+        SlotMap::contiguous(2, 1, 0, 1).unwrap()
     }
 
     /// Holds what it is given until completed, like a device backend.
@@ -347,7 +422,7 @@ mod tests {
             Queue(Default::default(), Vec::new()),
             1,
             2,
-            vec![3, 5],
+            (vec![3, 5], SlotMap::contiguous(4, 2, 0, 2).unwrap()),
             false,
             ring,
             0,
@@ -361,6 +436,7 @@ mod tests {
             input: Dtype::Bf16,
             output: Dtype::F32,
             homes: Vec::new(),
+            placement: 0,
         };
         d.run(&ok).unwrap();
         for (bad, want) in [
@@ -458,16 +534,17 @@ mod tests {
             input: Dtype::F32,
             output: Dtype::F32,
             homes: Vec::new(),
+            placement: 0,
         };
         let queue = || Queue(Default::default(), Vec::new());
         // --steps-ahead 0: one at a time, whatever the backend holds.
-        let mut one = Driver::new(queue(), 0, 1, vec![0], false, ring, 0);
+        let mut one = Driver::new(queue(), 0, 1, (vec![0], one_slot()), false, ring, 0);
         assert_eq!(one.depth(), 1);
         one.submit(&desc(1)).unwrap();
         let e = one.submit(&desc(2)).unwrap_err().to_string();
         assert!(e.contains("1 steps in flight already"), "{e}");
         // 1 ahead: two in flight, completed oldest first; never more than the ring's cells.
-        let mut two = Driver::new(queue(), 0, 1, vec![0], false, ring, 5);
+        let mut two = Driver::new(queue(), 0, 1, (vec![0], one_slot()), false, ring, 5);
         assert_eq!(two.depth(), 2);
         assert!(!two.ready().unwrap(), "nothing in flight is not ready");
         assert!(two.complete().is_none());

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
 
+use crate::eplb::SlotMap;
 use crate::metric_names;
 
 /// Wall time of one step on this rank, and of each phase where the backend runs them one by one
@@ -28,8 +29,11 @@ pub struct StepRecord<'a> {
     pub tokens: usize,
     pub heartbeat: bool,
     pub times: &'a PhaseTimes,
-    /// `[world, experts]` token rows routed from each source rank to each expert.
+    /// `[world, slots]` token rows routed from each source rank to each expert slot.
     pub routed: &'a [u32],
+    /// The placement the step ran on, and its layer's index in it.
+    pub slots: &'a SlotMap,
+    pub layer_index: usize,
     pub world: usize,
     pub rank: usize,
     pub per_expert: bool,
@@ -60,19 +64,25 @@ pub fn record_step(r: &StepRecord) {
     {
         histogram!(metric_names::STEP_PHASE_SECONDS, "phase" => phase).record(d.as_secs_f64());
     }
-    let experts = r.routed.len() / r.world.max(1);
-    if experts == 0 {
+    let slots = r.slots.slots();
+    if slots == 0 || r.routed.len() != r.world * slots || r.layer_index >= r.slots.layers().len() {
         return;
     }
-    let per_expert: Vec<u64> = (0..experts)
-        .map(|e| {
+    let per_slot: Vec<u64> = (0..slots)
+        .map(|s| {
             (0..r.world)
-                .map(|s| u64::from(r.routed[s * experts + e]))
+                .map(|src| u64::from(r.routed[src * slots + s]))
                 .sum()
         })
         .collect();
-    let local = experts / r.world;
-    let per_rank: Vec<u64> = per_expert.chunks(local).map(|c| c.iter().sum()).collect();
+    let phy2log = r.slots.layer(r.layer_index).phy2log();
+    let experts = r.slots.experts;
+    let mut per_expert = vec![0u64; experts];
+    for (s, &n) in per_slot.iter().enumerate() {
+        per_expert[phy2log[s] as usize] += n;
+    }
+    let local = r.slots.per_rank();
+    let per_rank: Vec<u64> = per_slot.chunks(local).map(|c| c.iter().sum()).collect();
     histogram!(metric_names::RANK_RECEIVED_TOKENS).record(per_rank[r.rank] as f64);
     let total: u64 = per_expert.iter().sum();
     if total > 0 {
@@ -86,9 +96,9 @@ pub fn record_step(r: &StepRecord) {
             .set(max_expert / mean_expert);
     }
     if r.per_expert {
-        let first = r.rank * local;
-        for (e, &n) in per_expert.iter().enumerate().skip(first).take(local) {
-            counter!(metric_names::EXPERT_TOKENS_TOTAL, "layer" => layer.clone(), "expert" => e.to_string()).increment(n);
+        for s in r.slots.slots_of(r.rank) {
+            let e = phy2log[s];
+            counter!(metric_names::EXPERT_TOKENS_TOTAL, "layer" => layer.clone(), "expert" => e.to_string()).increment(per_slot[s]);
         }
     }
 }

@@ -49,6 +49,7 @@ mod tests {
             input: crate::dtype::Dtype::F16,
             output: crate::dtype::Dtype::Bf16,
             homes: vec![30, 0, 3],
+            placement: 0,
         });
         let mut buf = Vec::new();
         send(&mut buf, &msg).unwrap();

@@ -2,6 +2,7 @@
 //! on free ports), a gRPC client, and an independent f64 reference of the MoE layer.
 #![allow(dead_code)]
 
+pub mod checkpoint;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod kserve;

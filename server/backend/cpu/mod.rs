@@ -20,14 +20,15 @@ pub use math::default_lanes;
 use math::Lanes;
 use phases::{run_phases, AllToAll, Experts, Gating, StepIo};
 
+use crate::eplb::{pick, SlotMap};
 use crate::lifecycle::Abort;
 use crate::model::routing::Router;
-use crate::model::{MoeSpec, Placement, RankWeights};
+use crate::model::{Ffn, ModelSource, MoeSpec, RankWeights};
 use crate::nodes::mirror::{DataLink, Target};
 use crate::nodes::plane::DataLinks;
 use crate::nodes::Roster;
 use crate::step::ring::{Output, Ring};
-use crate::step::{Backend, PhaseTimes, StepDesc, StepError};
+use crate::step::{Backend, PhaseTimes, StageDone, StepDesc, StepError};
 use crate::sys::shm::{wait_seq, Pod, Shm};
 
 const LINE: usize = 64;
@@ -36,7 +37,8 @@ const LINE: usize = 64;
 #[derive(Clone, Copy, Debug)]
 pub struct SegmentShape {
     pub world: usize,
-    pub experts: usize,
+    /// Expert slots per layer, over all ranks (`eplb::SlotMap::slots`).
+    pub slots: usize,
     pub top_k: usize,
     pub hidden: usize,
     /// Most home tokens per rank per step.
@@ -52,15 +54,16 @@ enum Flag {
 
 impl SegmentShape {
     /// Worst-case rows one rank receives: every source sends each of its tokens to at most
-    /// min(k, local experts) of this rank's experts.
+    /// min(k, its slots) of this rank's slots (a token's k experts are distinct, and each row
+    /// goes to one replica).
     pub fn recv_rows(&self) -> usize {
-        self.world * self.max_home * self.top_k.min(self.experts / self.world)
+        self.world * self.max_home * self.top_k.min(self.slots / self.world)
     }
     fn flag(&self, kind: Flag, src: usize) -> usize {
         (kind as usize * self.world + src) * LINE
     }
     fn counts(&self, src: usize) -> usize {
-        3 * self.world * LINE + src * self.experts * 4
+        3 * self.world * LINE + src * self.slots * 4
     }
     fn meta(&self, row: usize) -> usize {
         (self.counts(self.world)).next_multiple_of(LINE) + row * 12
@@ -118,8 +121,16 @@ pub struct CpuRank {
     rank: usize,
     shape: SegmentShape,
     spec: MoeSpec,
+    /// One entry per slot of this rank, per layer (`weights.layers[l].experts[i]` is slot
+    /// `map.slots_of(rank).start + i`).
     weights: RankWeights,
-    placement: Placement,
+    map: Arc<SlotMap>,
+    /// Per rank: on this rank's node (routing prefers replicas there).
+    near: Vec<bool>,
+    /// Where a moved slot's weights are read again from.
+    source: ModelSource,
+    /// The weights of a placement staged off the step path, until a step applies it.
+    staged: Arc<std::sync::Mutex<Option<Staged>>>,
     /// Every rank's segment by rank: mapped (this node's; this rank's own is what peers write
     /// into and all it reads, `own_of`) or linked (another node's).
     segs: Vec<Peer>,
@@ -131,6 +142,14 @@ pub struct CpuRank {
     lanes: Lanes,
     /// Steps run and not yet completed: this backend runs each step whole in `submit`.
     done: std::collections::VecDeque<PhaseTimes>,
+}
+
+/// The rewritten slots of a placement, loaded beside the weights in use.
+struct Staged {
+    epoch: u32,
+    map: Arc<SlotMap>,
+    /// (layer, this rank's slot index, weights).
+    slots: Vec<(usize, usize, Ffn)>,
 }
 
 /// A block of one local expert's received rows, run by one lane.
@@ -146,7 +165,12 @@ struct Scratch {
     ids: Vec<i32>,
     w: Vec<f32>,
     logits: Vec<f32>,
+    /// Rows per slot from this rank, this step.
     counts: Vec<u32>,
+    /// Each (token, k) row's slot.
+    slot_ids: Vec<u32>,
+    /// Rows per logical expert picked so far this step (spreads them over its replicas).
+    nth: Vec<u32>,
     matrix: Vec<u32>,
     next_row: Vec<usize>,
     /// This step's expert blocks (capacity for the worst step, kept).
@@ -180,7 +204,7 @@ impl CpuRank {
         (roster, links): (&Roster, &DataLinks),
         shape: SegmentShape,
         spec: MoeSpec,
-        weights: RankWeights,
+        (weights, map, source): (RankWeights, SlotMap, ModelSource),
         ring: Arc<Ring>,
         abort: Arc<Abort>,
         step_timeout: Duration,
@@ -201,19 +225,30 @@ impl CpuRank {
                 ))),
             })
             .collect::<std::io::Result<Vec<_>>>()?;
-        let (t, h, k, e) = (shape.max_home, shape.hidden, shape.top_k, shape.experts);
+        let (t, h, k, e) = (shape.max_home, shape.hidden, shape.top_k, spec.num_experts);
         let inter = spec.intermediate.max(spec.shared_intermediate);
         let lanes = Lanes::new(lanes, h, inter, weights.dtype)?;
-        let local = e / shape.world.max(1);
+        if map.slots() != shape.slots || map.world != shape.world {
+            return Err(std::io::Error::other(format!(
+                "{} slots over {} ranks, the segment holds {} over {}",
+                map.slots(),
+                map.world,
+                shape.slots,
+                shape.world
+            )));
+        }
+        let local = map.per_rank();
         let cells = ring.shape.cells;
         let s = Scratch {
             x: vec![0.0; t * h],
             ids: vec![0; t * k],
             w: vec![0.0; t * k],
             logits: vec![0.0; t * e],
-            counts: vec![0; e],
-            matrix: vec![0; shape.world * e],
-            next_row: vec![0; e],
+            counts: vec![0; shape.slots],
+            slot_ids: vec![0; t * k],
+            nth: vec![0; e],
+            matrix: vec![0; shape.world * shape.slots],
+            next_row: vec![0; shape.slots],
             // At most one partial block per expert; the others hold at least `block_rows(1)`
             // rows, the fewest any step cuts to.
             blocks: Vec::with_capacity(local + shape.recv_rows().div_ceil(lanes.block_rows(1))),
@@ -223,8 +258,12 @@ impl CpuRank {
         };
         Ok(Self {
             rank,
-            placement: Placement::new(spec.num_experts, shape.world)
-                .map_err(|e| std::io::Error::other(e.to_string()))?,
+            near: (0..shape.world)
+                .map(|r| roster.same_node(r, rank))
+                .collect(),
+            map: Arc::new(map),
+            source,
+            staged: Arc::default(),
             shape,
             spec,
             weights,
@@ -264,16 +303,16 @@ impl CpuRank {
             .map_err(|msg| StepError::DataLink { step, msg })
     }
 
-    /// First row of each of `dest`'s local experts' blocks in `dest`'s receive buffer, and the
-    /// row where `src`'s tokens for that expert start: expert-major, sources in rank order.
+    /// The row where `src`'s rows for each of `dest`'s slots start in `dest`'s receive buffer:
+    /// slot-major, sources in rank order.
     fn layout(&self, dest: usize, src: usize, out: &mut [usize]) {
-        let (e, m) = (self.shape.experts, &self.s.matrix);
+        let (n, m) = (self.shape.slots, &self.s.matrix);
         let mut start = 0;
-        for (i, g) in self.placement.experts_of(dest).enumerate() {
-            let before: u32 = (0..src).map(|s| m[s * e + g]).sum();
+        for (i, slot) in self.map.slots_of(dest).enumerate() {
+            let before: u32 = (0..src).map(|s| m[s * n + slot]).sum();
             out[i] = start + before as usize;
             start += (0..self.shape.world)
-                .map(|s| m[s * e + g] as usize)
+                .map(|s| m[s * n + slot] as usize)
                 .sum::<usize>();
         }
     }
@@ -307,7 +346,7 @@ impl StepIo for CpuRank {
         if desc.client_routing {
             self.ring
                 .read_routing(cell, home, &mut self.s.ids[..n * k], &mut self.s.w[..n * k]);
-            let e = self.shape.experts as i32;
+            let e = self.spec.num_experts as i32;
             if let Some(bad) = self.s.ids[..n * k]
                 .iter()
                 .find(|&&id| !(0..e).contains(&id))
@@ -342,7 +381,7 @@ impl Gating for CpuRank {
     /// On the step's thread: too little math to pay for waking the lanes (measured, 16 cores:
     /// gating 42-78 µs on them against 22-44 µs here, docs/benchmarks.md).
     fn gate(&mut self, desc: &StepDesc, n: usize) -> Result<(), StepError> {
-        let (h, e, k) = (self.shape.hidden, self.shape.experts, self.shape.top_k);
+        let (h, e, k) = (self.shape.hidden, self.spec.num_experts, self.shape.top_k);
         let layer = &self.weights.layers[desc.layer as usize];
         let s = &mut self.s;
         let xa = ArrayView2::from_shape((n, h), &s.x[..n * h]).expect("x shape");
@@ -364,12 +403,23 @@ impl Gating for CpuRank {
 }
 
 impl AllToAll for CpuRank {
-    /// All-gather of per-expert counts: every rank learns the whole [source, expert] matrix.
+    /// Each row's slot (one replica of its expert), then an all-gather of per-slot counts:
+    /// every rank learns the whole [source, slot] matrix.
     fn prepare(&mut self, desc: &StepDesc, n: usize) -> Result<(), StepError> {
-        let (e, k) = (self.shape.experts, self.shape.top_k);
-        self.s.counts.fill(0);
-        for &id in &self.s.ids[..n * k] {
-            self.s.counts[id as usize] += 1;
+        let (slots, k) = (self.shape.slots, self.shape.top_k);
+        let (map, near, rank) = (&self.map, &self.near, self.rank);
+        let layer = map.layer(desc.layer as usize);
+        let s = &mut self.s;
+        s.counts.fill(0);
+        s.nth.fill(0);
+        for (i, &id) in s.ids[..n * k].iter().enumerate() {
+            let g = id as usize;
+            let slot = pick(layer.replicas(g), s.nth[g] as usize, rank, |slot| {
+                near[map.rank_of(slot as usize)]
+            });
+            s.nth[g] += 1;
+            s.slot_ids[i] = slot;
+            s.counts[slot as usize] += 1;
         }
         for peer in 0..self.shape.world {
             self.segs[peer].write(self.shape.counts(self.rank), &self.s.counts);
@@ -378,28 +428,24 @@ impl AllToAll for CpuRank {
         self.wait_all(desc, Flag::Counts, "routing counts")?;
         own_of(&self.segs, self.rank).read(
             self.shape.counts(0),
-            &mut self.s.matrix[..self.shape.world * e],
+            &mut self.s.matrix[..self.shape.world * slots],
         );
         Ok(())
     }
 
-    /// Each (token, k) row goes to its expert's block in the owner's receive buffer.
+    /// Each (token, k) row goes to its slot's block in the slot's rank's receive buffer.
     fn dispatch(&mut self, desc: &StepDesc, n: usize) -> Result<(), StepError> {
-        let (h, k, local) = (
-            self.shape.hidden,
-            self.shape.top_k,
-            self.placement.per_rank(),
-        );
+        let (h, k, local) = (self.shape.hidden, self.shape.top_k, self.map.per_rank());
         let mut next = std::mem::take(&mut self.s.next_row);
         for dest in 0..self.shape.world {
             self.layout(dest, self.rank, &mut next[dest * local..(dest + 1) * local]);
         }
         for t in 0..n {
             for j in 0..k {
-                let g = self.s.ids[t * k + j] as usize;
-                let dest = self.placement.owner(g);
-                let row = next[g];
-                next[g] += 1;
+                let slot = self.s.slot_ids[t * k + j] as usize;
+                let dest = self.map.rank_of(slot);
+                let row = next[slot];
+                next[slot] += 1;
                 let seg = &self.segs[dest];
                 seg.write(self.shape.rows(row), &self.s.x[t * h..(t + 1) * h]);
                 seg.write(
@@ -460,22 +506,22 @@ impl AllToAll for CpuRank {
 }
 
 impl Experts for CpuRank {
-    /// Cuts each local expert's received rows into blocks, runs the blocks over the lanes, and
+    /// Cuts each local slot's received rows into blocks, runs the blocks over the lanes, and
     /// writes each output row into its home rank's combine buffer at (token, k).
     fn compute(&mut self, desc: &StepDesc) -> Result<(), StepError> {
-        let (h, e, shape) = (self.shape.hidden, self.shape.experts, self.shape);
+        let (h, n, shape) = (self.shape.hidden, self.shape.slots, self.shape);
         let mut blocks = std::mem::take(&mut self.s.blocks);
         blocks.clear();
-        let totals = |g: usize| -> usize {
+        let totals = |slot: usize| -> usize {
             (0..shape.world)
-                .map(|src| self.s.matrix[src * e + g] as usize)
+                .map(|src| self.s.matrix[src * n + slot] as usize)
                 .sum()
         };
-        let all: usize = self.placement.experts_of(self.rank).map(totals).sum();
+        let all: usize = self.map.slots_of(self.rank).map(totals).sum();
         let per = self.lanes.block_rows(all);
         let mut start = 0;
-        for (expert, g) in self.placement.experts_of(self.rank).enumerate() {
-            let total = totals(g);
+        for (expert, slot) in self.map.slots_of(self.rank).enumerate() {
+            let total = totals(slot);
             for first in (start..start + total).step_by(per) {
                 let rows = per.min(start + total - first);
                 blocks.push(Block {
@@ -530,6 +576,66 @@ impl Backend for CpuRank {
 
     fn routed(&self) -> &[u32] {
         &self.s.matrix
+    }
+
+    /// Reads the experts of this rank's rewritten slots again from the model source on a thread
+    /// of its own (the checkpoint every rank can read, or the synthetic seed), exactly as they
+    /// were loaded at startup.
+    fn stage(&mut self, epoch: u32, next: Arc<SlotMap>, done: StageDone) {
+        let (rank, first) = (self.rank, self.map.slots_of(self.rank).start);
+        let mut at = Vec::new();
+        let mut wanted = Vec::new();
+        for (l, slots) in self.map.changed(&next, rank).into_iter().enumerate() {
+            for slot in slots {
+                at.push((l, slot - first));
+                wanted.push((l, next.layer(l).phy2log()[slot] as usize));
+            }
+        }
+        let (source, spec, dtype) = (self.source.clone(), self.spec.clone(), self.weights.dtype);
+        let staged = self.staged.clone();
+        let spawned = std::thread::Builder::new()
+            .name("eplb-stage".into())
+            .spawn(move || {
+                let ffns = match source.load_experts(&spec, &wanted, dtype) {
+                    Ok(f) => f,
+                    Err(e) => return done(Err(e.to_string())),
+                };
+                let bytes = ffns.iter().map(Ffn::bytes).sum::<usize>() as u64;
+                let slots = at
+                    .into_iter()
+                    .zip(ffns)
+                    .map(|((l, i), f)| (l, i, f))
+                    .collect();
+                *staged.lock().unwrap_or_else(|e| e.into_inner()) = Some(Staged {
+                    epoch,
+                    map: next,
+                    slots,
+                });
+                done(Ok(bytes));
+            });
+        if let Err(e) = spawned {
+            // `done` moved into the closure that failed to spawn: the proposal times out.
+            tracing::warn!(epoch, "could not start staging a placement: {e}");
+        }
+    }
+
+    fn apply(&mut self, epoch: u32) -> Result<(), String> {
+        let staged = self.staged.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let s = match staged {
+            Some(s) if s.epoch == epoch => s,
+            other => {
+                return Err(format!(
+                    "placement epoch {epoch} is not staged on rank {} (staged: {:?})",
+                    self.rank,
+                    other.map(|s| s.epoch)
+                ))
+            }
+        };
+        for (l, i, ffn) in s.slots {
+            self.weights.layers[l].experts[i] = ffn;
+        }
+        self.map = s.map;
+        Ok(())
     }
 
     fn buffers(&self) -> Vec<(&'static str, usize, usize)> {
