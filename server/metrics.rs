@@ -112,13 +112,37 @@ fn render() -> String {
     HANDLE.get().map(|h| h.render()).unwrap_or_default()
 }
 
-/// `GET /metrics`, for any HTTP port to serve.
+/// The leader's expert placement and load as JSON (`/eplb`), set once the group forms.
+type Status = Box<dyn Fn() -> String + Send + Sync>;
+static EPLB: std::sync::OnceLock<Status> = std::sync::OnceLock::new();
+
+/// What `/eplb` answers on this process (rank 0).
+pub fn set_eplb_status(f: Status) {
+    let _ = EPLB.set(f);
+}
+
+/// `GET /metrics`, and on rank 0 `GET /eplb` (read-only), for any HTTP port to serve.
 pub fn routes() -> axum::Router {
     use axum::http::header::CONTENT_TYPE;
-    axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(|| async { ([(CONTENT_TYPE, "text/plain; version=0.0.4")], render()) }),
-    )
+    axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(|| async {
+                ([(CONTENT_TYPE, "text/plain; version=0.0.4")], render())
+            }),
+        )
+        .route(
+            "/eplb",
+            axum::routing::get(|| async {
+                match EPLB.get() {
+                    Some(f) => Ok(([(CONTENT_TYPE, "application/json")], f())),
+                    None => Err((
+                        axum::http::StatusCode::NOT_FOUND,
+                        "the placement is served by rank 0, once the group has formed\n",
+                    )),
+                }
+            }),
+        )
 }
 
 /// Binds `addr` and serves `/metrics` there (idle connections closed as `conns` says);

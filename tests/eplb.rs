@@ -327,3 +327,136 @@ fn moved_weights_are_the_checkpoints_bytes() {
         }
     }
 }
+
+/// Outputs of `n` random tokens on every layer against the reference, per token.
+async fn exact(
+    c: &mut epserve::proto::moe_service_client::MoeServiceClient<tonic::transport::Channel>,
+    spec: &MoeSpec,
+    refs: &[RefLayer],
+    seed: u64,
+) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    for (slot, &layer) in spec.moe_layers.iter().enumerate() {
+        let n = 37;
+        let x: Vec<f32> = (0..n * spec.hidden)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let out = c
+            .forward(request("p", layer, f32_tensor(&x, [n, spec.hidden])))
+            .await
+            .unwrap();
+        let out = decode(out.into_inner().output.as_ref().unwrap());
+        let xs: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
+        let (err, token, _) = compare_tokens(spec, &refs[slot], &xs, &out, None);
+        assert!(err <= 1e-5, "layer {layer}: token {token} is {err:.3e} off");
+    }
+}
+
+/// `--placement` starts a group on a given placement (checked, the error naming the layer and
+/// the expert), and SIGHUP to rank 0 applies the file again once it has changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_placement_file_starts_the_group_and_sighup_applies_it_live() {
+    let spec = epserve::model::synthetic::preset("small-deepseek").unwrap();
+    let refs: Vec<RefLayer> = (spec.moe_layers.iter())
+        .map(|&l| {
+            RefLayer::from_weights(
+                &epserve::model::synthetic::layer(&spec, 0, l, 0..16),
+                spec.hidden,
+            )
+        })
+        .collect();
+    let dir = TempDir::new("placement");
+    let file = dir.0.join("placement.json");
+    let write = |tables: &[Vec<u32>]| {
+        let json = serde_json::json!({ "phy2log": tables });
+        std::fs::write(&file, json.to_string()).unwrap();
+    };
+    // A layer that loses expert 5: refused before the group forms.
+    let mut bad: Vec<u32> = (0..16).chain([0, 1]).collect();
+    bad[5] = 4;
+    write(&[(0..18).map(|s| s % 16).collect(), bad]);
+    let shm = TempDir::new("shm");
+    let f = file.display().to_string();
+    let mut p = Proc::spawn(&serve_args(
+        &shm,
+        &["--model", "synthetic:small-deepseek", "--placement", &f],
+    ));
+    assert!(p
+        .wait_exit(Duration::from_secs(60))
+        .is_some_and(|s| !s.success()));
+    assert!(
+        p.log_text().contains("layer 1: expert 5 has no slot"),
+        "{}",
+        p.log_text()
+    );
+
+    // Rank 0 holds the last block's experts, rank 1 the first's, each with a replica of 0.
+    let first: Vec<u32> = (8..16).chain([0]).chain(0..8).chain([0]).collect();
+    write(&[first.clone(), first.clone()]);
+    let group = Group::launch(2, "synthetic:small-deepseek", &["--placement", &f]);
+    let mut c = group.client().await;
+    let info = c
+        .get_model_info(GetModelInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((info.redundant_experts, info.slots_per_rank), (2, 9));
+    assert_eq!(info.layer_placement[1].phy2log, first);
+    exact(&mut c, &spec, &refs, 1).await;
+
+    let next: Vec<u32> = (0..16).chain([3, 9]).collect();
+    write(&[first.clone(), next.clone()]);
+    kill(group.proc.rank_pid(0), "HUP");
+    let end = Instant::now() + Duration::from_secs(60);
+    loop {
+        let info = c
+            .get_model_info(GetModelInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        if info.placement_epoch == 1 {
+            assert_eq!(info.layer_placement[0].phy2log, first);
+            assert_eq!(info.layer_placement[1].phy2log, next);
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "not applied\n{}",
+            group.proc.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    exact(&mut c, &spec, &refs, 2).await;
+    // Rank 0 shows the placement and the load it balances from; the other ranks have neither.
+    let metrics = group.metrics_addrs(2);
+    let (head, body) = get(&metrics[0], "/eplb");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["epoch"], 1);
+    assert_eq!(v["layers"][1]["phy2log"], serde_json::json!(next));
+    assert_eq!(v["layers"][1]["layer"], spec.moe_layers[1]);
+    let rows: u64 = (v["layers"][1]["expert_rows"].as_array().unwrap().iter())
+        .map(|n| n.as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        rows,
+        37 * 4,
+        "the window holds the one request since the move"
+    );
+    assert!(get(&metrics[1], "/eplb").0.starts_with("HTTP/1.1 404"));
+}
+
+/// `GET path` on `addr`: the status line and headers, and the body.
+fn get(addr: &str, path: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    (head.to_string(), body.to_string())
+}

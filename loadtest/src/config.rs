@@ -113,6 +113,19 @@ pub struct Args {
     /// The model layer to load (default: the first MoE layer).
     #[arg(long)]
     pub layer: Option<u32>,
+    /// Skewed load: expert popularity follows a Zipf law of this exponent (0: even), the most
+    /// popular experts first (the first rank's block under contiguous placement). Hidden states
+    /// are pulled towards a drawn expert through --skew-model's gate; with --client-routing the
+    /// ids are drawn so.
+    #[arg(long)]
+    pub skew: Option<f64>,
+    /// The model the target serves (its --model), for --skew's hidden states: its router of
+    /// --layer is read here.
+    #[arg(long)]
+    pub skew_model: Option<String>,
+    /// --skew-model's --seed (synthetic models).
+    #[arg(long, default_value_t = 0)]
+    pub skew_model_seed: u64,
     /// Requests started in this first stretch are not counted.
     #[arg(long, default_value = "2s", value_parser = duration)]
     pub warmup: Duration,
@@ -188,6 +201,16 @@ impl Args {
         }
         if self.rate.is_some_and(|r| r.is_nan() || r <= 0.0) || self.concurrency == Some(0) {
             return Err("--rate and --concurrency must be positive".into());
+        }
+        match self.skew {
+            Some(s) if !s.is_finite() || s < 0.0 => {
+                return Err("--skew must be a finite exponent, 0 or more".into())
+            }
+            Some(_) if !self.client_routing && self.skew_model.is_none() => return Err(
+                "--skew needs --skew-model (the target's model, for its gate) or --client-routing"
+                    .into(),
+            ),
+            _ => {}
         }
         if self.connections == 0 || self.sweep_factor <= 1.0 {
             return Err("--connections must be positive and --sweep-factor above 1".into());

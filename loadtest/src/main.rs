@@ -8,7 +8,7 @@ use epserve_loadtest::echo::{self, Echo};
 use epserve_loadtest::load::{self, Mode, Plan};
 use epserve_loadtest::report::{Comparison, Report};
 use epserve_loadtest::sweep::{self, Sweep};
-use epserve_loadtest::workload::{Shape, Workload};
+use epserve_loadtest::workload::{Shape, Skewed, Workload};
 
 /// The model's shape, from the first of the target's addresses.
 async fn shape_of(addr: &str, args: &Args) -> anyhow::Result<Shape> {
@@ -39,11 +39,16 @@ async fn run_api(
         connections: args.connections,
         max_in_flight: args.max_in_flight,
     };
+    let skew = args
+        .skew
+        .map(|s| Skewed::load(s, args.skew_model.as_deref(), args.skew_model_seed, shape))
+        .transpose()?;
     let w = Workload::new(
         shape.clone(),
         args.tokens,
         args.dtype,
         args.client_routing,
+        skew,
         args.seed,
     );
     load::run(addr, &plan, w, args.seed).await

@@ -5,6 +5,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::config::{Dtype, Tokens};
+use epserve::eplb::skew::{pull, Zipf};
 
 /// What a client checks of an answer: dtype (epserve.v1's enum), shape, and data bytes.
 pub struct Out {
@@ -52,11 +53,52 @@ impl Shape {
     }
 }
 
+/// `--skew`: who draws the experts, and the router row of each (None: client routing only).
+pub struct Skewed {
+    pub zipf: Zipf,
+    /// `[experts, hidden]`: the target's router of the loaded layer.
+    pub router: Option<Vec<f32>>,
+}
+
+impl Skewed {
+    /// `--skew s`, with the router of `shape.layer` read from `model` where one is given.
+    pub fn load(s: f64, model: Option<&str>, seed: u64, shape: &Shape) -> anyhow::Result<Self> {
+        let router = match model {
+            None => None,
+            Some(m) => {
+                let source = epserve::model::ModelSource::parse(m, seed)?;
+                let mut spec = source.spec()?;
+                if !spec.moe_layers.contains(&shape.layer) {
+                    anyhow::bail!("--skew-model {m} has no MoE layer {}", shape.layer);
+                }
+                if (spec.hidden, spec.num_experts) != (shape.hidden, shape.experts) {
+                    anyhow::bail!(
+                        "--skew-model {m} is {} x {} experts, the target serves {} x {}",
+                        spec.hidden,
+                        spec.num_experts,
+                        shape.hidden,
+                        shape.experts
+                    );
+                }
+                spec.moe_layers = vec![shape.layer];
+                let dtype = epserve::model::ExpertDtype::Bf16;
+                let w = source.load(&spec, &[Vec::new()], dtype, &mut |_| {})?;
+                w.layers.into_iter().next().map(|l| l.router)
+            }
+        };
+        Ok(Self {
+            zipf: Zipf::new(shape.experts, s),
+            router,
+        })
+    }
+}
+
 pub struct Workload {
     shape: Shape,
     tokens: Tokens,
     dtype: Dtype,
     client_routing: bool,
+    skew: Option<Skewed>,
     rng: StdRng,
     /// Random values, already encoded; requests copy a window of it.
     /// Pre-built payload bytes; each request shares a slice of them instead of copying.
@@ -78,16 +120,32 @@ impl Workload {
         tokens: Tokens,
         dtype: Dtype,
         client_routing: bool,
+        skew: Option<Skewed>,
         seed: u64,
     ) -> Self {
         let mut rng = StdRng::seed_from_u64(seed);
-        let n = POOL_TOKENS * shape.hidden;
+        let h = shape.hidden;
+        let mut values: Vec<f32> = (0..POOL_TOKENS * h)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        // --skew: each token pulled towards top-k experts drawn by popularity, through the
+        // target's gate.
+        if let Some(Skewed {
+            zipf,
+            router: Some(router),
+        }) = &skew
+        {
+            for x in values.chunks_exact_mut(h) {
+                for g in zipf.distinct(shape.top_k, || rng.random()) {
+                    pull(x, &router[g * h..(g + 1) * h]);
+                }
+            }
+        }
         let pool: Vec<u8> = match dtype {
-            Dtype::F32 => (0..n)
-                .flat_map(|_| rng.random_range(-1.0f32..1.0).to_le_bytes())
-                .collect(),
-            Dtype::Bf16 => (0..n)
-                .flat_map(|_| half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes())
+            Dtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Dtype::Bf16 => values
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
                 .collect(),
         };
         Self {
@@ -95,6 +153,7 @@ impl Workload {
             tokens,
             dtype,
             client_routing,
+            skew,
             rng,
             pool: pool.into(),
         }
@@ -148,8 +207,17 @@ impl Workload {
             let k = self.shape.top_k;
             let mut ids = Vec::with_capacity(n * k);
             for _ in 0..n {
-                let row = rand::seq::index::sample(&mut self.rng, self.shape.experts, k);
-                ids.extend(row.into_iter().map(|e| e as i32));
+                match &self.skew {
+                    Some(s) => {
+                        let rng = &mut self.rng;
+                        let row = s.zipf.distinct(k, || rng.random());
+                        ids.extend(row.into_iter().map(|e| e as i32));
+                    }
+                    None => {
+                        let row = rand::seq::index::sample(&mut self.rng, self.shape.experts, k);
+                        ids.extend(row.into_iter().map(|e| e as i32));
+                    }
+                }
             }
             let w: Vec<f32> = (0..n * k)
                 .map(|_| self.rng.random_range(0.05f32..1.0))
@@ -214,7 +282,7 @@ mod tests {
             top_k: 2,
             experts: 4,
         };
-        let mut w = Workload::new(shape, Tokens::Uniform(2, 5), Dtype::Bf16, true, 1);
+        let mut w = Workload::new(shape, Tokens::Uniform(2, 5), Dtype::Bf16, true, None, 1);
         for i in 0..50 {
             let item = w.next(i.to_string());
             let h = item.request.hidden_states.as_ref().unwrap();

@@ -138,7 +138,14 @@ async fn counts_add_up_against_a_rank_group() {
         (Api::Unary, Mode::Open(400.0)),
         (Api::KserveShm, Mode::Closed(8)),
     ] {
-        let w = Workload::new(s.clone(), Tokens::Uniform(1, 40), Dtype::Bf16, true, 3);
+        let w = Workload::new(
+            s.clone(),
+            Tokens::Uniform(1, 40),
+            Dtype::Bf16,
+            true,
+            None,
+            3,
+        );
         let r = load::run(&group.1, &plan(mode, api, 1.0), w, 3)
             .await
             .unwrap();
@@ -195,7 +202,7 @@ async fn several_targets_share_the_load_evenly() {
     let addrs: Vec<String> = info.ingress.iter().map(|a| a.address.clone()).collect();
     assert_eq!(addrs.len(), 2, "{:?}", info.ingress);
     let s = shape(&addrs[0]).await;
-    let w = Workload::new(s, Tokens::Uniform(1, 40), Dtype::Bf16, true, 5);
+    let w = Workload::new(s, Tokens::Uniform(1, 40), Dtype::Bf16, true, None, 5);
     let r = load::run(
         &addrs.join(","),
         &plan(Mode::Closed(8), Api::Unary, 1.0),
@@ -236,7 +243,7 @@ async fn open_loop_keeps_its_rate_when_the_server_is_slow() {
     .to_string();
     let s = shape(&addr).await;
     let (rate, secs) = (100.0, 2.0);
-    let w = Workload::new(s.clone(), Tokens::Fixed(4), Dtype::F32, false, 5);
+    let w = Workload::new(s.clone(), Tokens::Fixed(4), Dtype::F32, false, None, 5);
     let open = load::run(&addr, &plan(Mode::Open(rate), Api::Unary, secs), w, 5)
         .await
         .unwrap();
@@ -254,7 +261,7 @@ async fn open_loop_keeps_its_rate_when_the_server_is_slow() {
         open.latency_ms
     );
     // A closed loop against the same server falls to clients / delay instead.
-    let w = Workload::new(s, Tokens::Fixed(4), Dtype::F32, false, 5);
+    let w = Workload::new(s, Tokens::Fixed(4), Dtype::F32, false, None, 5);
     let closed = load::run(&addr, &plan(Mode::Closed(4), Api::Unary, secs), w, 5)
         .await
         .unwrap();
@@ -324,4 +331,67 @@ fn the_cli_sweeps_and_writes_svg_and_json() {
         "missing load shape is a usage error"
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--skew S` through a model's gate: its hidden states route the Zipf-popular experts (the
+/// first rank's block) to at least twice the mean rows of a rank at S = 1.5, and evenly at 0.
+#[test]
+fn skewed_hidden_states_route_through_the_models_gate() {
+    use epserve::model::routing::Router;
+    use epserve::model::synthetic;
+    use epserve_loadtest::workload::Skewed;
+    let spec = synthetic::preset("small-deepseek").unwrap();
+    let (h, e, k) = (spec.hidden, spec.num_experts, spec.top_k);
+    let layer = synthetic::layer(&spec, 0, 1, 0..0);
+    let shape = Shape {
+        hidden: h,
+        layer: 1,
+        top_k: k,
+        experts: e,
+    };
+    let per_rank = |s: f64| {
+        let skew = Skewed::load(s, Some("synthetic:small-deepseek"), 0, &shape).unwrap();
+        assert_eq!(skew.router.as_deref(), Some(&layer.router[..]));
+        let mut w = Workload::new(
+            shape.clone(),
+            Tokens::Fixed(64),
+            Dtype::F32,
+            false,
+            Some(skew),
+            9,
+        );
+        let mut rows = [0usize; 4];
+        let (mut router, mut ids, mut wts) = (Router::default(), vec![0i32; k], vec![0f32; k]);
+        for i in 0..16 {
+            let item = w.next(i.to_string());
+            let data = &item.request.hidden_states.as_ref().unwrap().data;
+            let x: Vec<f32> = data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            for t in x.chunks_exact(h) {
+                let logits: Vec<f32> = (0..e)
+                    .map(|g| {
+                        t.iter()
+                            .zip(&layer.router[g * h..(g + 1) * h])
+                            .map(|(a, b)| a * b)
+                            .sum()
+                    })
+                    .collect();
+                router.route(
+                    &spec.routing,
+                    &logits,
+                    layer.bias.as_deref(),
+                    &mut ids,
+                    &mut wts,
+                );
+                ids.iter().for_each(|&g| rows[g as usize / (e / 4)] += 1);
+            }
+        }
+        let mean = rows.iter().sum::<usize>() as f64 / 4.0;
+        *rows.iter().max().unwrap() as f64 / mean
+    };
+    let (even, skewed) = (per_rank(0.0), per_rank(1.5));
+    assert!(even < 1.25, "S = 0: busiest rank {even:.2}x the mean");
+    assert!(skewed >= 2.0, "S = 1.5: busiest rank {skewed:.2}x the mean");
 }

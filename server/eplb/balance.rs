@@ -373,6 +373,34 @@ impl Balance {
         Ok(epoch)
     }
 
+    /// The placement, the window's load and what a look would choose now, as JSON (`/eplb`):
+    /// `would_choose` is a placement file, or null when every layer is within the threshold.
+    pub fn status(&self) -> serde_json::Value {
+        let (epoch, map) = self.current();
+        let loads = self.loads();
+        let steps = self.lock().window.steps.len();
+        let layers: Vec<serde_json::Value> = (self.layer_ids.iter().zip(map.layers()).zip(&loads))
+            .map(|((&id, l), (experts, ranks))| {
+                serde_json::json!({
+                    "layer": id,
+                    "phy2log": l.phy2log(),
+                    "expert_rows": experts,
+                    "rank_rows": ranks,
+                    "rank_load_ratio": ratio(ranks),
+                })
+            })
+            .collect();
+        let next = decide(&map, &loads, &self.cfg).map(|m| m.to_file());
+        serde_json::json!({
+            "epoch": epoch,
+            "slots_per_rank": map.per_rank(),
+            "window_steps": steps,
+            "threshold": self.cfg.threshold,
+            "layers": layers,
+            "would_choose": next,
+        })
+    }
+
     /// One look at the window: a proposal when it asks for one. Ok(None): nothing to move.
     pub fn look(
         &self,

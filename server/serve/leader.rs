@@ -130,6 +130,8 @@ async fn form(
     }
     front.api.set_ingress(&formed.ingress);
     let (balance, layers) = (formed.exec.balance(), formed.layer_ids.clone());
+    let status = balance.clone();
+    crate::metrics::set_eplb_status(Box::new(move || status.status().to_string()));
     front.api.set_placement(Arc::new(move || {
         let (epoch, map) = balance.current();
         (epoch, super::prepare::layer_placement(&layers, &map))
@@ -188,6 +190,7 @@ impl Pipeline {
         crate::sched::spawn_balancer(
             exec.balance(),
             control.clone(),
+            args.placement.clone(),
             batch_stop.clone(),
             abort.clone(),
         )?;
