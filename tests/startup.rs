@@ -77,6 +77,20 @@ fn experts_not_divisible_by_ranks() {
             Duration::from_secs(20),
         );
     }
+    // Redundant slots that do not split evenly either.
+    let mut ranks: Vec<Proc> = (0..2)
+        .map(|r| {
+            let at = if r == 0 { "127.0.0.1:0" } else { NOBODY };
+            serve(r, 2, at, &shm, &["--redundant-experts", "1"])
+        })
+        .collect();
+    for p in &mut ranks {
+        fails_with(
+            p,
+            "8 experts + --redundant-experts 1 = 9 slots cannot be split evenly over 2 ranks",
+            Duration::from_secs(20),
+        );
+    }
     let args = [
         "launch",
         "--ranks",

@@ -344,13 +344,19 @@ fn starting_slots(args: &ServeArgs, spec: &MoeSpec, world: usize) -> anyhow::Res
     let (e, layers) = (spec.num_experts, spec.moe_layers.len());
     let slots = match &args.placement {
         Some(file) => SlotMap::from_file(file, e, world, layers).map_err(|e| anyhow!(e))?,
-        None => SlotMap::contiguous(e, world, args.redundant_experts, layers).map_err(|e| {
-            anyhow!(
-                "{e} ({e_} experts + --redundant-experts {r} over {world} ranks)",
-                e_ = spec.num_experts,
-                r = args.redundant_experts
-            )
-        })?,
+        None => {
+            let r = args.redundant_experts;
+            match (e + r) % world.max(1) {
+                0 => SlotMap::contiguous(e, world, r, layers).map_err(|e| anyhow!(e))?,
+                _ if r == 0 => bail!(
+                    "{e} experts cannot be split evenly over {world} ranks (experts must be divisible by the world size, or experts + --redundant-experts)"
+                ),
+                _ => bail!(
+                    "{e} experts + --redundant-experts {r} = {} slots cannot be split evenly over {world} ranks (every rank holds as many slots)",
+                    e + r
+                ),
+            }
+        }
     };
     if args.placement.is_some()
         && args.redundant_experts != 0

@@ -131,6 +131,8 @@ pub struct CpuRank {
     source: ModelSource,
     /// The weights of a placement staged off the step path, until a step applies it.
     staged: Arc<std::sync::Mutex<Option<Staged>>>,
+    /// The newest placement asked for: a slower load of an older one is dropped.
+    asked: Arc<std::sync::atomic::AtomicU32>,
     /// Every rank's segment by rank: mapped (this node's; this rank's own is what peers write
     /// into and all it reads, `own_of`) or linked (another node's).
     segs: Vec<Peer>,
@@ -264,6 +266,7 @@ impl CpuRank {
             map: Arc::new(map),
             source,
             staged: Arc::default(),
+            asked: Arc::default(),
             shape,
             spec,
             weights,
@@ -592,7 +595,8 @@ impl Backend for CpuRank {
             }
         }
         let (source, spec, dtype) = (self.source.clone(), self.spec.clone(), self.weights.dtype);
-        let staged = self.staged.clone();
+        let (staged, asked) = (self.staged.clone(), self.asked.clone());
+        asked.store(epoch, std::sync::atomic::Ordering::Release);
         let spawned = std::thread::Builder::new()
             .name("eplb-stage".into())
             .spawn(move || {
@@ -606,11 +610,17 @@ impl Backend for CpuRank {
                     .zip(ffns)
                     .map(|((l, i), f)| (l, i, f))
                     .collect();
-                *staged.lock().unwrap_or_else(|e| e.into_inner()) = Some(Staged {
+                let mut held = staged.lock().unwrap_or_else(|e| e.into_inner());
+                if asked.load(std::sync::atomic::Ordering::Acquire) != epoch {
+                    drop(held);
+                    return done(Err(format!("placement epoch {epoch} was superseded")));
+                }
+                *held = Some(Staged {
                     epoch,
                     map: next,
                     slots,
                 });
+                drop(held);
                 done(Ok(bytes));
             });
         if let Err(e) = spawned {
