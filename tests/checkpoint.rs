@@ -49,13 +49,8 @@ async fn check_as(a: Arch, seed: u64, extra: &[&str], dtype: &str) {
         let x: Vec<f32> = (0..n * spec.hidden)
             .map(|_| rng.random_range(-1.0f32..1.0))
             .collect();
-        let out = c
-            .forward(request("ck", layer, f32_tensor(&x, [n, spec.hidden])))
-            .await
-            .unwrap()
-            .into_inner();
+        let out = forward_f32(&mut c, "ck", layer, &x, spec.hidden).await;
         let xs: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
-        let out = decode(out.output.as_ref().unwrap());
         let (err, excluded) = compare(&spec, &refs[slot], &xs, &out, None);
         assert!(
             err <= 1e-5 && excluded <= 1,

@@ -17,9 +17,11 @@ use common::reference::{compare_tokens, route, RefLayer};
 use common::*;
 use epserve::eplb::SlotMap;
 use epserve::model::{ExpertDtype, ModelSource, MoeSpec};
+use epserve::proto::moe_service_client::MoeServiceClient;
 use epserve::proto::GetModelInfoRequest;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use tonic::transport::Channel;
 
 const RANKS: usize = 4;
 const SEED: u64 = 54;
@@ -142,11 +144,7 @@ async fn placements_follow_skewed_load_and_outputs_stay_exact() {
     );
     let metrics = group.metrics_addrs(RANKS);
     let mut c = group.client().await;
-    let info = c
-        .get_model_info(GetModelInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let info = model_info(&mut c).await;
     assert_eq!((info.redundant_experts, info.slots_per_rank), (4, 5));
     assert_eq!(info.placement_epoch, 0);
     assert_eq!(info.layer_placement.len(), spec.moe_layers.len());
@@ -247,11 +245,7 @@ async fn placements_follow_skewed_load_and_outputs_stay_exact() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         } else {
             seen = now;
-            let info = c
-                .get_model_info(GetModelInfoRequest {})
-                .await
-                .unwrap()
-                .into_inner();
+            let info = model_info(&mut c).await;
             let rank = now as usize % RANKS;
             let per = info.slots_per_rank as usize;
             let sets = (info.layer_placement.iter())
@@ -291,11 +285,7 @@ async fn placements_follow_skewed_load_and_outputs_stay_exact() {
     );
     let moved = leader_value(&metrics, "epserve_eplb_moved_bytes_total", &[]);
     assert!(moved > 0.0, "placements moved no bytes");
-    let info = c
-        .get_model_info(GetModelInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let info = model_info(&mut c).await;
     assert!(info.placement_epoch >= 20, "epoch {}", info.placement_epoch);
     for l in &info.layer_placement {
         SlotMap::from_tables(16, RANKS, vec![l.phy2log.clone()]).unwrap();
@@ -328,24 +318,20 @@ fn moved_weights_are_the_checkpoints_bytes() {
     }
 }
 
+async fn model_info(c: &mut MoeServiceClient<Channel>) -> epserve::proto::ModelInfo {
+    let r = c.get_model_info(GetModelInfoRequest {}).await;
+    r.unwrap().into_inner()
+}
+
 /// Outputs of `n` random tokens on every layer against the reference, per token.
-async fn exact(
-    c: &mut epserve::proto::moe_service_client::MoeServiceClient<tonic::transport::Channel>,
-    spec: &MoeSpec,
-    refs: &[RefLayer],
-    seed: u64,
-) {
+async fn exact(c: &mut MoeServiceClient<Channel>, spec: &MoeSpec, refs: &[RefLayer], seed: u64) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     for (slot, &layer) in spec.moe_layers.iter().enumerate() {
         let n = 37;
         let x: Vec<f32> = (0..n * spec.hidden)
             .map(|_| rng.random_range(-1.0f32..1.0))
             .collect();
-        let out = c
-            .forward(request("p", layer, f32_tensor(&x, [n, spec.hidden])))
-            .await
-            .unwrap();
-        let out = decode(out.into_inner().output.as_ref().unwrap());
+        let out = forward_f32(c, "p", layer, &x, spec.hidden).await;
         let xs: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
         let (err, token, _) = compare_tokens(spec, &refs[slot], &xs, &out, None);
         assert!(err <= 1e-5, "layer {layer}: token {token} is {err:.3e} off");
@@ -395,11 +381,7 @@ async fn a_placement_file_starts_the_group_and_sighup_applies_it_live() {
     write(&[first.clone(), first.clone()]);
     let group = Group::launch(2, "synthetic:small-deepseek", &["--placement", &f]);
     let mut c = group.client().await;
-    let info = c
-        .get_model_info(GetModelInfoRequest {})
-        .await
-        .unwrap()
-        .into_inner();
+    let info = model_info(&mut c).await;
     assert_eq!((info.redundant_experts, info.slots_per_rank), (2, 9));
     assert_eq!(info.layer_placement[1].phy2log, first);
     exact(&mut c, &spec, &refs, 1).await;
@@ -409,11 +391,7 @@ async fn a_placement_file_starts_the_group_and_sighup_applies_it_live() {
     kill(group.proc.rank_pid(0), "HUP");
     let end = Instant::now() + Duration::from_secs(60);
     loop {
-        let info = c
-            .get_model_info(GetModelInfoRequest {})
-            .await
-            .unwrap()
-            .into_inner();
+        let info = model_info(&mut c).await;
         if info.placement_epoch == 1 {
             assert_eq!(info.layer_placement[0].phy2log, first);
             assert_eq!(info.layer_placement[1].phy2log, next);

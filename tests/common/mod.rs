@@ -427,6 +427,23 @@ pub fn decode(t: &Tensor) -> Vec<f32> {
     }
 }
 
+/// `x` (`[n, hidden]`, f32) through `layer` with the server's gating; the output as f32.
+pub async fn forward_f32(
+    c: &mut MoeServiceClient<Channel>,
+    id: &str,
+    layer: u32,
+    x: &[f32],
+    hidden: usize,
+) -> Vec<f32> {
+    let n = x.len() / hidden;
+    let out = c
+        .forward(request(id, layer, f32_tensor(x, [n, hidden])))
+        .await
+        .unwrap_or_else(|e| panic!("{id}: {e:?}"))
+        .into_inner();
+    decode(out.output.as_ref().unwrap())
+}
+
 pub fn request(id: &str, layer: u32, hidden: Tensor) -> ForwardRequest {
     ForwardRequest {
         id: id.into(),
