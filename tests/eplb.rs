@@ -388,6 +388,8 @@ async fn a_placement_file_starts_the_group_and_sighup_applies_it_live() {
 
     let next: Vec<u32> = (0..16).chain([3, 9]).collect();
     write(&[first.clone(), next.clone()]);
+    // Sent to every rank, as a reload to every pod would be: rank 0 applies it, rank 1 lives on.
+    kill(group.proc.rank_pid(1), "HUP");
     kill(group.proc.rank_pid(0), "HUP");
     let end = Instant::now() + Duration::from_secs(60);
     loop {

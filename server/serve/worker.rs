@@ -215,6 +215,12 @@ fn follow(
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(sig, signalled.clone())?;
     }
+    // SIGHUP re-applies --placement on rank 0; here it is harmless rather than fatal, so a
+    // reload sent to every pod does not end the group.
+    if args.placement.is_some() {
+        let ignored = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        signal_hook::flag::register(signal_hook::consts::SIGHUP, ignored)?;
+    }
     info!(
         buffers = %crate::step::buffer_sizes(&backend.buffers()),
         "joined the group"
