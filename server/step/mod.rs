@@ -150,7 +150,8 @@ pub struct Driver<B> {
     /// The ring's cells and tokens: a descriptor must fit them.
     ring: ring::RingShape,
     /// Steps submitted and not yet completed, oldest first, with when each was submitted.
-    flight: std::collections::VecDeque<(StepDesc, Instant)>,
+    /// Each with the placement it runs on (for its record).
+    flight: std::collections::VecDeque<(StepDesc, Instant, Arc<SlotMap>)>,
     /// When the last step completed: a step queued behind it was busy only from then.
     last_done: Instant,
     /// Most steps in flight at once: 1 + `--steps-ahead`, within the backend's and the ring's.
@@ -298,7 +299,7 @@ impl<B: Backend> Driver<B> {
             false => metrics::counter!(metric_names::STEPS_SUBMITTED_AHEAD_TOTAL).increment(1),
         }
         self.backend.submit(desc, home)?;
-        self.flight.push_back((desc.clone(), at));
+        self.flight.push_back((desc.clone(), at, self.map.clone()));
         Ok(())
     }
 
@@ -313,10 +314,10 @@ impl<B: Backend> Driver<B> {
     /// Completes the oldest step in flight (waiting for it, bounded by the step timeout) and
     /// records it; None when none is in flight.
     pub fn complete(&mut self) -> Option<Result<(StepDesc, PhaseTimes), StepError>> {
-        let (desc, at) = self.flight.pop_front()?;
+        let (desc, at, map) = self.flight.pop_front()?;
         let r = self.backend.complete();
         match (&r, self.flight.front()) {
-            (Ok(_), Some(&(_, next))) => self.progress.begin_at(next),
+            (Ok(_), Some(&(_, next, _))) => self.progress.begin_at(next),
             _ => self.progress.end(),
         }
         let mut times = match r {
@@ -337,7 +338,7 @@ impl<B: Backend> Driver<B> {
             heartbeat: desc.tokens == 0,
             times: &times,
             routed: self.backend.routed(),
-            slots: &self.map,
+            slots: &map,
             layer_index: desc.layer as usize,
             world: self.world,
             rank: self.rank,

@@ -142,8 +142,12 @@ pub struct CpuRank {
     deadline: Instant,
     s: Scratch,
     lanes: Lanes,
-    /// Steps run and not yet completed: this backend runs each step whole in `submit`.
-    done: std::collections::VecDeque<PhaseTimes>,
+    /// Steps run and not yet completed, with each one's routing (`[world, slots]`): this
+    /// backend runs each step whole in `submit`.
+    done: std::collections::VecDeque<(PhaseTimes, Vec<u32>)>,
+    /// The routing of the last step completed (`routed`), and buffers to reuse for the next.
+    completed: Vec<u32>,
+    spare: Vec<Vec<u32>>,
 }
 
 /// The rewritten slots of a placement, loaded beside the weights in use.
@@ -278,6 +282,8 @@ impl CpuRank {
             s,
             lanes,
             done: std::collections::VecDeque::with_capacity(cells),
+            completed: vec![0; shape.world * shape.slots],
+            spare: vec![vec![0; shape.world * shape.slots]; cells],
         })
     }
 
@@ -561,7 +567,9 @@ impl Backend for CpuRank {
 
     fn submit(&mut self, desc: &StepDesc, home: std::ops::Range<usize>) -> Result<(), StepError> {
         let times = run_phases(self, desc, home)?;
-        self.done.push_back(times);
+        let mut routed = self.spare.pop().unwrap_or_default();
+        routed.clone_from(&self.s.matrix);
+        self.done.push_back((times, routed));
         Ok(())
     }
 
@@ -570,7 +578,12 @@ impl Backend for CpuRank {
     }
 
     fn complete(&mut self) -> Result<PhaseTimes, StepError> {
-        Ok(self.done.pop_front().unwrap_or_default())
+        let Some((times, mut routed)) = self.done.pop_front() else {
+            return Ok(PhaseTimes::default());
+        };
+        std::mem::swap(&mut self.completed, &mut routed);
+        self.spare.push(routed);
+        Ok(times)
     }
 
     fn depth(&self) -> usize {
@@ -578,7 +591,7 @@ impl Backend for CpuRank {
     }
 
     fn routed(&self) -> &[u32] {
-        &self.s.matrix
+        &self.completed
     }
 
     /// Reads the experts of this rank's rewritten slots again from the model source on a thread
