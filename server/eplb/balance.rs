@@ -182,6 +182,9 @@ impl Balance {
             ready: AtomicU32::new(0),
         };
         b.replica_gauges(&b.lock().map);
+        // Exported from the start (at 0), so a dashboard or alert sees the series before a move.
+        metrics::counter!(metric_names::EPLB_REBALANCES_TOTAL).increment(0);
+        metrics::counter!(metric_names::EPLB_MOVED_BYTES_TOTAL).increment(0);
         b
     }
 
