@@ -117,26 +117,19 @@ async fn deepseek_v3_checkpoint_with_fp8_experts() {
 /// the routed experts' bytes as shipped and the bf16 shared expert quantized at load.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deepseek_v3_fp8_checkpoint_served_fp8() {
-    check_as(deepseek_fp8_128(), 24, &[], "fp8").await;
+    check_as(Arch::deepseek_fp8_128(2), 24, &[], "fp8").await;
 }
 
 /// The same checkpoint with `--expert-dtype bf16`: dequantized at load, as before FP8 experts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deepseek_v3_fp8_checkpoint_dequantized_on_request() {
-    check_as(deepseek_fp8_128(), 25, &["--expert-dtype", "bf16"], "bf16").await;
-}
-
-fn deepseek_fp8_128() -> Arch {
-    Arch {
-        model_type: "deepseek_v3",
-        hidden: 256,
-        inter: 128,
-        experts: 16,
-        top_k: 4,
-        layers: 2,
-        dense: vec![0],
-        fp8_block: Some(128),
-    }
+    check_as(
+        Arch::deepseek_fp8_128(2),
+        25,
+        &["--expert-dtype", "bf16"],
+        "bf16",
+    )
+    .await;
 }
 
 /// A bf16 Mixtral checkpoint with `--expert-dtype fp8`: quantized in 128x128 blocks at load.

@@ -26,21 +26,6 @@ use tonic::transport::Channel;
 const RANKS: usize = 4;
 const SEED: u64 = 54;
 
-/// DeepSeek-V3 routing (4 groups, the best 2, bias, scaling, a shared expert) and its FP8
-/// experts in 128x128 blocks, at test size: 16 experts of which each token takes 4.
-fn arch() -> Arch {
-    Arch {
-        model_type: "deepseek_v3",
-        hidden: 256,
-        inter: 128,
-        experts: 16,
-        top_k: 4,
-        layers: 3,
-        dense: vec![0],
-        fp8_block: Some(128),
-    }
-}
-
 /// `n` tokens: two in three pulled towards the `hot` experts (their router rows added, scaled),
 /// the rest uniform.
 fn skewed(
@@ -116,7 +101,7 @@ struct Tally {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn placements_follow_skewed_load_and_outputs_stay_exact() {
     let dir = TempDir::new("eplb");
-    let a = arch();
+    let a = Arch::deepseek_fp8_128(3);
     let (spec, mut refs) = write_model(&dir.0, &a, SEED);
     fp8_reference(&mut refs, &a);
     // The skew as the reference routes it, on the starting placement (each rank's block and the
@@ -300,7 +285,7 @@ async fn placements_follow_skewed_load_and_outputs_stay_exact() {
 #[test]
 fn moved_weights_are_the_checkpoints_bytes() {
     let dir = TempDir::new("eplb-bytes");
-    let (spec, _) = write_model(&dir.0, &arch(), SEED);
+    let (spec, _) = write_model(&dir.0, &Arch::deepseek_fp8_128(3), SEED);
     let source = ModelSource::parse(&dir.0.display().to_string(), 0).unwrap();
     for dtype in [ExpertDtype::Fp8, ExpertDtype::Bf16] {
         let all: Vec<Vec<usize>> = vec![(0..16).collect(); spec.moe_layers.len()];

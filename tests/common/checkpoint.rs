@@ -125,6 +125,23 @@ pub struct Arch {
     pub fp8_block: Option<usize>,
 }
 
+impl Arch {
+    /// DeepSeek-V3 as it ships, at test size: FP8 experts in 128x128 blocks, 16 experts of which
+    /// each token takes 4, layer 0 dense, then `layers - 1` MoE layers.
+    pub fn deepseek_fp8_128(layers: u32) -> Self {
+        Self {
+            model_type: "deepseek_v3",
+            hidden: 256,
+            inter: 128,
+            experts: 16,
+            top_k: 4,
+            layers,
+            dense: vec![0],
+            fp8_block: Some(128),
+        }
+    }
+}
+
 /// Writes a checkpoint of `a` and returns (spec as the test expects it, reference layers).
 pub fn write_model(dir: &std::path::Path, a: &Arch, seed: u64) -> (MoeSpec, Vec<RefLayer>) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
