@@ -396,4 +396,17 @@ __global__ void assign_positions(const int* ids, const int* n, int K, const int*
   }
 }
 
+// Each routed entry's logical expert to one of its replicas' slots (the placement's table:
+// rep[e][r] the replicas this rank's tokens may use, cnt[e] how many), spread by the token's
+// index so an expert's rows divide evenly over its replicas. Every entry of the bucket is
+// written: past the step's tokens, and for pad entries (-1), -1.
+__global__ void to_slots(const int* ids, int* out, const int* n, int K, int bucket, const int* rep,
+                         const int* cnt, int R, int rank) {
+  const int live = min(*n, bucket) * K;
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < bucket * K; j += gridDim.x * blockDim.x) {
+    const int e = j < live ? ids[j] : -1;
+    out[j] = e < 0 ? -1 : rep[e * R + (j / K + rank) % cnt[e]];
+  }
+}
+
 }  // extern "C"

@@ -173,6 +173,7 @@ impl BringUp for GpuBringUp {
             step_timeout: me.step_timeout,
             deadline: at.deadline,
             abort: at.abort.clone(),
+            nodes: at.roster.nodes(),
         })
     }
 }

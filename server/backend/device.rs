@@ -56,6 +56,15 @@ pub struct Joining<'a> {
     /// Bounds NCCL init: a rank that never arrives would block it forever.
     pub deadline: Instant,
     pub abort: Arc<Abort>,
+    /// The group's hosts and their ranks (a slot on this rank's node is preferred).
+    pub nodes: Vec<(String, Vec<usize>)>,
+}
+
+/// A group whose expert slots may move (redundant slots, a placement file, online EPLB): where
+/// it starts, and where a moved slot's weights come from.
+pub struct Moving {
+    pub slots: crate::eplb::SlotMap,
+    pub source: crate::model::ModelSource,
 }
 
 /// A GPU with this rank's weights on it, not yet in the group (`gpu::open`).

@@ -1,7 +1,7 @@
 //! The GPU backend's entry points, or, in a build without `--features cuda`, refusals that say
 //! so.
 
-pub use super::device::{GpuDevice, Joining, Seat};
+pub use super::device::{GpuDevice, Joining, Moving, Seat};
 
 #[cfg(feature = "cuda")]
 pub use super::cuda::bench::run as bench;
@@ -17,7 +17,7 @@ pub use nocuda::*;
 mod nocuda {
     use std::sync::Arc;
 
-    use super::{GpuDevice, Seat};
+    use super::{GpuDevice, Moving, Seat};
     use crate::backend::bench::{BenchConfig, ConfigResult, Plan};
     use crate::model::{MoeSpec, RankWeights};
 
@@ -45,6 +45,7 @@ mod nocuda {
         _seat: Seat,
         _spec: &MoeSpec,
         _weights: RankWeights,
+        _moving: Option<Moving>,
     ) -> anyhow::Result<Box<dyn GpuDevice>> {
         anyhow::bail!(WHY)
     }

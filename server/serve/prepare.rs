@@ -155,11 +155,6 @@ pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
     let world = member.place.world;
     let slots = starting_slots(args, &spec, world)?;
     let backend = resolve_backend(args.backend, world)?;
-    if backend != BackendKind::Cpu && (!slots.is_contiguous() || args.eplb_interval.0.is_some()) {
-        bail!(
-            "--redundant-experts, --placement and --eplb-interval need the cpu backend for now: the GPU backends serve experts in contiguous blocks"
-        );
-    }
     let expert_dtype = resolve_expert_dtype(args, &spec, &source)?;
     let max_home = max_home_tokens(args.max_tokens_per_step, member.place.world);
     let buckets = graph_buckets(&args.graph_buckets, max_home).map_err(|e| anyhow!(e))?;
@@ -254,7 +249,16 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringU
                 max_home: p.segment.max_home,
                 ep: p.ep,
             };
-            let dev = gpu::open(seat, &p.spec, weights)?;
+            // Slots that may move are addressed through a table gating reads on the device;
+            // a group whose slots never move keeps expert e in slot e, and no table.
+            let moves = !p.slots.is_contiguous()
+                || args.eplb_interval.0.is_some()
+                || args.placement.is_some();
+            let moving = moves.then(|| gpu::Moving {
+                slots: p.slots.clone(),
+                source: p.source.clone(),
+            });
+            let dev = gpu::open(seat, &p.spec, weights, moving)?;
             p.exchange_bytes = dev.buffer_bytes() as u64;
             p.expert_bytes = dev.expert_bytes() as u64;
             Box::new(GpuBringUp {

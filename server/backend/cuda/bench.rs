@@ -128,9 +128,9 @@ fn rank_main(
         max_home: c.tokens_per_rank,
         ep,
     };
-    let dev = Device::random(seat, &c.spec(), c.expert_dtype, 7)?;
+    let dev = Device::random(seat, &c.spec(), c.expert_dtype, 7, None)?;
     let deadline = Instant::now() + Duration::from_secs(300);
-    let (mut core, mut a) = dev.connect(id, deadline)?;
+    let (mut core, mut a) = dev.connect(id, deadline, vec![true; world])?;
     let shape = core.shape;
     let t = c.tokens_per_rank;
     let s = core.g.stream.clone();

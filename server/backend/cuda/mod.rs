@@ -5,6 +5,7 @@
 //!   (routing, layout, the FFN pieces, conversions, FP8, DeepGEMM's Hopper GEMMs, decode's GEMM);
 //! - `exchange`: the `Exchange` trait and its two implementations (`slots`, `ep`);
 //! - `experts`: the experts' weights and the kernels chosen for them, bf16 and FP8;
+//! - `placement`: expert slots on the device (the table gating reads, staged weights);
 //! - the rank: `shape` (its sizes), `step` (its phases), `transfer` (rows to and from the GPU),
 //!   `rank` (graphs and the steps in flight), `setup` (bring-up), `bench`.
 //!
@@ -15,6 +16,7 @@ pub mod bench;
 pub mod exchange;
 mod experts;
 pub mod kernels;
+pub mod placement;
 pub mod rank;
 pub mod setup;
 pub mod shape;

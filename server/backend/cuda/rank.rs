@@ -11,17 +11,19 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, CudaEvent, CudaGraph, DevicePtr};
 
+use crate::backend::cuda::placement::Mover;
 use crate::backend::cuda::step::{GpuStep, HomeDtype, Variant};
 use crate::backend::cuda::sys::graph::Graph;
 use crate::backend::cuda::sys::memory::{direct_in, direct_out, ring_in, ring_out, RingPin};
 use crate::backend::cuda::transfer::{pack_rows, unpack_rows, Copies, Staging, DEPTH};
 use crate::backend::cuda::GpuError;
 use crate::dtype::Dtype;
+use crate::eplb::SlotMap;
 use crate::lifecycle::Abort;
 use crate::metric_names;
 use crate::step::direct::{pieces, DirectRun};
 use crate::step::ring::{Output, Ring};
-use crate::step::{Backend, PhaseTimes, StepDesc, StepError};
+use crate::step::{Backend, PhaseTimes, StageDone, StepDesc, StepError};
 
 /// Waits for `ev` until `started + bound`, spinning briefly, then sleeping in short naps.
 fn wait_event(ev: &CudaEvent, started: Instant, bound: Duration) -> Result<(), GpuError> {
@@ -68,6 +70,8 @@ pub struct GpuRank {
     step_timeout: Duration,
     /// The group broken: ends a wait for a step's input from another node.
     abort: Arc<Abort>,
+    /// Where slots move: the placement, and a new one's staged weights.
+    mover: Option<Mover>,
 }
 
 /// A step submitted on the GPU.
@@ -94,6 +98,7 @@ impl GpuRank {
         graphs: bool,
         step_timeout: Duration,
         abort: Arc<Abort>,
+        mover: Option<Mover>,
     ) -> Result<Self, GpuError> {
         let s = core.shape;
         let t = s.max_home;
@@ -139,6 +144,7 @@ impl GpuRank {
             next_set: 0,
             step_timeout,
             abort,
+            mover,
         };
         if let Some(f) = me.core().ex.footprint() {
             // Present (at zero) from the start, so a dashboard can alert on any increase.
@@ -297,7 +303,7 @@ impl GpuRank {
         c.g.ctx
             .bind_to_thread()
             .map_err(|e| invalid(format!("binding the CUDA context: {e}")))?;
-        let (k, e, layers) = (c.shape.top_k, c.shape.experts, c.layers.len());
+        let (k, e, layers) = (c.shape.top_k, c.shape.model_experts, c.layers.len());
         if desc.layer as usize >= layers {
             return Err(invalid(format!("layer {} is not loaded", desc.layer)));
         }
@@ -458,6 +464,9 @@ impl Backend for GpuRank {
             *r = m.max(0) as u32;
         }
         self.check_receive(f.step, f.bucket, f.set)?;
+        if let Some(m) = &mut self.mover {
+            m.reap();
+        }
         // Whole-device use, so an allocation by anyone in the process (NCCL included) shows.
         if let Ok((free, total)) = result::mem_get_info() {
             metrics::gauge!(metric_names::DEVICE_MEMORY_USED_BYTES).set((total - free) as f64);
@@ -480,6 +489,42 @@ impl Backend for GpuRank {
 
     fn routed(&self) -> &[u32] {
         &self.routed
+    }
+
+    fn stage(&mut self, epoch: u32, next: Arc<SlotMap>, done: StageDone) {
+        match &mut self.mover {
+            Some(m) => m.stage(epoch, next, done),
+            None => done(Err(format!(
+                "placement epoch {epoch}: this group's slots do not move (start it with \
+                 --redundant-experts, --placement or --eplb-interval)"
+            ))),
+        }
+    }
+
+    /// The staged slots and table copied in on the step stream, behind the steps in flight
+    /// (they read the old ones) and before the next (it reads the new).
+    fn apply(&mut self, epoch: u32) -> Result<(), String> {
+        let m = self
+            .mover
+            .as_mut()
+            .ok_or("this group's slots do not move")?;
+        let staged = m.take(epoch)?;
+        let c = self.core.as_mut().ok_or("the GPU rank failed")?;
+        let placed =
+            c.g.ctx
+                .bind_to_thread()
+                .map_err(GpuError::from)
+                .and_then(|_| {
+                    c.place(&staged)?;
+                    Ok(c.g.stream.record_event(None)?)
+                });
+        match placed {
+            Ok(copied) => {
+                m.applied(staged, copied);
+                Ok(())
+            }
+            Err(e) => Err(format!("placement epoch {epoch}: {e}")),
+        }
     }
 
     fn ep_footprint(&self) -> Option<crate::step::EpFootprint> {

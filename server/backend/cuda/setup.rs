@@ -8,13 +8,14 @@ use std::time::Instant;
 use anyhow::{anyhow, Context};
 use nccl_sys::{ncclUniqueId, Nccl};
 
+use crate::backend::cuda::placement::{Mover, SlotTable};
 use crate::backend::cuda::rank::GpuRank;
 use crate::backend::cuda::shape::{EpShape, StepShape};
 use crate::backend::cuda::step::{DeviceLayer, GpuStep};
 use crate::backend::cuda::sys::nccl::Comm;
 use crate::backend::cuda::Alloc;
 use crate::backend::cuda::Gpu;
-use crate::backend::device::{check_gpu_limits, GpuDevice, Joining, Seat};
+use crate::backend::device::{check_gpu_limits, GpuDevice, Joining, Moving, Seat};
 use crate::model::{ExpertDtype, MoeSpec, RankWeights};
 use crate::place::Place;
 use crate::step::Backend;
@@ -61,8 +62,9 @@ pub fn open(
     seat: Seat,
     spec: &MoeSpec,
     weights: RankWeights,
+    moving: Option<Moving>,
 ) -> anyhow::Result<Box<dyn GpuDevice>> {
-    Ok(Box::new(Device::open(seat, spec, weights)?))
+    Ok(Box::new(Device::open(seat, spec, weights, moving)?))
 }
 
 /// A GPU with this rank's weights on it, not yet in the group. The service and `epserve bench`
@@ -75,11 +77,29 @@ pub struct Device {
     shape: StepShape,
     spec: MoeSpec,
     ordinal: usize,
+    /// Where the slots start and their weights come from, when they may move.
+    moving: Option<Moving>,
 }
 
 impl Device {
-    pub fn open(seat: Seat, spec: &MoeSpec, weights: RankWeights) -> anyhow::Result<Self> {
-        Self::new(seat, spec, weights.dtype, |g, alloc, shape| {
+    pub fn open(
+        seat: Seat,
+        spec: &MoeSpec,
+        weights: RankWeights,
+        moving: Option<Moving>,
+    ) -> anyhow::Result<Self> {
+        Self::new(seat, spec, weights.dtype, moving, |g, alloc, shape| {
+            if let Some(l) = weights
+                .layers
+                .iter()
+                .find(|l| l.experts.len() != shape.local())
+            {
+                anyhow::bail!(
+                    "{} experts' weights for {} slots on this rank",
+                    l.experts.len(),
+                    shape.local()
+                );
+            }
             weights
                 .layers
                 .iter()
@@ -95,8 +115,9 @@ impl Device {
         spec: &MoeSpec,
         dtype: ExpertDtype,
         seed: u64,
+        moving: Option<Moving>,
     ) -> anyhow::Result<Self> {
-        Self::new(seat, spec, dtype, |g, alloc, shape| {
+        Self::new(seat, spec, dtype, moving, |g, alloc, shape| {
             (0..spec.moe_layers.len() as u64)
                 .map(|l| DeviceLayer::random(g, alloc, shape, seed + 10 * l))
                 .collect::<Result<Vec<_>, _>>()
@@ -108,6 +129,7 @@ impl Device {
         seat: Seat,
         spec: &MoeSpec,
         dtype: ExpertDtype,
+        moving: Option<Moving>,
         layers: impl FnOnce(&Gpu, &mut Alloc, &StepShape) -> anyhow::Result<Vec<DeviceLayer>>,
     ) -> anyhow::Result<Self> {
         let Seat {
@@ -120,6 +142,9 @@ impl Device {
         let mut shape = StepShape::new(spec, world, rank, max_home);
         shape.ep = ep.map(|e| EpShape::new(e.ll_max, e.zero_copy));
         shape.expert_dtype = dtype;
+        if let Some(m) = &moving {
+            shape.experts = m.slots.slots();
+        }
         if let Some(e) = shape.ep {
             crate::backend::cuda::exchange::ep::validate(&shape, e.align)
                 .map_err(|e| anyhow!(e))?;
@@ -142,6 +167,7 @@ impl Device {
             shape,
             spec: spec.clone(),
             ordinal,
+            moving,
         })
     }
 
@@ -152,6 +178,7 @@ impl Device {
         mut self,
         nccl_id: &[u8],
         deadline: Instant,
+        near: Vec<bool>,
     ) -> anyhow::Result<(GpuStep, Alloc)> {
         let id: &[u8; 128] = nccl_id
             .try_into()
@@ -176,6 +203,10 @@ impl Device {
             .map_err(|_| anyhow!("NCCL init did not complete within {wait:?}: a rank is missing"))?
             .context("NCCL init")?;
         self.g.ctx.bind_to_thread()?;
+        let table = match &self.moving {
+            Some(m) => Some(SlotTable::new(&mut self.alloc, &m.slots, rank, near)?),
+            None => None,
+        };
         // The exchange (NCCL EP's groups are collective too): every rank makes it here, in the
         // same order.
         let core = GpuStep::new(
@@ -184,10 +215,19 @@ impl Device {
             self.shape,
             self.spec.routing.clone(),
             self.layers,
+            table,
             &mut self.alloc,
         )
         .context("the step's exchange and buffers")?;
         Ok((core, self.alloc))
+    }
+}
+
+/// Whether each of `world` ranks shares `rank`'s node (all of them when the nodes are not known).
+pub fn near_ranks(nodes: &[(String, Vec<usize>)], rank: usize, world: usize) -> Vec<bool> {
+    match nodes.iter().find(|(_, ranks)| ranks.contains(&rank)) {
+        Some((_, ranks)) => (0..world).map(|r| ranks.contains(&r)).collect(),
+        None => vec![true; world],
     }
 }
 
@@ -214,8 +254,24 @@ impl GpuDevice for Device {
             at.buckets.len() * 2 * self.spec.moe_layers.len(),
         );
         let t0 = Instant::now();
-        let (core, alloc) = self.connect(at.nccl_id, at.deadline)?;
-        let rank_ = GpuRank::new(core, at.ring, at.buckets, graphs, at.step_timeout, at.abort)?;
+        let rank = self.shape.rank;
+        let near = near_ranks(&at.nodes, rank, self.shape.world);
+        let moving = self.moving.as_ref().map(|m| Moving {
+            slots: m.slots.clone(),
+            source: m.source.clone(),
+        });
+        let (spec, dtype) = (self.spec.clone(), self.shape.expert_dtype);
+        let (core, alloc) = self.connect(at.nccl_id, at.deadline, near)?;
+        let mover = moving.map(|m| Mover::new(m, spec, dtype, core.g.ctx.clone(), rank));
+        let rank_ = GpuRank::new(
+            core,
+            at.ring,
+            at.buckets,
+            graphs,
+            at.step_timeout,
+            at.abort,
+            mover,
+        )?;
         tracing::info!(
             gpu = ordinal,
             device_mib = alloc.bytes >> 20,

@@ -10,7 +10,11 @@ use crate::model::{fp8, ExpertDtype, MoeSpec};
 pub struct StepShape {
     pub world: usize,
     pub rank: usize,
+    /// Expert slots over the group (the model's experts, plus any redundant ones): what the
+    /// exchanges and the expert FFN address from the gate on (`placement`).
     pub experts: usize,
+    /// The model's experts, which the router picks among.
+    pub model_experts: usize,
     pub top_k: usize,
     pub hidden: usize,
     pub inter: usize,
@@ -63,6 +67,7 @@ impl StepShape {
             world,
             rank,
             experts: spec.num_experts,
+            model_experts: spec.num_experts,
             top_k: spec.top_k,
             hidden: spec.hidden,
             inter: spec.intermediate,
@@ -297,6 +302,7 @@ mod tests {
             world: 4,
             rank: 1,
             experts: 32,
+            model_experts: 32,
             top_k: 4,
             hidden: 64,
             inter: 64,

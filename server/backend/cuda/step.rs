@@ -15,6 +15,7 @@ use crate::backend::cuda::exchange::{Exchange, Home};
 use crate::backend::cuda::experts::fp8::Fp8Bufs;
 use crate::backend::cuda::experts::{self, Choices, DeviceFfn, Scratch, SharedRows};
 use crate::backend::cuda::kernels::hopper;
+use crate::backend::cuda::placement::{SlotTable, Staged};
 use crate::backend::cuda::shape::StepShape;
 use crate::backend::cuda::sys::nccl::Comm;
 use crate::backend::cuda::{max_tiles, Gpu, Logits, ROUTER_PIECES};
@@ -95,7 +96,7 @@ impl DeviceLayer {
             router,
             bias: match &l.bias {
                 Some(b) => a.upload(b)?,
-                None => a.zeros(s.experts)?,
+                None => a.zeros(s.model_experts)?,
             },
             experts: DeviceFfn::upload(a, l.experts.iter(), (h, s.inter), dtype)?,
             shared: l
@@ -109,7 +110,7 @@ impl DeviceLayer {
     /// Random weights made on the GPU (for `epserve bench`: timing, not numerics).
     pub fn random(g: &Gpu, a: &mut Alloc, s: &StepShape, seed: u64) -> Result<Self, DriverError> {
         let (h, i, l, dtype) = (s.hidden, s.inter, s.local(), s.expert_dtype);
-        let mut router = a.zeros::<f32>(s.experts * h)?;
+        let mut router = a.zeros::<f32>(s.model_experts * h)?;
         g.fill_uniform_f32(&mut router, seed, (3.0 / h as f32).sqrt())?;
         let shared = match s.shared_inter {
             0 => None,
@@ -118,7 +119,7 @@ impl DeviceLayer {
         Ok(Self {
             pieces: pieces(g, a, &router)?,
             router,
-            bias: a.zeros(s.experts)?,
+            bias: a.zeros(s.model_experts)?,
             experts: DeviceFfn::random(g, a, (l, h, i), seed + 1, dtype)?,
             shared,
         })
@@ -144,6 +145,8 @@ pub struct Buffers {
     logits: Logits,
     pub ids: CudaSlice<i32>,
     pub w: CudaSlice<f32>,
+    /// The entries' slots (`GpuStep::table`'s map of `ids`).
+    sids: CudaSlice<i32>,
     /// This rank's per-expert counts of its home rows, and every rank's `[world][experts]`.
     counts: CudaSlice<i32>,
     pub m: CudaSlice<i32>,
@@ -176,9 +179,10 @@ impl Buffers {
             outbox: a.zeros(t * h * 2)?,
             n: a.zeros(1)?,
             sh_off: a.zeros(1)?,
-            logits: Logits::new(a, t, e)?,
+            logits: Logits::new(a, t, s.model_experts)?,
             ids: a.zeros(t * k)?,
             w: a.zeros(t * k)?,
+            sids: a.zeros(t * k)?,
             counts: a.zeros(e)?,
             m: a.zeros(s.world * e)?,
             gu: a.zeros(rows * 2 * s.inter)?,
@@ -199,12 +203,12 @@ impl Buffers {
 }
 
 /// What the exchange reads of the home side, borrowed field by field from the buffers (so the
-/// other fields stay free to borrow).
+/// other fields stay free to borrow); `slotted`: the entries' slots (`sids`), where slots move.
 macro_rules! home {
-    ($b:expr) => {
+    ($b:expr, $slotted:expr) => {
         Home {
             x: &$b.xb,
-            ids: &$b.ids,
+            ids: if $slotted { &$b.sids } else { &$b.ids },
             w: &$b.w,
             n: &$b.n,
             gathered: &$b.m,
@@ -224,6 +228,9 @@ pub struct GpuStep {
     pub b: Buffers,
     /// The expert kernels, chosen once per bucket and row format.
     choices: Choices,
+    /// Where gating sends each routed entry among its expert's slots (None: expert e is slot
+    /// e, the placement of a group whose slots never move).
+    pub table: Option<SlotTable>,
 }
 
 impl GpuStep {
@@ -235,6 +242,7 @@ impl GpuStep {
         shape: StepShape,
         routing: Routing,
         layers: Vec<DeviceLayer>,
+        table: Option<SlotTable>,
         a: &mut Alloc,
     ) -> Result<Self, GpuError> {
         shape.check().map_err(GpuError::Config)?;
@@ -252,21 +260,38 @@ impl GpuStep {
             layers,
             b,
             choices: Choices::default(),
+            table,
         })
     }
 
     /// The experts' bf16 copy of f32 home rows, then the rows' top-k: from the router, or
-    /// already on the device (the client's).
+    /// already on the device (the client's); then each entry's slot, where slots move.
     pub fn gate(&mut self, layer: usize, bucket: usize, v: Variant) -> Result<(), GpuError> {
-        let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
-        let (e, k, h) = (s.experts, s.top_k, s.hidden);
+        let (g, b, s) = (&self.g, &mut self.b, &self.shape);
         if v.rows == HomeDtype::F32 {
-            g.f32_to_bf16(&b.x, &b.n, bucket, h, &mut b.xb)?;
+            g.f32_to_bf16(&b.x, &b.n, bucket, s.hidden, &mut b.xb)?;
         }
-        if v.client {
-            return Ok(());
+        if !v.client {
+            self.top_k(layer, bucket, v.rows)?;
         }
-        match v.rows {
+        if let Some(t) = &self.table {
+            let b = &mut self.b;
+            self.g.to_slots(
+                t,
+                layer,
+                (&b.ids, &mut b.sids),
+                &b.n,
+                (bucket, self.shape.top_k),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// The router's logits and their top-k (logical experts).
+    fn top_k(&mut self, layer: usize, bucket: usize, rows: HomeDtype) -> Result<(), GpuError> {
+        let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
+        let (e, k, h) = (s.model_experts, s.top_k, s.hidden);
+        match rows {
             HomeDtype::F32 => g.router_logits(&b.x, &l.router, bucket, e, h, &mut b.logits)?,
             HomeDtype::Bf16 => {
                 g.router_logits_bf16(&b.xb, &l.pieces, bucket, e, h, &mut b.logits)?
@@ -307,17 +332,17 @@ impl GpuStep {
 
     /// The exchange's counts, their all-gather, the exchange's prepare.
     pub fn prepare(&mut self, bucket: usize) -> Result<(), GpuError> {
-        let (g, b, s) = (&self.g, &mut self.b, &self.shape);
-        self.ex.count(g, &home!(b), bucket, &mut b.counts)?;
+        let (g, b, s, t) = (&self.g, &mut self.b, &self.shape, self.table.is_some());
+        self.ex.count(g, &home!(b, t), bucket, &mut b.counts)?;
         self.comm
             .all_gather(&b.counts, &mut b.m, s.experts, &g.stream)?;
-        self.ex.prepare(g, &home!(b), bucket)
+        self.ex.prepare(g, &home!(b, t), bucket)
     }
 
     /// The home rows to the ranks that hold their experts.
     pub fn dispatch(&mut self, bucket: usize) -> Result<(), GpuError> {
-        let b = &self.b;
-        self.ex.dispatch(&self.g, &self.comm, &home!(b), bucket)
+        let (b, t) = (&self.b, self.table.is_some());
+        self.ex.dispatch(&self.g, &self.comm, &home!(b, t), bucket)
     }
 
     /// Grouped SwiGLU FFN of every local expert over the rows where the exchange put them, on
@@ -343,6 +368,7 @@ impl GpuStep {
     /// summed with the shared expert's rows.
     pub fn combine(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
         let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
+        let t = self.table.is_some();
         if let Some(w) = &l.shared {
             let kernels = self.choices.shared(s, bucket);
             let rows = SharedRows {
@@ -359,7 +385,20 @@ impl GpuStep {
         }
         let shared = l.shared.as_ref().map(|_| &b.sy);
         self.ex
-            .combine(g, &self.comm, &home!(b), bucket, shared, &mut b.out)
+            .combine(g, &self.comm, &home!(b, t), bucket, shared, &mut b.out)
+    }
+
+    /// A new placement's staged slots copied over the ones they rewrite, and its table, on the
+    /// step's stream: the steps enqueued after read them, the ones before read the old.
+    pub fn place(&mut self, staged: &Staged) -> Result<(), GpuError> {
+        let t = self.table.as_mut().ok_or_else(|| {
+            GpuError::Config("this group's slots do not move (no slot table)".into())
+        })?;
+        for (l, i, w) in &staged.slots {
+            self.layers[*l].experts.write_group(*i, w, &self.g.stream)?;
+        }
+        t.write(&staged.map, &self.g.stream)?;
+        Ok(())
     }
 
     /// `f`'s work on the stream, captured as an uploaded graph instead of run. The capture ends

@@ -10,7 +10,9 @@ mod oracle;
 use oracle::mean_rows;
 pub use oracle::{Choices, Routed, Shared};
 
-use cudarc::driver::{CudaSlice, DriverError};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, DriverError};
 use half::bf16;
 
 use crate::backend::cuda::exchange::ExpertRows;
@@ -60,6 +62,52 @@ impl DeviceFfn {
                 DeviceFfn::Fp8 { gate_up, down }
             }
         })
+    }
+
+    /// Overwrites group `j` with `from`'s one group, on `stream` (a slot a new placement
+    /// rewrites: the step's graphs read it where it is).
+    pub fn write_group(
+        &mut self,
+        j: usize,
+        from: &DeviceFfn,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(), DriverError> {
+        fn copy<T: DeviceRepr>(
+            dst: &mut CudaSlice<T>,
+            j: usize,
+            src: &CudaSlice<T>,
+            s: &Arc<CudaStream>,
+        ) -> Result<(), DriverError> {
+            let n = src.len();
+            assert!((j + 1) * n <= dst.len(), "group {j} outside the weights");
+            s.memcpy_dtod(src, &mut dst.slice_mut(j * n..(j + 1) * n))
+        }
+        match (self, from) {
+            (
+                DeviceFfn::Bf16 { gate_up, down },
+                DeviceFfn::Bf16 {
+                    gate_up: g,
+                    down: d,
+                },
+            ) => {
+                copy(gate_up, j, g, stream)?;
+                copy(down, j, d, stream)
+            }
+            (
+                DeviceFfn::Fp8 { gate_up, down },
+                DeviceFfn::Fp8 {
+                    gate_up: g,
+                    down: d,
+                },
+            ) => {
+                for (w, f) in [(gate_up, g), (down, d)] {
+                    copy(&mut w.q, j, &f.q, stream)?;
+                    copy(&mut w.sf, j, &f.sf, stream)?;
+                }
+                Ok(())
+            }
+            _ => panic!("a slot's weights in another dtype than the layer's"),
+        }
     }
 
     /// Random weights made on the GPU (`epserve bench`: timing, not numerics).

@@ -45,6 +45,7 @@ kernel_table! {
     count_experts,
     exclusive_scan,
     assign_positions,
+    to_slots,
     // layout.cuh (`layout`; the slot exchange's by `slots`)
     gather_rows,
     combine,

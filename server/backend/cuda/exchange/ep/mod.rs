@@ -153,6 +153,7 @@ mod tests {
             world,
             rank: 0,
             experts,
+            model_experts: experts,
             top_k,
             hidden,
             inter: 64,

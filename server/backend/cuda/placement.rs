@@ -1,0 +1,294 @@
+//! Expert slots on the device: the table gating reads to send each (token, expert) entry to one
+//! of the expert's replicas (`to_slots`, inside the captured graphs), and a new placement's
+//! weights staged beside the ones in use, then copied over the slots it rewrites between steps.
+//! The graphs read the table and the weights where they are, so a placement is rewritten in
+//! place and no graph is captured again. From the gate on, the exchanges and the experts address
+//! slots (`StepShape::experts`), the router logical experts (`StepShape::model_experts`).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DriverError, PushKernelArg};
+
+use crate::backend::cuda::experts::DeviceFfn;
+use crate::backend::cuda::{Alloc, Gpu, GpuError};
+use crate::backend::device::Moving;
+use crate::eplb::SlotMap;
+use crate::model::{ExpertDtype, Ffn, ModelSource, MoeSpec};
+use crate::step::StageDone;
+
+/// Per layer, per logical expert, the slots this rank's tokens may use (`[layers][experts][r]`,
+/// padded with the first) and how many (`[layers][experts]`).
+pub struct SlotTable {
+    rep: CudaSlice<i32>,
+    cnt: CudaSlice<i32>,
+    experts: usize,
+    r: usize,
+    rank: usize,
+    /// Whether each rank shares this rank's node: its replicas are preferred where it has any.
+    near: Vec<bool>,
+    /// What the last write copied from (kept until the next one).
+    host: (Vec<i32>, Vec<i32>),
+}
+
+/// The table of `map` for a rank whose node holds the ranks `near` marks: each expert's replicas on `near` ranks, else all of them.
+fn tables(map: &SlotMap, near: &[bool], r: usize) -> (Vec<i32>, Vec<i32>) {
+    let (e, layers) = (map.experts, map.layers().len());
+    let (mut rep, mut cnt) = (
+        Vec::with_capacity(layers * e * r),
+        Vec::with_capacity(layers * e),
+    );
+    for l in map.layers() {
+        for g in 0..e {
+            let all = l.replicas(g);
+            let close: Vec<u32> = (all.iter().copied())
+                .filter(|&s| near[map.rank_of(s as usize)])
+                .collect();
+            let use_ = if close.is_empty() { all } else { &close[..] };
+            assert!(use_.len() <= r, "more replicas than the table's width");
+            cnt.push(use_.len() as i32);
+            rep.extend((0..r).map(|i| use_[i.min(use_.len() - 1)] as i32));
+        }
+    }
+    (rep, cnt)
+}
+
+impl SlotTable {
+    /// `map`'s table for `rank`, whose node holds the ranks `near` marks.
+    pub fn new(
+        a: &mut Alloc,
+        map: &SlotMap,
+        rank: usize,
+        near: Vec<bool>,
+    ) -> Result<Self, DriverError> {
+        // An expert has at most one slot plus every redundant one.
+        let r = 1 + map.redundant();
+        let host = tables(map, &near, r);
+        Ok(Self {
+            rep: a.upload(&host.0)?,
+            cnt: a.upload(&host.1)?,
+            experts: map.experts,
+            r,
+            rank,
+            near,
+            host,
+        })
+    }
+
+    /// Rewrites the table for `map` on `stream`: steps enqueued after it read the new one.
+    pub fn write(&mut self, map: &SlotMap, stream: &Arc<CudaStream>) -> Result<(), DriverError> {
+        self.host = tables(map, &self.near, self.r);
+        stream.memcpy_htod(&self.host.0, &mut self.rep)?;
+        stream.memcpy_htod(&self.host.1, &mut self.cnt)
+    }
+}
+
+impl Gpu {
+    /// Layer `layer`'s routed entries (`ids [bucket, k]`, logical experts) as slots, into `out`
+    /// (the step's own copy: a replayed graph maps the same entries again).
+    pub fn to_slots(
+        &self,
+        t: &SlotTable,
+        layer: usize,
+        (ids, out): (&CudaSlice<i32>, &mut CudaSlice<i32>),
+        n: &CudaSlice<i32>,
+        (bucket, k): (usize, usize),
+    ) -> Result<(), GpuError> {
+        assert!(
+            ids.len() >= bucket * k && out.len() >= bucket * k,
+            "ids smaller than the bucket"
+        );
+        let (e, r) = (t.experts, t.r);
+        let rep = t.rep.slice(layer * e * r..(layer + 1) * e * r);
+        let cnt = t.cnt.slice(layer * e..(layer + 1) * e);
+        let (k_, b_, r_, rank) = (k as i32, bucket as i32, r as i32, t.rank as i32);
+        let mut l = self.stream.launch_builder(&self.k.to_slots);
+        l.arg(ids).arg(out).arg(n).arg(&k_).arg(&b_);
+        l.arg(&rep).arg(&cnt).arg(&r_).arg(&rank);
+        // SAFETY: `ids` and `out` hold the bucket's bucket * k entries (checked above), those of
+        // the step's tokens -1 or a logical expert below `e` (the top-k kernels' and the checked
+        // client routing's); `rep` and `cnt` are this layer's e * r and e ints, every count in
+        // 1..=r.
+        unsafe { l.launch(Self::rows_cfg(bucket * k)) }?;
+        Ok(())
+    }
+}
+
+/// A placement's rewritten slots, on the device beside the ones in use.
+pub struct Staged {
+    pub epoch: u32,
+    pub map: Arc<SlotMap>,
+    /// (layer, slot index on this rank, its weights as one group).
+    pub slots: Vec<(usize, usize, DeviceFfn)>,
+    /// The stream they were uploaded on (their memory is freed on it).
+    _stream: Arc<CudaStream>,
+}
+
+impl Staged {
+    /// `ffns` uploaded on a stream of their own and waited for (on a staging thread, never the
+    /// step's).
+    pub fn upload(
+        stream: Arc<CudaStream>,
+        (epoch, map): (u32, Arc<SlotMap>),
+        at: Vec<(usize, usize)>,
+        ffns: &[Ffn],
+        (hidden, inter, dtype): (usize, usize, ExpertDtype),
+    ) -> Result<Self, GpuError> {
+        let mut a = Alloc::new(stream.clone());
+        let mut slots = Vec::with_capacity(at.len());
+        for ((l, i), f) in at.into_iter().zip(ffns) {
+            let w = DeviceFfn::upload(&mut a, std::iter::once(f), (hidden, inter), dtype)?;
+            slots.push((l, i, w));
+        }
+        stream.synchronize()?;
+        Ok(Self {
+            epoch,
+            map,
+            slots,
+            _stream: stream,
+        })
+    }
+}
+
+/// A moving group's slots on this rank: the placement steps run on, and a new one's weights,
+/// read from the model on a thread of their own and uploaded on a stream of their own, until a
+/// step applies them (`GpuStep::place`).
+pub struct Mover {
+    pub map: Arc<SlotMap>,
+    source: ModelSource,
+    spec: MoeSpec,
+    dtype: ExpertDtype,
+    ctx: Arc<CudaContext>,
+    rank: usize,
+    staged: Arc<Mutex<Option<Staged>>>,
+    /// The epoch asked last: a slower load of an older one is dropped.
+    asked: Arc<AtomicU32>,
+    /// The last placement's staged weights, freed once the copies that read them are done.
+    retired: Option<(CudaEvent, Staged)>,
+}
+
+impl Mover {
+    pub fn new(
+        m: Moving,
+        spec: MoeSpec,
+        dtype: ExpertDtype,
+        ctx: Arc<CudaContext>,
+        rank: usize,
+    ) -> Self {
+        Self {
+            map: Arc::new(m.slots),
+            source: m.source,
+            spec,
+            dtype,
+            ctx,
+            rank,
+            staged: Arc::default(),
+            asked: Arc::default(),
+            retired: None,
+        }
+    }
+
+    /// Loads and uploads the slots `next` rewrites on this rank, off the step path.
+    pub fn stage(&mut self, epoch: u32, next: Arc<SlotMap>, done: StageDone) {
+        let first = self.map.slots_of(self.rank).start;
+        let (mut at, mut wanted) = (Vec::new(), Vec::new());
+        for (l, slots) in self.map.changed(&next, self.rank).into_iter().enumerate() {
+            for slot in slots {
+                at.push((l, slot - first));
+                wanted.push((l, next.layer(l).phy2log()[slot] as usize));
+            }
+        }
+        let (source, spec, dtype) = (self.source.clone(), self.spec.clone(), self.dtype);
+        let (staged, asked, ctx) = (self.staged.clone(), self.asked.clone(), self.ctx.clone());
+        asked.store(epoch, Ordering::Release);
+        let spawned = std::thread::Builder::new()
+            .name("eplb-stage".into())
+            .spawn(move || {
+                let up = || -> Result<(Staged, u64), String> {
+                    let ffns = source
+                        .load_experts(&spec, &wanted, dtype)
+                        .map_err(|e| e.to_string())?;
+                    let bytes = ffns.iter().map(Ffn::bytes).sum::<usize>() as u64;
+                    let sizes = (spec.hidden, spec.intermediate, dtype);
+                    let s = ctx
+                        .bind_to_thread()
+                        .and_then(|_| ctx.new_stream())
+                        .map_err(|e| format!("a staging stream: {e}"))?;
+                    let st = Staged::upload(s, (epoch, next), at, &ffns, sizes)
+                        .map_err(|e| format!("uploading the staged slots: {e}"))?;
+                    Ok((st, bytes))
+                };
+                let (st, bytes) = match up() {
+                    Ok(v) => v,
+                    Err(e) => return done(Err(e)),
+                };
+                let mut held = staged.lock().unwrap_or_else(|e| e.into_inner());
+                if asked.load(Ordering::Acquire) != epoch {
+                    drop(held);
+                    return done(Err(format!("placement epoch {epoch} was superseded")));
+                }
+                *held = Some(st);
+                drop(held);
+                done(Ok(bytes));
+            });
+        if let Err(e) = spawned {
+            // `done` moved into the closure that failed to spawn: the proposal times out.
+            tracing::warn!(epoch, "could not start staging a placement: {e}");
+        }
+    }
+
+    /// What `stage` made for `epoch`, to apply now.
+    pub fn take(&mut self, epoch: u32) -> Result<Staged, String> {
+        self.reap();
+        match self.staged.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(s) if s.epoch == epoch => Ok(s),
+            other => Err(format!(
+                "placement epoch {epoch} is not staged on rank {} (staged: {:?})",
+                self.rank,
+                other.map(|s| s.epoch)
+            )),
+        }
+    }
+
+    /// `s` applied: the steps run on its map; its buffers wait for `copied` before they go.
+    pub fn applied(&mut self, s: Staged, copied: CudaEvent) {
+        self.map = s.map.clone();
+        if let Some((ev, old)) = self.retired.replace((copied, s)) {
+            // Copies are in stream order: an older placement's finished before this one's.
+            let _ = ev.synchronize();
+            drop(old);
+        }
+    }
+
+    /// Frees the last placement's staged buffers once their copies are done.
+    pub fn reap(&mut self) {
+        if let Some((ev, _)) = &self.retired {
+            if ev.try_is_complete().unwrap_or(false) {
+                self.retired = None;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::tables;
+    use crate::eplb::SlotMap;
+
+    #[test]
+    fn the_table_lists_near_replicas_first_and_pads_with_the_first() {
+        // 4 experts, 2 ranks, 2 redundant: rank 0 holds 0 1 2, rank 1 holds 2 3 0.
+        let m = SlotMap::contiguous(4, 2, 2, 1).unwrap();
+        assert_eq!(m.layer(0).phy2log(), &[0, 1, 2, 2, 3, 0]);
+        let (rep, cnt) = tables(&m, &[true, true], 3);
+        assert_eq!(cnt, vec![2, 1, 2, 1]);
+        assert_eq!(&rep[..3], &[0, 5, 0]);
+        assert_eq!(&rep[3..6], &[1, 1, 1]);
+        // Only rank 1 on this node: its replicas of 0 and 2, and rank 0's only copy of 1.
+        let (rep, cnt) = tables(&m, &[false, true], 3);
+        assert_eq!(cnt, vec![1, 1, 1, 1]);
+        assert_eq!(&rep[..3], &[5, 5, 5]);
+        assert_eq!(&rep[3..6], &[1, 1, 1]);
+        assert_eq!(&rep[6..9], &[3, 3, 3]);
+    }
+}
