@@ -16,6 +16,8 @@ pub fn config(name: &str) -> anyhow::Result<BenchConfig> {
         experts,
         shared_inter: 0,
         expert_dtype: crate::model::ExpertDtype::Bf16,
+        skew: None,
+        eplb: None,
     };
     Ok(match name {
         // DeepSeek-V3 shapes (its routed experts; the figures).
@@ -48,12 +50,12 @@ pub fn config(name: &str) -> anyhow::Result<BenchConfig> {
 
 pub fn table(results: &[ConfigResult]) -> String {
     let mut s = String::from(
-        "| config | backend | experts | ranks | tokens/rank | step µs | gating | prepare | dispatch | experts | combine | dispatch GB/s (payload / wire) | combine GB/s | expert TFLOP/s | expert weights GB/s | dense bf16 cuBLAS TFLOP/s | tokens/s/GPU |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| config | backend | experts | ranks | tokens/rank | step µs | gating | prepare | dispatch | experts | combine | dispatch GB/s (payload / wire) | combine GB/s | expert TFLOP/s | expert weights GB/s | dense bf16 cuBLAS TFLOP/s | tokens/s/GPU | rank load max/mean | slowest experts µs |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in results {
         let m = &r.summary;
         s += &format!(
-            "| {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} / {} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} |\n",
+            "| {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} / {} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} | {:.2} | {:.1} |\n",
             r.config.name,
             r.backend,
             r.config.expert_dtype.name(),
@@ -74,7 +76,9 @@ pub fn table(results: &[ConfigResult]) -> String {
             m.expert_tflops,
             m.expert_weight_gbps,
             m.dense_tflops,
-            m.tokens_per_s_per_gpu
+            m.tokens_per_s_per_gpu,
+            m.load_ratio,
+            m.experts_max_us
         );
     }
     s
@@ -122,13 +126,42 @@ fn plan(args: &BenchArgs) -> anyhow::Result<Vec<BenchConfig>> {
                 .ok_or_else(|| anyhow::anyhow!("bench --expert-dtype takes fp8 and bf16, not auto"))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
+    if args.skew.iter().any(|s| !s.is_finite() || *s < 0.0) {
+        anyhow::bail!("--skew takes exponents >= 0");
+    }
+    let eplb = args.eplb.contains(&OnOff::On);
+    if eplb && args.skew.is_empty() {
+        anyhow::bail!("--eplb on places slots from the drawn routing's counts: give --skew");
+    }
+    let world = args.ranks.unwrap_or_else(crate::backend::gpu::device_count);
+    let redundant = args.redundant_experts.unwrap_or(world);
+    // Each skew once per --eplb setting; no --skew: the router's routing, contiguous blocks.
+    let mut routings: Vec<(Option<f64>, Option<usize>)> = Vec::new();
+    for &s in &args.skew {
+        for &e in &args.eplb {
+            routings.push((Some(s), (e == OnOff::On).then_some(redundant)));
+        }
+    }
+    if routings.is_empty() {
+        routings.push((None, None));
+    }
     let mut out = Vec::new();
     for name in &args.configs {
         let c = config(name)?;
-        out.extend(dtypes.iter().map(|&expert_dtype| BenchConfig {
-            expert_dtype,
-            ..c.clone()
-        }));
+        for &(skew, eplb) in &routings {
+            let name = match (skew, eplb) {
+                (None, _) => c.name.clone(),
+                (Some(s), None) => format!("{} skew={s}", c.name),
+                (Some(s), Some(r)) => format!("{} skew={s} eplb+{r}", c.name),
+            };
+            out.extend(dtypes.iter().map(|&expert_dtype| BenchConfig {
+                name: name.clone(),
+                expert_dtype,
+                skew,
+                eplb,
+                ..c.clone()
+            }));
+        }
     }
     Ok(out)
 }

@@ -96,6 +96,18 @@ pub struct BenchArgs {
     /// Untimed iterations first.
     #[arg(long, default_value_t = 10)]
     pub warmup: usize,
+    /// Skewed routing, comma-separated Zipf exponents (0: balanced): each token's experts are
+    /// drawn on the host, the most popular in rank 0's block as contiguous placement has them,
+    /// and each config runs once per exponent. Default: the router's top-k over random rows.
+    #[arg(long, value_delimiter = ',')]
+    pub skew: Vec<f64>,
+    /// With --skew, comma-separated: off (contiguous blocks), on (--redundant-experts slots
+    /// placed by DeepSeek's EPLB from the drawn routing's counts, read through the slot table).
+    #[arg(long, value_delimiter = ',', default_value = "off")]
+    pub eplb: Vec<OnOff>,
+    /// Redundant slots for --eplb on (default: one per rank).
+    #[arg(long)]
+    pub redundant_experts: Option<usize>,
     /// Also write the results here as JSON.
     #[arg(long)]
     pub json: Option<PathBuf>,

@@ -34,6 +34,12 @@ pub struct BenchConfig {
     pub shared_inter: usize,
     /// How the experts' weights are held and computed.
     pub expert_dtype: crate::model::ExpertDtype,
+    /// Each token's experts drawn on the host, their popularity a Zipf law of this exponent
+    /// (`skewed_routing`); None: the router's top-k over random rows.
+    pub skew: Option<f64>,
+    /// Slots placed by DeepSeek's EPLB from the drawn routing's counts, with this many redundant
+    /// slots (`eplb_slots`); None: contiguous blocks, no slot table.
+    pub eplb: Option<usize>,
 }
 
 impl BenchConfig {
@@ -51,6 +57,56 @@ impl BenchConfig {
             num_shared_experts: usize::from(self.shared_inter > 0),
         }
     }
+}
+
+/// splitmix64: the bench's draws, the same on every rank and run.
+fn splitmix(state: &mut u64) -> f64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// Rank `rank`'s routing under `c.skew` (`[tokens][k]` logical experts and weights 1/k): each
+/// token's k distinct experts drawn by `eplb::skew::Zipf`, the hottest first, so under
+/// contiguous blocks rank 0 holds them.
+pub fn skewed_routing(c: &BenchConfig, rank: usize) -> (Vec<i32>, Vec<f32>) {
+    let z = crate::eplb::skew::Zipf::new(c.experts, c.skew.unwrap_or(0.0));
+    let mut state = 0x5eed ^ ((rank as u64) << 32);
+    let mut ids = Vec::with_capacity(c.tokens_per_rank * c.top_k);
+    for _ in 0..c.tokens_per_rank {
+        let picked = z.distinct(c.top_k, || splitmix(&mut state));
+        ids.extend(picked.into_iter().map(|g| g as i32));
+    }
+    let w = vec![1.0 / c.top_k as f32; ids.len()];
+    (ids, w)
+}
+
+/// The slots `c.eplb` asks for over `world` ranks: DeepSeek's EPLB over the rows every rank's
+/// `skewed_routing` sends each expert (the counts the service's window would hold), renamed to
+/// keep the contiguous blocks' slots where it can. None without `c.eplb`.
+pub fn eplb_slots(c: &BenchConfig, world: usize) -> Option<crate::eplb::SlotMap> {
+    use crate::eplb::policy;
+    let redundant = c.eplb?;
+    let mut weight = vec![0.0; c.experts];
+    for r in 0..world {
+        for g in skewed_routing(c, r).0 {
+            weight[g as usize] += 1.0;
+        }
+    }
+    let slots = c.experts + redundant;
+    let start = crate::eplb::SlotMap::contiguous(c.experts, world, redundant, 1).ok()?;
+    let old: Vec<usize> = start
+        .layer(0)
+        .phy2log()
+        .iter()
+        .map(|&g| g as usize)
+        .collect();
+    let next = policy::rebalance(&weight, slots, 1, 1, world);
+    let kept = policy::keep(&old, &next, world);
+    let table = kept.into_iter().map(|g| g as u32).collect();
+    crate::eplb::SlotMap::from_tables(c.experts, world, vec![table]).ok()
 }
 
 /// One rank's medians for one config (microseconds, bytes, rows).
@@ -104,6 +160,10 @@ pub struct Summary {
     pub expert_weight_gbps: f64,
     pub dense_tflops: f64,
     pub tokens_per_s_per_gpu: f64,
+    /// Rows the busiest rank's slots received over the mean (1: balanced).
+    pub load_ratio: f64,
+    /// The slowest rank's experts phase: what a skewed load makes every rank wait for.
+    pub experts_max_us: f64,
 }
 
 pub fn median(v: &mut [f64]) -> f64 {
@@ -145,12 +205,76 @@ pub fn summarize(c: &BenchConfig, ranks: &[RankResult]) -> Summary {
                 / 1e12
         }),
         expert_weight_gbps: mean(&|r| {
-            let local = (c.experts / ranks.len().max(1)) as f64;
+            let slots = c.experts + c.eplb.unwrap_or(0);
+            let local = (slots / ranks.len().max(1)) as f64;
             let d = c.expert_dtype;
             let bytes = d.weight_bytes(2 * c.inter, c.hidden) + d.weight_bytes(c.hidden, c.inter);
             gbps(local * bytes as f64, r.experts_us)
         }),
         dense_tflops: mean(&|r| r.dense_rows as f64 * flops_per_row / (r.dense_us * 1e-6) / 1e12),
         tokens_per_s_per_gpu: c.tokens_per_rank as f64 / (step_us * 1e-6),
+        load_ratio: {
+            let rows: Vec<f64> = (ranks.iter())
+                .map(|r| (r.recv_rows_remote + r.recv_rows_self) as f64)
+                .collect();
+            crate::eplb::policy::imbalance(&rows)
+        },
+        experts_max_us: ranks.iter().map(|r| r.experts_us).fold(0.0, f64::max),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::eplb::policy::{imbalance, rank_loads};
+
+    fn deepseek(skew: f64, eplb: Option<usize>) -> BenchConfig {
+        BenchConfig {
+            skew: Some(skew),
+            eplb,
+            ..crate::bench::config("prefill").unwrap()
+        }
+    }
+
+    /// Rows per rank under `phy2log` for every rank's drawn routing.
+    fn loads(c: &BenchConfig, phy2log: &[usize], world: usize) -> Vec<f64> {
+        let mut weight = vec![0.0; c.experts];
+        for r in 0..world {
+            skewed_routing(c, r)
+                .0
+                .iter()
+                .for_each(|&g| weight[g as usize] += 1.0);
+        }
+        rank_loads(&weight, phy2log, world)
+    }
+
+    #[test]
+    fn skewed_routing_draws_k_distinct_experts_and_loads_rank_0() {
+        let c = deepseek(1.0, None);
+        let (ids, w) = skewed_routing(&c, 1);
+        assert_eq!(ids.len(), c.tokens_per_rank * c.top_k);
+        assert!((w.iter().sum::<f32>() - c.tokens_per_rank as f32).abs() < 1e-2);
+        for t in ids.chunks(c.top_k) {
+            let mut s = t.to_vec();
+            s.sort();
+            s.dedup();
+            assert_eq!(s.len(), c.top_k, "{t:?}");
+        }
+        assert_ne!(ids, skewed_routing(&c, 0).0, "ranks draw their own tokens");
+        let contiguous: Vec<usize> = (0..c.experts).collect();
+        let flat = deepseek(0.0, None);
+        assert!(imbalance(&loads(&flat, &contiguous, 2)) < 1.05);
+        assert!(imbalance(&loads(&c, &contiguous, 2)) > 1.3);
+    }
+
+    #[test]
+    fn eplb_slots_balance_the_drawn_load() {
+        let c = deepseek(1.0, Some(2));
+        let m = eplb_slots(&c, 2).unwrap();
+        assert_eq!(m.slots(), c.experts + 2);
+        let p: Vec<usize> = m.layer(0).phy2log().iter().map(|&g| g as usize).collect();
+        let after = imbalance(&loads(&c, &p, 2));
+        assert!(after < 1.05, "{after}");
+        assert!(eplb_slots(&deepseek(1.0, None), 2).is_none());
     }
 }

@@ -75,8 +75,9 @@ pub fn run(args: &Plan, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigRes
     }
     let mut out = Vec::new();
     for (c, (backend, ep)) in runs {
-        if c.experts % world != 0 {
-            anyhow::bail!("{}: {} experts over {world} ranks", c.name, c.experts);
+        let slots = c.experts + c.eplb.unwrap_or(0);
+        if slots % world != 0 {
+            anyhow::bail!("{}: {slots} expert slots over {world} ranks", c.name);
         }
         let id = setup::new_unique_id()?;
         let threads: Vec<_> = (0..world)
@@ -106,11 +107,13 @@ pub fn run(args: &Plan, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigRes
     Ok(out)
 }
 
-type Phase = fn(&mut GpuStep, usize) -> Result<(), GpuError>;
+type Phase = fn(&mut GpuStep, usize, Variant) -> Result<(), GpuError>;
 
 /// The step a bf16 client's request runs (as the load generator sends them): rows in bf16,
 /// routed on the GPU.
 const BF16_ROWS: Variant = Variant::new(HomeDtype::Bf16, false);
+/// `--skew`'s step: bf16 rows with the drawn routing, as a client that routes its own sends.
+const SKEWED: Variant = Variant::new(HomeDtype::Bf16, true);
 
 /// One rank, brought up as the service brings its ranks up (`setup::Device`), with random
 /// weights: GPU `rank`, one bucket of the config's tokens per rank.
@@ -128,32 +131,43 @@ fn rank_main(
         max_home: c.tokens_per_rank,
         ep,
     };
-    let dev = Device::random(seat, &c.spec(), c.expert_dtype, 7, None)?;
+    let slots = crate::backend::bench::eplb_slots(c, world);
+    let dev = Device::random(seat, &c.spec(), c.expert_dtype, 7, slots)?;
     let deadline = Instant::now() + Duration::from_secs(300);
     let (mut core, mut a) = dev.connect(id, deadline, vec![true; world])?;
     let shape = core.shape;
     let t = c.tokens_per_rank;
     let s = core.g.stream.clone();
     s.memcpy_htod(&[t as i32], &mut core.b.n)?;
-    // Random rows, in the form the timed step reads them (`BF16_ROWS`).
+    // Random rows, in the form the timed step reads them (`BF16_ROWS`); with --skew, each
+    // token's experts drawn on the host and sent as a client's routing.
     core.g
         .fill_uniform_bf16(&mut core.b.xb, 1000 + rank as u64, 1.0)?;
+    let v = match c.skew {
+        Some(_) => {
+            let (ids, w) = crate::backend::bench::skewed_routing(c, rank);
+            s.memcpy_htod(&ids, &mut core.b.ids)?;
+            s.memcpy_htod(&w, &mut core.b.w)?;
+            SKEWED
+        }
+        None => BF16_ROWS,
+    };
     for _ in 0..args.warmup.max(1) {
-        core.run(0, t, BF16_ROWS)?;
+        core.run(0, t, v)?;
     }
     s.synchronize()?;
 
     let phases: [Phase; 5] = [
-        |c, t| c.gate(0, t, BF16_ROWS),
-        |c, t| c.prepare(t),
-        |c, t| c.dispatch(t),
-        |c, t| c.experts(0, t),
-        |c, t| c.combine(0, t),
+        |c, t, v| c.gate(0, t, v),
+        |c, t, _| c.prepare(t),
+        |c, t, _| c.dispatch(t),
+        |c, t, _| c.experts(0, t),
+        |c, t, _| c.combine(0, t),
     ];
-    let step = core.capture(|c| c.run(0, t, BF16_ROWS))?;
+    let step = core.capture(|c| c.run(0, t, v))?;
     let graphs = phases
         .iter()
-        .map(|&f| core.capture(|c| f(c, t)))
+        .map(|&f| core.capture(|c| f(c, t, v)))
         .collect::<Result<Vec<_>, _>>()?;
     let ctx = core.g.ctx.clone();
     let ev = (0..6)
@@ -195,7 +209,8 @@ fn rank_main(
 
     // What moved: from the all-gathered counts of the last step.
     let m = s.clone_dtoh(&core.b.m)?;
-    let (e, l) = (c.experts, c.experts / world);
+    // Slots (experts plus redundant ones) in rank order.
+    let (e, l) = (shape.experts, shape.local());
     let mine = rank * l..(rank + 1) * l;
     let from = |src: usize| -> usize { mine.clone().map(|x| m[src * e + x] as usize).sum() };
     let recv_rows_self = from(rank);

@@ -16,7 +16,8 @@ use crate::backend::cuda::sys::nccl::Comm;
 use crate::backend::cuda::Alloc;
 use crate::backend::cuda::Gpu;
 use crate::backend::device::{check_gpu_limits, GpuDevice, Joining, Moving, Seat};
-use crate::model::{ExpertDtype, MoeSpec, RankWeights};
+use crate::eplb::SlotMap;
+use crate::model::{ExpertDtype, ModelSource, MoeSpec, RankWeights};
 use crate::place::Place;
 use crate::step::Backend;
 
@@ -77,8 +78,10 @@ pub struct Device {
     shape: StepShape,
     spec: MoeSpec,
     ordinal: usize,
-    /// Where the slots start and their weights come from, when they may move.
-    moving: Option<Moving>,
+    /// Where the slots start, when they may move (read through a slot table)...
+    slots: Option<SlotMap>,
+    /// ...and where a moved slot's weights come from (None in `epserve bench`: they never move).
+    source: Option<ModelSource>,
 }
 
 impl Device {
@@ -88,7 +91,11 @@ impl Device {
         weights: RankWeights,
         moving: Option<Moving>,
     ) -> anyhow::Result<Self> {
-        Self::new(seat, spec, weights.dtype, moving, |g, alloc, shape| {
+        let (slots, source) = match moving {
+            Some(m) => (Some(m.slots), Some(m.source)),
+            None => (None, None),
+        };
+        let mut d = Self::new(seat, spec, weights.dtype, slots, |g, alloc, shape| {
             if let Some(l) = weights
                 .layers
                 .iter()
@@ -106,7 +113,9 @@ impl Device {
                 .map(|l| DeviceLayer::upload(g, alloc, l, shape))
                 .collect::<Result<Vec<_>, _>>()
                 .context("uploading the weights")
-        })
+        })?;
+        d.source = source;
+        Ok(d)
     }
 
     /// As `open`, with random weights made on the GPU (`epserve bench`: timing, not numerics).
@@ -115,9 +124,9 @@ impl Device {
         spec: &MoeSpec,
         dtype: ExpertDtype,
         seed: u64,
-        moving: Option<Moving>,
+        slots: Option<SlotMap>,
     ) -> anyhow::Result<Self> {
-        Self::new(seat, spec, dtype, moving, |g, alloc, shape| {
+        Self::new(seat, spec, dtype, slots, |g, alloc, shape| {
             (0..spec.moe_layers.len() as u64)
                 .map(|l| DeviceLayer::random(g, alloc, shape, seed + 10 * l))
                 .collect::<Result<Vec<_>, _>>()
@@ -129,7 +138,7 @@ impl Device {
         seat: Seat,
         spec: &MoeSpec,
         dtype: ExpertDtype,
-        moving: Option<Moving>,
+        slots: Option<SlotMap>,
         layers: impl FnOnce(&Gpu, &mut Alloc, &StepShape) -> anyhow::Result<Vec<DeviceLayer>>,
     ) -> anyhow::Result<Self> {
         let Seat {
@@ -142,8 +151,8 @@ impl Device {
         let mut shape = StepShape::new(spec, world, rank, max_home);
         shape.ep = ep.map(|e| EpShape::new(e.ll_max, e.zero_copy));
         shape.expert_dtype = dtype;
-        if let Some(m) = &moving {
-            shape.experts = m.slots.slots();
+        if let Some(m) = &slots {
+            shape.experts = m.slots();
         }
         if let Some(e) = shape.ep {
             crate::backend::cuda::exchange::ep::validate(&shape, e.align)
@@ -167,7 +176,8 @@ impl Device {
             shape,
             spec: spec.clone(),
             ordinal,
-            moving,
+            slots,
+            source: None,
         })
     }
 
@@ -203,8 +213,8 @@ impl Device {
             .map_err(|_| anyhow!("NCCL init did not complete within {wait:?}: a rank is missing"))?
             .context("NCCL init")?;
         self.g.ctx.bind_to_thread()?;
-        let table = match &self.moving {
-            Some(m) => Some(SlotTable::new(&mut self.alloc, &m.slots, rank, near)?),
+        let table = match &self.slots {
+            Some(m) => Some(SlotTable::new(&mut self.alloc, m, rank, near)?),
             None => None,
         };
         // The exchange (NCCL EP's groups are collective too): every rank makes it here, in the
@@ -256,10 +266,13 @@ impl GpuDevice for Device {
         let t0 = Instant::now();
         let rank = self.shape.rank;
         let near = near_ranks(&at.nodes, rank, self.shape.world);
-        let moving = self.moving.as_ref().map(|m| Moving {
-            slots: m.slots.clone(),
-            source: m.source.clone(),
-        });
+        let moving = match (&self.slots, &self.source) {
+            (Some(slots), Some(source)) => Some(Moving {
+                slots: slots.clone(),
+                source: source.clone(),
+            }),
+            _ => None,
+        };
         let (spec, dtype) = (self.spec.clone(), self.shape.expert_dtype);
         let (core, alloc) = self.connect(at.nccl_id, at.deadline, near)?;
         let mover = moving.map(|m| Mover::new(m, spec, dtype, core.g.ctx.clone(), rank));
