@@ -129,6 +129,13 @@ pub struct RankResult {
     pub wire_bytes: usize,
     pub dense_us: f64,
     pub dense_rows: usize,
+    /// With `eplb`: this rank's slots the placement rewrites against contiguous blocks (the
+    /// first move the balancer makes), their bytes, the median time to copy them in on the
+    /// step's stream, and a step with that copy before it.
+    pub moved_slots: usize,
+    pub moved_bytes: usize,
+    pub move_us: f64,
+    pub step_with_move_us: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -164,6 +171,11 @@ pub struct Summary {
     pub load_ratio: f64,
     /// The slowest rank's experts phase: what a skewed load makes every rank wait for.
     pub experts_max_us: f64,
+    /// With `eplb`: bytes every rank copies in for the first move, the slowest rank's copy,
+    /// and the slowest step with the copy before it.
+    pub moved_bytes: usize,
+    pub move_us: f64,
+    pub step_with_move_us: f64,
 }
 
 pub fn median(v: &mut [f64]) -> f64 {
@@ -220,6 +232,12 @@ pub fn summarize(c: &BenchConfig, ranks: &[RankResult]) -> Summary {
             crate::eplb::policy::imbalance(&rows)
         },
         experts_max_us: ranks.iter().map(|r| r.experts_us).fold(0.0, f64::max),
+        moved_bytes: ranks.iter().map(|r| r.moved_bytes).sum(),
+        move_us: ranks.iter().map(|r| r.move_us).fold(0.0, f64::max),
+        step_with_move_us: ranks
+            .iter()
+            .map(|r| r.step_with_move_us)
+            .fold(0.0, f64::max),
     }
 }
 

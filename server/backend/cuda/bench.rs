@@ -12,6 +12,8 @@ use cudarc::driver::CudaEvent;
 use half::bf16;
 
 use crate::backend::bench::{median, summarize, BenchConfig, ConfigResult, Plan, RankResult};
+use crate::backend::cuda::experts::DeviceFfn;
+use crate::backend::cuda::placement::Staged;
 use crate::backend::cuda::setup::{self, Device};
 use crate::backend::cuda::step::{GpuStep, HomeDtype, Variant};
 use crate::backend::cuda::{device_count, GpuError};
@@ -132,7 +134,7 @@ fn rank_main(
         ep,
     };
     let slots = crate::backend::bench::eplb_slots(c, world);
-    let dev = Device::random(seat, &c.spec(), c.expert_dtype, 7, slots)?;
+    let dev = Device::random(seat, &c.spec(), c.expert_dtype, 7, slots.clone())?;
     let deadline = Instant::now() + Duration::from_secs(300);
     let (mut core, mut a) = dev.connect(id, deadline, vec![true; world])?;
     let shape = core.shape;
@@ -207,6 +209,44 @@ fn rank_main(
         }
     }
 
+    // The first move: the slots the placement rewrites against contiguous blocks, copied in on
+    // the step's stream before a step, as a rebalance does.
+    let mut moved = (0, 0, f64::NAN, f64::NAN);
+    if let (Some(m), Some(r)) = (&slots, c.eplb) {
+        let start = crate::eplb::SlotMap::contiguous(c.experts, world, r, 1)
+            .map_err(|e| anyhow::anyhow!(e))?;
+        let first = m.slots_of(rank).start;
+        let (h, i) = (c.hidden, c.inter);
+        let mut rewritten = Vec::new();
+        for slot in start.changed(m, rank).remove(0) {
+            let w =
+                DeviceFfn::random(&core.g, &mut a, (1, h, i), 50 + slot as u64, c.expert_dtype)?;
+            rewritten.push((0, slot - first, w));
+        }
+        let bytes = rewritten.iter().map(|(_, _, w)| w.bytes()).sum();
+        let staged = Staged::new(0, std::sync::Arc::new(m.clone()), rewritten, s.clone());
+        let (mut copy, mut with) = (Vec::new(), Vec::new());
+        for it in 0..args.warmup + args.iters {
+            align(&core)?;
+            ev[0].record(&s)?;
+            core.place(&staged)?;
+            ev[1].record(&s)?;
+            step.launch()?;
+            ev[2].record(&s)?;
+            s.synchronize()?;
+            if it >= args.warmup {
+                copy.push(us(&ev[0], &ev[1])?);
+                with.push(us(&ev[0], &ev[2])?);
+            }
+        }
+        moved = (
+            staged.slots.len(),
+            bytes,
+            median(&mut copy),
+            median(&mut with),
+        );
+    }
+
     // What moved: from the all-gathered counts of the last step.
     let m = s.clone_dtoh(&core.b.m)?;
     // Slots (experts plus redundant ones) in rank order.
@@ -270,5 +310,9 @@ fn rank_main(
         wire_bytes,
         dense_us: median(&mut dense),
         dense_rows: rows,
+        moved_slots: moved.0,
+        moved_bytes: moved.1,
+        move_us: moved.2,
+        step_with_move_us: moved.3,
     })
 }

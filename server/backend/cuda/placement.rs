@@ -125,6 +125,21 @@ pub struct Staged {
 }
 
 impl Staged {
+    /// Slots already on the device (`epserve bench`'s random ones), freed on `stream`.
+    pub fn new(
+        epoch: u32,
+        map: Arc<SlotMap>,
+        slots: Vec<(usize, usize, DeviceFfn)>,
+        stream: Arc<CudaStream>,
+    ) -> Self {
+        Self {
+            epoch,
+            map,
+            slots,
+            _stream: stream,
+        }
+    }
+
     /// `ffns` uploaded on a stream of their own and waited for (on a staging thread, never the
     /// step's).
     pub fn upload(
