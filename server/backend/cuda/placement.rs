@@ -75,11 +75,22 @@ impl SlotTable {
         })
     }
 
-    /// Rewrites the table for `map` on `stream`: steps enqueued after it read the new one.
-    pub fn write(&mut self, map: &SlotMap, stream: &Arc<CudaStream>) -> Result<(), DriverError> {
+    /// Rewrites layer `layer`'s rows of the table for `map` on `stream`: steps enqueued after
+    /// it read the new ones.
+    pub fn write(
+        &mut self,
+        map: &SlotMap,
+        layer: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(), DriverError> {
         self.host = tables(map, &self.near, self.r);
-        stream.memcpy_htod(&self.host.0, &mut self.rep)?;
-        stream.memcpy_htod(&self.host.1, &mut self.cnt)
+        let (e, r) = (self.experts, self.r);
+        let (reps, cnts) = (
+            layer * e * r..(layer + 1) * e * r,
+            layer * e..(layer + 1) * e,
+        );
+        stream.memcpy_htod(&self.host.0[reps.clone()], &mut self.rep.slice_mut(reps))?;
+        stream.memcpy_htod(&self.host.1[cnts.clone()], &mut self.cnt.slice_mut(cnts))
     }
 }
 
@@ -178,8 +189,10 @@ pub struct Mover {
     staged: Arc<Mutex<Option<Staged>>>,
     /// The epoch asked last: a slower load of an older one is dropped.
     asked: Arc<AtomicU32>,
-    /// The last placement's staged weights, freed once the copies that read them are done.
-    retired: Option<(CudaEvent, Staged)>,
+    /// Placements applied whose layers are still landing, oldest first.
+    pending: std::collections::VecDeque<Pending>,
+    /// Landed placements' staged weights, freed once the copies that read them are done.
+    retired: Vec<(CudaEvent, Staged)>,
 }
 
 impl Mover {
@@ -199,7 +212,8 @@ impl Mover {
             rank,
             staged: Arc::default(),
             asked: Arc::default(),
-            retired: None,
+            pending: Default::default(),
+            retired: Vec::new(),
         }
     }
 
@@ -252,37 +266,60 @@ impl Mover {
         }
     }
 
-    /// What `stage` made for `epoch`, to apply now.
-    pub fn take(&mut self, epoch: u32) -> Result<Staged, String> {
+    /// Makes what `stage` made for `epoch` the placement steps run on. Its layers land one by
+    /// one, each before the first step of that layer (`due`, `placed`), so no step pays for more
+    /// than its own layer's copies. A layer an older placement has not landed yet is `due` first.
+    pub fn apply(&mut self, epoch: u32) -> Result<(), String> {
         self.reap();
-        match self.staged.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            Some(s) if s.epoch == epoch => Ok(s),
-            other => Err(format!(
-                "placement epoch {epoch} is not staged on rank {} (staged: {:?})",
-                self.rank,
-                other.map(|s| s.epoch)
-            )),
-        }
-    }
-
-    /// `s` applied: the steps run on its map; its buffers wait for `copied` before they go.
-    pub fn applied(&mut self, s: Staged, copied: CudaEvent) {
-        self.map = s.map.clone();
-        if let Some((ev, old)) = self.retired.replace((copied, s)) {
-            // Copies are in stream order: an older placement's finished before this one's.
-            let _ = ev.synchronize();
-            drop(old);
-        }
-    }
-
-    /// Frees the last placement's staged buffers once their copies are done.
-    pub fn reap(&mut self) {
-        if let Some((ev, _)) = &self.retired {
-            if ev.try_is_complete().unwrap_or(false) {
-                self.retired = None;
+        let staged = match self.staged.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(s) if s.epoch == epoch => s,
+            other => {
+                return Err(format!(
+                    "placement epoch {epoch} is not staged on rank {} (staged: {:?})",
+                    self.rank,
+                    other.map(|s| s.epoch)
+                ))
             }
+        };
+        self.map = staged.map.clone();
+        let left = vec![true; self.map.layers().len()];
+        self.pending.push_back(Pending { staged, left });
+        Ok(())
+    }
+
+    /// The oldest pending placement whose share of `layer` has not landed.
+    pub fn due(&self, layer: usize) -> Option<usize> {
+        (self.pending.iter()).position(|p| p.left.get(layer) == Some(&true))
+    }
+
+    /// Pending placement `i`.
+    pub fn pending(&self, i: usize) -> &Staged {
+        &self.pending[i].staged
+    }
+
+    /// Pending placement `i`'s share of `layer` is enqueued (before `copied`); a placement
+    /// fully landed waits for its copies before its buffers go.
+    pub fn placed(&mut self, i: usize, layer: usize, copied: CudaEvent) {
+        let p = &mut self.pending[i];
+        p.left[layer] = false;
+        if p.left.iter().all(|&l| !l) {
+            let done = self.pending.remove(i).expect("a pending placement");
+            self.retired.push((copied, done.staged));
         }
     }
+
+    /// Frees landed placements' staged buffers once their copies are done.
+    pub fn reap(&mut self) {
+        self.retired
+            .retain(|(ev, _)| !ev.try_is_complete().unwrap_or(false));
+    }
+}
+
+/// A placement applied whose layers have not all landed.
+struct Pending {
+    staged: Staged,
+    /// Layers still to land.
+    left: Vec<bool>,
 }
 
 #[cfg(test)]

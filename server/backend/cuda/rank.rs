@@ -262,6 +262,20 @@ impl GpuRank {
             })
     }
 
+    /// Whatever applied placements still owe `layer`: their slots' copies and table rows on
+    /// the step stream, oldest first, before this step.
+    fn land(&mut self, layer: usize) -> Result<(), GpuError> {
+        let (Some(m), Some(c)) = (self.mover.as_mut(), self.core.as_mut()) else {
+            return Ok(());
+        };
+        while let Some(i) = m.due(layer) {
+            c.place(m.pending(i), layer)?;
+            let copied = c.g.stream.record_event(None)?;
+            m.placed(i, layer, copied);
+        }
+        Ok(())
+    }
+
     /// The smallest bucket holding `most_home` rows (every rank's home fits it).
     fn bucket_of(&self, most_home: usize) -> Option<usize> {
         self.buckets.iter().position(|&b| b >= most_home.max(1))
@@ -418,6 +432,9 @@ impl Backend for GpuRank {
         let (bi, set) = self.stage(desc, &home)?;
         let rank = self.core.as_ref().map_or(0, |c| c.shape.rank);
         let output = Output::of(desc, rank, home.clone());
+        if let Err(e) = self.land(desc.layer as usize) {
+            return Err(self.failed(desc.step, e));
+        }
         let direct = match self.launch(desc, home, bi, set) {
             Ok(runs) => runs,
             Err(e) => return Err(self.failed(desc.step, e)),
@@ -501,30 +518,11 @@ impl Backend for GpuRank {
         }
     }
 
-    /// The staged slots and table copied in on the step stream, behind the steps in flight
-    /// (they read the old ones) and before the next (it reads the new).
+    /// The staged placement becomes current; each layer's slots and table land on the step
+    /// stream before that layer's next step (`land`), behind the steps in flight.
     fn apply(&mut self, epoch: u32) -> Result<(), String> {
-        let m = self
-            .mover
-            .as_mut()
-            .ok_or("this group's slots do not move")?;
-        let staged = m.take(epoch)?;
-        let c = self.core.as_mut().ok_or("the GPU rank failed")?;
-        let placed =
-            c.g.ctx
-                .bind_to_thread()
-                .map_err(GpuError::from)
-                .and_then(|_| {
-                    c.place(&staged)?;
-                    Ok(c.g.stream.record_event(None)?)
-                });
-        match placed {
-            Ok(copied) => {
-                m.applied(staged, copied);
-                Ok(())
-            }
-            Err(e) => Err(format!("placement epoch {epoch}: {e}")),
-        }
+        let m = (self.mover.as_mut()).ok_or("this group's slots do not move")?;
+        m.apply(epoch)
     }
 
     fn ep_footprint(&self) -> Option<crate::step::EpFootprint> {

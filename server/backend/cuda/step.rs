@@ -388,16 +388,19 @@ impl GpuStep {
             .combine(g, &self.comm, &home!(b, t), bucket, shared, &mut b.out)
     }
 
-    /// A new placement's staged slots copied over the ones they rewrite, and its table, on the
-    /// step's stream: the steps enqueued after read them, the ones before read the old.
-    pub fn place(&mut self, staged: &Staged) -> Result<(), GpuError> {
+    /// Layer `layer`'s share of a new placement: its staged slots copied over the ones they
+    /// rewrite, and its rows of the table, on the step's stream: the steps enqueued after read
+    /// them, the ones before read the old.
+    pub fn place(&mut self, staged: &Staged, layer: usize) -> Result<(), GpuError> {
         let t = self.table.as_mut().ok_or_else(|| {
             GpuError::Config("this group's slots do not move (no slot table)".into())
         })?;
-        for (l, i, w) in &staged.slots {
-            self.layers[*l].experts.write_group(*i, w, &self.g.stream)?;
+        for (_, i, w) in staged.slots.iter().filter(|(l, _, _)| *l == layer) {
+            self.layers[layer]
+                .experts
+                .write_group(*i, w, &self.g.stream)?;
         }
-        t.write(&staged.map, &self.g.stream)?;
+        t.write(&staged.map, layer, &self.g.stream)?;
         Ok(())
     }
 

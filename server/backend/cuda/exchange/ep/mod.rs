@@ -111,6 +111,19 @@ pub fn placement(nodes: &[(String, Vec<usize>)]) -> Result<(), String> {
     Ok(())
 }
 
+/// Why NCCL EP's high-throughput kernels cannot take this shape's slots per rank, if they run
+/// (buckets past `ll_max`): NCCL EP 0.2 asserts a power of two (`launch_build_em_tables`) and
+/// aborts the process otherwise.
+pub fn ht_slots(s: &StepShape) -> Option<String> {
+    let ht = s.ep.is_none_or(|e| s.max_home > e.ll_max);
+    (ht && !s.local().is_power_of_two()).then(|| {
+        format!(
+            "{} expert slots per rank: NCCL EP's high-throughput mode needs a power of two (choose --redundant-experts so that (experts + N) / ranks is one, e.g. 0: EPLB then rearranges without replicas)",
+            s.local()
+        )
+    })
+}
+
 /// The shape problems NCCL EP would reject, found first with a clear reason.
 pub fn validate(s: &StepShape, align: usize) -> Result<(), String> {
     let mut bad = Vec::new();
@@ -119,6 +132,9 @@ pub fn validate(s: &StepShape, align: usize) -> Result<(), String> {
     }
     if s.top_k > s.experts {
         bad.push(format!("top-k {} > {} experts", s.top_k, s.experts));
+    }
+    if let Some(why) = ht_slots(s) {
+        bad.push(why);
     }
     if s.max_home == 0 {
         bad.push("max dispatch tokens per rank is 0".into());
