@@ -485,22 +485,7 @@ fn a_placement_applied_between_graph_replays_equals_a_group_started_on_it() {
     let world = (*gpu_counts().last().unwrap()).min(2);
     let (spec, refs) = reference_layers();
     let e = spec.num_experts;
-    let (per, extras) = (e / world, [5u32, 77]);
-    let extra = |r: usize| extras.iter().skip(r * 2 / world).take(2 / world).copied();
-    // A: each rank's block, then its share of the replicas. B: each rank the next rank's block
-    // backwards, then the same replicas: every slot's expert changes.
-    let a: Vec<u32> = (0..world)
-        .flat_map(|r| (r * per..(r + 1) * per).map(|g| g as u32).chain(extra(r)))
-        .collect();
-    let b: Vec<u32> = (0..world)
-        .flat_map(|r| {
-            let n = (r + 1) % world;
-            (n * per..(n + 1) * per)
-                .rev()
-                .map(|g| g as u32)
-                .chain(extra(r))
-        })
-        .collect();
+    let per = e / world;
     let dir = common::TempDir::new("gpu-placement");
     let file = dir.0.join("placement.json");
     let write = |t: &[u32]| {
@@ -509,17 +494,33 @@ fn a_placement_applied_between_graph_replays_equals_a_group_started_on_it() {
     };
     let f = file.display().to_string();
     let reqs = requests(31, F64_REQUESTS);
-    let mut backends = vec!["nccl"];
+    // nccl with two replicas; nccl-ep rearranged only (its HT mode needs 2^n slots per rank).
+    let mut backends = vec![("nccl", vec![5u32, 77])];
     if nccl_ep_runs(world) {
-        backends.push("nccl-ep");
+        backends.push(("nccl-ep", vec![]));
     }
-    for backend in backends {
+    for (backend, extras) in backends {
+        let n = extras.len();
+        let extra = |r: usize| extras[r * n / world..(r + 1) * n / world].to_vec();
+        // A: each rank's block, then its share of the replicas. B: each rank the next rank's
+        // block backwards, then the same replicas: every slot's expert changes.
+        let a: Vec<u32> = (0..world)
+            .flat_map(|r| (r * per..(r + 1) * per).map(|g| g as u32).chain(extra(r)))
+            .collect();
+        let b: Vec<u32> = (0..world)
+            .flat_map(|r| {
+                let next = (r + 1) % world;
+                let block = (next * per..(next + 1) * per).rev().map(|g| g as u32);
+                block.chain(extra(r))
+            })
+            .collect();
         write(&a);
         let g = launch_with(world, backend, "on", &["--placement", &f]);
         let info = model_info(&g);
+        let slots = ((e + n) / world) as u32;
         assert_eq!(
             (info.redundant_experts, info.slots_per_rank),
-            (2, (e as u32 + 2) / world as u32)
+            (n as u32, slots)
         );
         assert_eq!(info.layer_placement[0].phy2log, a);
         let outs = run_all(&g, &reqs, 1);
@@ -558,7 +559,7 @@ fn a_placement_applied_between_graph_replays_equals_a_group_started_on_it() {
             );
         }
         eprintln!(
-            "{backend}, {world} GPUs: A {before:?}, B live {after:?} (worst token, worst request, tokens, near-ties); B live = B started, bitwise, {} requests",
+            "{backend}, {world} GPUs, {n} redundant: A {before:?}, B live {after:?} (worst token, worst request, tokens, near-ties); B live = B started, bitwise, {} requests",
             reqs.len()
         );
     }

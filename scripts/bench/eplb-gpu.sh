@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# #54's GPU half: the slot test and `epserve bench --skew --eplb` on 2 GPUs, as run for
+# docs/benchmarks.md ("Load balance"). On the GPU machine, from the repository root, with
+# .device/bin.tar.xz (scripts/gpu-check.sh, packed) and .device/nccl230.tar.xz carried:
+#   bash scripts/bench/eplb-gpu.sh test test-ep prefill prefill2 decode regress  (logs, JSON in $OUT)
+set -uo pipefail
+out=${OUT:-out}; mkdir -p "$out"
+[ -x .device/bin/epserve ] || tar xJf .device/bin.tar.xz -C .device
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export EPSERVE_BIN=$PWD/.device/bin/epserve TMPDIR=/dev/shm
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$out/gpus.txt"
+t0=$SECONDS
+run() { # name limit cmd...
+  local name=$1 lim=$2; shift 2; local s=$SECONDS
+  timeout "$lim" "$@" >"$out/$name.log" 2>&1; local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - s))s (total $((SECONDS - t0))s)"
+  grep -E "^test |test result|skipped|worst|error|panicked|GPUs:|^\| " "$out/$name.log" | head -60
+}
+mkdir -p /tmp/nccl230 && { [ -f /tmp/nccl230/env.sh ] || tar xJf .device/nccl230.tar.xz -C /tmp/nccl230; }
+B=.device/bin/epserve
+bench() { # name limit args...
+  local name=$1 lim=$2; shift 2
+  (source /tmp/nccl230/env.sh && export NCCL_DEBUG=WARN &&
+    run "$name" "$lim" $B bench --ranks 2 --iters 30 --warmup 5 --json "$out/$name.json" "$@")
+}
+for part in "$@"; do
+case "$part" in
+test) # nccl only (the system NCCL: nccl-ep is skipped with its reason)
+  run gpu_placement 200 .device/bin/gpu_serve --ignored --nocapture --test-threads 1 \
+    a_placement_applied_between_graph_replays
+  ;;
+test-ep)
+  (source /tmp/nccl230/env.sh && export NCCL_DEBUG=WARN &&
+    run gpu_placement_ep 400 .device/bin/gpu_serve --ignored --nocapture --test-threads 1 \
+      a_placement_applied_between_graph_replays)
+  ;;
+regress) # the slotless path after the gate's change: as before
+  run gpu_kernels 120 .device/bin/gpu_kernels --ignored --test-threads 1
+  run gpu_serve_regress 420 .device/bin/gpu_serve --ignored --nocapture --test-threads 1 \
+    graph_replays_are_bitwise fp8_experts_match_the_f64_reference nccl_backend_matches_the_cpu --skip nccl_ep
+  ;;
+prefill) # nccl with a replica per rank; nccl-ep HT needs 2^n slots per rank: rearranged only
+  bench prefill-nccl 240 --configs prefill --backends nccl --expert-dtype bf16,fp8 \
+    --skew 0,1 --eplb off,on --redundant-experts 2
+  bench prefill-ep 240 --configs prefill --backends nccl-ep --ep-modes ht --expert-dtype bf16,fp8 \
+    --skew 0,1 --eplb off,on --redundant-experts 0
+  ;;
+prefill2)
+  bench prefill2-nccl 200 --configs prefill --backends nccl --expert-dtype bf16,fp8 \
+    --skew 0,0.5,0.7 --eplb off,on --redundant-experts 2
+  bench prefill2-ep 200 --configs prefill --backends nccl-ep --ep-modes ht --expert-dtype bf16,fp8 \
+    --skew 0,0.5,0.7 --eplb off,on --redundant-experts 0
+  ;;
+decode)
+  bench decode-nccl 150 --configs decode --backends nccl --expert-dtype bf16,fp8 \
+    --skew 0,1 --eplb off,on --redundant-experts 2
+  bench decode-ep 150 --configs decode --backends nccl-ep --ep-modes ll --expert-dtype bf16,fp8 \
+    --skew 0,1 --eplb off,on --redundant-experts 0
+  ;;
+esac
+done
