@@ -51,6 +51,10 @@ pub fn record_step(r: &StepRecord) {
     counter!(metric_names::STEP_PADDING_TOKENS_TOTAL).increment(r.times.padding as u64);
     histogram!(metric_names::STEP_DURATION_SECONDS).record(r.times.total.as_secs_f64());
     crate::stats_log::step(r.times.total);
+    // Every step's time, for a distribution the histogram's buckets are too coarse for
+    // (RUST_LOG=epserve::step_times=trace; off by default).
+    tracing::trace!(target: "epserve::step_times", layer = r.layer, tokens = r.tokens,
+        us = r.times.total.as_micros() as u64, "step");
     let phases = if r.times.phased { 5 } else { 0 };
     for (phase, d) in [
         ("gating", r.times.gating),

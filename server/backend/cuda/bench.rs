@@ -234,11 +234,12 @@ fn rank_main(
         }
         let bytes = rewritten.iter().map(|(_, _, w)| w.bytes()).sum();
         let staged = Staged::new(0, std::sync::Arc::new(m.clone()), rewritten, s.clone());
+        core.table_source(m)?;
         let (mut copy, mut with) = (Vec::new(), Vec::new());
         for it in 0..args.warmup + args.iters {
             align(&core)?;
             ev[0].record(&s)?;
-            core.place(&staged, 0)?;
+            core.place(&staged, 0, &s)?;
             ev[1].record(&s)?;
             step.launch()?;
             ev[2].record(&s)?;

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DriverError, PushKernelArg};
 
 use crate::backend::cuda::experts::DeviceFfn;
+use crate::backend::cuda::step::GpuStep;
 use crate::backend::cuda::{Alloc, Gpu, GpuError};
 use crate::backend::device::Moving;
 use crate::eplb::SlotMap;
@@ -75,15 +76,14 @@ impl SlotTable {
         })
     }
 
-    /// Rewrites layer `layer`'s rows of the table for `map` on `stream`: steps enqueued after
-    /// it read the new ones.
-    pub fn write(
-        &mut self,
-        map: &SlotMap,
-        layer: usize,
-        stream: &Arc<CudaStream>,
-    ) -> Result<(), DriverError> {
+    /// Makes `map` the table's source; `write` copies its rows in, layer by layer.
+    pub fn set(&mut self, map: &SlotMap) {
         self.host = tables(map, &self.near, self.r);
+    }
+
+    /// Copies layer `layer`'s rows of the table `set` made on `stream`: work enqueued after it
+    /// on `stream` (or waiting for it) reads them.
+    pub fn write(&mut self, layer: usize, stream: &Arc<CudaStream>) -> Result<(), DriverError> {
         let (e, r) = (self.experts, self.r);
         let (reps, cnts) = (
             layer * e * r..(layer + 1) * e * r,
@@ -177,8 +177,10 @@ impl Staged {
 }
 
 /// A moving group's slots on this rank: the placement steps run on, and a new one's weights,
-/// read from the model on a thread of their own and uploaded on a stream of their own, until a
-/// step applies them (`GpuStep::place`).
+/// read from the model on a thread of their own and uploaded on a stream of their own until a
+/// step applies them. Applied, each layer's copies and table rows go on the move stream behind
+/// that layer's last step (`used`), so they run under the other layers' steps; the layer's next
+/// step waits for them (`landed`), and no other step does.
 pub struct Mover {
     pub map: Arc<SlotMap>,
     source: ModelSource,
@@ -189,9 +191,14 @@ pub struct Mover {
     staged: Arc<Mutex<Option<Staged>>>,
     /// The epoch asked last: a slower load of an older one is dropped.
     asked: Arc<AtomicU32>,
-    /// Placements applied whose layers are still landing, oldest first.
-    pending: std::collections::VecDeque<Pending>,
-    /// Landed placements' staged weights, freed once the copies that read them are done.
+    /// Where applied placements' copies run.
+    stream: Arc<CudaStream>,
+    /// Per layer: its last step's end on the step stream; its copies' end on `stream`, and
+    /// whether its next step must wait for them.
+    used: Vec<CudaEvent>,
+    landed: Vec<CudaEvent>,
+    waiting: Vec<bool>,
+    /// Applied placements' staged weights, freed once the copies that read them are done.
     retired: Vec<(CudaEvent, Staged)>,
 }
 
@@ -202,8 +209,18 @@ impl Mover {
         dtype: ExpertDtype,
         ctx: Arc<CudaContext>,
         rank: usize,
-    ) -> Self {
-        Self {
+    ) -> Result<Self, DriverError> {
+        let layers = m.slots.layers().len();
+        let events = |n| {
+            (0..n)
+                .map(|_| ctx.new_event(None))
+                .collect::<Result<Vec<_>, _>>()
+        };
+        Ok(Self {
+            used: events(layers)?,
+            landed: events(layers)?,
+            waiting: vec![false; layers],
+            stream: ctx.new_stream()?,
             map: Arc::new(m.slots),
             source: m.source,
             spec,
@@ -212,9 +229,8 @@ impl Mover {
             rank,
             staged: Arc::default(),
             asked: Arc::default(),
-            pending: Default::default(),
             retired: Vec::new(),
-        }
+        })
     }
 
     /// Loads and uploads the slots `next` rewrites on this rank, off the step path.
@@ -266,10 +282,9 @@ impl Mover {
         }
     }
 
-    /// Makes what `stage` made for `epoch` the placement steps run on. Its layers land one by
-    /// one, each before the first step of that layer (`due`, `placed`), so no step pays for more
-    /// than its own layer's copies. A layer an older placement has not landed yet is `due` first.
-    pub fn apply(&mut self, epoch: u32) -> Result<(), String> {
+    /// Makes what `stage` made for `epoch` the placement steps run on: every layer's copies and
+    /// table rows enqueued on the move stream behind that layer's last step.
+    pub fn apply(&mut self, epoch: u32, step: &mut GpuStep) -> Result<(), String> {
         self.reap();
         let staged = match self.staged.lock().unwrap_or_else(|e| e.into_inner()).take() {
             Some(s) if s.epoch == epoch => s,
@@ -281,45 +296,45 @@ impl Mover {
                 ))
             }
         };
+        let s = self.stream.clone();
+        let enqueued = (|| -> Result<CudaEvent, GpuError> {
+            self.ctx.bind_to_thread()?;
+            step.table_source(&staged.map)?;
+            for l in 0..self.used.len() {
+                s.wait(&self.used[l])?;
+                step.place(&staged, l, &s)?;
+                self.landed[l].record(&s)?;
+                self.waiting[l] = true;
+            }
+            Ok(s.record_event(None)?)
+        })();
+        // Some copies may be enqueued already: the map is the new one either way, and a
+        // failure here is a device failure the next step meets.
         self.map = staged.map.clone();
-        let left = vec![true; self.map.layers().len()];
-        self.pending.push_back(Pending { staged, left });
+        let copied = enqueued.map_err(|e| format!("placement epoch {epoch}: {e}"))?;
+        self.retired.push((copied, staged));
         Ok(())
     }
 
-    /// The oldest pending placement whose share of `layer` has not landed.
-    pub fn due(&self, layer: usize) -> Option<usize> {
-        (self.pending.iter()).position(|p| p.left.get(layer) == Some(&true))
-    }
-
-    /// Pending placement `i`.
-    pub fn pending(&self, i: usize) -> &Staged {
-        &self.pending[i].staged
-    }
-
-    /// Pending placement `i`'s share of `layer` is enqueued (before `copied`); a placement
-    /// fully landed waits for its copies before its buffers go.
-    pub fn placed(&mut self, i: usize, layer: usize, copied: CudaEvent) {
-        let p = &mut self.pending[i];
-        p.left[layer] = false;
-        if p.left.iter().all(|&l| !l) {
-            let done = self.pending.remove(i).expect("a pending placement");
-            self.retired.push((copied, done.staged));
+    /// Layer `layer`'s step is enqueued on `stream` after this: it waits for the layer's copies
+    /// of an applied placement, if any.
+    pub fn before(&mut self, layer: usize, stream: &CudaStream) -> Result<(), DriverError> {
+        if std::mem::take(&mut self.waiting[layer]) {
+            stream.wait(&self.landed[layer])?;
         }
+        Ok(())
     }
 
-    /// Frees landed placements' staged buffers once their copies are done.
+    /// Layer `layer`'s step was enqueued on `stream`: a later placement's copies wait for it.
+    pub fn after(&mut self, layer: usize, stream: &CudaStream) -> Result<(), DriverError> {
+        self.used[layer].record(stream)
+    }
+
+    /// Frees applied placements' staged buffers once their copies are done.
     pub fn reap(&mut self) {
         self.retired
             .retain(|(ev, _)| !ev.try_is_complete().unwrap_or(false));
     }
-}
-
-/// A placement applied whose layers have not all landed.
-struct Pending {
-    staged: Staged,
-    /// Layers still to land.
-    left: Vec<bool>,
 }
 
 #[cfg(test)]

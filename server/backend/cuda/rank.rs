@@ -262,20 +262,6 @@ impl GpuRank {
             })
     }
 
-    /// Whatever applied placements still owe `layer`: their slots' copies and table rows on
-    /// the step stream, oldest first, before this step.
-    fn land(&mut self, layer: usize) -> Result<(), GpuError> {
-        let (Some(m), Some(c)) = (self.mover.as_mut(), self.core.as_mut()) else {
-            return Ok(());
-        };
-        while let Some(i) = m.due(layer) {
-            c.place(m.pending(i), layer)?;
-            let copied = c.g.stream.record_event(None)?;
-            m.placed(i, layer, copied);
-        }
-        Ok(())
-    }
-
     /// The smallest bucket holding `most_home` rows (every rank's home fits it).
     fn bucket_of(&self, most_home: usize) -> Option<usize> {
         self.buckets.iter().position(|&b| b >= most_home.max(1))
@@ -389,6 +375,9 @@ impl GpuRank {
         s.wait(&cp.inbox_full)?;
         unpack_rows(c, n, desc.input)?;
         cp.inbox_free.record(&s)?;
+        if let Some(m) = &mut self.mover {
+            m.before(layer, &s)?;
+        }
         match self.graphs.is_empty() {
             true => self.eager(set, layer, bucket, v)?,
             false => {
@@ -401,6 +390,9 @@ impl GpuRank {
                 graph.launch()?;
                 st.copy_out(c)?;
             }
+        }
+        if let Some(m) = &mut self.mover {
+            m.after(layer, &s)?;
         }
         let cp = &self.copies;
         let c = self.core.as_mut().expect("checked in stage");
@@ -432,9 +424,6 @@ impl Backend for GpuRank {
         let (bi, set) = self.stage(desc, &home)?;
         let rank = self.core.as_ref().map_or(0, |c| c.shape.rank);
         let output = Output::of(desc, rank, home.clone());
-        if let Err(e) = self.land(desc.layer as usize) {
-            return Err(self.failed(desc.step, e));
-        }
         let direct = match self.launch(desc, home, bi, set) {
             Ok(runs) => runs,
             Err(e) => return Err(self.failed(desc.step, e)),
@@ -518,11 +507,12 @@ impl Backend for GpuRank {
         }
     }
 
-    /// The staged placement becomes current; each layer's slots and table land on the step
-    /// stream before that layer's next step (`land`), behind the steps in flight.
+    /// The staged placement becomes current: each layer's slots and table are copied in on the
+    /// mover's stream behind that layer's steps in flight, and its next step waits for them.
     fn apply(&mut self, epoch: u32) -> Result<(), String> {
         let m = (self.mover.as_mut()).ok_or("this group's slots do not move")?;
-        m.apply(epoch)
+        let c = self.core.as_mut().ok_or("the GPU rank failed")?;
+        m.apply(epoch, c)
     }
 
     fn ep_footprint(&self) -> Option<crate::step::EpFootprint> {

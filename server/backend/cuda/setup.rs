@@ -275,7 +275,9 @@ impl GpuDevice for Device {
         };
         let (spec, dtype) = (self.spec.clone(), self.shape.expert_dtype);
         let (core, alloc) = self.connect(at.nccl_id, at.deadline, near)?;
-        let mover = moving.map(|m| Mover::new(m, spec, dtype, core.g.ctx.clone(), rank));
+        let mover = moving
+            .map(|m| Mover::new(m, spec, dtype, core.g.ctx.clone(), rank))
+            .transpose()?;
         let rank_ = GpuRank::new(
             core,
             at.ring,

@@ -6,7 +6,9 @@
 //! step uses the same one, so the exchanges' fixed sizes match on both ends.
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, DriverError};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DriverError};
 use half::bf16;
 
 use crate::backend::cuda::exchange::ep::EpExchange;
@@ -20,6 +22,7 @@ use crate::backend::cuda::shape::StepShape;
 use crate::backend::cuda::sys::nccl::Comm;
 use crate::backend::cuda::{max_tiles, Gpu, Logits, ROUTER_PIECES};
 use crate::backend::cuda::{Alloc, GpuError};
+use crate::eplb::SlotMap;
 use crate::model::{ExpertDtype, LayerWeights, Routing};
 
 /// One MoE layer on the device: the router in f32 (and as bf16 pieces, for bf16 rows), this
@@ -388,19 +391,32 @@ impl GpuStep {
             .combine(g, &self.comm, &home!(b, t), bucket, shared, &mut b.out)
     }
 
-    /// Layer `layer`'s share of a new placement: its staged slots copied over the ones they
-    /// rewrite, and its rows of the table, on the step's stream: the steps enqueued after read
-    /// them, the ones before read the old.
-    pub fn place(&mut self, staged: &Staged, layer: usize) -> Result<(), GpuError> {
+    /// Makes `map` the placement the slot table's rows are written from (`place`).
+    pub fn table_source(&mut self, map: &SlotMap) -> Result<(), GpuError> {
+        let t = self.table.as_mut().ok_or_else(|| {
+            GpuError::Config("this group's slots do not move (no slot table)".into())
+        })?;
+        t.set(map);
+        Ok(())
+    }
+
+    /// Layer `layer`'s share of a new placement on `stream`: its staged slots copied over the
+    /// ones they rewrite, and its rows of the table (`table_source`'s). A step of the layer
+    /// must not run meanwhile: the caller orders `stream` after the layer's last step, and the
+    /// next after the copies.
+    pub fn place(
+        &mut self,
+        staged: &Staged,
+        layer: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(), GpuError> {
         let t = self.table.as_mut().ok_or_else(|| {
             GpuError::Config("this group's slots do not move (no slot table)".into())
         })?;
         for (_, i, w) in staged.slots.iter().filter(|(l, _, _)| *l == layer) {
-            self.layers[layer]
-                .experts
-                .write_group(*i, w, &self.g.stream)?;
+            self.layers[layer].experts.write_group(*i, w, stream)?;
         }
-        t.write(&staged.map, layer, &self.g.stream)?;
+        t.write(layer, stream)?;
         Ok(())
     }
 
