@@ -8,50 +8,53 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DriverError, PushKernelArg};
 
 use crate::backend::cuda::experts::DeviceFfn;
 use crate::backend::cuda::step::GpuStep;
+use crate::backend::cuda::sys::memory::{htod, Pinned};
 use crate::backend::cuda::{Alloc, Gpu, GpuError};
 use crate::backend::device::Moving;
 use crate::eplb::SlotMap;
 use crate::model::{ExpertDtype, Ffn, ModelSource, MoeSpec};
 use crate::step::StageDone;
 
-/// Per layer, per logical expert, the slots this rank's tokens may use (`[layers][experts][r]`,
-/// padded with the first) and how many (`[layers][experts]`).
+/// Per layer, per logical expert, the slots this rank's tokens may use (`[experts][r]`, padded
+/// with the first) and how many (`[experts]`); one device buffer per layer, each written from
+/// a page-locked copy of its own, so a layer's new rows go in asynchronously on any stream.
 pub struct SlotTable {
-    rep: CudaSlice<i32>,
-    cnt: CudaSlice<i32>,
+    rep: Vec<CudaSlice<i32>>,
+    cnt: Vec<CudaSlice<i32>>,
+    host: Vec<(Pinned<i32>, Pinned<i32>)>,
     experts: usize,
     r: usize,
     rank: usize,
     /// Whether each rank shares this rank's node: its replicas are preferred where it has any.
     near: Vec<bool>,
-    /// What the last write copied from (kept until the next one).
-    host: (Vec<i32>, Vec<i32>),
 }
 
-/// The table of `map` for a rank whose node holds the ranks `near` marks: each expert's replicas on `near` ranks, else all of them.
-fn tables(map: &SlotMap, near: &[bool], r: usize) -> (Vec<i32>, Vec<i32>) {
-    let (e, layers) = (map.experts, map.layers().len());
-    let (mut rep, mut cnt) = (
-        Vec::with_capacity(layers * e * r),
-        Vec::with_capacity(layers * e),
-    );
-    for l in map.layers() {
-        for g in 0..e {
-            let all = l.replicas(g);
-            let close: Vec<u32> = (all.iter().copied())
-                .filter(|&s| near[map.rank_of(s as usize)])
-                .collect();
-            let use_ = if close.is_empty() { all } else { &close[..] };
-            assert!(use_.len() <= r, "more replicas than the table's width");
-            cnt.push(use_.len() as i32);
-            rep.extend((0..r).map(|i| use_[i.min(use_.len() - 1)] as i32));
-        }
-    }
-    (rep, cnt)
+/// The table of `map` for a rank whose node holds the ranks `near` marks, per layer: each
+/// expert's replicas on `near` ranks, else all of them.
+fn tables(map: &SlotMap, near: &[bool], r: usize) -> Vec<(Vec<i32>, Vec<i32>)> {
+    let e = map.experts;
+    map.layers()
+        .iter()
+        .map(|l| {
+            let (mut rep, mut cnt) = (Vec::with_capacity(e * r), Vec::with_capacity(e));
+            for g in 0..e {
+                let all = l.replicas(g);
+                let close: Vec<u32> = (all.iter().copied())
+                    .filter(|&s| near[map.rank_of(s as usize)])
+                    .collect();
+                let use_ = if close.is_empty() { all } else { &close[..] };
+                assert!(use_.len() <= r, "more replicas than the table's width");
+                cnt.push(use_.len() as i32);
+                rep.extend((0..r).map(|i| use_[i.min(use_.len() - 1)] as i32));
+            }
+            (rep, cnt)
+        })
+        .collect()
 }
 
 impl SlotTable {
@@ -64,33 +67,41 @@ impl SlotTable {
     ) -> Result<Self, DriverError> {
         // An expert has at most one slot plus every redundant one.
         let r = 1 + map.redundant();
-        let host = tables(map, &near, r);
+        let (mut rep, mut cnt, mut host) = (Vec::new(), Vec::new(), Vec::new());
+        for (t, c) in tables(map, &near, r) {
+            rep.push(a.upload(&t)?);
+            cnt.push(a.upload(&c)?);
+            host.push((Pinned::new(t.len())?, Pinned::new(c.len())?));
+        }
         Ok(Self {
-            rep: a.upload(&host.0)?,
-            cnt: a.upload(&host.1)?,
+            rep,
+            cnt,
+            host,
             experts: map.experts,
             r,
             rank,
             near,
-            host,
         })
     }
 
-    /// Makes `map` the table's source; `write` copies its rows in, layer by layer.
+    /// Makes `map` the source `write` copies each layer's rows from. The copies of the last
+    /// `set` must be done (the caller waits for them).
     pub fn set(&mut self, map: &SlotMap) {
-        self.host = tables(map, &self.near, self.r);
+        for ((t, c), (pt, pc)) in tables(map, &self.near, self.r)
+            .into_iter()
+            .zip(&mut self.host)
+        {
+            pt.as_mut_slice().copy_from_slice(&t);
+            pc.as_mut_slice().copy_from_slice(&c);
+        }
     }
 
-    /// Copies layer `layer`'s rows of the table `set` made on `stream`: work enqueued after it
-    /// on `stream` (or waiting for it) reads them.
+    /// Copies layer `layer`'s rows of the table `set` made on `stream` (page-locked: the host
+    /// does not wait): work enqueued after it on `stream` (or waiting for it) reads them.
     pub fn write(&mut self, layer: usize, stream: &Arc<CudaStream>) -> Result<(), DriverError> {
-        let (e, r) = (self.experts, self.r);
-        let (reps, cnts) = (
-            layer * e * r..(layer + 1) * e * r,
-            layer * e..(layer + 1) * e,
-        );
-        stream.memcpy_htod(&self.host.0[reps.clone()], &mut self.rep.slice_mut(reps))?;
-        stream.memcpy_htod(&self.host.1[cnts.clone()], &mut self.cnt.slice_mut(cnts))
+        let (pt, pc) = &self.host[layer];
+        htod(pt, 0..pt.as_slice().len(), &mut self.rep[layer], stream)?;
+        htod(pc, 0..pc.as_slice().len(), &mut self.cnt[layer], stream)
     }
 }
 
@@ -109,13 +120,12 @@ impl Gpu {
             ids.len() >= bucket * k && out.len() >= bucket * k,
             "ids smaller than the bucket"
         );
-        let (e, r) = (t.experts, t.r);
-        let rep = t.rep.slice(layer * e * r..(layer + 1) * e * r);
-        let cnt = t.cnt.slice(layer * e..(layer + 1) * e);
-        let (k_, b_, r_, rank) = (k as i32, bucket as i32, r as i32, t.rank as i32);
+        let (rep, cnt) = (&t.rep[layer], &t.cnt[layer]);
+        assert!(rep.len() == t.experts * t.r && cnt.len() == t.experts);
+        let (k_, b_, r_, rank) = (k as i32, bucket as i32, t.r as i32, t.rank as i32);
         let mut l = self.stream.launch_builder(&self.k.to_slots);
         l.arg(ids).arg(out).arg(n).arg(&k_).arg(&b_);
-        l.arg(&rep).arg(&cnt).arg(&r_).arg(&rank);
+        l.arg(rep).arg(cnt).arg(&r_).arg(&rank);
         // SAFETY: `ids` and `out` hold the bucket's bucket * k entries (checked above), those of
         // the step's tokens -1 or a logical expert below `e` (the top-k kernels' and the checked
         // client routing's); `rep` and `cnt` are this layer's e * r and e ints, every count in
@@ -176,6 +186,9 @@ impl Staged {
     }
 }
 
+/// Events that time the copies of a placement on the device.
+const TIMED: CUevent_flags = CUevent_flags::CU_EVENT_DEFAULT;
+
 /// A moving group's slots on this rank: the placement steps run on, and a new one's weights,
 /// read from the model on a thread of their own and uploaded on a stream of their own until a
 /// step applies them. Applied, each layer's copies and table rows go on the move stream behind
@@ -198,8 +211,9 @@ pub struct Mover {
     used: Vec<CudaEvent>,
     landed: Vec<CudaEvent>,
     waiting: Vec<bool>,
-    /// Applied placements' staged weights, freed once the copies that read them are done.
-    retired: Vec<(CudaEvent, Staged)>,
+    /// Applied placements' staged weights, freed once the copies that read them are done (the
+    /// event then the one before them, to log how long the copies took on the device).
+    retired: Vec<(CudaEvent, Staged, Option<CudaEvent>)>,
 }
 
 impl Mover {
@@ -297,8 +311,15 @@ impl Mover {
             }
         };
         let s = self.stream.clone();
-        let enqueued = (|| -> Result<CudaEvent, GpuError> {
+        let t0 = std::time::Instant::now();
+        let enqueued = (|| -> Result<(CudaEvent, CudaEvent), GpuError> {
             self.ctx.bind_to_thread()?;
+            // The table's page-locked rows are rewritten next: an older placement's copies of
+            // them are long done, waited for all the same.
+            for (ev, _, _) in &self.retired {
+                ev.synchronize()?;
+            }
+            let started = s.record_event(Some(TIMED))?;
             step.table_source(&staged.map)?;
             for l in 0..self.used.len() {
                 s.wait(&self.used[l])?;
@@ -306,13 +327,19 @@ impl Mover {
                 self.landed[l].record(&s)?;
                 self.waiting[l] = true;
             }
-            Ok(s.record_event(None)?)
+            Ok((started, s.record_event(Some(TIMED))?))
         })();
         // Some copies may be enqueued already: the map is the new one either way, and a
         // failure here is a device failure the next step meets.
         self.map = staged.map.clone();
-        let copied = enqueued.map_err(|e| format!("placement epoch {epoch}: {e}"))?;
-        self.retired.push((copied, staged));
+        let (started, copied) = enqueued.map_err(|e| format!("placement epoch {epoch}: {e}"))?;
+        tracing::info!(
+            epoch,
+            slots = staged.slots.len(),
+            host_ms = t0.elapsed().as_secs_f64() * 1e3,
+            "placement's copies enqueued"
+        );
+        self.retired.push((copied, staged, Some(started)));
         Ok(())
     }
 
@@ -332,8 +359,19 @@ impl Mover {
 
     /// Frees applied placements' staged buffers once their copies are done.
     pub fn reap(&mut self) {
-        self.retired
-            .retain(|(ev, _)| !ev.try_is_complete().unwrap_or(false));
+        self.retired.retain(|(ev, staged, started)| {
+            if !ev.try_is_complete().unwrap_or(false) {
+                return true;
+            }
+            if let Some(ms) = started.as_ref().and_then(|s| s.elapsed_ms(ev).ok()) {
+                tracing::info!(
+                    epoch = staged.epoch,
+                    device_ms = ms,
+                    "placement's copies done"
+                );
+            }
+            false
+        });
     }
 }
 
@@ -347,12 +385,12 @@ mod tests {
         // 4 experts, 2 ranks, 2 redundant: rank 0 holds 0 1 2, rank 1 holds 2 3 0.
         let m = SlotMap::contiguous(4, 2, 2, 1).unwrap();
         assert_eq!(m.layer(0).phy2log(), &[0, 1, 2, 2, 3, 0]);
-        let (rep, cnt) = tables(&m, &[true, true], 3);
+        let (rep, cnt) = tables(&m, &[true, true], 3).remove(0);
         assert_eq!(cnt, vec![2, 1, 2, 1]);
         assert_eq!(&rep[..3], &[0, 5, 0]);
         assert_eq!(&rep[3..6], &[1, 1, 1]);
         // Only rank 1 on this node: its replicas of 0 and 2, and rank 0's only copy of 1.
-        let (rep, cnt) = tables(&m, &[false, true], 3);
+        let (rep, cnt) = tables(&m, &[false, true], 3).remove(0);
         assert_eq!(cnt, vec![1, 1, 1, 1]);
         assert_eq!(&rep[..3], &[5, 5, 5]);
         assert_eq!(&rep[3..6], &[1, 1, 1]);
