@@ -186,6 +186,24 @@ impl Staged {
     }
 }
 
+impl Drop for Mover {
+    /// A placement's copies may still read its staged buffers: they go once the copies are done,
+    /// or are leaked when the device does not finish them in a few seconds (a failed rank).
+    fn drop(&mut self) {
+        for (ev, staged, started) in std::mem::take(&mut self.retired) {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            let mut polls = 0u32;
+            while !ev.try_is_complete().unwrap_or(true) && std::time::Instant::now() < deadline {
+                crate::lifecycle::nap(&mut polls);
+            }
+            match ev.try_is_complete() {
+                Ok(true) => drop((staged, started)),
+                _ => std::mem::forget(staged),
+            }
+        }
+    }
+}
+
 /// Events that time the copies of a placement on the device.
 const TIMED: CUevent_flags = CUevent_flags::CU_EVENT_DEFAULT;
 
@@ -357,21 +375,35 @@ impl Mover {
         self.used[layer].record(stream)
     }
 
-    /// Frees applied placements' staged buffers once their copies are done.
+    /// Frees applied placements' staged buffers once their copies are done, on a thread of
+    /// their own: freeing a placement's hundreds of buffers is slow (2x H100, 126 slots of a
+    /// 4-layer move: the step whose completion freed them took 69-83 ms, 23x its size's
+    /// median, while the copies took 1.7 ms on the device; not measured since the move).
     pub fn reap(&mut self) {
-        self.retired.retain(|(ev, staged, started)| {
-            if !ev.try_is_complete().unwrap_or(false) {
-                return true;
-            }
-            if let Some(ms) = started.as_ref().and_then(|s| s.elapsed_ms(ev).ok()) {
+        let (done, left): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retired)
+            .into_iter()
+            .partition(|(ev, _, _)| ev.try_is_complete().unwrap_or(false));
+        self.retired = left;
+        for (ev, staged, started) in done {
+            if let Some(ms) = started.as_ref().and_then(|s| s.elapsed_ms(&ev).ok()) {
                 tracing::info!(
                     epoch = staged.epoch,
                     device_ms = ms,
                     "placement's copies done"
                 );
             }
-            false
-        });
+            let ctx = self.ctx.clone();
+            let freed = std::thread::Builder::new()
+                .name("eplb-free".into())
+                .spawn(move || {
+                    let _ = ctx.bind_to_thread();
+                    drop((staged, started, ev));
+                });
+            if let Err(e) = freed {
+                // The closure, and the buffers with it, were dropped here.
+                tracing::warn!("could not free a placement's staged buffers off the step: {e}");
+            }
+        }
     }
 }
 
