@@ -41,6 +41,9 @@ fn wait_event(ev: &CudaEvent, started: Instant, bound: Duration) -> Result<(), G
 }
 
 pub struct GpuRank {
+    /// Where slots move: the placement, and a new one's staged weights. First, so it is dropped
+    /// first: its copies into the step's weights finish before they are freed.
+    mover: Option<Mover>,
     /// None once poisoned: a failed step leaks the device state rather than free memory a hung
     /// kernel may still touch (the process is about to exit).
     core: Option<GpuStep>,
@@ -70,8 +73,6 @@ pub struct GpuRank {
     step_timeout: Duration,
     /// The group broken: ends a wait for a step's input from another node.
     abort: Arc<Abort>,
-    /// Where slots move: the placement, and a new one's staged weights.
-    mover: Option<Mover>,
 }
 
 /// A step submitted on the GPU.
