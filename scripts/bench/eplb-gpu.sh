@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# #54's GPU half: the slot test and `epserve bench --skew --eplb` on 2 GPUs, as run for
-# docs/benchmarks.md ("Load balance"). On the GPU machine, from the repository root, with
-# .device/bin.tar.xz (scripts/gpu-check.sh, packed) and .device/nccl230.tar.xz carried:
-#   bash scripts/bench/eplb-gpu.sh test test-ep prefill prefill2 decode regress  (logs, JSON in $OUT)
+# #54's GPU half: the slot test, `epserve bench --skew --eplb` on 2 GPUs and a rebalance under
+# serving load, as run for docs/benchmarks.md ("Load balance"). On the GPU machine, from the
+# repository root, with .device/bin.tar.xz (scripts/gpu-check.sh and epserve-loadtest, packed)
+# and .device/nccl230.tar.xz carried:
+#   bash scripts/bench/eplb-gpu.sh test test-ep prefill prefill2 decode serve regress
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 [ -x .device/bin/epserve ] || tar xJf .device/bin.tar.xz -C .device
@@ -38,7 +39,61 @@ test-ep)
 regress) # the slotless path after the gate's change: as before
   run gpu_kernels 120 .device/bin/gpu_kernels --ignored --test-threads 1
   run gpu_serve_regress 420 .device/bin/gpu_serve --ignored --nocapture --test-threads 1 \
-    graph_replays_are_bitwise fp8_experts_match_the_f64_reference nccl_backend_matches_the_cpu --skip nccl_ep
+    graph_replays_are_bitwise fp8_experts_match_the_f64_reference --skip nccl_ep
+  ;;
+serve) # a rebalance under serving load: 4 layers, 4 skewed loads, every step's time on rank 0
+  for mode in ${SERVE_MODES:-contiguous eplb}; do
+    extra=(); [ $mode = eplb ] && extra=(--redundant-experts 2 --eplb-interval 10s --eplb-window 300)
+    shm=$(mktemp -d -p /dev/shm)
+    RUST_LOG=info,epserve::step_times=trace $B launch --ranks 2 --backend nccl \
+      --model synthetic:qwen3-30b-a3b --layers 4 --max-tokens-per-step 8192 \
+      --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --shm-dir "$shm" \
+      "${extra[@]}" >"$out/serve-$mode.log" 2>&1 &
+    pid=$!
+    addr=""
+    for _ in $(seq 1 600); do
+      addr=$(sed -n 's/.*serving gRPC on \([0-9.:]*\).*/\1/p' "$out/serve-$mode.log" | head -1)
+      [ -n "$addr" ] && break; sleep 0.2
+    done
+    echo "== serve $mode at '$addr' after $((SECONDS - t0))s"
+    for l in 0 1 2 3; do
+      .device/bin/epserve-loadtest --target "$addr" --layer $l --concurrency 4 --tokens 2048 \
+        --client-routing --skew 1 --warmup 2s --duration 40s --timeout 20s --json "$out/load-$mode-$l.json" \
+        >"$out/load-$mode-$l.log" 2>&1 &
+    done
+    date +%T.%N
+    wait $(jobs -p | grep -v "^$pid$") 2>/dev/null
+    date +%T.%N
+    m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$out/serve-$mode.log" | head -1)
+    curl -s "$m0" | grep -E "^epserve_requests_total.method=.Forward|^epserve_eplb_rebalances_total|^epserve_rank_load_ratio" | grep -v " 0$"
+    sleep 1; kill $pid; wait $pid 2>/dev/null
+    tail -n 12 "$out"/load-$mode-*.log
+    grep -E "placement|copies" "$out/serve-$mode.log" | grep -v step_times | tail -8
+    python3 scripts/bench/eplb-steps.py "$out/serve-$mode.log"; python3 - "$out/serve-$mode.log" <<'PY'
+import re, sys, statistics
+steps, applied = [], []
+for line in open(sys.argv[1]):
+    m = re.search(r"(\d\d:\d\d:\d\d\.\d+)Z .*step_times: step layer=(\d+) tokens=(\d+) us=(\d+)", line)
+    if m and "rank=0 " in line:
+        h, mi, se = m.group(1).split(":"); t = int(h) * 3600 + int(mi) * 60 + float(se)
+        steps.append((t, int(m.group(2)), int(m.group(3)), int(m.group(4))))
+    a = re.search(r"(\d\d:\d\d:\d\d\.\d+)Z .*placement applied", line)
+    if a and "rank=0 " in line:
+        h, mi, se = a.group(1).split(":"); applied.append(int(h) * 3600 + int(mi) * 60 + float(se))
+full = [s for s in steps if s[2] == 8192]
+print(f"steps {len(steps)}, of 8192 tokens {len(full)}, placements applied {len(applied)}")
+if full:
+    us = sorted(s[3] for s in full); med = statistics.median(us)
+    q = lambda p: us[min(len(us) - 1, int(p * len(us)))]
+    print(f"all 8192-token steps: median {med} us, p90 {q(0.9)}, p99 {q(0.99)}, max {us[-1]}; over 1.1x median: {sum(u > 1.1 * med for u in us)}")
+    for a in applied:
+        near = [s for s in full if a - 0.05 <= s[0] <= a + 1.0]
+        if near:
+            w = max(near, key=lambda s: s[3])
+            print(f"placement at {a:.3f}: {len(near)} steps in the next second, slowest {w[3]} us ({w[3] / med:.2f}x median, layer {w[1]}), all: {[s[3] for s in near][:24]}")
+PY
+  done
+  (cd "$out" && tar cJf serve-logs.tar.xz serve-*.log load-* && rm -f serve-*.log load-*)
   ;;
 prefill) # nccl with a replica per rank; nccl-ep HT needs 2^n slots per rank: rearranged only
   bench prefill-nccl 240 --configs prefill --backends nccl --expert-dtype bf16,fp8 \
