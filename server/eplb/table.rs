@@ -207,6 +207,32 @@ impl SlotMap {
     }
 }
 
+impl SlotMap {
+    /// Per layer, the replica table a GPU rank's gating reads (`to_slots`): for each logical
+    /// expert, its slots on the ranks `near` marks (this rank's node), else all of them, padded
+    /// to `width` with the last (`[experts][width]`), and how many (`[experts]`). An entry's
+    /// slot is `table[e][(token + rank) % count[e]]`: `pick` with the token's index as `nth`.
+    pub fn replica_table(&self, near: &[bool], width: usize) -> Vec<(Vec<i32>, Vec<i32>)> {
+        let e = self.experts;
+        (self.layers.iter())
+            .map(|l| {
+                let (mut rep, mut cnt) = (Vec::with_capacity(e * width), Vec::with_capacity(e));
+                for g in 0..e {
+                    let all = l.replicas(g);
+                    let close: Vec<u32> = (all.iter().copied())
+                        .filter(|&s| near[self.rank_of(s as usize)])
+                        .collect();
+                    let use_ = if close.is_empty() { all } else { &close[..] };
+                    assert!(use_.len() <= width, "more replicas than the table's width");
+                    cnt.push(use_.len() as i32);
+                    rep.extend((0..width).map(|i| use_[i.min(use_.len() - 1)] as i32));
+                }
+                (rep, cnt)
+            })
+            .collect()
+    }
+}
+
 /// Which replica of a logical expert takes a row. `nth` counts the source's rows for that expert
 /// in this step, so each source spreads an expert's rows evenly over its replicas; the source's
 /// rank offsets the start, so sources with one row each do not all pick the first replica.
@@ -232,6 +258,24 @@ pub fn pick(replicas: &[u32], nth: usize, src: usize, near: impl Fn(u32) -> bool
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_replica_table_lists_near_replicas_and_pads_with_the_last() {
+        // 4 experts, 2 ranks, 2 redundant: rank 0 holds 0 1 2, rank 1 holds 2 3 0.
+        let m = SlotMap::contiguous(4, 2, 2, 1).unwrap();
+        assert_eq!(m.layer(0).phy2log(), &[0, 1, 2, 2, 3, 0]);
+        let (rep, cnt) = m.replica_table(&[true, true], 3).remove(0);
+        assert_eq!(cnt, vec![2, 1, 2, 1]);
+        assert_eq!(&rep[..3], &[0, 5, 5]);
+        assert_eq!(&rep[3..6], &[1, 1, 1]);
+        assert_eq!(&rep[6..9], &[2, 3, 3]);
+        // Only rank 1 on this node: its replicas of 0 and 2, and rank 0's only copy of 1.
+        let (rep, cnt) = m.replica_table(&[false, true], 3).remove(0);
+        assert_eq!(cnt, vec![1, 1, 1, 1]);
+        assert_eq!(&rep[..3], &[5, 5, 5]);
+        assert_eq!(&rep[3..6], &[1, 1, 1]);
+        assert_eq!(&rep[6..9], &[3, 3, 3]);
+    }
 
     #[test]
     fn no_redundancy_is_todays_contiguous_blocks() {

@@ -20,8 +20,8 @@ use crate::eplb::SlotMap;
 use crate::model::{ExpertDtype, Ffn, ModelSource, MoeSpec};
 use crate::step::StageDone;
 
-/// Per layer, per logical expert, the slots this rank's tokens may use (`[experts][r]`, padded
-/// with the first) and how many (`[experts]`); one device buffer per layer, each written from
+/// Per layer, per logical expert, the slots this rank's tokens may use (`[experts][r]`,
+/// `SlotMap::replica_table`) and how many (`[experts]`); one device buffer per layer, each written from
 /// a page-locked copy of its own, so a layer's new rows go in asynchronously on any stream.
 pub struct SlotTable {
     rep: Vec<CudaSlice<i32>>,
@@ -32,29 +32,6 @@ pub struct SlotTable {
     rank: usize,
     /// Whether each rank shares this rank's node: its replicas are preferred where it has any.
     near: Vec<bool>,
-}
-
-/// The table of `map` for a rank whose node holds the ranks `near` marks, per layer: each
-/// expert's replicas on `near` ranks, else all of them.
-fn tables(map: &SlotMap, near: &[bool], r: usize) -> Vec<(Vec<i32>, Vec<i32>)> {
-    let e = map.experts;
-    map.layers()
-        .iter()
-        .map(|l| {
-            let (mut rep, mut cnt) = (Vec::with_capacity(e * r), Vec::with_capacity(e));
-            for g in 0..e {
-                let all = l.replicas(g);
-                let close: Vec<u32> = (all.iter().copied())
-                    .filter(|&s| near[map.rank_of(s as usize)])
-                    .collect();
-                let use_ = if close.is_empty() { all } else { &close[..] };
-                assert!(use_.len() <= r, "more replicas than the table's width");
-                cnt.push(use_.len() as i32);
-                rep.extend((0..r).map(|i| use_[i.min(use_.len() - 1)] as i32));
-            }
-            (rep, cnt)
-        })
-        .collect()
 }
 
 impl SlotTable {
@@ -68,7 +45,7 @@ impl SlotTable {
         // An expert has at most one slot plus every redundant one.
         let r = 1 + map.redundant();
         let (mut rep, mut cnt, mut host) = (Vec::new(), Vec::new(), Vec::new());
-        for (t, c) in tables(map, &near, r) {
+        for (t, c) in map.replica_table(&near, r) {
             rep.push(a.upload(&t)?);
             cnt.push(a.upload(&c)?);
             host.push((Pinned::new(t.len())?, Pinned::new(c.len())?));
@@ -87,7 +64,8 @@ impl SlotTable {
     /// Makes `map` the source `write` copies each layer's rows from. The copies of the last
     /// `set` must be done (the caller waits for them).
     pub fn set(&mut self, map: &SlotMap) {
-        for ((t, c), (pt, pc)) in tables(map, &self.near, self.r)
+        for ((t, c), (pt, pc)) in map
+            .replica_table(&self.near, self.r)
             .into_iter()
             .zip(&mut self.host)
         {
@@ -404,28 +382,5 @@ impl Mover {
                 tracing::warn!("could not free a placement's staged buffers off the step: {e}");
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::tables;
-    use crate::eplb::SlotMap;
-
-    #[test]
-    fn the_table_lists_near_replicas_first_and_pads_with_the_first() {
-        // 4 experts, 2 ranks, 2 redundant: rank 0 holds 0 1 2, rank 1 holds 2 3 0.
-        let m = SlotMap::contiguous(4, 2, 2, 1).unwrap();
-        assert_eq!(m.layer(0).phy2log(), &[0, 1, 2, 2, 3, 0]);
-        let (rep, cnt) = tables(&m, &[true, true], 3).remove(0);
-        assert_eq!(cnt, vec![2, 1, 2, 1]);
-        assert_eq!(&rep[..3], &[0, 5, 0]);
-        assert_eq!(&rep[3..6], &[1, 1, 1]);
-        // Only rank 1 on this node: its replicas of 0 and 2, and rank 0's only copy of 1.
-        let (rep, cnt) = tables(&m, &[false, true], 3).remove(0);
-        assert_eq!(cnt, vec![1, 1, 1, 1]);
-        assert_eq!(&rep[..3], &[5, 5, 5]);
-        assert_eq!(&rep[3..6], &[1, 1, 1]);
-        assert_eq!(&rep[6..9], &[3, 3, 3]);
     }
 }
