@@ -8,6 +8,7 @@
 pub mod balance;
 pub mod policy;
 pub mod skew;
+pub mod stage;
 mod table;
 
 pub use balance::{Balance, EplbConfig};

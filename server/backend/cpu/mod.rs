@@ -20,6 +20,7 @@ pub use math::default_lanes;
 use math::Lanes;
 use phases::{run_phases, AllToAll, Experts, Gating, StepIo};
 
+use crate::eplb::stage::{rewritten, Stager};
 use crate::eplb::{pick, SlotMap};
 use crate::lifecycle::Abort;
 use crate::model::routing::Router;
@@ -129,10 +130,9 @@ pub struct CpuRank {
     near: Vec<bool>,
     /// Where a moved slot's weights are read again from.
     source: ModelSource,
-    /// The weights of a placement staged off the step path, until a step applies it.
-    staged: Arc<std::sync::Mutex<Option<Staged>>>,
-    /// The newest placement asked for: a slower load of an older one is dropped.
-    asked: Arc<std::sync::atomic::AtomicU32>,
+    /// A placement's rewritten slots, loaded off the step path until a step applies them:
+    /// (layer, this rank's slot index, weights).
+    staged: Stager<Vec<(usize, usize, Ffn)>>,
     /// Every rank's segment by rank: mapped (this node's; this rank's own is what peers write
     /// into and all it reads, `own_of`) or linked (another node's).
     segs: Vec<Peer>,
@@ -148,14 +148,6 @@ pub struct CpuRank {
     /// The routing of the last step completed (`routed`), and buffers to reuse for the next.
     completed: Vec<u32>,
     spare: Vec<Vec<u32>>,
-}
-
-/// The rewritten slots of a placement, loaded beside the weights in use.
-struct Staged {
-    epoch: u32,
-    map: Arc<SlotMap>,
-    /// (layer, this rank's slot index, weights).
-    slots: Vec<(usize, usize, Ffn)>,
 }
 
 /// A block of one local expert's received rows, run by one lane.
@@ -269,8 +261,7 @@ impl CpuRank {
                 .collect(),
             map: Arc::new(map),
             source,
-            staged: Arc::default(),
-            asked: Arc::default(),
+            staged: Stager::default(),
             shape,
             spec,
             weights,
@@ -598,63 +589,25 @@ impl Backend for CpuRank {
     /// of its own (the checkpoint every rank can read, or the synthetic seed), exactly as they
     /// were loaded at startup.
     fn stage(&mut self, epoch: u32, next: Arc<SlotMap>, done: StageDone) {
-        let (rank, first) = (self.rank, self.map.slots_of(self.rank).start);
-        let mut at = Vec::new();
-        let mut wanted = Vec::new();
-        for (l, slots) in self.map.changed(&next, rank).into_iter().enumerate() {
-            for slot in slots {
-                at.push((l, slot - first));
-                wanted.push((l, next.layer(l).phy2log()[slot] as usize));
-            }
-        }
+        let (at, wanted): (Vec<_>, Vec<_>) =
+            rewritten(&self.map, &next, self.rank).into_iter().unzip();
         let (source, spec, dtype) = (self.source.clone(), self.spec.clone(), self.weights.dtype);
-        let (staged, asked) = (self.staged.clone(), self.asked.clone());
-        asked.store(epoch, std::sync::atomic::Ordering::Release);
-        let spawned = std::thread::Builder::new()
-            .name("eplb-stage".into())
-            .spawn(move || {
-                let ffns = match source.load_experts(&spec, &wanted, dtype) {
-                    Ok(f) => f,
-                    Err(e) => return done(Err(e.to_string())),
-                };
-                let bytes = ffns.iter().map(Ffn::bytes).sum::<usize>() as u64;
-                let slots = at
-                    .into_iter()
-                    .zip(ffns)
-                    .map(|((l, i), f)| (l, i, f))
-                    .collect();
-                let mut held = staged.lock().unwrap_or_else(|e| e.into_inner());
-                if asked.load(std::sync::atomic::Ordering::Acquire) != epoch {
-                    drop(held);
-                    return done(Err(format!("placement epoch {epoch} was superseded")));
-                }
-                *held = Some(Staged {
-                    epoch,
-                    map: next,
-                    slots,
-                });
-                drop(held);
-                done(Ok(bytes));
-            });
-        if let Err(e) = spawned {
-            // `done` moved into the closure that failed to spawn: the proposal times out.
-            tracing::warn!(epoch, "could not start staging a placement: {e}");
-        }
+        let load = move || {
+            let ffns = (source.load_experts(&spec, &wanted, dtype)).map_err(|e| e.to_string())?;
+            let bytes = ffns.iter().map(Ffn::bytes).sum::<usize>() as u64;
+            let slots: Vec<_> = at
+                .into_iter()
+                .zip(ffns)
+                .map(|((l, i), f)| (l, i, f))
+                .collect();
+            Ok((slots, bytes))
+        };
+        self.staged.stage(epoch, next, load, done);
     }
 
     fn apply(&mut self, epoch: u32) -> Result<(), String> {
-        let staged = self.staged.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let s = match staged {
-            Some(s) if s.epoch == epoch => s,
-            other => {
-                return Err(format!(
-                    "placement epoch {epoch} is not staged on rank {} (staged: {:?})",
-                    self.rank,
-                    other.map(|s| s.epoch)
-                ))
-            }
-        };
-        for (l, i, ffn) in s.slots {
+        let s = self.staged.take(epoch, self.rank)?;
+        for (l, i, ffn) in s.weights {
             self.weights.layers[l].experts[i] = ffn;
         }
         self.map = s.map;

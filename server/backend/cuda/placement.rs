@@ -5,8 +5,7 @@
 //! place and no graph is captured again. From the gate on, the exchanges and the experts address
 //! slots (`StepShape::experts`), the router logical experts (`StepShape::model_experts`).
 
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DriverError, PushKernelArg};
@@ -16,6 +15,7 @@ use crate::backend::cuda::step::GpuStep;
 use crate::backend::cuda::sys::memory::{htod, Pinned};
 use crate::backend::cuda::{Alloc, Gpu, GpuError};
 use crate::backend::device::Moving;
+use crate::eplb::stage::{rewritten, Stager};
 use crate::eplb::SlotMap;
 use crate::model::{ExpertDtype, Ffn, ModelSource, MoeSpec};
 use crate::step::StageDone;
@@ -197,9 +197,7 @@ pub struct Mover {
     dtype: ExpertDtype,
     ctx: Arc<CudaContext>,
     rank: usize,
-    staged: Arc<Mutex<Option<Staged>>>,
-    /// The epoch asked last: a slower load of an older one is dropped.
-    asked: Arc<AtomicU32>,
+    staged: Stager<Staged>,
     /// Where applied placements' copies run.
     stream: Arc<CudaStream>,
     /// Per layer: its last step's end on the step stream; its copies' end on `stream`, and
@@ -237,75 +235,35 @@ impl Mover {
             dtype,
             ctx,
             rank,
-            staged: Arc::default(),
-            asked: Arc::default(),
+            staged: Stager::default(),
             retired: Vec::new(),
         })
     }
 
     /// Loads and uploads the slots `next` rewrites on this rank, off the step path.
     pub fn stage(&mut self, epoch: u32, next: Arc<SlotMap>, done: StageDone) {
-        let first = self.map.slots_of(self.rank).start;
-        let (mut at, mut wanted) = (Vec::new(), Vec::new());
-        for (l, slots) in self.map.changed(&next, self.rank).into_iter().enumerate() {
-            for slot in slots {
-                at.push((l, slot - first));
-                wanted.push((l, next.layer(l).phy2log()[slot] as usize));
-            }
-        }
+        let (at, wanted): (Vec<_>, Vec<_>) =
+            rewritten(&self.map, &next, self.rank).into_iter().unzip();
         let (source, spec, dtype) = (self.source.clone(), self.spec.clone(), self.dtype);
-        let (staged, asked, ctx) = (self.staged.clone(), self.asked.clone(), self.ctx.clone());
-        asked.store(epoch, Ordering::Release);
-        let spawned = std::thread::Builder::new()
-            .name("eplb-stage".into())
-            .spawn(move || {
-                let up = || -> Result<(Staged, u64), String> {
-                    let ffns = source
-                        .load_experts(&spec, &wanted, dtype)
-                        .map_err(|e| e.to_string())?;
-                    let bytes = ffns.iter().map(Ffn::bytes).sum::<usize>() as u64;
-                    let sizes = (spec.hidden, spec.intermediate, dtype);
-                    let s = ctx
-                        .bind_to_thread()
-                        .and_then(|_| ctx.new_stream())
-                        .map_err(|e| format!("a staging stream: {e}"))?;
-                    let st = Staged::upload(s, (epoch, next), at, &ffns, sizes)
-                        .map_err(|e| format!("uploading the staged slots: {e}"))?;
-                    Ok((st, bytes))
-                };
-                let (st, bytes) = match up() {
-                    Ok(v) => v,
-                    Err(e) => return done(Err(e)),
-                };
-                let mut held = staged.lock().unwrap_or_else(|e| e.into_inner());
-                if asked.load(Ordering::Acquire) != epoch {
-                    drop(held);
-                    return done(Err(format!("placement epoch {epoch} was superseded")));
-                }
-                *held = Some(st);
-                drop(held);
-                done(Ok(bytes));
-            });
-        if let Err(e) = spawned {
-            // `done` moved into the closure that failed to spawn: the proposal times out.
-            tracing::warn!(epoch, "could not start staging a placement: {e}");
-        }
+        let (ctx, map) = (self.ctx.clone(), next.clone());
+        let load = move || {
+            let ffns = (source.load_experts(&spec, &wanted, dtype)).map_err(|e| e.to_string())?;
+            let bytes = ffns.iter().map(Ffn::bytes).sum::<usize>() as u64;
+            let sizes = (spec.hidden, spec.intermediate, dtype);
+            let s = (ctx.bind_to_thread().and_then(|_| ctx.new_stream()))
+                .map_err(|e| format!("a staging stream: {e}"))?;
+            let st = Staged::upload(s, (epoch, map), at, &ffns, sizes)
+                .map_err(|e| format!("uploading the staged slots: {e}"))?;
+            Ok((st, bytes))
+        };
+        self.staged.stage(epoch, next, load, done);
     }
 
     /// Makes what `stage` made for `epoch` the placement steps run on: every layer's copies and
     /// table rows enqueued on the move stream behind that layer's last step.
     pub fn apply(&mut self, epoch: u32, step: &mut GpuStep) -> Result<(), String> {
         self.reap();
-        let staged = match self.staged.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            Some(s) if s.epoch == epoch => s,
-            other => {
-                return Err(format!(
-                    "placement epoch {epoch} is not staged on rank {} (staged: {:?})",
-                    self.rank,
-                    other.map(|s| s.epoch)
-                ))
-            }
-        };
+        let staged = self.staged.take(epoch, self.rank)?.weights;
         let s = self.stream.clone();
         let t0 = std::time::Instant::now();
         let enqueued = (|| -> Result<(CudaEvent, CudaEvent), GpuError> {

@@ -1,0 +1,151 @@
+//! A new placement staged on one rank, whatever holds its weights: which of the rank's slots it
+//! rewrites, their weights loaded on a thread of their own (off the step path), and handed to the
+//! step that applies it. A newer placement asked for supersedes a slower load of an older one.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::SlotMap;
+
+/// The slots of `rank` that `next` rewrites against `cur`: each one's (layer, index on the rank)
+/// and the (layer, logical expert) whose weights it takes.
+pub fn rewritten(
+    cur: &SlotMap,
+    next: &SlotMap,
+    rank: usize,
+) -> Vec<((usize, usize), (usize, usize))> {
+    let first = cur.slots_of(rank).start;
+    let mut out = Vec::new();
+    for (l, slots) in cur.changed(next, rank).into_iter().enumerate() {
+        for slot in slots {
+            out.push((
+                (l, slot - first),
+                (l, next.layer(l).phy2log()[slot] as usize),
+            ));
+        }
+    }
+    out
+}
+
+/// A placement whose weights are loaded: its epoch, its map, and what the backend holds them in.
+pub struct Loaded<T> {
+    pub epoch: u32,
+    pub map: Arc<SlotMap>,
+    pub weights: T,
+}
+
+/// At most one placement staged, until a step takes it.
+pub struct Stager<T> {
+    held: Arc<Mutex<Option<Loaded<T>>>>,
+    /// The newest epoch asked for.
+    asked: Arc<AtomicU32>,
+}
+
+impl<T> Default for Stager<T> {
+    fn default() -> Self {
+        Self {
+            held: Arc::default(),
+            asked: Arc::default(),
+        }
+    }
+}
+
+impl<T: Send + 'static> Stager<T> {
+    /// Runs `load` (the weights and the bytes read) on a thread of its own for `epoch`; `done`
+    /// hears the bytes once they are held, or why not.
+    pub fn stage(
+        &self,
+        epoch: u32,
+        map: Arc<SlotMap>,
+        load: impl FnOnce() -> Result<(T, u64), String> + Send + 'static,
+        done: impl FnOnce(Result<u64, String>) + Send + 'static,
+    ) {
+        let (held, asked) = (self.held.clone(), self.asked.clone());
+        asked.store(epoch, Ordering::Release);
+        let spawned = std::thread::Builder::new()
+            .name("eplb-stage".into())
+            .spawn(move || {
+                let (weights, bytes) = match load() {
+                    Ok(v) => v,
+                    Err(e) => return done(Err(e)),
+                };
+                let mut h = held.lock().unwrap_or_else(|e| e.into_inner());
+                if asked.load(Ordering::Acquire) != epoch {
+                    drop(h);
+                    return done(Err(format!("placement epoch {epoch} was superseded")));
+                }
+                *h = Some(Loaded {
+                    epoch,
+                    map,
+                    weights,
+                });
+                drop(h);
+                done(Ok(bytes));
+            });
+        if let Err(e) = spawned {
+            // `done` moved into the closure that failed to spawn: the proposal times out.
+            tracing::warn!(epoch, "could not start staging a placement: {e}");
+        }
+    }
+
+    /// The placement staged for `epoch` on `rank`, to apply now.
+    pub fn take(&self, epoch: u32, rank: usize) -> Result<Loaded<T>, String> {
+        match self.held.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            Some(s) if s.epoch == epoch => Ok(s),
+            other => Err(format!(
+                "placement epoch {epoch} is not staged on rank {rank} (staged: {:?})",
+                other.map(|s| s.epoch)
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc::channel;
+
+    #[test]
+    fn a_newer_placement_supersedes_a_slower_load_and_take_checks_the_epoch() {
+        let m = Arc::new(SlotMap::contiguous(8, 2, 2, 1).unwrap());
+        let s: Stager<u32> = Stager::default();
+        let (tx, rx) = channel();
+        let (gate_tx, gate_rx) = channel::<()>();
+        let tx1 = tx.clone();
+        s.stage(
+            1,
+            m.clone(),
+            move || {
+                gate_rx.recv().unwrap();
+                Ok((10, 1))
+            },
+            move |r| tx1.send((1, r)).unwrap(),
+        );
+        let tx2 = tx.clone();
+        s.stage(
+            2,
+            m.clone(),
+            || Ok((20, 2)),
+            move |r| tx2.send((2, r)).unwrap(),
+        );
+        assert_eq!(rx.recv().unwrap(), (2, Ok(2)));
+        gate_tx.send(()).unwrap();
+        let (e, r) = rx.recv().unwrap();
+        assert_eq!(e, 1);
+        assert!(r.unwrap_err().contains("superseded"));
+        assert!(s.take(3, 0).err().unwrap().contains("not staged on rank 0"));
+        // A wrong epoch consumed what was held: nothing is left for 2.
+        assert!(s.take(2, 0).is_err());
+        s.stage(4, m, || Ok((40, 4)), move |r| tx.send((4, r)).unwrap());
+        assert_eq!(rx.recv().unwrap(), (4, Ok(4)));
+        assert_eq!(s.take(4, 1).unwrap().weights, 40);
+    }
+
+    #[test]
+    fn rewritten_lists_the_rank_s_changed_slots_and_their_new_experts() {
+        let cur = SlotMap::contiguous(4, 2, 0, 1).unwrap();
+        let next = SlotMap::from_tables(4, 2, vec![vec![0, 3, 2, 1]]).unwrap();
+        assert_eq!(rewritten(&cur, &next, 0), vec![((0, 1), (0, 3))]);
+        assert_eq!(rewritten(&cur, &next, 1), vec![((0, 1), (0, 1))]);
+    }
+}
