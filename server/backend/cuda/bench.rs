@@ -13,7 +13,7 @@ use half::bf16;
 
 use crate::backend::bench::{median, summarize, BenchConfig, ConfigResult, Plan, RankResult};
 use crate::backend::cuda::experts::DeviceFfn;
-use crate::backend::cuda::placement::Staged;
+use crate::backend::cuda::placement::{Land, Staged};
 use crate::backend::cuda::setup::{self, Device};
 use crate::backend::cuda::step::{GpuStep, HomeDtype, Variant};
 use crate::backend::cuda::{device_count, GpuError};
@@ -234,12 +234,12 @@ fn rank_main(
         }
         let bytes = rewritten.iter().map(|(_, _, w)| w.bytes()).sum();
         let staged = Staged::new(0, std::sync::Arc::new(m.clone()), rewritten, s.clone());
-        core.table_source(m)?;
+        core.table_from(m)?;
         let (mut copy, mut with) = (Vec::new(), Vec::new());
         for it in 0..args.warmup + args.iters {
             align(&core)?;
             ev[0].record(&s)?;
-            core.place(&staged, 0, &s)?;
+            core.land(&staged, 0, &s)?;
             ev[1].record(&s)?;
             step.launch()?;
             ev[2].record(&s)?;

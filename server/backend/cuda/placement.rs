@@ -11,7 +11,6 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DriverError, PushKernelArg};
 
 use crate::backend::cuda::experts::DeviceFfn;
-use crate::backend::cuda::step::GpuStep;
 use crate::backend::cuda::sys::memory::{htod, Pinned};
 use crate::backend::cuda::{Alloc, Gpu, GpuError};
 use crate::backend::device::Moving;
@@ -182,6 +181,22 @@ impl Drop for Mover {
     }
 }
 
+/// What holds the slots' weights and the table the graphs read (the step): where an applied
+/// placement lands, layer by layer.
+pub trait Land {
+    /// Makes `map` the placement the table's rows are written from (`land`).
+    fn table_from(&mut self, map: &SlotMap) -> Result<(), GpuError>;
+    /// Layer `layer`'s share of `staged` on `stream`: its slots copied over the ones they
+    /// rewrite, and its rows of the table. No step of the layer may run meanwhile: the caller
+    /// orders `stream` after the layer's last step, and the next after the copies.
+    fn land(
+        &mut self,
+        staged: &Staged,
+        layer: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(), GpuError>;
+}
+
 /// Events that time the copies of a placement on the device.
 const TIMED: CUevent_flags = CUevent_flags::CU_EVENT_DEFAULT;
 
@@ -261,7 +276,7 @@ impl Mover {
 
     /// Makes what `stage` made for `epoch` the placement steps run on: every layer's copies and
     /// table rows enqueued on the move stream behind that layer's last step.
-    pub fn apply(&mut self, epoch: u32, step: &mut GpuStep) -> Result<(), String> {
+    pub fn apply(&mut self, epoch: u32, step: &mut impl Land) -> Result<(), String> {
         self.reap();
         let staged = self.staged.take(epoch, self.rank)?.weights;
         let s = self.stream.clone();
@@ -274,10 +289,10 @@ impl Mover {
                 ev.synchronize()?;
             }
             let started = s.record_event(Some(TIMED))?;
-            step.table_source(&staged.map)?;
+            step.table_from(&staged.map)?;
             for l in 0..self.used.len() {
                 s.wait(&self.used[l])?;
-                step.place(&staged, l, &s)?;
+                step.land(&staged, l, &s)?;
                 self.landed[l].record(&s)?;
                 self.waiting[l] = true;
             }

@@ -17,7 +17,7 @@ use crate::backend::cuda::exchange::{Exchange, Home};
 use crate::backend::cuda::experts::fp8::Fp8Bufs;
 use crate::backend::cuda::experts::{self, Choices, DeviceFfn, Scratch, SharedRows};
 use crate::backend::cuda::kernels::hopper;
-use crate::backend::cuda::placement::{SlotTable, Staged};
+use crate::backend::cuda::placement::{Land, SlotTable, Staged};
 use crate::backend::cuda::shape::StepShape;
 use crate::backend::cuda::sys::nccl::Comm;
 use crate::backend::cuda::{max_tiles, Gpu, Logits, ROUTER_PIECES};
@@ -391,35 +391,6 @@ impl GpuStep {
             .combine(g, &self.comm, &home!(b, t), bucket, shared, &mut b.out)
     }
 
-    /// Makes `map` the placement the slot table's rows are written from (`place`).
-    pub fn table_source(&mut self, map: &SlotMap) -> Result<(), GpuError> {
-        let t = self.table.as_mut().ok_or_else(|| {
-            GpuError::Config("this group's slots do not move (no slot table)".into())
-        })?;
-        t.set(map);
-        Ok(())
-    }
-
-    /// Layer `layer`'s share of a new placement on `stream`: its staged slots copied over the
-    /// ones they rewrite, and its rows of the table (`table_source`'s). A step of the layer
-    /// must not run meanwhile: the caller orders `stream` after the layer's last step, and the
-    /// next after the copies.
-    pub fn place(
-        &mut self,
-        staged: &Staged,
-        layer: usize,
-        stream: &Arc<CudaStream>,
-    ) -> Result<(), GpuError> {
-        let t = self.table.as_mut().ok_or_else(|| {
-            GpuError::Config("this group's slots do not move (no slot table)".into())
-        })?;
-        for (_, i, w) in staged.slots.iter().filter(|(l, _, _)| *l == layer) {
-            self.layers[layer].experts.write_group(*i, w, stream)?;
-        }
-        t.write(layer, stream)?;
-        Ok(())
-    }
-
     /// `f`'s work on the stream, captured as an uploaded graph instead of run. The capture ends
     /// whatever `f` returns, so the stream stays usable and the error is `f`'s.
     pub fn capture(
@@ -443,6 +414,34 @@ impl GpuStep {
         self.dispatch(bucket)?;
         self.experts(layer, bucket)?;
         self.combine(layer, bucket)
+    }
+}
+
+impl Land for GpuStep {
+    fn table_from(&mut self, map: &SlotMap) -> Result<(), GpuError> {
+        self.table_mut()?.set(map);
+        Ok(())
+    }
+
+    fn land(
+        &mut self,
+        staged: &Staged,
+        layer: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(), GpuError> {
+        for (_, i, w) in staged.slots.iter().filter(|(l, _, _)| *l == layer) {
+            self.layers[layer].experts.write_group(*i, w, stream)?;
+        }
+        self.table_mut()?.write(layer, stream)?;
+        Ok(())
+    }
+}
+
+impl GpuStep {
+    fn table_mut(&mut self) -> Result<&mut SlotTable, GpuError> {
+        self.table.as_mut().ok_or_else(|| {
+            GpuError::Config("this group's slots do not move (no slot table)".into())
+        })
     }
 }
 
