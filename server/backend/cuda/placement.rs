@@ -1,8 +1,9 @@
 //! Expert slots on the device: the table gating reads to send each (token, expert) entry to one
 //! of the expert's replicas (`to_slots`, inside the captured graphs), and a new placement's
-//! weights staged beside the ones in use, then copied over the slots it rewrites between steps.
-//! The graphs read the table and the weights where they are, so a placement is rewritten in
-//! place and no graph is captured again. From the gate on, the exchanges and the experts address
+//! weights staged beside the ones in use, then copied over the slots it rewrites, layer by layer,
+//! on a stream of their own between that layer's steps (`Mover`). The graphs read the table and
+//! the weights where they are, so a placement is rewritten in place and no graph is captured
+//! again. From the gate on, the exchanges and the experts address
 //! slots (`StepShape::experts`), the router logical experts (`StepShape::model_experts`).
 
 use std::sync::Arc;
@@ -19,9 +20,9 @@ use crate::eplb::SlotMap;
 use crate::model::{ExpertDtype, Ffn, ModelSource, MoeSpec};
 use crate::step::StageDone;
 
-/// Per layer, per logical expert, the slots this rank's tokens may use (`[experts][r]`,
-/// `SlotMap::replica_table`) and how many (`[experts]`); one device buffer per layer, each written from
-/// a page-locked copy of its own, so a layer's new rows go in asynchronously on any stream.
+/// Per layer, per logical expert, the slots this rank's tokens may use (`[experts][r]`, by
+/// `SlotMap::replica_table`) and how many (`[experts]`); one device buffer per layer, each
+/// written from a page-locked copy of its own, so a layer's new rows go in without a host wait.
 pub struct SlotTable {
     rep: Vec<CudaSlice<i32>>,
     cnt: Vec<CudaSlice<i32>>,
