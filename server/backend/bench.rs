@@ -59,24 +59,15 @@ impl BenchConfig {
     }
 }
 
-/// splitmix64: the bench's draws, the same on every rank and run.
-fn splitmix(state: &mut u64) -> f64 {
-    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-}
-
 /// Rank `rank`'s routing under `c.skew` (`[tokens][k]` logical experts and weights 1/k): each
 /// token's k distinct experts drawn by `eplb::skew::Zipf`, the hottest first, so under
 /// contiguous blocks rank 0 holds them.
 pub fn skewed_routing(c: &BenchConfig, rank: usize) -> (Vec<i32>, Vec<f32>) {
     let z = crate::eplb::skew::Zipf::new(c.experts, c.skew.unwrap_or(0.0));
-    let mut state = 0x5eed ^ ((rank as u64) << 32);
+    let mut draws = crate::model::synthetic::SplitMix(0x5eed ^ ((rank as u64) << 32));
     let mut ids = Vec::with_capacity(c.tokens_per_rank * c.top_k);
     for _ in 0..c.tokens_per_rank {
-        let picked = z.distinct(c.top_k, || splitmix(&mut state));
+        let picked = z.distinct(c.top_k, || draws.unit());
         ids.extend(picked.into_iter().map(|g| g as i32));
     }
     let w = vec![1.0 / c.top_k as f32; ids.len()];

@@ -64,10 +64,16 @@ pub fn preset(name: &str) -> Result<MoeSpec, ModelError> {
     })
 }
 
-/// SplitMix64: tiny, fast and fixed forever, so a preset's weights never change with a crate bump.
-struct SplitMix(u64);
+/// SplitMix64: tiny, fast and fixed forever, so a preset's weights never change with a crate bump
+/// (and `epserve bench --skew` draws the same routing on every machine).
+pub(crate) struct SplitMix(pub(crate) u64);
 
 impl SplitMix {
+    /// A value in [0, 1) from the next 53 bits.
+    pub(crate) fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
     fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
