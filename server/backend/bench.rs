@@ -77,27 +77,28 @@ pub fn skewed_routing(c: &BenchConfig, rank: usize) -> (Vec<i32>, Vec<f32>) {
 /// The slots `c.eplb` asks for over `world` ranks: DeepSeek's EPLB over the rows every rank's
 /// `skewed_routing` sends each expert (the counts the service's window would hold), renamed to
 /// keep the contiguous blocks' slots where it can. None without `c.eplb`.
-pub fn eplb_slots(c: &BenchConfig, world: usize) -> Option<crate::eplb::SlotMap> {
-    use crate::eplb::policy;
-    let redundant = c.eplb?;
+pub fn eplb_slots(c: &BenchConfig, world: usize) -> Result<Option<crate::eplb::SlotMap>, String> {
+    use crate::eplb::{policy, SlotMap};
+    let Some(redundant) = c.eplb else {
+        return Ok(None);
+    };
     let mut weight = vec![0.0; c.experts];
     for r in 0..world {
         for g in skewed_routing(c, r).0 {
             weight[g as usize] += 1.0;
         }
     }
-    let slots = c.experts + redundant;
-    let start = crate::eplb::SlotMap::contiguous(c.experts, world, redundant, 1).ok()?;
+    let start = SlotMap::contiguous(c.experts, world, redundant, 1)?;
     let old: Vec<usize> = start
         .layer(0)
         .phy2log()
         .iter()
         .map(|&g| g as usize)
         .collect();
-    let next = policy::rebalance(&weight, slots, 1, 1, world);
+    let next = policy::rebalance(&weight, c.experts + redundant, 1, 1, world);
     let kept = policy::keep(&old, &next, world);
     let table = kept.into_iter().map(|g| g as u32).collect();
-    crate::eplb::SlotMap::from_tables(c.experts, world, vec![table]).ok()
+    SlotMap::from_tables(c.experts, world, vec![table]).map(Some)
 }
 
 /// One rank's medians for one config (microseconds, bytes, rows).
@@ -279,11 +280,13 @@ mod tests {
     #[test]
     fn eplb_slots_balance_the_drawn_load() {
         let c = deepseek(1.0, Some(2));
-        let m = eplb_slots(&c, 2).unwrap();
+        let m = eplb_slots(&c, 2).unwrap().unwrap();
         assert_eq!(m.slots(), c.experts + 2);
         let p: Vec<usize> = m.layer(0).phy2log().iter().map(|&g| g as usize).collect();
         let after = imbalance(&loads(&c, &p, 2));
         assert!(after < 1.05, "{after}");
-        assert!(eplb_slots(&deepseek(1.0, None), 2).is_none());
+        assert!(eplb_slots(&deepseek(1.0, None), 2).unwrap().is_none());
+        // 256 experts + 1 slot do not split over 2 ranks: said, not run as contiguous.
+        assert!(eplb_slots(&deepseek(1.0, Some(1)), 2).is_err());
     }
 }

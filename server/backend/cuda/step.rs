@@ -5,9 +5,9 @@
 //! says they are, and its combine. A bucket is a capacity of home tokens per rank; every rank of a
 //! step uses the same one, so the exchanges' fixed sizes match on both ends.
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use std::sync::Arc;
 
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DriverError};
 use half::bf16;
 
