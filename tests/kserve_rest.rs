@@ -268,6 +268,26 @@ async fn rest_answers_as_grpc_and_refuses_by_name() {
         s,
         String::from_utf8_lossy(&b).into(),
     ));
+    // A 60 KB path: the answer quotes its first 128 characters and its length (404 and 405).
+    let name = "m".repeat(60_000);
+    for (method, path, code) in [
+        ("GET", format!("/v3/{name}"), 404),
+        ("PUT", format!("/v2/models/{name}/ready"), 405),
+    ] {
+        let (s, _, b) = common::http(&http, method, &path, &[], vec![]).await;
+        let body = String::from_utf8_lossy(&b);
+        let head = &body[..body.len().min(300)];
+        assert_eq!(s, code, "{method} a 60 KB path: {head}");
+        assert!(
+            body.len() < 600,
+            "{method}: a {} byte answer: {head}",
+            body.len()
+        );
+        assert!(
+            body.contains(&format!("({} bytes)", path.len())),
+            "{method}: {head}"
+        );
+    }
     // A body that stops coming: DEADLINE_EXCEEDED after --upload-timeout (1 s).
     {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};

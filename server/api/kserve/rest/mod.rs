@@ -26,6 +26,7 @@ use tonic::{Code, Request, Status};
 
 use super::KserveApi;
 use crate::api::call::{record, status, Call};
+use crate::infer::quote::quote;
 use crate::inference::grpc_inference_service_server::GrpcInferenceService as Grpc;
 use crate::inference::*;
 use crate::transport::http::Held;
@@ -168,17 +169,19 @@ pub fn routes(api: Arc<KserveApi>, max_request: usize, upload_timeout: Duration)
         .method_not_allowed_fallback(no_method)
 }
 
+/// The path a client sent is quoted as every client string is (`quote`: its first 128
+/// characters, then its length), so a 60 KB path does not give a 60 KB answer.
 async fn no_route(method: Method, uri: Uri) -> Problem {
     Problem(Status::not_found(format!(
         "no route {method} {} (KServe v2 REST under /v2, metrics at /metrics)",
-        uri.path()
+        quote(uri.path())
     )))
 }
 
 async fn no_method(method: Method, uri: Uri) -> Response {
     let p = Problem(Status::unimplemented(format!(
         "{} does not take {method}",
-        uri.path()
+        quote(uri.path())
     )));
     let mut r = p.into_response();
     *r.status_mut() = StatusCode::METHOD_NOT_ALLOWED;
