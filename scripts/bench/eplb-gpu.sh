@@ -69,29 +69,7 @@ serve) # a rebalance under serving load: 4 layers, 4 skewed loads, every step's 
     sleep 1; kill $pid; wait $pid 2>/dev/null
     tail -n 12 "$out"/load-$mode-*.log
     grep -E "placement|copies" "$out/serve-$mode.log" | grep -v step_times | tail -8
-    python3 scripts/bench/eplb-steps.py "$out/serve-$mode.log"; python3 - "$out/serve-$mode.log" <<'PY'
-import re, sys, statistics
-steps, applied = [], []
-for line in open(sys.argv[1]):
-    m = re.search(r"(\d\d:\d\d:\d\d\.\d+)Z .*step_times: step layer=(\d+) tokens=(\d+) us=(\d+)", line)
-    if m and "rank=0 " in line:
-        h, mi, se = m.group(1).split(":"); t = int(h) * 3600 + int(mi) * 60 + float(se)
-        steps.append((t, int(m.group(2)), int(m.group(3)), int(m.group(4))))
-    a = re.search(r"(\d\d:\d\d:\d\d\.\d+)Z .*placement applied", line)
-    if a and "rank=0 " in line:
-        h, mi, se = a.group(1).split(":"); applied.append(int(h) * 3600 + int(mi) * 60 + float(se))
-full = [s for s in steps if s[2] == 8192]
-print(f"steps {len(steps)}, of 8192 tokens {len(full)}, placements applied {len(applied)}")
-if full:
-    us = sorted(s[3] for s in full); med = statistics.median(us)
-    q = lambda p: us[min(len(us) - 1, int(p * len(us)))]
-    print(f"all 8192-token steps: median {med} us, p90 {q(0.9)}, p99 {q(0.99)}, max {us[-1]}; over 1.1x median: {sum(u > 1.1 * med for u in us)}")
-    for a in applied:
-        near = [s for s in full if a - 0.05 <= s[0] <= a + 1.0]
-        if near:
-            w = max(near, key=lambda s: s[3])
-            print(f"placement at {a:.3f}: {len(near)} steps in the next second, slowest {w[3]} us ({w[3] / med:.2f}x median, layer {w[1]}), all: {[s[3] for s in near][:24]}")
-PY
+    python3 scripts/bench/eplb-steps.py "$out/serve-$mode.log"
   done
   (cd "$out" && tar cJf serve-logs.tar.xz serve-*.log load-* && rm -f serve-*.log load-*)
   ;;
