@@ -402,7 +402,9 @@ pub async fn run(addr: &str, plan: &Plan, workload: Workload, seed: u64) -> anyh
             }
         }
     }
-    // Everything in flight ends by its own deadline; wait for it, bounded all the same.
+    // Everything in flight ends by its own deadline; wait for it from the end of the run (closed
+    // loops are still sending until then), bounded all the same.
+    tokio::time::sleep_until(end).await;
     let drain = tokio::time::timeout(plan.timeout + Duration::from_secs(5), async {
         while tasks.join_next().await.is_some() {}
     })

@@ -395,3 +395,27 @@ fn skewed_hidden_states_route_through_the_models_gate() {
     assert!(even < 1.25, "S = 0: busiest rank {even:.2}x the mean");
     assert!(skewed >= 2.0, "S = 1.5: busiest rank {skewed:.2}x the mean");
 }
+
+/// A closed loop that runs longer than its requests' deadline (+5 s, the drain's bound) ends
+/// with its report: the drain is timed from the end of the run, not from its start (on 2x H100
+/// every 40 s run with a 20 s deadline ended "requests still in flight" and wrote nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_loop_longer_than_its_deadline_reports() {
+    let addr = echo::spawn(
+        "127.0.0.1:0".parse().unwrap(),
+        Echo {
+            hidden: 64,
+            delay: Duration::from_millis(20),
+        },
+        &Default::default(),
+    )
+    .await
+    .unwrap()
+    .to_string();
+    let s = shape(&addr).await;
+    let w = Workload::new(s, Tokens::Fixed(4), Dtype::F32, false, None, 5);
+    let mut p = plan(Mode::Closed(2), Api::Unary, 6.5);
+    p.timeout = Duration::from_millis(500);
+    let r = load::run(&addr, &p, w, 5).await.unwrap();
+    assert!(r.ok > 0 && r.ok == r.sent, "{} of {} OK", r.ok, r.sent);
+}

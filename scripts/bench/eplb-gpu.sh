@@ -85,6 +85,15 @@ prefill2)
   bench prefill2-ep 200 --configs prefill --backends nccl-ep --ep-modes ht --expert-dtype bf16,fp8 \
     --skew 0,0.5,0.7 --eplb off,on --redundant-experts 0
   ;;
+replicas) # more redundant slots: does the skewed EPLB step close on the balanced one?
+  # nccl: 8 and 32 extra slots; nccl-ep: 256 extra (256 slots per rank, the next power of two)
+  for r in 8 32; do
+    bench prefill-nccl-r$r 200 --configs prefill --backends nccl --expert-dtype bf16,fp8 \
+      --skew 0,1 --eplb on --redundant-experts $r
+  done
+  bench prefill-ep-r256 300 --configs prefill --backends nccl-ep --ep-modes ht --expert-dtype bf16,fp8 \
+    --skew 0,0.7 --eplb off,on --redundant-experts 256
+  ;;
 decode)
   bench decode-nccl 150 --configs decode --backends nccl --expert-dtype bf16,fp8 \
     --skew 0,1 --eplb off,on --redundant-experts 2

@@ -234,6 +234,9 @@ impl Mover {
         ctx: Arc<CudaContext>,
         rank: usize,
     ) -> Result<Self, DriverError> {
+        // Staged slots are freed after each move: kept in the pool for the next one, not
+        // unmapped under a step's synchronize.
+        crate::backend::cuda::sys::device::keep_freed(&ctx)?;
         let layers = m.slots.layers().len();
         let events = |n| {
             (0..n)
@@ -330,7 +333,8 @@ impl Mover {
     /// Frees applied placements' staged buffers once their copies are done, on a thread of
     /// their own: freeing a placement's hundreds of buffers is slow (2x H100, 126 slots of a
     /// 4-layer move: the step whose completion freed them took 69-83 ms, 23x its size's
-    /// median, while the copies took 1.7 ms on the device; not measured since the move).
+    /// median, while the copies took 1.7 ms on the device). Their memory stays in the device's
+    /// pool (`keep_freed`) for the next placement's staging.
     pub fn reap(&mut self) {
         let (done, left): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retired)
             .into_iter()

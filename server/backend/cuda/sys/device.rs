@@ -40,3 +40,27 @@ pub fn set_blas_workspace(
     unsafe { cudarc::cublas::sys::cublasSetWorkspace_v2(*blas.handle(), ws as *mut _, bytes) }
         .result()
 }
+
+/// Keeps memory freed on `ctx`'s device in its default pool for reuse instead of handing it
+/// back to the driver. Stream-ordered frees (cudarc's) are released at the next synchronize on
+/// any thread once the pool holds more than its threshold (0 by default): the step's wait for
+/// its completion event then unmaps gigabytes (2x H100, a 4-layer placement's 2.4 GB staged
+/// per rank: one step of 51 ms, 24x its size's median, though the buffers were freed on a
+/// thread of their own).
+pub fn keep_freed(ctx: &Arc<CudaContext>) -> Result<(), DriverError> {
+    use cudarc::driver::sys;
+    ctx.bind_to_thread()?;
+    let mut pool = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer and the context's own device ordinal.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }.result()?;
+    let mut threshold = u64::MAX;
+    // SAFETY: the pool handle just returned; RELEASE_THRESHOLD takes a pointer to a u64.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+    }
+    .result()
+}
