@@ -433,6 +433,8 @@ pub struct ServeArgs {
     pub http2: crate::transport::Http2,
     #[command(flatten, next_help_heading = "Limits")]
     pub upload: crate::transport::upload::UploadArgs,
+    #[command(flatten, next_help_heading = "Limits")]
+    pub answer: crate::transport::answer::AnswerArgs,
     #[command(flatten, next_help_heading = "HTTP/2 and connections")]
     pub conn: crate::transport::conn::ConnArgs,
     #[command(flatten, next_help_heading = "Serving")]
@@ -643,6 +645,11 @@ impl ServeArgs {
             return Err("--heartbeat-interval and --step-timeout must be positive".into());
         }
         self.upload.sizes(self.max_request_bytes)?;
+        crate::transport::answer::Answers::new(
+            &self.answer,
+            self.max_request_bytes,
+            self.upload.upload_wait,
+        )?;
         let node = self
             .node_id
             .clone()

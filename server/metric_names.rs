@@ -85,6 +85,8 @@ table! {
         "tokens waiting for a step";
     UPLOAD_BYTES: Gauge "epserve_upload_bytes", "bytes", [], any,
         "bytes charged to `--upload-budget` by messages being read";
+    ANSWER_BYTES: Gauge "epserve_answer_bytes", "bytes", [], any,
+        "bytes charged to `--answer-budget` by answers made and not yet written";
     SHM_TENSORS_TOTAL: Counter "epserve_shm_tensors_total", "tensors", ["direction"], any,
         "KServe tensors read from (in) or written to (out) clients' shared-memory regions";
     SHM_BYTES_TOTAL: Counter "epserve_shm_bytes_total", "bytes", ["direction"], any,

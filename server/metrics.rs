@@ -33,6 +33,7 @@ pub fn install() -> anyhow::Result<()> {
         }
     }
     gauge!(metric_names::UPLOAD_BYTES).set(0.0);
+    gauge!(metric_names::ANSWER_BYTES).set(0.0);
     gauge!(metric_names::BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
     zero_series();
     let process = metrics_process::Collector::default();
@@ -160,6 +161,7 @@ pub async fn serve(
     let limits = crate::transport::http::Limits {
         conns,
         uploads: None,
+        answers: None,
     };
     let routes =
         routes().fallback(|| async { (axum::http::StatusCode::NOT_FOUND, "try /metrics\n") });

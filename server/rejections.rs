@@ -20,6 +20,11 @@ pub const REJECTION_REASONS: &[&str] = &[
     "max_queued_tokens",
     "queue_full",
     "upload_budget",
+    // Answers not being read: no room left, a connection closed for a waiting request, or
+    // answers dropped with their connection at --write-timeout.
+    "answer_budget",
+    "answer_evicted",
+    "write_timeout",
     // Not serving.
     "starting",
     "draining",

@@ -300,7 +300,11 @@ impl MoeService for Arc<MoeApi> {
     ) -> Result<Response<Self::ForwardStreamStream>, Status> {
         let call = Call::of(&req)?;
         let api = self.clone();
-        let out = stream::serve(req.into_inner(), self.stream_in_flight, move |r| {
+        let answers = req
+            .extensions()
+            .get::<Arc<crate::transport::answer::ConnAnswers>>()
+            .cloned();
+        let out = stream::serve(req.into_inner(), self.stream_in_flight, answers, move |r| {
             let (api, call) = (api.clone(), call.clone());
             async move {
                 let id = r.id.clone();

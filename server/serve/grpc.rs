@@ -28,6 +28,7 @@ use crate::metric_names;
 use crate::proto::moe_service_server::MoeServiceServer;
 use crate::request::Admission;
 use crate::sched::Job;
+use crate::transport::answer::Answers;
 use crate::transport::bufs::Bufs;
 use crate::transport::conn::ConnArgs;
 use crate::transport::unary::{Limits, UnaryLayer};
@@ -94,12 +95,19 @@ impl Front {
         let server_stop = CancellationToken::new();
         let uploads = crate::transport::upload::Budget::new(&args.upload, args.max_request_bytes)
             .map_err(anyhow::Error::msg)?;
+        let answers = crate::transport::answer::Answers::new(
+            &args.answer,
+            args.max_request_bytes,
+            args.upload.upload_wait,
+        )
+        .map_err(anyhow::Error::msg)?;
         let rank = p.member.place.rank;
-        let http_server = start_rest(args, &kserve, &uploads, rank, &server_stop).await?;
+        let http_server =
+            start_rest(args, &kserve, (&uploads, &answers), rank, &server_stop).await?;
         let server = tokio::spawn(serve_grpc(
             args.http2.clone(),
             args.conn.clone(),
-            uploads,
+            (uploads, answers),
             args.max_request_bytes,
             api.clone(),
             kserve,
@@ -195,7 +203,7 @@ pub async fn watch_liveness(
 async fn start_rest(
     args: &ServeArgs,
     kserve: &Arc<KserveApi>,
-    uploads: &Arc<Budget>,
+    (uploads, answers): (&Arc<Budget>, &Arc<Answers>),
     rank: usize,
     stop: &CancellationToken,
 ) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
@@ -214,6 +222,7 @@ async fn start_rest(
     let limits = crate::transport::http::Limits {
         conns: args.conn.clone(),
         uploads: Some(uploads.clone()),
+        answers: Some(answers.clone()),
     };
     let bound = listener.local_addr()?;
     tracing::info!("rank {rank} KServe REST on http://{bound}/v2");
@@ -231,7 +240,7 @@ async fn start_rest(
 pub async fn serve_grpc(
     http2: crate::transport::Http2,
     conns: ConnArgs,
-    uploads: Arc<Budget>,
+    (uploads, answers): (Arc<Budget>, Arc<Answers>),
     max_request_bytes: usize,
     api: Arc<MoeApi>,
     kserve: Arc<KserveApi>,
@@ -240,8 +249,10 @@ pub async fn serve_grpc(
     stop: CancellationToken,
 ) -> anyhow::Result<()> {
     let routes = grpc_routes(max_request_bytes, uploads.timeout, api, kserve, health)?;
-    crate::transport::accept::serve_connections(routes, http2, conns, uploads, listener, stop)
-        .await;
+    crate::transport::accept::serve_connections(
+        routes, http2, conns, uploads, answers, listener, stop,
+    )
+    .await;
     Ok(())
 }
 

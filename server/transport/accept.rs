@@ -1,5 +1,6 @@
-//! The gRPC port's accept loop: hyper's connections, each with its share of the upload budget
-//! and its calls counted, closed when idle or at shutdown.
+//! The gRPC port's accept loop: hyper's connections, each with its shares of the upload and
+//! answer budgets and its calls counted, closed when idle or at shutdown, and dropped when its
+//! answers go unread (`answer`).
 
 use std::convert::Infallible;
 use std::pin::pin;
@@ -10,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::body::Body;
 use tracing::warn;
 
+use super::answer::Answers;
 use super::conn::{Calls, ConnArgs, PerConnection};
 use super::listen::Acceptor;
 use super::upload::Budget;
@@ -29,6 +31,7 @@ pub async fn serve_connections<S>(
     http2: Http2,
     conns: ConnArgs,
     uploads: Arc<Budget>,
+    answers: Arc<Answers>,
     listener: tokio::net::TcpListener,
     stop: CancellationToken,
 ) where
@@ -58,7 +61,13 @@ pub async fn serve_connections<S>(
             (tcp, peer) = acceptor.accept() => {
                 let _ = tcp.set_nodelay(true);
                 let calls = Calls::default();
-                let service = PerConnection::new(routes.clone(), uploads.connection(), calls.clone());
+                let unread = answers.connection();
+                let service = PerConnection::new(
+                    routes.clone(),
+                    uploads.connection(),
+                    unread.clone(),
+                    calls.clone(),
+                );
                 let conn = builder
                     .serve_connection(TokioIo::new(tcp), TowerToHyperService::new(service))
                     .into_owned();
@@ -70,6 +79,11 @@ pub async fn serve_connections<S>(
                             if let Err(e) = end {
                                 tracing::debug!(%peer, "gRPC connection ended: {e}");
                             }
+                            return;
+                        }
+                        why = unread.must_close() => {
+                            // Its answers are not being read: no goodbye would be read either.
+                            tracing::debug!(%peer, "gRPC connection dropped ({why})");
                             return;
                         }
                         _ = calls.idle(conns.first_call(), conns.idle()) => ("idle", IDLE_CLOSE_WAIT),

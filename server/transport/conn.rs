@@ -1,5 +1,6 @@
 //! One gRPC connection's service: its request bodies metered against its share of the decode
-//! budget (`upload`), and its calls counted, so that a connection that never opens a call (one
+//! budget (`upload`), its account of unwritten answers (`answer`) given to its calls, and its
+//! calls counted, so that a connection that never opens a call (one
 //! that connects and sends nothing, or stops after the HTTP/2 preface) or has none open for
 //! long is closed. Each such connection holds a descriptor and a task; without a bound they
 //! accumulate until accepts fail.
@@ -16,6 +17,7 @@ use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio::sync::watch;
 use tonic::body::Body;
 
+use super::answer::ConnAnswers;
 use super::upload::Share;
 use crate::flags::duration;
 
@@ -99,14 +101,16 @@ impl ConnArgs {
 pub struct PerConnection<S> {
     inner: S,
     share: Arc<Share>,
+    answers: Arc<ConnAnswers>,
     calls: Calls,
 }
 
 impl<S> PerConnection<S> {
-    pub fn new(inner: S, share: Arc<Share>, calls: Calls) -> Self {
+    pub fn new(inner: S, share: Arc<Share>, answers: Arc<ConnAnswers>, calls: Calls) -> Self {
         Self {
             inner,
             share,
+            answers,
             calls,
         }
     }
@@ -131,8 +135,9 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
         let open = self.calls.begin();
+        req.extensions_mut().insert(self.answers.clone());
         let deadline = super::header_timeout(req.headers())
             .and_then(|d| tokio::time::Instant::now().checked_add(d));
         let share = self.share.clone();

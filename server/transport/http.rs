@@ -1,6 +1,7 @@
 //! The plain-HTTP ports (KServe REST, `/metrics`): HTTP/1.1 and cleartext HTTP/2 on one listener,
 //! axum routing over hyper's connections. Each connection's requests are counted (`conn::Calls`)
-//! so one that sends nothing, or stays idle past --idle-timeout, is closed, as on the gRPC port;
+//! so one that sends nothing, or stays idle past --idle-timeout, is closed, as on the gRPC port,
+//! and one whose answers go unread is dropped (`answer`);
 //! a request's headers must arrive within `HEADER_WAIT`; at shutdown connections get
 //! `CLOSE_WAIT` to finish what they are answering.
 
@@ -17,6 +18,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use super::answer::Answers;
 use super::conn::{Calls, ConnArgs};
 use super::upload::Budget;
 
@@ -25,11 +27,12 @@ const HEADER_WAIT: Duration = Duration::from_secs(10);
 const CLOSE_WAIT: Duration = Duration::from_secs(5);
 
 /// What a port's connections share: the idle limits and, for ports that take request bodies,
-/// the upload budget (each connection's share goes to its requests as an extension).
+/// the upload and answer budgets (each connection's shares go to its requests as extensions).
 #[derive(Clone)]
 pub struct Limits {
     pub conns: ConnArgs,
     pub uploads: Option<Arc<Budget>>,
+    pub answers: Option<Arc<Answers>>,
 }
 
 /// Serves `routes` on `listener` until `stop`; `what` names the port in logs.
@@ -55,11 +58,15 @@ pub async fn serve(
         let _ = tcp.set_nodelay(true);
         let calls = Calls::default();
         let share = limits.uploads.as_ref().map(|b| b.connection());
-        let (routes, counted) = (routes.clone(), calls.clone());
+        let unread = limits.answers.as_ref().map(|a| a.connection());
+        let (routes, counted, answers) = (routes.clone(), calls.clone(), unread.clone());
         let service = tower::service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
             let open = counted.begin();
             if let Some(s) = &share {
                 req.extensions_mut().insert(s.clone());
+            }
+            if let Some(a) = &answers {
+                req.extensions_mut().insert(a.clone());
             }
             let answer = tower::ServiceExt::oneshot(routes.clone(), req.map(Body::new));
             async move {
@@ -83,6 +90,15 @@ pub async fn serve(
                     }
                     return;
                 }
+                why = async {
+                    match &unread {
+                        Some(a) => a.must_close().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    debug!(%peer, "{what} connection dropped ({why})");
+                    return;
+                }
                 _ = calls.idle(conns.first_call(), conns.idle()) => "idle",
                 _ = stop.cancelled() => "shutting down",
             };
@@ -99,16 +115,22 @@ pub async fn serve(
     }
 }
 
-/// A response body that keeps `T` (an open call, an admission permit) until it is sent or
-/// dropped.
+/// A response body that keeps `T` (an open call, an admission permit, an answer's charge) until
+/// it is sent or dropped, handing its data over in pieces (`answer::piece`).
 pub struct Held<T> {
     body: Body,
+    /// The rest of a data frame larger than a piece.
+    rest: Bytes,
     _held: T,
 }
 
 impl<T: Send + Unpin + 'static> Held<T> {
     pub fn new(body: Body, held: T) -> Self {
-        Self { body, _held: held }
+        Self {
+            body,
+            rest: Bytes::new(),
+            _held: held,
+        }
     }
 
     pub fn into_body(self) -> Body {
@@ -124,14 +146,30 @@ impl<T: Unpin> http_body::Body for Held<T> {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        if self.rest.is_empty() {
+            match std::task::ready!(Pin::new(&mut self.body).poll_frame(cx)) {
+                Some(Ok(f)) => match f.into_data() {
+                    Ok(data) => self.rest = data,
+                    Err(f) => return Poll::Ready(Some(Ok(f))),
+                },
+                other => return Poll::Ready(other),
+            }
+        }
+        let piece = super::answer::piece(&mut self.rest);
+        Poll::Ready(Some(Ok(Frame::data(piece))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.rest.is_empty() && self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+        let (inner, rest) = (self.body.size_hint(), self.rest.len() as u64);
+        let mut h = SizeHint::new();
+        h.set_lower(inner.lower() + rest);
+        if let Some(u) = inner.upper() {
+            h.set_upper(u + rest);
+        }
+        h
     }
 }

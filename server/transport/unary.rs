@@ -8,8 +8,11 @@
 //! every protobuf decoder reads the message it would have read from tonic.
 //!
 //! What tonic's server did is kept: its limits and their messages, its refusals of compressed
-//! requests, the status of a failed call as trailers only, and the call's metadata. A request
-//! holds its `Hold` (its admission permit) until the answer is handed to the transport whole.
+//! requests, the status of a failed call as trailers only, and the call's metadata. On a
+//! connection with an answer account (`answer`), a request comes in only when its connection's
+//! unwritten answers leave room, and its `Hold` (its admission permit) is let go once its answer
+//! is made, the answer charged to the account until the transport has taken it whole; without
+//! one (tests), the `Hold` is kept until then.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -28,6 +31,7 @@ use tonic::metadata::MetadataMap;
 use tonic::server::NamedService;
 use tonic::Status;
 
+use super::answer::ConnAnswers;
 use super::bufs::Bufs;
 
 /// Bytes below this are copied in behind the message's head (one frame) rather than sent apart.
@@ -44,7 +48,7 @@ pub trait Spliced: Message {
 pub trait Unary: Clone + Send + Sync + 'static {
     type Req: Message + Default + Send + 'static;
     type Resp: Spliced + Send + 'static;
-    /// Held until the answer has been handed to the transport (an admission permit).
+    /// Held until the answer is made (an admission permit).
     type Hold: Send + 'static;
     /// `/package.Service/Method`.
     const PATH: &'static str;
@@ -156,16 +160,26 @@ where
     let (parts, body) = req.into_parts();
     let encoding = Encoding::of(&parts.headers)?;
     let t0 = std::time::Instant::now();
+    let answers = parts.extensions.get::<Arc<ConnAnswers>>().cloned();
     let msg = read_request::<U, B>(body, &parts.headers, encoding, limits)
         .await
         .inspect_err(|s| U::refused(s, t0))?;
+    if let Some(a) = &answers {
+        a.room().await.inspect_err(|s| U::refused(s, t0))?;
+    }
     let req = tonic::Request::from_parts(
         MetadataMap::from_headers(parts.headers),
         parts.extensions,
         msg,
     );
     let (resp, hold) = unary.call(req).await?;
-    respond(resp, limits.max_response, hold)
+    match answers {
+        Some(a) => respond(resp, limits.max_response, move |len| {
+            drop(hold);
+            a.charge(len)
+        }),
+        None => respond(resp, limits.max_response, |_| hold),
+    }
 }
 
 /// The call's request, read whole by its deadline (the call's grpc-timeout, else
@@ -369,8 +383,13 @@ fn put_splice_head(buf: &mut BytesMut, path: &[u32], len: usize) {
 }
 
 /// The answer's gRPC frame: its head (the message without its large bytes, and the keys and
-/// lengths that splice them back), the large bytes as they are, then `grpc-status: 0`.
-fn respond<M: Spliced, H: Send + 'static>(mut m: M, max: usize, hold: H) -> Result<Answer, Status> {
+/// lengths that splice them back), the large bytes as they are, then `grpc-status: 0`; the body
+/// keeps what `keep` makes of its length until it is dropped.
+fn respond<M: Spliced, H: Send + 'static>(
+    mut m: M,
+    max: usize,
+    keep: impl FnOnce(usize) -> H,
+) -> Result<Answer, Status> {
     let large = m.take_large();
     let head_len = m.encoded_len();
     let len = head_len
@@ -405,7 +424,7 @@ fn respond<M: Spliced, H: Send + 'static>(mut m: M, max: usize, hold: H) -> Resu
     let body = Frames {
         chunks,
         trailers: Some(trailers),
-        _hold: Box::new(hold),
+        _hold: Box::new(keep(5 + len)),
     };
     let mut answer = http::Response::new(Body::new(body));
     answer.headers_mut().insert(
@@ -432,7 +451,13 @@ impl HttpBody for Frames {
         _: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         let frame = match self.chunks.pop_front() {
-            Some(c) => Some(Frame::data(c)),
+            Some(mut c) => {
+                let piece = super::answer::piece(&mut c);
+                if !c.is_empty() {
+                    self.chunks.push_front(c);
+                }
+                Some(Frame::data(piece))
+            }
             None => self.trailers.take().map(Frame::trailers),
         };
         Poll::Ready(frame.map(Ok))
@@ -447,6 +472,7 @@ impl HttpBody for Frames {
 mod tests {
     use super::*;
     use crate::inference::model_infer_response::InferOutputTensor;
+    use crate::transport::answer::PIECE;
     use crate::inference::ModelInferResponse;
     use crate::metric_names;
     use crate::proto::ForwardResponse;
@@ -525,17 +551,19 @@ mod tests {
                     message: "m".into(),
                 }),
             };
-            let (chunks, trailers) = drain(respond(m.clone(), usize::MAX, ()).unwrap()).await;
+            let (chunks, trailers) = drain(respond(m.clone(), usize::MAX, |_| ()).unwrap()).await;
             assert_eq!(trailers["grpc-status"], "0");
             assert_eq!(
                 ForwardResponse::decode(unframe(&chunks)).unwrap(),
                 m,
                 "{len}"
             );
+            // Large bytes leave as pieces of the very buffer they were (no copy).
             let shared = chunks
                 .iter()
-                .any(|c| c.as_ptr() == data.as_ptr() && c.len() == len);
+                .any(|c| c.as_ptr() == data.as_ptr() && c.len() == len.min(PIECE));
             assert_eq!(shared, len >= SPLICE_MIN, "{len}: sent as it was");
+            assert!(chunks.iter().all(|c| c.len() <= PIECE), "{len}: in pieces");
 
             let raw: Vec<Bytes> = (0..rng.random_range(0..4))
                 .map(|i| bytes(&mut rng, LENS[(i + len) % LENS.len()]))
@@ -553,12 +581,12 @@ mod tests {
                 raw_output_contents: raw,
                 ..Default::default()
             };
-            let (chunks, _) = drain(respond(m.clone(), usize::MAX, ()).unwrap()).await;
+            let (chunks, _) = drain(respond(m.clone(), usize::MAX, |_| ()).unwrap()).await;
             assert_eq!(ModelInferResponse::decode(unframe(&chunks)).unwrap(), m);
         }
         // A message with no output at all goes out as tonic would send it.
         let m = ForwardResponse::default();
-        let (chunks, _) = drain(respond(m.clone(), usize::MAX, ()).unwrap()).await;
+        let (chunks, _) = drain(respond(m.clone(), usize::MAX, |_| ()).unwrap()).await;
         assert_eq!(unframe(&chunks), m.encode_to_vec());
     }
 
@@ -572,11 +600,11 @@ mod tests {
             ..Default::default()
         };
         // The head repeats `output`'s key: a few bytes over tonic's encoding, never more.
-        let (chunks, _) = drain(respond(m.clone(), usize::MAX, ()).unwrap()).await;
+        let (chunks, _) = drain(respond(m.clone(), usize::MAX, |_| ()).unwrap()).await;
         let fits = unframe(&chunks).len();
         assert!((m.encoded_len()..m.encoded_len() + 8).contains(&fits));
-        assert!(respond(m.clone(), fits, ()).is_ok());
-        let e = respond(m, fits - 1, ()).unwrap_err();
+        assert!(respond(m.clone(), fits, |_| ()).is_ok());
+        let e = respond(m, fits - 1, |_| ()).unwrap_err();
         assert_eq!(e.code(), Code::OutOfRange);
         assert!(
             e.message().contains("encoded message length too large"),
@@ -588,7 +616,7 @@ mod tests {
     #[tokio::test]
     async fn the_hold_lasts_as_long_as_the_answer_body() {
         let hold = Arc::new(());
-        let a = respond(ForwardResponse::default(), usize::MAX, hold.clone()).unwrap();
+        let a = respond(ForwardResponse::default(), usize::MAX, |_| hold.clone()).unwrap();
         assert_eq!(Arc::strong_count(&hold), 2);
         drop(drain(a).await);
         assert_eq!(Arc::strong_count(&hold), 1);

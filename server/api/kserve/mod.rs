@@ -865,7 +865,11 @@ impl GrpcInferenceService for Arc<KserveApi> {
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
         let call = Call::of(&req)?;
         let api = self.clone();
-        let out = stream::serve(req.into_inner(), self.stream_in_flight, move |r| {
+        let answers = req
+            .extensions()
+            .get::<Arc<crate::transport::answer::ConnAnswers>>()
+            .cloned();
+        let out = stream::serve(req.into_inner(), self.stream_in_flight, answers, move |r| {
             let (api, call) = (api.clone(), call.clone());
             async move {
                 let head = ModelInferRequest {

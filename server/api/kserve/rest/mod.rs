@@ -29,6 +29,7 @@ use crate::api::call::{record, status, Call};
 use crate::infer::quote::quote;
 use crate::inference::grpc_inference_service_server::GrpcInferenceService as Grpc;
 use crate::inference::*;
+use crate::transport::answer::ConnAnswers;
 use crate::transport::http::Held;
 use crate::transport::unary::Encoding;
 use crate::transport::upload::Share;
@@ -514,6 +515,7 @@ async fn model_infer(
     State(s): State<Rest>,
     Path(p): Path<HashMap<String, String>>,
     share: Option<Extension<Arc<Share>>>,
+    answers: Option<Extension<Arc<ConnAnswers>>>,
     h: HeaderMap,
     body: Body,
 ) -> Answer {
@@ -522,6 +524,13 @@ async fn model_infer(
         .body(&h, share.as_deref(), body)
         .await
         .map_err(|(reason, st)| refuse(reason, st, t0))?;
+    if let Some(a) = &answers {
+        // Its answer's room: counted and logged by `room`, recorded here.
+        a.room().await.map_err(|st| {
+            record(METHOD, st.code(), 0, t0);
+            Problem(st)
+        })?;
+    }
     let invalid = |st: Status| refuse("invalid_argument", st, t0);
     let header = number(&h, infer::HEADER_LENGTH).map_err(invalid)?;
     let (model, version) = named(&p);
@@ -534,7 +543,19 @@ async fn model_infer(
     };
     let (resp, permit) = s.api.infer_one(req, &call, METHOD).await?;
     let (parts, json_len) = infer::response(resp, &binary).map_err(status)?;
-    let mut r = Response::new(Held::new(Body::new(parts), permit).into_body());
+    // Made: the admission goes, the answer is charged to its connection until written.
+    let body = match answers {
+        Some(a) => {
+            let len = http_body::Body::size_hint(&parts).lower() as usize;
+            drop(permit);
+            Held::new(
+                Body::new(parts),
+                Box::new(a.charge(len)) as Box<dyn Send + Unpin>,
+            )
+        }
+        None => Held::new(Body::new(parts), Box::new(permit) as Box<dyn Send + Unpin>),
+    };
+    let mut r = Response::new(body.into_body());
     let headers = r.headers_mut();
     match json_len {
         Some(n) => {
