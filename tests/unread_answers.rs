@@ -15,18 +15,7 @@ use prost::Message;
 use tokio::io::AsyncWriteExt;
 
 const MIB: usize = 1 << 20;
-const H: usize = 64;
-
-/// Resident memory of a process, in bytes.
-fn rss(pid: u32) -> usize {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kb: usize = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap();
-    kb * 1024
-}
+use common::kserve::H;
 
 /// A Forward call of `rows` tokens as an HTTP/2 request.
 fn forward(rows: usize) -> http::Request<Full<Bytes>> {
@@ -40,32 +29,6 @@ fn forward(rows: usize) -> http::Request<Full<Bytes>> {
         .header("te", "trailers")
         .body(Full::new(Bytes::from(body)))
         .unwrap()
-}
-
-/// A well-behaved client's call latencies (ms) over `for_`; every call must succeed.
-async fn polite(addr: &str, for_: Duration) -> Vec<f64> {
-    let mut client =
-        epserve::proto::moe_service_client::MoeServiceClient::connect(format!("http://{addr}"))
-            .await
-            .unwrap();
-    let x = vec![0.25f32; 2 * H];
-    let end = Instant::now() + for_;
-    let mut ms = Vec::new();
-    while Instant::now() < end {
-        let t = Instant::now();
-        client
-            .forward(request("polite", 0, f32_tensor(&x, [2, H])))
-            .await
-            .expect("a well-behaved call beside the unread answers");
-        ms.push(t.elapsed().as_secs_f64() * 1e3);
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    ms.sort_by(f64::total_cmp);
-    ms
-}
-
-fn p99(ms: &[f64]) -> f64 {
-    ms[ms.len() * 99 / 100]
 }
 
 /// Item 1's probe: one HTTP/2 connection grants a 64 KiB window, lets one answer fill it, then
@@ -210,18 +173,7 @@ async fn unread_rest_answers_are_held_to_the_answer_budget() {
     // Warm the allocator's pools as the load will use them.
     polite(&addr, Duration::from_millis(200)).await;
     let base = rss(pid);
-    let sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let sampler = {
-        let sampling = sampling.clone();
-        tokio::spawn(async move {
-            let mut peak = 0;
-            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
-                peak = peak.max(rss(pid));
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-            peak
-        })
-    };
+    let sampler = PeakRss::start(pid);
     let body = rest_infer(rows);
     let mut unread = Vec::new();
     let sending = {
@@ -242,8 +194,7 @@ async fn unread_rest_answers_are_held_to_the_answer_budget() {
     let ms = polite(&addr, Duration::from_secs(6)).await;
     let unread = sending.await.unwrap();
     let held = common::prom::sum(&common::prom::scrape(&metrics), "epserve_answer_bytes", &[]);
-    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
-    let peak = sampler.await.unwrap();
+    let peak = sampler.stop().await;
     let growth = peak.saturating_sub(base);
     let samples = common::prom::scrape(&metrics);
     let evicted = common::prom::sum(

@@ -138,6 +138,7 @@ where
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
         let open = self.calls.begin();
         req.extensions_mut().insert(self.answers.clone());
+        req.extensions_mut().insert(self.share.clone());
         let deadline = super::header_timeout(req.headers())
             .and_then(|d| tokio::time::Instant::now().checked_add(d));
         let share = self.share.clone();

@@ -33,6 +33,7 @@ use tonic::Status;
 
 use super::answer::ConnAnswers;
 use super::bufs::Bufs;
+use super::upload::{Charge, Share};
 
 /// Bytes below this are copied in behind the message's head (one frame) rather than sent apart.
 const SPLICE_MIN: usize = 64 << 10;
@@ -161,7 +162,8 @@ where
     let encoding = Encoding::of(&parts.headers)?;
     let t0 = std::time::Instant::now();
     let answers = parts.extensions.get::<Arc<ConnAnswers>>().cloned();
-    let msg = read_request::<U, B>(body, &parts.headers, encoding, limits)
+    let share = parts.extensions.get::<Arc<Share>>().cloned();
+    let msg = read_request::<U, B>(body, share.as_ref(), &parts.headers, encoding, limits)
         .await
         .inspect_err(|s| U::refused(s, t0))?;
     if let Some(a) = &answers {
@@ -186,6 +188,7 @@ where
 /// --upload-timeout) and decoded; a call that ends here is counted in the request metrics.
 async fn read_request<U: Unary, B>(
     body: B,
+    share: Option<&Arc<Share>>,
     headers: &http::HeaderMap,
     encoding: Option<Encoding>,
     limits: &Limits,
@@ -202,7 +205,7 @@ where
             format!("--upload-timeout ({:?})", limits.read_timeout),
         ),
     };
-    let read = read_message(body, limits.max_request, encoding, &limits.bufs);
+    let read = read_message(body, limits.max_request, encoding, &limits.bufs, share);
     let Ok(msg) = tokio::time::timeout(limit, read).await else {
         crate::rejections::count_rejection("upload_deadline");
         tracing::debug!(
@@ -246,22 +249,40 @@ impl Encoding {
         }
     }
 
-    /// `data` inflated, refused past `max` bytes; large messages are inflated off the runtime's
-    /// threads.
-    pub(crate) async fn inflate(self, data: Bytes, max: usize) -> Result<Bytes, Status> {
-        let small = data.len() < 64 << 10;
-        let run = move || {
-            use std::io::Read;
-            let mut out = Vec::new();
-            let read = match self {
-                Self::Gzip => flate2::read::GzDecoder::new(&data[..])
-                    .take(max as u64 + 1)
-                    .read_to_end(&mut out),
-                Self::Deflate => flate2::read::ZlibDecoder::new(&data[..])
-                    .take(max as u64 + 1)
-                    .read_to_end(&mut out),
+    /// `data` inflated, refused past `max` bytes, off the runtime's threads (a 69 KB body can
+    /// inflate to 64 MiB): in steps of `INFLATE_STEP`, each charged to `charge` in its share of
+    /// the upload budget (the bytes made so far and the step) before it is made.
+    pub(crate) async fn inflate(
+        self,
+        data: Bytes,
+        max: usize,
+        mut charge: Option<(&Arc<Share>, &mut Option<Charge>)>,
+    ) -> Result<Bytes, Status> {
+        use std::io::Read;
+        let reader = bytes::Buf::reader(data);
+        let mut dec: Box<dyn Read + Send> = match self {
+            Self::Gzip => Box::new(flate2::read::GzDecoder::new(reader)),
+            Self::Deflate => Box::new(flate2::read::ZlibDecoder::new(reader)),
+        };
+        let mut out = Vec::new();
+        loop {
+            let want = (out.len() + INFLATE_STEP).min(max + 1);
+            if let Some((share, held)) = charge.as_mut() {
+                // At most a whole message's room: the byte past it only tells it is too large.
+                share.grow(held, want.min(max)).await?;
+            }
+            let step = move || {
+                let before = out.len();
+                let read = (&mut dec)
+                    .take((want - before) as u64)
+                    .read_to_end(&mut out);
+                (dec, out, read.map(|n| n < want - before))
             };
-            read.map_err(|e| {
+            let (d, o, ended) = tokio::task::spawn_blocking(step)
+                .await
+                .map_err(|e| Status::internal(format!("decompressing the request: {e}")))?;
+            (dec, out) = (d, o);
+            let ended = ended.map_err(|e| {
                 Status::internal(format!("Error decompressing: {e}, while sending request"))
             })?;
             if out.len() > max {
@@ -269,24 +290,25 @@ impl Encoding {
                     "Error decompressing: size limit, of {max} bytes, exceeded while decompressing message"
                 )));
             }
-            Ok(Bytes::from(out))
-        };
-        if small {
-            return run();
+            if ended {
+                return Ok(Bytes::from(out));
+            }
         }
-        tokio::task::spawn_blocking(run)
-            .await
-            .map_err(|e| Status::internal(format!("decompressing the request: {e}")))?
     }
 }
 
+/// What one step of inflating makes at most before its room is asked again.
+const INFLATE_STEP: usize = 1 << 20;
+
 /// The one message of a unary call's body, read into a kept buffer when large; a compressed one
-/// (under `encoding`) is inflated, both its wire and its inflated size held to `max`.
+/// (under `encoding`) is inflated, both its wire and its inflated size held to `max`, the
+/// inflated bytes charged to `share` as they are made.
 pub async fn read_message<B>(
     body: B,
     max: usize,
     encoding: Option<Encoding>,
     bufs: &Arc<Bufs>,
+    share: Option<&Arc<Share>>,
 ) -> Result<Bytes, Status>
 where
     B: HttpBody<Data = Bytes>,
@@ -333,7 +355,9 @@ where
     }
     match (msg, encoding) {
         (Some((buf, filled)), Some(e)) if filled == buf.len() && compressed => {
-            e.inflate(bufs.freeze(buf), max).await
+            let mut charge = None;
+            e.inflate(bufs.freeze(buf), max, share.map(|s| (s, &mut charge)))
+                .await
         }
         (Some((buf, filled)), _) if filled == buf.len() => Ok(bufs.freeze(buf)),
         (None, _) if have == 0 => Err(Status::internal("Missing request message.")),
@@ -472,11 +496,11 @@ impl HttpBody for Frames {
 mod tests {
     use super::*;
     use crate::inference::model_infer_response::InferOutputTensor;
-    use crate::transport::answer::PIECE;
     use crate::inference::ModelInferResponse;
     use crate::metric_names;
     use crate::proto::ForwardResponse;
     use crate::proto::{Error, Tensor};
+    use crate::transport::answer::PIECE;
     use rand::{Rng, SeedableRng};
     use tonic::Code;
 
@@ -650,7 +674,9 @@ mod tests {
             let msg = bytes(&mut rng, len);
             for _ in 0..3 {
                 let chunks = cut(&mut rng, &framed(&msg));
-                let got = read_message(body(chunks), len, None, &bufs).await.unwrap();
+                let got = read_message(body(chunks), len, None, &bufs, None)
+                    .await
+                    .unwrap();
                 assert_eq!(got, msg, "{len}");
             }
         }
@@ -660,6 +686,7 @@ mod tests {
             4 << 20,
             None,
             &bufs,
+            None,
         )
         .await
         .unwrap();
@@ -670,6 +697,7 @@ mod tests {
             4 << 20,
             None,
             &bufs,
+            None,
         )
         .await
         .unwrap();
@@ -685,7 +713,7 @@ mod tests {
             let bufs = bufs.clone();
             async move {
                 let chunks = chunks.into_iter().map(Bytes::from).collect();
-                read_message(body(chunks), max, None, &bufs)
+                read_message(body(chunks), max, None, &bufs, None)
                     .await
                     .unwrap_err()
             }
@@ -745,14 +773,14 @@ mod tests {
                 };
                 let mut f = framed(&packed);
                 f[0] = 1;
-                let got = read_message(body(vec![f.clone().into()]), 200_000, Some(e), &bufs)
+                let got = read_message(body(vec![f.clone().into()]), 200_000, Some(e), &bufs, None)
                     .await
                     .unwrap();
                 assert_eq!(got, msg, "{e:?} {len}");
                 // Within the limit on the wire, past it inflated.
                 if len > 1000 {
                     assert!(f.len() < len - 1);
-                    let e2 = read_message(body(vec![f.into()]), len - 1, Some(e), &bufs)
+                    let e2 = read_message(body(vec![f.into()]), len - 1, Some(e), &bufs, None)
                         .await
                         .unwrap_err();
                     assert_eq!(e2.code(), Code::ResourceExhausted, "{e2:?}");
@@ -764,6 +792,7 @@ mod tests {
                 200_000,
                 Some(Encoding::Gzip),
                 &bufs,
+                None,
             )
             .await
             .unwrap();
@@ -771,9 +800,15 @@ mod tests {
         }
         let mut junk = framed(&[7; 30]);
         junk[0] = 1;
-        let e = read_message(body(vec![junk.into()]), 100, Some(Encoding::Gzip), &bufs)
-            .await
-            .unwrap_err();
+        let e = read_message(
+            body(vec![junk.into()]),
+            100,
+            Some(Encoding::Gzip),
+            &bufs,
+            None,
+        )
+        .await
+        .unwrap_err();
         assert_eq!(e.code(), Code::Internal);
         assert!(e.message().contains("decompressing"), "{e:?}");
         let mut h = http::HeaderMap::new();

@@ -1,13 +1,14 @@
 //! The decode budget: memory held by request messages while they are read. Admission counts a
-//! request's tokens only once its message is whole, and both readers (the unary framing and
-//! tonic's stream decoder) size a buffer from the 5-byte prefix's declared length; so 2
-//! connections x 16 streams that declared 48 MiB, sent 16 and stalled held 528 MiB of the leader
-//! with every queue metric at 0. Here a request body is metered: a message's declared length is
-//! charged against its connection's share and the rank's budget before the reader sees the
-//! prefix, and released when its last byte has passed. Over budget a message waits
-//! `--upload-wait`, then gets RESOURCE_EXHAUSTED; a message whose bytes stop coming gets
-//! DEADLINE_EXCEEDED at its call's `grpc-timeout`, else `--upload-timeout` after its first byte.
-//! Either way its charge is freed when the call lets the body go.
+//! request's tokens only once its message is whole; so 2 connections x 16 streams that declared
+//! 48 MiB, sent 16 and stalled held 528 MiB of the leader with every queue metric at 0. Here a
+//! request body is metered: a message is charged against its connection's share and the rank's
+//! budget as its bytes arrive, `RESERVE` of it from its prefix (the readers' buffers are sized
+//! from the declared length, but a page is resident only once written), and released when its
+//! last byte has passed. Charging the declared length up front let four connections that only
+//! declared 16 MiB bodies refuse every other client until --upload-timeout (#56). Over budget a
+//! message waits `--upload-wait`, then gets RESOURCE_EXHAUSTED; a message whose bytes stop coming
+//! gets DEADLINE_EXCEEDED at its call's `grpc-timeout`, else `--upload-timeout` after its first
+//! byte. Either way its charge is freed when the call lets the body go.
 //!
 //! A message wholly inside one HTTP/2 frame is not charged (the frame is in memory already, and
 //! frames are bounded by --http2-max-frame-size); neither is one over --max-request-bytes, which
@@ -32,6 +33,11 @@ use crate::metric_names;
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 type Charged = Result<Charge, Status>;
+
+/// What a message is charged from its prefix before its bytes come: enough for a frame or two
+/// (--http2-max-frame-size is 16 KiB to 1 MiB), little enough that declared lengths alone fill
+/// no budget.
+pub const RESERVE: usize = 256 << 10;
 
 #[derive(Args, Debug, Clone)]
 pub struct UploadArgs {
@@ -149,6 +155,8 @@ impl Share {
             head: [0; 5],
             have: 0,
             left: 0,
+            declared: 0,
+            oversize: false,
             charge: None,
             held: None,
             waiting: None,
@@ -157,11 +165,24 @@ impl Share {
         }
     }
 
-    /// Room for a whole request body of `len` bytes (an HTTP body read at once), held until the
-    /// returned charge is dropped.
-    pub async fn charge_body(self: &Arc<Self>, len: usize) -> Result<Charge, Status> {
-        let len = u32::try_from(len).unwrap_or(u32::MAX);
-        self.clone().charge(len).await
+    /// Grows `charge` to `to` bytes (a body read here as it arrives), waiting for room as a
+    /// message does; nothing if it holds that much already.
+    pub async fn grow(
+        self: &Arc<Self>,
+        charge: &mut Option<Charge>,
+        to: usize,
+    ) -> Result<(), Status> {
+        let have = charge.as_ref().map_or(0, Charge::bytes);
+        if to <= have {
+            return Ok(());
+        }
+        let more = u32::try_from(to - have).unwrap_or(u32::MAX);
+        let c = self.clone().charge(more).await?;
+        match charge {
+            Some(held) => held.merge(c),
+            None => *charge = Some(c),
+        }
+        Ok(())
     }
 
     /// Room for a message of `len` bytes: this connection's share first, then the rank's.
@@ -196,20 +217,34 @@ impl Share {
 
 /// One message's room in the budget, given back on drop.
 pub struct Charge {
-    _mine: OwnedSemaphorePermit,
-    all: OwnedSemaphorePermit,
+    /// (this connection's share, the rank's budget); taken by `merge`.
+    room: Option<(OwnedSemaphorePermit, OwnedSemaphorePermit)>,
 }
 
 impl Charge {
     fn new(mine: OwnedSemaphorePermit, all: OwnedSemaphorePermit) -> Self {
         metrics::gauge!(metric_names::UPLOAD_BYTES).increment(all.num_permits() as f64);
-        Self { _mine: mine, all }
+        Self {
+            room: Some((mine, all)),
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.room.as_ref().map_or(0, |r| r.1.num_permits())
+    }
+
+    /// Takes `other`'s room into this one.
+    fn merge(&mut self, mut other: Charge) {
+        if let (Some(r), Some(o)) = (self.room.as_mut(), other.room.take()) {
+            r.0.merge(o.0);
+            r.1.merge(o.1);
+        }
     }
 }
 
 impl Drop for Charge {
     fn drop(&mut self) {
-        metrics::gauge!(metric_names::UPLOAD_BYTES).decrement(self.all.num_permits() as f64);
+        metrics::gauge!(metric_names::UPLOAD_BYTES).decrement(self.bytes() as f64);
     }
 }
 
@@ -221,8 +256,11 @@ pub struct Metered<B> {
     /// The prefix of the next message, `have` bytes of it seen.
     head: [u8; 5],
     have: usize,
-    /// Bytes of the current message still to come.
+    /// Bytes of the current message still to come, of its declared length.
     left: usize,
+    declared: usize,
+    /// The current message is over --max-request-bytes: the reader refuses it, uncharged.
+    oversize: bool,
     /// The current message's room, held until its last byte has passed.
     charge: Option<Charge>,
     /// A frame waiting for its message's charge.
@@ -266,6 +304,7 @@ impl<B> Metered<B> {
                 self.have = 0;
                 let h = &self.head;
                 self.left = u32::from_be_bytes([h[1], h[2], h[3], h[4]]) as usize;
+                self.declared = self.left;
                 if self.left > 0 {
                     s.opened = Some(self.left);
                 }
@@ -325,7 +364,10 @@ where
             match w.as_mut().poll(cx) {
                 Poll::Ready(Ok(c)) => {
                     this.waiting = None;
-                    this.charge = Some(c);
+                    match this.charge.as_mut() {
+                        Some(held) => held.merge(c),
+                        None => this.charge = Some(c),
+                    }
                     return Poll::Ready(this.held.take().map(Ok));
                 }
                 Poll::Ready(Err(s)) => return this.fail(s),
@@ -360,19 +402,28 @@ where
             this.charge = None;
             this.timer = None;
         }
-        let Some(len) = scan.opened else {
-            return Poll::Ready(Some(Ok(frame)));
-        };
         let budget = &this.share.budget;
-        if len > budget.max_message {
+        if let Some(len) = scan.opened {
+            this.oversize = len > budget.max_message;
+            if !this.oversize {
+                let deadline = this
+                    .call_deadline
+                    .unwrap_or_else(|| Instant::now() + budget.timeout);
+                this.timer = Some(Box::pin(tokio::time::sleep_until(deadline)));
+            }
+        }
+        if this.left == 0 || this.oversize {
             return Poll::Ready(Some(Ok(frame)));
         }
-        let deadline = this
-            .call_deadline
-            .unwrap_or_else(|| Instant::now() + budget.timeout);
-        this.timer = Some(Box::pin(tokio::time::sleep_until(deadline)));
+        // The message goes on past this frame: charged what has come, RESERVE at least.
+        let arrived = this.declared - this.left;
+        let target = this.declared.min(arrived.max(RESERVE));
+        let have = this.charge.as_ref().map_or(0, Charge::bytes);
+        if target <= have {
+            return Poll::Ready(Some(Ok(frame)));
+        }
         this.held = Some(frame);
-        this.waiting = Some(Box::pin(this.share.clone().charge(len as u32)));
+        this.waiting = Some(Box::pin(this.share.clone().charge((target - have) as u32)));
         // Polls the charge at once: it is granted without waiting while there is room.
         Pin::new(this).poll_frame(cx)
     }
@@ -440,8 +491,9 @@ mod tests {
     }
 
     /// Random messages cut at random places: every byte passes in order, and between frames the
-    /// budget holds exactly the declared length of the message whose prefix has arrived and whose
-    /// body has not (nothing for one that came whole inside a frame).
+    /// budget holds exactly what the message whose prefix has arrived and whose body has not is
+    /// charged: its bytes so far, `RESERVE` at least, its declared length at most (nothing for
+    /// one that came whole inside a frame).
     #[tokio::test]
     async fn a_message_is_charged_from_its_prefix_to_its_last_byte() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
@@ -449,7 +501,7 @@ mod tests {
         let share = b.connection();
         for _ in 0..20 {
             let lens: Vec<usize> = (0..rng.random_range(1..6))
-                .map(|_| [0, 1, 4, 100, 70_000][rng.random_range(0..5)])
+                .map(|_| [0, 1, 4, 100, 70_000, 1_000_000][rng.random_range(0..6)])
                 .collect();
             let bytes: Vec<u8> = lens.iter().flat_map(|&l| framed(l)).collect();
             // Where each message's body starts and ends in the stream.
@@ -472,7 +524,7 @@ mod tests {
                 let want = spans
                     .iter()
                     .find(|&&(s, e, _)| s <= sent && sent < e)
-                    .map_or(0, |&(_, _, l)| l);
+                    .map_or(0, |&(s, _, l)| l.min((sent - s).max(RESERVE)));
                 assert_eq!(b.held(), want, "{lens:?} after {sent} bytes");
             }
             drop(tx);
@@ -480,6 +532,32 @@ mod tests {
             assert_eq!(got, bytes);
             assert_eq!(b.held(), 0);
         }
+    }
+
+    /// Messages that declare their whole share and send a few bytes hold `RESERVE` each: a
+    /// fifth gets in where, charged their declared lengths, the second would have waited (#56:
+    /// four stalled uploads refused every other client until --upload-timeout). As their bytes
+    /// come, the charge follows them up to the declared length.
+    #[tokio::test(start_paused = true)]
+    async fn a_declared_length_holds_only_a_reserve_until_its_bytes_come() {
+        let mib = 1 << 20;
+        let b = budget(4 * mib as u64, 4 * mib as u64, 4 * mib);
+        let share = b.connection();
+        let mut stalled = Vec::new();
+        for _ in 0..5 {
+            let (tx, body) = feed();
+            let mut m = share.meter(body, None);
+            tx.send(start(4 * mib, 10)).unwrap();
+            next(&mut m).await.unwrap().unwrap();
+            stalled.push((tx, m));
+        }
+        assert_eq!(b.held(), 5 * RESERVE);
+        let (tx, m) = &mut stalled[0];
+        tx.send(Bytes::from(vec![1; mib])).unwrap();
+        next(m).await.unwrap().unwrap();
+        assert_eq!(b.held(), 4 * RESERVE + mib + 10);
+        drop(stalled);
+        assert_eq!(b.held(), 0);
     }
 
     /// A paused clock's timers fire within a millisecond of their time.

@@ -610,3 +610,68 @@ pub fn row_error(a: &[f32], b: &[f32]) -> f64 {
         err
     }
 }
+
+/// Resident memory of a process, in bytes.
+pub fn rss(pid: u32) -> usize {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: usize = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+/// The largest resident memory of a process, sampled every 10 ms from `start` to `stop`.
+pub struct PeakRss {
+    on: Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<usize>,
+}
+
+impl PeakRss {
+    pub fn start(pid: u32) -> Self {
+        let on = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let sampling = on.clone();
+        let task = tokio::spawn(async move {
+            let mut peak = 0;
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(rss(pid));
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            peak
+        });
+        Self { on, task }
+    }
+
+    pub async fn stop(self) -> usize {
+        self.on.store(false, std::sync::atomic::Ordering::Relaxed);
+        self.task.await.unwrap()
+    }
+}
+
+/// A well-behaved client's Forward latencies (ms, sorted) over `for_`, 2 tokens a call on
+/// `synthetic:tiny`; every call must succeed.
+pub async fn polite(addr: &str, for_: Duration) -> Vec<f64> {
+    let mut client = MoeServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let x = vec![0.25f32; 2 * kserve::H];
+    let end = Instant::now() + for_;
+    let mut ms = Vec::new();
+    while Instant::now() < end {
+        let t = Instant::now();
+        client
+            .forward(request("polite", 0, f32_tensor(&x, [2, kserve::H])))
+            .await
+            .expect("a well-behaved call beside the probe");
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    ms.sort_by(f64::total_cmp);
+    ms
+}
+
+/// The 99th percentile of sorted latencies.
+pub fn p99(ms: &[f64]) -> f64 {
+    ms[ms.len() * 99 / 100]
+}
