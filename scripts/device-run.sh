@@ -125,7 +125,8 @@ if want cpu; then
   for bin in ${CPU_BINS:-$EPSERVE_BIN}; do
     shm=$(mktemp -d -p /dev/shm)
     "$bin" launch --ranks 2 --backend cpu --model synthetic:tiny --listen 127.0.0.1:0 \
-      --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --shm-dir "$shm" ${CPU_FLAGS:-} >"$out/cpu.log" 2>&1 &
+      --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --shm-dir "$shm" --allow-client-shm \
+      ${CPU_FLAGS:-} >"$out/cpu.log" 2>&1 &
     pid=$!
     addr=$(serving_addr "$out/cpu.log" 300)
     if [ -z "$addr" ]; then tail -20 "$out/cpu.log"; kill $pid; status=1; continue; fi
@@ -176,7 +177,7 @@ if want serve; then
     "$bin" launch --ranks "${SERVE_RANKS:-4}" --backend "${SERVE_BACKEND:-nccl-ep}" \
       --model "synthetic:${SERVE_MODEL:-deepseek-v3}" --layers 1 \
       --max-tokens-per-step 4096 --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --shm-dir "$shm" \
-      "${h2[@]}" "${flags[@]}" >"$out/serve-$name.log" 2>&1 &
+      --allow-client-shm "${h2[@]}" "${flags[@]}" >"$out/serve-$name.log" 2>&1 &
     pid=$!
     addr=$(serving_addr "$out/serve-$name.log" 900)
     if [ -z "$addr" ]; then tail -20 "$out/serve-$name.log"; kill $pid; status=1; continue; fi

@@ -1184,7 +1184,7 @@ fn cuda_shared_memory_round_trip_equals_forward() {
     use epserve::inference::infer_parameter::ParameterChoice;
     use epserve::inference::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
     use epserve::inference::*;
-    let g = launch_with(1, "nccl", "on", &[]);
+    let g = launch_with(1, "nccl", "on", &["--allow-client-shm"]);
     let ctx = cudarc::driver::CudaContext::new(0).unwrap();
     ctx.bind_to_thread().unwrap();
     let (spec, layers) = reference_layers();

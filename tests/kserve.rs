@@ -280,6 +280,24 @@ async fn metadata_and_inference_equal_forward_and_the_reference_per_token() {
         ties * 10 <= tokens,
         "{ties} of {tokens} tokens were near-ties"
     );
+
+    // #56 item 6: client shared memory is off without --allow-client-shm. The probe registered
+    // another process's object of the service's user by name, read it 4 bytes a request through
+    // an error message and overwrote it with an output; now its registration is refused.
+    let dir = std::env::temp_dir().join(format!("epserve-theirs-{}", std::process::id()));
+    std::fs::write(&dir, vec![7u8; 4096]).unwrap();
+    let e = c
+        .system_shared_memory_register(epserve::inference::SystemSharedMemoryRegisterRequest {
+            name: "theirs".into(),
+            key: format!("/{}", dir.file_name().unwrap().to_str().unwrap()),
+            offset: 0,
+            byte_size: 4096,
+        })
+        .await
+        .unwrap_err();
+    std::fs::remove_file(&dir).unwrap();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("--allow-client-shm"), "{e:?}");
 }
 
 /// ServerLive follows liveness; ServerReady and ModelReady follow readiness: not ready while the

@@ -134,12 +134,12 @@ fn bad_requests() -> Vec<(&'static str, &'static str, ModelInferRequest)> {
         ),
         (
             "expert id outside 0..E",
-            "expert 8 at row 1 is out of range 0..8",
+            "the expert id at row 1, column 1 is out of range 0..8",
             routed(&[0, 1, 2, 8], [2, 2], &[0.5; 4], [2, 2]),
         ),
         (
             "an expert twice in one row",
-            "expert 3 repeated in row 1",
+            "row 1 names one expert twice (columns 0 and 1)",
             routed(&[0, 1, 3, 3], [2, 2], &[0.5; 4], [2, 2]),
         ),
         (

@@ -28,7 +28,11 @@ async fn system_shared_memory_round_trip_and_refusals() {
     let group = Group::launch(
         2,
         "synthetic:tiny",
-        &["--shm-regions-dir", dir.0.to_str().unwrap()],
+        &[
+            "--allow-client-shm",
+            "--shm-regions-dir",
+            dir.0.to_str().unwrap(),
+        ],
     );
     let mut c = client(&group.addr).await;
     let object = |name: &str, len: u64, mode: u32| {

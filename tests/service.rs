@@ -107,17 +107,17 @@ fn bad_requests() -> Vec<(&'static str, &'static str, ForwardRequest)> {
     };
     v.push((
         "expert id outside 0..E",
-        "expert 8 at row 1 is out of range 0..8",
+        "the expert id at row 1, column 1 is out of range 0..8",
         with_routing(&[0, 1, 2, 8], [2, 2]),
     ));
     v.push((
         "expert id outside 0..E",
-        "expert -1 at row 0 is out of range",
+        "the expert id at row 0, column 0 is out of range",
         with_routing(&[-1, 1, 2, 3], [2, 2]),
     ));
     v.push((
         "an expert twice in one row",
-        "expert 3 repeated in row 1",
+        "row 1 names one expert twice (columns 0 and 1)",
         with_routing(&[0, 1, 3, 3], [2, 2]),
     ));
     v.push((

@@ -130,7 +130,7 @@ async fn shape(addr: &str) -> Shape {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counts_add_up_against_a_rank_group() {
     // Two requests admitted at a time against eight clients: some are refused, all are counted.
-    let group = Group::launch(&["--max-concurrent-requests", "2"]);
+    let group = Group::launch(&["--max-concurrent-requests", "2", "--allow-client-shm"]);
     let s = shape(&group.1).await;
     for (api, mode) in [
         (Api::Unary, Mode::Closed(8)),

@@ -27,7 +27,7 @@ shm=$(mktemp -d -p /dev/shm)
 "$bins/epserve" serve --backend nccl --model synthetic:deepseek-v3 --layers 1 \
   --max-tokens-per-step 4096 --listen 127.0.0.1:50151 --metrics-listen 127.0.0.1:0 \
   --http-listen 127.0.0.1:0 --shm-dir "$shm" \
-  --max-request-bytes 128MiB --rendezvous 127.0.0.1:0 >"$out/epserve.log" 2>&1 &
+  --max-request-bytes 128MiB --rendezvous 127.0.0.1:0 --allow-client-shm >"$out/epserve.log" 2>&1 &
 pid=$!
 for _ in $(seq 1 900); do grep -q "serving gRPC on" "$out/epserve.log" && break; sleep 1; done
 grep -q "serving gRPC on" "$out/epserve.log" || { tail -20 "$out/epserve.log"; kill $pid; exit 1; }

@@ -96,7 +96,7 @@ pub const BAD_INPUT: &[BadInput] = &[
         "is not an MoE layer of this model",
     ),
     bad("expert id outside 0..E", "is out of range 0.."),
-    bad("an expert twice in one row", "repeated in row"),
+    bad("an expert twice in one row", "names one expert twice"),
     bad("topk_ids or topk_weights not [n, top_k]", "must be ["),
     bad(
         "topk_weights without topk_ids",

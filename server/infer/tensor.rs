@@ -164,13 +164,17 @@ pub fn expert_ids(
     };
     for (r, row) in raw.chunks_exact(k).enumerate() {
         for (j, &id) in row.iter().enumerate() {
+            // The ids are not quoted: they may be a client's shared memory, which an error
+            // must not read back (#56).
             if id < 0 || id >= experts as i64 {
                 return Err(bad(format!(
-                    "{what}: expert {id} at row {r} is out of range 0..{experts}"
+                    "{what}: the expert id at row {r}, column {j} is out of range 0..{experts}"
                 )));
             }
-            if row[..j].contains(&id) {
-                return Err(bad(format!("{what}: expert {id} repeated in row {r}")));
+            if let Some(i) = row[..j].iter().position(|&x| x == id) {
+                return Err(bad(format!(
+                    "{what}: row {r} names one expert twice (columns {i} and {j})"
+                )));
             }
         }
     }
@@ -265,6 +269,6 @@ mod tests {
         assert!(expert_ids(&v(Dtype::I64, &[1, 2], &twice), 1, 2, 8, name)
             .unwrap_err()
             .to_string()
-            .contains("repeated"));
+            .contains("names one expert twice"));
     }
 }

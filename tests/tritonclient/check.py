@@ -101,7 +101,10 @@ def same_schema_as_tritonclient():
 
 
 # The CPU group this check serves from (tests/tritonclient/cuda_shm.py passes its GPU one).
-CPU_GROUP = ["--ranks", "2", "--max-request-bytes", "1048576", "--max-queued-tokens", "1000"]
+CPU_GROUP = [
+    "--ranks", "2", "--max-request-bytes", "1048576", "--max-queued-tokens", "1000",
+    "--allow-client-shm",
+]
 
 
 def launch(binary, shm, group=CPU_GROUP):

@@ -50,7 +50,7 @@ def worst_token(a, b):
 
 def main(binary):
     shm = tempfile.mkdtemp(prefix="epserve-shm-", dir="/dev/shm")
-    proc, addr, _ = common.launch(binary, shm, ["--ranks", "1", "--backend", "nccl"])
+    proc, addr, _ = common.launch(binary, shm, ["--ranks", "1", "--backend", "nccl", "--allow-client-shm"])
     try:
         run(addr)
     finally:

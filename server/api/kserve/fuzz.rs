@@ -100,6 +100,8 @@ fn no_request_panics_and_every_refusal_is_named() {
         Arc::new(Abort::default()),
     );
     let regions = regions::RegionArgs {
+        allow_client_shm: true,
+        shm_regions_prefix: String::new(),
         shm_regions_dir: std::env::temp_dir(),
         shm_regions_mode: 0o600,
         shm_regions_max: 1,

@@ -1,9 +1,13 @@
 //! Triton's system shared memory: a client registers a region of its POSIX shared-memory object
 //! and requests name it for their inputs and outputs instead of carrying the bytes.
 //!
-//! What a client names is checked before it is used: the key is one POSIX name under
-//! `--shm-regions-dir` (no path, no link), a regular file owned by the service's uid with no
-//! mode bit beyond `--shm-regions-mode`, and the region lies inside it; each request's offset
+//! Client shared memory is off unless `--allow-client-shm` (as Triton's, after CVE-2025-23319,
+//! -23320 and -23334): any API client could otherwise register another process's object of the
+//! service's user by name, read it through error messages and overwrite it with an output.
+//! When on, what a client names is checked before it is used: the key is one POSIX name under
+//! `--shm-regions-dir` starting with `--shm-regions-prefix` (no path, no link), a regular file
+//! owned by the service's uid with no mode bit beyond `--shm-regions-mode`, and the region lies
+//! inside it; each request's offset
 //! and size lie inside the region. The object is read and written with `pread`/`pwrite` on the
 //! descriptor opened at registration, not mapped: a client that truncates its object then gets
 //! an error, where a mapping would take the server down with SIGBUS. The hidden states are read
@@ -38,6 +42,16 @@ use crate::request::{ClientMemory, ClientSpan, Failure, OpenDevice};
 
 #[derive(Args, Debug, Clone)]
 pub struct RegionArgs {
+    /// Serve KServe's system and CUDA shared-memory registration (off: every register call is
+    /// refused with PERMISSION_DENIED).
+    #[arg(long, env = "EPSERVE_ALLOW_CLIENT_SHM", default_value_t = false,
+          value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1,
+          default_missing_value = "true")]
+    pub allow_client_shm: bool,
+    /// The names (after the leading '/') a client's POSIX object must start with, e.g.
+    /// `epserve-` (default: any name in --shm-regions-dir).
+    #[arg(long, env = "EPSERVE_SHM_REGIONS_PREFIX", default_value = "")]
+    pub shm_regions_prefix: String,
     /// Where clients' POSIX shared-memory objects are (shm_open's names are files here).
     #[arg(long, env = "EPSERVE_SHM_REGIONS_DIR", default_value = "/dev/shm")]
     pub shm_regions_dir: PathBuf,
@@ -246,6 +260,7 @@ impl Regions {
         device: i64,
         size: u64,
     ) -> Result<(), Status> {
+        self.allowed()?;
         let opener = self.cuda.as_ref().map_err(|why| {
             Status::unavailable(format!(
                 "CUDA shared memory is not served here ({why}): use system shared memory \
@@ -291,7 +306,18 @@ impl Regions {
         Ok(())
     }
 
+    /// PERMISSION_DENIED unless client shared memory is allowed.
+    fn allowed(&self) -> Result<(), Status> {
+        if self.args.allow_client_shm {
+            return Ok(());
+        }
+        Err(Status::permission_denied(
+            "client shared memory is off: start the service with --allow-client-shm              (EPSERVE_ALLOW_CLIENT_SHM=true) to register regions",
+        ))
+    }
+
     pub fn register(&self, name: &str, key: &str, offset: u64, size: u64) -> Result<(), Status> {
+        self.allowed()?;
         Self::named(name, size)?;
         let file = self.open(key, offset, size)?;
         self.insert(Region {
@@ -320,6 +346,13 @@ impl Regions {
         if base.is_empty() || base.len() > 255 || base.contains('/') || base == "." || base == ".."
         {
             return Err(bad_key());
+        }
+        if !base.starts_with(&self.args.shm_regions_prefix) {
+            return Err(Status::permission_denied(format!(
+                "key {}: not under the names this service serves (--shm-regions-prefix {})",
+                quote(key),
+                quote(&self.args.shm_regions_prefix)
+            )));
         }
         let path = self.args.shm_regions_dir.join(base);
         let file = std::fs::OpenOptions::new()
@@ -462,15 +495,21 @@ mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 
-    fn regions(dir: &std::path::Path) -> Regions {
+    fn regions_with(dir: &std::path::Path, allow: bool, prefix: &str) -> Regions {
         Regions::new(
             RegionArgs {
+                allow_client_shm: allow,
+                shm_regions_prefix: prefix.into(),
                 shm_regions_dir: dir.into(),
                 shm_regions_mode: 0o600,
                 shm_regions_max: 2,
             },
             Err("a test".into()),
         )
+    }
+
+    fn regions(dir: &std::path::Path) -> Regions {
+        regions_with(dir, true, "")
     }
 
     fn object(dir: &std::path::Path, name: &str, len: usize, mode: u32) {
@@ -486,9 +525,26 @@ mod tests {
         object(&dir, "a", 4096, 0o600);
         object(&dir, "wide", 4096, 0o666);
         std::os::unix::fs::symlink(dir.join("a"), dir.join("link")).unwrap();
-        let r = regions(&dir);
         let code = |res: Result<(), Status>| res.unwrap_err().code();
         use tonic::Code;
+        // Off by default: nothing registers, system or CUDA, whatever it names.
+        let off = regions_with(&dir, false, "");
+        let e = off.register("x", "/a", 0, 16).unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied);
+        assert!(e.message().contains("--allow-client-shm"), "{e:?}");
+        assert_eq!(
+            code(off.register_cuda("x", &[0; 64], 0, 16)),
+            Code::PermissionDenied
+        );
+        // A prefix: only names under it.
+        let prefixed = regions_with(&dir, true, "ep-");
+        assert_eq!(
+            code(prefixed.register("x", "/a", 0, 16)),
+            Code::PermissionDenied
+        );
+        object(&dir, "ep-a", 4096, 0o600);
+        prefixed.register("x", "/ep-a", 0, 16).unwrap();
+        let r = regions(&dir);
         assert_eq!(code(r.register("x", "a", 0, 16)), Code::InvalidArgument);
         assert_eq!(code(r.register("x", "/../a", 0, 16)), Code::InvalidArgument);
         assert_eq!(code(r.register("x", "/", 0, 16)), Code::InvalidArgument);
