@@ -356,14 +356,9 @@ pub struct ServeArgs {
     pub node_id: Option<String>,
     /// Address this rank's data listener binds, for peers on other nodes (rows, exchange
     /// writes); port 0 picks any. Peers reach it at the address this rank reaches the leader
-    /// from.
-    #[arg(
-        help_heading = "Group",
-        long,
-        env = "EPSERVE_DATA_LISTEN",
-        default_value = "0.0.0.0:0"
-    )]
-    pub data_listen: SocketAddr,
+    /// from, which it binds by default (any port); 0.0.0.0:0 only if asked.
+    #[arg(help_heading = "Group", long, env = "EPSERVE_DATA_LISTEN")]
+    pub data_listen: Option<SocketAddr>,
     /// Leader's rendezvous address HOST:PORT (else MASTER_ADDR:MASTER_PORT, then
     /// LWS_LEADER_ADDRESS:MASTER_PORT, else 127.0.0.1:29500).
     #[arg(help_heading = "Group", long, env = "EPSERVE_RENDEZVOUS")]

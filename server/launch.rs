@@ -231,7 +231,6 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                 .args(["--rank", &rank.to_string(), "--world-size", &args.ranks.to_string()])
                 .arg("--shm-dir")
                 .arg(&c.shm_dir)
-                .args(["--data-listen", &rank_addr(args.serve.data_listen, local, "--data-listen")?.to_string()])
                 .args(["--metrics-listen", &rank_addr(args.serve.metrics_listen, local, "--metrics-listen")?.to_string()])
                 .args(["--listen", &listen(local)?.to_string()])
                 .args(["--http-listen", &http_listen(local)?])
@@ -241,6 +240,9 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                 (None, true) => cmd.args(["--rendezvous", "127.0.0.1:0"]).stdout(Stdio::piped()),
                 (None, false) => &mut cmd,
             };
+            if let Some(data) = args.serve.data_listen {
+                cmd.args(["--data-listen", &rank_addr(data, local, "--data-listen")?.to_string()]);
+            }
             if let Some(id) = &c.node_id {
                 cmd.args(["--node-id", id]);
             }

@@ -474,6 +474,67 @@ fn nodes_joining_in_reverse_order_form_the_group() {
     assert_eq!(forward_rows(&grpc, 3), ["a", "a", "b", "b"]);
 }
 
+/// #56 item 7's probe: three stray TCP connections to every rank's data port, each sending
+/// nothing, while a 4-rank, 2-node group forms: hellos are read concurrently, so the group forms
+/// within a --rendezvous-timeout (10 s) that the strays' 3 x 5 s, read one at a time, outlasted.
+#[test]
+fn stray_connections_to_the_data_ports_do_not_stop_a_group() {
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let addr = format!("127.0.0.1:{}", free());
+    let data: Vec<String> = (0..4).map(|_| format!("127.0.0.1:{}", free())).collect();
+    let dirs = [TempDir::new("stray-a"), TempDir::new("stray-b")];
+    let node = |r: usize| ["a", "b"][r / 2];
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut strays = Vec::new();
+    for d in &data {
+        for _ in 0..3 {
+            let (d, stop) = (d.clone(), stop.clone());
+            strays.push(std::thread::spawn(move || {
+                // Connects as soon as the port is bound, then holds the connection silent.
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    if let Ok(s) = std::net::TcpStream::connect(&d) {
+                        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        drop(s);
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }));
+        }
+    }
+    let mut ranks: Vec<(usize, Proc)> = Vec::new();
+    let t0 = std::time::Instant::now();
+    for r in [3, 2, 1, 0] {
+        let flags = [
+            "--node-id",
+            node(r),
+            "--rendezvous-timeout",
+            "10s",
+            "--data-listen",
+            &data[r],
+        ];
+        ranks.push((r, serve(r, 4, &addr, &dirs[r / 2], &flags)));
+    }
+    let (_, leader) = ranks.iter_mut().find(|(r, _)| *r == 0).unwrap();
+    let grpc = leader
+        .wait_for("serving gRPC on", Duration::from_secs(30))
+        .unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("formed in {:?} with 3 strays a data port", t0.elapsed());
+    assert_eq!(forward_rows(&grpc, 3), ["a", "a", "b", "b"]);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for s in strays {
+        s.join().unwrap();
+    }
+}
+
 /// One Forward of `rows` tokens of synthetic:tiny (hidden 64) at `grpc`, answered in full; then
 /// GetModelInfo's nodes of the group.
 fn forward_rows(grpc: &str, rows: usize) -> Vec<String> {

@@ -481,7 +481,7 @@ fn form_group(
 ) -> anyhow::Result<Formed> {
     let world = p.member.place.world;
     let timeout = args.rendezvous_timeout;
-    let data = DataListener::bind(args.data_listen)?;
+    let data = DataListener::bind(args.data_listen, &p.member.rendezvous)?;
     let (mut link, group_id, nccl_id) =
         accept_ranks(args, &p, rank.as_ref(), listener, data.port()?)?;
     let roster = link.roster.clone();

@@ -135,7 +135,7 @@ fn join(
 /// rendezvous, bounded by --rendezvous-timeout.
 fn rendezvous(args: &ServeArgs, p: &Prepared) -> anyhow::Result<(DataListener, Joined)> {
     crate::startup::enter(crate::startup::Stage::Rendezvous);
-    let data = DataListener::bind(args.data_listen)?;
+    let data = DataListener::bind(args.data_listen, &p.member.rendezvous)?;
     let joiner = group::Joiner {
         place: p.member.place,
         node: &p.member.node,
