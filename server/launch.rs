@@ -22,6 +22,10 @@ use crate::config::{Ingress, LaunchArgs};
 
 /// Grace between SIGTERM and SIGKILL when stopping the group after a failure.
 const KILL_GRACE: Duration = Duration::from_secs(5);
+/// After a rank fails, how long the others have to report and exit on their own before they are
+/// stopped: a rank refusing its checkpoint tells the others first, and stopping the group at the
+/// first exit could kill it before it logged why (#56).
+const REPORT_GRACE: Duration = Duration::from_secs(2);
 
 /// Flags `launch` sets per rank itself, and the group token, which ranks get in their
 /// environment (`EPSERVE_GROUP_TOKEN`), not on their command lines where `ps` shows it.
@@ -280,6 +284,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
         let mut int = signal(SignalKind::interrupt())?;
         let mut term = signal(SignalKind::terminate())?;
         let mut failed: Option<String> = None;
+        let mut stop_at: Option<tokio::time::Instant> = None;
         let mut kill_at: Option<tokio::time::Instant> = None;
         let mut running = spawned;
         while running > 0 {
@@ -296,11 +301,18 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                             Ok(s) => s.to_string(),
                             Err(e) => e.to_string(),
                         };
-                        error!("rank {rank} {why}; stopping the group");
+                        error!(
+                            "rank {rank} {why}; stopping the group in {REPORT_GRACE:?} (the others \
+                             report first)"
+                        );
                         failed = Some(format!("rank {rank} {why}"));
-                        signal_all(&pids, Signal::SIGTERM);
-                        kill_at = Some(tokio::time::Instant::now() + KILL_GRACE);
+                        stop_at = Some(tokio::time::Instant::now() + REPORT_GRACE);
                     }
+                }
+                _ = tokio::time::sleep_until(stop_at.unwrap_or_else(tokio::time::Instant::now)), if stop_at.is_some() => {
+                    signal_all(&pids, Signal::SIGTERM);
+                    stop_at = None;
+                    kill_at = Some(tokio::time::Instant::now() + KILL_GRACE);
                 }
                 _ = tokio::time::sleep_until(kill_at.unwrap_or_else(tokio::time::Instant::now)), if kill_at.is_some() => {
                     signal_all(&pids, Signal::SIGKILL);

@@ -273,3 +273,84 @@ fn a_1d_fp8_tensor_and_a_wrapping_layer_count_are_refused_by_name() {
         "{log}"
     );
 }
+
+/// #56 item 9's probe: rank 0 of a 2-rank launch refuses its checkpoint (an expert of its own
+/// block in the wrong shape) and drops the rendezvous; the launcher gives the ranks time to
+/// report before it stops them, so every launch's log names the tensor (1 launch in 8 did not,
+/// when the other rank's exit stopped rank 0 before it logged why).
+#[test]
+fn a_refused_checkpoint_is_named_by_every_launch() {
+    let dir = TempDir::new("refused");
+    let a = Arch {
+        model_type: "qwen3_moe",
+        hidden: 64,
+        inter: 48,
+        experts: 8,
+        top_k: 2,
+        layers: 2,
+        dense: vec![0],
+        fp8_block: None,
+    };
+    write_model(&dir.0, &a, 41);
+    // Expert 0 (rank 0's block) of layer 1 transposed: the same bytes, the wrong shape.
+    let bad = "model.layers.1.mlp.experts.0.gate_proj.weight";
+    for f in std::fs::read_dir(&dir.0).unwrap() {
+        let path = f.unwrap().path();
+        if path.extension().is_none_or(|x| x != "safetensors") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        if st.tensor(bad).is_err() {
+            continue;
+        }
+        let views: Vec<(String, TensorView)> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| {
+                let mut shape = t.shape().to_vec();
+                if n == bad {
+                    shape.reverse();
+                }
+                let v = TensorView::new(t.dtype(), shape, t.data()).unwrap();
+                (n, v)
+            })
+            .collect();
+        let out = safetensors::serialize(views, None).unwrap();
+        std::fs::write(&path, out).unwrap();
+    }
+    let model = dir.0.display().to_string();
+    for i in 0..4 {
+        let shm = TempDir::new("refused-shm");
+        let shm = shm.0.display().to_string();
+        let mut p = Proc::spawn(
+            &[
+                "launch",
+                "--ranks",
+                "2",
+                "--model",
+                &model,
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "127.0.0.1:0",
+                "--http-listen",
+                "127.0.0.1:0",
+                "--shm-dir",
+                &shm,
+            ]
+            .map(String::from),
+        );
+        let status = p
+            .wait_exit(std::time::Duration::from_secs(60))
+            .expect("launch exits");
+        let log = p.log_text();
+        assert!(!status.success(), "{log}");
+        assert!(
+            log.contains(&format!(
+                "tensor '{bad}' has shape [64, 48], expected [48, 64]"
+            )),
+            "launch {i} does not name the tensor: {log}"
+        );
+    }
+}

@@ -523,6 +523,9 @@ fn form_group(
     let (rank, ring, ingress) = match setup {
         Ok(x) => x,
         Err(e) => {
+            // Logged before the others hear it: they exit at once, and a launcher that sees them
+            // go stops this rank too (#56: 1 launch in 8 lost the line naming the tensor).
+            tracing::error!("startup failed at rank 0, refusing the group: {e:#}");
             link.reject_all(&format!("startup failed at rank 0: {e:#}"));
             return Err(e);
         }

@@ -125,6 +125,8 @@ fn join(
         }),
         Err(e) => {
             let reason = format!("{e:#}");
+            // Logged before the leader hears it and the group (and a launcher) stops.
+            tracing::error!("startup failed at rank {rank}: {reason}");
             let _ = send(&mut stream, &Bringup::Failed { rank, reason });
             Err(e)
         }
