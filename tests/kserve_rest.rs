@@ -288,6 +288,57 @@ async fn rest_answers_as_grpc_and_refuses_by_name() {
             "{method}: {head}"
         );
     }
+    // 60 KB client strings inside the JSON and the path (#56: an unknown field's name and a
+    // string where a number goes were quoted whole by the parser's message): every answer
+    // quotes at most 128 characters of each.
+    let long = "x".repeat(60_000);
+    let row = |name: &str, datatype: &str, data: serde_json::Value| {
+        serde_json::json!({"inputs": [{"name": name, "datatype": datatype, "shape": [1, 64],
+                                        "data": data}]})
+    };
+    for (what, path, body) in [
+        (
+            "an unknown field",
+            "/v2/models/layer-0/infer".to_string(),
+            serde_json::json!({&long: 1}),
+        ),
+        (
+            "a string for a number",
+            "/v2/models/layer-0/infer".to_string(),
+            row("hidden_states", "FP32", serde_json::json!([&long])),
+        ),
+        (
+            "an input name",
+            "/v2/models/layer-0/infer".to_string(),
+            row(&long, "FP32", serde_json::json!([0.5])),
+        ),
+        (
+            "a datatype",
+            "/v2/models/layer-0/infer".to_string(),
+            row("hidden_states", &long, serde_json::json!([0.5])),
+        ),
+        (
+            "a model name",
+            format!("/v2/models/{long}/infer"),
+            row("hidden_states", "FP32", serde_json::json!(vec![0.5; 64])),
+        ),
+        (
+            "a version",
+            format!("/v2/models/layer-0/versions/{long}/infer"),
+            row("hidden_states", "FP32", serde_json::json!(vec![0.5; 64])),
+        ),
+    ] {
+        let body = serde_json::to_vec(&body).unwrap();
+        let (s, _, b) = common::http(&http, "POST", &path, &[], body).await;
+        let answer = String::from_utf8_lossy(&b);
+        let head = &answer[..answer.len().min(300)];
+        assert!(s >= 400, "{what}: {s} {head}");
+        assert!(
+            answer.len() < 600,
+            "{what}: a {} byte answer: {head}",
+            answer.len()
+        );
+    }
     // A body that stops coming: DEADLINE_EXCEEDED after --upload-timeout (1 s).
     {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};

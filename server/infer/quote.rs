@@ -15,6 +15,40 @@ pub fn quote(s: &str) -> String {
     }
 }
 
+/// A parser's message (serde_json's quotes the client's text in backticks or double quotes:
+/// an unknown field's name, a string where a number goes) with each quoted run cut to its first
+/// `MAX_CHARS` characters and its length.
+pub fn parser_error(e: &dyn std::fmt::Display) -> String {
+    let msg = e.to_string();
+    let mut out = String::with_capacity(msg.len().min(1024));
+    let mut rest = msg.as_str();
+    while let Some(open) = rest.find(['`', '"']) {
+        let delim = rest[open..].chars().next().expect("found");
+        out.push_str(&rest[..=open]);
+        let inner = &rest[open + 1..];
+        let close = inner.find(delim).unwrap_or(inner.len());
+        let quoted = &inner[..close];
+        match quoted.char_indices().nth(MAX_CHARS) {
+            None => out.push_str(quoted),
+            Some((cut, _)) => {
+                out.push_str(&quoted[..cut]);
+                out.push('…');
+            }
+        }
+        if close < inner.len() {
+            out.push(delim);
+            if quoted.chars().nth(MAX_CHARS).is_some() {
+                out.push_str(&format!(" ({} bytes)", quoted.len()));
+            }
+            rest = &inner[close + 1..];
+        } else {
+            rest = "";
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
 /// `shape` as `[a, b]`, its first `MAX_DIMS` dimensions and its rank past that.
 pub fn dims(shape: &[i64]) -> String {
     if shape.len() <= MAX_DIMS {
@@ -41,5 +75,26 @@ mod tests {
         let d = dims(&vec![7; 100_000]);
         assert_eq!(d, "[7, 7, 7, 7, 7, 7, 7, 7, …] (100000 dims)");
         assert_eq!(quote(&"a".repeat(128)), format!("{:?}", "a".repeat(128)));
+    }
+
+    #[test]
+    fn a_parsers_quotes_are_cut_and_the_rest_kept() {
+        let long = "x".repeat(60_000);
+        let e = serde_json::from_str::<std::collections::HashMap<String, f32>>(&format!(
+            r#"{{"a": "{long}"}}"#
+        ))
+        .unwrap_err();
+        let m = parser_error(&e);
+        assert!(m.len() < 300, "{m}");
+        assert!(
+            m.starts_with(&format!(
+                "invalid type: string \"{}…\" (60000 bytes)",
+                "x".repeat(128)
+            )),
+            "{m}"
+        );
+        assert!(m.ends_with("expected f32 at line 1 column 60008"), "{m}");
+        assert_eq!(parser_error(&"unknown field `id`"), "unknown field `id`");
+        assert_eq!(parser_error(&"a lone ` quote"), "a lone ` quote");
     }
 }

@@ -20,7 +20,7 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use super::json;
-use crate::infer::quote::quote;
+use crate::infer::quote::{parser_error, quote};
 use crate::inference::model_infer_request::{InferInputTensor, InferRequestedOutputTensor};
 use crate::inference::{ModelInferRequest, ModelInferResponse};
 use crate::request::Failure;
@@ -108,7 +108,7 @@ pub fn request(
     let text = std::str::from_utf8(&body[..split])
         .map_err(|e| Failure::invalid(format!("the request's JSON is not UTF-8: {e}")))?;
     let b: Body = serde_json::from_str(text)
-        .map_err(|e| Failure::invalid(format!("the request's JSON: {e}")))?;
+        .map_err(|e| Failure::invalid(format!("the request's JSON: {}", parser_error(&e))))?;
     let mut tail = body.slice(split..);
     let mut parameters = b.parameters;
     let all = take_bool(&mut parameters, "binary_data_output", "")?.unwrap_or(false);
@@ -227,9 +227,9 @@ fn data_bytes(
         out: Vec::with_capacity(count * dtype.bytes()),
     };
     let mut de = serde_json::Deserializer::from_str(data.get());
-    (&mut d)
-        .deserialize(&mut de)
-        .map_err(|e| Failure::invalid(format!("{what}: data does not fit: {e}")))?;
+    (&mut d).deserialize(&mut de).map_err(|e| {
+        Failure::invalid(format!("{what}: data does not fit: {}", parser_error(&e)))
+    })?;
     let got = d.out.len() / dtype.bytes();
     if got != count {
         return Err(Failure::invalid(format!(

@@ -260,8 +260,12 @@ async fn small<T: for<'a> Deserialize<'a> + Default>(body: Body) -> Result<T, Pr
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Ok(T::default());
     }
-    serde_json::from_slice(&bytes)
-        .map_err(|e| Problem(Status::invalid_argument(format!("the request's JSON: {e}"))))
+    serde_json::from_slice(&bytes).map_err(|e| {
+        Problem(Status::invalid_argument(format!(
+            "the request's JSON: {}",
+            crate::infer::quote::parser_error(&e)
+        )))
+    })
 }
 
 #[derive(Deserialize, Default)]
