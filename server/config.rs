@@ -208,16 +208,17 @@ impl Ingress {
     }
 }
 
-/// --http-listen: an address, or none (`off`).
+/// A listener that can be turned off (--http-listen, --metrics-listen): an address, or none
+/// (`off`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct HttpListen(pub Option<SocketAddr>);
+pub struct Listen(pub Option<SocketAddr>);
 
-fn http_listen(s: &str) -> Result<HttpListen, String> {
-    if s == "off" {
-        return Ok(HttpListen(None));
+fn listen_or_off(s: &str) -> Result<Listen, String> {
+    if crate::flags::is_off(s) {
+        return Ok(Listen(None));
     }
     s.parse()
-        .map(|a| HttpListen(Some(a)))
+        .map(|a| Listen(Some(a)))
         .map_err(|e| format!("{s:?}: {e} (an address HOST:PORT, or off)"))
 }
 
@@ -374,8 +375,8 @@ pub struct ServeArgs {
     pub listen: SocketAddr,
     /// KServe v2 REST (HTTP/1.1 and h2c; `/metrics` there too) beside gRPC, on the same ranks;
     /// launch gives rank r this port + r; port 0 picks any; `off`: none.
-    #[arg(help_heading = "Serving", long, env = "EPSERVE_HTTP_LISTEN", default_value = "127.0.0.1:8000", value_parser = http_listen)]
-    pub http_listen: HttpListen,
+    #[arg(help_heading = "Serving", long, env = "EPSERVE_HTTP_LISTEN", default_value = "127.0.0.1:8000", value_parser = listen_or_off)]
+    pub http_listen: Listen,
     /// Who serves gRPC: the leader alone, or every rank for its own clients (ingress bandwidth
     /// grows with the ranks).
     #[arg(
@@ -477,16 +478,20 @@ pub struct ServeArgs {
     /// The `liveness` health service turns NOT_SERVING when one step runs longer than this.
     #[arg(help_heading = "Serving", long, env = "EPSERVE_LIVENESS_TIMEOUT", default_value = "3s", value_parser = duration)]
     pub liveness_timeout: Duration,
-    /// Prometheus `/metrics` address (launch gives rank r this port + r; port 0 picks any).
+    /// Prometheus `/metrics` address (launch gives rank r this port + r; port 0 picks any);
+    /// `off`: none.
     #[arg(
         help_heading = "Telemetry",
         long,
         env = "EPSERVE_METRICS_LISTEN",
-        default_value = "127.0.0.1:9400"
+        default_value = "127.0.0.1:9400",
+        value_parser = listen_or_off
     )]
-    pub metrics_listen: SocketAddr,
-    /// Export a token counter per expert and layer (one series each).
-    #[arg(help_heading = "Telemetry", long, env = "EPSERVE_METRICS_PER_EXPERT")]
+    pub metrics_listen: Listen,
+    /// Export a token counter per expert and layer (one series each): on/off (true/false).
+    #[arg(help_heading = "Telemetry", long, env = "EPSERVE_METRICS_PER_EXPERT",
+          default_value_t = false, num_args = 0..=1, default_missing_value = "on",
+          action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     pub metrics_per_expert: bool,
     /// Directory for the shared-memory segments (a tmpfs).
     #[arg(
@@ -665,6 +670,61 @@ impl ServeArgs {
 #[cfg(test)]
 mod tests {
     use super::graph_buckets;
+
+    /// Every on/off setting of `serve` takes on/off/true/false (a flag's value and its env var
+    /// go through one parser), and every listener that can be off takes `off` (#58:
+    /// EPSERVE_METRICS_PER_EXPERT=off failed the start; --metrics-listen off was refused).
+    #[test]
+    fn on_off_settings_take_on_off_true_false() {
+        use clap::CommandFactory;
+        use clap::Parser;
+        let cli = super::Cli::command();
+        let serve = cli.find_subcommand("serve").unwrap();
+        let mut switches = Vec::new();
+        for a in serve.get_arguments() {
+            let id = a.get_id().as_str();
+            let values: Vec<String> = a
+                .get_possible_values()
+                .iter()
+                .map(|v| v.get_name().to_string())
+                .collect();
+            let boolish = matches!(a.get_action(), clap::ArgAction::SetTrue)
+                || a.get_value_parser().type_id() == clap::builder::ValueParser::bool().type_id()
+                || values == ["on", "off"];
+            if boolish && !matches!(id, "help" | "version") {
+                let long = a.get_long().unwrap().to_string();
+                assert!(
+                    !matches!(a.get_action(), clap::ArgAction::SetTrue),
+                    "--{long} is a bare switch: it cannot be set off (or on) from its env var"
+                );
+                switches.push(long);
+            }
+        }
+        switches.sort();
+        assert_eq!(
+            switches,
+            [
+                "allow-client-shm",
+                "cuda-graphs",
+                "http2-adaptive-window",
+                "metrics-per-expert",
+                "zero-copy"
+            ],
+            "the on/off settings this test knows"
+        );
+        for v in ["on", "off", "true", "false"] {
+            for s in &switches {
+                let argv = ["epserve", "serve", &format!("--{s}"), v];
+                super::Cli::try_parse_from(argv).unwrap_or_else(|e| panic!("--{s} {v}: {e}"));
+            }
+        }
+        for listener in ["--http-listen", "--metrics-listen"] {
+            for v in ["off", "false"] {
+                let argv = ["epserve", "serve", listener, v];
+                super::Cli::try_parse_from(argv).unwrap_or_else(|e| panic!("{listener} {v}: {e}"));
+            }
+        }
+    }
 
     /// `--help` describes every flag it lists, and `serve`/`launch` group theirs by heading.
     #[test]

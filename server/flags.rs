@@ -6,10 +6,21 @@ use std::time::Duration;
 
 use clap::ValueEnum;
 
+/// An on/off setting; each also reads as true/false, yes/no and 1/0, as booleans do.
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnOff {
+    #[value(aliases = ["true", "yes", "1"])]
     On,
+    #[value(aliases = ["false", "no", "0"])]
     Off,
+}
+
+/// `s` says off (off, false, no, 0, none) where an address or a period may be turned off.
+pub fn is_off(s: &str) -> bool {
+    matches!(
+        s.to_ascii_lowercase().as_str(),
+        "off" | "false" | "no" | "0" | "none"
+    )
 }
 
 /// Compares secrets (`--group-token`) in time that does not depend on where they differ.
@@ -32,7 +43,7 @@ pub struct Every(pub Option<Duration>);
 
 pub(crate) fn off_or_duration(s: &str) -> Result<Every, String> {
     match s {
-        "off" => Ok(Every(None)),
+        s if is_off(s) => Ok(Every(None)),
         s => duration(s).map(|d| Every(Some(d))),
     }
 }

@@ -26,6 +26,23 @@ const KILL_GRACE: Duration = Duration::from_secs(5);
 /// stopped: a rank refusing its checkpoint tells the others first, and stopping the group at the
 /// first exit could kill it before it logged why (#56).
 const REPORT_GRACE: Duration = Duration::from_secs(2);
+/// Set in each rank's environment: the launcher's pid, which the rank ties its life to.
+pub const LAUNCHER_PID: &str = "EPSERVE_LAUNCHER_PID";
+
+/// In a rank `launch` started: SIGTERM (a drain) when the launcher dies, however it dies; at once
+/// if it is gone already. Killing the launcher with SIGKILL left its ranks serving on their
+/// ports (#58).
+pub fn tie_to_launcher() -> anyhow::Result<()> {
+    let Ok(pid) = std::env::var(LAUNCHER_PID) else {
+        return Ok(());
+    };
+    nix::sys::prctl::set_pdeathsig(Signal::SIGTERM).context("tying the rank to its launcher")?;
+    // Set after the fork: a launcher gone in between left this rank to init.
+    if nix::unistd::getppid().as_raw().to_string() != pid {
+        let _ = kill(nix::unistd::getpid(), Signal::SIGTERM);
+    }
+    Ok(())
+}
 
 /// Flags `launch` sets per rank itself, and the group token, which ranks get in their
 /// environment (`EPSERVE_GROUP_TOKEN`), not on their command lines where `ps` shows it.
@@ -235,7 +252,10 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                 .args(["--rank", &rank.to_string(), "--world-size", &args.ranks.to_string()])
                 .arg("--shm-dir")
                 .arg(&c.shm_dir)
-                .args(["--metrics-listen", &rank_addr(args.serve.metrics_listen, local, "--metrics-listen")?.to_string()])
+                .args(["--metrics-listen", &match args.serve.metrics_listen.0 {
+                    Some(a) => rank_addr(a, local, "--metrics-listen")?.to_string(),
+                    None => "off".into(),
+                }])
                 .args(["--listen", &listen(local)?.to_string()])
                 .args(["--http-listen", &http_listen(local)?])
                 .kill_on_drop(true);
@@ -257,6 +277,8 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
             if let Some(token) = &args.serve.group_token {
                 cmd.env("EPSERVE_GROUP_TOKEN", token);
             }
+            // The rank ends with this launcher, however it ends (SIGKILL included).
+            cmd.env(LAUNCHER_PID, std::process::id().to_string());
             let mut child = cmd.spawn().with_context(|| format!("spawning rank {rank}"))?;
             if let Some(out) = child.stdout.take() {
                 rendezvous = read_rendezvous(out, args.serve.rendezvous_timeout).await;
@@ -283,6 +305,13 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
         };
         let mut int = signal(SignalKind::interrupt())?;
         let mut term = signal(SignalKind::terminate())?;
+        // SIGHUP (a closed terminal; a pod's reload): with --placement the ranks' (rank 0 reads
+        // the file again), else a drain as SIGTERM; by default it ended the launcher alone.
+        let mut hup = signal(SignalKind::hangup())?;
+        let hup_sends = match args.serve.placement {
+            Some(_) => Signal::SIGHUP,
+            None => Signal::SIGTERM,
+        };
         let mut failed: Option<String> = None;
         let mut stop_at: Option<tokio::time::Instant> = None;
         let mut kill_at: Option<tokio::time::Instant> = None;
@@ -291,6 +320,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
             tokio::select! {
                 _ = int.recv() => signal_all(&pids, Signal::SIGINT),
                 _ = term.recv() => signal_all(&pids, Signal::SIGTERM),
+                _ = hup.recv() => signal_all(&pids, hup_sends),
                 Some((local, status)) = exit_rx.recv() => {
                     running -= 1;
                     pids[local] = None;

@@ -625,3 +625,42 @@ fn one_launcher_per_node_forms_the_group_and_drains() {
         assert!(st.success(), "{name} exited {st}:\n{}", p.log_text());
     }
 }
+
+/// Whether `pid` has exited (gone, or a zombie its new parent has not reaped yet).
+fn exited(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/status")) {
+        Err(_) => true,
+        Ok(s) => s
+            .lines()
+            .any(|l| l.starts_with("State:") && l.contains("Z")),
+    }
+}
+
+/// #58: the ranks of a launcher die with it. SIGKILL of the launcher (no chance to stop them)
+/// and SIGHUP (a closed terminal, which ended the launcher alone) each leave no rank running
+/// within a few seconds; before, the ranks kept serving on their ports.
+#[test]
+fn the_ranks_of_a_launcher_die_with_it() {
+    for sig in ["KILL", "HUP"] {
+        let mut g = Group::launch(2, "synthetic:tiny", &[]);
+        let ranks = g.proc.children();
+        assert_eq!(ranks.len(), 2, "{}", g.proc.log_text());
+        g.proc.signal(sig);
+        let end = std::time::Instant::now() + Duration::from_secs(20);
+        while !ranks.iter().all(|&p| exited(p)) {
+            assert!(
+                std::time::Instant::now() < end,
+                "SIG{sig}: ranks {ranks:?} still running 20 s after the launcher's signal"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if sig == "HUP" {
+            // A drain, as SIGTERM: the launcher exits 0 once its ranks have.
+            let status = g
+                .proc
+                .wait_exit(Duration::from_secs(20))
+                .expect("launch exits");
+            assert!(status.success(), "{status}: {}", g.proc.log_text());
+        }
+    }
+}

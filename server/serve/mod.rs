@@ -23,6 +23,7 @@ const STILL_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// `epserve serve`: one rank's whole life.
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    crate::launch::tie_to_launcher()?;
     let member = args.member().map_err(|e| anyhow!(e))?;
     let rank = member.place.rank;
     match crate::transport::listen::raise_open_files() {
@@ -69,8 +70,12 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
 /// `/metrics` on a small runtime of its own for the life of the process (the step loops stay
 /// plain blocking code); returns once the port is bound.
 fn serve_metrics(args: &ServeArgs, rank: usize) -> anyhow::Result<()> {
+    let Some(listen) = args.metrics_listen.0 else {
+        tracing::info!("rank {rank} metrics off (--metrics-listen off)");
+        return Ok(());
+    };
     let (bound_tx, bound_rx) = std::sync::mpsc::channel();
-    let (listen, conns) = (args.metrics_listen, args.conn.clone());
+    let conns = args.conn.clone();
     std::thread::Builder::new()
         .name("metrics".into())
         .spawn(move || {

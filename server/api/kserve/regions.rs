@@ -45,7 +45,7 @@ pub struct RegionArgs {
     /// Serve KServe's system and CUDA shared-memory registration (off: every register call is
     /// refused with PERMISSION_DENIED).
     #[arg(long, env = "EPSERVE_ALLOW_CLIENT_SHM", default_value_t = false,
-          value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1,
+          action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1,
           default_missing_value = "true")]
     pub allow_client_shm: bool,
     /// The names (after the leading '/') a client's POSIX object must start with, e.g.
