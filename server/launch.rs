@@ -26,23 +26,6 @@ const KILL_GRACE: Duration = Duration::from_secs(5);
 /// stopped: a rank refusing its checkpoint tells the others first, and stopping the group at the
 /// first exit could kill it before it logged why (#56).
 const REPORT_GRACE: Duration = Duration::from_secs(2);
-/// Set in each rank's environment: the launcher's pid, which the rank ties its life to.
-pub const LAUNCHER_PID: &str = "EPSERVE_LAUNCHER_PID";
-
-/// In a rank `launch` started: SIGTERM (a drain) when the launcher dies, however it dies; at once
-/// if it is gone already. Killing the launcher with SIGKILL left its ranks serving on their
-/// ports (#58).
-pub fn tie_to_launcher() -> anyhow::Result<()> {
-    let Ok(pid) = std::env::var(LAUNCHER_PID) else {
-        return Ok(());
-    };
-    nix::sys::prctl::set_pdeathsig(Signal::SIGTERM).context("tying the rank to its launcher")?;
-    // Set after the fork: a launcher gone in between left this rank to init.
-    if nix::unistd::getppid().as_raw().to_string() != pid {
-        let _ = kill(nix::unistd::getpid(), Signal::SIGTERM);
-    }
-    Ok(())
-}
 
 /// Flags `launch` sets per rank itself, and the group token, which ranks get in their
 /// environment (`EPSERVE_GROUP_TOKEN`), not on their command lines where `ps` shows it.
@@ -278,7 +261,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                 cmd.env("EPSERVE_GROUP_TOKEN", token);
             }
             // The rank ends with this launcher, however it ends (SIGKILL included).
-            cmd.env(LAUNCHER_PID, std::process::id().to_string());
+            cmd.env(crate::sys::LAUNCHER_PID, std::process::id().to_string());
             let mut child = cmd.spawn().with_context(|| format!("spawning rank {rank}"))?;
             if let Some(out) = child.stdout.take() {
                 rendezvous = read_rendezvous(out, args.serve.rendezvous_timeout).await;

@@ -322,25 +322,7 @@ fn a_refused_checkpoint_is_named_by_every_launch() {
     let model = dir.0.display().to_string();
     for i in 0..4 {
         let shm = TempDir::new("refused-shm");
-        let shm = shm.0.display().to_string();
-        let mut p = Proc::spawn(
-            &[
-                "launch",
-                "--ranks",
-                "2",
-                "--model",
-                &model,
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics-listen",
-                "127.0.0.1:0",
-                "--http-listen",
-                "127.0.0.1:0",
-                "--shm-dir",
-                &shm,
-            ]
-            .map(String::from),
-        );
+        let mut p = Proc::spawn(&launch_args(2, &model, &shm, &[]));
         let status = p
             .wait_exit(std::time::Duration::from_secs(60))
             .expect("launch exits");

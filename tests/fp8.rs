@@ -201,24 +201,8 @@ async fn auto_keeps_synthetic_models_bf16() {
 #[test]
 fn fp8_refuses_sizes_off_the_block() {
     let shm = TempDir::new("shm");
-    let args = [
-        "launch",
-        "--ranks",
-        "2",
-        "--model",
-        "synthetic:tiny",
-        "--expert-dtype",
-        "fp8",
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--shm-dir",
-        &shm.0.display().to_string(),
-    ];
-    let mut p = Proc::spawn(&args.map(String::from));
+    let args = launch_args(2, "synthetic:tiny", &shm, &["--expert-dtype", "fp8"]);
+    let mut p = Proc::spawn(&args);
     let status = p.wait_exit(Duration::from_secs(60)).expect("launch exits");
     assert!(!status.success());
     let log = p.log_text();

@@ -23,7 +23,7 @@ const STILL_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// `epserve serve`: one rank's whole life.
 pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    crate::launch::tie_to_launcher()?;
+    crate::sys::tie_to_launcher()?;
     let member = args.member().map_err(|e| anyhow!(e))?;
     let rank = member.place.rank;
     match crate::transport::listen::raise_open_files() {

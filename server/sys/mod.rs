@@ -1,6 +1,6 @@
 //! The host's raw calls, each behind a safe function or type: shared memory mapped by every rank
-//! of a host (`shm`), read-only file maps (a checkpoint's tensors), and ending the process without
-//! teardown. With the GPU floor's `backend::cuda::sys`, its kernel launchers and the FFI crate
+//! of a host (`shm`), read-only file maps (a checkpoint's tensors), ending the process without
+//! teardown, and a launched rank's tie to its launcher. With the GPU floor's `backend::cuda::sys`, its kernel launchers and the FFI crate
 //! (`nccl-sys`), the only places with `unsafe`.
 
 pub mod shm;
@@ -18,4 +18,25 @@ pub fn map_file(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
 pub fn exit_immediately(code: i32) -> ! {
     // SAFETY: _exit has no preconditions; it ends the process without touching Rust state.
     unsafe { libc::_exit(code) }
+}
+
+/// Set in each rank's environment by `launch`: the launcher's pid, which the rank ties its life
+/// to.
+pub const LAUNCHER_PID: &str = "EPSERVE_LAUNCHER_PID";
+
+/// In a rank `launch` started: SIGTERM (a drain) when the launcher dies, however it dies; at once
+/// if it is gone already. Killing the launcher with SIGKILL left its ranks serving on their
+/// ports (#58).
+pub fn tie_to_launcher() -> anyhow::Result<()> {
+    use anyhow::Context;
+    use nix::sys::signal::{kill, Signal};
+    let Ok(pid) = std::env::var(LAUNCHER_PID) else {
+        return Ok(());
+    };
+    nix::sys::prctl::set_pdeathsig(Signal::SIGTERM).context("tying the rank to its launcher")?;
+    // Set after the fork: a launcher gone in between left this rank to init.
+    if nix::unistd::getppid().as_raw().to_string() != pid {
+        let _ = kill(nix::unistd::getpid(), Signal::SIGTERM);
+    }
+    Ok(())
 }

@@ -239,6 +239,30 @@ pub fn serve(rank: usize, world: usize, rendezvous: &str, shm: &TempDir, extra: 
     Proc::spawn(&args)
 }
 
+/// `launch` of `ranks` ranks of `model` on free ports with their segments in `shm`, then
+/// `extra` flags.
+pub fn launch_args(ranks: usize, model: &str, shm: &TempDir, extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "launch",
+        "--ranks",
+        &ranks.to_string(),
+        "--model",
+        model,
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--shm-dir",
+        &shm.0.display().to_string(),
+    ]
+    .map(String::from)
+    .to_vec();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
 /// `serve` on free ports (gRPC, metrics) with its segments in `shm`, then `extra` flags.
 pub fn serve_args(shm: &TempDir, extra: &[&str]) -> Vec<String> {
     let shm = shm.0.display().to_string();
@@ -324,24 +348,7 @@ impl Group {
 
     pub fn launch_env(ranks: usize, model: &str, extra: &[&str], env: &[(&str, &str)]) -> Self {
         let shm = TempDir::new("shm");
-        let mut args: Vec<String> = [
-            "launch",
-            "--ranks",
-            &ranks.to_string(),
-            "--model",
-            model,
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        args.extend(["--shm-dir".to_string(), shm.0.display().to_string()]);
-        args.extend(extra.iter().map(|s| s.to_string()));
+        let args = launch_args(ranks, model, &shm, extra);
         let mut proc = Proc::spawn_env(&args, env);
         let addr = proc
             .wait_for("serving gRPC on", Duration::from_secs(300))
