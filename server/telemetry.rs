@@ -127,7 +127,7 @@ pub fn init(
                 .boxed()
         }
         LogFormat::Json => {
-            let f = tracing_subscriber::fmt::format().json();
+            let f = tracing_subscriber::fmt::format().json().flatten_event(true);
             tracing_subscriber::fmt::layer()
                 .json()
                 .with_writer(stderr)
@@ -139,6 +139,12 @@ pub fn init(
         provider: None,
         _runtime: None,
     };
+    // OpenTelemetry's own variables where the flag is not given (an operator's standard setup).
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let otlp = otlp
+        .map(str::to_string)
+        .or_else(|| env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+        .or_else(|| env("OTEL_EXPORTER_OTLP_ENDPOINT"));
     let otel = match otlp {
         None => None,
         Some(endpoint) => {
@@ -154,8 +160,13 @@ pub fn init(
                     .with_endpoint(endpoint)
                     .build()?
             };
-            let resource = Resource::builder()
-                .with_service_name("epserve")
+            // The builder reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES; "epserve" only
+            // where they name no service.
+            let mut resource = Resource::builder();
+            if env("OTEL_SERVICE_NAME").is_none() {
+                resource = resource.with_service_name("epserve");
+            }
+            let resource = resource
                 .with_attribute(KeyValue::new("epserve.role", role.to_string()))
                 .build();
             let provider = SdkTracerProvider::builder()
@@ -234,7 +245,7 @@ mod tests {
             .with_writer(move || out.clone());
         let subscriber: Box<dyn tracing::Subscriber + Send + Sync> = match json {
             true => {
-                let f = tracing_subscriber::fmt::format().json();
+                let f = tracing_subscriber::fmt::format().json().flatten_event(true);
                 let l = layer
                     .json()
                     .event_format(Ranked::new(f, rank, "h\"1".into(), true));
@@ -264,8 +275,11 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(json.trim()).expect(&json);
         assert_eq!(v["rank"], 3, "{json}");
         assert_eq!(v["node"], "h\"1", "{json}");
-        assert_eq!(v["fields"]["message"], "weights loaded", "{json}");
-        assert_eq!(v["fields"]["seconds"], 1.5, "{json}");
+        // The event's fields at the top level, beside rank, node and level (#58: nested under
+        // `fields`, a log store indexed none of them).
+        assert_eq!(v["message"], "weights loaded", "{json}");
+        assert_eq!(v["seconds"], 1.5, "{json}");
+        assert!(v.get("fields").is_none(), "{json}");
         // No rank (launch, bench): the line as the formatter writes it.
         let v: serde_json::Value = serde_json::from_str(logged(true, None).trim()).unwrap();
         assert!(v.get("rank").is_none() && v["level"] == "INFO");
