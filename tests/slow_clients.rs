@@ -330,14 +330,6 @@ fn gzip(b: &[u8]) -> Vec<u8> {
     z.finish().unwrap()
 }
 
-/// The REST port's address from a rank's log.
-fn rest_addr(p: &mut Proc) -> String {
-    p.wait_for(" KServe REST on http://", Duration::from_secs(30))
-        .unwrap()
-        .trim_end_matches("/v2")
-        .to_string()
-}
-
 /// #56 item 2's probe: four connections (two gRPC, two REST) that declare 16 MiB bodies and send
 /// nothing more hold `RESERVE` each, not the budget (4 x 16 MiB = --upload-budget here): a
 /// client on other connections gets every call OK, gRPC messages of 2 MiB (charged: over one
@@ -361,7 +353,7 @@ async fn declared_bodies_that_never_come_refuse_nobody() {
     );
     let mut p = Proc::spawn(&args);
     let (addr, metrics) = ports(&mut p);
-    let rest = rest_addr(&mut p);
+    let rest = p.rest_addr();
     let mut stalled = Vec::new();
     for _ in 0..2 {
         let conn = h2(&addr).await;
@@ -461,7 +453,7 @@ async fn compressed_and_large_json_bodies_are_charged_and_kept_off_the_runtime()
     let bound = 64 * MIB + 64 * MIB + 65536 * 64 * 8;
     let mut p = Proc::spawn(&args);
     let (addr, metrics) = ports(&mut p);
-    let rest = rest_addr(&mut p);
+    let rest = p.rest_addr();
     let pid = p.child.id();
     polite(&addr, Duration::from_millis(300)).await;
     let base = rss(pid);

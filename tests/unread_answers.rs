@@ -164,11 +164,7 @@ async fn unread_rest_answers_are_held_to_the_answer_budget() {
     let bound = 8 * MIB + budget + admitted;
     let mut p = Proc::spawn(&args);
     let (addr, metrics) = ports(&mut p);
-    let rest = p
-        .wait_for(" KServe REST on http://", Duration::from_secs(30))
-        .unwrap()
-        .trim_end_matches("/v2")
-        .to_string();
+    let rest = p.rest_addr();
     let pid = p.child.id();
     // Warm the allocator's pools as the load will use them.
     polite(&addr, Duration::from_millis(200)).await;

@@ -181,17 +181,7 @@ impl ConnAnswers {
             if mine < all.share && held < all.size {
                 return Ok(());
             }
-            // Only the budget is full: a reader may turn stale while this waits; look again.
-            let wake = if mine < all.share && !all.evict(self) {
-                deadline.min(Instant::now() + LOOK_AGAIN)
-            } else {
-                deadline
-            };
-            if tokio::time::timeout_at(wake, freed).await.is_err() && Instant::now() >= deadline {
-                let (mine, held) = (self.held.load(Ordering::Acquire), all.held());
-                if mine < all.share && held < all.size {
-                    return Ok(());
-                }
+            if Instant::now() >= deadline {
                 crate::rejections::count_rejection("answer_budget");
                 tracing::debug!(reason = "answer_budget", "request refused");
                 return Err(Status::resource_exhausted(format!(
@@ -201,6 +191,13 @@ impl ConnAnswers {
                     all.share, all.size, all.wait
                 )));
             }
+            // Only the budget is full: a reader may turn stale while this waits; look again.
+            let wake = if mine < all.share && !all.evict(self) {
+                deadline.min(Instant::now() + LOOK_AGAIN)
+            } else {
+                deadline
+            };
+            let _ = tokio::time::timeout_at(wake, freed).await;
         }
     }
 

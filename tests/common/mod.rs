@@ -149,6 +149,14 @@ impl Proc {
             .unwrap();
     }
 
+    /// The REST address (HOST:PORT) rank 0 logs once it serves KServe REST.
+    pub fn rest_addr(&mut self) -> String {
+        self.wait_for(" KServe REST on http://", Duration::from_secs(30))
+            .unwrap()
+            .trim_end_matches("/v2")
+            .to_string()
+    }
+
     /// The child running `--rank r` (a rank of a launcher).
     pub fn rank_pid(&self, r: usize) -> u32 {
         *self
@@ -242,23 +250,8 @@ pub fn serve(rank: usize, world: usize, rendezvous: &str, shm: &TempDir, extra: 
 /// `launch` of `ranks` ranks of `model` on free ports with their segments in `shm`, then
 /// `extra` flags.
 pub fn launch_args(ranks: usize, model: &str, shm: &TempDir, extra: &[&str]) -> Vec<String> {
-    let mut args: Vec<String> = [
-        "launch",
-        "--ranks",
-        &ranks.to_string(),
-        "--model",
-        model,
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--shm-dir",
-        &shm.0.display().to_string(),
-    ]
-    .map(String::from)
-    .to_vec();
+    let mut args = serve_args(shm, &["--ranks", &ranks.to_string(), "--model", model]);
+    args[0] = "launch".into();
     args.extend(extra.iter().map(|s| s.to_string()));
     args
 }
