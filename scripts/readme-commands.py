@@ -8,8 +8,11 @@ Every ```sh and ```python block must follow a marker comment saying what CI does
   exit 0; `<!-- ci: run needs=TOOL -->` runs where TOOL is on PATH and is skipped, with the reason,
   where it is not;
 - `<!-- ci: skip REASON -->`: not run here (REASON says why and what covers it).
-A block without a marker fails the check, so none goes unchecked silently. Files the blocks
-create in the checkout (rows.json) are removed afterwards."""
+`python=VENV` on a run marker runs the block with that venv (a checkout path: its python for a
+python block, its bin/ first on PATH for a sh block); the default is the Triton client's venv.
+Several serve blocks may run at once (each on its own ports); all are stopped at the end.
+A block without a marker fails the check, so none goes unchecked silently. Files and folders the
+blocks create in the checkout (rows.json, tiny-mixtral/) are removed afterwards."""
 
 import os
 import re
@@ -45,9 +48,9 @@ def blocks(text):
     return out
 
 
-def env():
+def env(venv=VENV):
     e = dict(os.environ)
-    e["PATH"] = os.pathsep.join([os.path.join(PERF, "bin"), os.path.join(VENV, "bin"), e["PATH"]])
+    e["PATH"] = os.pathsep.join([os.path.join(PERF, "bin"), os.path.join(venv, "bin"), e["PATH"]])
     e["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [os.path.join(PERF, "lib"), e.get("LD_LIBRARY_PATH")]))
     return e
 
@@ -65,7 +68,7 @@ def main():
     if unmarked:
         sys.exit(f"README.md: blocks at lines {unmarked} carry no <!-- ci: ... --> marker")
     before = untracked()
-    server, log = None, None
+    servers = []
     passed = skipped = 0
     try:
         for line, lang, mark, extra, body in found:
@@ -81,25 +84,30 @@ def main():
                       flush=True)
                 skipped += 1
                 continue
-            cmd = ["bash", "-euo", "pipefail", "-c", body] if lang == "sh" else [os.path.join(VENV, "bin", "python"), "-c", body]
+            venv = next((os.path.join(ROOT, v) for v in re.findall(r"python=(\S+)", extra)), VENV)
+            cmd = ["bash", "-euo", "pipefail", "-c", body] if lang == "sh" else [os.path.join(venv, "bin", "python"), "-c", body]
             print(f"== {where}: {mark}\n{body}", flush=True)
             if mark == "serve":
-                if server is not None:
-                    sys.exit(f"{where}: a second serve block while one runs")
-                log = open(os.path.join(ROOT, "target", "readme-serve.log"), "w+")
-                server = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                log = open(os.path.join(ROOT, "target", f"readme-serve-{len(servers)}.log"), "w+")
+                server = subprocess.Popen(cmd, cwd=ROOT, env=env(venv), stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True)
+                servers.append((server, log))
                 wait_serving(server, log, where)
             else:
-                r = subprocess.run(cmd, cwd=ROOT, env=env(), timeout=600)
+                r = subprocess.run(cmd, cwd=ROOT, env=env(venv), timeout=600)
                 if r.returncode != 0:
                     sys.exit(f"{where} exited {r.returncode}")
             passed += 1
     finally:
-        if server is not None:
+        for server, log in reversed(servers):
             stop(server, log)
-        for f in untracked() - before:
+        made = untracked() - before
+        for f in made:
             os.remove(os.path.join(ROOT, f))
+        # The folders those files were in, deepest first, where they are now empty.
+        for d in sorted({os.path.dirname(f) for f in made if os.path.dirname(f)}, key=len, reverse=True):
+            if not os.listdir(os.path.join(ROOT, d)):
+                os.rmdir(os.path.join(ROOT, d))
     print(f"README commands: {passed} passed, {skipped} skipped, 0 failed")
 
 

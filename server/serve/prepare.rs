@@ -304,6 +304,7 @@ pub fn model_info(p: &Prepared, args: &ServeArgs) -> ModelInfo {
         world_size: slots.world as u32,
         backend: backend_name(p.backend),
         max_tokens_per_step: args.max_tokens_per_step as u32,
+        max_request_bytes: args.max_request_bytes as u64,
         placement: match slots.is_contiguous() {
             true => (0..slots.world)
                 .map(|r| ExpertRange {
