@@ -30,7 +30,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 DEPLOY = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(DEPLOY)
-SHAPES = ["overlays/cpu-2", "overlays/h200-4", "overlays/h200-4-ingress-all", "overlays/h200-8", "lws", "lws-2"]
+SHAPES = ["overlays/cpu-2", "overlays/h200-4", "overlays/h200-4-ingress-all", "overlays/h200-8", "lws", "lws-2",
+          "lws-2-rdma"]
+# Shapes whose pods talk NCCL over RDMA (components/rdma).
+RDMA = {"lws-2-rdma"}
 EXAMPLES = ["examples/keda", "examples/kserve"]
 CORE = {"StatefulSet", "Service", "PodDisruptionBudget", "ConfigMap", "NetworkPolicy", "PriorityClass", "PersistentVolumeClaim"}
 SCHEMAS = {
@@ -44,6 +47,7 @@ SCHEMAS = {
 # Images are pinned by digest.
 DIGEST = re.compile(r"^[^@\s]+@sha256:[0-9a-f]{64}$")
 GRPC_PORT = 50051
+HTTP_PORT = 8000
 
 
 class Failed(Exception):
@@ -128,9 +132,20 @@ def check_shape(shape, docs):
     if have_grpc != want_grpc:
         raise Failed(f"{shape}: {entry} ingress rank(s) but gRPC ports {sorted(have_grpc.items())}")
     (svc,) = [d for d in docs if d["kind"] == "Service"]
-    exposed = {p["targetPort"]: p["port"] for p in svc["spec"]["ports"]}
-    if exposed != want_grpc:
-        raise Failed(f"{shape}: the Service exposes {sorted(exposed.items())}, not {sorted(want_grpc.items())}")
+    # Every entry rank's gRPC port and, where REST is on, its REST port (8000 + r).
+    want_ports = set(want_grpc.values())
+    if env.get("EPSERVE_HTTP_LISTEN", "off") != "off":
+        want_ports |= {HTTP_PORT + r for r in range(entry)}
+    exposed = {p["port"] for p in svc["spec"]["ports"]}
+    if exposed != want_ports:
+        raise Failed(f"{shape}: the Service exposes ports {sorted(exposed)}, not {sorted(want_ports)}")
+    named = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for p in svc["spec"]["ports"]:
+        if named.get(p["targetPort"], p["targetPort"]) != p["port"]:
+            raise Failed(f"{shape}: Service port {p['port']} targets {p['targetPort']}, another port")
+    if env.get("EPSERVE_METRICS_PER_EXPERT", "off") not in ("off", "false", "no", "0"):
+        raise Failed(f"{shape}: per-expert metrics on (layers x experts series per rank): leave them off")
+    check_rdma(shape, c, env)
     (pm,) = [d for d in docs if d["kind"] == "PodMonitor"]
     scraped = sorted(e["port"] for e in pm["spec"]["podMetricsEndpoints"])
     if scraped != sorted(want):
@@ -195,6 +210,27 @@ def check_nodes(shape, docs, g, c, env, nodes):
         raise Failed(f"{shape}: the Service reaches one pod of the group only")
 
 
+def check_rdma(shape, c, env):
+    """A shape in RDMA asks for an RDMA device (requests equal limits), may lock memory, and names
+    NCCL's HCAs and bootstrap interface; no other shape adds a capability."""
+    res = c.get("resources", {})
+    devices = {k: v for k, v in res.get("limits", {}).items() if k.startswith("rdma/")}
+    added = c.get("securityContext", {}).get("capabilities", {}).get("add", [])
+    if shape.split(" ")[0] not in RDMA:  # "lws-2-rdma (broken)" in the self-test is still that shape
+        if added or devices:
+            raise Failed(f"{shape}: adds {added} / asks for {devices} outside the RDMA component")
+        return
+    if not devices or any(res.get("requests", {}).get(k) != v for k, v in devices.items()):
+        raise Failed(f"{shape}: no RDMA device in limits equal to requests ({res})")
+    if added != ["IPC_LOCK"]:
+        raise Failed(f"{shape}: NCCL over RDMA needs IPC_LOCK (and nothing more), not {added}")
+    for knob in ("NCCL_IB_HCA", "NCCL_SOCKET_IFNAME"):
+        if not env.get(knob):
+            raise Failed(f"{shape}: {knob} is not set")
+    if env.get("NCCL_IB_DISABLE", "0") != "0":
+        raise Failed(f"{shape}: NCCL_IB_DISABLE turns RDMA off")
+
+
 def check_gpu_pod(shape, g, spec, c, env):
     """A GPU group's node and scheduler knobs (components/gpu), and NCCL EP's JIT cache kept
     where it runs NCCL EP."""
@@ -238,6 +274,10 @@ def check_examples(shapes, examples):
         raise Failed("KServe routes grpc-v2 to the h2c port: EPSERVE_LISTEN must be it")
     if not DIGEST.match(c["image"]):
         raise Failed(f"the runtime's image {c['image']} is not pinned by digest")
+    for probe, service in (("startupProbe", ""), ("readinessProbe", "epserve.v1.MoeService"), ("livenessProbe", "liveness")):
+        g = c.get(probe, {}).get("grpc", {})
+        if (g.get("port"), g.get("service", "")) != (port, service):
+            raise Failed(f"the runtime's {probe} is not gRPC health {service!r} on the h2c port ({g})")
 
 
 def checkov(rendered, tmp):
@@ -289,10 +329,12 @@ def metric_table():
 
 def check_metrics(deploy, exported, table):
     """Every metric the dashboard and alerts name is exported by the cpu-2 scrape, or is one the
-    table says only GPU ranks export (a CPU scrape cannot show those)."""
+    table says only GPU ranks export (a CPU scrape cannot show those), or one it says only
+    `--metrics-per-expert` turns on (off in every manifest)."""
     missing = []
     for m in sorted(named_metrics(deploy)):
-        if m in exported or table.get(m, {}).get("gpu_only"):
+        row = table.get(m, {})
+        if m in exported or row.get("gpu_only") or "--metrics-per-expert" in row.get("help", ""):
             continue
         missing.append(m)
     if missing:
@@ -608,7 +650,19 @@ def main():
             edit(bad, "k8s/lws-2/group.yaml", "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']", "metadata.name")
             check_shape("lws-2 (broken)", render(bad, "lws-2"))
 
+        def rdma_without_ipc_lock():
+            edit(bad, "k8s/components/rdma/group.yaml", "value: [IPC_LOCK]", "value: [NET_RAW]")
+            check_shape("lws-2-rdma (broken)", render(bad, "lws-2-rdma"))
+
+        def runtime_without_startup_probe():
+            ex = copy.deepcopy(examples)
+            (rt,) = [d for d in ex["examples/kserve"] if d["kind"] == "ServingRuntime"]
+            del rt["spec"]["containers"][0]["startupProbe"]
+            check_examples(rendered, ex)
+
         expect_failure("a probe names a health service the binary does not serve", unserved_probe)
+        expect_failure("RDMA between pods without IPC_LOCK", rdma_without_ipc_lock)
+        expect_failure("a KServe runtime without its startup probe (Ready while loading)", runtime_without_startup_probe)
         expect_failure("a pod of a multi-node group not told its node by its worker index", node_index_not_worker_index)
         expect_failure("the dashboard names a metric the binary does not export", unexported_metric)
         os.makedirs(os.path.join(tmp, "bad-rules"))
