@@ -110,7 +110,28 @@ fn render() -> String {
     if let Some(p) = PROCESS.get() {
         p.collect();
     }
-    HANDLE.get().map(|h| h.render()).unwrap_or_default()
+    let text = HANDLE.get().map(|h| h.render()).unwrap_or_default();
+    match metrics_process::collector::collect().cpu_seconds_total {
+        Some(cpu) => with_cpu_seconds(text, cpu),
+        None => text,
+    }
+}
+
+/// `process_cpu_seconds_total` as Prometheus' own clients give it, in fractions of a second:
+/// metrics-process sets it through a u64 counter, whole seconds, which a rate over a minute of
+/// a rank using half a core reads as steps of 0 and 1/60. The sample is replaced in place, so
+/// that it stays under its HELP and TYPE lines.
+fn with_cpu_seconds(text: String, cpu: f64) -> String {
+    const NAME: &str = "process_cpu_seconds_total ";
+    let mut out = String::with_capacity(text.len() + 16);
+    for line in text.lines() {
+        match line.starts_with(NAME) {
+            true => out.push_str(&format!("{NAME}{cpu}")),
+            false => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// The leader's expert placement and load as JSON (`/eplb`), set once the group forms.
@@ -173,4 +194,17 @@ pub async fn serve(
         tokio_util::sync::CancellationToken::new(),
     ));
     Ok(bound)
+}
+
+#[cfg(test)]
+mod cpu_tests {
+    #[test]
+    fn cpu_seconds_keep_their_fraction_and_their_place() {
+        let text = "# HELP process_cpu_seconds_total cpu\n# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 3\nprocess_open_fds 9\n";
+        let got = super::with_cpu_seconds(text.into(), 3.27);
+        assert_eq!(
+            got,
+            "# HELP process_cpu_seconds_total cpu\n# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 3.27\nprocess_open_fds 9\n"
+        );
+    }
 }

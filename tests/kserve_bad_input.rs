@@ -198,10 +198,12 @@ fn bad_requests() -> Vec<(&'static str, &'static str, ModelInferRequest)> {
             with(&|r| r.inputs[0].name = "i".repeat(100_000)),
         ),
         (
-            "parameter not understood (request, input or output)",
-            "… (100000 bytes) is not supported (supported: output_datatype, timeout, triton_*)",
+            "tensor parameter other than the shared-memory ones (input or output)",
+            "… (100000 bytes) is not supported (supported: shared_memory_region,",
             with(&|r| {
-                r.parameters.insert("p".repeat(100_000), string_param("x"));
+                r.inputs[0]
+                    .parameters
+                    .insert("p".repeat(100_000), string_param("x"));
             }),
         ),
         (
@@ -286,19 +288,15 @@ fn bad_requests() -> Vec<(&'static str, &'static str, ModelInferRequest)> {
             }),
         ),
         (
-            "parameter not understood (request, input or output)",
-            "parameter \"sequence_id\" is not supported (supported: output_datatype, timeout, triton_*)",
+            "request parameter read here (output_datatype, timeout, triton_enable_empty_final_response) or passed by Triton's client (priority, sequence_id, sequence_start, sequence_end) of the wrong type",
+            "parameter \"priority\": a string value is not valid here",
             with(&|r| {
-                r.parameters.insert(
-                    "sequence_id".into(),
-                    InferParameter {
-                        parameter_choice: Some(ParameterChoice::Int64Param(7)),
-                    },
-                );
+                r.parameters
+                    .insert("priority".into(), string_param("high"));
             }),
         ),
         (
-            "parameter not understood (request, input or output)",
+            "tensor parameter other than the shared-memory ones (input or output)",
             "hidden_states: parameter \"binary_data\" is not supported",
             with(&|r| {
                 r.inputs[0]
@@ -307,7 +305,7 @@ fn bad_requests() -> Vec<(&'static str, &'static str, ModelInferRequest)> {
             }),
         ),
         (
-            "parameter not understood (request, input or output)",
+            "tensor parameter other than the shared-memory ones (input or output)",
             "output output: parameter \"classification\" is not supported",
             with(&|r| {
                 let mut parameters = HashMap::new();
@@ -324,14 +322,14 @@ fn bad_requests() -> Vec<(&'static str, &'static str, ModelInferRequest)> {
             }),
         ),
         (
-            "output_datatype, timeout or triton_enable_empty_final_response of the wrong type",
+            "request parameter read here (output_datatype, timeout, triton_enable_empty_final_response) or passed by Triton's client (priority, sequence_id, sequence_start, sequence_end) of the wrong type",
             "parameter \"timeout\": a string value is not valid here",
             with(&|r| {
                 r.parameters.insert("timeout".into(), string_param("5s"));
             }),
         ),
         (
-            "output_datatype, timeout or triton_enable_empty_final_response of the wrong type",
+            "request parameter read here (output_datatype, timeout, triton_enable_empty_final_response) or passed by Triton's client (priority, sequence_id, sequence_start, sequence_end) of the wrong type",
             "parameter \"triton_enable_empty_final_response\": a string value is not valid here",
             with(&|r| {
                 r.parameters
@@ -412,6 +410,38 @@ async fn bad_requests_are_named_and_the_service_keeps_serving() {
     );
     let e = c.model_infer(late).await.unwrap_err();
     assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+
+    // What Triton's client passes through (priority, the sequence fields) and custom keys, which
+    // Triton hands to a backend that here reads none: answered as the same request without.
+    let plain = output_f32(&c.model_infer(good(4)).await.unwrap().into_inner());
+    let mut passed = good(4);
+    for (k, v) in [
+        ("priority", ParameterChoice::Uint64Param(3)),
+        (
+            "sequence_id",
+            ParameterChoice::StringParam("conversation-7".into()),
+        ),
+        ("sequence_start", ParameterChoice::BoolParam(true)),
+        ("sequence_end", ParameterChoice::BoolParam(false)),
+        (
+            "triton_grpc_forward_header",
+            ParameterChoice::BoolParam(true),
+        ),
+        ("my_tag", ParameterChoice::StringParam("x".repeat(100_000))),
+        ("my_weight", ParameterChoice::DoubleParam(0.5)),
+    ] {
+        passed.parameters.insert(
+            k.into(),
+            InferParameter {
+                parameter_choice: Some(v),
+            },
+        );
+    }
+    let got = c
+        .model_infer(passed)
+        .await
+        .expect("pass-through parameters");
+    assert_eq!(output_f32(&got.into_inner()), plain);
 
     // On a stream every request is answered with its id, errors in error_message (with their
     // code), and the stream carries on.

@@ -183,13 +183,13 @@ pub const BAD_INPUT: &[BadInput] = &[
     only(
         On::Kserve,
         Code::InvalidArgument,
-        "parameter not understood (request, input or output)",
+        "tensor parameter other than the shared-memory ones (input or output)",
         "is not supported",
     ),
     only(
         On::Kserve,
         Code::InvalidArgument,
-        "output_datatype, timeout or triton_enable_empty_final_response of the wrong type",
+        "request parameter read here (output_datatype, timeout, triton_enable_empty_final_response) or passed by Triton's client (priority, sequence_id, sequence_start, sequence_end) of the wrong type",
         "is not valid here",
     ),
     only(

@@ -7,6 +7,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::call::{record, Call, Done};
 use super::stream::{self, ResponseStream};
+use crate::infer::stats::Tally;
 use crate::infer::tensor::{self, Dtype, View, FLOATS, IDS};
 use crate::infer::{rejected, Infer, Request as Entry};
 use crate::proto::moe_service_server::MoeService;
@@ -188,6 +189,7 @@ impl MoeApi {
             output,
             deadline,
             names: name,
+            tally: Tally::FORWARD,
         })
     }
 
@@ -203,7 +205,7 @@ impl MoeApi {
         // Only the hidden states' bytes wait in the queue, shared with the request's buffer.
         drop(r);
         let id = input.id.clone();
-        let a = self.infer.submit(input).await?;
+        let a = self.infer.submit(input, Tally::FORWARD).await?;
         let resp = ForwardResponse {
             id,
             output: Some(tensor(

@@ -47,6 +47,8 @@ pub struct Request<'a> {
     pub deadline: Option<Instant>,
     /// How the protocol spells dtypes, for messages.
     pub names: Names,
+    /// The model whose statistics count it.
+    pub tally: stats::Tally,
 }
 
 /// A finished request: `[tokens, hidden]` rows in the output dtype, and the admission permit for
@@ -68,8 +70,8 @@ pub struct Infer {
     wake: Arc<Notify>,
     /// Why the group broke, once it has.
     broken: Arc<Abort>,
-    /// By layer slot (`MoeSpec::moe_layers`), then the hidden states' float type.
-    stats: Vec<[stats::LayerStats; 3]>,
+    /// By layer slot (`MoeSpec::moe_layers`), then model (`Tally::slot`).
+    stats: Vec<[stats::LayerStats; stats::Tally::PER_LAYER]>,
 }
 
 /// Counts a refusal under `reason`, logs it at debug, and passes it on.
@@ -131,12 +133,12 @@ impl Infer {
         &self.spec
     }
 
-    /// The statistics of one MoE layer's (the model's own index) requests whose hidden states
-    /// came in `float`, whatever protocol they came by.
-    pub fn stats(&self, layer: u32, float: Dtype) -> Option<&stats::LayerStats> {
+    /// The statistics of the requests counted under one MoE layer's (the model's own index)
+    /// model `tally`.
+    pub fn stats(&self, layer: u32, tally: stats::Tally) -> Option<&stats::LayerStats> {
         self.spec
             .layer_slot(layer)
-            .map(|i| &self.stats[i][stats::float_slot(float)])
+            .map(|i| &self.stats[i][tally.slot()])
     }
 
     pub fn set_phase(&self, p: Phase) {
@@ -190,10 +192,9 @@ impl Infer {
     /// Checks a request against the model; its hidden states stay the client's bytes. Refusals
     /// are counted.
     pub fn validate(&self, r: Request) -> Result<JobInput, Failure> {
-        let (t0, layer) = (Instant::now(), r.layer);
-        let float = r.hidden.as_ref().map_or(Dtype::F32, |h| h.dtype);
+        let (t0, layer, tally) = (Instant::now(), r.layer, r.tally);
         self.check_rows(r).map_err(|f| {
-            if let Some(s) = self.stats(layer, float) {
+            if let Some(s) = self.stats(layer, tally) {
                 s.failed(t0.elapsed(), None);
             }
             rejected("invalid_argument", f)
@@ -248,11 +249,10 @@ impl Infer {
 
     /// Admits, queues and waits for one checked request, within its deadline. A broken group
     /// answers at once, wherever the request is.
-    pub async fn submit(&self, input: JobInput) -> Result<Answer, Failure> {
-        let slot = stats::float_slot(input.hidden.dtype);
+    pub async fn submit(&self, input: JobInput, tally: stats::Tally) -> Result<Answer, Failure> {
         // Counted when it ends, however: answered, failed, or its caller gone (dropped here).
         let mut count = Counted {
-            stats: &self.stats[input.layer][slot],
+            stats: &self.stats[input.layer][tally.slot()],
             t0: Instant::now(),
             job: None,
             answered: false,

@@ -9,12 +9,31 @@ use std::time::{Duration, SystemTime};
 use crate::dtype::Dtype;
 use crate::sched::Timings;
 
-/// The statistics' index of a hidden-state float type (FP32, BF16, FP16; any other as FP32).
-pub fn float_slot(d: Dtype) -> usize {
-    match d {
-        Dtype::Bf16 => 1,
-        Dtype::F16 => 2,
-        _ => 0,
+/// The model a request is counted under, so that each request counts once: the KServe model it
+/// named (`layer-<L>`, a typed `-bf16`/`-fp16` one, each also `-gated`); epserve.v1's Forward
+/// counts under `layer-<L>`, the model that takes any float type as Forward does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tally {
+    /// The typed model's float type; None for `layer-<L>`.
+    pub float: Option<Dtype>,
+    pub gated: bool,
+}
+
+impl Tally {
+    pub const FORWARD: Tally = Tally {
+        float: None,
+        gated: false,
+    };
+    /// Models per layer.
+    pub const PER_LAYER: usize = 6;
+
+    pub fn slot(self) -> usize {
+        let float = match self.float {
+            None => 0,
+            Some(Dtype::Bf16) => 1,
+            Some(_) => 2,
+        };
+        2 * float + usize::from(self.gated)
     }
 }
 
@@ -41,7 +60,7 @@ impl Total {
     }
 }
 
-/// One layer's statistics, whatever protocol or dtype its requests came in.
+/// One model's statistics (a layer, as one of its KServe models: `Tally`).
 #[derive(Default)]
 pub struct LayerStats {
     /// Answered requests, admission to answer.

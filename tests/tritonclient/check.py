@@ -281,7 +281,13 @@ def run(addr, pb, pb_grpc):
     refused("NOT_FOUND", "has no version", model, [good()], model_version="7")
     refused("INVALID_ARGUMENT", "unknown output", model, [good()],
             outputs=[triton.InferRequestedOutput("logits")])
-    refused("INVALID_ARGUMENT", "is not supported", model, [good()], priority=3)
+    # Triton's pass-through parameters (priority, a sequence, custom keys): answered as without.
+    g = good()
+    passed = c.infer(model, [g], priority=3, sequence_id=7, sequence_start=True,
+                     parameters={"my_tag": "x", "my_weight": 0.5}).as_numpy("output")
+    check(np.array_equal(passed, c.infer(model, [g]).as_numpy("output")),
+          "priority, sequence fields and custom parameters answered as without them")
+    refused("INVALID_ARGUMENT", "is not valid here", model, [good()], parameters={"output_datatype": 5})
     big = triton.InferInput("hidden_states", [1001, H], "FP32")
     big.set_data_from_numpy(np.zeros((1001, H), np.float32))
     refused("RESOURCE_EXHAUSTED", "exceeds --max-queued-tokens", model, [big])

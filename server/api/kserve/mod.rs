@@ -45,9 +45,12 @@ use crate::transport::unary::{Spliced, Unary};
 use models::{name, Model, HIDDEN, IDS_IN, OUTPUT, PLATFORM, VERSION, WEIGHTS};
 use regions::{Regions, Span};
 
-/// Request parameters understood here: the output's float type, and Triton's timeout (µs).
-/// Triton's reserved `triton_*` ones are taken as Triton takes them.
-const PARAMETERS: &str = "output_datatype, timeout, triton_*";
+/// Request parameters read here: the output's float type and Triton's timeout (µs). Triton's
+/// reserved `triton_*` ones and the ones its client sends for scheduling (`priority`, the
+/// sequence fields) are taken as Triton takes them for a model that has no use for them:
+/// checked, then ignored. Any other key is a custom parameter, which Triton hands to the
+/// model's backend; no model here reads one, so it is accepted and ignored too.
+const PARAMETERS: &str = "output_datatype, timeout";
 /// Triton's streaming flag: each response says whether it is the request's last. Every model
 /// here answers once, so the one response is the last.
 const EMPTY_FINAL: &str = "triton_enable_empty_final_response";
@@ -242,9 +245,8 @@ struct Settings {
     mark_final: bool,
 }
 
-/// The request's parameters. Triton's reserved `triton_*` ones are taken as Triton takes them:
-/// the one with a meaning here checked and used, the rest ignored; any other unknown one is
-/// refused by name rather than ignored.
+/// The request's parameters (see PARAMETERS): the ones read here and Triton's scheduling ones
+/// checked by type, every other key ignored.
 fn settings(r: &ModelInferRequest, deadline: Option<Instant>) -> Result<Settings, Failure> {
     let mut s = Settings {
         output: None,
@@ -271,25 +273,32 @@ fn settings(r: &ModelInferRequest, deadline: Option<Instant>) -> Result<Settings
                 };
             }
             (EMPTY_FINAL, Some(ParameterChoice::BoolParam(on))) => s.mark_final = *on,
-            ("output_datatype" | "timeout" | EMPTY_FINAL, _) => {
+            // One queue here, first come first served; a stateless model has no sequences.
+            ("priority", Some(ParameterChoice::Int64Param(0..)))
+            | ("priority", Some(ParameterChoice::Uint64Param(_)))
+            | ("sequence_id", Some(ParameterChoice::Int64Param(0..)))
+            | ("sequence_id", Some(ParameterChoice::Uint64Param(_)))
+            | ("sequence_id", Some(ParameterChoice::StringParam(_)))
+            | ("sequence_start" | "sequence_end", Some(ParameterChoice::BoolParam(_))) => {}
+            (
+                "output_datatype" | "timeout" | EMPTY_FINAL | "priority" | "sequence_id"
+                | "sequence_start" | "sequence_end",
+                _,
+            ) => {
                 return Err(Failure::invalid(format!(
                     "parameter {}: a {} value is not valid here (output_datatype: a string; \
-                     timeout: microseconds, a non-negative int64; {EMPTY_FINAL}: a bool)",
+                     timeout: microseconds, a non-negative int64; {EMPTY_FINAL}: a bool; \
+                     priority: a non-negative integer; sequence_id: a non-negative integer or \
+                     a string; sequence_start, sequence_end: bools)",
                     quote(k),
                     param_name(v)
                 )))
             }
-            (k, _) if k.starts_with("triton_") => {
+            (k, _) => {
                 tracing::debug!(
-                    "Triton's parameter {} has no meaning here; ignored",
+                    "parameter {} is not read by this service (it reads {PARAMETERS}); ignored",
                     quote(k)
                 );
-            }
-            _ => {
-                return Err(Failure::invalid(format!(
-                    "parameter {} is not supported (supported: {PARAMETERS})",
-                    quote(k)
-                )))
             }
         }
     }
@@ -372,6 +381,7 @@ impl KserveApi {
             output: out,
             deadline: set.deadline,
             names: name,
+            tally: model.tally(),
         })?;
         let need = input.tokens * self.infer.spec().hidden * out.bytes();
         if let Some(span) = &out_span {
@@ -543,11 +553,11 @@ impl KserveApi {
         let model = self
             .model(&r.model_name, &r.model_version)
             .map_err(|f| rejected("not_found", f))?;
-        let d = self.decode(&r, model, deadline)?;
+        let (d, tally) = (self.decode(&r, model, deadline)?, model.tally());
         let (id, model) = (std::mem::take(&mut r.id), std::mem::take(&mut r.model_name));
         // Only the hidden states' bytes wait in the queue, shared with the request's buffer.
         drop(r);
-        let a = self.infer.submit(d.input).await?;
+        let a = self.infer.submit(d.input, tally).await?;
         let hidden = self.infer.spec().hidden;
         let mut parameters = HashMap::new();
         if d.mark_final {
@@ -769,7 +779,7 @@ impl GrpcInferenceService for Arc<KserveApi> {
         };
         let model_stats = models
             .iter()
-            .filter_map(|m| Some(statistics(m, self.infer.stats(m.layer, m.declared())?)))
+            .filter_map(|m| Some(statistics(m, self.infer.stats(m.layer, m.tally())?)))
             .collect();
         Ok(Response::new(ModelStatisticsResponse { model_stats }))
     }

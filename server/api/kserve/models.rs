@@ -4,8 +4,9 @@
 //! that reads metadata or the configuration (perf_analyzer) finds BF16 and FP16 and sends them.
 //! The routing inputs are optional; a `-gated` model declares the hidden states alone (the layer
 //! always gates), for tools that cannot leave an optional input out (perf_analyzer 2.41 with
-//! shared memory). All of a layer's models run the same layer; each float type's models report
-//! the statistics of the layer's requests in that type.
+//! shared memory). All of a layer's models run the same layer; each reports the statistics of the
+//! requests that named it (epserve.v1 Forward's count under `layer-<L>`), so that each request
+//! counts once.
 
 use std::collections::HashMap;
 
@@ -119,6 +120,14 @@ impl Model {
             GATED_INPUTS
         } else {
             ALL_INPUTS
+        }
+    }
+
+    /// Its statistics' place: each request counts under the model it named.
+    pub fn tally(&self) -> crate::infer::stats::Tally {
+        crate::infer::stats::Tally {
+            float: self.float,
+            gated: self.gated,
         }
     }
 
