@@ -507,6 +507,12 @@ pub struct ServeArgs {
     #[arg(help_heading = "Backend and GPU", long, env = "EPSERVE_CPU_THREADS", default_value_t = 0,
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=256))]
     pub cpu_threads: usize,
+    /// Threads a rank loads its weights on at startup (checkpoint ranges read and converted,
+    /// FP8 quantized, synthetic weights made; each expert on one); 0: the host's cores shared by
+    /// the ranks on it (LOCAL_WORLD_SIZE, which launch and torchrun set; else the group's ranks).
+    #[arg(help_heading = "Backend and GPU", long, env = "EPSERVE_LOAD_THREADS", default_value_t = 0,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(0..=1024))]
+    pub load_threads: usize,
     /// Steps a rank holds queued behind the one running: 1 lets a GPU rank copy in and launch
     /// step N+1 while step N runs, and copy N's output out while N+1 runs; 0 runs one step at a
     /// time. Default: 1 on the GPU backends; 0 on cpu, whose ranks compute a step whole on the

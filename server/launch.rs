@@ -260,6 +260,8 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
             if let Some(token) = &args.serve.group_token {
                 cmd.env("EPSERVE_GROUP_TOKEN", token);
             }
+            // The ranks on this host, as torchrun says it: each rank's share of the cores.
+            cmd.env("LOCAL_WORLD_SIZE", children.len().to_string());
             // The rank ends with this launcher, however it ends (SIGKILL included).
             cmd.env(crate::sys::LAUNCHER_PID, std::process::id().to_string());
             let mut child = cmd.spawn().with_context(|| format!("spawning rank {rank}"))?;

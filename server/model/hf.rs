@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use rayon::prelude::*;
 use safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
@@ -358,8 +359,13 @@ fn router_name(arch: &str, layer: u32) -> String {
 /// The mapped safetensors files of one checkpoint, and which file holds which tensor.
 struct Checkpoint {
     maps: Vec<(PathBuf, memmap2::Mmap)>,
+    /// Each file's header, parsed once at open (DeepSeek-V3's shards list thousands of tensors:
+    /// parsing a header per tensor read cost more than the read), and where its data starts.
+    headers: Vec<(safetensors::tensor::Metadata, usize)>,
     index: HashMap<String, usize>,
     fp8: Option<Fp8Blocks>,
+    /// Bytes of tensor data read so far (the load rate's numerator).
+    read: std::sync::atomic::AtomicU64,
 }
 
 /// transformers' index of a sharded checkpoint: which file holds which tensor.
@@ -440,7 +446,7 @@ impl Checkpoint {
         };
         let listed = index_map(dir)?;
         let files = safetensors_files(dir, listed.as_ref())?;
-        let mut maps = Vec::new();
+        let (mut maps, mut headers) = (Vec::new(), Vec::new());
         let mut index: HashMap<String, usize> = HashMap::new();
         for path in files {
             let file = std::fs::File::open(&path).map_err(io(&path))?;
@@ -450,9 +456,10 @@ impl Checkpoint {
                 path: path.display().to_string(),
                 msg,
             };
-            let st = SafeTensors::deserialize(&map).map_err(|e| err(e.to_string()))?;
+            let (n, meta) = SafeTensors::read_metadata(&map).map_err(|e| err(e.to_string()))?;
             let file_name = path.file_name().unwrap_or_default().to_string_lossy();
-            for name in st.names() {
+            for name in meta.offset_keys() {
+                let name = name.as_str();
                 // With an index, a file's tensor that the index places elsewhere is not ours.
                 if listed
                     .as_ref()
@@ -469,6 +476,7 @@ impl Checkpoint {
                 index.insert(name.to_string(), maps.len());
             }
             maps.push((path, map));
+            headers.push((meta, 8 + n));
         }
         if let Some(m) = &listed {
             if let Some((name, file)) = m.iter().find(|(n, _)| !index.contains_key(*n)) {
@@ -478,7 +486,13 @@ impl Checkpoint {
                 });
             }
         }
-        Ok(Self { maps, index, fp8 })
+        Ok(Self {
+            maps,
+            headers,
+            index,
+            fp8,
+            read: Default::default(),
+        })
     }
 
     /// One tensor's view and the file it is in.
@@ -486,22 +500,27 @@ impl Checkpoint {
         &self,
         name: &str,
     ) -> Result<(&Path, safetensors::tensor::TensorView<'_>), ModelError> {
-        let (path, map) = self
-            .index
-            .get(name)
-            .map(|&i| &self.maps[i])
-            .ok_or_else(|| ModelError::Checkpoint {
-                path: "checkpoint".into(),
-                msg: format!("tensor '{name}' not found"),
-            })?;
-        let st = SafeTensors::deserialize(map).map_err(|e| ModelError::Checkpoint {
-            path: path.display().to_string(),
-            msg: e.to_string(),
+        let i = *self.index.get(name).ok_or_else(|| ModelError::Checkpoint {
+            path: "checkpoint".into(),
+            msg: format!("tensor '{name}' not found"),
         })?;
-        let t = st.tensor(name).map_err(|e| ModelError::Checkpoint {
+        let ((path, map), (meta, start)) = (&self.maps[i], &self.headers[i]);
+        let bad = |msg: String| ModelError::Checkpoint {
             path: path.display().to_string(),
-            msg: e.to_string(),
-        })?;
+            msg,
+        };
+        let info = meta
+            .info(name)
+            .ok_or_else(|| bad(format!("tensor '{name}' not in its file's header")))?;
+        // read_metadata checked every tensor's offsets against the file's length.
+        let (a, b) = info.data_offsets;
+        let data = map
+            .get(start + a..start + b)
+            .ok_or_else(|| bad(format!("tensor '{name}' lies past the end of the file")))?;
+        let t = safetensors::tensor::TensorView::new(info.dtype, info.shape.clone(), data)
+            .map_err(|e| bad(format!("tensor '{name}': {e}")))?;
+        self.read
+            .fetch_add(data.len() as u64, std::sync::atomic::Ordering::Relaxed);
         Ok((path, t))
     }
 
@@ -511,13 +530,32 @@ impl Checkpoint {
         self.values((path, &t), name, shape)
     }
 
+    /// `read`, appended to `out` (gate and up into one matrix, with no copy of the first).
+    fn read_into(&self, name: &str, shape: &[usize], out: &mut Vec<f32>) -> Result<(), ModelError> {
+        let (path, t) = self.tensor(name)?;
+        self.values_into((path, &t), name, shape, out)
+    }
+
     /// `read`, of a tensor already found.
     fn values(
+        &self,
+        found: (&Path, &safetensors::tensor::TensorView<'_>),
+        name: &str,
+        shape: &[usize],
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut out = Vec::new();
+        self.values_into(found, name, shape, &mut out)?;
+        Ok(out)
+    }
+
+    /// `values`, appended to `out`.
+    fn values_into(
         &self,
         (path, t): (&Path, &safetensors::tensor::TensorView<'_>),
         name: &str,
         shape: &[usize],
-    ) -> Result<Vec<f32>, ModelError> {
+        out: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
         let err = |msg: String| ModelError::Checkpoint {
             path: path.display().to_string(),
             msg,
@@ -529,27 +567,27 @@ impl Checkpoint {
             )));
         }
         let d = t.data();
-        let out: Vec<f32> = match t.dtype() {
-            Dtype::F32 => d
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::BF16 => d
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::F16 => d
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::F8_E4M3 => return self.read_dequantized((path, t), name, shape),
+        match t.dtype() {
+            Dtype::F32 => out.extend(
+                d.chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            ),
+            Dtype::BF16 => out.extend(
+                d.chunks_exact(2)
+                    .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+            ),
+            Dtype::F16 => out.extend(
+                d.chunks_exact(2)
+                    .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+            ),
+            Dtype::F8_E4M3 => out.extend(self.read_dequantized((path, t), name, shape)?),
             other => {
                 return Err(err(format!(
                     "tensor '{name}' has unsupported dtype {other:?}"
                 )))
             }
-        };
-        Ok(out)
+        }
+        Ok(())
     }
 
     /// An F8_E4M3 weight's bytes, its `weight_scale_inv` and their block size, checked: 2-D
@@ -663,12 +701,12 @@ impl Checkpoint {
     ) -> Result<Ffn, ModelError> {
         let [g, u, d] = names;
         Ok(match dtype {
-            ExpertDtype::Bf16 => Ffn::from_parts(
-                self.read(&g, &[inter, hidden])?,
-                self.read(&u, &[inter, hidden])?,
-                self.read(&d, &[hidden, inter])?,
-                inter,
-            ),
+            ExpertDtype::Bf16 => {
+                let mut gate_up = Vec::with_capacity(2 * inter * hidden);
+                self.read_into(&g, &[inter, hidden], &mut gate_up)?;
+                self.read_into(&u, &[inter, hidden], &mut gate_up)?;
+                Ffn::from_gate_up(gate_up, self.read(&d, &[hidden, inter])?, inter)
+            }
             ExpertDtype::Fp8 => Ffn::from_fp8(
                 self.read_fp8(&g, [inter, hidden])?,
                 self.read_fp8(&u, [inter, hidden])?,
@@ -692,6 +730,7 @@ pub fn load_weights(
     loaded: &mut dyn FnMut(&LayerWeights),
 ) -> Result<RankWeights, ModelError> {
     let (_, fp8) = load_spec(dir)?;
+    let t0 = std::time::Instant::now();
     let ckpt = Checkpoint::open(dir, fp8)?;
     let (h, arch) = (spec.hidden, spec.architecture.as_str());
     let mut layers = Vec::with_capacity(spec.moe_layers.len());
@@ -704,12 +743,16 @@ pub fn load_weights(
             )?),
             Routing::SoftmaxTopK { .. } => None,
         };
-        let experts = mine
+        // Experts on the load pool's threads: several ranges of the files read (page faults
+        // served) and converted at once. (Asking the kernel for the pages ahead, MADV_WILLNEED
+        // or MADV_POPULATE_READ, measured no faster warm and slower cold: docs/benchmarks.md.)
+        let names: Vec<[String; 3]> = mine
             .iter()
-            .map(|&e| {
-                let names = [Part::Gate, Part::Up, Part::Down].map(|p| expert_name(arch, l, e, p));
-                ckpt.ffn(names, h, spec.intermediate, dtype)
-            })
+            .map(|&e| [Part::Gate, Part::Up, Part::Down].map(|p| expert_name(arch, l, e, p)))
+            .collect();
+        let experts = names
+            .into_par_iter()
+            .map(|names| ckpt.ffn(names, h, spec.intermediate, dtype))
             .collect::<Result<Vec<_>, _>>()?;
         let shared = if spec.shared_intermediate > 0 {
             let names = [Part::Gate, Part::Up, Part::Down]
@@ -727,6 +770,17 @@ pub fn load_weights(
         loaded(&layer);
         layers.push(layer);
     }
+    let (bytes, secs) = (
+        ckpt.read.load(std::sync::atomic::Ordering::Relaxed),
+        t0.elapsed().as_secs_f64(),
+    );
+    tracing::info!(
+        bytes,
+        seconds = format!("{secs:.2}"),
+        gb_per_s = format!("{:.2}", bytes as f64 / secs.max(1e-9) / 1e9),
+        threads = rayon::current_num_threads(),
+        "checkpoint read"
+    );
     Ok(RankWeights { layers, dtype })
 }
 

@@ -3,6 +3,8 @@
 
 use std::ops::Range;
 
+use rayon::prelude::*;
+
 use super::spec::{ModelError, MoeSpec, Routing};
 use super::weights::{Ffn, LayerWeights};
 
@@ -136,8 +138,11 @@ pub fn layer(
     LayerWeights {
         router: tensor(seed, layer, Kind::Router, 0, spec.num_experts * h, a_router),
         bias,
+        // Each expert from its own seed: made on the load pool's threads, the same values.
         experts: experts
             .into_iter()
+            .collect::<Vec<_>>()
+            .into_par_iter()
             .map(|e| expert(spec, seed, layer, e))
             .collect(),
         shared: (spec.shared_intermediate > 0)

@@ -2,6 +2,8 @@
 
 use std::borrow::Cow;
 
+use rayon::prelude::*;
+
 use super::fp8;
 use super::spec::{ModelError, MoeSpec};
 
@@ -135,6 +137,15 @@ impl Ffn {
         }
     }
 
+    /// From gate and up already stacked, `[2 * inter, hidden]`.
+    pub fn from_gate_up(gate_up: Vec<f32>, down: Vec<f32>, inter: usize) -> Self {
+        Self {
+            gate_up: Matrix::F32(gate_up),
+            down: Matrix::F32(down),
+            inter,
+        }
+    }
+
     /// From FP8 blocks as a checkpoint ships them: gate and up `[inter, hidden]`, down
     /// `[hidden, inter]`.
     pub fn from_fp8(gate: fp8::Blocks, up: fp8::Blocks, down: fp8::Blocks, inter: usize) -> Self {
@@ -185,9 +196,10 @@ impl LayerWeights {
     /// Routed and shared experts as FP8 blocks; the router stays as it is.
     pub fn into_fp8(self, hidden: usize) -> Self {
         Self {
+            // Quantized on the load pool's threads, one expert each.
             experts: self
                 .experts
-                .into_iter()
+                .into_par_iter()
                 .map(|f| f.into_fp8(hidden))
                 .collect(),
             shared: self.shared.map(|f| f.into_fp8(hidden)),

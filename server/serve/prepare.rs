@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use anyhow::{anyhow, bail};
+use anyhow::{anyhow, bail, Context};
 use tracing::info;
 
 use crate::backend::bringup::{BringUp, CpuBringUp, GpuBringUp};
@@ -216,6 +216,21 @@ pub fn plan(args: &ServeArgs, member: Member) -> anyhow::Result<Prepared> {
     })
 }
 
+/// `--load-threads`, or (0) this host's cores shared by the ranks on it: LOCAL_WORLD_SIZE where
+/// the launcher set it, else all `world` ranks, as if on this host.
+fn load_threads(asked: usize, world: usize) -> usize {
+    if asked > 0 {
+        return asked;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let here = std::env::var("LOCAL_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(world);
+    (cores / here.max(1)).max(1)
+}
+
 /// A long stage logs its progress this often.
 const PROGRESS_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -230,15 +245,28 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringU
     let first = &experts[0];
     info!(slots = ?p.slots.slots_of(rank), experts = ?first, layers, "loading weights");
     let mut progress = crate::startup::Progress::new("layers loaded", layers, PROGRESS_EVERY);
-    let weights = p.source.load(&p.spec, &experts, p.expert_dtype, &mut |l| {
-        progress.tick(l.expert_bytes() as u64);
+    let threads = load_threads(args.load_threads, p.member.place.world);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("load-{i}"))
+        .build()
+        .context("starting the load threads")?;
+    let (source, spec, dtype) = (&p.source, &p.spec, p.expert_dtype);
+    let weights = pool.install(|| {
+        source.load(spec, &experts, dtype, &mut |l| {
+            progress.tick(l.expert_bytes() as u64);
+        })
     })?;
+    drop(pool);
     let host_bytes = weights.expert_bytes() as u64;
+    let secs = t0.elapsed().as_secs_f64();
     info!(
         layers,
         expert_dtype = %p.expert_dtype.name(),
         expert_bytes = host_bytes,
         seconds = crate::startup::secs(t0.elapsed()),
+        gb_per_s = format!("{:.2}", host_bytes as f64 / secs.max(1e-9) / 1e9),
+        threads,
         "weights loaded"
     );
     let rank: Box<dyn BringUp> = match p.backend {
