@@ -7,8 +7,9 @@
 - Deadlines: every call has one (`timeout`, the Client's by default); retries never pass it.
 - Retries: only UNAVAILABLE (the service not reachable, or restarting), with exponential backoff
   and jitter, at most `retries` times. Forward is a pure function, so a retry is safe.
-- Shared memory (`shared_memory="system"` or `"auto"`): on the same host, the tensors go through
-  POSIX shared memory over KServe v2 instead of the message (see `shm.py`)."""
+- Shared memory (`shared_memory="system"`, `"cuda"` or `"auto"`): on the same host, the tensors go
+  through POSIX shared memory, or for torch tensors on a GPU through CUDA memory, over KServe v2
+  instead of the message (see `shm.py`)."""
 
 import collections
 import queue
@@ -51,13 +52,15 @@ class Client:
     `retries`, `backoff`, `max_backoff`: UNAVAILABLE is tried again up to `retries` times, after
     `backoff * 2**attempt` seconds (at most `max_backoff`, jittered down to half).
     `shared_memory`: "off", "system" (tensors through /dev/shm; the service must run with
-    --allow-client-shm on this host) or "auto" (system where the service allows it, else the wire).
+    --allow-client-shm on this host), "cuda" (torch tensors on a GPU through CUDA IPC memory, the
+    answer a tensor on that GPU; others through /dev/shm) or "auto" (each where the service allows
+    it, else the wire).
     """
 
     def __init__(self, target, *, timeout=60.0, retries=4, backoff=0.05, max_backoff=2.0,
                  shared_memory="off", shm_prefix="epserve-client-", channel_options=()):
-        if shared_memory not in ("off", "system", "auto"):
-            raise ValueError(f"shared_memory={shared_memory!r}: one of 'off', 'system', 'auto'")
+        if shared_memory not in ("off", "system", "cuda", "auto"):
+            raise ValueError(f"shared_memory={shared_memory!r}: one of 'off', 'system', 'cuda', 'auto'")
         self.target, self.timeout = target, timeout
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self._options = list(channel_options)
@@ -75,11 +78,11 @@ class Client:
             ("grpc.max_send_message_length", self.max_request_bytes),
         ])
         self._stub = pb_grpc.MoeServiceStub(self.channel)
-        self._shm = None
+        self._shm, self._cuda, self._mode = None, {}, shared_memory
         if shared_memory != "off":
             from .shm import SystemRegions
 
-            self._shm = SystemRegions.open(self, shm_prefix, required=shared_memory == "system")
+            self._shm = SystemRegions.open(self, shm_prefix, required=shared_memory in ("system", "cuda"))
 
     # -- lifecycle
 
@@ -87,6 +90,10 @@ class Client:
         if self._shm is not None:
             self._shm.close()
             self._shm = None
+        for regions in self._cuda.values():
+            if regions is not None:
+                regions.close()
+        self._cuda = {}
         self.channel.close()
 
     def __enter__(self):
@@ -97,8 +104,21 @@ class Client:
 
     @property
     def shared_memory(self):
-        """Whether tensors go through shared memory."""
+        """Whether tensors in host memory go through shared memory."""
         return self._shm is not None
+
+    def _cuda_regions(self, x):
+        """The CUDA regions of `x`'s GPU (made at its first tensor there), or None: not asked
+        for, not a GPU tensor, or (auto) refused by the service."""
+        if self._mode not in ("cuda", "auto") or tensors.torch is None:
+            return None
+        if not (isinstance(x, tensors.torch.Tensor) and x.is_cuda):
+            return None
+        if x.device not in self._cuda:
+            from .shm import CudaRegions
+
+            self._cuda[x.device] = CudaRegions.open(self, x.device, required=self._mode == "cuda")
+        return self._cuda[x.device]
 
     # -- calls
 
@@ -195,9 +215,11 @@ class Client:
         if n == 0:
             return tensors.from_buffer(b"", out_name, [0, self.info.hidden_size], x)
         deadline = self._deadline(timeout)
-        if self._shm is not None and out_name == tensors.dtype_name(x):
-            rows = self.rows_per_request(x, topk_ids, topk_weights)
-            if n <= rows:
+        if out_name == tensors.dtype_name(x) and n <= self.rows_per_request(x, topk_ids, topk_weights):
+            cuda = self._cuda_regions(x)
+            if cuda is not None:
+                return cuda.forward(x, layer, topk_ids, topk_weights, deadline)
+            if self._shm is not None:
                 return self._shm.forward(x, layer, topk_ids, topk_weights, deadline)
         rows = self.rows_per_request(x, topk_ids, topk_weights)
         out_dtype = tensors.WIRE[out_name][0]
