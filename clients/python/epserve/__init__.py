@@ -7,7 +7,8 @@
     model = epserve.offload_moe(model, "127.0.0.1:50051")   # a transformers model's MoE blocks
 """
 
-from .client import Client, EpserveError
+from .client import Client
+from .errors import EpserveError
 
 __all__ = ["Client", "EpserveError", "EpserveMoE", "offload_moe"]
 

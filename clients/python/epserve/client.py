@@ -20,6 +20,7 @@ import time
 import grpc
 
 from . import tensors
+from .errors import EpserveError
 from ._proto import epserve_pb2 as pb
 from ._proto import epserve_pb2_grpc as pb_grpc
 
@@ -31,14 +32,6 @@ DEFAULT_LIMIT = 64 << 20
 # worth of tokens (the service refuses what its queue, --max-queued-tokens, cannot hold).
 WINDOW = 4
 QUEUED = 8
-
-
-class EpserveError(Exception):
-    """A call that failed: `code` is the grpc.StatusCode, `details` the service's message."""
-
-    def __init__(self, code, details):
-        self.code, self.details = code, details
-        super().__init__(f"{code.name}: {details}")
 
 
 def _error(e):

@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 
 from . import tensors
+from .errors import EpserveError
 from ._proto import inference_pb2 as kpb
 from ._proto import inference_pb2_grpc as kpb_grpc
 
@@ -260,6 +261,4 @@ def infer(client, stub, layer, x, items, into, out, deadline):
 
 
 def tensors_error(e, what):
-    from .client import EpserveError
-
     return EpserveError(e.code(), f"{what}: {e.details()}")
