@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{anyhow, bail};
 use tracing::info;
 
 use crate::backend::bringup::{BringUp, CpuBringUp, GpuBringUp};
@@ -245,19 +245,23 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringU
     let first = &experts[0];
     info!(slots = ?p.slots.slots_of(rank), experts = ?first, layers, "loading weights");
     let mut progress = crate::startup::Progress::new("layers loaded", layers, PROGRESS_EVERY);
-    let threads = load_threads(args.load_threads, p.member.place.world);
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
+    // The load pool is rayon's global one, sized once per process: the weights are made on it
+    // here, and a GPU rank converts them to bf16 on it when it places them.
+    let asked = load_threads(args.load_threads, p.member.place.world);
+    if let Err(e) = rayon::ThreadPoolBuilder::new()
+        .num_threads(asked)
         .thread_name(|i| format!("load-{i}"))
-        .build()
-        .context("starting the load threads")?;
-    let (source, spec, dtype) = (&p.source, &p.spec, p.expert_dtype);
-    let weights = pool.install(|| {
-        source.load(spec, &experts, dtype, &mut |l| {
-            progress.tick(l.expert_bytes() as u64);
-        })
+        .build_global()
+    {
+        tracing::debug!(
+            "load threads already started ({e}): {}",
+            rayon::current_num_threads()
+        );
+    }
+    let threads = rayon::current_num_threads();
+    let weights = p.source.load(&p.spec, &experts, p.expert_dtype, &mut |l| {
+        progress.tick(l.expert_bytes() as u64);
     })?;
-    drop(pool);
     let host_bytes = weights.expert_bytes() as u64;
     let secs = t0.elapsed().as_secs_f64();
     info!(

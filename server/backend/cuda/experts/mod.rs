@@ -134,11 +134,25 @@ impl DeviceFfn {
     }
 }
 
+/// The matrices' values as bf16, one after another; each matrix converted on its own thread of
+/// the load pool (rayon's global one: on 2x H100 the serial loop was 12 of a synthetic
+/// DeepSeek-V3 layer's 16 s to serve, docs/benchmarks.md "Load").
 fn to_bf16<'a>(parts: impl Iterator<Item = &'a Matrix>) -> Vec<bf16> {
-    let mut out = Vec::new();
-    for m in parts {
-        out.extend(m.values().iter().map(|&v| bf16::from_f32(v)));
+    use rayon::prelude::*;
+    let parts: Vec<_> = parts.map(|m| m.values()).collect();
+    let mut out = vec![bf16::ZERO; parts.iter().map(|p| p.len()).sum()];
+    let mut pieces = Vec::with_capacity(parts.len());
+    let mut rest = &mut out[..];
+    for p in &parts {
+        let (piece, tail) = rest.split_at_mut(p.len());
+        pieces.push(piece);
+        rest = tail;
     }
+    pieces.into_par_iter().zip(&parts).for_each(|(o, p)| {
+        o.iter_mut()
+            .zip(p.iter())
+            .for_each(|(o, &v)| *o = bf16::from_f32(v))
+    });
     out
 }
 
