@@ -54,30 +54,35 @@ class Region:
             pass
 
 
-class SystemRegions:
-    """Two /dev/shm regions, registered."""
+class _Regions:
+    """Two regions ("in": the request's tensors, "out": the answer), registered with the service
+    and grown (re-registered at the next power of two, 1 MiB at least) when a request needs more;
+    one request at a time uses them. A kind of memory says how a region is made (`_make`), named
+    to the service (`_register`, `_unregister`) and let go (`_free`)."""
 
-    def __init__(self, client, prefix):
-        self.client, self.prefix = client, prefix
+    WHAT = "shared memory"
+
+    def __init__(self, client):
+        self.client = client
         self.stub = kpb_grpc.GRPCInferenceServiceStub(client.channel)
         self.lock = threading.Lock()
         self.regions = {"in": None, "out": None}
 
     @classmethod
-    def open(cls, client, prefix, required):
+    def open(cls, client, *args, required):
         """Regions registered with the service, or None where it refuses them and not `required`."""
-        s = cls(client, prefix)
+        s = cls(client, *args)
         try:
             s._ensure("in", 1 << 20)
             s._ensure("out", 1 << 20)
         except grpc.RpcError as e:
             s.close()
             if required:
-                raise tensors_error(e, "the service does not take client shared memory") from None
+                raise EpserveError(e.code(), f"the service does not take client {cls.WHAT}: {e.details()}") from None
             return None
         return s
 
-    def _region_name(self, which):
+    def _name(self, which):
         return f"{self.prefix}{os.getpid()}-{next(_SEQ)}-{which}"
 
     def _ensure(self, which, size):
@@ -85,32 +90,52 @@ class SystemRegions:
         r = self.regions[which]
         if r is not None and r.size >= size:
             return r
-        if r is not None:
-            self._unregister(which)
-        grown = 1 << max(20, (size - 1).bit_length())
-        r = Region(self._region_name(which), grown)
+        self._drop(which)
+        r = self._make(which, 1 << max(20, (size - 1).bit_length()))
         self.regions[which] = r
-        self.stub.SystemSharedMemoryRegister(
-            kpb.SystemSharedMemoryRegisterRequest(name=r.name, key="/" + r.name, offset=0, byte_size=r.size),
-            timeout=self.client.timeout)
+        self._register(r)
         return r
 
-    def _unregister(self, which):
-        r = self.regions[which]
-        self.regions[which] = None
+    def _drop(self, which):
+        r, self.regions[which] = self.regions[which], None
         if r is None:
             return
         try:
-            self.stub.SystemSharedMemoryUnregister(kpb.SystemSharedMemoryUnregisterRequest(name=r.name),
-                                                   timeout=min(5.0, self.client.timeout))
+            self._unregister(r)
         except grpc.RpcError:
             pass  # the service gone: nothing holds the name there
         finally:
-            r.close()
+            self._free(r)
 
     def close(self):
         for which in ("in", "out"):
-            self._unregister(which)
+            self._drop(which)
+
+    def _free(self, r):
+        pass
+
+
+class SystemRegions(_Regions):
+    """Two /dev/shm regions."""
+
+    def __init__(self, client, prefix):
+        super().__init__(client)
+        self.prefix = prefix
+
+    def _make(self, which, size):
+        return Region(self._name(which), size)
+
+    def _register(self, r):
+        self.stub.SystemSharedMemoryRegister(
+            kpb.SystemSharedMemoryRegisterRequest(name=r.name, key="/" + r.name, offset=0, byte_size=r.size),
+            timeout=self.client.timeout)
+
+    def _unregister(self, r):
+        self.stub.SystemSharedMemoryUnregister(kpb.SystemSharedMemoryUnregisterRequest(name=r.name),
+                                               timeout=min(5.0, self.client.timeout))
+
+    def _free(self, r):
+        r.close()
 
     def forward(self, x, layer, topk_ids, topk_weights, deadline):
         views = [(n, t, tensors.byte_view(t)) for n, t in parts(x, topk_ids, topk_weights)]
@@ -128,65 +153,41 @@ class SystemRegions:
         return tensors.from_buffer(data, tensors.dtype_name(x), list(x.shape), x)
 
 
-class CudaRegions:
+class DeviceRegion:
+    """A device buffer, and where it starts in the allocation its IPC handle names."""
+
+    def __init__(self, name, buf, offset, handle):
+        self.name, self.buf, self.offset, self.handle = name, buf, offset, handle
+        self.size = buf.numel()
+
+
+class CudaRegions(_Regions):
     """Two device buffers on one GPU, registered by IPC handle. torch's caching allocator may
     place a buffer inside a larger allocation: the handle names the allocation, so the region is
     registered from its start and the buffer addressed at its offset in it."""
 
+    WHAT = "CUDA shared memory"
+
     def __init__(self, client, device):
         import torch
 
-        self.torch, self.client, self.device = torch, client, device
-        self.stub = kpb_grpc.GRPCInferenceServiceStub(client.channel)
-        self.lock = threading.Lock()
-        self.regions = {"in": None, "out": None}
+        super().__init__(client)
+        self.torch, self.device, self.prefix = torch, device, "epserve-cuda-"
 
-    @classmethod
-    def open(cls, client, device, required):
-        s = cls(client, device)
-        try:
-            s._ensure("in", 1 << 20)
-            s._ensure("out", 1 << 20)
-        except grpc.RpcError as e:
-            s.close()
-            if required:
-                raise tensors_error(e, "the service does not take client CUDA shared memory") from None
-            return None
-        return s
-
-    def _ensure(self, which, size):
-        """(name, buffer, offset of the buffer in its registered region), at least `size` bytes."""
-        r = self.regions[which]
-        if r is not None and r[1].numel() >= size:
-            return r
-        if r is not None:
-            self._unregister(which)
-        grown = 1 << max(20, (size - 1).bit_length())
-        buf = self.torch.empty(grown, dtype=self.torch.uint8, device=self.device)
+    def _make(self, which, size):
+        buf = self.torch.empty(size, dtype=self.torch.uint8, device=self.device)
         _, handle, _, offset = buf.untyped_storage()._share_cuda_()[:4]
-        handle = _ipc_handle(handle)
-        name = f"epserve-cuda-{os.getpid()}-{next(_SEQ)}-{which}"
-        self.regions[which] = (name, buf, offset)
+        return DeviceRegion(self._name(which), buf, offset, _ipc_handle(handle))
+
+    def _register(self, r):
         self.stub.CudaSharedMemoryRegister(
-            kpb.CudaSharedMemoryRegisterRequest(name=name, raw_handle=handle, device_id=buf.device.index,
-                                                byte_size=offset + grown),
+            kpb.CudaSharedMemoryRegisterRequest(name=r.name, raw_handle=r.handle, device_id=r.buf.device.index,
+                                                byte_size=r.offset + r.size),
             timeout=self.client.timeout)
-        return self.regions[which]
 
-    def _unregister(self, which):
-        r = self.regions[which]
-        self.regions[which] = None
-        if r is None:
-            return
-        try:
-            self.stub.CudaSharedMemoryUnregister(kpb.CudaSharedMemoryUnregisterRequest(name=r[0]),
-                                                 timeout=min(5.0, self.client.timeout))
-        except grpc.RpcError:
-            pass
-
-    def close(self):
-        for which in ("in", "out"):
-            self._unregister(which)
+    def _unregister(self, r):
+        self.stub.CudaSharedMemoryUnregister(kpb.CudaSharedMemoryUnregisterRequest(name=r.name),
+                                             timeout=min(5.0, self.client.timeout))
 
     def forward(self, x, layer, topk_ids, topk_weights, deadline):
         torch = self.torch
@@ -195,13 +196,14 @@ class CudaRegions:
         offsets, end = layout(sizes)
         out_bytes = answer_bytes(x)
         with self.lock:
-            (nin, bin_, oin), (nout, bout, oout) = self._ensure("in", end), self._ensure("out", out_bytes)
+            rin, rout = self._ensure("in", end), self._ensure("out", out_bytes)
             for (_, t), off, n in zip(items, offsets, sizes):
-                bin_[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
+                rin.buf[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
             # The service reads the region on its own stream: our copies must have landed.
             torch.cuda.synchronize(self.device)
-            infer(self.client, self.stub, layer, x, items, (nin, oin, offsets), (nout, oout, out_bytes), deadline)
-            out = bout[:out_bytes].clone()
+            infer(self.client, self.stub, layer, x, items, (rin.name, rin.offset, offsets),
+                  (rout.name, rout.offset, out_bytes), deadline)
+            out = rout.buf[:out_bytes].clone()
         return out.view(x.dtype).reshape(x.shape)
 
 
@@ -258,7 +260,3 @@ def infer(client, stub, layer, x, items, into, out, deadline):
     got, name = answer.outputs[0], tensors.dtype_name(x)
     if got.datatype != tensors.WIRE[name][1] or list(got.shape) != list(x.shape):
         raise ValueError(f"answer {got.datatype} {list(got.shape)} where {name} {list(x.shape)} was asked")
-
-
-def tensors_error(e, what):
-    return EpserveError(e.code(), f"{what}: {e.details()}")
