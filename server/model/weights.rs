@@ -130,11 +130,7 @@ impl Ffn {
     pub fn from_parts(gate: Vec<f32>, up: Vec<f32>, down: Vec<f32>, inter: usize) -> Self {
         let mut gate_up = gate;
         gate_up.extend_from_slice(&up);
-        Self {
-            gate_up: Matrix::F32(gate_up),
-            down: Matrix::F32(down),
-            inter,
-        }
+        Self::from_gate_up(gate_up, down, inter)
     }
 
     /// From gate and up already stacked, `[2 * inter, hidden]`.

@@ -263,13 +263,13 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringU
         progress.tick(l.expert_bytes() as u64);
     })?;
     let host_bytes = weights.expert_bytes() as u64;
-    let secs = t0.elapsed().as_secs_f64();
+    let took = t0.elapsed();
     info!(
         layers,
         expert_dtype = %p.expert_dtype.name(),
         expert_bytes = host_bytes,
-        seconds = crate::startup::secs(t0.elapsed()),
-        gb_per_s = format!("{:.2}", host_bytes as f64 / secs.max(1e-9) / 1e9),
+        seconds = crate::startup::secs(took),
+        gb_per_s = format!("{:.2}", host_bytes as f64 / took.as_secs_f64().max(1e-9) / 1e9),
         threads,
         "weights loaded"
     );
