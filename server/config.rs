@@ -208,6 +208,18 @@ impl Ingress {
     }
 }
 
+/// What the group does when a rank is lost (`--on-rank-loss`).
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnRankLoss {
+    /// `continue` where the group can carry on without any one rank, else `exit`.
+    Auto,
+    /// The ranks left go on: the lost rank's experts move to their redundant slots and its
+    /// steps run again.
+    Continue,
+    /// Every rank exits non-zero, for the orchestrator to restart the group.
+    Exit,
+}
+
 /// A listener that can be turned off (--http-listen, --metrics-listen): an address, or none
 /// (`off`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -387,6 +399,17 @@ pub struct ServeArgs {
         default_value = "leader"
     )]
     pub ingress: Ingress,
+    /// A lost rank (gone, or stopped past --step-timeout): the others go on without it
+    /// (`continue`: its experts move into their redundant slots, see --redundant-experts) or
+    /// the group exits (`exit`). `auto`: continue where the group can; the leader logs which.
+    #[arg(
+        help_heading = "Group",
+        long,
+        env = "EPSERVE_ON_RANK_LOSS",
+        value_enum,
+        default_value = "auto"
+    )]
+    pub on_rank_loss: OnRankLoss,
     /// Most tokens in one step, all ranks together; sizes every exchange buffer.
     #[arg(
         help_heading = "Serving",

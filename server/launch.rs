@@ -1,5 +1,7 @@
 //! `epserve launch`: N local rank processes of one group, supervised. Signals are forwarded; if
-//! any rank fails, the others are stopped and the launcher exits non-zero. `--nodes K` splits
+//! rank 0 fails (or any rank, under `--on-rank-loss exit`), the others are stopped and the
+//! launcher exits non-zero; another rank's failure is the leader's to judge (it goes on without
+//! the rank, or exits, which stops the group). `--nodes K` splits
 //! the ranks over K simulated nodes (each its own `--node-id` and `--shm-dir` subdirectory), so
 //! the paths between nodes run on one host; with `--node-index I` it runs node I's ranks only,
 //! one launcher per real node (a pod of a LeaderWorkerSet).
@@ -18,7 +20,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 use tracing::{error, info};
 
-use crate::config::{Ingress, LaunchArgs};
+use crate::config::{Ingress, LaunchArgs, OnRankLoss};
 
 /// Grace between SIGTERM and SIGKILL when stopping the group after a failure.
 const KILL_GRACE: Duration = Duration::from_secs(5);
@@ -298,6 +300,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
             None => Signal::SIGTERM,
         };
         let mut failed: Option<String> = None;
+        let go_on = args.serve.on_rank_loss != OnRankLoss::Exit;
         let mut stop_at: Option<tokio::time::Instant> = None;
         let mut kill_at: Option<tokio::time::Instant> = None;
         let mut running = spawned;
@@ -311,6 +314,16 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                     pids[local] = None;
                     let rank = children[local].rank;
                     let ok = status.as_ref().is_ok_and(ExitStatus::success);
+                    // The leader decides whether the group goes on without another rank: if it
+                    // cannot, it exits too, and its exit stops the group.
+                    if !ok && rank != 0 && go_on {
+                        let why = match &status {
+                            Ok(s) => s.to_string(),
+                            Err(e) => e.to_string(),
+                        };
+                        error!("rank {rank} {why}; the group goes on without it where it can (--on-rank-loss)");
+                        continue;
+                    }
                     if !ok && failed.is_none() {
                         let why = match status {
                             Ok(s) => s.to_string(),

@@ -15,6 +15,10 @@ pub struct Abort {
     /// The step's output cannot be trusted (not merely lost): its requests get INTERNAL.
     corrupt: AtomicBool,
     token: tokio_util::sync::CancellationToken,
+    /// A halt (`--on-rank-loss continue`): the steps in flight end, the group is not broken,
+    /// and the waits run again once `resume` clears it.
+    halt: Mutex<Option<String>>,
+    halted: AtomicBool,
 }
 
 impl Abort {
@@ -46,6 +50,31 @@ impl Abort {
     /// The group broke because a step's output was wrong, not because a rank was lost.
     pub fn corrupt(&self) -> bool {
         self.corrupt.load(Ordering::Acquire)
+    }
+    /// Ends every wait of the steps in flight without breaking the group (a lost rank the
+    /// group goes on without); the first reason is kept until `resume`.
+    pub fn halt(&self, reason: impl Into<String>) {
+        let mut h = self.halt.lock().unwrap_or_else(|e| e.into_inner());
+        if h.is_none() {
+            *h = Some(reason.into());
+        }
+        self.halted.store(true, Ordering::Release);
+    }
+    /// Steps may wait again (the group has its new roster).
+    pub fn resume(&self) {
+        *self.halt.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.halted.store(false, Ordering::Release);
+    }
+    /// Why the steps in flight are being ended, while they are.
+    pub fn halting(&self) -> Option<String> {
+        if !self.halted.load(Ordering::Acquire) {
+            return None;
+        }
+        self.halt.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+    /// Why a step's wait must end now: the group broke, or it is halting.
+    pub fn stop_reason(&self) -> Option<String> {
+        self.reason().or_else(|| self.halting())
     }
     /// Resolves once the group is broken, with the reason.
     pub async fn broken(&self) -> String {

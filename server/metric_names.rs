@@ -137,6 +137,14 @@ table! {
         "leader: expert weight bytes every rank loaded into rewritten slots";
     EPLB_REBALANCE_SECONDS: Histogram "epserve_eplb_rebalance_seconds", "seconds", [], any,
         "leader: a placement's proposal to its first step";
+    GROUP_RANKS: Gauge "epserve_group_ranks", "ranks", ["state"], any,
+        "leader: ranks of the group by state, live or lost (--on-rank-loss continue)";
+    GROUP_EPOCH: Gauge "epserve_group_epoch", "epoch", [], any,
+        "leader: the group's epoch, one more at every halt for a lost rank or failed step";
+    RANK_LOSSES_TOTAL: Counter "epserve_rank_losses_total", "ranks", [], any,
+        "leader: ranks the group went on without";
+    RECOVERY_SECONDS: Histogram "epserve_recovery_seconds", "seconds", [], any,
+        "leader: a halt for a lost rank to steps running again";
     STARTUP_STAGE: Gauge "epserve_startup_stage", "0/1", ["stage"], any,
         "1 for the startup stage this rank is in: load, rendezvous, bringup, warmup, ready";
     STARTUP_SECONDS: Gauge "epserve_startup_seconds", "seconds", ["stage"], any,

@@ -9,4 +9,4 @@ pub mod moe;
 mod stream;
 
 pub use call::{grpc_timeout, status, METHODS, STATUSES};
-pub use moe::MoeApi;
+pub use moe::{MoeApi, RosterView};

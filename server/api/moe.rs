@@ -18,6 +18,9 @@ use crate::proto::{
 use crate::request::{Failure, JobInput, Permit};
 use crate::transport::unary::{Spliced, Unary};
 
+/// The group's epoch and the ranks out of it now (`--on-rank-loss continue`).
+pub type RosterView = Arc<dyn Fn() -> (u32, Vec<u32>) + Send + Sync>;
+
 /// The expert placement now: its epoch and each layer's slots.
 pub type PlacementView = Arc<dyn Fn() -> (u32, Vec<proto::LayerPlacement>) + Send + Sync>;
 
@@ -33,6 +36,8 @@ pub struct MoeApi {
     footprint: std::sync::OnceLock<(u64, u64)>,
     /// The placement steps run on now (the leader's balancer), once the group has formed.
     placement: std::sync::OnceLock<PlacementView>,
+    /// The ranks out of the group (the leader, under `--on-rank-loss continue`).
+    roster: std::sync::OnceLock<RosterView>,
     /// Most requests of one ForwardStream answered or in progress but not yet taken by the
     /// transport (--max-stream-in-flight).
     stream_in_flight: usize,
@@ -98,6 +103,7 @@ impl MoeApi {
             nodes: std::sync::OnceLock::new(),
             footprint: std::sync::OnceLock::new(),
             placement: std::sync::OnceLock::new(),
+            roster: std::sync::OnceLock::new(),
             stream_in_flight: stream_in_flight.max(1),
         }
     }
@@ -128,6 +134,12 @@ impl MoeApi {
     /// Where GetModelInfo reads the current expert placement from (set once, on the leader).
     pub fn set_placement(&self, view: PlacementView) {
         let _ = self.placement.set(view);
+    }
+
+    /// Where GetModelInfo reads the ranks out of the group from, and that the group goes on
+    /// without a lost rank (set once, on the leader).
+    pub fn set_roster(&self, view: RosterView) {
+        let _ = self.roster.set(view);
     }
 
     /// Each rank's node, by rank (set once, when the group forms).
@@ -339,6 +351,15 @@ impl MoeService for Arc<MoeApi> {
             info.placement_epoch = epoch;
             info.layer_placement = layers;
         }
+        let (epoch, lost) = self.roster.get().map(|v| v()).unwrap_or_default();
+        info.on_rank_loss = match self.roster.get() {
+            Some(_) => "continue",
+            None => "exit",
+        }
+        .into();
+        info.group_epoch = epoch;
+        info.live_ranks = (0..info.world_size).filter(|r| !lost.contains(r)).collect();
+        info.lost_ranks = lost;
         if let Some(&(exchange, experts)) = self.footprint.get() {
             info.exchange_bytes_per_rank = exchange;
             info.expert_bytes_per_rank = experts;

@@ -102,6 +102,14 @@ pub fn fold(map: &SlotMap, layer: usize, routed: &[u32]) -> (Vec<u32>, Vec<u32>)
     (experts, ranks)
 }
 
+/// The rows of the ranks in the group.
+fn live_rows(map: &SlotMap, ranks: &[u64]) -> Vec<u64> {
+    (ranks.iter().enumerate())
+        .filter(|&(r, _)| map.live(r))
+        .map(|(_, &n)| n)
+        .collect()
+}
+
 /// Max over mean of measured rank rows (1 with none).
 fn ratio(ranks: &[u64]) -> f64 {
     let v: Vec<f64> = ranks.iter().map(|&n| n as f64).collect();
@@ -110,29 +118,47 @@ fn ratio(ranks: &[u64]) -> f64 {
 
 /// The placement the window asks for, or None when every layer is within `threshold` (or a new
 /// placement would not beat it by that much). Layers with no rows keep theirs.
+/// Ranks out of the group (`SlotMap::lost`) take no part: the policy places the slots of the
+/// ranks in it, and a lost rank's slots stay as they were.
 pub fn decide(map: &SlotMap, loads: &[(Vec<u64>, Vec<u64>)], cfg: &EplbConfig) -> Option<SlotMap> {
-    let (world, slots) = (map.world, map.slots());
+    let per = map.per_rank();
+    let ranks_in: Vec<usize> = (0..map.world).filter(|&r| map.live(r)).collect();
+    let (world, slots) = (ranks_in.len(), ranks_in.len() * per);
     let mut changed = false;
     let tables: Vec<Vec<u32>> = (map.layers().iter().zip(loads))
         .map(|(layer, (experts, ranks))| {
-            let old: Vec<usize> = layer.phy2log().iter().map(|&g| g as usize).collect();
-            let now = ratio(ranks);
+            let all = layer.phy2log();
+            let old: Vec<usize> = (ranks_in.iter())
+                .flat_map(|&r| all[r * per..(r + 1) * per].iter().map(|&g| g as usize))
+                .collect();
+            let now = ratio(&ranks_in.iter().map(|&r| ranks[r]).collect::<Vec<_>>());
             if experts.iter().all(|&n| n == 0) || now <= cfg.threshold {
-                return layer.phy2log().to_vec();
+                return all.to_vec();
             }
             let w: Vec<f64> = experts.iter().map(|&n| n as f64).collect();
-            let next = policy::rebalance(&w, slots, cfg.groups, cfg.nodes, world);
+            let nodes = match world % cfg.nodes {
+                0 => cfg.nodes,
+                _ => 1,
+            };
+            let next = policy::rebalance(&w, slots, cfg.groups, nodes, world);
             let next = policy::keep(&old, &next, world);
             let then = policy::imbalance(&policy::rank_loads(&w, &next, world));
             if then * cfg.threshold >= now || next == old {
-                return layer.phy2log().to_vec();
+                return all.to_vec();
             }
             changed = true;
-            next.into_iter().map(|g| g as u32).collect()
+            let mut t = all.to_vec();
+            for (i, &r) in ranks_in.iter().enumerate() {
+                for j in 0..per {
+                    t[r * per + j] = next[i * per + j] as u32;
+                }
+            }
+            t
         })
         .collect();
     changed.then(|| {
-        SlotMap::from_tables(map.experts, world, tables).expect("the policy keeps every expert")
+        SlotMap::without(map.experts, map.world, tables, map.lost().to_vec())
+            .expect("the policy keeps every expert")
     })
 }
 
@@ -226,7 +252,7 @@ impl Balance {
         }
         let (experts, ranks) = fold(&st.map, layer, routed);
         st.window.push(layer, experts, ranks);
-        let r = ratio(&st.window.sums[layer].ranks);
+        let r = ratio(&live_rows(&st.map, &st.window.sums[layer].ranks));
         let id = self.layer_ids.get(layer).copied().unwrap_or(layer as u32);
         metrics::gauge!(metric_names::RANK_LOAD_RATIO, "layer" => id.to_string()).set(r);
     }
@@ -296,70 +322,13 @@ impl Balance {
         tell: &dyn Fn(u32, &SlotMap) -> Result<(), String>,
         within: Duration,
     ) -> Result<u32, String> {
-        let (epoch, map) = {
-            let mut st = self.lock();
-            if st.pending.is_some() {
-                return Err("a placement is already on its way".into());
-            }
-            if next.world != st.map.world || next.slots() != st.map.slots() {
-                return Err(format!(
-                    "{} slots over {} ranks, the group has {} over {}",
-                    next.slots(),
-                    next.world,
-                    st.map.slots(),
-                    st.map.world
-                ));
-            }
-            let epoch = st.epoch + 1;
-            let map = Arc::new(next);
-            st.pending = Some(Pending {
-                epoch,
-                map: map.clone(),
-                staged: vec![false; map.world],
-                failed: None,
-                bytes: 0,
-                since: Instant::now(),
-                handed: false,
-            });
-            (epoch, map)
-        };
+        let deadline = Instant::now() + within;
+        let (epoch, map) = self.offer(next, false)?;
         if let Err(e) = tell(epoch, &map) {
-            self.lock().pending = None;
+            self.drop_pending(epoch);
             return Err(e);
         }
-        let deadline = Instant::now() + within;
-        let mut st = self.lock();
-        loop {
-            let p = st
-                .pending
-                .as_ref()
-                .expect("only stamp takes it, once ready");
-            if let Some(f) = &p.failed {
-                let f = f.clone();
-                st.pending = None;
-                return Err(f);
-            }
-            if p.staged.iter().all(|&s| s) {
-                break;
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                let missing: Vec<String> = (p.staged.iter().enumerate())
-                    .filter(|(_, &s)| !s)
-                    .map(|(r, _)| r.to_string())
-                    .collect();
-                st.pending = None;
-                return Err(format!(
-                    "ranks {} did not stage it within {within:?}",
-                    missing.join(", ")
-                ));
-            }
-            st = self
-                .changed
-                .wait_timeout(st, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
+        let mut st = self.wait_staged(epoch, deadline)?;
         self.ready.store(epoch, Ordering::Release);
         // The next step (a heartbeat at the latest) applies it.
         while st.epoch < epoch {
@@ -376,6 +345,108 @@ impl Balance {
         Ok(epoch)
     }
 
+    /// A recovery's placement (`--on-rank-loss continue`): `next`, without the lost ranks,
+    /// takes the place of any placement on its way; every rank in the group is told (`tell`;
+    /// the leader's own backend through `take_own`) and stages it within `within`. The next
+    /// step stamped applies it. Err: a rank could not stage it.
+    pub fn recover(
+        &self,
+        next: SlotMap,
+        tell: &dyn Fn(u32, &SlotMap) -> Result<(), String>,
+        own: &mut dyn FnMut(u32, Arc<SlotMap>),
+        within: Duration,
+    ) -> Result<u32, String> {
+        let deadline = Instant::now() + within;
+        let (epoch, map) = self.offer(next, true)?;
+        tell(epoch, &map)?;
+        if let Some((e, m)) = self.take_own() {
+            own(e, m);
+        }
+        drop(self.wait_staged(epoch, deadline)?);
+        self.ready.store(epoch, Ordering::Release);
+        Ok(epoch)
+    }
+
+    /// Sets `next` as the placement on its way (a recovery's replaces another one).
+    fn offer(&self, next: SlotMap, recovery: bool) -> Result<(u32, Arc<SlotMap>), String> {
+        let mut st = self.lock();
+        if st.pending.is_some() && !recovery {
+            return Err("a placement is already on its way".into());
+        }
+        if next.lost() != st.map.lost() && !recovery {
+            return Err("the group lost a rank since this placement was made".into());
+        }
+        if next.world != st.map.world || next.slots() != st.map.slots() {
+            return Err(format!(
+                "{} slots over {} ranks, the group has {} over {}",
+                next.slots(),
+                next.world,
+                st.map.slots(),
+                st.map.world
+            ));
+        }
+        // Past any epoch offered before (a recovery may replace one that was never applied).
+        let epoch = st.epoch.max(st.pending.as_ref().map_or(0, |p| p.epoch)) + 1;
+        let map = Arc::new(next);
+        st.pending = Some(Pending {
+            epoch,
+            map: map.clone(),
+            staged: (0..map.world).map(|r| !map.live(r)).collect(),
+            failed: None,
+            bytes: 0,
+            since: Instant::now(),
+            handed: false,
+        });
+        drop(st);
+        self.changed.notify_all();
+        Ok((epoch, map))
+    }
+
+    fn drop_pending(&self, epoch: u32) {
+        let mut st = self.lock();
+        st.pending.take_if(|p| p.epoch == epoch);
+    }
+
+    /// Waits until every rank in the group has staged `epoch`. Err: one failed, it was
+    /// replaced, or the deadline passed (it is dropped).
+    fn wait_staged(
+        &self,
+        epoch: u32,
+        deadline: Instant,
+    ) -> Result<std::sync::MutexGuard<'_, State>, String> {
+        let mut st = self.lock();
+        loop {
+            let Some(p) = st.pending.as_ref().filter(|p| p.epoch == epoch) else {
+                return Err("a recovery from a lost rank took its place".into());
+            };
+            if let Some(f) = &p.failed {
+                let f = f.clone();
+                st.pending = None;
+                return Err(f);
+            }
+            if p.staged.iter().all(|&s| s) {
+                return Ok(st);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let missing: Vec<String> = (p.staged.iter().enumerate())
+                    .filter(|(_, &s)| !s)
+                    .map(|(r, _)| r.to_string())
+                    .collect();
+                st.pending = None;
+                return Err(format!(
+                    "ranks {} did not stage it in time",
+                    missing.join(", ")
+                ));
+            }
+            st = self
+                .changed
+                .wait_timeout(st, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
     /// The placement, the window's load and what a look would choose now, as JSON (`/eplb`):
     /// `would_choose` is a placement file, or null when every layer is within the threshold.
     pub fn status(&self) -> serde_json::Value {
@@ -389,7 +460,7 @@ impl Balance {
                     "phy2log": l.phy2log(),
                     "expert_rows": experts,
                     "rank_rows": ranks,
-                    "rank_load_ratio": ratio(ranks),
+                    "rank_load_ratio": ratio(&live_rows(&map, ranks)),
                 })
             })
             .collect();

@@ -16,9 +16,10 @@ pub struct LayerSlots {
 }
 
 impl LayerSlots {
-    fn new(phy2log: Vec<u32>, experts: usize) -> Self {
+    /// `out(slot)`: the slot is on a rank out of the group, and takes no rows.
+    fn new(phy2log: Vec<u32>, experts: usize, out: impl Fn(usize) -> bool) -> Self {
         let mut log2phy = vec![Vec::new(); experts];
-        for (s, &g) in phy2log.iter().enumerate() {
+        for (s, &g) in phy2log.iter().enumerate().filter(|&(s, _)| !out(s)) {
             log2phy[g as usize].push(s as u32);
         }
         Self { phy2log, log2phy }
@@ -26,7 +27,7 @@ impl LayerSlots {
     pub fn phy2log(&self) -> &[u32] {
         &self.phy2log
     }
-    /// The slots holding logical expert `g` (at least one).
+    /// The slots holding logical expert `g` on ranks in the group (at least one).
     pub fn replicas(&self, g: usize) -> &[u32] {
         &self.log2phy[g]
     }
@@ -38,6 +39,9 @@ pub struct SlotMap {
     pub world: usize,
     pub experts: usize,
     layers: Vec<LayerSlots>,
+    /// Ranks out of the group, ascending: their slots keep their experts in `phy2log` but
+    /// take no rows (`--on-rank-loss continue`).
+    lost: Vec<u32>,
 }
 
 /// A placement file: per MoE layer (in `moe_layers` order), the logical expert of every slot.
@@ -83,6 +87,22 @@ impl SlotMap {
         world: usize,
         tables: Vec<Vec<u32>>,
     ) -> Result<Self, String> {
+        Self::without(experts, world, tables, Vec::new())
+    }
+
+    /// As `from_tables`, with the ranks `lost` out of the group: every expert needs a slot on
+    /// a rank in it.
+    pub fn without(
+        experts: usize,
+        world: usize,
+        tables: Vec<Vec<u32>>,
+        mut lost: Vec<u32>,
+    ) -> Result<Self, String> {
+        lost.sort_unstable();
+        lost.dedup();
+        if let Some(r) = lost.iter().find(|&&r| r as usize >= world || r == 0) {
+            return Err(format!("rank {r} cannot be out of a group of {world}"));
+        }
         if world == 0 || experts == 0 {
             return Err(format!("{experts} experts over {world} ranks"));
         }
@@ -107,9 +127,13 @@ impl SlotMap {
                     "layer {l}: slot {s} holds expert {g}, the model has {experts}"
                 ));
             }
-            let layer = LayerSlots::new(t, experts);
+            let per = slots / world;
+            let layer = LayerSlots::new(t, experts, |s| lost.contains(&((s / per) as u32)));
             if let Some(g) = layer.log2phy.iter().position(Vec::is_empty) {
-                return Err(format!("layer {l}: expert {g} has no slot"));
+                return Err(match lost.is_empty() {
+                    true => format!("layer {l}: expert {g} has no slot"),
+                    false => format!("layer {l}: expert {g} has no slot on a rank in the group"),
+                });
             }
             layers.push(layer);
         }
@@ -117,7 +141,66 @@ impl SlotMap {
             world,
             experts,
             layers,
+            lost,
         })
+    }
+
+    /// The same tables with `lost` out of the group.
+    pub fn with_lost(self, lost: Vec<u32>) -> Result<Self, String> {
+        let tables = self.layers.into_iter().map(|l| l.phy2log).collect();
+        Self::without(self.experts, self.world, tables, lost)
+    }
+
+    /// Ranks out of the group, ascending.
+    pub fn lost(&self) -> &[u32] {
+        &self.lost
+    }
+
+    /// Whether `rank` is in the group.
+    pub fn live(&self, rank: usize) -> bool {
+        !self.lost.contains(&(rank as u32))
+    }
+
+    /// The placement without `more` ranks: every expert that had replicas only on ranks now
+    /// out moves into a slot of a rank in the group whose expert has another replica there
+    /// (a redundant one), taken from the most replicated experts first and spread over the
+    /// ranks. Err: no such slot is left for some expert (the group cannot carry on).
+    pub fn survive(&self, more: &[u32]) -> Result<SlotMap, String> {
+        let mut lost = self.lost.clone();
+        lost.extend_from_slice(more);
+        lost.sort_unstable();
+        lost.dedup();
+        let (per, world) = (self.per_rank(), self.world);
+        let live = |s: usize| !lost.contains(&((s / per) as u32));
+        let mut tables = Vec::with_capacity(self.layers.len());
+        for (l, layer) in self.layers.iter().enumerate() {
+            let mut t = layer.phy2log.clone();
+            let mut count = vec![0usize; self.experts];
+            (0..t.len())
+                .filter(|&s| live(s))
+                .for_each(|s| count[t[s] as usize] += 1);
+            let orphans: Vec<usize> = (0..self.experts).filter(|&g| count[g] == 0).collect();
+            let mut taken = vec![0usize; world];
+            for &g in &orphans {
+                let slot = (0..t.len())
+                    .filter(|&s| live(s) && count[t[s] as usize] > 1)
+                    .max_by_key(|&s| (count[t[s] as usize], std::cmp::Reverse(taken[s / per])));
+                let Some(s) = slot else {
+                    return Err(format!(
+                        "layer {l}: {} experts of the lost ranks have no other replica and \
+                         the ranks left have no redundant slot for expert {g} \
+                         (--redundant-experts gives them room)",
+                        orphans.len()
+                    ));
+                };
+                count[t[s] as usize] -= 1;
+                t[s] = g as u32;
+                count[g] += 1;
+                taken[s / per] += 1;
+            }
+            tables.push(t);
+        }
+        Self::without(self.experts, world, tables, lost)
     }
 
     /// `--placement FILE` for a model of `layers` MoE layers.

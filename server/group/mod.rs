@@ -163,6 +163,9 @@ pub struct ControlLink {
     pub workers: Vec<TcpStream>,
     /// Every rank's node and data address, by rank.
     pub roster: Roster,
+    /// Ranks out of the group (`--on-rank-loss continue`), by rank: nothing more is sent to
+    /// them.
+    pub out: Vec<bool>,
 }
 
 impl ControlLink {
@@ -262,9 +265,11 @@ impl ControlLink {
             RankNode {
                 node: want.node.to_string(),
                 data: SocketAddr::new(ip, want.data_port).to_string(),
+                pid: std::process::id(),
             },
         );
         let mut link = Self {
+            out: vec![false; workers.len() + 1],
             workers,
             roster: Roster(seats.clone()),
         };
@@ -281,12 +286,26 @@ impl ControlLink {
     pub fn broadcast<M: Serialize>(&mut self, msg: &M) -> Result<(), GroupError> {
         let mut first = Ok(());
         for (i, w) in self.workers.iter_mut().enumerate() {
+            if self.out.get(i + 1).copied().unwrap_or(false) {
+                continue;
+            }
             let sent = send(w, msg).map_err(io(format!("sending to rank {}", i + 1)));
             if first.is_ok() {
                 first = sent;
             }
         }
         first
+    }
+
+    /// Takes `rank` out of the group: nothing more is sent to it, and its connection is shut
+    /// (a stopped rank that wakes finds it closed and exits).
+    pub fn lose(&mut self, rank: usize) {
+        if let Some(o) = self.out.get_mut(rank) {
+            *o = true;
+        }
+        if let Some(w) = rank.checked_sub(1).and_then(|i| self.workers.get(i)) {
+            let _ = w.shutdown(std::net::Shutdown::Both);
+        }
     }
 
     /// Waits until every rank has sent `expect(rank)`.
@@ -533,6 +552,7 @@ pub fn join(
             seat: RankNode {
                 node: me.node.to_string(),
                 data: SocketAddr::new(ip, me.data_port).to_string(),
+                pid: std::process::id(),
             },
             fingerprint: fingerprint.clone(),
             token: token.to_string(),
@@ -613,6 +633,7 @@ mod tests {
         // Rank 2's connection can no longer be written.
         workers[1].shutdown(std::net::Shutdown::Write).unwrap();
         let mut link = ControlLink {
+            out: vec![false; workers.len() + 1],
             workers,
             roster: Roster(Vec::new()),
         };
@@ -649,6 +670,7 @@ mod tests {
             seat: RankNode {
                 node: "b".into(),
                 data: String::new(),
+                pid: 0,
             },
             host: "h1".into(),
         };

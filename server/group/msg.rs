@@ -96,6 +96,19 @@ pub enum Order {
     Placement {
         epoch: u32,
         phy2log: Vec<Vec<u32>>,
+        /// Ranks out of the group: their slots take no rows.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        lost: Vec<u32>,
+    },
+    /// A rank is lost or a step failed: end every step in flight (their rows run again later),
+    /// run none until `Roster`, and report `Halted`.
+    Halt {
+        epoch: u32,
+    },
+    /// The group goes on without `lost` (every rank lost so far): steps run again.
+    Roster {
+        epoch: u32,
+        lost: Vec<u32>,
     },
 }
 
@@ -131,6 +144,17 @@ pub enum Report {
         reason: String,
     },
     Ingress(IngressReport),
+    /// This rank's steps in flight are ended (after `Order::Halt`): it waits for `Roster`.
+    Halted {
+        rank: usize,
+        epoch: u32,
+    },
+    /// A step failed here for want of a peer (`--on-rank-loss continue`): this rank goes on and
+    /// waits for the leader to halt the group.
+    StepFailed {
+        rank: usize,
+        reason: String,
+    },
     /// This rank has the weights of placement `epoch` staged (`bytes` loaded), or could not
     /// (`error`).
     Staged {

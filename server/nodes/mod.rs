@@ -18,6 +18,10 @@ pub struct RankNode {
     pub node: String,
     /// Its data listener, as peers on other nodes reach it (HOST:PORT).
     pub data: String,
+    /// Its process id: a rank declared lost is killed by the survivors of its node (its host),
+    /// so it can never write into their segments again.
+    #[serde(default)]
+    pub pid: u32,
 }
 
 /// Every rank's seat, by rank.
@@ -39,6 +43,24 @@ impl Roster {
         (0..self.world())
             .find(|&r| self.same_node(r, rank))
             .unwrap_or(rank)
+    }
+    /// Kills `rank` where it runs on this rank's node (`me`'s host): a rank the group declared
+    /// lost may only be stopped (SIGSTOP, a hung host call), and must never wake to write into a
+    /// survivor's segment. Checked first that the pid is still an epserve process.
+    pub fn fence(&self, me: usize, rank: usize) -> Option<String> {
+        let pid = self.0.get(rank)?.pid;
+        if pid == 0 || !self.same_node(me, rank) || pid == std::process::id() {
+            return None;
+        }
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if !String::from_utf8_lossy(&cmd).contains("epserve") {
+            return None;
+        }
+        let pid = nix::unistd::Pid::from_raw(pid as i32);
+        match nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL) {
+            Ok(()) => Some(format!("killed rank {rank} (pid {pid}) on this node")),
+            Err(e) => Some(format!("could not kill rank {rank} (pid {pid}): {e}")),
+        }
     }
     /// Whether the group spans more than one node.
     pub fn spans_nodes(&self) -> bool {
@@ -88,6 +110,7 @@ mod tests {
                 .map(|n| RankNode {
                     node: n.to_string(),
                     data: String::new(),
+                    pid: 0,
                 })
                 .collect(),
         )

@@ -42,6 +42,7 @@ pub fn spawn(
                 let order = Order::Placement {
                     epoch,
                     phy2log: map.to_file().phy2log,
+                    lost: map.lost().to_vec(),
                 };
                 control.broadcast(&order).map_err(|e| e.to_string())
             };
@@ -56,6 +57,7 @@ pub fn spawn(
                     let (_, map) = balance.current();
                     let layers = map.layers().len();
                     SlotMap::from_file(file, map.experts, map.world, layers)
+                        .and_then(|next| next.with_lost(map.lost().to_vec()))
                         .and_then(|next| balance.propose(next, &tell, STAGE_WITHIN).map(Some))
                 } else if next_look.is_some_and(|t| Instant::now() >= t) {
                     next_look = every.map(|d| Instant::now() + d);

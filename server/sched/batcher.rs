@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::job::{Job, Segment, Step};
 use super::pace::Pace;
+use super::redo::Redo;
 use crate::lifecycle::Abort;
 use crate::metric_names;
 use crate::request::Failure;
@@ -32,11 +33,23 @@ pub struct BatchConfig {
     /// The executor's reports, when its steps are the ones formed here: a partial step may then
     /// be formed just in time behind a running one.
     pub pace: Option<Arc<Pace>>,
+    /// Rows a lost rank's steps ended, to run again first, and the step's token cap after a
+    /// loss (the leader's batcher only).
+    pub redo: Option<Arc<Redo>>,
+}
+
+impl BatchConfig {
+    fn cap(&self) -> usize {
+        let cap = self.redo.as_ref().map_or(usize::MAX, |r| r.cap());
+        self.max_tokens_per_step.min(cap)
+    }
 }
 
 struct Queued {
     job: Arc<Job>,
     next_row: usize,
+    /// One past its last row to run: the job's tokens, or the end of rows run again.
+    end: usize,
     since: Instant,
 }
 
@@ -52,11 +65,15 @@ impl Queued {
         }
     }
     fn left(&self) -> usize {
-        self.job.input.tokens - self.next_row
+        self.end - self.next_row
+    }
+    /// Never in a step: rows run again are not.
+    fn fresh(&self) -> bool {
+        self.next_row == 0 && self.end == self.job.input.tokens && !self.job.in_step()
     }
     /// Not started and past its deadline.
     fn expired(&self, now: std::time::Instant) -> bool {
-        self.next_row == 0 && self.job.input.deadline.is_some_and(|d| d <= now)
+        self.fresh() && self.job.input.deadline.is_some_and(|d| d <= now)
     }
 }
 
@@ -88,7 +105,7 @@ pub async fn run_batcher(
                 return false;
             }
             // A request already inside a step completes; an untouched one whose client left goes.
-            q.next_row > 0 || !q.job.abandoned()
+            !q.fresh() || !q.job.abandoned()
         });
         let queued = queue.iter().map(Queued::left).sum::<usize>();
         metrics::gauge!(metric_names::QUEUE_REQUESTS).set(queue.len() as f64);
@@ -105,7 +122,7 @@ pub async fn run_batcher(
                 .filter(|q| q.key() == key)
                 .map(Queued::left)
                 .sum::<usize>()
-                >= cfg.max_tokens_per_step
+                >= cfg.cap()
         });
         // Draining: nothing more arrives, so waiting to fill is pointless.
         let due = head.map(|(_, since)| if open { since + cfg.max_wait } else { since });
@@ -120,7 +137,7 @@ pub async fn run_batcher(
         };
         let next_deadline = queue
             .iter()
-            .filter(|q| q.next_row == 0)
+            .filter(|q| q.fresh())
             .filter_map(|q| q.job.input.deadline)
             .min();
         let wake_at = [
@@ -133,7 +150,10 @@ pub async fn run_batcher(
         .min();
         tokio::select! {
             job = jobs.recv(), if open => match job {
-                Some(job) => queue.push_back(Queued { job, next_row: 0, since: Instant::now() }),
+                Some(job) => {
+                    let end = job.input.tokens;
+                    queue.push_back(Queued { job, next_row: 0, end, since: Instant::now() })
+                }
                 None => stop.cancel(),
             },
             // A full step may queue behind a running one; a partial one waits for an empty
@@ -146,11 +166,23 @@ pub async fn run_batcher(
                     if let Some(p) = &cfg.pace {
                         p.formed();
                     }
-                    permit.send(take_step(&mut queue, cfg.max_tokens_per_step))
+                    permit.send(take_step(&mut queue, cfg.cap()))
                 }
                 None => break,
             },
             _ = changed(pace) => {}
+            _ = redone(cfg.redo.as_deref()) => {
+                let redo = cfg.redo.as_deref().expect("woken by it");
+                let since = Instant::now();
+                for s in redo.take().into_iter().rev() {
+                    let Segment { job, rows } = s;
+                    // The rest of the request, where it is still queued right after these.
+                    match queue.iter_mut().find(|q| Arc::ptr_eq(&q.job, &job) && q.next_row == rows.end) {
+                        Some(q) => q.next_row = rows.start,
+                        None => queue.push_front(Queued { job, next_row: rows.start, end: rows.end, since }),
+                    }
+                }
+            }
             _ = tokio::time::sleep_until(wake_at.unwrap_or_else(Instant::now)), if wake_at.is_some() => {}
             _ = wake.notified() => {}
             _ = stop.cancelled(), if open => {}
@@ -165,14 +197,24 @@ pub async fn run_batcher(
     let status = Failure::unavailable("broken", format!("EP group broken: {why}"));
     jobs.close();
     while let Ok(job) = jobs.try_recv() {
+        let end = job.input.tokens;
         queue.push_back(Queued {
             job,
             next_row: 0,
+            end,
             since: Instant::now(),
         });
     }
     for q in queue {
         q.job.fail(status.clone());
+    }
+}
+
+/// Resolves when rows come back to run again, or the cap changes; never without a redo.
+async fn redone(redo: Option<&Redo>) {
+    match redo {
+        Some(r) => r.wake.notified().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -214,6 +256,14 @@ fn take_step(queue: &mut VecDeque<Queued>, budget: usize) -> Step {
     for q in queue.iter_mut().filter(|q| q.key() == key) {
         if left == 0 {
             break;
+        }
+        // A request has one segment per step (its delivery fills one buffer): rows of it run
+        // again after a lost rank wait for the next step.
+        if segments
+            .iter()
+            .any(|s: &Segment| Arc::ptr_eq(&s.job, &q.job))
+        {
+            continue;
         }
         let take = q.left().min(left);
         q.job.started(now, segments.is_empty());
@@ -305,6 +355,7 @@ mod tests {
             depth,
             gauge: metric_names::STEPS_IN_FLIGHT,
             pace,
+            redo: None,
         };
         let in_flight = Arc::new(Semaphore::new(depth));
         let (wake, stop) = (Arc::new(Notify::new()), CancellationToken::new());

@@ -16,10 +16,13 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
 
+mod recover;
+
 use super::coordinator::Offer;
 use super::job::{Job, Segment, Step};
 use super::pace::Pace;
 use super::pipeline::{Delivery, Share};
+use super::redo::Redo;
 use super::rows::{copy_threads, deliver, out_bufs, pack};
 use crate::dtype::Dtype;
 use crate::eplb::Balance;
@@ -41,6 +44,9 @@ pub enum ExecutorError {
     Group(#[from] GroupError),
     #[error("the EP group broke: {0}")]
     Broken(String),
+    /// The group is halting for a lost rank (`--on-rank-loss continue`).
+    #[error("halted: {0}")]
+    Halted(String),
     #[error("step {step}: rank {rank} did not finish: {reason}")]
     Output {
         step: u64,
@@ -54,12 +60,18 @@ pub enum ExecutorError {
 pub struct Control(Arc<Mutex<ControlLink>>);
 
 impl Control {
-    /// Sends `msg` to every rank; whole frames, never interleaved with another sender's.
+    /// Sends `msg` to every rank in the group; whole frames, never interleaved with another
+    /// sender's.
     pub fn broadcast(&self, msg: &Order) -> Result<(), GroupError> {
         self.0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .broadcast(msg)
+    }
+
+    /// Takes `rank` out of the group (`ControlLink::lose`).
+    pub fn lose(&self, rank: usize) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).lose(rank)
     }
 }
 
@@ -89,6 +101,8 @@ pub struct Executor<B> {
     bufs: Arc<Bufs>,
     /// The expert placement and the load it is balanced from.
     balance: Arc<Balance>,
+    /// `--on-rank-loss continue`: what the group goes on without, and how.
+    loss: Option<recover::Loss>,
 }
 
 impl<B: Backend> Executor<B> {
@@ -99,9 +113,12 @@ impl<B: Backend> Executor<B> {
         abort: Arc<Abort>,
         step_timeout: Duration,
         events: Option<PeerEvents>,
-        balance: Arc<Balance>,
+        // The placement, and (`--on-rank-loss continue`) where a lost rank's steps go back.
+        (balance, redo): (Arc<Balance>, Option<Arc<Redo>>),
     ) -> Result<Self, GroupError> {
         let stride = ring.shape.home_stride();
+        let (heard_tx, heard) = std::sync::mpsc::channel();
+        let heard_tx = redo.is_some().then_some(heard_tx);
         // A rank that reports failure or disconnects breaks the group at once, instead of
         // leaving the leader to find out at the step timeout.
         let closing = Arc::new(AtomicBool::new(false));
@@ -111,7 +128,7 @@ impl<B: Backend> Executor<B> {
                 source,
             })?;
             let (abort, closing, events) = (abort.clone(), closing.clone(), events.clone());
-            let balance = balance.clone();
+            let (balance, heard) = (balance.clone(), heard_tx.clone());
             let rank = i + 1;
             std::thread::Builder::new()
                 .name(format!("ctl-rank{rank}"))
@@ -121,6 +138,7 @@ impl<B: Backend> Executor<B> {
                         stride,
                         events,
                         balance,
+                        heard,
                     };
                     watch.run(&mut r, &abort, &closing)
                 })
@@ -129,7 +147,9 @@ impl<B: Backend> Executor<B> {
                     source,
                 })?;
         }
+        let loss = redo.map(|redo| recover::Loss::new(redo, heard, link.roster.clone()));
         Ok(Self {
+            loss,
             progress: driver.progress(),
             pace: Arc::default(),
             bufs: out_bufs(&ring),
@@ -159,6 +179,11 @@ impl<B: Backend> Executor<B> {
             self.driver.stage(epoch, (*next).clone(), done);
         }
         self.balance.stamp()
+    }
+
+    /// The group's epoch and the ranks out of it (`--on-rank-loss continue`).
+    pub fn roster_view(&self) -> Option<recover::RosterView> {
+        self.loss.as_ref().map(recover::Loss::view)
     }
 
     /// The control connections, for the drain to tell every rank.
@@ -199,6 +224,9 @@ impl<B: Backend> Executor<B> {
                 reason,
             });
         }
+        if let Some(reason) = self.abort.halting() {
+            return Err(ExecutorError::Halted(reason));
+        }
         self.seq += 1;
         let desc = StepDesc {
             step: self.seq,
@@ -210,6 +238,11 @@ impl<B: Backend> Executor<B> {
             output: f.step.output,
             homes: f.step.homes.clone(),
             placement: self.stamp(),
+            lost: self
+                .loss
+                .as_ref()
+                .map(|l| l.lost.clone())
+                .unwrap_or_default(),
         };
         self.ring
             .publish_input(&desc)
@@ -222,6 +255,28 @@ impl<B: Backend> Executor<B> {
         Ok(())
     }
 
+    /// Starts a packed step, unless it was formed before a rank was lost and carries more
+    /// tokens than the ranks left have room for: its rows then go back to the batcher, which
+    /// forms smaller steps, and its cell and permit come back.
+    fn start_fitting(
+        &mut self,
+        flight: &mut VecDeque<SentStep>,
+        step: Step,
+        cell: usize,
+        (free, in_flight): (&FreeCells, &tokio::sync::Semaphore),
+    ) -> Result<(), ExecutorError> {
+        match &self.loss {
+            Some(loss) if step.group_tokens() > loss.cap() => {
+                loss.give_back(step.segments);
+                free.put(cell);
+                in_flight.add_permits(1);
+                metrics::gauge!(metric_names::STEPS_IN_FLIGHT).decrement(1.0);
+                Ok(())
+            }
+            _ => self.start(flight, step, cell, None),
+        }
+    }
+
     /// Finishes the oldest step in flight once this rank's share and every other rank's output
     /// are done: waiting for them (bounded by the step's deadline) when `wait`, otherwise only
     /// looking (None: not yet).
@@ -232,6 +287,12 @@ impl<B: Backend> Executor<B> {
     ) -> Result<Option<PhaseTimes>, ExecutorError> {
         // Past the deadline the waits below say which rank is missing and why.
         let wait = wait || Instant::now() >= f.deadline;
+        let lost = self
+            .loss
+            .as_ref()
+            .map(|l| l.lost.clone())
+            .unwrap_or_default();
+        let seq = (f.seq, &lost[..]);
         if f.own.is_none() {
             if !wait && !self.driver.ready()? {
                 return Ok(None);
@@ -247,7 +308,7 @@ impl<B: Backend> Executor<B> {
         let output = |rank, e: WaitError| {
             let missing: Vec<String> = self
                 .ring
-                .missing_outputs(f.cell, f.seq)
+                .missing_outputs(f.cell, seq)
                 .map(|r| r.to_string())
                 .collect();
             let reason = match missing.len() {
@@ -262,10 +323,10 @@ impl<B: Backend> Executor<B> {
         };
         if wait {
             self.ring
-                .wait_outputs(f.cell, f.seq, f.deadline, &self.abort)
+                .wait_outputs(f.cell, seq, f.deadline, &self.abort)
                 .map_err(|(rank, e)| output(rank, e))?;
-        } else if let Some(rank) = self.ring.missing_outputs(f.cell, f.seq).next() {
-            return match self.abort.reason() {
+        } else if let Some(rank) = self.ring.missing_outputs(f.cell, seq).next() {
+            return match self.abort.stop_reason() {
                 Some(r) => Err(output(rank, WaitError::Aborted(r))),
                 None => Ok(None),
             };
@@ -323,14 +384,28 @@ impl<B: Backend> Executor<B> {
         let ahead = self.driver.depth();
         let mut flight: VecDeque<SentStep> = VecDeque::with_capacity(ahead);
         let (mut polls, mut closed) = (0u32, false);
+        // Idle, the executor looks this often for a halt (a rank lost between steps).
+        let poll = match self.loss {
+            Some(_) => heartbeat.min(Duration::from_millis(50)),
+            None => heartbeat,
+        };
+        let mut idle_since = Instant::now();
         let result = loop {
             // Start every step there is room for before finishing the oldest: a GPU rank only
             // queues it, and the sooner it is queued the less its GPU idles.
             let started = if flight.is_empty() {
-                match packed.recv_timeout(heartbeat) {
-                    Ok((step, cell)) => self.start(&mut flight, step, cell, None),
+                match packed.recv_timeout(poll) {
+                    Ok((step, cell)) => {
+                        idle_since = Instant::now();
+                        self.start_fitting(&mut flight, step, cell, (&free, &in_flight))
+                    }
                     Err(RecvTimeoutError::Disconnected) => break Ok(()),
+                    Err(RecvTimeoutError::Timeout) if self.abort.halting().is_some() => Err(
+                        ExecutorError::Halted("a rank was lost between steps".into()),
+                    ),
+                    Err(RecvTimeoutError::Timeout) if idle_since.elapsed() < heartbeat => continue,
                     Err(RecvTimeoutError::Timeout) => {
+                        idle_since = Instant::now();
                         // Idle: an empty step through every rank finds a lost one, unless a step
                         // is on its way (that one will).
                         let Ok(permit) = in_flight.clone().try_acquire_owned() else {
@@ -343,7 +418,9 @@ impl<B: Backend> Executor<B> {
                 .map(|()| true)
             } else if flight.len() < ahead && !closed {
                 match packed.try_recv() {
-                    Ok((step, cell)) => self.start(&mut flight, step, cell, None).map(|()| true),
+                    Ok((step, cell)) => self
+                        .start_fitting(&mut flight, step, cell, (&free, &in_flight))
+                        .map(|()| true),
                     Err(TryRecvError::Empty) => Ok(false),
                     Err(TryRecvError::Disconnected) => {
                         closed = true;
@@ -356,7 +433,10 @@ impl<B: Backend> Executor<B> {
             match started {
                 Ok(true) => continue,
                 Ok(false) => {}
-                Err(e) => break Err(self.fail_all(e, &mut flight, &free, &in_flight)),
+                Err(e) => match self.recover(e, &mut flight, &free, &in_flight) {
+                    Ok(()) => continue,
+                    Err(e) => break Err(self.fail_all(e, &mut flight, &free, &in_flight)),
+                },
             }
             // Block only when no other step could start meanwhile.
             let wait = flight.len() >= ahead || closed;
@@ -381,7 +461,10 @@ impl<B: Backend> Executor<B> {
                     delivery.send(f.step, f.cell);
                 }
                 Ok(None) => nap(&mut polls),
-                Err(e) => break Err(self.fail_all(e, &mut flight, &free, &in_flight)),
+                Err(e) => match self.recover(e, &mut flight, &free, &in_flight) {
+                    Ok(()) => continue,
+                    Err(e) => break Err(self.fail_all(e, &mut flight, &free, &in_flight)),
+                },
             }
         };
         self.progress.end();
@@ -439,8 +522,17 @@ impl<B: Backend> Executor<B> {
         e
     }
 
-    /// The readiness step: a few tokens of known data through every rank and phase.
+    /// The readiness step: a few tokens of known data through every rank and phase. Under
+    /// `--on-rank-loss continue` the ranks hear first that the group goes on without a lost
+    /// rank (the roster of epoch 0).
     pub fn warm_up(&mut self) -> Result<(), ExecutorError> {
+        if self.loss.is_some() {
+            let roster = Order::Roster {
+                epoch: 0,
+                lost: Vec::new(),
+            };
+            self.link.broadcast(&roster)?;
+        }
         let tokens = self.ring.shape.world;
         let hidden: Vec<f32> = (0..tokens * self.ring.shape.hidden)
             .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
@@ -583,6 +675,9 @@ struct Watch {
     stride: usize,
     events: Option<PeerEvents>,
     balance: Arc<Balance>,
+    /// `--on-rank-loss continue`: losses and halts go to the executor, which halts the group
+    /// and goes on without the lost rank, instead of breaking it.
+    heard: Option<std::sync::mpsc::Sender<recover::Heard>>,
 }
 
 impl Watch {
@@ -599,6 +694,17 @@ impl Watch {
                 }
                 Ok(Report::Failed { reason, .. }) => {
                     break (format!("rank {rank} failed: {reason}"), false)
+                }
+                Ok(Report::Halted { epoch, .. }) => self.hear(recover::Heard::Halted(rank, epoch)),
+                Ok(Report::StepFailed { reason, .. }) => {
+                    let why = format!("rank {rank}: {reason}");
+                    match &self.heard {
+                        Some(_) => {
+                            abort.halt(why.clone());
+                            self.hear(recover::Heard::StepFailed(rank, why));
+                        }
+                        None => break (why, false),
+                    }
                 }
                 Ok(Report::Corrupt { reason, .. }) => {
                     break (format!("rank {rank}: {reason}"), true)
@@ -617,10 +723,21 @@ impl Watch {
                 Err(e) => break (format!("rank {rank} control connection: {e}"), false),
             }
         };
-        match (closing.load(Ordering::Acquire), corrupt) {
-            (true, _) => {}
-            (false, true) => abort.trigger_corrupt(reason),
-            (false, false) => abort.trigger(reason),
+        match (closing.load(Ordering::Acquire), corrupt, &self.heard) {
+            (true, _, _) => {}
+            (false, true, _) => abort.trigger_corrupt(reason),
+            // The executor halts the group and goes on without this rank.
+            (false, false, Some(_)) => {
+                abort.halt(reason.clone());
+                self.hear(recover::Heard::Lost(rank, reason));
+            }
+            (false, false, None) => abort.trigger(reason),
+        }
+    }
+
+    fn hear(&self, what: recover::Heard) {
+        if let Some(h) = &self.heard {
+            let _ = h.send(what);
         }
     }
 

@@ -13,6 +13,7 @@ mod job;
 mod own_rows;
 mod pace;
 mod pipeline;
+mod redo;
 pub(crate) mod rows;
 
 pub use balancer::spawn as spawn_balancer;
@@ -22,3 +23,4 @@ pub use executor::{Control, Executor, ExecutorError, PeerEvents};
 pub use job::{Job, Segment, Step, Timings};
 pub use own_rows::{lock, Offered, OwnRows, PackOrder, RowsError};
 pub use pace::Pace;
+pub use redo::Redo;

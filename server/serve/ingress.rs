@@ -114,6 +114,7 @@ impl Clients {
             depth: ring.shape.cells,
             gauge: metric_names::OFFERS_PENDING,
             pace: None,
+            redo: None,
         };
         let (offer_tx, offer_rx) = mpsc::channel(1);
         let f = &self.front;

@@ -26,7 +26,7 @@ use crate::metric_names;
 use crate::nodes::plane::DataListener;
 use crate::sched::{
     run_batcher, run_coordinator, BatchConfig, Control, CoordConfig, Executor, ExecutorError, Job,
-    Offer, PeerEvents,
+    Offer, PeerEvents, Redo,
 };
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver};
@@ -137,6 +137,9 @@ async fn form(
         (epoch, super::prepare::layer_placement(&layers, &map))
     }));
     front.api.set_nodes(formed.nodes.clone());
+    if let Some(view) = formed.exec.roster_view() {
+        front.api.set_roster(view);
+    }
     Ok(formed)
 }
 
@@ -184,7 +187,7 @@ impl Pipeline {
         front: &Front,
         abort: &Arc<Abort>,
     ) -> anyhow::Result<Self> {
-        let exec = formed.exec;
+        let (exec, redo) = (formed.exec, formed.redo);
         let (progress, pace, control) = (exec.progress.clone(), exec.pace.clone(), exec.control());
         let batch_stop = CancellationToken::new();
         crate::sched::spawn_balancer(
@@ -199,12 +202,13 @@ impl Pipeline {
         let in_flight = Arc::new(tokio::sync::Semaphore::new(shape.cells));
         metrics::gauge!(metric_names::STEPS_IN_FLIGHT).set(0.0);
         let executor = spawn_executor(exec, step_rx, in_flight.clone(), args, abort)?;
-        let batch = |max_tokens_per_step, gauge, pace| BatchConfig {
+        let batch = |max_tokens_per_step, gauge, pace, redo| BatchConfig {
             max_tokens_per_step,
             max_wait: Duration::from_micros(args.max_batch_wait_us),
             depth: shape.cells,
             gauge,
             pace,
+            redo,
         };
         let batcher = |cfg, steps, permits| {
             let (wake, stop) = (front.wake.clone(), batch_stop.clone());
@@ -224,6 +228,7 @@ impl Pipeline {
                     args.max_tokens_per_step,
                     metric_names::STEPS_IN_FLIGHT,
                     Some(pace),
+                    redo,
                 );
                 (batcher(cfg, step_tx, in_flight), None)
             }
@@ -232,7 +237,7 @@ impl Pipeline {
                 let (own_tx, own_rx) = mpsc::channel(1);
                 let own_permits = Arc::new(tokio::sync::Semaphore::new(shape.cells));
                 let b = batcher(
-                    batch(shape.stride, metric_names::OFFERS_PENDING, None),
+                    batch(shape.stride, metric_names::OFFERS_PENDING, None, None),
                     own_tx,
                     own_permits.clone(),
                 );
@@ -424,6 +429,8 @@ struct Formed {
     nodes: Vec<String>,
     /// The model's index of each MoE layer.
     layer_ids: Vec<u32>,
+    /// `--on-rank-loss continue`: the rows a lost rank's steps give back to the batcher.
+    redo: Option<Arc<Redo>>,
 }
 
 /// A group across nodes says which ranks each holds.
@@ -485,6 +492,21 @@ fn form_group(
     let (mut link, group_id, nccl_id) =
         accept_ranks(args, &p, rank.as_ref(), listener, data.port()?)?;
     let roster = link.roster.clone();
+    let go_on = super::loss::decide(
+        args.on_rank_loss,
+        p.backend,
+        args.ingress,
+        &p.slots,
+        &roster,
+    );
+    let go_on = match go_on {
+        Ok(g) => g,
+        Err(e) => {
+            link.reject_all(&format!("startup failed at rank 0: {e:#}"));
+            return Err(e);
+        }
+    };
+    let redo = go_on.then(|| Arc::new(Redo::new(args.max_tokens_per_step)));
     let dir = swept_segment_dir(args)?;
     let dir = dir.as_path();
     // The backend, the step ring, and where each rank serves.
@@ -544,8 +566,9 @@ fn form_group(
             abort,
             args.step_timeout,
             events,
-            Arc::new(balance(args, &p, &roster)),
+            (Arc::new(balance(args, &p, &roster)), redo.clone()),
         )?,
+        redo,
         ingress,
         nodes: roster.0.iter().map(|s| s.node.clone()).collect(),
         layer_ids: p.spec.moe_layers.clone(),

@@ -6,6 +6,7 @@ mod bringup;
 mod grpc;
 mod ingress;
 mod leader;
+mod loss;
 mod prepare;
 mod site;
 mod stop;

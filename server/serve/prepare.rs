@@ -363,6 +363,11 @@ pub fn model_info(p: &Prepared, args: &ServeArgs) -> ModelInfo {
         // The leader's balancer says which placement is current (MoeApi::set_placement).
         layer_placement: layer_placement(&spec.moe_layers, slots),
         placement_epoch: 0,
+        // The leader's executor says who is in the group (MoeApi::set_roster).
+        live_ranks: (0..slots.world as u32).collect(),
+        lost_ranks: Vec::new(),
+        group_epoch: 0,
+        on_rank_loss: String::new(),
     }
 }
 

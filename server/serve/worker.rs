@@ -55,6 +55,8 @@ struct InGroup {
     stream: TcpStream,
     backend: Box<dyn Backend + Send>,
     ring: Option<Arc<Ring>>,
+    /// Every rank's node and process (a lost rank of this node is fenced from here too).
+    roster: crate::nodes::Roster,
 }
 
 /// Joins the leader's group and brings the backend up in lockstep with it (then tells the leader
@@ -122,6 +124,7 @@ fn join(
             stream,
             backend,
             ring,
+            roster,
         }),
         Err(e) => {
             let reason = format!("{e:#}");
@@ -255,6 +258,8 @@ fn follow(
         step_timeout: args.step_timeout,
         ingress,
         abort,
+        go_on: false,
+        roster: m.roster,
     }
     .run(stream, driver);
     match clients {
@@ -293,6 +298,11 @@ fn read_leader(
                 (msg, _) => msg,
             };
             let last = match &msg {
+                // Ends the waits of the steps in flight now; the step loop reports once they are.
+                Ok(Order::Halt { epoch }) => {
+                    abort.halt(format!("the leader halted the group (epoch {epoch})"));
+                    false
+                }
                 Ok(Order::Failed { reason, .. }) => {
                     abort.trigger(format!("the EP group stopped: {reason}"));
                     true
@@ -322,6 +332,10 @@ struct Follow {
     /// --ingress all: this rank's own clients.
     ingress: Option<OwnIngress>,
     abort: Arc<Abort>,
+    /// The leader goes on without a lost rank (`--on-rank-loss continue`, told by its first
+    /// `Roster`): a step that fails here for want of a peer is reported and dropped, not fatal.
+    go_on: bool,
+    roster: crate::nodes::Roster,
 }
 
 /// What a worker that takes requests (--ingress all) adds to the step loop: its clients' rows
@@ -449,8 +463,38 @@ impl Follow {
             Ok(Order::Failed { reason, .. }) => {
                 Next::Fail((None, anyhow!("the EP group stopped: {reason}")))
             }
-            Ok(Order::Placement { epoch, phy2log }) => {
-                self.stage(driver, epoch, phy2log);
+            Ok(Order::Placement {
+                epoch,
+                phy2log,
+                lost,
+            }) => {
+                self.stage(driver, epoch, phy2log, lost);
+                Next::Go
+            }
+            Ok(Order::Halt { epoch }) => {
+                // Every step in flight ends (their waits were ended by the reader thread).
+                let ended = driver.abandon() + flight.len();
+                flight.clear();
+                info!(epoch, ended, "halted by the leader");
+                match self.writer.send(&Report::Halted {
+                    rank: driver.rank,
+                    epoch,
+                }) {
+                    Ok(()) => Next::Go,
+                    Err(e) => Next::Fail((None, anyhow!("telling the leader: {e}"))),
+                }
+            }
+            Ok(Order::Roster { epoch, lost }) => {
+                self.go_on = true;
+                for &r in &lost {
+                    if let Some(said) = self.roster.fence(driver.rank, r as usize) {
+                        tracing::warn!("{said}");
+                    }
+                }
+                if epoch > 0 {
+                    info!(epoch, ?lost, "the group goes on");
+                }
+                self.abort.resume();
                 Next::Go
             }
             Err(e)
@@ -475,7 +519,13 @@ impl Follow {
 
     /// Stages a new expert placement off the step loop and tells the leader when it is staged;
     /// a placement this rank cannot take is refused to the leader, which keeps the old one.
-    fn stage<B: Backend>(&self, driver: &mut Driver<B>, epoch: u32, phy2log: Vec<Vec<u32>>) {
+    fn stage<B: Backend>(
+        &self,
+        driver: &mut Driver<B>,
+        epoch: u32,
+        phy2log: Vec<Vec<u32>>,
+        lost: Vec<u32>,
+    ) {
         let (rank, writer) = (driver.rank, self.writer.clone());
         let done = Box::new(move |r: Result<u64, String>| {
             let (bytes, error) = match r {
@@ -490,7 +540,7 @@ impl Follow {
             });
         });
         let map = driver.map().1.clone();
-        match SlotMap::from_tables(map.experts, map.world, phy2log) {
+        match SlotMap::without(map.experts, map.world, phy2log, lost) {
             Ok(next)
                 if next.slots() == map.slots() && next.layers().len() == map.layers().len() =>
             {
@@ -521,8 +571,44 @@ impl Follow {
             None => None,
         };
         let r = driver.submit(&desc);
-        flight.push_back(Running { desc, mine });
-        r.map_err(|e| broken(rank, e, flight))
+        match r {
+            Ok(()) => {
+                flight.push_back(Running { desc, mine });
+                Ok(())
+            }
+            Err(e) => self.dropped(rank, e, Running { desc, mine }, flight),
+        }
+    }
+
+    /// A step failed here. While the group halts, or where it goes on without a lost rank
+    /// and the step failed for want of a peer, the step is dropped (its rows run again after
+    /// the halt) and the leader told; otherwise the group is broken.
+    fn dropped(
+        &self,
+        rank: usize,
+        e: StepError,
+        failed: Running,
+        flight: &mut VecDeque<Running>,
+    ) -> Result<(), Failed> {
+        let peer = matches!(
+            e,
+            StepError::Wait { .. } | StepError::Timeout { .. } | StepError::DataLink { .. }
+        );
+        if self.abort.halting().is_some() && peer {
+            tracing::debug!(step = failed.desc.step, "ended by the halt: {e}");
+            return Ok(());
+        }
+        if self.go_on && peer {
+            let reason = e.to_string();
+            tracing::warn!("{reason}; waiting for the leader to halt the group");
+            self.abort.halt(reason.clone());
+            return match self.writer.send(&Report::StepFailed { rank, reason }) {
+                Ok(()) => Ok(()),
+                Err(w) => Err((None, anyhow!("telling the leader: {w}"))),
+            };
+        }
+        flight.push_front(failed);
+        Err(broken(rank, e, flight))
     }
 
     /// Completes the oldest step in flight and hands this rank's own rows in it to delivery.
@@ -540,7 +626,10 @@ impl Follow {
                 }
                 Ok(())
             }
-            Err(e) => Err(broken(driver.rank, e, flight)),
+            Err(e) => {
+                let failed = flight.pop_front().expect("a step in flight");
+                self.dropped(driver.rank, e, failed, flight)
+            }
         }
     }
 }

@@ -32,6 +32,10 @@ pub struct StepDesc {
     /// before the step (it was staged on each already).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub placement: u32,
+    /// Ranks out of the group (`--on-rank-loss continue`), ascending: they have no home rows,
+    /// nothing is sent to them and nothing awaited from them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lost: Vec<u32>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -65,11 +69,22 @@ impl StepDesc {
     }
 
     /// `rank`'s rows of the cell; `stride` is the most home rows a rank has (the ring's).
+    /// Leader ingress splits the rows over the ranks still in the group.
     pub fn home(&self, world: usize, rank: usize, stride: usize) -> Range<usize> {
         match self.homes.get(rank) {
             Some(&n) => rank * stride..rank * stride + n as usize,
-            None => home_range(self.tokens as usize, world, rank),
+            None if self.is_lost(rank) => 0..0,
+            None => {
+                let live = world - self.lost.len();
+                let nth = rank - self.lost.iter().filter(|&&r| (r as usize) < rank).count();
+                home_range(self.tokens as usize, live, nth)
+            }
         }
+    }
+
+    /// Whether `rank` is out of the group for this step.
+    pub fn is_lost(&self, rank: usize) -> bool {
+        self.lost.binary_search(&(rank as u32)).is_ok()
     }
 
     /// The most home rows any rank has in this step: every rank picks its buffers (the GPU's
@@ -77,7 +92,7 @@ impl StepDesc {
     pub fn most_home(&self, world: usize) -> usize {
         match self.homes.iter().max() {
             Some(&n) => n as usize,
-            None => max_home_tokens(self.tokens as usize, world),
+            None => max_home_tokens(self.tokens as usize, world - self.lost.len()),
         }
     }
 }

@@ -258,6 +258,24 @@ impl<B: Backend> Driver<B> {
                 "{} tokens, more than a step holds ({})",
                 desc.tokens, self.ring.max_tokens
             )
+        } else if desc.lost.windows(2).any(|w| w[0] >= w[1])
+            || desc
+                .lost
+                .iter()
+                .any(|&r| r as usize >= self.world || r == 0)
+            || desc.is_lost(self.rank)
+        {
+            format!(
+                "lost ranks {:?} of {} (ascending, never rank 0 or this rank {})",
+                desc.lost, self.world, self.rank
+            )
+        } else if desc.homes.is_empty() && desc.most_home(self.world) > self.ring.home_stride() {
+            format!(
+                "{} tokens over {} ranks in the group: more than {} home rows a rank",
+                desc.tokens,
+                self.world - desc.lost.len(),
+                self.ring.home_stride()
+            )
         } else if !desc.homes.is_empty()
             && (desc.homes.len() != self.world
                 || desc
@@ -298,9 +316,28 @@ impl<B: Backend> Driver<B> {
             true => self.progress.begin_at(at),
             false => metrics::counter!(metric_names::STEPS_SUBMITTED_AHEAD_TOTAL).increment(1),
         }
-        self.backend.submit(desc, home)?;
+        if let Err(e) = self.backend.submit(desc, home) {
+            if self.flight.is_empty() {
+                self.progress.end();
+            }
+            return Err(e);
+        }
         self.flight.push_back((desc.clone(), at, self.map.clone()));
         Ok(())
+    }
+
+    /// Ends every step in flight without their results (a halt: their rows run again).
+    /// Returns how many there were.
+    pub fn abandon(&mut self) -> usize {
+        let mut n = 0;
+        while let Some(r) = self.complete() {
+            if let Err(e) = r {
+                tracing::debug!("a step ended by the halt: {e}");
+            }
+            n += 1;
+        }
+        self.progress.end();
+        n
     }
 
     /// Whether the oldest step in flight has finished (false when none is).
@@ -438,6 +475,7 @@ mod tests {
             output: Dtype::F32,
             homes: Vec::new(),
             placement: 0,
+            lost: Vec::new(),
         };
         d.run(&ok).unwrap();
         for (bad, want) in [
@@ -536,6 +574,7 @@ mod tests {
             output: Dtype::F32,
             homes: Vec::new(),
             placement: 0,
+            lost: Vec::new(),
         };
         let queue = || Queue(Default::default(), Vec::new());
         // --steps-ahead 0: one at a time, whatever the backend holds.

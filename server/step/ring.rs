@@ -327,15 +327,16 @@ impl Ring {
         link.raise(Target::Ring, flag, out.seq)
     }
 
-    /// Leader: waits for every rank's output of step `seq`; the error names the first missing rank.
+    /// Leader: waits for the output of step `seq` of every rank but `lost`; the error names the
+    /// first missing rank.
     pub fn wait_outputs(
         &self,
         cell: usize,
-        seq: u64,
+        (seq, lost): (u64, &[u32]),
         deadline: Instant,
         abort: &Abort,
     ) -> Result<(), (usize, WaitError)> {
-        for rank in 0..self.shape.world {
+        for rank in (0..self.shape.world).filter(|&r| !lost.contains(&(r as u32))) {
             wait_seq(
                 self.shm.flag(self.shape.out_flag(cell, rank)),
                 seq,
@@ -347,12 +348,18 @@ impl Ring {
         Ok(())
     }
     /// Leader, without waiting: the ranks whose output of step `seq` is not yet in place.
-    pub fn missing_outputs(&self, cell: usize, seq: u64) -> impl Iterator<Item = usize> + '_ {
+    pub fn missing_outputs<'a>(
+        &'a self,
+        cell: usize,
+        (seq, lost): (u64, &'a [u32]),
+    ) -> impl Iterator<Item = usize> + 'a {
         (0..self.shape.world).filter(move |&rank| {
-            self.shm
-                .flag(self.shape.out_flag(cell, rank))
-                .load(std::sync::atomic::Ordering::Acquire)
-                < seq
+            !lost.contains(&(rank as u32))
+                && self
+                    .shm
+                    .flag(self.shape.out_flag(cell, rank))
+                    .load(std::sync::atomic::Ordering::Acquire)
+                    < seq
         })
     }
     /// Leader: output rows from `row` on, in `d`. Disjoint rows may be read from several threads.

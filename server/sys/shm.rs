@@ -256,7 +256,7 @@ pub fn wait_seq(
         if seen >= seq {
             return Ok(());
         }
-        if let Some(r) = abort.reason() {
+        if let Some(r) = abort.stop_reason() {
             return Err(WaitError::Aborted(r));
         }
         let now = Instant::now();

@@ -50,6 +50,7 @@ mod tests {
             output: crate::dtype::Dtype::Bf16,
             homes: vec![30, 0, 3],
             placement: 0,
+            lost: Vec::new(),
         });
         let mut buf = Vec::new();
         send(&mut buf, &msg).unwrap();

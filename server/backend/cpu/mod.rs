@@ -81,6 +81,11 @@ impl SegmentShape {
     }
 }
 
+/// The ranks a step's phases write to and wait for: all but its lost ones.
+fn live(desc: &StepDesc, world: usize) -> impl Iterator<Item = usize> + '_ {
+    (0..world).filter(|&r| !desc.is_lost(r))
+}
+
 pub fn segment_path(dir: &Path, group: &str, rank: usize) -> PathBuf {
     dir.join(format!("epserve-{group}-rank{rank}"))
 }
@@ -280,7 +285,7 @@ impl CpuRank {
 
     fn wait_all(&self, desc: &StepDesc, kind: Flag, what: &'static str) -> Result<(), StepError> {
         let own = own_of(&self.segs, self.rank);
-        for src in 0..self.shape.world {
+        for src in live(desc, self.shape.world) {
             wait_seq(
                 own.flag(self.shape.flag(kind, src)),
                 desc.step,
@@ -421,7 +426,7 @@ impl AllToAll for CpuRank {
             s.slot_ids[i] = slot;
             s.counts[slot as usize] += 1;
         }
-        for peer in 0..self.shape.world {
+        for peer in live(desc, self.shape.world) {
             self.segs[peer].write(self.shape.counts(self.rank), &self.s.counts);
             self.raise(peer, Flag::Counts, desc.step)?;
         }
@@ -430,6 +435,10 @@ impl AllToAll for CpuRank {
             self.shape.counts(0),
             &mut self.s.matrix[..self.shape.world * slots],
         );
+        // A lost rank's row holds whatever it wrote last: it sends nothing now.
+        for src in desc.lost.iter().map(|&r| r as usize) {
+            self.s.matrix[src * slots..(src + 1) * slots].fill(0);
+        }
         Ok(())
     }
 
@@ -455,7 +464,7 @@ impl AllToAll for CpuRank {
             }
         }
         self.s.next_row = next;
-        for dest in 0..self.shape.world {
+        for dest in live(desc, self.shape.world) {
             self.raise(dest, Flag::Dispatch, desc.step)?;
         }
         self.wait_all(desc, Flag::Dispatch, "dispatched tokens")
@@ -463,7 +472,7 @@ impl AllToAll for CpuRank {
 
     /// Home side: weighted sum of the k expert outputs each token got back, plus shared experts.
     fn combine(&mut self, desc: &StepDesc, n: usize) -> Result<(), StepError> {
-        for peer in 0..self.shape.world {
+        for peer in live(desc, self.shape.world) {
             self.raise(peer, Flag::Combine, desc.step)?;
         }
         self.wait_all(desc, Flag::Combine, "combined rows")?;
