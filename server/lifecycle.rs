@@ -19,6 +19,9 @@ pub struct Abort {
     /// and the waits run again once `resume` clears it.
     halt: Mutex<Option<String>>,
     halted: AtomicBool,
+    /// Ranks the group went on without: nothing they send is applied here any more.
+    fenced: Mutex<Vec<usize>>,
+    any_fenced: AtomicBool,
 }
 
 impl Abort {
@@ -71,6 +74,20 @@ impl Abort {
             return None;
         }
         self.halt.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+    /// `rank` is out of the group: its data connections' frames are dropped from now on (a
+    /// stopped rank that wakes must not write into this rank's memory).
+    pub fn fence(&self, rank: usize) {
+        let mut f = self.fenced.lock().unwrap_or_else(|e| e.into_inner());
+        if !f.contains(&rank) {
+            f.push(rank);
+        }
+        self.any_fenced.store(true, Ordering::Release);
+    }
+    /// Whether `rank` is out of the group.
+    pub fn is_fenced(&self, rank: usize) -> bool {
+        self.any_fenced.load(Ordering::Acquire)
+            && (self.fenced.lock().unwrap_or_else(|e| e.into_inner())).contains(&rank)
     }
     /// Why a step's wait must end now: the group broke, or it is halting.
     pub fn stop_reason(&self) -> Option<String> {

@@ -38,6 +38,9 @@ const FLAGS: &[&str] = &[
     "128",
 ];
 
+/// One group under load at a time: on a 2-core machine, two would measure each other.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// What the clients saw.
 #[derive(Default)]
 struct Tally {
@@ -131,10 +134,12 @@ fn checkpoint(tag: &str) -> (TempDir, MoeSpec, Vec<RefLayer>) {
     (dir, spec, refs)
 }
 
-/// Loses `rank` by `sig` under load; the answers' longest delay after it within `bound`.
-async fn lose_under_load(tag: &str, rank: usize, sig: &str, bound: Duration) {
+/// Loses `ranks` by `sig` under load (the group started with `flags`); the answers' longest
+/// delay after it within `bound`.
+async fn lose_under_load(tag: &str, flags: &[&str], ranks: &[usize], sig: &str, bound: Duration) {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let (dir, spec, refs) = checkpoint(tag);
-    let group = Group::launch(RANKS, &dir.0.display().to_string(), FLAGS);
+    let group = Group::launch(RANKS, &dir.0.display().to_string(), flags);
     let metrics = group.metrics_addrs(RANKS);
     let mut c = group.client().await;
     let info = model_info(&mut c).await;
@@ -148,19 +153,22 @@ async fn lose_under_load(tag: &str, rank: usize, sig: &str, bound: Duration) {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let before = tally.answers.load(Ordering::Relaxed);
     assert!(before > 0, "no answers before the loss");
-    let pid = group.proc.rank_pid(rank);
+    let pids: Vec<u32> = ranks.iter().map(|&r| group.proc.rank_pid(r)).collect();
     let lost_at = Instant::now();
-    kill(pid, sig);
+    for &pid in &pids {
+        kill(pid, sig);
+    }
+    let lost: Vec<u32> = ranks.iter().map(|&r| r as u32).collect();
     // Serving again: answers keep coming after the loss is dealt with.
     let end = lost_at + bound + Duration::from_secs(30);
     loop {
         let info = model_info(&mut c).await;
-        if info.lost_ranks == [rank as u32] {
+        if info.lost_ranks == lost {
             break;
         }
         assert!(
             Instant::now() < end,
-            "rank {rank} never lost\n{}",
+            "ranks {ranks:?} never lost\n{}",
             group.proc.log_text()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -173,13 +181,15 @@ async fn lose_under_load(tag: &str, rank: usize, sig: &str, bound: Duration) {
     }
     if sig == "STOP" {
         // Fenced by the leader: a stopped rank never wakes to write into a survivor's segment.
-        assert!(
-            !std::path::Path::new(&format!("/proc/{pid}")).exists()
-                || std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                    .unwrap_or_default()
-                    .contains(") Z"),
-            "the stopped rank {rank} (pid {pid}) is still there"
-        );
+        for (&rank, &pid) in ranks.iter().zip(&pids) {
+            assert!(
+                !std::path::Path::new(&format!("/proc/{pid}")).exists()
+                    || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                        .unwrap_or_default()
+                        .contains(") Z"),
+                "the stopped rank {rank} (pid {pid}) is still there"
+            );
+        }
     }
     let failures = tally.failures.lock().unwrap().clone();
     assert!(
@@ -209,7 +219,7 @@ async fn lose_under_load(tag: &str, rank: usize, sig: &str, bound: Duration) {
         group.proc.log_text()
     );
     let info = model_info(&mut c).await;
-    let live: Vec<u32> = (0..RANKS as u32).filter(|&r| r != rank as u32).collect();
+    let live: Vec<u32> = (0..RANKS as u32).filter(|r| !lost.contains(r)).collect();
     assert_eq!(info.live_ranks, live);
     assert_eq!(info.group_epoch, 1);
     // Every expert is served by a rank left.
@@ -217,7 +227,7 @@ async fn lose_under_load(tag: &str, rank: usize, sig: &str, bound: Duration) {
         let per = info.slots_per_rank as usize;
         let mut held = vec![false; spec.num_experts];
         for (s, &g) in l.phy2log.iter().enumerate() {
-            if s / per != rank {
+            if !lost.contains(&((s / per) as u32)) {
                 held[g as usize] = true;
             }
         }
@@ -229,9 +239,13 @@ async fn lose_under_load(tag: &str, rank: usize, sig: &str, bound: Duration) {
         );
     }
     let m = scrape(&metrics[0]);
-    assert_eq!(sum(&m, "epserve_group_ranks", &[("state", "live")]), 3.0);
-    assert_eq!(sum(&m, "epserve_group_ranks", &[("state", "lost")]), 1.0);
-    assert_eq!(sum(&m, "epserve_rank_losses_total", &[]), 1.0);
+    let n = ranks.len() as f64;
+    assert_eq!(
+        sum(&m, "epserve_group_ranks", &[("state", "live")]),
+        4.0 - n
+    );
+    assert_eq!(sum(&m, "epserve_group_ranks", &[("state", "lost")]), n);
+    assert_eq!(sum(&m, "epserve_rank_losses_total", &[]), n);
     assert_eq!(sum(&m, "epserve_recovery_seconds_count", &[]), 1.0);
     let usual = (tally.spans.lock().unwrap().iter())
         .filter(|(_, done)| *done < lost_at)
@@ -239,19 +253,29 @@ async fn lose_under_load(tag: &str, rank: usize, sig: &str, bound: Duration) {
         .max()
         .unwrap_or_default();
     eprintln!(
-        "rank {rank} lost by SIG{sig}: {answers} answers of {tokens} tokens ({before} before), none failed; longest answer delay after the loss {longest:?} (before it: {usual:?})"
+        "ranks {ranks:?} lost by SIG{sig}: {answers} answers of {tokens} tokens ({before} before), none failed; longest answer delay after the loss {longest:?} (before it: {usual:?})"
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_rank_is_left_behind_and_no_request_fails() {
-    lose_under_load("loss-kill", 2, "KILL", Duration::from_secs(3)).await;
+    lose_under_load("loss-kill", FLAGS, &[2], "KILL", Duration::from_secs(3)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_rank_is_fenced_and_no_request_fails() {
     // --step-timeout 2s, then 3 s.
-    lose_under_load("loss-stop", 3, "STOP", Duration::from_secs(5)).await;
+    lose_under_load("loss-stop", FLAGS, &[3], "STOP", Duration::from_secs(5)).await;
+}
+
+/// Two simulated nodes of two ranks each: the second node's ranks are killed together; the
+/// router's node (ranks 0 and 1, 8 slots each) takes every expert.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_node_is_left_behind_and_no_request_fails() {
+    let mut flags = FLAGS.to_vec();
+    flags[1] = "16";
+    flags.extend(["--nodes", "2"]);
+    lose_under_load("loss-node", &flags, &[2, 3], "KILL", Duration::from_secs(3)).await;
 }
 
 /// After one loss the ranks left have no room for a second one's experts: the group ends, and

@@ -131,8 +131,14 @@ impl Targets {
 }
 
 /// Applies `peer`'s frames to `targets` until the connection closes between frames (Ok) or
-/// breaks, or a frame is out of bounds (Err, naming the frame).
-pub fn apply(stream: TcpStream, peer: usize, targets: &Targets) -> std::io::Result<()> {
+/// breaks, or a frame is out of bounds (Err, naming the frame), or the group went on without
+/// `peer` (`fenced`: its frames are dropped, and the connection closed).
+pub fn apply(
+    stream: TcpStream,
+    peer: usize,
+    targets: &Targets,
+    fenced: &dyn Fn() -> bool,
+) -> std::io::Result<()> {
     let bad = |msg: String| std::io::Error::new(ErrorKind::InvalidData, msg);
     let mut r = BufReader::with_capacity(BUFFER, stream);
     loop {
@@ -141,6 +147,10 @@ pub fn apply(stream: TcpStream, peer: usize, targets: &Targets) -> std::io::Resu
         match r.read(&mut h[..1])? {
             0 => return Ok(()),
             _ => r.read_exact(&mut h[1..])?,
+        }
+        if fenced() {
+            tracing::warn!(peer, "a frame from rank {peer}, which the group went on without: dropped, connection closed");
+            return Ok(());
         }
         let word = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().expect("8 bytes"));
         let (off, n) = (word(8), word(16));
@@ -170,6 +180,7 @@ pub fn apply(stream: TcpStream, peer: usize, targets: &Targets) -> std::io::Resu
 mod tests {
     use super::*;
     use std::net::TcpListener;
+    use std::sync::Arc;
 
     fn pair() -> (TcpStream, TcpStream) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -185,16 +196,14 @@ mod tests {
         let mine = Shm::open(&dir.join("seg"), 4096).unwrap();
         let (tx, rx) = pair();
         let link = DataLink::new(1, tx, Duration::from_secs(5), 0).unwrap();
-        let t = std::thread::spawn(move || {
-            apply(
-                rx,
-                0,
-                &Targets {
-                    segment: Some(mine),
-                    ring: None,
-                },
-            )
+        let targets = Arc::new(Targets {
+            segment: Some(mine),
+            ring: None,
         });
+        let t = {
+            let targets = targets.clone();
+            std::thread::spawn(move || apply(rx, 0, &targets, &|| false))
+        };
         link.write(Target::Segment, 64, &[1.5f32, -2.0]);
         link.raise(Target::Segment, 0, 7).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
@@ -212,8 +221,17 @@ mod tests {
         let (tx, rx) = pair();
         let link = DataLink::new(1, tx, Duration::from_secs(5), 0).unwrap();
         link.raise(Target::Ring, 0, 1).unwrap();
-        let e = apply(rx, 0, &Targets::default()).unwrap_err();
+        let e = apply(rx, 0, &Targets::default(), &|| false).unwrap_err();
         assert!(e.to_string().contains("does not hold"), "{e}");
+        // From a rank the group went on without: dropped, and the connection closed.
+        let (tx, rx) = pair();
+        let link = DataLink::new(1, tx, Duration::from_secs(5), 0).unwrap();
+        link.write(Target::Segment, 64, &[9.0f32, 9.0]);
+        link.raise(Target::Segment, 0, 9).unwrap();
+        apply(rx, 0, &targets, &|| true).unwrap();
+        seg.read(64, &mut got);
+        assert_eq!(got, [1.5, -2.0]);
+        assert_eq!(seg.flag(0).load(std::sync::atomic::Ordering::Acquire), 7);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

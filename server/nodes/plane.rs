@@ -228,7 +228,7 @@ impl Mesh<'_> {
                         let (targets, abort) = (targets.clone(), abort.clone());
                         std::thread::Builder::new()
                             .name(format!("data-from-{peer}"))
-                            .spawn(move || match apply(s, peer, &targets) {
+                            .spawn(move || match apply(s, peer, &targets, &|| abort.is_fenced(peer)) {
                                 Ok(()) => tracing::debug!(peer, "data connection closed"),
                                 Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
                                     abort.trigger(format!("{e}"))

@@ -446,6 +446,9 @@ impl<B: Backend> Executor<B> {
             match self.finish(front, wait) {
                 Ok(Some(times)) => {
                     polls = 0;
+                    if let Some(loss) = &mut self.loss {
+                        loss.fruitless = 0;
+                    }
                     let f = flight.pop_front().expect("the front");
                     if f.heartbeat.is_some() {
                         free.put(f.cell);

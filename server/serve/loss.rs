@@ -21,19 +21,28 @@ fn cannot(
     if ingress == Ingress::All {
         return Some("under --ingress all a lost rank's clients are not yet moved".into());
     }
-    if roster.spans_nodes() {
-        return Some(
-            "a group across nodes does not yet drop a lost node's data connections".into(),
-        );
-    }
     if roster.world() < 2 {
         return Some("a group of one rank has no other rank to go on with".into());
     }
-    // Rank 0 holds the clients' connections: its loss ends the group.
+    // Rank 0 holds the clients' connections: its loss ends the group. Another node's first
+    // rank takes its node's ranks with it (`lost_with`).
     (1..roster.world()).find_map(|r| {
-        let e = slots.survive(&[r as u32]).err()?;
+        let lost = lost_with(roster, r);
+        let e = slots.survive(&lost).err()?;
         Some(format!("without rank {r}: {e}"))
     })
+}
+
+/// The ranks lost with `rank`: itself, and where it is another node's first rank (which
+/// receives the node's step input and data), the rest of its node.
+pub fn lost_with(roster: &Roster, rank: usize) -> Vec<u32> {
+    match roster.leader(rank) == rank && !roster.same_node(rank, 0) {
+        true => (rank..roster.world())
+            .filter(|&o| roster.same_node(o, rank))
+            .map(|o| o as u32)
+            .collect(),
+        false => vec![rank as u32],
+    }
 }
 
 /// Whether the group goes on without a lost rank; Err where `continue` was asked and cannot be.

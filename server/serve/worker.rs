@@ -487,6 +487,7 @@ impl Follow {
             Ok(Order::Roster { epoch, lost }) => {
                 self.go_on = true;
                 for &r in &lost {
+                    self.abort.fence(r as usize);
                     if let Some(said) = self.roster.fence(driver.rank, r as usize) {
                         tracing::warn!("{said}");
                     }

@@ -198,6 +198,10 @@ impl Ring {
         };
         let (world, stride) = (self.shape.world, self.shape.home_stride());
         for (link, ranks) in nodes {
+            // A node the group went on without hears nothing more.
+            if ranks.iter().all(|&r| desc.is_lost(r)) {
+                continue;
+            }
             // Under --ingress all a rank's rows never leave its node: only the flag goes.
             let shipped: &[usize] = if desc.leader_packed() { ranks } else { &[] };
             for &r in shipped {

@@ -22,6 +22,9 @@ use crate::step::{Backend, StepError};
 /// a rank silent this long is stopped (SIGSTOP, a hung host), and lost.
 pub const HALT_WITHIN: Duration = Duration::from_secs(1);
 
+/// Halts in a row with every rank alive and no step finished, before the group breaks.
+const FRUITLESS_HALTS: u32 = 3;
+
 /// How long every rank left has to stage the lost ranks' experts (a read of a checkpoint).
 const STAGE_WITHIN: Duration = Duration::from_secs(60);
 
@@ -45,6 +48,9 @@ pub struct Loss {
     pub lost: Vec<u32>,
     /// One more at every halt.
     epoch: u32,
+    /// Halts in a row that found no rank lost, with no step finished since: past
+    /// `FRUITLESS_HALTS` the group breaks rather than run the same failing steps forever.
+    pub fruitless: u32,
     /// (epoch, lost) as GetModelInfo reads them.
     view: Arc<std::sync::Mutex<(u32, Vec<u32>)>>,
 }
@@ -62,6 +68,7 @@ impl Loss {
             roster,
             lost: Vec::new(),
             epoch: 0,
+            fruitless: 0,
             view: Arc::default(),
         }
     }
@@ -128,7 +135,28 @@ impl<B: Backend> Executor<B> {
         // A send that fails names a lost rank: its reader says so too.
         let _ = self.link.broadcast(&Order::Halt { epoch });
         let own = self.driver.abandon();
-        let newly = self.gather_halted(epoch);
+        let mut newly = self.gather_halted(epoch);
+        let loss = self.loss.as_mut().expect("checked");
+        // A node's first rank receives the node's step input and data: without it, its node's
+        // other ranks cannot go on either.
+        let roster = &loss.roster;
+        for r in newly.clone() {
+            if r != 0 && roster.leader(r) == r && !roster.same_node(r, 0) {
+                newly.extend((r + 1..roster.world()).filter(|&o| roster.same_node(o, r)));
+            }
+        }
+        newly.sort_unstable();
+        newly.dedup();
+        newly.retain(|&r| !loss.lost.contains(&(r as u32)));
+        match newly.is_empty() {
+            true => loss.fruitless += 1,
+            false => loss.fruitless = 0,
+        }
+        if loss.fruitless > FRUITLESS_HALTS {
+            return Err(ExecutorError::Broken(format!(
+                "{FRUITLESS_HALTS} halts in a row found every rank alive and no step finished: {e}"
+            )));
+        }
         let halted = t0.elapsed();
         // Their rows run again first; their cells and permits come back.
         let mut rows = Vec::new();
@@ -146,6 +174,7 @@ impl<B: Backend> Executor<B> {
         let mut moved = Duration::ZERO;
         if !newly.is_empty() {
             for &r in &newly {
+                self.abort.fence(r);
                 self.link.lose(r);
                 if let Some(said) = loss.roster.fence(0, r) {
                     tracing::warn!("{said}");
