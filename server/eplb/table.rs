@@ -342,6 +342,59 @@ pub fn pick(replicas: &[u32], nth: usize, src: usize, near: impl Fn(u32) -> bool
 mod tests {
     use super::*;
 
+    /// Each rank its block and the next block's first two experts (8 redundant of 16 on 4):
+    /// without rank 1, its two experts that rank 0 does not hold move into redundant slots of
+    /// the ranks left, nothing else moves, and rank 1's slots take no rows.
+    #[test]
+    fn a_lost_ranks_experts_move_into_redundant_slots() {
+        let map = SlotMap::contiguous(16, 4, 8, 2).unwrap();
+        let next = map.survive(&[1]).unwrap();
+        assert_eq!(next.lost(), [1]);
+        for (l, (a, b)) in map.layers().iter().zip(next.layers()).enumerate() {
+            for g in 0..16 {
+                let r = b.replicas(g);
+                assert!(!r.is_empty(), "layer {l}: expert {g} has no slot left");
+                assert!(r.iter().all(|&s| next.rank_of(s as usize) != 1));
+            }
+            let moved: Vec<usize> = (0..a.phy2log().len())
+                .filter(|&s| a.phy2log()[s] != b.phy2log()[s])
+                .collect();
+            assert_eq!(
+                moved.len(),
+                2,
+                "layer {l}: {:?} -> {:?}",
+                a.phy2log(),
+                b.phy2log()
+            );
+            assert!(moved.iter().all(|&s| next.rank_of(s) != 1));
+            // Rank 1's own slots keep their entries: only the table stops routing to them.
+            assert_eq!(a.phy2log()[6..12], b.phy2log()[6..12]);
+        }
+        // The second node of two (ranks 2 and 3) with 16 redundant slots: ranks 0 and 1 hold all.
+        let map = SlotMap::contiguous(16, 4, 16, 1).unwrap();
+        let next = map.survive(&[2, 3]).unwrap();
+        assert!((0..16).all(|g| !next.layer(0).replicas(g).is_empty()));
+    }
+
+    /// No room: the error names the layer and an expert; a rank out of range, or the leader,
+    /// cannot be out of the group.
+    #[test]
+    fn a_loss_without_room_is_refused_by_layer_and_expert() {
+        let map = SlotMap::contiguous(16, 4, 4, 1).unwrap();
+        let e = map.survive(&[1]).unwrap_err();
+        assert!(
+            e.contains("layer 0:") && e.contains("no redundant slot for expert"),
+            "{e}"
+        );
+        let map = SlotMap::contiguous(16, 4, 0, 1).unwrap();
+        assert!(map.survive(&[2]).is_err());
+        let t = map.to_file().phy2log;
+        assert!(SlotMap::without(16, 4, t.clone(), vec![0]).is_err());
+        assert!(SlotMap::without(16, 4, t.clone(), vec![4]).is_err());
+        let e = SlotMap::without(16, 4, t, vec![3]).unwrap_err();
+        assert!(e.contains("has no slot on a rank in the group"), "{e}");
+    }
+
     #[test]
     fn the_replica_table_lists_near_replicas_and_pads_with_the_last() {
         // 4 experts, 2 ranks, 2 redundant: rank 0 holds 0 1 2, rank 1 holds 2 3 0.

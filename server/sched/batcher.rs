@@ -94,6 +94,7 @@ pub async fn run_batcher(
 ) {
     let mut queue: VecDeque<Queued> = VecDeque::new();
     loop {
+        requeue(&mut queue, cfg.redo.as_deref());
         let now = std::time::Instant::now();
         queue.retain(|q| {
             if q.expired(now) {
@@ -166,23 +167,14 @@ pub async fn run_batcher(
                     if let Some(p) = &cfg.pace {
                         p.formed();
                     }
+                    requeue(&mut queue, cfg.redo.as_deref());
                     permit.send(take_step(&mut queue, cfg.cap()))
                 }
                 None => break,
             },
             _ = changed(pace) => {}
-            _ = redone(cfg.redo.as_deref()) => {
-                let redo = cfg.redo.as_deref().expect("woken by it");
-                let since = Instant::now();
-                for s in redo.take().into_iter().rev() {
-                    let Segment { job, rows } = s;
-                    // The rest of the request, where it is still queued right after these.
-                    match queue.iter_mut().find(|q| Arc::ptr_eq(&q.job, &job) && q.next_row == rows.end) {
-                        Some(q) => q.next_row = rows.start,
-                        None => queue.push_front(Queued { job, next_row: rows.start, end: rows.end, since }),
-                    }
-                }
-            }
+            // Taken at the top of the loop and before each step.
+            _ = redone(cfg.redo.as_deref()) => {}
             _ = tokio::time::sleep_until(wake_at.unwrap_or_else(Instant::now)), if wake_at.is_some() => {}
             _ = wake.notified() => {}
             _ = stop.cancelled(), if open => {}
@@ -207,6 +199,26 @@ pub async fn run_batcher(
     }
     for q in queue {
         q.job.fail(status.clone());
+    }
+}
+
+/// Rows given back (a lost rank's steps) at the front of the queue, oldest first, each merged
+/// with the rest of its request where that is queued right after it.
+fn requeue(queue: &mut VecDeque<Queued>, redo: Option<&Redo>) {
+    let Some(redo) = redo else { return };
+    let since = Instant::now();
+    for s in redo.take().into_iter().rev() {
+        let Segment { job, rows } = s;
+        let rest = (queue.iter_mut()).find(|q| Arc::ptr_eq(&q.job, &job) && q.next_row == rows.end);
+        match rest {
+            Some(q) => q.next_row = rows.start,
+            None => queue.push_front(Queued {
+                job,
+                next_row: rows.start,
+                end: rows.end,
+                since,
+            }),
+        }
     }
 }
 
@@ -347,6 +359,17 @@ mod tests {
         steps: usize,
         pace: Option<Arc<Pace>>,
     ) -> Harness {
+        harness_redo(max_tokens_per_step, max_wait_ms, depth, steps, pace, None)
+    }
+
+    fn harness_redo(
+        max_tokens_per_step: usize,
+        max_wait_ms: u64,
+        depth: usize,
+        steps: usize,
+        pace: Option<Arc<Pace>>,
+        redo: Option<Arc<Redo>>,
+    ) -> Harness {
         let (jobs, jrx) = mpsc::channel(64);
         let (stx, steps) = mpsc::channel(steps);
         let cfg = BatchConfig {
@@ -355,7 +378,7 @@ mod tests {
             depth,
             gauge: metric_names::STEPS_IN_FLIGHT,
             pace,
-            redo: None,
+            redo,
         };
         let in_flight = Arc::new(Semaphore::new(depth));
         let (wake, stop) = (Arc::new(Notify::new()), CancellationToken::new());
@@ -410,6 +433,61 @@ mod tests {
         ready.add_permits(1);
         let s = srx.recv().await.unwrap();
         assert_eq!((s.layer, sizes(&s)), (0, vec![(11, 5..11)]));
+        stop.cancel();
+        task.await.unwrap();
+    }
+
+    /// Rows a lost rank's steps gave back run first, in steps of the smaller cap, merged with
+    /// the rest of their request where it is queued right after them; a request never has two
+    /// segments in one step (its delivery fills one buffer).
+    #[tokio::test(start_paused = true)]
+    async fn rows_given_back_run_first_one_segment_a_request_a_step() {
+        let redo = Arc::new(Redo::new(usize::MAX));
+        let h = harness_redo(8, 5, 1, 1, None, Some(redo.clone()));
+        let (jtx, mut srx, stop, task, ready) = (h.jobs, h.steps, h.stop, h.task, h.in_flight);
+        let (a, _ra) = job(0, 12, None);
+        let (b, _rb) = job(0, 4, None);
+        jtx.send(a.clone()).await.unwrap();
+        let s = srx.recv().await.unwrap();
+        assert_eq!(s.segments[0].rows, 0..8);
+        // That step is ended by a loss: its rows come back, the cap falls to 6; b is queued.
+        jtx.send(b.clone()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        redo.set_cap(6);
+        redo.give(s.segments);
+        ready.add_permits(1);
+        let rows = |s: &Step| -> Vec<(usize, std::ops::Range<usize>)> {
+            (s.segments.iter())
+                .map(|g| (g.job.input.tokens, g.rows.clone()))
+                .collect()
+        };
+        // a's rows 0..8 merged with its queued 8..12: one range, first, cut at the cap.
+        let s = srx.recv().await.unwrap();
+        assert_eq!(rows(&s), vec![(12, 0..6)]);
+        ready.add_permits(1);
+        let s = srx.recv().await.unwrap();
+        assert_eq!(rows(&s), vec![(12, 6..12)]);
+        ready.add_permits(1);
+        let s = srx.recv().await.unwrap();
+        assert_eq!(rows(&s), vec![(4, 0..4)]);
+        // Two separate ranges of one request given back: never in the same step.
+        let (c, _rc) = job(0, 10, None);
+        redo.give(vec![
+            Segment {
+                job: c.clone(),
+                rows: 0..2,
+            },
+            Segment {
+                job: c.clone(),
+                rows: 6..8,
+            },
+        ]);
+        ready.add_permits(1);
+        let s = srx.recv().await.unwrap();
+        assert_eq!(rows(&s), vec![(10, 0..2)]);
+        ready.add_permits(1);
+        let s = srx.recv().await.unwrap();
+        assert_eq!(rows(&s), vec![(10, 6..8)]);
         stop.cancel();
         task.await.unwrap();
     }

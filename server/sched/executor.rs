@@ -147,6 +147,7 @@ impl<B: Backend> Executor<B> {
                     source,
                 })?;
         }
+        recover::export_roster(link.roster.world());
         let loss = redo.map(|redo| recover::Loss::new(redo, heard, link.roster.clone()));
         Ok(Self {
             loss,

@@ -137,3 +137,36 @@ pub enum StepError {
     #[error("step {step}: {msg}")]
     Corrupt { step: u64, msg: String },
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Leader ingress without a lost rank: the rows split over the ranks left, each once, in
+    /// rank order; the lost rank has none, and the most a rank holds follows.
+    #[test]
+    fn home_rows_split_over_the_ranks_left() {
+        let desc = StepDesc {
+            step: 1,
+            layer: 0,
+            tokens: 10,
+            cell: 0,
+            client_routing: false,
+            input: Dtype::F32,
+            output: Dtype::F32,
+            homes: Vec::new(),
+            placement: 0,
+            lost: vec![2],
+        };
+        let homes: Vec<_> = (0..4).map(|r| desc.home(4, r, 8)).collect();
+        assert_eq!(homes, vec![0..4, 4..7, 0..0, 7..10]);
+        assert_eq!(desc.most_home(4), 4);
+        assert!(desc.is_lost(2) && !desc.is_lost(3));
+        let whole = StepDesc {
+            lost: Vec::new(),
+            ..desc
+        };
+        assert_eq!(whole.home(4, 3, 8), 8..10);
+        assert_eq!(whole.most_home(4), 3);
+    }
+}

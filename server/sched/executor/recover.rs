@@ -57,11 +57,6 @@ pub struct Loss {
 
 impl Loss {
     pub fn new(redo: Arc<Redo>, heard: Receiver<Heard>, roster: Roster) -> Self {
-        let world = roster.world();
-        metrics::gauge!(metric_names::GROUP_RANKS, "state" => "live").set(world as f64);
-        metrics::gauge!(metric_names::GROUP_RANKS, "state" => "lost").set(0.0);
-        metrics::gauge!(metric_names::GROUP_EPOCH).set(0.0);
-        metrics::counter!(metric_names::RANK_LOSSES_TOTAL).increment(0);
         Self {
             redo,
             heard,
@@ -95,6 +90,15 @@ impl Loss {
 }
 
 pub use crate::api::RosterView;
+
+/// The group's series from the start, whether or not it may go on without a rank: every
+/// rank live, epoch 0.
+pub fn export_roster(world: usize) {
+    metrics::gauge!(metric_names::GROUP_RANKS, "state" => "live").set(world as f64);
+    metrics::gauge!(metric_names::GROUP_RANKS, "state" => "lost").set(0.0);
+    metrics::gauge!(metric_names::GROUP_EPOCH).set(0.0);
+    metrics::counter!(metric_names::RANK_LOSSES_TOTAL).increment(0);
+}
 
 /// Whether the group may go on after `e`: a lost or stopped peer, not a wrong result or a
 /// device that failed.
