@@ -84,6 +84,12 @@ impl Abort {
         }
         self.any_fenced.store(true, Ordering::Release);
     }
+    /// `rank` is back in the group.
+    pub fn unfence(&self, rank: usize) {
+        let mut f = self.fenced.lock().unwrap_or_else(|e| e.into_inner());
+        f.retain(|&r| r != rank);
+        self.any_fenced.store(!f.is_empty(), Ordering::Release);
+    }
     /// Whether `rank` is out of the group.
     pub fn is_fenced(&self, rank: usize) -> bool {
         self.any_fenced.load(Ordering::Acquire)

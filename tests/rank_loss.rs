@@ -278,6 +278,93 @@ async fn a_lost_node_is_left_behind_and_no_request_fails() {
     lose_under_load("loss-node", &flags, &[2, 3], "KILL", Duration::from_secs(3)).await;
 }
 
+/// The killed rank restarted with its command line rejoins: the group is whole again (epoch 2),
+/// the restarted rank computes rows, and no request of the steady load fails or is off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_rank_restarted_rejoins_and_no_request_fails() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let (dir, spec, refs) = checkpoint("loss-rejoin");
+    let group = Group::launch(RANKS, &dir.0.display().to_string(), FLAGS);
+    let metrics = group.metrics_addrs(RANKS);
+    let mut c = group.client().await;
+    let (spec, refs) = (Arc::new(spec), Arc::new(refs));
+    let stop = Arc::new(AtomicBool::new(false));
+    let tally = Arc::new(Tally::default());
+    let clients = load(&group, spec.clone(), refs, stop.clone(), tally.clone()).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let pid = group.proc.rank_pid(2);
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    let args: Vec<String> = (cmdline.split(|&b| b == 0))
+        .skip(1)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8(a.to_vec()).unwrap())
+        .collect();
+    kill(pid, "KILL");
+    let until = |want: Vec<u32>, what: &'static str| {
+        let mut c = c.clone();
+        async move {
+            let end = Instant::now() + Duration::from_secs(60);
+            while model_info(&mut c).await.live_ranks != want {
+                assert!(Instant::now() < end, "{what}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    until(vec![0, 1, 3], "rank 2 never lost").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut back = Proc::spawn(&args);
+    let asked = Instant::now();
+    until(vec![0, 1, 2, 3], "rank 2 never rejoined").await;
+    let rejoined = asked.elapsed();
+    let at = back
+        .wait_for(" metrics on http://", Duration::from_secs(5))
+        .unwrap();
+    let at = at
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .trim_end_matches("/metrics");
+    let steps_before = sum(&scrape(at), "epserve_steps_total", &[]);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let steps_after = sum(&scrape(at), "epserve_steps_total", &[]);
+    stop.store(true, Ordering::Release);
+    for c in clients {
+        c.await.unwrap();
+    }
+    let failures = tally.failures.lock().unwrap().clone();
+    assert!(
+        failures.is_empty(),
+        "{} failed: {:?}\n{}\n{}",
+        failures.len(),
+        &failures[..failures.len().min(5)],
+        group.proc.log_text(),
+        back.log_text()
+    );
+    assert!(
+        steps_after > steps_before,
+        "the rejoined rank ran no step ({steps_before} then {steps_after})\n{}",
+        back.log_text()
+    );
+    let info = model_info(&mut c).await;
+    assert_eq!(
+        (info.group_epoch, info.lost_ranks.len()),
+        (2, 0),
+        "{}\n{}",
+        group.proc.log_text(),
+        back.log_text()
+    );
+    let m = scrape(&metrics[0]);
+    assert_eq!(sum(&m, "epserve_group_ranks", &[("state", "live")]), 4.0);
+    assert_eq!(sum(&m, "epserve_rank_losses_total", &[]), 1.0);
+    let answers = tally.answers.load(Ordering::Relaxed);
+    eprintln!(
+        "rank 2 killed, restarted and back in {rejoined:?}: {answers} answers, none failed; it ran {} steps in the 2 s after",
+        steps_after - steps_before
+    );
+    drop(group);
+    let _ = back.wait_exit(Duration::from_secs(10));
+}
+
 /// After one loss the ranks left have no room for a second one's experts: the group ends, and
 /// its leader says which layer and expert had nowhere to go.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

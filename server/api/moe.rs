@@ -18,8 +18,7 @@ use crate::proto::{
 use crate::request::{Failure, JobInput, Permit};
 use crate::transport::unary::{Spliced, Unary};
 
-/// The group's epoch and the ranks out of it now (`--on-rank-loss continue`).
-pub type RosterView = Arc<dyn Fn() -> (u32, Vec<u32>) + Send + Sync>;
+pub use crate::sched::RosterView;
 
 /// The expert placement now: its epoch and each layer's slots.
 pub type PlacementView = Arc<dyn Fn() -> (u32, Vec<proto::LayerPlacement>) + Send + Sync>;

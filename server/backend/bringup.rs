@@ -35,6 +35,9 @@ pub struct Site<'a> {
     pub ring: &'a dyn Fn() -> anyhow::Result<Arc<Ring>>,
     pub deadline: Instant,
     pub abort: Arc<Abort>,
+    /// The group goes on without a lost rank: the segment and ring files stay while it runs,
+    /// for a restarted rank to map (their owners remove them on exit).
+    pub keep_files: bool,
 }
 
 /// One rank's backend on its way into the group.

@@ -2,6 +2,7 @@
 //! channel that carries step descriptors. Every wait has a deadline and names who is missing.
 
 pub mod msg;
+pub mod rejoin;
 
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -166,6 +167,8 @@ pub struct ControlLink {
     /// Ranks out of the group (`--on-rank-loss continue`), by rank: nothing more is sent to
     /// them.
     pub out: Vec<bool>,
+    /// The group goes on without a lost rank (`--on-rank-loss continue`).
+    pub go_on: bool,
 }
 
 impl ControlLink {
@@ -179,6 +182,8 @@ impl ControlLink {
         group: &str,
         nccl_id: Option<Vec<u8>>,
         timeout: Duration,
+        // Whether the group will go on without a lost rank, once the ranks' nodes are known.
+        go_on: &dyn Fn(&Roster) -> Result<bool, String>,
     ) -> Result<Self, GroupError> {
         let world = want.world;
         let deadline = Instant::now() + timeout;
@@ -272,11 +277,20 @@ impl ControlLink {
             out: vec![false; workers.len() + 1],
             workers,
             roster: Roster(seats.clone()),
+            go_on: false,
+        };
+        link.go_on = match go_on(&link.roster) {
+            Ok(g) => g,
+            Err(why) => {
+                link.reject_all(&format!("startup failed at rank 0: {why}"));
+                return Err(GroupError::Rejected(why));
+            }
         };
         link.broadcast(&Bringup::Welcome {
             group: group.to_string(),
             seats,
             nccl_id,
+            go_on: link.go_on,
         })?;
         Ok(link)
     }
@@ -306,6 +320,21 @@ impl ControlLink {
         if let Some(w) = rank.checked_sub(1).and_then(|i| self.workers.get(i)) {
             let _ = w.shutdown(std::net::Shutdown::Both);
         }
+    }
+
+    /// `rank` is back (restarted, its bring-up done): orders go to it on `stream` again.
+    pub fn readmit(&mut self, rank: usize, stream: TcpStream) -> Result<(), GroupError> {
+        stream
+            .set_read_timeout(None)
+            .map_err(io("control socket"))?;
+        if let (Some(w), Some(o)) = (
+            rank.checked_sub(1).and_then(|i| self.workers.get_mut(i)),
+            self.out.get_mut(rank),
+        ) {
+            *w = stream;
+            *o = false;
+        }
+        Ok(())
     }
 
     /// Waits until every rank has sent `expect(rank)`.
@@ -504,6 +533,8 @@ pub struct Joined {
     pub nccl_id: Option<Vec<u8>>,
     /// Every rank's node and data address, by rank.
     pub roster: Roster,
+    /// The group goes on without a lost rank (`Bringup::Welcome::go_on`).
+    pub go_on: bool,
 }
 
 /// Who joins: its place, its node and data listener's port.
@@ -573,11 +604,13 @@ pub fn join(
             group,
             seats,
             nccl_id,
+            go_on,
         } => Ok(Joined {
             stream,
             group,
             nccl_id,
             roster: Roster(seats),
+            go_on,
         }),
         other => Err(GroupError::Protocol(format!(
             "expected welcome, got {other:?}"
@@ -636,6 +669,7 @@ mod tests {
             out: vec![false; workers.len() + 1],
             workers,
             roster: Roster(Vec::new()),
+            go_on: false,
         };
         let e = link.broadcast(&Order::Shutdown).unwrap_err();
         assert!(e.to_string().contains("rank 2"), "{e}");

@@ -38,6 +38,10 @@ pub enum Bringup {
         /// The NCCL unique id of the group's communicator (GPU backends).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         nccl_id: Option<Vec<u8>>,
+        /// The group goes on without a lost rank (`--on-rank-loss continue`): segment and ring
+        /// files stay while it runs, for a restarted rank to map when it rejoins.
+        #[serde(default)]
+        go_on: bool,
     },
     /// Leader to a rank: startup failed, or this rank may not join.
     Reject {
@@ -110,6 +114,12 @@ pub enum Order {
         epoch: u32,
         lost: Vec<u32>,
     },
+    /// Lost `rank` restarted and made its segment again: map it (`Report::Rejoined`); it takes
+    /// rows once a `Roster` no longer lists it.
+    Rejoin {
+        rank: usize,
+        pid: u32,
+    },
 }
 
 /// Leader to ranks, `--ingress all` only.
@@ -148,6 +158,13 @@ pub enum Report {
     Halted {
         rank: usize,
         epoch: u32,
+    },
+    /// This rank mapped the segment of rejoining rank `of` (or could not: `error`).
+    Rejoined {
+        rank: usize,
+        of: usize,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
     },
     /// A step failed here for want of a peer (`--on-rank-loss continue`): this rank goes on and
     /// waits for the leader to halt the group.

@@ -17,6 +17,9 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
 
 mod recover;
+mod rejoin;
+
+pub use recover::RosterView;
 
 use super::coordinator::Offer;
 use super::job::{Job, Segment, Step};
@@ -67,6 +70,11 @@ impl Control {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .broadcast(msg)
+    }
+
+    /// `rank` is back on `stream` (`ControlLink::readmit`).
+    pub fn readmit(&self, rank: usize, stream: TcpStream) -> Result<(), GroupError> {
+        (self.0.lock().unwrap_or_else(|e| e.into_inner())).readmit(rank, stream)
     }
 
     /// Takes `rank` out of the group (`ControlLink::lose`).
@@ -123,32 +131,22 @@ impl<B: Backend> Executor<B> {
         // leaving the leader to find out at the step timeout.
         let closing = Arc::new(AtomicBool::new(false));
         for (i, w) in link.workers.iter().enumerate() {
-            let mut r = w.try_clone().map_err(|source| GroupError::Io {
-                what: "control socket".into(),
-                source,
-            })?;
-            let (abort, closing, events) = (abort.clone(), closing.clone(), events.clone());
-            let (balance, heard) = (balance.clone(), heard_tx.clone());
-            let rank = i + 1;
-            std::thread::Builder::new()
-                .name(format!("ctl-rank{rank}"))
-                .spawn(move || {
-                    let watch = Watch {
-                        rank,
-                        stride,
-                        events,
-                        balance,
-                        heard,
-                    };
-                    watch.run(&mut r, &abort, &closing)
-                })
-                .map_err(|source| GroupError::Io {
-                    what: "spawning a control reader".into(),
-                    source,
-                })?;
+            let watch = Watch {
+                rank: i + 1,
+                stride,
+                events: events.clone(),
+                balance: balance.clone(),
+                heard: heard_tx.clone(),
+            };
+            watch.spawn(w, abort.clone(), closing.clone())?;
         }
         recover::export_roster(link.roster.world());
-        let loss = redo.map(|redo| recover::Loss::new(redo, heard, link.roster.clone()));
+        let loss = match (redo, heard_tx) {
+            (Some(redo), Some(tx)) => {
+                Some(recover::Loss::new(redo, (tx, heard), link.roster.clone()))
+            }
+            _ => None,
+        };
         Ok(Self {
             loss,
             progress: driver.progress(),
@@ -216,6 +214,11 @@ impl<B: Backend> Executor<B> {
             // One deadline for the whole step, whichever wait it ends up in.
             deadline: now + self.step_timeout,
             own: None,
+            lost: self
+                .loss
+                .as_ref()
+                .map(|l| l.lost.clone())
+                .unwrap_or_default(),
         });
         let f = flight.back().expect("pushed just now");
         if let Some(reason) = self.abort.reason() {
@@ -239,11 +242,7 @@ impl<B: Backend> Executor<B> {
             output: f.step.output,
             homes: f.step.homes.clone(),
             placement: self.stamp(),
-            lost: self
-                .loss
-                .as_ref()
-                .map(|l| l.lost.clone())
-                .unwrap_or_default(),
+            lost: f.lost.clone(),
         };
         self.ring
             .publish_input(&desc)
@@ -288,11 +287,9 @@ impl<B: Backend> Executor<B> {
     ) -> Result<Option<PhaseTimes>, ExecutorError> {
         // Past the deadline the waits below say which rank is missing and why.
         let wait = wait || Instant::now() >= f.deadline;
-        let lost = self
-            .loss
-            .as_ref()
-            .map(|l| l.lost.clone())
-            .unwrap_or_default();
+        // The ranks out of the group when the step started, not now: a rank back since took
+        // no part in it.
+        let lost = f.lost.clone();
         let seq = (f.seq, &lost[..]);
         if f.own.is_none() {
             if !wait && !self.driver.ready()? {
@@ -392,6 +389,12 @@ impl<B: Backend> Executor<B> {
         };
         let mut idle_since = Instant::now();
         let result = loop {
+            if let Some(c) = self.comer() {
+                let rank = c.rank;
+                if let Err(e) = self.rejoin(c) {
+                    tracing::warn!(rank, "{e}; rank {rank} stays out of the group");
+                }
+            }
             // Start every step there is room for before finishing the oldest: a GPU rank only
             // queues it, and the sooner it is queued the less its GPU idles.
             let started = if flight.is_empty() {
@@ -590,6 +593,8 @@ struct SentStep {
     deadline: Instant,
     /// This rank's share, once completed.
     own: Option<PhaseTimes>,
+    /// The ranks out of the group it ran without (`StepDesc::lost`).
+    lost: Vec<u32>,
 }
 
 /// The ring cells not held by a step in flight. A step holds an `in_flight` permit before it
@@ -685,6 +690,27 @@ struct Watch {
 }
 
 impl Watch {
+    /// Reads `stream` on a thread of its own.
+    fn spawn(
+        self,
+        stream: &TcpStream,
+        abort: Arc<Abort>,
+        closing: Arc<AtomicBool>,
+    ) -> Result<(), GroupError> {
+        let mut r = stream.try_clone().map_err(|source| GroupError::Io {
+            what: "control socket".into(),
+            source,
+        })?;
+        std::thread::Builder::new()
+            .name(format!("ctl-rank{}", self.rank))
+            .spawn(move || self.run(&mut r, &abort, &closing))
+            .map(drop)
+            .map_err(|source| GroupError::Io {
+                what: "spawning a control reader".into(),
+                source,
+            })
+    }
+
     /// Passes on offers and drain messages (`--ingress all`) until the rank fails, sends
     /// something it should not, or disconnects, which breaks the group unless it is closing.
     fn run(&self, stream: &mut TcpStream, abort: &Abort, closing: &AtomicBool) {
@@ -700,6 +726,9 @@ impl Watch {
                     break (format!("rank {rank} failed: {reason}"), false)
                 }
                 Ok(Report::Halted { epoch, .. }) => self.hear(recover::Heard::Halted(rank, epoch)),
+                Ok(Report::Rejoined { of, error, .. }) => {
+                    self.hear(recover::Heard::Rejoined(rank, of, error))
+                }
                 Ok(Report::StepFailed { reason, .. }) => {
                     let why = format!("rank {rank}: {reason}");
                     match &self.heard {

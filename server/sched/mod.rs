@@ -19,7 +19,7 @@ pub(crate) mod rows;
 pub use balancer::spawn as spawn_balancer;
 pub use batcher::{run_batcher, BatchConfig};
 pub use coordinator::{run_coordinator, CoordConfig, Offer};
-pub use executor::{Control, Executor, ExecutorError, PeerEvents};
+pub use executor::{Control, Executor, ExecutorError, PeerEvents, RosterView};
 pub use job::{Job, Segment, Step, Timings};
 pub use own_rows::{lock, Offered, OwnRows, PackOrder, RowsError};
 pub use pace::Pace;

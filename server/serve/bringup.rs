@@ -68,7 +68,7 @@ pub fn bring_up(
     reach: Reach,
 ) -> anyhow::Result<Box<dyn Backend + Send>> {
     let [created, joined] = rank.barriers();
-    let deadline = site.deadline;
+    let (deadline, keep) = (site.deadline, site.keep_files);
     rank.create(&site)?;
     side.barrier(
         created,
@@ -84,7 +84,9 @@ pub fn bring_up(
         Bringup::Go,
         deadline,
     )?;
-    backend.group_started();
+    if !keep {
+        backend.group_started();
+    }
     Ok(backend)
 }
 

@@ -448,7 +448,7 @@ fn accept_ranks(
     args: &ServeArgs,
     p: &Prepared,
     rank: &dyn BringUp,
-    listener: TcpListener,
+    listener: &TcpListener,
     data_port: u16,
 ) -> anyhow::Result<(ControlLink, String, Option<Vec<u8>>)> {
     let world = p.member.place.world;
@@ -471,7 +471,11 @@ fn accept_ranks(
         token: args.group_token.as_deref().unwrap_or_default(),
     };
     let timeout = args.rendezvous_timeout;
-    let link = ControlLink::accept(&listener, &want, &group_id, nccl_id.clone(), timeout)?;
+    let go_on = |roster: &crate::nodes::Roster| {
+        super::loss::decide(args.on_rank_loss, p.backend, args.ingress, &p.slots, roster)
+            .map_err(|e| format!("{e:#}"))
+    };
+    let link = ControlLink::accept(listener, &want, &group_id, nccl_id.clone(), timeout, &go_on)?;
     Ok((link, group_id, nccl_id))
 }
 
@@ -490,22 +494,9 @@ fn form_group(
     let timeout = args.rendezvous_timeout;
     let data = DataListener::bind(args.data_listen, &p.member.rendezvous)?;
     let (mut link, group_id, nccl_id) =
-        accept_ranks(args, &p, rank.as_ref(), listener, data.port()?)?;
+        accept_ranks(args, &p, rank.as_ref(), &listener, data.port()?)?;
     let roster = link.roster.clone();
-    let go_on = super::loss::decide(
-        args.on_rank_loss,
-        p.backend,
-        args.ingress,
-        &p.slots,
-        &roster,
-    );
-    let go_on = match go_on {
-        Ok(g) => g,
-        Err(e) => {
-            link.reject_all(&format!("startup failed at rank 0: {e:#}"));
-            return Err(e);
-        }
-    };
+    let go_on = link.go_on;
     let redo = go_on.then(|| Arc::new(Redo::new(args.max_tokens_per_step)));
     let dir = swept_segment_dir(args)?;
     let dir = dir.as_path();
@@ -526,6 +517,7 @@ fn form_group(
             ring: &mapped,
             deadline,
             abort: abort.clone(),
+            keep_files: go_on,
         };
         let reach = Reach {
             listener: data,
@@ -535,7 +527,9 @@ fn form_group(
         };
         crate::startup::enter(crate::startup::Stage::BringUp);
         let backend = bring_up(&mut Side::Leader(&mut link), rank, site, reach)?;
-        ring.unlink();
+        if !go_on {
+            ring.unlink();
+        }
         let ingress = match events {
             Some(_) => link.gather_listening(here.clone(), deadline)?,
             None => vec![here.clone()],
@@ -556,18 +550,31 @@ fn form_group(
     super::site::group_info(p.backend, 0, world);
     log_nodes(&roster);
     let buffers = crate::step::buffer_sizes(&rank.buffers());
+    // Logged per mode by every rank as its groups were made.
+    let footprint = rank.ep_footprint();
+    let mut exec = Executor::new(
+        driver(args, &p, rank),
+        ring,
+        link,
+        abort,
+        args.step_timeout,
+        events,
+        (Arc::new(balance(args, &p, &roster)), redo.clone()),
+    )?;
+    if go_on {
+        // A lost rank that restarts comes back through the rendezvous port.
+        let door = crate::group::rejoin::Door {
+            world,
+            fingerprint: p.fingerprint.clone(),
+            token: args.group_token.clone().unwrap_or_default(),
+            roster: roster.clone(),
+            host: group::host_id(),
+        };
+        exec.open_door(listener, door, &group_id)?;
+    }
     let formed = Formed {
-        // Logged per mode by every rank as its groups were made.
-        footprint: rank.ep_footprint(),
-        exec: Executor::new(
-            driver(args, &p, rank),
-            ring,
-            link,
-            abort,
-            args.step_timeout,
-            events,
-            (Arc::new(balance(args, &p, &roster)), redo.clone()),
-        )?,
+        footprint,
+        exec,
         redo,
         ingress,
         nodes: roster.0.iter().map(|s| s.node.clone()).collect(),

@@ -57,6 +57,8 @@ struct InGroup {
     ring: Option<Arc<Ring>>,
     /// Every rank's node and process (a lost rank of this node is fenced from here too).
     roster: crate::nodes::Roster,
+    /// The group goes on without a lost rank (`--on-rank-loss continue`).
+    go_on: bool,
 }
 
 /// Joins the leader's group and brings the backend up in lockstep with it (then tells the leader
@@ -75,6 +77,7 @@ fn join(
         group: group_id,
         nccl_id,
         roster,
+        go_on,
     } = joined;
     if let Some(c) = clients {
         c.set_nodes(&roster);
@@ -99,6 +102,7 @@ fn join(
             ring: &open_ring,
             deadline,
             abort: abort.clone(),
+            keep_files: go_on,
         };
         let reach = Reach {
             listener: data,
@@ -117,14 +121,19 @@ fn join(
                 None => Ok(b),
             })
     };
-    // Every rank of the node mapped it (or the bring-up failed): its file can go.
-    let ring = ring.unlink();
+    // Every rank of the node mapped it (or the bring-up failed): its file can go, unless a
+    // restarted rank may map it again.
+    let ring = match go_on && setup.is_ok() {
+        true => ring.keep(),
+        false => ring.unlink(),
+    };
     match setup {
         Ok(backend) => Ok(InGroup {
             stream,
             backend,
             ring,
             roster,
+            go_on,
         }),
         Err(e) => {
             let reason = format!("{e:#}");
@@ -187,6 +196,11 @@ impl NodeRing {
         let ring = Arc::new(Ring::open(&self.path, self.shape).context("mapping the step ring")?);
         *self.mapped.borrow_mut() = Some(ring.clone());
         Ok(ring)
+    }
+
+    /// The mapping, its file kept (for a restarted rank to map; it goes with the mapping).
+    fn keep(self) -> Option<Arc<Ring>> {
+        self.mapped.into_inner()
     }
 
     /// Once every rank of the node has mapped it (or the bring-up failed): its file goes, the
@@ -258,7 +272,7 @@ fn follow(
         step_timeout: args.step_timeout,
         ingress,
         abort,
-        go_on: false,
+        go_on: m.go_on,
         roster: m.roster,
     }
     .run(stream, driver);
@@ -484,8 +498,32 @@ impl Follow {
                     Err(e) => Next::Fail((None, anyhow!("telling the leader: {e}"))),
                 }
             }
+            Ok(Order::Rejoin { rank, pid }) => {
+                let error = driver.rejoin(rank).err();
+                if let Some(seat) = self.roster.0.get_mut(rank) {
+                    seat.pid = pid;
+                }
+                match &error {
+                    None => info!(rank, "mapped rejoining rank {rank}'s segment"),
+                    Some(e) => tracing::warn!(rank, "rejoining rank {rank}: {e}"),
+                }
+                let report = Report::Rejoined {
+                    rank: driver.rank,
+                    of: rank,
+                    error,
+                };
+                match self.writer.send(&report) {
+                    Ok(()) => Next::Go,
+                    Err(e) => Next::Fail((None, anyhow!("telling the leader: {e}"))),
+                }
+            }
             Ok(Order::Roster { epoch, lost }) => {
                 self.go_on = true;
+                for r in 0..self.roster.world() {
+                    if !lost.contains(&(r as u32)) {
+                        self.abort.unfence(r);
+                    }
+                }
                 for &r in &lost {
                     self.abort.fence(r as usize);
                     if let Some(said) = self.roster.fence(driver.rank, r as usize) {

@@ -55,6 +55,11 @@ pub trait Backend {
             "placement epoch {epoch}: this backend's expert slots do not move"
         ))
     }
+    /// Lost `rank` restarted: map what it made again (its exchange segment), between steps.
+    /// A backend that cannot take a rank back says so.
+    fn rejoin(&mut self, rank: usize) -> Result<(), String> {
+        Err(format!("this backend cannot take rank {rank} back"))
+    }
     /// The NCCL EP exchange's footprint on this GPU (the nccl-ep backend only).
     fn ep_footprint(&self) -> Option<EpFootprint> {
         None
@@ -131,6 +136,9 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
     fn group_started(&self) {
         (**self).group_started()
+    }
+    fn rejoin(&mut self, rank: usize) -> Result<(), String> {
+        (**self).rejoin(rank)
     }
 }
 
@@ -324,6 +332,11 @@ impl<B: Backend> Driver<B> {
         }
         self.flight.push_back((desc.clone(), at, self.map.clone()));
         Ok(())
+    }
+
+    /// Lost `rank` restarted: this rank maps what it made again (`Backend::rejoin`).
+    pub fn rejoin(&mut self, rank: usize) -> Result<(), String> {
+        self.backend.rejoin(rank)
     }
 
     /// Ends every step in flight without their results (a halt: their rows run again).

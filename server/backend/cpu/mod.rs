@@ -141,6 +141,9 @@ pub struct CpuRank {
     /// Every rank's segment by rank: mapped (this node's; this rank's own is what peers write
     /// into and all it reads, `own_of`) or linked (another node's).
     segs: Vec<Peer>,
+    /// Where the node's segments are (a rejoining rank's is mapped again from there).
+    dir: PathBuf,
+    group: String,
     ring: Arc<Ring>,
     abort: Arc<Abort>,
     step_timeout: Duration,
@@ -193,7 +196,16 @@ impl CpuRank {
         rank: usize,
         shape: SegmentShape,
     ) -> std::io::Result<Shm> {
-        Shm::create(&segment_path(dir, group, rank), shape.bytes())
+        let path = segment_path(dir, group, rank);
+        match Shm::create(&path, shape.bytes()) {
+            // This rank of this group ran before, and was killed: a rank rejoining replaces
+            // its old file (its peers map the new one).
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                std::fs::remove_file(&path)?;
+                Shm::create(&path, shape.bytes())
+            }
+            r => r,
+        }
     }
 
     /// Maps the segment of every peer of its node, takes the links to the others, and builds
@@ -271,6 +283,8 @@ impl CpuRank {
             spec,
             weights,
             segs,
+            dir: dir.to_path_buf(),
+            group: group.to_string(),
             ring,
             abort,
             step_timeout,
@@ -620,6 +634,19 @@ impl Backend for CpuRank {
             self.weights.layers[l].experts[i] = ffn;
         }
         self.map = s.map;
+        Ok(())
+    }
+
+    /// Maps the segment a restarted rank made (on this node; its old mapping goes).
+    fn rejoin(&mut self, rank: usize) -> Result<(), String> {
+        match self.segs.get(rank) {
+            Some(Peer::Mapped(_)) if rank != self.rank => {}
+            _ => return Err(format!("rank {rank} is not a peer of this node")),
+        }
+        let path = segment_path(&self.dir, &self.group, rank);
+        let seg = Shm::open(&path, self.shape.bytes())
+            .map_err(|e| format!("mapping {}: {e}", path.display()))?;
+        self.segs[rank] = Peer::Mapped(seg);
         Ok(())
     }
 

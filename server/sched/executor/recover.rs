@@ -37,17 +37,25 @@ pub enum Heard {
     Halted(usize, u32),
     /// A step failed on the rank for want of a peer; it waits for the halt.
     StepFailed(usize, String),
+    /// The rank mapped the segment of a rejoining rank (or could not, and why).
+    Rejoined(usize, usize, Option<String>),
 }
 
 /// The leader's state for going on without lost ranks.
 pub struct Loss {
     redo: Arc<Redo>,
     heard: Receiver<Heard>,
-    roster: Roster,
+    /// For a rejoining rank's control reader.
+    pub heard_tx: std::sync::mpsc::Sender<Heard>,
+    /// Restarted ranks at the rendezvous port (`Executor::open_door`), and the group's id
+    /// their welcome names.
+    pub comers: Option<Receiver<crate::group::rejoin::Comer>>,
+    pub group: String,
+    pub roster: Roster,
     /// Ranks out of the group, ascending.
     pub lost: Vec<u32>,
-    /// One more at every halt.
-    epoch: u32,
+    /// One more at every halt (and every rank back).
+    pub epoch: u32,
     /// Halts in a row that found no rank lost, with no step finished since: past
     /// `FRUITLESS_HALTS` the group breaks rather than run the same failing steps forever.
     pub fruitless: u32,
@@ -56,10 +64,17 @@ pub struct Loss {
 }
 
 impl Loss {
-    pub fn new(redo: Arc<Redo>, heard: Receiver<Heard>, roster: Roster) -> Self {
+    pub fn new(
+        redo: Arc<Redo>,
+        (heard_tx, heard): (std::sync::mpsc::Sender<Heard>, Receiver<Heard>),
+        roster: Roster,
+    ) -> Self {
         Self {
             redo,
             heard,
+            heard_tx,
+            comers: None,
+            group: String::new(),
             roster,
             lost: Vec::new(),
             epoch: 0,
@@ -74,22 +89,33 @@ impl Loss {
         Arc::new(move || v.lock().unwrap_or_else(|e| e.into_inner()).clone())
     }
 
+    /// Whether the group is without `rank` now (read off the executor's thread).
+    pub fn lost_now(&self) -> Arc<dyn Fn(usize) -> bool + Send + Sync> {
+        let v = self.view.clone();
+        Arc::new(move |r| (v.lock().unwrap_or_else(|e| e.into_inner()).1).contains(&(r as u32)))
+    }
+
     /// Most tokens of a step the ranks left have room for.
     pub fn cap(&self) -> usize {
         self.redo.cap()
     }
 
+    pub fn set_cap(&self, tokens: usize) {
+        self.redo.set_cap(tokens);
+    }
+
     /// Rows to run again in a later step.
-    pub fn give_back(&self, rows: Vec<crate::sched::Segment>) {
+    pub fn give_back(&self, rows: Vec<crate::sched::job::Segment>) {
         self.redo.give(rows);
     }
 
-    fn publish(&self) {
+    pub fn publish(&self) {
         *self.view.lock().unwrap_or_else(|e| e.into_inner()) = (self.epoch, self.lost.clone());
     }
 }
 
-pub use crate::api::RosterView;
+/// Reads the group's epoch and the ranks out of it now (GetModelInfo).
+pub type RosterView = Arc<dyn Fn() -> (u32, Vec<u32>) + Send + Sync>;
 
 /// The group's series from the start, whether or not it may go on without a rank: every
 /// rank live, epoch 0.
@@ -221,6 +247,12 @@ impl<B: Backend> Executor<B> {
         Ok(())
     }
 
+    /// The next report a control reader passes on, within `within` (None: none came).
+    pub(super) fn next_heard(&mut self, within: Duration) -> Option<Heard> {
+        let loss = self.loss.as_mut()?;
+        loss.heard.recv_timeout(within).ok()
+    }
+
     /// Waits (within `HALT_WITHIN`) for every rank in the group to report `Halted` for
     /// `epoch`: the ranks lost meanwhile, and those that stay silent, are the newly lost.
     fn gather_halted(&mut self, epoch: u32) -> Vec<usize> {
@@ -300,6 +332,6 @@ impl<B: Backend> Executor<B> {
     }
 }
 
-fn ms(d: Duration) -> f64 {
+pub(super) fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e4).round() / 10.0
 }
