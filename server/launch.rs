@@ -8,6 +8,8 @@
 
 use std::path::PathBuf;
 use std::process::ExitStatus;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -132,6 +134,7 @@ fn passthrough() -> Vec<String> {
 async fn read_rendezvous(
     out: tokio::process::ChildStdout,
     timeout: std::time::Duration,
+    ready: Arc<AtomicBool>,
 ) -> Option<String> {
     use tokio::io::{AsyncBufReadExt, BufReader};
     let mut lines = BufReader::new(out).lines();
@@ -149,7 +152,10 @@ async fn read_rendezvous(
     .flatten();
     tokio::spawn(async move {
         while let Ok(Some(line)) = lines.next_line().await {
-            println!("{line}");
+            match line == crate::serve::READY_LINE {
+                true => ready.store(true, Ordering::Release),
+                false => println!("{line}"),
+            }
         }
     });
     found
@@ -225,6 +231,8 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
+    // Rank 0 here says when the group serves (`serve::READY_LINE` on its stdout).
+    let group_ready = Arc::new(AtomicBool::new(false));
     runtime.block_on(async move {
         let (exit_tx, mut exit_rx) = mpsc::channel::<(usize, std::io::Result<ExitStatus>)>(children.len().max(1));
         let mut pids = Vec::new();
@@ -268,7 +276,8 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
             cmd.env(crate::sys::LAUNCHER_PID, std::process::id().to_string());
             let mut child = cmd.spawn().with_context(|| format!("spawning rank {rank}"))?;
             if let Some(out) = child.stdout.take() {
-                rendezvous = read_rendezvous(out, args.serve.rendezvous_timeout).await;
+                let timeout = args.serve.rendezvous_timeout;
+                rendezvous = read_rendezvous(out, timeout, group_ready.clone()).await;
             }
             pids.push(child.id().map(|p| Pid::from_raw(p as i32)));
             let tx = exit_tx.clone();
@@ -314,9 +323,10 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                     pids[local] = None;
                     let rank = children[local].rank;
                     let ok = status.as_ref().is_ok_and(ExitStatus::success);
-                    // The leader decides whether the group goes on without another rank: if it
-                    // cannot, it exits too, and its exit stops the group.
-                    if !ok && rank != 0 && go_on {
+                    // Once the group serves, the leader decides whether it goes on without
+                    // another rank: if it cannot, it exits too, and its exit stops the group.
+                    // Before (or with no rank 0 here to say so), a failed rank stops it.
+                    if !ok && rank != 0 && go_on && group_ready.load(Ordering::Acquire) {
                         let why = match &status {
                             Ok(s) => s.to_string(),
                             Err(e) => e.to_string(),

@@ -52,7 +52,26 @@ struct Tally {
     spans: Mutex<Vec<(Instant, Instant)>>,
 }
 
+/// Stops the clients and waits for each to finish its request in flight.
+async fn stop_load(stop: &AtomicBool, clients: Vec<tokio::task::JoinHandle<()>>) {
+    stop.store(true, Ordering::Release);
+    for c in clients {
+        c.await.unwrap();
+    }
+}
+
 impl Tally {
+    /// No request failed and no token was off (the first five said, with `logs`).
+    fn none_failed(&self, logs: &str) {
+        let failures = self.failures.lock().unwrap().clone();
+        assert!(
+            failures.is_empty(),
+            "{} failed: {:?}\n{logs}",
+            failures.len(),
+            &failures[..failures.len().min(5)],
+        );
+    }
+
     /// The longest wait of a request answered after `at`, counted from `at` or its sending,
     /// whichever came later: how long the group took to serve again.
     fn longest_after(&self, at: Instant) -> Duration {
@@ -175,10 +194,7 @@ async fn lose_under_load(tag: &str, flags: &[&str], ranks: &[usize], sig: &str, 
     }
     let recovered_at = Instant::now();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    stop.store(true, Ordering::Release);
-    for c in clients {
-        c.await.unwrap();
-    }
+    stop_load(&stop, clients).await;
     if sig == "STOP" {
         // Fenced by the leader: a stopped rank never wakes to write into a survivor's segment.
         for (&rank, &pid) in ranks.iter().zip(&pids) {
@@ -191,14 +207,7 @@ async fn lose_under_load(tag: &str, flags: &[&str], ranks: &[usize], sig: &str, 
             );
         }
     }
-    let failures = tally.failures.lock().unwrap().clone();
-    assert!(
-        failures.is_empty(),
-        "{} failed: {:?}\n{}",
-        failures.len(),
-        &failures[..failures.len().min(5)],
-        group.proc.log_text()
-    );
+    tally.none_failed(&group.proc.log_text());
     let (answers, tokens) = (
         tally.answers.load(Ordering::Relaxed),
         tally.tokens.load(Ordering::Relaxed),
@@ -252,6 +261,11 @@ async fn lose_under_load(tag: &str, flags: &[&str], ranks: &[usize], sig: &str, 
         .map(|&(sent, done)| done - sent)
         .max()
         .unwrap_or_default();
+    let phases = (group.proc.log_text().lines())
+        .find(|l| l.contains("the group goes on") && l.contains("total_ms"))
+        .map(|l| l[l.find("epoch=").unwrap_or(0)..].to_string())
+        .unwrap_or_default();
+    eprintln!("ranks {ranks:?} lost by SIG{sig}, the leader: {phases}");
     eprintln!(
         "ranks {ranks:?} lost by SIG{sig}: {answers} answers of {tokens} tokens ({before} before), none failed; longest answer delay after the loss {longest:?} (before it: {usual:?})"
     );
@@ -327,19 +341,8 @@ async fn a_killed_rank_restarted_rejoins_and_no_request_fails() {
     let steps_before = sum(&scrape(at), "epserve_steps_total", &[]);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let steps_after = sum(&scrape(at), "epserve_steps_total", &[]);
-    stop.store(true, Ordering::Release);
-    for c in clients {
-        c.await.unwrap();
-    }
-    let failures = tally.failures.lock().unwrap().clone();
-    assert!(
-        failures.is_empty(),
-        "{} failed: {:?}\n{}\n{}",
-        failures.len(),
-        &failures[..failures.len().min(5)],
-        group.proc.log_text(),
-        back.log_text()
-    );
+    stop_load(&stop, clients).await;
+    tally.none_failed(&format!("{}\n{}", group.proc.log_text(), back.log_text()));
     assert!(
         steps_after > steps_before,
         "the rejoined rank ran no step ({steps_before} then {steps_after})\n{}",

@@ -6,7 +6,6 @@
 //! driver's depth of them are on the ranks at once (`--steps-ahead`).
 
 use std::collections::VecDeque;
-use std::io::ErrorKind;
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
@@ -18,6 +17,9 @@ use tokio_util::sync::CancellationToken;
 
 mod recover;
 mod rejoin;
+mod watch;
+
+use watch::Watch;
 
 pub use recover::RosterView;
 
@@ -29,7 +31,7 @@ use super::redo::Redo;
 use super::rows::{copy_threads, deliver, out_bufs, pack};
 use crate::dtype::Dtype;
 use crate::eplb::Balance;
-use crate::group::{recv, ControlLink, GroupError, IngressOrder, IngressReport, Order, Report};
+use crate::group::{ControlLink, GroupError, IngressOrder, Order};
 use crate::lifecycle::{nap, Abort};
 use crate::metric_names;
 use crate::request::{Data, Failure, JobInput, Rows};
@@ -675,123 +677,4 @@ fn fail_step(step: &Step, abort: &Abort) {
         "broken",
         format!("EP group broken: {why}"),
     ));
-}
-
-/// Reads one rank's control connection after startup.
-struct Watch {
-    rank: usize,
-    /// Most rows of one offer.
-    stride: usize,
-    events: Option<PeerEvents>,
-    balance: Arc<Balance>,
-    /// `--on-rank-loss continue`: losses and halts go to the executor, which halts the group
-    /// and goes on without the lost rank, instead of breaking it.
-    heard: Option<std::sync::mpsc::Sender<recover::Heard>>,
-}
-
-impl Watch {
-    /// Reads `stream` on a thread of its own.
-    fn spawn(
-        self,
-        stream: &TcpStream,
-        abort: Arc<Abort>,
-        closing: Arc<AtomicBool>,
-    ) -> Result<(), GroupError> {
-        let mut r = stream.try_clone().map_err(|source| GroupError::Io {
-            what: "control socket".into(),
-            source,
-        })?;
-        std::thread::Builder::new()
-            .name(format!("ctl-rank{}", self.rank))
-            .spawn(move || self.run(&mut r, &abort, &closing))
-            .map(drop)
-            .map_err(|source| GroupError::Io {
-                what: "spawning a control reader".into(),
-                source,
-            })
-    }
-
-    /// Passes on offers and drain messages (`--ingress all`) until the rank fails, sends
-    /// something it should not, or disconnects, which breaks the group unless it is closing.
-    fn run(&self, stream: &mut TcpStream, abort: &Abort, closing: &AtomicBool) {
-        let rank = self.rank;
-        let (reason, corrupt) = loop {
-            match recv(stream) {
-                Ok(Report::Ingress(report)) => {
-                    if let Err(e) = self.ingress(report) {
-                        break (e, false);
-                    }
-                }
-                Ok(Report::Failed { reason, .. }) => {
-                    break (format!("rank {rank} failed: {reason}"), false)
-                }
-                Ok(Report::Halted { epoch, .. }) => self.hear(recover::Heard::Halted(rank, epoch)),
-                Ok(Report::Rejoined { of, error, .. }) => {
-                    self.hear(recover::Heard::Rejoined(rank, of, error))
-                }
-                Ok(Report::StepFailed { reason, .. }) => {
-                    let why = format!("rank {rank}: {reason}");
-                    match &self.heard {
-                        Some(_) => {
-                            abort.halt(why.clone());
-                            self.hear(recover::Heard::StepFailed(rank, why));
-                        }
-                        None => break (why, false),
-                    }
-                }
-                Ok(Report::Corrupt { reason, .. }) => {
-                    break (format!("rank {rank}: {reason}"), true)
-                }
-                Ok(Report::Staged {
-                    epoch,
-                    bytes,
-                    error,
-                    ..
-                }) => self
-                    .balance
-                    .staged(rank, epoch, error.map_or(Ok(bytes), Err)),
-                Err(e) if e.kind() == ErrorKind::UnexpectedEof => {
-                    break (format!("rank {rank} disconnected"), false)
-                }
-                Err(e) => break (format!("rank {rank} control connection: {e}"), false),
-            }
-        };
-        match (closing.load(Ordering::Acquire), corrupt, &self.heard) {
-            (true, _, _) => {}
-            (false, true, _) => abort.trigger_corrupt(reason),
-            // The executor halts the group and goes on without this rank.
-            (false, false, Some(_)) => {
-                abort.halt(reason.clone());
-                self.hear(recover::Heard::Lost(rank, reason));
-            }
-            (false, false, None) => abort.trigger(reason),
-        }
-    }
-
-    fn hear(&self, what: recover::Heard) {
-        if let Some(h) = &self.heard {
-            let _ = h.send(what);
-        }
-    }
-
-    /// Passes on an offer or a drain (`--ingress all`); anything else is the rank's mistake.
-    fn ingress(&self, report: IngressReport) -> Result<(), String> {
-        let rank = self.rank;
-        match (report, &self.events) {
-            (IngressReport::Offer { key, tokens }, Some(ev))
-                if (1..=self.stride).contains(&(tokens as usize)) =>
-            {
-                let offer = Offer {
-                    key,
-                    tokens: tokens as usize,
-                };
-                // The coordinator is gone only once the group stops.
-                let _ = ev.offers.send((rank, offer));
-            }
-            (IngressReport::Drain, Some(ev)) => ev.drain.cancel(),
-            (IngressReport::Drained { .. }, Some(ev)) => ev.drained.add_permits(1),
-            (other, _) => return Err(format!("rank {rank} sent unexpected {other:?}")),
-        }
-        Ok(())
-    }
 }

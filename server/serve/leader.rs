@@ -351,6 +351,11 @@ async fn go_live(
     }
     front.infer.set_phase(Phase::Serving);
     set_ready(&front.health, true).await;
+    if std::env::var_os(crate::sys::LAUNCHER_PID).is_some() {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{}", super::READY_LINE).and_then(|()| out.flush());
+    }
     crate::startup::enter(crate::startup::Stage::Ready);
     info!("serving gRPC on {}", front.addr);
     let watchdog = tokio::spawn(watch_liveness(
