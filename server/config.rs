@@ -137,6 +137,15 @@ pub struct LaunchArgs {
     /// first rank, the rendezvous from --rendezvous, MASTER_ADDR or LWS_LEADER_ADDRESS.
     #[arg(help_heading = "Group", long, env = "EPSERVE_NODE_INDEX")]
     pub node_index: Option<usize>,
+    /// A rank the group went on without is started again (it rejoins), at most this many times
+    /// a rank; 0: never. One node only (`--nodes 1`).
+    #[arg(
+        help_heading = "Group",
+        long,
+        env = "EPSERVE_RANK_RESTARTS",
+        default_value_t = 3
+    )]
+    pub rank_restarts: u32,
     #[command(flatten)]
     pub serve: ServeArgs,
 }

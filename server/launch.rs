@@ -24,6 +24,10 @@ use tracing::{error, info};
 
 use crate::config::{Ingress, LaunchArgs, OnRankLoss};
 
+/// A rank lost from a group that goes on is started again after this, at most
+/// `--rank-restarts` times (it rejoins the group; one that keeps failing is left out).
+const RESTART_AFTER: Duration = Duration::from_secs(1);
+
 /// Grace between SIGTERM and SIGKILL when stopping the group after a failure.
 const KILL_GRACE: Duration = Duration::from_secs(5);
 /// After a rank fails, how long the others have to report and exit on their own before they are
@@ -37,6 +41,7 @@ const PER_RANK: &[&str] = &[
     "--ranks",
     "--nodes",
     "--node-index",
+    "--rank-restarts",
     "--metrics-listen",
     "--listen",
     "--http-listen",
@@ -233,47 +238,68 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
         .build()?;
     // Rank 0 here says when the group serves (`serve::READY_LINE` on its stdout).
     let group_ready = Arc::new(AtomicBool::new(false));
+    // One rank's process, to the rendezvous `rendezvous` (None: rank 0 picks its port and
+    // reports it, or the ranks resolve it).
+    let here = children.len();
+    let command = |c: &Child, rendezvous: Option<&str>| -> anyhow::Result<Command> {
+        let (rank, local) = (c.rank, c.local);
+        let mut cmd = Command::new(&exe);
+        cmd.arg("serve")
+            .args(&flags)
+            .args([
+                "--rank",
+                &rank.to_string(),
+                "--world-size",
+                &args.ranks.to_string(),
+            ])
+            .arg("--shm-dir")
+            .arg(&c.shm_dir)
+            .args([
+                "--metrics-listen",
+                &match args.serve.metrics_listen.0 {
+                    Some(a) => rank_addr(a, local, "--metrics-listen")?.to_string(),
+                    None => "off".into(),
+                },
+            ])
+            .args(["--listen", &listen(local)?.to_string()])
+            .args(["--http-listen", &http_listen(local)?])
+            .kill_on_drop(true);
+        match (rendezvous, report_port) {
+            (Some(addr), _) => cmd.args(["--rendezvous", addr]),
+            (None, true) => cmd
+                .args(["--rendezvous", "127.0.0.1:0"])
+                .stdout(Stdio::piped()),
+            (None, false) => &mut cmd,
+        };
+        if let Some(data) = args.serve.data_listen {
+            cmd.args([
+                "--data-listen",
+                &rank_addr(data, local, "--data-listen")?.to_string(),
+            ]);
+        }
+        if let Some(id) = &c.node_id {
+            cmd.args(["--node-id", id]);
+        }
+        if let Some(token) = &args.serve.group_token {
+            cmd.env("EPSERVE_GROUP_TOKEN", token);
+        }
+        // The ranks on this host, as torchrun says it: each rank's share of the cores.
+        cmd.env("LOCAL_WORLD_SIZE", here.to_string());
+        // The rank ends with this launcher, however it ends (SIGKILL included).
+        cmd.env(crate::sys::LAUNCHER_PID, std::process::id().to_string());
+        Ok(cmd)
+    };
     runtime.block_on(async move {
         let (exit_tx, mut exit_rx) = mpsc::channel::<(usize, std::io::Result<ExitStatus>)>(children.len().max(1));
         let mut pids = Vec::new();
         let mut spawned = 0;
         for c in &children {
             let (rank, local) = (c.rank, c.local);
-            let mut cmd = Command::new(&exe);
-            cmd.arg("serve")
-                .args(&flags)
-                .args(["--rank", &rank.to_string(), "--world-size", &args.ranks.to_string()])
-                .arg("--shm-dir")
-                .arg(&c.shm_dir)
-                .args(["--metrics-listen", &match args.serve.metrics_listen.0 {
-                    Some(a) => rank_addr(a, local, "--metrics-listen")?.to_string(),
-                    None => "off".into(),
-                }])
-                .args(["--listen", &listen(local)?.to_string()])
-                .args(["--http-listen", &http_listen(local)?])
-                .kill_on_drop(true);
-            match (&rendezvous, report_port) {
-                (Some(addr), _) => cmd.args(["--rendezvous", addr]),
-                (None, true) => cmd.args(["--rendezvous", "127.0.0.1:0"]).stdout(Stdio::piped()),
-                (None, false) => &mut cmd,
-            };
-            if let Some(data) = args.serve.data_listen {
-                cmd.args(["--data-listen", &rank_addr(data, local, "--data-listen")?.to_string()]);
-            }
-            if let Some(id) = &c.node_id {
-                cmd.args(["--node-id", id]);
-            }
             if args.nodes > 1 {
                 let node = c.node;
                 info!(rank, node, "rank {rank} on node {node}");
             }
-            if let Some(token) = &args.serve.group_token {
-                cmd.env("EPSERVE_GROUP_TOKEN", token);
-            }
-            // The ranks on this host, as torchrun says it: each rank's share of the cores.
-            cmd.env("LOCAL_WORLD_SIZE", children.len().to_string());
-            // The rank ends with this launcher, however it ends (SIGKILL included).
-            cmd.env(crate::sys::LAUNCHER_PID, std::process::id().to_string());
+            let mut cmd = command(c, rendezvous.as_deref())?;
             let mut child = cmd.spawn().with_context(|| format!("spawning rank {rank}"))?;
             if let Some(out) = child.stdout.take() {
                 let timeout = args.serve.rendezvous_timeout;
@@ -291,6 +317,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                 break;
             }
         }
+        let rejoin_at = rendezvous.clone();
         let rendezvous = rendezvous.unwrap_or_else(|| "as the ranks resolve it".into());
         let ranks: Vec<usize> = children.iter().map(|s| s.rank).collect();
         info!(world = args.ranks, ?ranks, %rendezvous, "launched");
@@ -313,10 +340,44 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
         let mut stop_at: Option<tokio::time::Instant> = None;
         let mut kill_at: Option<tokio::time::Instant> = None;
         let mut running = spawned;
+        // A lost rank started again (it rejoins the group), at most RESTARTS times a rank.
+        let (mut restarts, mut restart_at) = (vec![0u32; children.len()], Vec::<(tokio::time::Instant, usize)>::new());
+        let mut stopping = false;
         while running > 0 {
+            let next_restart = restart_at.iter().map(|r| r.0).min();
             tokio::select! {
-                _ = int.recv() => signal_all(&pids, Signal::SIGINT),
-                _ = term.recv() => signal_all(&pids, Signal::SIGTERM),
+                _ = int.recv() => {
+                    stopping = true;
+                    signal_all(&pids, Signal::SIGINT)
+                }
+                _ = term.recv() => {
+                    stopping = true;
+                    signal_all(&pids, Signal::SIGTERM)
+                }
+                _ = tokio::time::sleep_until(next_restart.unwrap_or_else(tokio::time::Instant::now)), if next_restart.is_some() => {
+                    let now = tokio::time::Instant::now();
+                    let due: Vec<usize> = restart_at.iter().filter(|r| r.0 <= now).map(|r| r.1).collect();
+                    restart_at.retain(|r| r.0 > now);
+                    for local in due.into_iter().filter(|_| !stopping && failed.is_none()) {
+                        let c = &children[local];
+                        let spawned = command(c, rejoin_at.as_deref()).and_then(|mut cmd| {
+                            cmd.spawn().with_context(|| format!("starting rank {} again", c.rank))
+                        });
+                        match spawned {
+                            Ok(mut child) => {
+                                info!(rank = c.rank, "rank {} started again: it rejoins the group", c.rank);
+                                pids[local] = child.id().map(|p| Pid::from_raw(p as i32));
+                                let tx = exit_tx.clone();
+                                tokio::spawn(async move {
+                                    let status = child.wait().await;
+                                    let _ = tx.send((local, status)).await;
+                                });
+                                running += 1;
+                            }
+                            Err(e) => error!("{e:#}"),
+                        }
+                    }
+                }
                 _ = hup.recv() => signal_all(&pids, hup_sends),
                 Some((local, status)) = exit_rx.recv() => {
                     running -= 1;
@@ -331,7 +392,16 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                             Ok(s) => s.to_string(),
                             Err(e) => e.to_string(),
                         };
-                        error!("rank {rank} {why}; the group goes on without it where it can (--on-rank-loss)");
+                        restarts[local] += 1;
+                        // A rank rejoins a group on one node only, for now.
+                        let most = if args.nodes == 1 { args.rank_restarts } else { 0 };
+                        match restarts[local] <= most && !stopping {
+                            true => {
+                                error!("rank {rank} {why}; the group goes on without it where it can (--on-rank-loss); starting it again in {RESTART_AFTER:?} (restart {} of {most})", restarts[local]);
+                                restart_at.push((tokio::time::Instant::now() + RESTART_AFTER, local));
+                            }
+                            false => error!("rank {rank} {why}; the group goes on without it where it can (--on-rank-loss); not started again"),
+                        }
                         continue;
                     }
                     if !ok && failed.is_none() {

@@ -36,6 +36,9 @@ const FLAGS: &[&str] = &[
     "200ms",
     "--max-tokens-per-step",
     "128",
+    // The tests say when a rank comes back (`launch` would start a lost rank again itself).
+    "--rank-restarts",
+    "0",
 ];
 
 /// One group under load at a time: on a 2-core machine, two would measure each other.
@@ -366,6 +369,48 @@ async fn a_killed_rank_restarted_rejoins_and_no_request_fails() {
     );
     drop(group);
     let _ = back.wait_exit(Duration::from_secs(10));
+}
+
+/// `launch` starts a killed rank again by itself (`--rank-restarts`, default 3): it rejoins,
+/// and the group answers before, during and after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn launch_starts_a_lost_rank_again_and_it_rejoins() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let (dir, spec, refs) = checkpoint("loss-restart");
+    let flags = &FLAGS[..FLAGS.len() - 2];
+    let mut group = Group::launch(RANKS, &dir.0.display().to_string(), flags);
+    let mut c = group.client().await;
+    let mut rng = ChaCha8Rng::seed_from_u64(SEED + 7);
+    let mut exact = async |c: &mut MoeServiceClient<Channel>, id: &str| {
+        let n = 16;
+        let x: Vec<f32> = (0..n * spec.hidden)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let out = forward_f32(c, id, spec.moe_layers[0], &x, spec.hidden).await;
+        let xs: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
+        let (err, token, _) = compare_tokens(&spec, &refs[0], &xs, &out, None);
+        assert!(err <= 1e-5, "{id}: token {token} is {err:.3e} off");
+    };
+    exact(&mut c, "before").await;
+    let killed = Instant::now();
+    kill(group.proc.rank_pid(1), "KILL");
+    group
+        .proc
+        .wait_for("the group goes on", Duration::from_secs(30))
+        .unwrap();
+    exact(&mut c, "without").await;
+    group
+        .proc
+        .wait_for("rejoined the group", Duration::from_secs(60))
+        .unwrap();
+    let back = killed.elapsed();
+    let info = model_info(&mut c).await;
+    assert_eq!((info.live_ranks.len(), info.group_epoch), (4, 2));
+    for i in 0..4 {
+        exact(&mut c, &format!("after-{i}")).await;
+    }
+    assert!(group.proc.log_text().contains("started again"));
+    eprintln!("rank 1 killed, started again by launch and back in {back:?}");
 }
 
 /// After one loss the ranks left have no room for a second one's experts: the group ends, and

@@ -94,7 +94,10 @@ impl Watch {
                 Err(e) => break (format!("rank {rank} control connection: {e}"), false),
             }
         };
-        match (closing.load(Ordering::Acquire), corrupt, &self.heard) {
+        // A rank the group already went on without (its connection shut by the executor) says
+        // nothing new by closing.
+        let out = abort.is_fenced(self.rank);
+        match (closing.load(Ordering::Acquire) || out, corrupt, &self.heard) {
             (true, _, _) => {}
             (false, true, _) => abort.trigger_corrupt(reason),
             // The executor halts the group and goes on without this rank.
