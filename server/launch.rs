@@ -157,7 +157,7 @@ async fn read_rendezvous(
     .flatten();
     tokio::spawn(async move {
         while let Ok(Some(line)) = lines.next_line().await {
-            match line == crate::serve::READY_LINE {
+            match line == crate::sys::READY_LINE {
                 true => ready.store(true, Ordering::Release),
                 false => println!("{line}"),
             }
@@ -236,7 +236,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    // Rank 0 here says when the group serves (`serve::READY_LINE` on its stdout).
+    // Rank 0 here says when the group serves (`sys::READY_LINE` on its stdout).
     let group_ready = Arc::new(AtomicBool::new(false));
     // One rank's process, to the rendezvous `rendezvous` (None: rank 0 picks its port and
     // reports it, or the ranks resolve it).

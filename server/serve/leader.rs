@@ -354,7 +354,7 @@ async fn go_live(
     if std::env::var_os(crate::sys::LAUNCHER_PID).is_some() {
         use std::io::Write;
         let mut out = std::io::stdout().lock();
-        let _ = writeln!(out, "{}", super::READY_LINE).and_then(|()| out.flush());
+        let _ = writeln!(out, "{}", crate::sys::READY_LINE).and_then(|()| out.flush());
     }
     crate::startup::enter(crate::startup::Stage::Ready);
     info!("serving gRPC on {}", front.addr);

@@ -107,10 +107,6 @@ fn serve_metrics(args: &ServeArgs, rank: usize) -> anyhow::Result<()> {
 /// The line rank 0 prints on stdout when it bound rendezvous port 0.
 pub const RENDEZVOUS_LINE: &str = "epserve-rendezvous ";
 
-/// The line rank 0 started by `launch` prints on stdout once the group serves: from then on the
-/// launcher leaves another rank's exit to the leader (`--on-rank-loss`).
-pub const READY_LINE: &str = "epserve-group-ready";
-
 fn bind_rendezvous(addr: &str, given: Option<SocketAddr>) -> anyhow::Result<TcpListener> {
     let bind = match given {
         Some(a) => a,

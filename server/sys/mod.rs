@@ -24,6 +24,10 @@ pub fn exit_immediately(code: i32) -> ! {
 /// to.
 pub const LAUNCHER_PID: &str = "EPSERVE_LAUNCHER_PID";
 
+/// The line rank 0 started by `launch` prints on stdout once the group serves: from then on the
+/// launcher leaves another rank's exit to the leader (`--on-rank-loss`).
+pub const READY_LINE: &str = "epserve-group-ready";
+
 /// In a rank `launch` started: SIGTERM (a drain) when the launcher dies, however it dies; at once
 /// if it is gone already. Killing the launcher with SIGKILL left its ranks serving on their
 /// ports (#58).
