@@ -552,10 +552,21 @@ async fn model_infer(
     body: Body,
 ) -> Answer {
     let t0 = Instant::now();
+    // A body refused before it was read whole leaves the rest unread on the connection: the
+    // answer says it closes, so a client's pool does not send the next request down it.
     let bytes = s
         .body(&h, share.as_deref(), body)
         .await
-        .map_err(|(reason, st)| refuse(reason, st, t0))?;
+        .map_err(|(reason, st)| {
+            let mut r = refuse(reason, st, t0).into_response();
+            r.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            r
+        });
+    let bytes = match bytes {
+        Ok(b) => b,
+        Err(r) => return Ok(r),
+    };
     if let Some(a) = &answers {
         // Its answer's room: counted and logged by `room`, recorded here.
         a.room().await.map_err(|st| {
