@@ -12,7 +12,7 @@ cargo build --release --locked --features cuda --bin epserve
 cp target/release/epserve .device/bin/
 cargo build --release --locked -p epserve-loadtest
 cp target/release/epserve-loadtest .device/bin/
-for t in gpu_kernels gpu_fp8 gpu_nccl gpu_ep gpu_serve gpu_nccl_ep; do
+for t in gpu_kernels gpu_fp8 gpu_nccl gpu_ep gpu_serve gpu_nccl_ep gpu_rank_loss; do
   exe=$(cargo test --release --locked --features cuda --test "$t" --no-run --message-format json |
     T=$t python3 -c 'import json,os,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable") and j["target"]["name"] == os.environ["T"] and "test" in j["target"]["kind"]][-1])')
   cp "$exe" ".device/bin/$t"

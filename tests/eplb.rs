@@ -7,11 +7,12 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::checkpoint::{fp8_reference, write_model, Arch};
+use common::loss::Tally;
 use common::prom::{scrape, sum};
 use common::reference::{compare_tokens, route, RefLayer};
 use common::*;
@@ -87,15 +88,6 @@ async fn rows_over(metrics: &[String], d: Duration) -> Vec<f64> {
     tokio::time::sleep(d).await;
     let b = rank_rows(metrics);
     b.iter().zip(&a).map(|(b, a)| b - a).collect()
-}
-
-/// What the clients saw.
-#[derive(Default)]
-struct Tally {
-    answers: AtomicUsize,
-    tokens: AtomicUsize,
-    excluded: AtomicUsize,
-    failures: Mutex<Vec<String>>,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

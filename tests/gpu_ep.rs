@@ -114,7 +114,7 @@ impl Rank {
     fn new(nccl: Arc<Nccl>, id: ncclUniqueId, world: usize, rank: usize, m: &Model) -> Self {
         let g = Gpu::new(rank).unwrap();
         g.ctx.bind_to_thread().unwrap();
-        let comm = Comm::init(nccl, &id, world, rank).unwrap();
+        let comm = Comm::init(nccl, &id, (world, rank), &[]).unwrap();
         let local = E / world;
         let sl = Slots {
             world,

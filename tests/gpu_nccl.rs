@@ -1,6 +1,7 @@
 //! NCCL through nccl-sys and the safe `Comm`, one thread per GPU: an all-gather and a grouped
-//! ring send/recv, run eagerly and then captured in a CUDA graph and replayed. Needs 2+ GPUs and
-//! NCCL, so it is ignored by default (run with `--ignored` on a multi-GPU machine).
+//! ring send/recv, run eagerly and then captured in a CUDA graph and replayed; a communicator
+//! without a lost rank keeps the group's numbering. Needs 2+ GPUs and NCCL, so it is ignored by
+//! default (run with `--ignored` on a multi-GPU machine).
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -67,7 +68,7 @@ fn check(b: &Bufs, s: &Arc<CudaStream>, rank: usize, world: usize, what: &str) {
 fn rank_main(nccl: Arc<Nccl>, id: ncclUniqueId, world: usize, rank: usize) {
     let g = Gpu::new(rank).unwrap();
     g.ctx.bind_to_thread().unwrap();
-    let comm = Comm::init(nccl, &id, world, rank).unwrap();
+    let comm = Comm::init(nccl, &id, (world, rank), &[]).unwrap();
     let s = &g.stream;
     let counts: Vec<i32> = (0..E).map(|i| (rank * 100 + i) as i32).collect();
     let tx: Vec<bf16> = (0..ROWS * H)
@@ -114,5 +115,68 @@ fn all_gather_and_ring_exchange_eagerly_and_in_a_graph() {
     let n = nccl.clone();
     common::gpu::on_ranks(&nccl, world, move |id, rank| {
         rank_main(n.clone(), id, world, rank)
+    });
+}
+
+/// A communicator of the ranks left after rank 1 is lost (#55): the all-gather fills each
+/// member's place and leaves rank 1's as it was; the slot exchange moves slot p to rank p for
+/// every member, and rank 1's slots are neither sent nor written.
+fn without_rank_1(nccl: Arc<Nccl>, id: ncclUniqueId, world: usize, rank: usize) {
+    let g = Gpu::new(rank).unwrap();
+    g.ctx.bind_to_thread().unwrap();
+    let comm = Comm::init(nccl, &id, (world, rank), &[1]).unwrap();
+    assert!(!comm.whole());
+    assert_eq!(comm.members().len(), world - 1);
+    let s = &g.stream;
+    let counts: Vec<i32> = (0..E).map(|i| (rank * 100 + i) as i32).collect();
+    let counts = s.clone_htod(&counts).unwrap();
+    let mut all = s.clone_htod(&vec![-7i32; world * E]).unwrap();
+    comm.all_gather(&counts, &mut all, E, s).unwrap();
+    // Slot p of `send` holds value(rank, p + i); rank p receives it in slot `rank`.
+    let slot = 64;
+    let tx: Vec<bf16> = (0..world * slot)
+        .map(|i| bf16::from_f32(value(rank, i)))
+        .collect();
+    let tx = s.clone_htod(&tx).unwrap();
+    let mut rx = s
+        .clone_htod(&vec![bf16::from_f32(-1.0); world * slot])
+        .unwrap();
+    comm.exchange_slots(&tx, &mut rx, slot, s).unwrap();
+    s.synchronize().unwrap();
+    let all = s.clone_dtoh(&all).unwrap();
+    let rx = s.clone_dtoh(&rx).unwrap();
+    for r in 0..world {
+        for i in 0..E {
+            let want = if r == 1 { -7 } else { (r * 100 + i) as i32 };
+            assert_eq!(all[r * E + i], want, "rank {rank}: all_gather[{r}][{i}]");
+        }
+        for i in 0..slot {
+            let want = match r {
+                1 => -1.0,
+                _ => value(r, rank * slot + i),
+            };
+            assert_eq!(
+                rx[r * slot + i].to_f32(),
+                want,
+                "rank {rank}: slot {r} row {i}"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs 2+ GPUs and NCCL"]
+fn a_communicator_without_a_lost_rank_keeps_the_group_numbering() {
+    let world = device_count();
+    if world < 2 {
+        eprintln!("skipped: needs at least 2 GPUs, found {world}");
+        return;
+    }
+    let nccl = common::gpu::nccl();
+    let n = nccl.clone();
+    common::gpu::on_ranks(&nccl, world, move |id, rank| {
+        if rank != 1 {
+            without_rank_1(n.clone(), id, world, rank)
+        }
     });
 }

@@ -113,7 +113,7 @@ fn rank_main(
     let g = Gpu::new(rank).unwrap();
     g.ctx.bind_to_thread().unwrap();
     let s = g.stream.clone();
-    let comm = Comm::init(nccl, &id, world, rank).unwrap();
+    let comm = Comm::init(nccl, &id, (world, rank), &[]).unwrap();
     let local = E / world;
     let recv_cap = world * T * K.min(local);
     let mut handle = open(&comm, &ep, T, recv_cap, &s);
@@ -321,7 +321,7 @@ fn padded_rank(
     let g = Gpu::new(rank).unwrap();
     g.ctx.bind_to_thread().unwrap();
     let s = g.stream.clone();
-    let comm = Comm::init(nccl, &id, world, rank).unwrap();
+    let comm = Comm::init(nccl, &id, (world, rank), &[]).unwrap();
     let local = E / world;
     let recv_cap = world * T_CAP * K.min(local);
     let mut handle = open(&comm, &ep, T_CAP, recv_cap, &s);
@@ -418,7 +418,7 @@ fn ll_rank(
     let g = Gpu::new(rank).unwrap();
     g.ctx.bind_to_thread().unwrap();
     let s = g.stream.clone();
-    let comm = Comm::init(nccl, &id, world, rank).unwrap();
+    let comm = Comm::init(nccl, &id, (world, rank), &[]).unwrap();
     let local = E / world;
     let stride = world * T_CAP;
     let mut cfg = ncclEpGroupConfig_t::new();

@@ -118,6 +118,8 @@ pub enum ncclRedOp_t {
 
 /// The oldest NCCL epserve runs on: 2.19 (grouped send/recv in graphs, `ncclCommAbort` semantics).
 pub const MIN_VERSION: c_int = 21900;
+/// `ncclCommShrink`'s flag: end the parent's operations in flight first (their peer is gone).
+pub const NCCL_SHRINK_ABORT: c_int = 0x01;
 
 /// `major.minor.patch` of an `ncclGetVersion` code (>= 2.9 encoding: major*10000 + minor*100 + patch).
 pub fn version_string(code: c_int) -> String {
@@ -189,6 +191,17 @@ pub struct Nccl {
     >,
     pub comm_window_deregister:
         Option<unsafe extern "C" fn(ncclComm_t, ncclWindow_t) -> ncclResult_t>,
+    /// `ncclCommShrink(comm, exclude, count, newcomm, config, flags)` (NCCL >= 2.27).
+    pub comm_shrink: Option<
+        unsafe extern "C" fn(
+            ncclComm_t,
+            *mut c_int,
+            c_int,
+            *mut ncclComm_t,
+            *mut c_void,
+            c_int,
+        ) -> ncclResult_t,
+    >,
     /// Keeps the code above mapped; dropped last.
     _lib: libloading::Library,
 }
@@ -367,6 +380,7 @@ impl Nccl {
             mem_free: opt_sym!(lib, "ncclMemFree"),
             comm_window_register: opt_sym!(lib, "ncclCommWindowRegister"),
             comm_window_deregister: opt_sym!(lib, "ncclCommWindowDeregister"),
+            comm_shrink: opt_sym!(lib, "ncclCommShrink"),
             path,
             _lib: lib,
         })

@@ -48,7 +48,8 @@ static ncclResult_t settle(ncclComm_t c, double limit_ms) {
 
 static ncclComm_t init(int rank, int world, ncclUniqueId id) {
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-  cfg.blocking = 0;
+  // BLOCKING=1: a blocking communicator, as the nccl backend makes (ncclCommInitRank).
+  cfg.blocking = getenv("BLOCKING") ? 1 : 0;
   ncclComm_t c;
   ncclResult_t r = ncclCommInitRankConfig(&c, world, id, rank, &cfg);
   if (r != ncclSuccess && r != ncclInProgress) {
@@ -115,8 +116,20 @@ int main(int argc, char** argv) {
     for (;;) pause();
   }
   printf("rank 0: 2-rank communicator up in %.1f ms\n", init_ms);
-  // An all-reduce rank 1 will never join, then rank 1 killed under it.
-  ncclAllReduce(buf, buf, n, ncclFloat, ncclSum, comm, s);
+  // An all-reduce rank 1 will never join, then rank 1 killed under it. GRAPH=1: launched from
+  // a captured graph, as the nccl backend's steps are.
+  if (getenv("GRAPH")) {
+    cudaGraph_t g0;
+    cudaGraphExec_t ge0;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    ncclAllReduce(buf, buf, n, ncclFloat, ncclSum, comm, s);
+    settle(comm, 1000);
+    CK(cudaStreamEndCapture(s, &g0));
+    CK(cudaGraphInstantiate(&ge0, g0, 0));
+    CK(cudaGraphLaunch(ge0, s));
+  } else {
+    ncclAllReduce(buf, buf, n, ncclFloat, ncclSum, comm, s);
+  }
   settle(comm, 1000);
   usleep(200 * 1000);
   FILE* f = fopen(pidfile.c_str(), "r");

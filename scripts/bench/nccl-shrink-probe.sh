@@ -19,8 +19,8 @@ bin=/tmp/nccl-shrink-probe
 for mode in ${MODES:-shrink shrink-inherit revoke abort}; do
   id=/tmp/nccl-shrink-id-$mode
   rm -f "$id" "$id.pid1"
-  echo "== $mode" | tee -a "$out/nccl-shrink.txt"
+  echo "== $mode${BLOCKING:+ (blocking)}${GRAPH:+ (graph)}" | tee -a "$out/nccl-shrink.txt"
   "$bin" 1 "$id" "$mode" 2>&1 | sed 's/^/  [rank 1] /' &
-  timeout 120 "$bin" 0 "$id" "$mode" 2>&1 | tee -a "$out/nccl-shrink.txt" || echo "rank 0 exited $?" | tee -a "$out/nccl-shrink.txt"
+  timeout "${PROBE_TIMEOUT:-120}" "$bin" 0 "$id" "$mode" 2>&1 | tee -a "$out/nccl-shrink.txt" || echo "rank 0 exited $?" | tee -a "$out/nccl-shrink.txt"
   wait || true
 done

@@ -109,7 +109,8 @@ pub enum Order {
     Halt {
         epoch: u32,
     },
-    /// The group goes on without `lost` (every rank lost so far): steps run again.
+    /// The group goes on without `lost` (every rank lost so far): steps run again, once the
+    /// ranks left regrouped (a GPU rank's communicator shrinks without the lost ones).
     Roster {
         epoch: u32,
         lost: Vec<u32>,

@@ -46,6 +46,8 @@ pub struct Door {
     pub roster: Roster,
     /// The leader's host: a rank of the leader's node runs there.
     pub host: String,
+    /// Why no rank may come back into this group (its backend cannot take one), if so.
+    pub closed: Option<String>,
 }
 
 /// Reads hellos on `listener` for the life of the process; `lost(rank)` says whether the group
@@ -101,7 +103,9 @@ fn admit(
         tracing::warn!(%peer, "rendezvous after startup: no hello; closing");
         return None;
     };
-    let why = if !crate::flags::same_secret(&token, &door.token) {
+    let why = if let Some(why) = &door.closed {
+        Some(why.clone())
+    } else if !crate::flags::same_secret(&token, &door.token) {
         Some("wrong or missing group token (--group-token)".to_string())
     } else if world != door.world || rank == 0 || rank >= door.world {
         Some(format!(

@@ -15,8 +15,11 @@ fn cannot(
     slots: &SlotMap,
     roster: &Roster,
 ) -> Option<String> {
-    if backend != BackendKind::Cpu {
-        return Some("the GPU backends do not shrink their communicators yet".into());
+    match backend {
+        BackendKind::Cpu | BackendKind::Nccl => {}
+        BackendKind::NcclEp | BackendKind::Auto => {
+            return Some("the nccl-ep exchange is not yet rebuilt over the ranks left".into())
+        }
     }
     if ingress == Ingress::All {
         return Some("under --ingress all a lost rank's clients are not yet moved".into());

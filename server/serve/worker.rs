@@ -530,6 +530,9 @@ impl Follow {
                         tracing::warn!("{said}");
                     }
                 }
+                if let Err(e) = driver.backend.regroup(&lost) {
+                    return Next::Fail((None, anyhow!("going on without ranks {lost:?}: {e}")));
+                }
                 if epoch > 0 {
                     info!(epoch, ?lost, "the group goes on");
                 }

@@ -60,6 +60,11 @@ pub trait Backend {
     fn rejoin(&mut self, rank: usize) -> Result<(), String> {
         Err(format!("this backend cannot take rank {rank} back"))
     }
+    /// The group goes on without `lost` (`Order::Roster`, every rank left at once, between
+    /// steps): a backend whose communicator holds lost ranks makes one without them.
+    fn regroup(&mut self, _lost: &[u32]) -> Result<(), String> {
+        Ok(())
+    }
     /// The NCCL EP exchange's footprint on this GPU (the nccl-ep backend only).
     fn ep_footprint(&self) -> Option<EpFootprint> {
         None
@@ -139,6 +144,9 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     }
     fn rejoin(&mut self, rank: usize) -> Result<(), String> {
         (**self).rejoin(rank)
+    }
+    fn regroup(&mut self, lost: &[u32]) -> Result<(), String> {
+        (**self).regroup(lost)
     }
 }
 

@@ -6,6 +6,7 @@ pub mod checkpoint;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod kserve;
+pub mod loss;
 pub mod prom;
 pub mod reference;
 

@@ -61,6 +61,9 @@ pub enum GpuError {
     /// The step's completion event did not fire within this bound.
     #[error("the GPU step did not finish within {0:?} (a peer is gone or stuck)")]
     Timeout(std::time::Duration),
+    /// The wait ended because the group halts (or broke): a peer is gone.
+    #[error("the wait for the GPU step ended: {0}")]
+    Halted(String),
 }
 
 /// The only way the GPU backend allocates device memory: counted (`epserve_device_allocations_total`,

@@ -25,8 +25,14 @@ use crate::step::direct::{pieces, DirectRun};
 use crate::step::ring::{Output, Ring};
 use crate::step::{Backend, PhaseTimes, StageDone, StepDesc, StepError};
 
-/// Waits for `ev` until `started + bound`, spinning briefly, then sleeping in short naps.
-fn wait_event(ev: &CudaEvent, started: Instant, bound: Duration) -> Result<(), GpuError> {
+/// Waits for `ev` until `started + bound`, spinning briefly, then sleeping in short naps; a
+/// group that halts (a peer is gone) ends the wait at once where `abort` is given.
+fn wait_event(
+    ev: &CudaEvent,
+    started: Instant,
+    bound: Duration,
+    abort: Option<&Abort>,
+) -> Result<(), GpuError> {
     let deadline = started + bound;
     let mut polls = 0u32;
     loop {
@@ -35,6 +41,9 @@ fn wait_event(ev: &CudaEvent, started: Instant, bound: Duration) -> Result<(), G
         }
         if Instant::now() >= deadline {
             return Err(GpuError::Timeout(bound));
+        }
+        if let Some(why) = abort.and_then(|a| a.stop_reason()) {
+            return Err(GpuError::Halted(why));
         }
         crate::lifecycle::nap(&mut polls);
     }
@@ -64,6 +73,11 @@ pub struct GpuRank {
     done: Vec<CudaEvent>,
     /// Steps submitted and not yet completed, oldest first.
     flight: std::collections::VecDeque<Submitted>,
+    /// Steps a halt ended (a peer is gone) whose work may still wait on the device for it:
+    /// `regroup` aborts the communicator, which releases them, and waits for them.
+    stuck: Vec<Submitted>,
+    /// Whether steps are replayed from captured graphs (`regroup` captures them again).
+    use_graphs: bool,
     /// The staging set the next step takes (they alternate: steps complete in order).
     next_set: usize,
     routed: Vec<u32>,
@@ -142,6 +156,8 @@ impl GpuRank {
             synced,
             done,
             flight: std::collections::VecDeque::with_capacity(DEPTH),
+            stuck: Vec::new(),
+            use_graphs: graphs,
             next_set: 0,
             step_timeout,
             abort,
@@ -158,24 +174,31 @@ impl GpuRank {
                 }
             }
         }
-        let layers = me.core().layers.len();
-        for bucket in me.buckets.clone() {
+        me.prime()?;
+        Ok(me)
+    }
+
+    /// Warms every bucket up and captures the graphs (collective: every rank in the
+    /// communicator at once, in the same order).
+    fn prime(&mut self) -> Result<(), GpuError> {
+        let layers = self.core().layers.len();
+        for bucket in self.buckets.clone() {
             for rows in [HomeDtype::F32, HomeDtype::Bf16] {
-                me.eager(0, 0, bucket, Variant::new(rows, false))?;
-                me.finish(Instant::now(), Duration::from_secs(60))?;
+                self.eager(0, 0, bucket, Variant::new(rows, false))?;
+                self.finish(Instant::now(), Duration::from_secs(60))?;
             }
         }
-        if graphs {
+        if self.use_graphs {
             for layer in 0..layers {
-                for bucket in me.buckets.clone() {
+                for bucket in self.buckets.clone() {
                     for v in Variant::ALL {
-                        let g = me.capture(layer, bucket, v)?;
-                        me.graphs.push(Some(Graph::new(g)));
+                        let g = self.capture(layer, bucket, v)?;
+                        self.graphs.push(Some(Graph::new(g)));
                     }
                 }
             }
         }
-        Ok(me)
+        Ok(())
     }
 
     fn core(&mut self) -> &mut GpuStep {
@@ -207,7 +230,7 @@ impl GpuRank {
     fn finish(&mut self, started: Instant, bound: Duration) -> Result<(), GpuError> {
         let stream = self.core().g.stream.clone();
         self.synced.record(&stream)?;
-        wait_event(&self.synced, started, bound)
+        wait_event(&self.synced, started, bound, None)
     }
 
     /// After a failed step: abort the communicator (a hung NCCL kernel would block any other
@@ -218,7 +241,7 @@ impl GpuRank {
             let GpuStep {
                 g,
                 ex,
-                comm,
+                mut comm,
                 layers,
                 b,
                 ..
@@ -234,6 +257,72 @@ impl GpuRank {
             // So is the staging (empty from here: every use of it checks `core` first).
             std::mem::forget(std::mem::take(&mut self.st));
         }
+    }
+
+    /// The group goes on without `lost` (every rank left calls this at once, between steps):
+    /// where ranks of the communicator are among them, it shrinks without them, which ends the
+    /// steps a halt left waiting for them; then this rank warms up and captures its graphs again
+    /// on the new one. Else what a halt ended finishes on its own (every peer runs it).
+    fn regroup_now(&mut self, lost: &[u32]) -> Result<(), GpuError> {
+        let t0 = Instant::now();
+        let bound = self.step_timeout;
+        let c =
+            (self.core.as_mut()).ok_or_else(|| GpuError::Config("the GPU rank failed".into()))?;
+        c.g.ctx.bind_to_thread()?;
+        let gone: Vec<usize> = (c.comm.members().iter().copied())
+            .filter(|&r| lost.contains(&(r as u32)))
+            .collect();
+        if gone.is_empty() {
+            for f in std::mem::take(&mut self.stuck) {
+                wait_event(&self.done[f.set], Instant::now(), bound, None)?;
+            }
+            return Ok(());
+        }
+        if c.shape.ep.is_some() {
+            return Err(GpuError::Config(
+                "the nccl-ep exchange cannot go on without a rank".into(),
+            ));
+        }
+        if !self.flight.is_empty() {
+            return Err(GpuError::Config(
+                "steps in flight while the group regroups".into(),
+            ));
+        }
+        let next = c.comm.shrink(&gone)?;
+        let mut old = std::mem::replace(&mut c.comm, next);
+        let shrunk = t0.elapsed();
+        // Released: the steps the halt ended run out (on whatever a lost peer left: their
+        // output is never read), and the streams are idle.
+        for f in std::mem::take(&mut self.stuck) {
+            wait_event(&self.done[f.set], Instant::now(), bound, None)?;
+        }
+        self.finish(Instant::now(), bound)?;
+        self.graphs.clear();
+        // The old communicator is torn down off the step path.
+        let _ = std::thread::Builder::new()
+            .name("nccl-old".into())
+            .spawn(move || {
+                let t = Instant::now();
+                old.abort();
+                tracing::debug!(
+                    ms = t.elapsed().as_millis() as u64,
+                    "the old communicator aborted"
+                );
+            });
+        let c = self.core.as_mut().expect("checked above");
+        // Nothing writes a lost rank's counts any more: none.
+        c.g.stream.memset_zeros(&mut c.b.m)?;
+        let drained = t0.elapsed();
+        self.prime()?;
+        tracing::info!(
+            ?lost,
+            shrink_ms = shrunk.as_millis() as u64,
+            drain_ms = (drained - shrunk).as_millis() as u64,
+            graphs_ms = (t0.elapsed() - drained).as_millis() as u64,
+            graphs = self.graphs.len(),
+            "the GPU rank goes on over a shrunk communicator"
+        );
+        Ok(())
     }
 
     /// What the exchange received against what the routing sent (this step's all-gathered
@@ -271,12 +360,27 @@ impl GpuRank {
     /// A device failure: the rank is poisoned and the step fails.
     fn failed(&mut self, step: u64, e: GpuError) -> StepError {
         self.poison();
+        StepError::Device {
+            step,
+            source: Box::new(e),
+        }
+    }
+
+    /// A step that did not finish, for want of a peer (past its bound, or ended by a halt):
+    /// its work stays on the device, and the rank's state with it, until `regroup` aborts the
+    /// communicator (or the process exits: `Drop` poisons).
+    fn unfinished(&mut self, f: Submitted, e: GpuError) -> StepError {
+        let step = f.step;
+        self.stuck.push(f);
         match e {
             GpuError::Timeout(after) => StepError::Timeout { step, after },
-            e => StepError::Device {
+            GpuError::Halted(why) => StepError::Wait {
                 step,
-                source: Box::new(e),
+                what: "the GPU step",
+                rank: self.core.as_ref().map_or(0, |c| c.shape.rank),
+                source: crate::sys::shm::WaitError::Aborted(why),
             },
+            e => self.failed(step, e),
         }
     }
 
@@ -464,8 +568,13 @@ impl Backend for GpuRank {
                 msg: "the GPU rank failed".into(),
             });
         }
-        if let Err(e) = wait_event(&self.done[f.set], f.started, self.step_timeout) {
-            return Err(self.failed(f.step, e));
+        if let Err(e) = wait_event(
+            &self.done[f.set],
+            f.started,
+            self.step_timeout,
+            Some(&self.abort),
+        ) {
+            return Err(self.unfinished(f, e));
         }
         for (r, &m) in self.routed.iter_mut().zip(self.st[f.set].m.as_slice()) {
             *r = m.max(0) as u32;
@@ -516,6 +625,13 @@ impl Backend for GpuRank {
         m.apply(epoch, c)
     }
 
+    fn regroup(&mut self, lost: &[u32]) -> Result<(), String> {
+        self.regroup_now(lost).map_err(|e| {
+            self.poison();
+            e.to_string()
+        })
+    }
+
     fn ep_footprint(&self) -> Option<crate::step::EpFootprint> {
         self.core.as_ref()?.ex.footprint()
     }
@@ -533,7 +649,7 @@ impl Backend for GpuRank {
 impl Drop for GpuRank {
     fn drop(&mut self) {
         // A step still in flight may be copying into the staging or the ring: leave them be.
-        if !self.flight.is_empty() {
+        if !self.flight.is_empty() || !self.stuck.is_empty() {
             self.poison();
         }
         // Graphs go before the buffers and communicator they reference.

@@ -204,7 +204,7 @@ impl Device {
                 let r = ctx
                     .bind_to_thread()
                     .map_err(anyhow::Error::from)
-                    .and_then(|_| Ok(Comm::init(nccl, &id, world, rank)?));
+                    .and_then(|_| Ok(Comm::init(nccl, &id, (world, rank), &[])?));
                 let _ = tx.send(r);
             })?;
         let wait = deadline.saturating_duration_since(Instant::now());

@@ -201,7 +201,6 @@ impl<B: Backend> Executor<B> {
         let redone: usize = rows.iter().map(|s| s.rows.len()).sum();
         let loss = self.loss.as_mut().expect("checked");
         loss.redo.give(rows);
-        let mut moved = Duration::ZERO;
         if !newly.is_empty() {
             for &r in &newly {
                 self.abort.fence(r);
@@ -218,10 +217,10 @@ impl<B: Backend> Executor<B> {
             metrics::gauge!(metric_names::GROUP_RANKS, "state" => "live").set(live as f64);
             metrics::gauge!(metric_names::GROUP_RANKS, "state" => "lost").set(lost.len() as f64);
             metrics::counter!(metric_names::RANK_LOSSES_TOTAL).increment(newly.len() as u64);
-            let t1 = Instant::now();
-            self.move_experts(epoch, &newly)?;
-            moved = t1.elapsed();
         }
+        // The ranks left regroup first, every one at once: a GPU rank's communicator shrinks
+        // without the lost ones, which ends the steps still waiting on them on its device
+        // (before that, anything that waits for the device, a weight copy, could hang).
         let lost = self.loss.as_ref().expect("checked").lost.clone();
         self.link
             .broadcast(&Order::Roster {
@@ -229,6 +228,16 @@ impl<B: Backend> Executor<B> {
                 lost: lost.clone(),
             })
             .map_err(|e| ExecutorError::Broken(format!("resuming the group: {e}")))?;
+        let t1 = Instant::now();
+        (self.driver.backend.regroup(&lost))
+            .map_err(|e| ExecutorError::Broken(format!("going on without {lost:?}: {e}")))?;
+        let regrouped = t1.elapsed();
+        // Then the lost experts move; the next step runs on their new slots.
+        let t2 = Instant::now();
+        if !newly.is_empty() {
+            self.move_experts(epoch, &newly)?;
+        }
+        let moved = t2.elapsed();
         self.abort.resume();
         self.loss.as_ref().expect("checked").publish();
         let total = t0.elapsed();
@@ -238,6 +247,7 @@ impl<B: Backend> Executor<B> {
             ?newly,
             ?lost,
             halt_ms = ms(halted),
+            regroup_ms = ms(regrouped),
             experts_ms = ms(moved),
             total_ms = ms(total),
             steps_ended = own,

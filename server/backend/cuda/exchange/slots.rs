@@ -192,6 +192,8 @@ impl Exchange for SlotExchange {
 impl Comm {
     /// The expert-parallel exchange: slot p of `send` (`slot` elements) goes to rank p, and rank
     /// p's slot for us lands in slot p of `recv`; one group, so it is a single capturable step.
+    /// A lost rank's slots stay where they are: the routing sends it nothing, and from it
+    /// nothing is counted.
     pub fn exchange_slots<T: NcclType>(
         &self,
         send: &CudaSlice<T>,
@@ -200,7 +202,7 @@ impl Comm {
         stream: &CudaStream,
     ) -> Result<(), NcclError> {
         self.group(|| {
-            for p in 0..self.world {
+            for &p in self.members() {
                 self.send(send, p * slot, slot, p, stream)?;
                 self.recv(recv, p * slot, slot, p, stream)?;
             }

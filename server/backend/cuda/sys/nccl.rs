@@ -55,8 +55,12 @@ impl NcclType for u8 {
 pub struct Comm {
     nccl: Arc<Nccl>,
     comm: ncclComm_t,
+    /// This rank and the group's size as the group numbers them: a lost rank keeps its number.
     pub rank: usize,
     pub world: usize,
+    /// The group's ranks in the communicator, ascending: NCCL's rank i is `members[i]` (every
+    /// rank until one is lost).
+    members: Vec<usize>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a time; `Comm`'s methods
@@ -75,24 +79,53 @@ impl Comm {
         })
     }
 
-    /// Joins the communicator; blocks until every rank has (call with the CUDA device current).
+    /// Joins the communicator of the group's ranks but `lost`; blocks until every one has (call
+    /// with the CUDA device current).
     pub fn init(
         nccl: Arc<Nccl>,
         id: &ncclUniqueId,
-        world: usize,
-        rank: usize,
+        (world, rank): (usize, usize),
+        lost: &[u32],
     ) -> Result<Self, NcclError> {
+        let members: Vec<usize> = (0..world)
+            .filter(|r| !lost.contains(&(*r as u32)))
+            .collect();
+        let Some(me) = members.iter().position(|&r| r == rank) else {
+            return Err(NcclError {
+                op: "ncclCommInitRank",
+                result: ncclResult_t::INVALID_ARGUMENT,
+                detail: format!("rank {rank} is out of the group (lost {lost:?})"),
+            });
+        };
         let mut comm: ncclComm_t = std::ptr::null_mut();
         // SAFETY: valid out-pointer; `id` is copied by value as the C API takes it.
-        let r = unsafe { (nccl.comm_init_rank)(&mut comm, world as c_int, *id, rank as c_int) };
+        let r =
+            unsafe { (nccl.comm_init_rank)(&mut comm, members.len() as c_int, *id, me as c_int) };
         let me = Self {
             nccl,
             comm,
             rank,
             world,
+            members,
         };
         me.check("ncclCommInitRank", r)?;
         Ok(me)
+    }
+
+    /// Whether every rank of the group is in the communicator.
+    pub fn whole(&self) -> bool {
+        self.members.len() == self.world
+    }
+
+    /// The group's ranks in the communicator, ascending.
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    /// Group rank `peer`'s rank in the communicator.
+    fn nccl_rank(&self, peer: usize) -> c_int {
+        let i = self.members.binary_search(&peer);
+        i.unwrap_or_else(|_| panic!("rank {peer} is not in the communicator")) as c_int
     }
 
     fn check(&self, op: &'static str, r: ncclResult_t) -> Result<(), NcclError> {
@@ -114,6 +147,8 @@ impl Comm {
     }
 
     /// Every rank's `count` elements of `send`, in rank order, into `recv` (`world * count`).
+    /// Without a lost rank, its place in `recv` is left as it was: sends and receives between
+    /// the members, each into its own place (NCCL's all-gather packs its ranks together).
     pub fn all_gather<T: NcclType>(
         &self,
         send: &CudaSlice<T>,
@@ -125,6 +160,15 @@ impl Comm {
             send.len() >= count && recv.len() >= count * self.world,
             "all_gather buffers too small"
         );
+        if !self.whole() {
+            return self.group(|| {
+                for &p in &self.members {
+                    self.send(send, 0, count, p, stream)?;
+                    self.recv(recv, p * count, count, p, stream)?;
+                }
+                Ok(())
+            });
+        }
         let (s, _a) = send.device_ptr(stream);
         let (r, _b) = recv.device_ptr_mut(stream);
         // SAFETY: both device buffers hold the counts asserted above and live through the call;
@@ -142,7 +186,7 @@ impl Comm {
         self.check("ncclAllGather", res)
     }
 
-    /// Sends elements `[offset, offset + count)` of `buf` to `peer` (inside a group).
+    /// Sends elements `[offset, offset + count)` of `buf` to group rank `peer` (inside a group).
     pub fn send<T: NcclType>(
         &self,
         buf: &CudaSlice<T>,
@@ -163,7 +207,7 @@ impl Comm {
                 p as *const c_void,
                 count,
                 T::TYPE,
-                peer as c_int,
+                self.nccl_rank(peer),
                 self.comm,
                 stream.cu_stream().cast(),
             )
@@ -171,7 +215,7 @@ impl Comm {
         self.check("ncclSend", res)
     }
 
-    /// Receives `count` elements from `peer` into `buf` at `offset` (inside a group).
+    /// Receives `count` elements from group rank `peer` into `buf` at `offset` (inside a group).
     pub fn recv<T: NcclType>(
         &self,
         buf: &mut CudaSlice<T>,
@@ -192,7 +236,7 @@ impl Comm {
                 p as *mut c_void,
                 count,
                 T::TYPE,
-                peer as c_int,
+                self.nccl_rank(peer),
                 self.comm,
                 stream.cu_stream().cast(),
             )
@@ -259,13 +303,68 @@ impl Comm {
         Ok(me)
     }
 
+    /// The communicator of the members but `gone` (group ranks), made by every member left at
+    /// once: `ncclCommShrink` with NCCL_SHRINK_ABORT, so the operations in flight here that wait
+    /// for a gone peer end first (measured: 46 ms on 2x H100, a captured step's kernel released,
+    /// where `ncclCommAbort` never returned; docs/benchmarks.md "Losing a rank"). This one is
+    /// left to be aborted.
+    pub fn shrink(&self, gone: &[usize]) -> Result<Comm, NcclError> {
+        let f = self.nccl.comm_shrink.ok_or_else(|| NcclError {
+            op: "ncclCommShrink",
+            result: ncclResult_t::INVALID_USAGE,
+            detail: "not in this NCCL (needs NCCL >= 2.27)".into(),
+        })?;
+        let mut exclude: Vec<c_int> = (self.members.iter())
+            .filter(|m| gone.contains(m))
+            .map(|&m| self.nccl_rank(m))
+            .collect();
+        let members: Vec<usize> = (self.members.iter().copied())
+            .filter(|m| !gone.contains(m))
+            .collect();
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: a live communicator; `exclude` holds its length of this communicator's ranks;
+        // a valid out-pointer; a null config inherits this communicator's (blocking).
+        let r = unsafe {
+            f(
+                self.comm,
+                exclude.as_mut_ptr(),
+                exclude.len() as c_int,
+                &mut comm,
+                std::ptr::null_mut(),
+                nccl_sys::NCCL_SHRINK_ABORT,
+            )
+        };
+        self.check("ncclCommShrink", r)?;
+        if comm.is_null() {
+            return Err(NcclError {
+                op: "ncclCommShrink",
+                result: ncclResult_t::INTERNAL_ERROR,
+                detail: "no communicator came back".into(),
+            });
+        }
+        Ok(Self {
+            nccl: self.nccl.clone(),
+            comm,
+            rank: self.rank,
+            world: self.world,
+            members,
+        })
+    }
+
+    /// Whether `abort` ended it.
+    pub fn aborted(&self) -> bool {
+        self.comm.is_null()
+    }
+
     /// The raw communicator, for libraries built on it (NCCL EP); valid while `self` lives.
     pub fn raw(&self) -> ncclComm_t {
         self.comm
     }
 
-    /// Tears the communicator down without waiting for peers (the group is broken).
-    pub fn abort(mut self) {
+    /// Tears the communicator down without waiting for peers (the group is broken, or goes on
+    /// without one): NCCL's kernels still waiting on a peer return. Nothing more goes through
+    /// it: a call fails (a null communicator).
+    pub fn abort(&mut self) {
         if !self.comm.is_null() {
             // SAFETY: a live communicator, not used afterwards (nulled, so Drop skips it).
             unsafe { (self.nccl.comm_abort)(self.comm) };

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# #55's GPU half, as run for docs/benchmarks.md ("Losing a rank"). On the GPU machine, from the
+# repository root, with .device/bin.tar.xz (scripts/gpu-check.sh, packed) carried:
+#   bash scripts/bench/rank-loss-gpu.sh test serve
+# test:  the GPU tests (a communicator without a lost rank; kill -9 / SIGSTOP of rank 1 under
+#        the f64-checked load of tests/gpu_rank_loss.rs, FP8 and bf16).
+# serve: `epserve launch --backend nccl` of the DeepSeek-V3 layer (synthetic, 256 experts, every
+#        rank holding all of them: --redundant-experts 256) under epserve-loadtest; rank 1 is
+#        killed (kill -9) 8 s into a 20 s run; the load's statuses and latencies, the leader's
+#        recovery line and each phase of the GPU's, per expert dtype (DTYPES, default fp8 bf16).
+set -uo pipefail
+out=${OUT:-out}; mkdir -p "$out"
+[ -x .device/bin/epserve ] || tar xJf .device/bin.tar.xz -C .device
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export EPSERVE_BIN=$PWD/.device/bin/epserve TMPDIR=/dev/shm
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$out/gpus.txt"
+t0=$SECONDS
+run() { # name limit cmd...
+  local name=$1 lim=$2; shift 2; local s=$SECONDS
+  timeout "$lim" "$@" >"$out/$name.log" 2>&1; local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - s))s (total $((SECONDS - t0))s)"
+  grep -E "^test |test result|skipped|GPUs, |lost by|panicked|error" "$out/$name.log" | head -40
+}
+B=.device/bin/epserve
+for part in "$@"; do
+case "$part" in
+test)
+  run gpu_nccl 120 .device/bin/gpu_nccl --ignored --nocapture --test-threads 1
+  run gpu_rank_loss 400 .device/bin/gpu_rank_loss --ignored --nocapture --test-threads 1
+  ;;
+serve)
+  for dtype in ${DTYPES:-fp8 bf16}; do
+    shm=$(mktemp -d -p /dev/shm)
+    log="$out/serve-$dtype.log"
+    RUST_LOG=info $B launch --ranks 2 --backend nccl --model synthetic:deepseek-v3 --layers 1 \
+      --expert-dtype "$dtype" --redundant-experts 256 --rank-restarts 0 --step-timeout 5s \
+      --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 \
+      --shm-dir "$shm" >"$log" 2>&1 &
+    pid=$!
+    addr=""
+    for _ in $(seq 1 1500); do
+      addr=$(sed -n 's/.*serving gRPC on \([0-9.:]*\).*/\1/p' "$log" | head -1)
+      [ -n "$addr" ] && break; sleep 0.2
+    done
+    echo "== serve $dtype at '$addr' after $((SECONDS - t0))s"
+    grep -E "on rank loss|GPU step ready" "$log" | head -4
+    if [ -z "$addr" ]; then tail -20 "$log"; kill $pid; wait $pid; continue; fi
+    .device/bin/epserve-loadtest --target "$addr" --layer 3 --concurrency 16 --tokens 128 \
+      --warmup 2s --duration 20s --timeout 30s --json "$out/load-$dtype.json" \
+      >"$out/load-$dtype.log" 2>&1 &
+    lt=$!
+    sleep 10
+    r1=$(pgrep -f -- "--rank 1 " | head -1)
+    echo "kill -9 rank 1 (pid $r1) at $(date +%T.%N)"
+    kill -9 "$r1"
+    wait $lt
+    m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$log" | head -1)
+    curl -s "$m0" | grep -E "^epserve_group_ranks|^epserve_group_epoch|^epserve_rank_losses_total|^epserve_recovery_seconds_(sum|count)|^epserve_requests_total.*Forward"
+    grep -E "halting the group|the group goes on|new communicator|cannot go on|ERROR" "$log" | head -8
+    tail -n 16 "$out/load-$dtype.log"
+    kill $pid; wait $pid 2>/dev/null
+  done
+  ;;
+esac
+done
