@@ -62,6 +62,16 @@ impl Roster {
             Err(e) => Some(format!("could not kill rank {rank} (pid {pid}): {e}")),
         }
     }
+    /// The ranks lost with `rank`: itself, and where it is another node's first rank than the
+    /// leader's (it receives its node's step input and data), the rest of its node.
+    pub fn lost_with(&self, rank: usize) -> Vec<usize> {
+        match rank != 0 && self.leader(rank) == rank && !self.same_node(rank, 0) {
+            true => (rank..self.world())
+                .filter(|&o| self.same_node(o, rank))
+                .collect(),
+            false => vec![rank],
+        }
+    }
     /// Whether the group spans more than one node.
     pub fn spans_nodes(&self) -> bool {
         (1..self.world()).any(|r| !self.same_node(0, r))
@@ -114,6 +124,17 @@ mod tests {
                 })
                 .collect(),
         )
+    }
+
+    /// Another node's first rank takes its node with it; the leader's node's ranks and a
+    /// node's later ranks go alone.
+    #[test]
+    fn a_nodes_first_rank_is_lost_with_its_node() {
+        let r = roster(&["a", "b", "a", "b", "c"]);
+        assert_eq!(r.lost_with(1), vec![1, 3]);
+        assert_eq!(r.lost_with(3), vec![3]);
+        assert_eq!(r.lost_with(2), vec![2]);
+        assert_eq!(r.lost_with(4), vec![4]);
     }
 
     #[test]

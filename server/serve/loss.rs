@@ -28,24 +28,12 @@ fn cannot(
         return Some("a group of one rank has no other rank to go on with".into());
     }
     // Rank 0 holds the clients' connections: its loss ends the group. Another node's first
-    // rank takes its node's ranks with it (`lost_with`).
+    // rank takes its node's ranks with it (`Roster::lost_with`).
     (1..roster.world()).find_map(|r| {
-        let lost = lost_with(roster, r);
+        let lost: Vec<u32> = roster.lost_with(r).iter().map(|&o| o as u32).collect();
         let e = slots.survive(&lost).err()?;
         Some(format!("without rank {r}: {e}"))
     })
-}
-
-/// The ranks lost with `rank`: itself, and where it is another node's first rank (which
-/// receives the node's step input and data), the rest of its node.
-pub fn lost_with(roster: &Roster, rank: usize) -> Vec<u32> {
-    match roster.leader(rank) == rank && !roster.same_node(rank, 0) {
-        true => (rank..roster.world())
-            .filter(|&o| roster.same_node(o, rank))
-            .map(|o| o as u32)
-            .collect(),
-        false => vec![rank as u32],
-    }
 }
 
 /// Whether the group goes on without a lost rank; Err where `continue` was asked and cannot be.

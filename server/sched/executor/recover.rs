@@ -169,11 +169,8 @@ impl<B: Backend> Executor<B> {
         let loss = self.loss.as_mut().expect("checked");
         // A node's first rank receives the node's step input and data: without it, its node's
         // other ranks cannot go on either.
-        let roster = &loss.roster;
         for r in newly.clone() {
-            if r != 0 && roster.leader(r) == r && !roster.same_node(r, 0) {
-                newly.extend((r + 1..roster.world()).filter(|&o| roster.same_node(o, r)));
-            }
+            newly.extend(loss.roster.lost_with(r));
         }
         newly.sort_unstable();
         newly.dedup();
