@@ -103,9 +103,9 @@ fn rank_main(nccl: Arc<Nccl>, id: ncclUniqueId, world: usize, rank: usize) {
     drop(graph);
 }
 
-#[test]
-#[ignore = "needs 2+ GPUs and NCCL"]
-fn all_gather_and_ring_exchange_eagerly_and_in_a_graph() {
+/// Runs `rank(nccl, id, world, rank)` on every GPU at once, a thread each (skipped, saying
+/// why, with fewer than 2).
+fn on_gpus(rank: fn(Arc<Nccl>, ncclUniqueId, usize, usize)) {
     let world = device_count();
     if world < 2 {
         eprintln!("skipped: needs at least 2 GPUs, found {world}");
@@ -113,9 +113,13 @@ fn all_gather_and_ring_exchange_eagerly_and_in_a_graph() {
     }
     let nccl = common::gpu::nccl();
     let n = nccl.clone();
-    common::gpu::on_ranks(&nccl, world, move |id, rank| {
-        rank_main(n.clone(), id, world, rank)
-    });
+    common::gpu::on_ranks(&nccl, world, move |id, r| rank(n.clone(), id, world, r));
+}
+
+#[test]
+#[ignore = "needs 2+ GPUs and NCCL"]
+fn all_gather_and_ring_exchange_eagerly_and_in_a_graph() {
+    on_gpus(rank_main);
 }
 
 /// A communicator of the ranks left after rank 1 is lost (#55): the all-gather fills each
@@ -167,16 +171,9 @@ fn without_rank_1(nccl: Arc<Nccl>, id: ncclUniqueId, world: usize, rank: usize) 
 #[test]
 #[ignore = "needs 2+ GPUs and NCCL"]
 fn a_communicator_without_a_lost_rank_keeps_the_group_numbering() {
-    let world = device_count();
-    if world < 2 {
-        eprintln!("skipped: needs at least 2 GPUs, found {world}");
-        return;
-    }
-    let nccl = common::gpu::nccl();
-    let n = nccl.clone();
-    common::gpu::on_ranks(&nccl, world, move |id, rank| {
+    on_gpus(|nccl, id, world, rank| {
         if rank != 1 {
-            without_rank_1(n.clone(), id, world, rank)
+            without_rank_1(nccl, id, world, rank)
         }
     });
 }

@@ -7,8 +7,7 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::loss::*;
@@ -79,21 +78,16 @@ async fn a_lost_node_is_left_behind_and_no_request_fails() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_rank_restarted_rejoins_and_no_request_fails() {
     let _alone = ONE_AT_A_TIME.lock().await;
-    let (dir, spec, refs) = checkpoint("loss-rejoin");
-    let group = Group::launch(RANKS, &dir.0.display().to_string(), FLAGS);
-    let metrics = group.metrics_addrs(RANKS);
-    let mut c = group.client().await;
-    let (spec, refs) = (Arc::new(spec), Arc::new(refs));
-    let stop = Arc::new(AtomicBool::new(false));
-    let tally = Arc::new(Tally::default());
-    let clients = load(
-        &group,
-        (spec.clone(), refs),
-        1e-5,
-        stop.clone(),
-        tally.clone(),
-    )
-    .await;
+    let Loaded {
+        _dir,
+        group,
+        metrics,
+        mut c,
+        stop,
+        tally,
+        clients,
+        ..
+    } = Loaded::start("loss-rejoin", RANKS, FLAGS, (1e-5, true)).await;
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let pid = group.proc.rank_pid(2);
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();

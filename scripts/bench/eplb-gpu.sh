@@ -4,20 +4,7 @@
 # repository root, with .device/bin.tar.xz (scripts/gpu-check.sh and epserve-loadtest, packed)
 # and .device/nccl230.tar.xz carried:
 #   bash scripts/bench/eplb-gpu.sh test test-ep prefill prefill2 decode serve regress
-set -uo pipefail
-out=${OUT:-out}; mkdir -p "$out"
-[ -x .device/bin/epserve ] || tar xJf .device/bin.tar.xz -C .device
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export EPSERVE_BIN=$PWD/.device/bin/epserve TMPDIR=/dev/shm
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$out/gpus.txt"
-t0=$SECONDS
-run() { # name limit cmd...
-  local name=$1 lim=$2; shift 2; local s=$SECONDS
-  timeout "$lim" "$@" >"$out/$name.log" 2>&1; local rc=$?
-  echo "== $name: exit $rc after $((SECONDS - s))s (total $((SECONDS - t0))s)"
-  grep -E "^test |test result|skipped|worst|error|panicked|GPUs:|^\| " "$out/$name.log" | head -60
-}
+source scripts/bench/device-env.sh
 mkdir -p /tmp/nccl230 && { [ -f /tmp/nccl230/env.sh ] || tar xJf .device/nccl230.tar.xz -C /tmp/nccl230; }
 B=.device/bin/epserve
 bench() { # name limit args...

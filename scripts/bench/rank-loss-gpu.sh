@@ -8,20 +8,8 @@
 #        rank holding all of them: --redundant-experts 256) under epserve-loadtest; rank 1 is
 #        killed (kill -9) 8 s into a 20 s run; the load's statuses and latencies, the leader's
 #        recovery line and each phase of the GPU's, per expert dtype (DTYPES, default fp8 bf16).
-set -uo pipefail
-out=${OUT:-out}; mkdir -p "$out"
-[ -x .device/bin/epserve ] || tar xJf .device/bin.tar.xz -C .device
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export EPSERVE_BIN=$PWD/.device/bin/epserve TMPDIR=/dev/shm
-nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv | tee "$out/gpus.txt"
-t0=$SECONDS
-run() { # name limit cmd...
-  local name=$1 lim=$2; shift 2; local s=$SECONDS
-  timeout "$lim" "$@" >"$out/$name.log" 2>&1; local rc=$?
-  echo "== $name: exit $rc after $((SECONDS - s))s (total $((SECONDS - t0))s)"
-  grep -E "^test |test result|skipped|GPUs, |lost by|panicked|error" "$out/$name.log" | head -40
-}
+RUN_LINES='^test |test result|skipped|GPUs, |lost by|panicked|error'
+source scripts/bench/device-env.sh
 B=.device/bin/epserve
 for part in "$@"; do
 case "$part" in

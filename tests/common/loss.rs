@@ -68,7 +68,7 @@ impl Tally {
 
 /// Steady load: each client sends 8-24 random tokens on each MoE layer in turn and checks
 /// every token of every answer against the reference (within `tol`), until `stop`.
-pub async fn load(
+pub async fn load_on(
     group: &Group,
     (spec, refs): (Arc<MoeSpec>, Arc<Vec<RefLayer>>),
     tol: f64,
@@ -144,6 +144,48 @@ pub fn checkpoint_for(tag: &str, fp8: bool) -> (TempDir, MoeSpec, Vec<RefLayer>)
     (dir, spec, refs)
 }
 
+/// A group that goes on without a lost rank, on a checkpoint of its own, under the steady load.
+pub struct Loaded {
+    pub _dir: TempDir,
+    pub group: Group,
+    /// Each rank's `/metrics` address.
+    pub metrics: Vec<String>,
+    pub c: MoeServiceClient<Channel>,
+    pub spec: Arc<MoeSpec>,
+    pub stop: Arc<AtomicBool>,
+    pub tally: Arc<Tally>,
+    pub clients: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Loaded {
+    /// `world` ranks started with `flags` (every one live, going on without a lost rank),
+    /// each token of the load checked within `tol` of the (`fp8`) reference.
+    pub async fn start(tag: &str, world: usize, flags: &[&str], (tol, fp8): (f64, bool)) -> Self {
+        let (dir, spec, refs) = checkpoint_for(tag, fp8);
+        let group = Group::launch(world, &dir.0.display().to_string(), flags);
+        let metrics = group.metrics_addrs(world);
+        let mut c = group.client().await;
+        let info = model_info(&mut c).await;
+        assert_eq!(info.on_rank_loss, "continue", "{}", group.proc.log_text());
+        assert_eq!(info.live_ranks, (0..world as u32).collect::<Vec<_>>());
+        let (spec, refs) = (Arc::new(spec), Arc::new(refs));
+        let stop = Arc::new(AtomicBool::new(false));
+        let tally = Arc::new(Tally::default());
+        let load = (spec.clone(), refs);
+        let clients = load_on(&group, load, tol, stop.clone(), tally.clone()).await;
+        Self {
+            _dir: dir,
+            group,
+            metrics,
+            c,
+            spec,
+            stop,
+            tally,
+            clients,
+        }
+    }
+}
+
 /// A loss under load: a group of `world` ranks started with `flags`, `ranks` lost by `sig`.
 pub struct Drill<'a> {
     pub tag: &'a str,
@@ -165,24 +207,16 @@ pub struct Drill<'a> {
 pub async fn lose_under_load(d: &Drill<'_>) -> String {
     let (ranks, sig, bound, world) = (d.ranks, d.sig, d.bound, d.world);
     let _alone = ONE_AT_A_TIME.lock().await;
-    let (dir, spec, refs) = checkpoint_for(d.tag, d.fp8);
-    let group = Group::launch(world, &dir.0.display().to_string(), d.flags);
-    let metrics = group.metrics_addrs(world);
-    let mut c = group.client().await;
-    let info = model_info(&mut c).await;
-    assert_eq!(info.on_rank_loss, "continue", "{}", group.proc.log_text());
-    assert_eq!(info.live_ranks, (0..world as u32).collect::<Vec<_>>());
-    let (spec, refs) = (Arc::new(spec), Arc::new(refs));
-    let stop = Arc::new(AtomicBool::new(false));
-    let tally = Arc::new(Tally::default());
-    let clients = load(
-        &group,
-        (spec.clone(), refs),
-        d.tol,
-        stop.clone(),
-        tally.clone(),
-    )
-    .await;
+    let Loaded {
+        _dir,
+        group,
+        metrics,
+        mut c,
+        spec,
+        stop,
+        tally,
+        clients,
+    } = Loaded::start(d.tag, world, d.flags, (d.tol, d.fp8)).await;
 
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let before = tally.answers.load(Ordering::Relaxed);
