@@ -142,3 +142,61 @@ fn admit(
     let _ = stream.set_read_timeout(Some(Duration::from_secs(600)));
     Some(Comer { rank, stream, seat })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seat() -> RankNode {
+        RankNode {
+            node: "n".into(),
+            data: String::new(),
+            pid: 0,
+        }
+    }
+
+    /// A hello of lost rank 1 read at `door`, and what its sender heard back.
+    fn knock(door: &Door) -> (Option<Comer>, Option<Bringup>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut them = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (us, peer) = l.accept().unwrap();
+        let hello = Bringup::Hello {
+            rank: 1,
+            world: 2,
+            host: "h".into(),
+            seat: seat(),
+            fingerprint: Vec::new(),
+            token: String::new(),
+        };
+        let comer = admit(us, peer, Ok(hello), door, &|r| r == 1);
+        them.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        (comer, super::super::recv(&mut them).ok())
+    }
+
+    /// A backend that cannot take a rank back (the GPU ones) closes the door: the lost rank
+    /// hears why at once; the same hello at an open door is let in.
+    #[test]
+    fn a_closed_door_refuses_a_lost_rank_with_its_reason() {
+        let mut door = Door {
+            world: 2,
+            fingerprint: Vec::new(),
+            token: String::new(),
+            roster: Roster(vec![seat(), seat()]),
+            host: "h".into(),
+            closed: Some("the nccl backend does not take a lost rank back yet".into()),
+        };
+        let (comer, heard) = knock(&door);
+        assert!(comer.is_none());
+        match heard {
+            Some(Bringup::Reject { reason }) => {
+                assert!(reason.contains("nccl backend"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+        door.closed = None;
+        let (comer, heard) = knock(&door);
+        assert_eq!(comer.map(|c| c.rank), Some(1));
+        assert!(heard.is_none(), "{heard:?}");
+    }
+}
