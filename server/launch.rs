@@ -393,10 +393,9 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                             Err(e) => e.to_string(),
                         };
                         restarts[local] += 1;
-                        // A rank rejoins a group on one node only, and of the cpu backend, for
-                        // now (the leader refuses it otherwise).
-                        let cpu = args.serve.backend == crate::config::BackendKind::Cpu;
-                        let most = if args.nodes == 1 && cpu { args.rank_restarts } else { 0 };
+                        // A rank rejoins a group on one node only, for now (the leader refuses
+                        // it otherwise); where the group cannot go on, the leader exits.
+                        let most = if args.nodes == 1 { args.rank_restarts } else { 0 };
                         match restarts[local] <= most && !stopping {
                             true => {
                                 error!("rank {rank} {why}; the group goes on without it where it can (--on-rank-loss); starting it again in {RESTART_AFTER:?} (restart {} of {most})", restarts[local]);

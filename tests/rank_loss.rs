@@ -7,11 +7,9 @@
 
 mod common;
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::loss::*;
-use common::prom::{scrape, sum};
 use common::reference::compare_tokens;
 use common::*;
 use epserve::proto::moe_service_client::MoeServiceClient;
@@ -77,78 +75,7 @@ async fn a_lost_node_is_left_behind_and_no_request_fails() {
 /// the restarted rank computes rows, and no request of the steady load fails or is off.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_rank_restarted_rejoins_and_no_request_fails() {
-    let _alone = ONE_AT_A_TIME.lock().await;
-    let Loaded {
-        _dir,
-        group,
-        metrics,
-        mut c,
-        stop,
-        tally,
-        clients,
-        ..
-    } = Loaded::start("loss-rejoin", RANKS, FLAGS, (1e-5, true)).await;
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    let pid = group.proc.rank_pid(2);
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
-    let args: Vec<String> = (cmdline.split(|&b| b == 0))
-        .skip(1)
-        .filter(|a| !a.is_empty())
-        .map(|a| String::from_utf8(a.to_vec()).unwrap())
-        .collect();
-    kill(pid, "KILL");
-    let until = |want: Vec<u32>, what: &'static str| {
-        let mut c = c.clone();
-        async move {
-            let end = Instant::now() + Duration::from_secs(60);
-            while model_info(&mut c).await.live_ranks != want {
-                assert!(Instant::now() < end, "{what}");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        }
-    };
-    until(vec![0, 1, 3], "rank 2 never lost").await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let mut back = Proc::spawn(&args);
-    let asked = Instant::now();
-    until(vec![0, 1, 2, 3], "rank 2 never rejoined").await;
-    let rejoined = asked.elapsed();
-    let at = back
-        .wait_for(" metrics on http://", Duration::from_secs(5))
-        .unwrap();
-    let at = at
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .trim_end_matches("/metrics");
-    let steps_before = sum(&scrape(at), "epserve_steps_total", &[]);
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let steps_after = sum(&scrape(at), "epserve_steps_total", &[]);
-    stop_load(&stop, clients).await;
-    tally.none_failed(&format!("{}\n{}", group.proc.log_text(), back.log_text()));
-    assert!(
-        steps_after > steps_before,
-        "the rejoined rank ran no step ({steps_before} then {steps_after})\n{}",
-        back.log_text()
-    );
-    let info = model_info(&mut c).await;
-    assert_eq!(
-        (info.group_epoch, info.lost_ranks.len()),
-        (2, 0),
-        "{}\n{}",
-        group.proc.log_text(),
-        back.log_text()
-    );
-    let m = scrape(&metrics[0]);
-    assert_eq!(sum(&m, "epserve_group_ranks", &[("state", "live")]), 4.0);
-    assert_eq!(sum(&m, "epserve_rank_losses_total", &[]), 1.0);
-    let answers = tally.answers.load(Ordering::Relaxed);
-    eprintln!(
-        "rank 2 killed, restarted and back in {rejoined:?}: {answers} answers, none failed; it ran {} steps in the 2 s after",
-        steps_after - steps_before
-    );
-    drop(group);
-    let _ = back.wait_exit(Duration::from_secs(10));
+    lose_and_rejoin("loss-rejoin", (RANKS, 2), FLAGS, (1e-5, true)).await;
 }
 
 /// `launch` starts a killed rank again by itself (`--rank-restarts`, default 3): it rejoins,

@@ -6,8 +6,9 @@
 #        the f64-checked load of tests/gpu_rank_loss.rs, FP8 and bf16).
 # serve: `epserve launch --backend nccl` of the DeepSeek-V3 layer (synthetic, 256 experts, every
 #        rank holding all of them: --redundant-experts 256) under epserve-loadtest; rank 1 is
-#        killed (kill -9) 8 s into a 20 s run; the load's statuses and latencies, the leader's
-#        recovery line and each phase of the GPU's, per expert dtype (DTYPES, default fp8 bf16).
+#        killed (kill -9) 8 s into a 60 s run, and `launch` starts it again (--rank-restarts 1):
+#        it rejoins under the load. The load's statuses and latencies, the leader's recovery and
+#        rejoin lines and each phase of the GPU's, per expert dtype (DTYPES, default fp8 bf16).
 RUN_LINES='^test |test result|skipped|GPUs, |lost by|panicked|error'
 source scripts/bench/device-env.sh
 B=.device/bin/epserve
@@ -22,7 +23,7 @@ serve)
     shm=$(mktemp -d -p /dev/shm)
     log="$out/serve-$dtype.log"
     RUST_LOG=info $B launch --ranks 2 --backend nccl --model synthetic:deepseek-v3 --layers 1 \
-      --expert-dtype "$dtype" --redundant-experts 256 --rank-restarts 0 --step-timeout 5s \
+      --expert-dtype "$dtype" --redundant-experts 256 --rank-restarts 1 --step-timeout 5s \
       --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 \
       --shm-dir "$shm" >"$log" 2>&1 &
     pid=$!
@@ -35,7 +36,7 @@ serve)
     grep -E "on rank loss|GPU step ready" "$log" | head -4
     if [ -z "$addr" ]; then tail -20 "$log"; kill $pid; wait $pid; continue; fi
     .device/bin/epserve-loadtest --target "$addr" --layer 3 --concurrency 16 --tokens 128 \
-      --warmup 2s --duration 20s --timeout 30s --json "$out/load-$dtype.json" \
+      --warmup 2s --duration 60s --timeout 30s --json "$out/load-$dtype.json" \
       >"$out/load-$dtype.log" 2>&1 &
     lt=$!
     sleep 10
@@ -45,7 +46,7 @@ serve)
     wait $lt
     m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$log" | head -1)
     curl -s "$m0" | grep -E "^epserve_group_ranks|^epserve_group_epoch|^epserve_rank_losses_total|^epserve_recovery_seconds_(sum|count)|^epserve_requests_total.*Forward"
-    grep -E "halting the group|the group goes on|new communicator|cannot go on|ERROR" "$log" | head -8
+    grep -E "halting the group|the group goes on|communicator|cannot go on|started again|rejoin|back in the group|GPU step ready|ERROR" "$log" | head -16
     tail -n 16 "$out/load-$dtype.log"
     kill $pid; wait $pid 2>/dev/null
   done

@@ -38,6 +38,8 @@ pub struct Site<'a> {
     /// The group goes on without a lost rank: the segment and ring files stay while it runs,
     /// for a restarted rank to map (their owners remove them on exit).
     pub keep_files: bool,
+    /// This rank comes back into a running group without these ranks (`Joining::rejoining`).
+    pub rejoining: Option<&'a [u32]>,
 }
 
 /// One rank's backend on its way into the group.
@@ -177,6 +179,7 @@ impl BringUp for GpuBringUp {
             deadline: at.deadline,
             abort: at.abort.clone(),
             nodes: at.roster.nodes(),
+            rejoining: at.rejoining.map(<[u32]>::to_vec),
         })
     }
 }

@@ -58,6 +58,10 @@ pub struct Joining<'a> {
     pub abort: Arc<Abort>,
     /// The group's hosts and their ranks (a slot on this rank's node is preferred).
     pub nodes: Vec<(String, Vec<usize>)>,
+    /// None: every rank joins at once, and warms up and captures its step graphs now. Some: this
+    /// rank comes back into a running group without these ranks; it warms up and captures with
+    /// the others at the roster that has it live again (`Backend::regroup`).
+    pub rejoining: Option<Vec<u32>>,
 }
 
 /// A group whose expert slots may move (redundant slots, a placement file, online EPLB): where

@@ -291,6 +291,7 @@ impl ControlLink {
             seats,
             nccl_id,
             go_on: link.go_on,
+            rejoining: None,
         })?;
         Ok(link)
     }
@@ -535,6 +536,9 @@ pub struct Joined {
     pub roster: Roster,
     /// The group goes on without a lost rank (`Bringup::Welcome::go_on`).
     pub go_on: bool,
+    /// This rank comes back into a running group without these ranks
+    /// (`Bringup::Welcome::rejoining`).
+    pub rejoining: Option<Vec<u32>>,
 }
 
 /// Who joins: its place, its node and data listener's port.
@@ -605,12 +609,14 @@ pub fn join(
             seats,
             nccl_id,
             go_on,
+            rejoining,
         } => Ok(Joined {
             stream,
             group,
             nccl_id,
             roster: Roster(seats),
             go_on,
+            rejoining,
         }),
         other => Err(GroupError::Protocol(format!(
             "expected welcome, got {other:?}"

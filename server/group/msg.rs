@@ -42,6 +42,11 @@ pub enum Bringup {
         /// files stay while it runs, for a restarted rank to map when it rejoins.
         #[serde(default)]
         go_on: bool,
+        /// The group runs already and this rank comes back into it (`group::rejoin`): the ranks
+        /// still out of it. A GPU rank's communicator is without them, and it warms up and
+        /// captures its steps with the others, at the roster that has it live again.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rejoining: Option<Vec<u32>>,
     },
     /// Leader to a rank: startup failed, or this rank may not join.
     Reject {
@@ -120,6 +125,10 @@ pub enum Order {
     Rejoin {
         rank: usize,
         pid: u32,
+        /// The unique id of the communicator it joins with every rank in the group (GPU
+        /// backends; the rank had it in its welcome).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nccl_id: Option<Vec<u8>>,
     },
 }
 

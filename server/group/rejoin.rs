@@ -46,8 +46,6 @@ pub struct Door {
     pub roster: Roster,
     /// The leader's host: a rank of the leader's node runs there.
     pub host: String,
-    /// Why no rank may come back into this group (its backend cannot take one), if so.
-    pub closed: Option<String>,
 }
 
 /// Reads hellos on `listener` for the life of the process; `lost(rank)` says whether the group
@@ -103,9 +101,7 @@ fn admit(
         tracing::warn!(%peer, "rendezvous after startup: no hello; closing");
         return None;
     };
-    let why = if let Some(why) = &door.closed {
-        Some(why.clone())
-    } else if !crate::flags::same_secret(&token, &door.token) {
+    let why = if !crate::flags::same_secret(&token, &door.token) {
         Some("wrong or missing group token (--group-token)".to_string())
     } else if world != door.world || rank == 0 || rank >= door.world {
         Some(format!(
@@ -155,8 +151,9 @@ mod tests {
         }
     }
 
-    /// A hello of lost rank 1 read at `door`, and what its sender heard back.
-    fn knock(door: &Door) -> (Option<Comer>, Option<Bringup>) {
+    /// A hello of rank 1 read at `door` (`lost`: whether the group is without it), and what
+    /// its sender heard back.
+    fn knock(door: &Door, lost: bool) -> (Option<Comer>, Option<Bringup>) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut them = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (us, peer) = l.accept().unwrap();
@@ -168,34 +165,32 @@ mod tests {
             fingerprint: Vec::new(),
             token: String::new(),
         };
-        let comer = admit(us, peer, Ok(hello), door, &|r| r == 1);
+        let comer = admit(us, peer, Ok(hello), door, &|r| lost && r == 1);
         them.set_read_timeout(Some(Duration::from_millis(200)))
             .unwrap();
         (comer, super::super::recv(&mut them).ok())
     }
 
-    /// A backend that cannot take a rank back (the GPU ones) closes the door: the lost rank
-    /// hears why at once; the same hello at an open door is let in.
+    /// A rank the group runs with is told at once why it may not come back; the same hello
+    /// from a lost rank is let in, and hears nothing before the executor welcomes it.
     #[test]
-    fn a_closed_door_refuses_a_lost_rank_with_its_reason() {
-        let mut door = Door {
+    fn only_a_lost_rank_comes_back_and_a_live_one_hears_why() {
+        let door = Door {
             world: 2,
             fingerprint: Vec::new(),
             token: String::new(),
             roster: Roster(vec![seat(), seat()]),
             host: "h".into(),
-            closed: Some("the nccl backend does not take a lost rank back yet".into()),
         };
-        let (comer, heard) = knock(&door);
+        let (comer, heard) = knock(&door, false);
         assert!(comer.is_none());
         match heard {
             Some(Bringup::Reject { reason }) => {
-                assert!(reason.contains("nccl backend"), "{reason}")
+                assert!(reason.contains("only a lost rank"), "{reason}")
             }
             other => panic!("{other:?}"),
         }
-        door.closed = None;
-        let (comer, heard) = knock(&door);
+        let (comer, heard) = knock(&door, true);
         assert_eq!(comer.map(|c| c.rank), Some(1));
         assert!(heard.is_none(), "{heard:?}");
     }

@@ -390,16 +390,26 @@ impl<B: Backend> Executor<B> {
             None => heartbeat,
         };
         let mut idle_since = Instant::now();
+        // A rank back at the door: no step starts until those in flight are done, then it
+        // rejoins between steps (a GPU rank's graphs are captured again at its roster).
+        let mut comer = None;
         let result = loop {
-            if let Some(c) = self.comer() {
+            comer = comer.take().or_else(|| self.comer());
+            if let Some(c) = comer.take_if(|_| flight.is_empty()) {
                 let rank = c.rank;
-                if let Err(e) = self.rejoin(c) {
-                    tracing::warn!(rank, "{e}; rank {rank} stays out of the group");
+                match self.rejoin(c) {
+                    Err(e) if self.abort.reason().is_some() => {
+                        break Err(self.fail_all(e, &mut flight, &free, &in_flight))
+                    }
+                    Err(e) => tracing::warn!(rank, "{e}; rank {rank} stays out of the group"),
+                    Ok(()) => {}
                 }
             }
             // Start every step there is room for before finishing the oldest: a GPU rank only
             // queues it, and the sooner it is queued the less its GPU idles.
-            let started = if flight.is_empty() {
+            let started = if comer.is_some() {
+                Ok(false)
+            } else if flight.is_empty() {
                 match packed.recv_timeout(poll) {
                     Ok((step, cell)) => {
                         idle_since = Instant::now();
@@ -445,7 +455,7 @@ impl<B: Backend> Executor<B> {
                 },
             }
             // Block only when no other step could start meanwhile.
-            let wait = flight.len() >= ahead || closed;
+            let wait = flight.len() >= ahead || closed || comer.is_some();
             let Some(front) = flight.front_mut() else {
                 continue;
             };

@@ -523,6 +523,7 @@ fn form_group(
             deadline,
             abort: abort.clone(),
             keep_files: go_on,
+            rejoining: None,
         };
         let reach = Reach {
             listener: data,
@@ -574,14 +575,6 @@ fn form_group(
             token: args.group_token.clone().unwrap_or_default(),
             roster: roster.clone(),
             host: group::host_id(),
-            // A GPU rank's way back (a communicator over it and the ranks left, its graphs
-            // captured with theirs) is not built: restart the group to bring it back.
-            closed: (p.backend != crate::config::BackendKind::Cpu).then(|| {
-                format!(
-                    "the {} backend does not take a lost rank back yet",
-                    p.backend.name()
-                )
-            }),
         };
         exec.open_door(listener, door, &group_id)?;
     }

@@ -78,6 +78,7 @@ fn join(
         nccl_id,
         roster,
         go_on,
+        rejoining,
     } = joined;
     if let Some(c) = clients {
         c.set_nodes(&roster);
@@ -103,6 +104,7 @@ fn join(
             deadline,
             abort: abort.clone(),
             keep_files: go_on,
+            rejoining: rejoining.as_deref(),
         };
         let reach = Reach {
             listener: data,
@@ -498,8 +500,8 @@ impl Follow {
                     Err(e) => Next::Fail((None, anyhow!("telling the leader: {e}"))),
                 }
             }
-            Ok(Order::Rejoin { rank, pid }) => {
-                let error = driver.rejoin(rank).err();
+            Ok(Order::Rejoin { rank, pid, nccl_id }) => {
+                let error = driver.rejoin(rank, nccl_id.as_deref()).err();
                 if let Some(seat) = self.roster.0.get_mut(rank) {
                     seat.pid = pid;
                 }
@@ -518,6 +520,13 @@ impl Follow {
                 }
             }
             Ok(Order::Roster { epoch, lost }) => {
+                // A roster after a rank came back follows steps that ran without a halt: they
+                // finish on the group they started in (a GPU rank regroups with none in flight).
+                while !flight.is_empty() {
+                    if let Err(f) = self.complete(driver, flight) {
+                        return Next::Fail(f);
+                    }
+                }
                 self.go_on = true;
                 for r in 0..self.roster.world() {
                     if !lost.contains(&(r as u32)) {

@@ -55,9 +55,15 @@ pub trait Backend {
             "placement epoch {epoch}: this backend's expert slots do not move"
         ))
     }
-    /// Lost `rank` restarted: map what it made again (its exchange segment), between steps.
-    /// A backend that cannot take a rank back says so.
-    fn rejoin(&mut self, rank: usize) -> Result<(), String> {
+    /// What a rank coming back needs from the leader to join this backend's group with the
+    /// others (GPU backends: the unique id of the communicator they make with it).
+    fn rejoin_id(&self) -> Result<Option<Vec<u8>>, String> {
+        Ok(None)
+    }
+    /// Lost `rank` restarted: map what it made again (its exchange segment), or begin joining
+    /// a communicator with it (`nccl_id`, `rejoin_id`'s), between steps; it takes part in steps
+    /// from the roster that has it live. A backend that cannot take a rank back says so.
+    fn rejoin(&mut self, rank: usize, _nccl_id: Option<&[u8]>) -> Result<(), String> {
         Err(format!("this backend cannot take rank {rank} back"))
     }
     /// The group goes on without `lost` (`Order::Roster`, every rank left at once, between
@@ -142,8 +148,11 @@ impl<B: Backend + ?Sized> Backend for Box<B> {
     fn group_started(&self) {
         (**self).group_started()
     }
-    fn rejoin(&mut self, rank: usize) -> Result<(), String> {
-        (**self).rejoin(rank)
+    fn rejoin_id(&self) -> Result<Option<Vec<u8>>, String> {
+        (**self).rejoin_id()
+    }
+    fn rejoin(&mut self, rank: usize, nccl_id: Option<&[u8]>) -> Result<(), String> {
+        (**self).rejoin(rank, nccl_id)
     }
     fn regroup(&mut self, lost: &[u32]) -> Result<(), String> {
         (**self).regroup(lost)
@@ -342,9 +351,10 @@ impl<B: Backend> Driver<B> {
         Ok(())
     }
 
-    /// Lost `rank` restarted: this rank maps what it made again (`Backend::rejoin`).
-    pub fn rejoin(&mut self, rank: usize) -> Result<(), String> {
-        self.backend.rejoin(rank)
+    /// Lost `rank` restarted: this rank maps what it made again, or begins joining a
+    /// communicator with it (`Backend::rejoin`).
+    pub fn rejoin(&mut self, rank: usize, nccl_id: Option<&[u8]>) -> Result<(), String> {
+        self.backend.rejoin(rank, nccl_id)
     }
 
     /// Ends every step in flight without their results (a halt: their rows run again).

@@ -320,3 +320,104 @@ pub async fn lose_under_load(d: &Drill<'_>) -> String {
     );
     phases
 }
+
+/// The restarted rank's command line: the killed process's own (`/proc/PID/cmdline`), its
+/// environment as the tests' (a GPU rank's device follows from its rank).
+fn command_line(pid: u32) -> Vec<String> {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    (cmdline.split(|&b| b == 0))
+        .skip(1)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8(a.to_vec()).unwrap())
+        .collect()
+}
+
+/// Kills rank `rank` of `world` under load and starts it again with its command line: it
+/// rejoins (the group whole again, epoch 2), computes rows, and no request of the steady load
+/// fails or is off (`tol`). Returns the leader's rejoin line.
+pub async fn lose_and_rejoin(
+    tag: &str,
+    (world, rank): (usize, usize),
+    flags: &[&str],
+    (tol, fp8): (f64, bool),
+) -> String {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let Loaded {
+        _dir,
+        group,
+        metrics,
+        mut c,
+        stop,
+        tally,
+        clients,
+        ..
+    } = Loaded::start(tag, world, flags, (tol, fp8)).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let pid = group.proc.rank_pid(rank);
+    let args = command_line(pid);
+    kill(pid, "KILL");
+    let until = |want: Vec<u32>, what: &'static str| {
+        let mut c = c.clone();
+        let log = group.proc.log.clone();
+        async move {
+            let end = Instant::now() + Duration::from_secs(60);
+            while model_info(&mut c).await.live_ranks != want {
+                let logs = || log.lock().unwrap().join("\n");
+                assert!(Instant::now() < end, "{what}\n{}", logs());
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let all: Vec<u32> = (0..world as u32).collect();
+    let left: Vec<u32> = (0..world as u32).filter(|&r| r as usize != rank).collect();
+    until(left, "the killed rank was never lost").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut back = Proc::spawn(&args);
+    let asked = Instant::now();
+    until(all, "the restarted rank never rejoined").await;
+    let rejoined = asked.elapsed();
+    let at = back
+        .wait_for(" metrics on http://", Duration::from_secs(5))
+        .unwrap();
+    let at = at
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .trim_end_matches("/metrics");
+    let steps_before = sum(&scrape(at), "epserve_steps_total", &[]);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let steps_after = sum(&scrape(at), "epserve_steps_total", &[]);
+    stop_load(&stop, clients).await;
+    let logs = || format!("{}\n{}", group.proc.log_text(), back.log_text());
+    tally.none_failed(&logs());
+    assert!(
+        steps_after > steps_before,
+        "the rejoined rank ran no step ({steps_before} then {steps_after})\n{}",
+        logs()
+    );
+    let info = model_info(&mut c).await;
+    assert_eq!(
+        (info.group_epoch, info.lost_ranks.len()),
+        (2, 0),
+        "{}",
+        logs()
+    );
+    let m = scrape(&metrics[0]);
+    assert_eq!(
+        sum(&m, "epserve_group_ranks", &[("state", "live")]),
+        world as f64
+    );
+    assert_eq!(sum(&m, "epserve_rank_losses_total", &[]), 1.0);
+    let answers = tally.answers.load(Ordering::Relaxed);
+    let line = (group.proc.log_text().lines())
+        .find(|l| l.contains("rejoined the group") && l.contains("total_ms"))
+        .map(|l| l[l.find("epoch=").unwrap_or(0)..].to_string())
+        .unwrap_or_default();
+    eprintln!(
+        "rank {rank} killed, restarted and back in {rejoined:?}: {answers} answers, none failed; it ran {} steps in the 2 s after; the leader: {line}",
+        steps_after - steps_before
+    );
+    drop(group);
+    let _ = back.wait_exit(Duration::from_secs(10));
+    line
+}

@@ -638,7 +638,7 @@ impl Backend for CpuRank {
     }
 
     /// Maps the segment a restarted rank made (on this node; its old mapping goes).
-    fn rejoin(&mut self, rank: usize) -> Result<(), String> {
+    fn rejoin(&mut self, rank: usize, _nccl_id: Option<&[u8]>) -> Result<(), String> {
         match self.segs.get(rank) {
             Some(Peer::Mapped(_)) if rank != self.rank => {}
             _ => return Err(format!("rank {rank} is not a peer of this node")),

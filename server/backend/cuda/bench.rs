@@ -145,7 +145,7 @@ fn rank_main(
     let slots = crate::backend::bench::eplb_slots(c, world).map_err(|e| anyhow::anyhow!(e))?;
     let dev = Device::random(seat, &c.spec(), c.expert_dtype, 7, slots.clone())?;
     let deadline = Instant::now() + Duration::from_secs(300);
-    let (mut core, mut a) = dev.connect(id, deadline, vec![true; world])?;
+    let (mut core, mut a) = dev.connect(id, deadline, vec![true; world], &[])?;
     let shape = core.shape;
     let t = c.tokens_per_rank;
     let s = core.g.stream.clone();

@@ -181,7 +181,7 @@ impl Device {
         })
     }
 
-    /// Joins the communicator (bounded by `deadline`) and allocates the step buffers (and the
+    /// Joins the communicator of every rank but `out` (bounded by `deadline`) and allocates the step buffers (and the
     /// NCCL EP group): collective, every rank at once. Returns the step and the allocator that
     /// counted every device allocation.
     pub fn connect(
@@ -189,6 +189,7 @@ impl Device {
         nccl_id: &[u8],
         deadline: Instant,
         near: Vec<bool>,
+        out: &[u32],
     ) -> anyhow::Result<(GpuStep, Alloc)> {
         let id: &[u8; 128] = nccl_id
             .try_into()
@@ -197,6 +198,7 @@ impl Device {
         let nccl = nccl().map_err(|e| anyhow!(e))?;
         let (world, rank) = (self.shape.world, self.shape.rank);
         let ctx = self.g.ctx.clone();
+        let out = out.to_vec();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::Builder::new()
             .name("nccl-init".into())
@@ -204,7 +206,7 @@ impl Device {
                 let r = ctx
                     .bind_to_thread()
                     .map_err(anyhow::Error::from)
-                    .and_then(|_| Ok(Comm::init(nccl, &id, (world, rank), &[])?));
+                    .and_then(|_| Ok(Comm::init(nccl, &id, (world, rank), &out)?));
                 let _ = tx.send(r);
             })?;
         let wait = deadline.saturating_duration_since(Instant::now());
@@ -274,11 +276,12 @@ impl GpuDevice for Device {
             _ => None,
         };
         let (spec, dtype) = (self.spec.clone(), self.shape.expert_dtype);
-        let (core, alloc) = self.connect(at.nccl_id, at.deadline, near)?;
+        let out = at.rejoining.clone().unwrap_or_default();
+        let (core, alloc) = self.connect(at.nccl_id, at.deadline, near, &out)?;
         let mover = moving
             .map(|m| Mover::new(m, spec, dtype, core.g.ctx.clone(), rank))
             .transpose()?;
-        let rank_ = GpuRank::new(
+        let mut rank_ = GpuRank::new(
             core,
             at.ring,
             at.buckets,
@@ -287,10 +290,18 @@ impl GpuDevice for Device {
             at.abort,
             mover,
         )?;
+        // Every rank at once; a rank coming back captures with the others at its roster.
+        if at.rejoining.is_none() {
+            rank_.prime()?;
+        }
         tracing::info!(
             gpu = ordinal,
             device_mib = alloc.bytes >> 20,
-            graphs = if graphs { graph_count } else { 0 },
+            graphs = if graphs && at.rejoining.is_none() {
+                graph_count
+            } else {
+                0
+            },
             seconds = t0.elapsed().as_secs_f32(),
             "GPU step ready"
         );

@@ -1,9 +1,11 @@
-//! A lost rank back (`--on-rank-loss continue`), between steps: the restarted process (same
-//! flags, same rank) said hello at the rendezvous port (`group::rejoin`). It gets the group's
-//! welcome and makes its segment; every rank in the group maps it (`Order::Rejoin`); it maps
-//! theirs; then it stages the placement the group runs on, with its own slots back in the table,
-//! and the next `Roster` has it live again. Steps in flight go on meanwhile; no step includes
-//! it before every rank has its segment and weights.
+//! A lost rank back (`--on-rank-loss continue`), between steps, none in flight: the restarted
+//! process (same flags, same rank) said hello at the rendezvous port (`group::rejoin`). It gets
+//! the group's welcome and makes its segment (or loads its GPU's weights); every rank in the
+//! group maps it, or begins joining a communicator with it (`Order::Rejoin`); it maps theirs (or
+//! joins); then it stages the placement the group runs on, with its own slots back in the
+//! table, and the next `Roster` has it live again: every rank regroups at it (a GPU rank takes
+//! the new communicator and captures its graphs again, the newcomer with them). No step
+//! includes it before every rank has its segment (or communicator) and weights.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -52,25 +54,37 @@ impl<B: Backend> Executor<B> {
         let broken = |what: &str, e: &dyn std::fmt::Display| {
             ExecutorError::Broken(format!("rank {rank} rejoining: {what}: {e}"))
         };
+        let nccl_id =
+            (self.driver.backend.rejoin_id()).map_err(|e| broken("a communicator", &e))?;
         let loss = self.loss.as_mut().expect("a door only with a loss");
         loss.roster.0[rank] = c.seat.clone();
         let welcome = Bringup::Welcome {
             group: loss.group.clone(),
             seats: loss.roster.0.clone(),
-            nccl_id: None,
+            nccl_id: nccl_id.clone(),
             go_on: true,
+            rejoining: Some(
+                loss.lost
+                    .iter()
+                    .copied()
+                    .filter(|&r| r as usize != rank)
+                    .collect(),
+            ),
         };
         send(&mut c.stream, &welcome).map_err(|e| broken("welcome", &e))?;
         c.expect(Bringup::Created { rank }, deadline)
             .map_err(|e| broken("its segment", &e))?;
-        // Every rank in the group maps its new segment; so does this one.
+        // Every rank in the group maps its new segment (or begins joining a communicator with
+        // it); so does this one.
         let pid = c.seat.pid;
-        self.link
-            .broadcast(&Order::Rejoin { rank, pid })
-            .map_err(|e| broken("telling the ranks", &e))?;
-        self.driver
-            .rejoin(rank)
-            .map_err(|e| broken("mapping its segment here", &e))?;
+        let order = Order::Rejoin {
+            rank,
+            pid,
+            nccl_id: nccl_id.clone(),
+        };
+        (self.link.broadcast(&order)).map_err(|e| broken("telling the ranks", &e))?;
+        (self.driver.rejoin(rank, nccl_id.as_deref()))
+            .map_err(|e| broken("taking it back here", &e))?;
         self.gather_rejoined(rank, deadline)?;
         send(&mut c.stream, &Bringup::Map).map_err(|e| broken("map", &e))?;
         c.expect(Bringup::Mapped { rank }, deadline)
@@ -149,11 +163,20 @@ impl<B: Backend> Executor<B> {
                 lost: lost.clone(),
             })
             .map_err(|e| broken("resuming", &e))?;
+        // Every rank regroups at the roster (a GPU rank onto the communicator with it): past
+        // the roster a rank cannot stay out, so a failure here breaks the group.
+        let t1 = Instant::now();
+        if let Err(e) = self.driver.backend.regroup(&lost) {
+            let why = format!("taking rank {rank} back: {e}");
+            self.abort.trigger(why.clone());
+            return Err(ExecutorError::Broken(why));
+        }
         tracing::warn!(
             rank,
             epoch,
             ?lost,
             mapped_ms = super::recover::ms(mapped),
+            regroup_ms = super::recover::ms(t1.elapsed()),
             total_ms = super::recover::ms(t0.elapsed()),
             "rank {rank} rejoined the group"
         );

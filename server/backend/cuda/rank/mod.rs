@@ -80,6 +80,12 @@ pub struct GpuRank {
     stuck: Vec<Submitted>,
     /// Whether steps are replayed from captured graphs (`regroup` captures them again).
     use_graphs: bool,
+    /// Whether this rank warmed up and captured its graphs (a rank coming back does so at the
+    /// roster that has it live, with the others).
+    primed: bool,
+    /// The communicator with a rank coming back, being joined on a thread of its own (NCCL
+    /// init blocks until every rank has joined): taken at the roster that has it live.
+    growing: Option<regroup::Growing>,
     /// The staging set the next step takes (they alternate: steps complete in order).
     next_set: usize,
     routed: Vec<u32>,
@@ -117,6 +123,8 @@ impl GpuRank {
         abort: Arc<Abort>,
         mover: Option<Mover>,
     ) -> Result<Self, GpuError> {
+        // Not primed here: the caller does, with every rank (`prime`), or the roster that has
+        // a rank coming back live does (`regroup`).
         let s = core.shape;
         let t = s.max_home;
         if buckets.last() != Some(&t) || buckets.windows(2).any(|w| w[0] >= w[1]) {
@@ -160,6 +168,8 @@ impl GpuRank {
             flight: std::collections::VecDeque::with_capacity(DEPTH),
             stuck: Vec::new(),
             use_graphs: graphs,
+            primed: false,
+            growing: None,
             next_set: 0,
             step_timeout,
             abort,
@@ -176,13 +186,12 @@ impl GpuRank {
                 }
             }
         }
-        me.prime()?;
         Ok(me)
     }
 
     /// Warms every bucket up and captures the graphs (collective: every rank in the
     /// communicator at once, in the same order).
-    fn prime(&mut self) -> Result<(), GpuError> {
+    pub(in crate::backend::cuda) fn prime(&mut self) -> Result<(), GpuError> {
         let layers = self.core().layers.len();
         for bucket in self.buckets.clone() {
             for rows in [HomeDtype::F32, HomeDtype::Bf16] {
@@ -200,6 +209,7 @@ impl GpuRank {
                 }
             }
         }
+        self.primed = true;
         Ok(())
     }
 
@@ -559,6 +569,15 @@ impl Backend for GpuRank {
         let m = (self.mover.as_mut()).ok_or("this group's slots do not move")?;
         let c = self.core.as_mut().ok_or("the GPU rank failed")?;
         m.apply(epoch, c)
+    }
+
+    fn rejoin_id(&self) -> Result<Option<Vec<u8>>, String> {
+        let id = crate::backend::cuda::setup::new_unique_id().map_err(|e| format!("{e:#}"))?;
+        Ok(Some(id))
+    }
+
+    fn rejoin(&mut self, rank: usize, nccl_id: Option<&[u8]>) -> Result<(), String> {
+        self.grow(rank, nccl_id).map_err(|e| e.to_string())
     }
 
     fn regroup(&mut self, lost: &[u32]) -> Result<(), String> {

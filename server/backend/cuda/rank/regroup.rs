@@ -1,54 +1,139 @@
 //! A GPU rank going on without lost ranks (#55): its communicator shrinks without them
 //! (`ncclCommShrink` with NCCL_SHRINK_ABORT, which ends the steps a halt left waiting on them:
 //! `ncclCommAbort` never returns on a captured kernel that waits for a gone peer, measured in
-//! docs/benchmarks.md "Losing a rank"), and it captures its graphs again on the new one.
+//! docs/benchmarks.md "Losing a rank"), and it captures its graphs again on the new one. A rank
+//! coming back: every rank joins a new communicator with it (`grow`, on a thread, while steps
+//! go on over the old one), and at the roster that has it live they all take it and capture
+//! their graphs again, the newcomer its first.
 
-use std::time::Instant;
+use std::sync::mpsc::{channel, Receiver};
+use std::time::{Duration, Instant};
+
+use nccl_sys::ncclUniqueId;
 
 use super::{wait_event, GpuRank};
+use crate::backend::cuda::setup::nccl;
+use crate::backend::cuda::sys::nccl::Comm;
 use crate::backend::cuda::GpuError;
 
+/// How long the roster waits for a communicator with a rank coming back. Every rank began
+/// joining it before the newcomer joined (its bring-up, which ended before the roster), so NCCL
+/// init has completed everywhere or is about to.
+const GROWN_WITHIN: Duration = Duration::from_secs(30);
+
+/// A communicator being joined with a rank coming back.
+pub(super) struct Growing {
+    rank: usize,
+    comm: Receiver<Result<Comm, GpuError>>,
+    started: Instant,
+}
+
 impl GpuRank {
+    /// Lost `rank` restarted: begins joining the communicator of this one's members and it
+    /// (`nccl_id`, the leader's) on a thread of its own; `regroup` takes it.
+    pub(super) fn grow(&mut self, rank: usize, nccl_id: Option<&[u8]>) -> Result<(), GpuError> {
+        let c =
+            (self.core.as_ref()).ok_or_else(|| GpuError::Config("the GPU rank failed".into()))?;
+        if c.shape.ep.is_some() {
+            return Err(GpuError::Config(
+                "the nccl-ep exchange cannot take a rank back".into(),
+            ));
+        }
+        let id: &[u8; 128] = (nccl_id.and_then(|b| b.try_into().ok())).ok_or_else(|| {
+            GpuError::Config(format!("no NCCL unique id to take rank {rank} back with"))
+        })?;
+        let id = ncclUniqueId::from_bytes(id);
+        let (world, me) = (c.shape.world, c.shape.rank);
+        let members = c.comm.members();
+        let out: Vec<u32> = (0..world)
+            .filter(|r| *r != rank && !members.contains(r))
+            .map(|r| r as u32)
+            .collect();
+        let nccl = nccl().map_err(GpuError::Config)?;
+        let ctx = c.g.ctx.clone();
+        let (tx, rx) = channel();
+        std::thread::Builder::new()
+            .name("nccl-grow".into())
+            .spawn(move || {
+                let r = (ctx.bind_to_thread().map_err(GpuError::from))
+                    .and_then(|()| Ok(Comm::init(nccl, &id, (world, me), &out)?));
+                let _ = tx.send(r);
+            })
+            .map_err(|e| GpuError::Config(format!("a thread for NCCL init: {e}")))?;
+        // A rank that came back before and failed to rejoin left its init here: dropped, its
+        // thread ends once that init does.
+        self.growing = Some(Growing {
+            rank,
+            comm: rx,
+            started: Instant::now(),
+        });
+        Ok(())
+    }
+
     /// The group goes on without `lost` (every rank left calls this at once, between steps):
     /// where ranks of the communicator are among them, it shrinks without them, which ends the
-    /// steps a halt left waiting for them; then this rank warms up and captures its graphs again
-    /// on the new one. Else what a halt ended finishes on its own (every peer runs it).
+    /// steps a halt left waiting for them; where live ranks are not in it (they came back), it
+    /// takes the communicator `grow` joined with them. Either way this rank then warms up and
+    /// captures its graphs again on the new one, as does a rank coming back, for the first
+    /// time. Else what a halt ended finishes on its own (every peer runs it).
     pub(super) fn regroup_now(&mut self, lost: &[u32]) -> Result<(), GpuError> {
-        let t0 = Instant::now();
-        let bound = self.step_timeout;
         let c =
             (self.core.as_mut()).ok_or_else(|| GpuError::Config("the GPU rank failed".into()))?;
         c.g.ctx.bind_to_thread()?;
-        let gone: Vec<usize> = (c.comm.members().iter().copied())
+        let members = c.comm.members();
+        let gone: Vec<usize> = (members.iter().copied())
             .filter(|&r| lost.contains(&(r as u32)))
             .collect();
-        if gone.is_empty() {
-            for f in std::mem::take(&mut self.stuck) {
-                wait_event(&self.done[f.set], Instant::now(), bound, None)?;
+        let back: Vec<usize> = (0..c.shape.world)
+            .filter(|r| !lost.contains(&(*r as u32)) && !members.contains(r))
+            .collect();
+        if !gone.is_empty() || !back.is_empty() {
+            if c.shape.ep.is_some() {
+                return Err(GpuError::Config(
+                    "the nccl-ep exchange cannot change its group".into(),
+                ));
             }
-            return Ok(());
+            if !self.flight.is_empty() {
+                return Err(GpuError::Config(
+                    "steps in flight while the group regroups".into(),
+                ));
+            }
         }
-        if c.shape.ep.is_some() {
-            return Err(GpuError::Config(
-                "the nccl-ep exchange cannot go on without a rank".into(),
-            ));
+        if !gone.is_empty() {
+            return self.shrink_now(lost, &gone);
         }
-        if !self.flight.is_empty() {
-            return Err(GpuError::Config(
-                "steps in flight while the group regroups".into(),
-            ));
+        if !back.is_empty() {
+            return self.grow_now(&back);
         }
-        let next = c.comm.shrink(&gone)?;
-        let mut old = std::mem::replace(&mut c.comm, next);
-        let shrunk = t0.elapsed();
-        // Released: the steps the halt ended run out (on whatever a lost peer left: their
-        // output is never read), and the streams are idle.
+        self.drain_stuck()?;
+        if !self.primed {
+            let t0 = Instant::now();
+            self.prime()?;
+            tracing::info!(
+                graphs = self.graphs.len(),
+                graphs_ms = t0.elapsed().as_millis() as u64,
+                "the GPU rank is back in the group: warmed up and captured its steps"
+            );
+        }
+        Ok(())
+    }
+
+    /// The steps a halt ended run out (on whatever a lost peer left: their output is never
+    /// read).
+    fn drain_stuck(&mut self) -> Result<(), GpuError> {
         for f in std::mem::take(&mut self.stuck) {
-            wait_event(&self.done[f.set], Instant::now(), bound, None)?;
+            wait_event(&self.done[f.set], Instant::now(), self.step_timeout, None)?;
         }
-        self.finish(Instant::now(), bound)?;
+        Ok(())
+    }
+
+    /// `next` replaces the communicator, the streams idle; the old one is torn down off the
+    /// step path, and the graphs captured on it go.
+    fn swap_comm(&mut self, next: Comm) -> Result<(), GpuError> {
+        self.finish(Instant::now(), self.step_timeout)?;
         self.graphs.clear();
-        // The old communicator is torn down off the step path.
+        let c = self.core.as_mut().expect("checked by the caller");
+        let mut old = std::mem::replace(&mut c.comm, next);
         let _ = std::thread::Builder::new()
             .name("nccl-old".into())
             .spawn(move || {
@@ -59,7 +144,18 @@ impl GpuRank {
                     "the old communicator aborted"
                 );
             });
-        let c = self.core.as_mut().expect("checked above");
+        Ok(())
+    }
+
+    fn shrink_now(&mut self, lost: &[u32], gone: &[usize]) -> Result<(), GpuError> {
+        let t0 = Instant::now();
+        let c = self.core.as_mut().expect("checked by the caller");
+        let next = c.comm.shrink(gone)?;
+        let shrunk = t0.elapsed();
+        // Released: the steps the halt ended run out, and the streams are idle.
+        self.drain_stuck()?;
+        self.swap_comm(next)?;
+        let c = self.core.as_mut().expect("checked by the caller");
         // Nothing writes a lost rank's counts any more: none.
         c.g.stream.memset_zeros(&mut c.b.m)?;
         let drained = t0.elapsed();
@@ -71,6 +167,38 @@ impl GpuRank {
             graphs_ms = (t0.elapsed() - drained).as_millis() as u64,
             graphs = self.graphs.len(),
             "the GPU rank goes on over a shrunk communicator"
+        );
+        Ok(())
+    }
+
+    fn grow_now(&mut self, back: &[usize]) -> Result<(), GpuError> {
+        let t0 = Instant::now();
+        let g = (self.growing.take())
+            .filter(|g| back == [g.rank])
+            .ok_or_else(|| {
+                GpuError::Config(format!(
+                    "ranks {back:?} are back without a communicator joined with them"
+                ))
+            })?;
+        let next = (g.comm.recv_timeout(GROWN_WITHIN)).map_err(|_| {
+            GpuError::Config(format!(
+                "the communicator with rank {} was not joined within {GROWN_WITHIN:?}",
+                g.rank
+            ))
+        })??;
+        let joined = t0.elapsed();
+        self.drain_stuck()?;
+        self.swap_comm(next)?;
+        let swapped = t0.elapsed();
+        self.prime()?;
+        tracing::info!(
+            rank = g.rank,
+            since_rejoin_ms = g.started.elapsed().as_millis() as u64,
+            init_wait_ms = joined.as_millis() as u64,
+            graphs_ms = (t0.elapsed() - swapped).as_millis() as u64,
+            graphs = self.graphs.len(),
+            "the GPU rank goes on over a communicator with rank {} back",
+            g.rank
         );
         Ok(())
     }
