@@ -180,4 +180,20 @@ __global__ void psum_ends(const int* offsets, const int* counts, int L, int A, i
   for (int e = threadIdx.x; e < G; e += blockDim.x) ends[e] = e < L ? offsets[e] + counts[e] : padded;
 }
 
+// The psum ends of NCCL EP's expert-major (HT) blocks from the routing itself: its per-expert
+// counts are padded to the alignment, so expert e's rows end at offsets[e] plus the rows every
+// rank routed to it (`M` [W][W * L], the all-gathered counts; this rank's experts from
+// rank * L). The GEMMs and the quantizers then skip the padding (at decode most of a block).
+__global__ void routed_ends(const int* M, int rank, int W, int L, const int* offsets, int G, int* ends) {
+  for (int e = threadIdx.x; e < G; e += blockDim.x) {
+    if (e < L) {
+      int n = 0;
+      for (int w = 0; w < W; w++) n += M[(size_t)w * W * L + rank * L + e];
+      ends[e] = offsets[e] + n;
+    } else {
+      ends[e] = offsets[L];  // the padded total
+    }
+  }
+}
+
 }  // extern "C"

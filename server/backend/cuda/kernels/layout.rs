@@ -158,4 +158,39 @@ impl Gpu {
         // SAFETY: offsets and counts hold at least l ints, ends MAX_GROUPS (asserted).
         unsafe { b.launch(Self::cfg((1, 1), 256, 0)) }.map(drop)
     }
+
+    /// The psum ends (`hopper::MAX_GROUPS`) of NCCL EP's expert-major blocks at `offsets [L + 1]`
+    /// (the padded total last), each expert's rows counted from the all-gathered routing
+    /// (`gathered [world][world * L]`, this rank's experts from `rank * L`) instead of NCCL EP's
+    /// counts, which are padded to the alignment: what runs on the blocks skips the padding.
+    pub fn routed_ends(
+        &self,
+        gathered: &CudaSlice<i32>,
+        (rank, world): (usize, usize),
+        offsets: &CudaSlice<i32>,
+        ends: &mut CudaSlice<i32>,
+    ) -> Result<(), DriverError> {
+        let l = offsets.len() - 1;
+        let groups = hopper::MAX_GROUPS;
+        assert!(
+            l > 0
+                && rank < world
+                && gathered.len() >= world * world * l
+                && ends.len() >= groups
+                && l <= groups,
+            "routed_ends"
+        );
+        let (r32, w32, l32, g32) = (rank as i32, world as i32, l as i32, groups as i32);
+        let mut b = self.stream.launch_builder(&self.k.routed_ends);
+        b.arg(gathered)
+            .arg(&r32)
+            .arg(&w32)
+            .arg(&l32)
+            .arg(offsets)
+            .arg(&g32)
+            .arg(ends);
+        // SAFETY: gathered holds world x world x l ints, offsets l + 1, ends MAX_GROUPS
+        // (asserted).
+        unsafe { b.launch(Self::cfg((1, 1), 256, 0)) }.map(drop)
+    }
 }

@@ -58,6 +58,7 @@ kernel_table! {
     slot_index,
     ll_bounds,
     psum_ends,
+    routed_ends,
     // ffn.cuh (`ffn`)
     build_tiles,
     grouped_gemm,

@@ -428,8 +428,15 @@ impl Exchange for EpExchange {
         Ok(())
     }
 
+    /// HT: the blocks' ends are counted from the routing here (`Gpu::routed_ends`: NCCL EP's
+    /// counts are padded to the alignment, and the expert kernels would run the padding).
     fn prepare(&mut self, g: &Gpu, home: &Home, bucket: usize) -> Result<(), GpuError> {
-        self.update_handle(home.ids, bucket, &g.stream)
+        self.update_handle(home.ids, bucket, &g.stream)?;
+        if !self.is_ll(bucket) {
+            let (s, b) = (self.shape, &mut self.b);
+            g.routed_ends(home.gathered, (s.rank, s.world), &b.local_off, &mut b.sizes)?;
+        }
+        Ok(())
     }
 
     /// The bucket's home rows (HT: with their routing weights) into its expert rows. With FP8
@@ -533,9 +540,9 @@ impl Exchange for EpExchange {
                 fp8,
             });
         }
-        // HT blocks start at multiples of `hopper::ALIGN` (the handle's expert alignment); its
-        // combine sums rows as they come, so each row carries its routing weight.
-        g.psum_ends(local_off, counters, sizes)?;
+        // HT blocks start at multiples of `hopper::ALIGN` (the handle's expert alignment) and
+        // end where `prepare` counted; its combine sums rows as they come, so each row carries
+        // its routing weight.
         Ok(ExpertRows::Blocks {
             x,
             cap: s.recv_rows(bucket),
