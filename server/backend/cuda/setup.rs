@@ -2,17 +2,16 @@
 //! weights (slow, done while the group gathers), then join the communicator and capture the steps
 //! (collective: every rank at once, after the leader says so).
 
-use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use anyhow::{anyhow, Context};
-use nccl_sys::{ncclUniqueId, Nccl};
+use nccl_sys::ncclUniqueId;
 
 use crate::backend::cuda::placement::{Mover, SlotTable};
 use crate::backend::cuda::rank::GpuRank;
 use crate::backend::cuda::shape::{EpShape, StepShape};
 use crate::backend::cuda::step::{DeviceLayer, GpuStep};
-use crate::backend::cuda::sys::nccl::Comm;
+use crate::backend::cuda::sys::nccl::{loaded, new_id, Comm};
 use crate::backend::cuda::Alloc;
 use crate::backend::cuda::Gpu;
 use crate::backend::device::{check_gpu_limits, GpuDevice, Joining, Moving, Seat};
@@ -21,21 +20,13 @@ use crate::model::{ExpertDtype, ModelSource, MoeSpec, RankWeights};
 use crate::place::Place;
 use crate::step::Backend;
 
-/// NCCL, loaded once and never unloaded: `ncclGetUniqueId` starts a bootstrap thread that runs
-/// library code, so a dlclose after it would pull the code from under that thread.
-pub fn nccl() -> Result<Arc<Nccl>, String> {
-    static NCCL: OnceLock<Result<Arc<Nccl>, String>> = OnceLock::new();
-    NCCL.get_or_init(|| Nccl::load().map(Arc::new).map_err(|e| e.to_string()))
-        .clone()
-}
-
 /// Why the GPU backend cannot run here, if it cannot: no device, or no NCCL.
 pub fn available() -> Result<String, String> {
     let n = crate::backend::cuda::device_count();
     if n == 0 {
         return Err("no CUDA device is visible".into());
     }
-    let nccl = nccl()?;
+    let nccl = loaded()?;
     Ok(format!(
         "{n} GPUs, NCCL {} from {}",
         nccl_sys::version_string(nccl.version),
@@ -49,13 +40,12 @@ pub fn device_count() -> usize {
 
 /// Why `nccl-ep` cannot run here (after `available`), or what it will run on.
 pub fn ep_gates(world: usize) -> Result<String, String> {
-    crate::backend::cuda::exchange::ep::gates(nccl()?.version, world)
+    crate::backend::cuda::exchange::ep::gates(loaded()?.version, world)
 }
 
 /// The leader's NCCL unique id, handed to every rank in the rendezvous Welcome.
 pub fn new_unique_id() -> anyhow::Result<Vec<u8>> {
-    let nccl = nccl().map_err(|e| anyhow!(e))?;
-    Ok(Comm::unique_id(&nccl)?.as_bytes().to_vec())
+    new_id().map_err(|e| anyhow!(e))
 }
 
 /// Opens GPU `seat.ordinal` with this rank's weights on it (`GpuDevice`).
@@ -195,7 +185,7 @@ impl Device {
             .try_into()
             .map_err(|_| anyhow!("the leader sent no NCCL unique id"))?;
         let id = ncclUniqueId::from_bytes(id);
-        let nccl = nccl().map_err(|e| anyhow!(e))?;
+        let nccl = loaded().map_err(|e| anyhow!(e))?;
         let (world, rank) = (self.shape.world, self.shape.rank);
         let ctx = self.g.ctx.clone();
         let out = out.to_vec();

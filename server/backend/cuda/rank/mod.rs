@@ -572,8 +572,7 @@ impl Backend for GpuRank {
     }
 
     fn rejoin_id(&self) -> Result<Option<Vec<u8>>, String> {
-        let id = crate::backend::cuda::setup::new_unique_id().map_err(|e| format!("{e:#}"))?;
-        Ok(Some(id))
+        crate::backend::cuda::sys::nccl::new_id().map(Some)
     }
 
     fn rejoin(&mut self, rank: usize, nccl_id: Option<&[u8]>) -> Result<(), String> {

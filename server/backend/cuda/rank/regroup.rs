@@ -12,8 +12,7 @@ use std::time::{Duration, Instant};
 use nccl_sys::ncclUniqueId;
 
 use super::{wait_event, GpuRank};
-use crate::backend::cuda::setup::nccl;
-use crate::backend::cuda::sys::nccl::Comm;
+use crate::backend::cuda::sys::nccl::{loaded, Comm};
 use crate::backend::cuda::GpuError;
 
 /// How long the roster waits for a communicator with a rank coming back. Every rank began
@@ -49,7 +48,7 @@ impl GpuRank {
             .filter(|r| *r != rank && !members.contains(r))
             .map(|r| r as u32)
             .collect();
-        let nccl = nccl().map_err(GpuError::Config)?;
+        let nccl = loaded().map_err(GpuError::Config)?;
         let ctx = c.g.ctx.clone();
         let (tx, rx) = channel();
         std::thread::Builder::new()

@@ -3,11 +3,25 @@
 
 use std::ffi::{c_int, c_void, CStr};
 use std::mem::ManuallyDrop;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use nccl_sys::{ncclComm_t, ncclDataType_t, ncclResult_t, ncclUniqueId, ncclWindow_t, Nccl};
+
+/// NCCL, loaded once and never unloaded: `ncclGetUniqueId` starts a bootstrap thread that runs
+/// library code, so a dlclose after it would pull the code from under that thread.
+pub fn loaded() -> Result<Arc<Nccl>, String> {
+    static NCCL: OnceLock<Result<Arc<Nccl>, String>> = OnceLock::new();
+    NCCL.get_or_init(|| Nccl::load().map(Arc::new).map_err(|e| e.to_string()))
+        .clone()
+}
+
+/// A new communicator's unique id (the leader's, handed to every rank that joins it), as bytes.
+pub fn new_id() -> Result<Vec<u8>, String> {
+    let id = Comm::unique_id(&*loaded()?).map_err(|e| e.to_string())?;
+    Ok(id.as_bytes().to_vec())
+}
 
 /// `NCCL_WIN_COLL_SYMMETRIC`: every rank registers a buffer of the same size.
 const WIN_COLL_SYMMETRIC: c_int = 0x01;

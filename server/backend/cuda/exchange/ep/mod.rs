@@ -32,7 +32,7 @@ pub const MIN_NCCL: i32 = 23004;
 /// `placement`), so this bounds the world before the roster is known.
 pub const MAX_WORLD: usize = 8;
 
-/// The library, loaded once for the process (see `setup::nccl` for why never unloaded).
+/// The library, loaded once for the process (see `sys::nccl::loaded` for why never unloaded).
 pub fn library() -> Result<Arc<NcclEp>, String> {
     static EP: OnceLock<Result<Arc<NcclEp>, String>> = OnceLock::new();
     EP.get_or_init(|| NcclEp::load().map(Arc::new).map_err(|e| e.to_string()))
