@@ -92,6 +92,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         backends: args.backends.clone(),
         ep_modes: args.ep_modes.clone(),
         zero_copy: args.zero_copy.iter().map(|&z| z == OnOff::On).collect(),
+        overlap: args.overlap.iter().map(|&z| z == OnOff::On).collect(),
         ep_ll_max_tokens: args.ep_ll_max_tokens,
         ranks: args.ranks,
         iters: args.iters,

@@ -83,6 +83,10 @@ pub struct BenchArgs {
     /// (the library's staging); `--zero-copy`'s meaning.
     #[arg(long, value_delimiter = ',', default_value = "on")]
     pub zero_copy: Vec<OnOff>,
+    /// The FP8 shared expert under the exchange, comma-separated: off, on (`--overlap`'s
+    /// meaning); each backend runs once per setting.
+    #[arg(long, value_delimiter = ',', default_value = "off")]
+    pub overlap: Vec<OnOff>,
     /// LL only for configs of at most this many tokens per rank (LL's buffers grow with the
     /// tokens times the experts: prefill's would not fit).
     #[arg(long, default_value_t = 1024)]
@@ -149,6 +153,28 @@ pub struct LaunchArgs {
     #[command(flatten)]
     pub serve: ServeArgs,
 }
+
+/// `--overlap`: communication under computation.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Overlap {
+    Auto,
+    On,
+    Off,
+}
+
+impl Overlap {
+    /// Whether the step overlaps: `auto` where the bench measured a gain.
+    pub fn resolve(self) -> bool {
+        match self {
+            Overlap::On => true,
+            Overlap::Off => false,
+            Overlap::Auto => AUTO_OVERLAP,
+        }
+    }
+}
+
+/// What `--overlap auto` does (docs/benchmarks.md "Overlap").
+const AUTO_OVERLAP: bool = false;
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {
@@ -365,6 +391,17 @@ pub struct ServeArgs {
         default_value = "on"
     )]
     pub zero_copy: OnOff,
+    /// Communication under computation: `on` runs the FP8 shared expert on a stream of its own
+    /// from the gate on, under the exchange; `auto` does where the bench measured a gain
+    /// (docs/benchmarks.md "Overlap").
+    #[arg(
+        help_heading = "Backend and GPU",
+        long,
+        env = "EPSERVE_OVERLAP",
+        value_enum,
+        default_value = "auto"
+    )]
+    pub overlap: Overlap,
     /// This rank (else RANK, then LWS_WORKER_INDEX, else 0).
     #[arg(help_heading = "Group", long)]
     pub rank: Option<usize>,

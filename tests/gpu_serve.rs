@@ -323,17 +323,11 @@ fn shared_expert_model_matches_the_f64_reference() {
 /// `model` on `backend` with `extra` flags, 1 and more GPUs, graphs on and off: `F64_REQUESTS`
 /// seeded requests, one in ten of 600 to 900 tokens (steps of more than 256 home rows per rank)
 /// among ones of 1 to 64, every token against `layers` within `tol`.
-fn mixed_steps(
-    model: &str,
-    spec: &MoeSpec,
-    layers: &[RefLayer],
-    seed: u64,
-    backend: &str,
-    extra: &[&str],
-    tol: f64,
-) {
+/// Seeded requests of `spec`'s model: one in ten of 600-900 tokens, the rest of 1-64, on any
+/// MoE layer.
+fn mixed_requests(spec: &MoeSpec, seed: u64) -> Vec<ForwardRequest> {
     let mut r = ChaCha8Rng::seed_from_u64(seed);
-    let reqs: Vec<ForwardRequest> = (0..F64_REQUESTS)
+    (0..F64_REQUESTS)
         .map(|i| {
             let n = match i % 10 {
                 0 => r.random_range(600..=900usize),
@@ -345,7 +339,64 @@ fn mixed_steps(
             let layer = spec.moe_layers[r.random_range(0..spec.moe_layers.len())];
             request(&format!("s{i}"), layer, f32_tensor(&x, [n, spec.hidden]))
         })
-        .collect();
+        .collect()
+}
+
+/// `--overlap on` (the FP8 shared expert on a stream of its own from the gate on, under the
+/// exchange; #57) answers bit for bit as `off`, graphs on and off, on a DeepSeek layer with a
+/// shared expert, and within the FP8 bound of the f64 reference per token.
+#[test]
+#[ignore = "needs GPUs and NCCL"]
+fn the_shared_expert_under_the_exchange_changes_no_bit() {
+    const SMALL: &str = "synthetic:small-deepseek";
+    let (spec, _) = reference_layers_of(SMALL);
+    let layers = fp8_reference(&spec);
+    let reqs = mixed_requests(&spec, 57);
+    let ranks = *gpu_counts().last().unwrap();
+    for graphs in ["on", "off"] {
+        let run = |overlap: &str| {
+            let args = [
+                "--layers",
+                "2",
+                "--backend",
+                "nccl",
+                "--cuda-graphs",
+                graphs,
+                "--expert-dtype",
+                "fp8",
+                "--max-tokens-per-step",
+                "2048",
+                "--overlap",
+                overlap,
+            ];
+            let g = Group::launch(ranks, SMALL, &args);
+            run_all(&g, &reqs, 16)
+        };
+        let (off, on) = (run("off"), run("on"));
+        let what = format!("{SMALL} fp8, --overlap on, {ranks} GPU(s), graphs {graphs}");
+        for (i, (a, b)) in off.iter().zip(&on).enumerate() {
+            let same =
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{what}: request {i} differs from --overlap off");
+        }
+        check_f64(&what, &spec, &layers, &reqs, &on, 6e-2);
+        eprintln!(
+            "{what}: {} requests bitwise equal to --overlap off",
+            reqs.len()
+        );
+    }
+}
+
+fn mixed_steps(
+    model: &str,
+    spec: &MoeSpec,
+    layers: &[RefLayer],
+    seed: u64,
+    backend: &str,
+    extra: &[&str],
+    tol: f64,
+) {
+    let reqs = mixed_requests(spec, seed);
     for ranks in gpu_counts() {
         for graphs in ["on", "off"] {
             let mut args = vec![

@@ -15,6 +15,8 @@ pub struct Plan {
     pub backends: Vec<String>,
     pub ep_modes: Vec<EpMode>,
     pub zero_copy: Vec<bool>,
+    /// `--overlap` settings, each backend run once per setting.
+    pub overlap: Vec<bool>,
     pub ep_ll_max_tokens: usize,
     pub ranks: Option<usize>,
     pub iters: usize,
@@ -135,6 +137,8 @@ pub struct ConfigResult {
     pub config: BenchConfig,
     /// `nccl` or `nccl-ep`.
     pub backend: String,
+    /// The FP8 shared expert under the exchange (`--overlap`).
+    pub overlap: bool,
     pub world: usize,
     pub iters: usize,
     pub ranks: Vec<RankResult>,

@@ -42,6 +42,8 @@ pub struct Seat {
     pub place: crate::place::Place,
     pub max_home: usize,
     pub ep: Option<super::ep_settings::EpSettings>,
+    /// `--overlap`, resolved.
+    pub overlap: bool,
 }
 
 /// What a GPU rank needs to join the group.

@@ -280,6 +280,7 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringU
                 place: p.member.place,
                 max_home: p.segment.max_home,
                 ep: p.ep,
+                overlap: args.overlap.resolve(),
             };
             // Slots that may move are addressed through a table gating reads on the device;
             // a group whose slots never move keeps expert e in slot e, and no table.

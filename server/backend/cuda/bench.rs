@@ -85,7 +85,13 @@ pub fn run(args: &Plan, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigRes
         runs.extend(variants(args, c, world)?.into_iter().map(|v| (c, v)));
     }
     let mut out = Vec::new();
-    for (c, (backend, ep)) in runs {
+    let runs = runs.into_iter().flat_map(|(c, (label, ep))| {
+        (args.overlap.iter()).map(move |&o| {
+            let label = format!("{label}{}", if o { ", overlap" } else { "" });
+            (c, (label, ep), o)
+        })
+    });
+    for (c, (backend, ep), overlap) in runs {
         let slots = c.experts + c.eplb.unwrap_or(0);
         if slots % world != 0 {
             anyhow::bail!("{}: {slots} expert slots over {world} ranks", c.name);
@@ -94,7 +100,7 @@ pub fn run(args: &Plan, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigRes
         let threads: Vec<_> = (0..world)
             .map(|rank| {
                 let (id, c, a) = (id.clone(), c.clone(), args.clone());
-                std::thread::spawn(move || rank_main(&id, world, rank, &c, &a, ep))
+                std::thread::spawn(move || rank_main(&id, world, rank, &c, &a, (ep, overlap)))
             })
             .collect();
         let mut ranks = Vec::new();
@@ -109,6 +115,7 @@ pub fn run(args: &Plan, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigRes
         out.push(ConfigResult {
             config: c.clone(),
             backend,
+            overlap,
             world,
             iters: args.iters,
             ranks,
@@ -134,13 +141,14 @@ fn rank_main(
     rank: usize,
     c: &BenchConfig,
     args: &Plan,
-    ep: Option<EpSettings>,
+    (ep, overlap): (Option<EpSettings>, bool),
 ) -> anyhow::Result<RankResult> {
     let seat = Seat {
         ordinal: rank,
         place: crate::place::Place { rank, world },
         max_home: c.tokens_per_rank,
         ep,
+        overlap,
     };
     let slots = crate::backend::bench::eplb_slots(c, world).map_err(|e| anyhow::anyhow!(e))?;
     let dev = Device::random(seat, &c.spec(), c.expert_dtype, 7, slots.clone())?;

@@ -26,6 +26,9 @@ pub struct StepShape {
     pub ep: Option<EpShape>,
     /// bf16 experts, or FP8 (their rows quantized before each GEMM, into buffers of their own).
     pub expert_dtype: ExpertDtype,
+    /// The FP8 shared expert runs on a stream of its own from the gate on, under the exchange
+    /// (`--overlap`; `GpuStep::shared_ahead`).
+    pub overlap: bool,
 }
 
 /// How the NCCL EP exchange is laid out.
@@ -75,6 +78,7 @@ impl StepShape {
             max_home,
             ep: None,
             expert_dtype: ExpertDtype::Bf16,
+            overlap: false,
         }
     }
     pub fn local(&self) -> usize {
@@ -310,6 +314,7 @@ mod tests {
             max_home: 100,
             ep: None,
             expert_dtype: ExpertDtype::Bf16,
+            overlap: false,
         };
         let (slots, rows, local) = (s.slot_space(s.max_home), s.recv_rows(s.max_home), s.local());
         assert_eq!(slots, 4 * 100 * 4);

@@ -7,8 +7,8 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DriverError};
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, CudaStream, DriverError};
 use half::bf16;
 
 use crate::backend::cuda::exchange::ep::EpExchange;
@@ -234,6 +234,12 @@ pub struct GpuStep {
     /// Where gating sends each routed entry among its expert's slots (None: expert e is slot
     /// e, the placement of a group whose slots never move).
     pub table: Option<SlotTable>,
+    /// `--overlap`: the shared expert's stream, the events it starts after and ends at, and
+    /// whether this step's shared expert runs there already (`shared_ahead`).
+    side: Arc<CudaStream>,
+    fork: CudaEvent,
+    join: CudaEvent,
+    ahead: bool,
 }
 
 impl GpuStep {
@@ -254,7 +260,16 @@ impl GpuStep {
             None => Box::new(SlotExchange::new(&shape, a)?),
         };
         let b = Buffers::new(a, &shape)?;
+        let event = || {
+            g.ctx
+                .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+        };
+        let (side, fork, join) = (g.ctx.new_stream()?, event()?, event()?);
         Ok(Self {
+            side,
+            fork,
+            join,
+            ahead: false,
             g,
             ex,
             comm,
@@ -367,12 +382,38 @@ impl GpuStep {
         experts::routed(g, s, (kernels, bucket), w, rows, scratch)
     }
 
-    /// The shared expert, then the exchange's combine: expert outputs back home, weighted and
-    /// summed with the shared expert's rows.
+    /// `--overlap`: the FP8 shared expert of `layer` launched on the side stream once the gate
+    /// has made the home rows, so it runs under the exchange; `combine` waits for it. Whether
+    /// it was (only FP8 shared experts: bf16's at decode run on cuBLAS, bound to the step's
+    /// stream).
+    fn shared_ahead(&mut self, layer: usize, bucket: usize) -> Result<bool, GpuError> {
+        let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
+        let Some(DeviceFfn::Fp8 { gate_up, down }) = l.shared.as_ref().filter(|_| s.overlap) else {
+            return Ok(false);
+        };
+        let (experts::Shared::Fp8, Some(f)) = (self.choices.shared(s, bucket), b.fp8.as_mut())
+        else {
+            return Ok(false);
+        };
+        g.psum_ends(&b.sh_off, &b.n, &mut b.sh_ends)?;
+        self.fork.record(&g.stream)?;
+        self.side.wait(&self.fork)?;
+        let (w, rows) = ((gate_up, down), (&b.xb, &b.n));
+        let (gu, y) = (&mut b.sgu, &mut b.sy);
+        experts::fp8::shared(g, &self.side, w, bucket, rows, &b.sh_ends, f, gu, y)?;
+        self.join.record(&self.side)?;
+        Ok(true)
+    }
+
+    /// The shared expert (unless `shared_ahead` launched it: then the wait for it), then the
+    /// exchange's combine: expert outputs back home, weighted and summed with the shared
+    /// expert's rows.
     pub fn combine(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
         let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
         let t = self.table.is_some();
-        if let Some(w) = &l.shared {
+        if std::mem::take(&mut self.ahead) {
+            g.stream.wait(&self.join)?;
+        } else if let Some(w) = &l.shared {
             let kernels = self.choices.shared(s, bucket);
             let rows = SharedRows {
                 fp8: b.fp8.as_mut(),
@@ -410,6 +451,7 @@ impl GpuStep {
     /// The whole step after the inputs are on the device.
     pub fn run(&mut self, layer: usize, bucket: usize, v: Variant) -> Result<(), GpuError> {
         self.gate(layer, bucket, v)?;
+        self.ahead = self.shared_ahead(layer, bucket)?;
         self.prepare(bucket)?;
         self.dispatch(bucket)?;
         self.experts(layer, bucket)?;

@@ -7,7 +7,7 @@
 
 use std::borrow::Cow;
 
-use cudarc::driver::{CudaSlice, DriverError};
+use cudarc::driver::{CudaSlice, CudaStream, DriverError};
 use half::bf16;
 
 use crate::backend::cuda::kernels::decode_gemm::Spans;
@@ -191,21 +191,20 @@ pub fn strided(
     Ok(())
 }
 
-/// The shared expert over the bucket's `n` home rows (`xb`) into `y`: one psum block from row 0
-/// (`ends`, made here from `zero`).
+/// The shared expert over the bucket's `n` home rows (`xb`) into `y`, on `s`: one psum block
+/// from row 0 (`ends`, `Gpu::psum_ends` from a zero offset).
 #[allow(clippy::too_many_arguments)]
 pub fn shared(
     g: &Gpu,
+    s: &CudaStream,
     w: (&Fp8Weights, &Fp8Weights),
     bucket: usize,
     (xb, n): (&CudaSlice<bf16>, &CudaSlice<i32>),
-    (zero, ends): (&CudaSlice<i32>, &mut CudaSlice<i32>),
+    ends: &CudaSlice<i32>,
     b: &mut Fp8Bufs,
     gu: &mut CudaSlice<bf16>,
     y: &mut CudaSlice<bf16>,
 ) -> Result<(), GpuError> {
-    g.psum_ends(zero, n, ends)?;
-    let s = &g.stream;
     let (xq, aq) = (&mut b.shared_x, &mut b.shared_act);
     let live = Live::Upto(n);
     g.fp8.quantize(xb, bucket, live, xq, s)?;

@@ -468,16 +468,11 @@ pub fn shared(
 ) -> Result<(), GpuError> {
     let (h, i) = (s.hidden, s.shared_inter);
     match (kernels, w, r.fp8) {
-        (Shared::Fp8, DeviceFfn::Fp8 { gate_up, down }, Some(f)) => fp8::shared(
-            g,
-            (gate_up, down),
-            bucket,
-            (r.xb, r.n),
-            (r.zero, r.ends),
-            f,
-            r.gu,
-            r.y,
-        ),
+        (Shared::Fp8, DeviceFfn::Fp8 { gate_up, down }, Some(f)) => {
+            g.psum_ends(r.zero, r.n, r.ends)?;
+            let w = (gate_up, down);
+            fp8::shared(g, &g.stream, w, bucket, (r.xb, r.n), r.ends, f, r.gu, r.y)
+        }
         (Shared::Dense, DeviceFfn::Bf16 { gate_up, down }, _) => {
             g.gemm_bf16(gate_up, r.xb, (bucket, 2 * i, h), r.gu)?;
             g.swiglu(r.gu, r.n, bucket, i, None, r.act)?;

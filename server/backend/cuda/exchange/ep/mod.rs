@@ -177,6 +177,7 @@ mod tests {
             max_home: 64,
             ep: None,
             expert_dtype: crate::model::ExpertDtype::Bf16,
+            overlap: false,
         }
     }
 
