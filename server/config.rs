@@ -163,18 +163,19 @@ pub enum Overlap {
 }
 
 impl Overlap {
-    /// Whether the step overlaps: `auto` where the bench measured a gain.
-    pub fn resolve(self) -> bool {
+    /// The largest step (home tokens a rank) that overlaps; 0: none. `auto`: decode's, where
+    /// the bench measured a gain.
+    pub fn resolve(self) -> usize {
         match self {
-            Overlap::On => true,
-            Overlap::Off => false,
-            Overlap::Auto => AUTO_OVERLAP,
+            Overlap::On => usize::MAX,
+            Overlap::Off => 0,
+            Overlap::Auto => AUTO_OVERLAP_TOKENS,
         }
     }
 }
 
-/// What `--overlap auto` does (docs/benchmarks.md "Overlap").
-const AUTO_OVERLAP: bool = false;
+/// The steps `--overlap auto` overlaps (docs/benchmarks.md "Overlap").
+const AUTO_OVERLAP_TOKENS: usize = 0;
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {

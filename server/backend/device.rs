@@ -42,8 +42,8 @@ pub struct Seat {
     pub place: crate::place::Place,
     pub max_home: usize,
     pub ep: Option<super::ep_settings::EpSettings>,
-    /// `--overlap`, resolved.
-    pub overlap: bool,
+    /// `--overlap`, resolved: the largest bucket (home tokens) whose steps overlap; 0: none.
+    pub overlap: usize,
 }
 
 /// What a GPU rank needs to join the group.

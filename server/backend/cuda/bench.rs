@@ -148,7 +148,7 @@ fn rank_main(
         place: crate::place::Place { rank, world },
         max_home: c.tokens_per_rank,
         ep,
-        overlap,
+        overlap: if overlap { usize::MAX } else { 0 },
     };
     let slots = crate::backend::bench::eplb_slots(c, world).map_err(|e| anyhow::anyhow!(e))?;
     let dev = Device::random(seat, &c.spec(), c.expert_dtype, 7, slots.clone())?;

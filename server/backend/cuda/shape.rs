@@ -26,9 +26,9 @@ pub struct StepShape {
     pub ep: Option<EpShape>,
     /// bf16 experts, or FP8 (their rows quantized before each GEMM, into buffers of their own).
     pub expert_dtype: ExpertDtype,
-    /// The FP8 shared expert runs on a stream of its own from the gate on, under the exchange
-    /// (`--overlap`; `GpuStep::shared_ahead`).
-    pub overlap: bool,
+    /// Buckets of at most this many home tokens run the FP8 shared expert on a stream of its own
+    /// from the gate on, under the exchange (`--overlap`; `GpuStep::shared_ahead`); 0: none.
+    pub overlap: usize,
 }
 
 /// How the NCCL EP exchange is laid out.
@@ -78,7 +78,7 @@ impl StepShape {
             max_home,
             ep: None,
             expert_dtype: ExpertDtype::Bf16,
-            overlap: false,
+            overlap: 0,
         }
     }
     pub fn local(&self) -> usize {
@@ -314,7 +314,7 @@ mod tests {
             max_home: 100,
             ep: None,
             expert_dtype: ExpertDtype::Bf16,
-            overlap: false,
+            overlap: 0,
         };
         let (slots, rows, local) = (s.slot_space(s.max_home), s.recv_rows(s.max_home), s.local());
         assert_eq!(slots, 4 * 100 * 4);

@@ -388,7 +388,9 @@ impl GpuStep {
     /// stream).
     fn shared_ahead(&mut self, layer: usize, bucket: usize) -> Result<bool, GpuError> {
         let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
-        let Some(DeviceFfn::Fp8 { gate_up, down }) = l.shared.as_ref().filter(|_| s.overlap) else {
+        let Some(DeviceFfn::Fp8 { gate_up, down }) =
+            l.shared.as_ref().filter(|_| bucket <= s.overlap)
+        else {
             return Ok(false);
         };
         let (experts::Shared::Fp8, Some(f)) = (self.choices.shared(s, bucket), b.fp8.as_mut())

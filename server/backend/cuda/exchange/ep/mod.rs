@@ -177,7 +177,7 @@ mod tests {
             max_home: 64,
             ep: None,
             expert_dtype: crate::model::ExpertDtype::Bf16,
-            overlap: false,
+            overlap: 0,
         }
     }
 
