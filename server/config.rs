@@ -176,8 +176,8 @@ impl Overlap {
 
 /// The steps `--overlap auto` overlaps: decode's. On 2x H100 (docs/benchmarks.md "Overlap",
 /// three rounds, the DeepSeek-V3 layer with its shared expert, FP8) 128 tokens a rank gained
-/// 23-45 µs a step on every exchange (1.1-1.8%); 4096 lost 89-115 µs on `nccl` (the shared
-/// expert's GEMMs then take SMs from the exchange's copies) and gained on NCCL EP's HT.
+/// 23-45 µs a step on every exchange (1.1-1.8%); 4096 lost 89-115 µs on `nccl` (not profiled:
+/// likely the shared expert's GEMMs taking SMs from the exchange's kernels) and gained on HT.
 const AUTO_OVERLAP_TOKENS: usize = 128;
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
