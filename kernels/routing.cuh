@@ -409,4 +409,14 @@ __global__ void to_slots(const int* ids, int* out, const int* n, int K, int buck
   }
 }
 
+// Each routed entry's slot to NCCL EP's expert number in a group of fewer ranks than slots were
+// placed on (a lost rank left it): map[slot] = its rank's place among the members x L + the
+// slot's place on its rank. Entries of -1 stay -1. Every entry of the bucket is written.
+__global__ void renumber(const int* ids, const int* map, int* out, int count) {
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < count; j += gridDim.x * blockDim.x) {
+    const int s = ids[j];
+    out[j] = s < 0 ? -1 : map[s];
+  }
+}
+
 }  // extern "C"

@@ -46,6 +46,7 @@ async fn drill(tag: &str, flags: &[&str], ranks: &[usize], sig: &str, bound: Dur
         bound,
         tol: 1e-5,
         fp8: true,
+        hidden: HIDDEN,
     };
     lose_under_load(&d).await;
 }
@@ -75,7 +76,7 @@ async fn a_lost_node_is_left_behind_and_no_request_fails() {
 /// the restarted rank computes rows, and no request of the steady load fails or is off.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_rank_restarted_rejoins_and_no_request_fails() {
-    lose_and_rejoin("loss-rejoin", (RANKS, 2), FLAGS, (1e-5, true)).await;
+    lose_and_rejoin("loss-rejoin", (RANKS, 2), FLAGS, (1e-5, true, HIDDEN)).await;
 }
 
 /// `launch` starts a killed rank again by itself (`--rank-restarts`, default 3): it rejoins,

@@ -118,7 +118,9 @@ pub enum ncclRedOp_t {
 
 /// The oldest NCCL epserve runs on: 2.19 (grouped send/recv in graphs, `ncclCommAbort` semantics).
 pub const MIN_VERSION: c_int = 21900;
-/// `ncclCommShrink`'s flag: end the parent's operations in flight first (their peer is gone).
+/// `ncclCommShrink`'s flags: the default (the parent is healthy and stays in use), and end the
+/// parent's operations in flight first (their peer is gone).
+pub const NCCL_SHRINK_DEFAULT: c_int = 0x00;
 pub const NCCL_SHRINK_ABORT: c_int = 0x01;
 
 /// `major.minor.patch` of an `ncclGetVersion` code (>= 2.9 encoding: major*10000 + minor*100 + patch).

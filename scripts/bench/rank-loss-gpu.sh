@@ -4,7 +4,8 @@
 #   bash scripts/bench/rank-loss-gpu.sh test serve
 # test:  the GPU tests (a communicator without a lost rank; kill -9 / SIGSTOP of rank 1 under
 #        the f64-checked load of tests/gpu_rank_loss.rs, FP8 and bf16).
-# serve: `epserve launch --backend nccl` of the DeepSeek-V3 layer (synthetic, 256 experts, every
+# serve: `epserve launch` (each of BACKENDS, default nccl; nccl-ep needs NCCL 2.30's env sourced
+#        first: ../shared/tools/device-nccl230.sh) of the DeepSeek-V3 layer (synthetic, 256 experts, every
 #        rank holding all of them: --redundant-experts 256) under epserve-loadtest; rank 1 is
 #        killed (kill -9) 8 s into a 60 s run, and `launch` starts it again (--rank-restarts 1):
 #        it rejoins under the load. The load's statuses and latencies, the leader's recovery and
@@ -19,11 +20,17 @@ test)
   run gpu_rank_loss 400 .device/bin/gpu_rank_loss --ignored --nocapture --test-threads 1
   ;;
 serve)
+  for backend in ${BACKENDS:-nccl}; do
   for dtype in ${DTYPES:-fp8 bf16}; do
     shm=$(mktemp -d -p /dev/shm)
-    log="$out/serve-$dtype.log"
-    RUST_LOG=info $B launch --ranks 2 --backend nccl --model synthetic:deepseek-v3 --layers 1 \
-      --expert-dtype "$dtype" --redundant-experts 256 --rank-restarts 1 --step-timeout 5s \
+    tag=$backend-$dtype
+    log="$out/serve-$tag.log"
+    # nccl-ep goes on with every bucket low-latency (its kernels mask a lost peer after
+    # --step-timeout; HT's cannot end a step whose peer is gone).
+    extra="--step-timeout 5s"; [ "$backend" = nccl-ep ] && extra="--ep-mode ll --step-timeout 2s"
+    # shellcheck disable=SC2086
+    RUST_LOG=info $B launch --ranks 2 --backend "$backend" $extra --model synthetic:deepseek-v3 --layers 1 \
+      --expert-dtype "$dtype" --redundant-experts 256 --rank-restarts 1 \
       --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 \
       --shm-dir "$shm" >"$log" 2>&1 &
     pid=$!
@@ -32,12 +39,12 @@ serve)
       addr=$(sed -n 's/.*serving gRPC on \([0-9.:]*\).*/\1/p' "$log" | head -1)
       [ -n "$addr" ] && break; sleep 0.2
     done
-    echo "== serve $dtype at '$addr' after $((SECONDS - t0))s"
+    echo "== serve $tag at '$addr' after $((SECONDS - t0))s"
     grep -E "on rank loss|GPU step ready" "$log" | head -4
     if [ -z "$addr" ]; then tail -20 "$log"; kill $pid; wait $pid; continue; fi
     .device/bin/epserve-loadtest --target "$addr" --layer 3 --concurrency 16 --tokens 128 \
-      --warmup 2s --duration 60s --timeout 30s --json "$out/load-$dtype.json" \
-      >"$out/load-$dtype.log" 2>&1 &
+      --warmup 2s --duration 60s --timeout 30s --json "$out/load-$tag.json" \
+      >"$out/load-$tag.log" 2>&1 &
     lt=$!
     sleep 10
     r1=$(pgrep -f -- "--rank 1 " | head -1)
@@ -46,9 +53,10 @@ serve)
     wait $lt
     m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$log" | head -1)
     curl -s "$m0" | grep -E "^epserve_group_ranks|^epserve_group_epoch|^epserve_rank_losses_total|^epserve_recovery_seconds_(sum|count)|^epserve_requests_total.*Forward"
-    grep -E "halting the group|the group goes on|communicator|cannot go on|started again|rejoin|back in the group|GPU step ready|ERROR" "$log" | head -16
-    tail -n 16 "$out/load-$dtype.log"
+    grep -E "halting the group|the group goes on|communicator|NCCL EP groups|cannot go on|started again|rejoin|back in the group|GPU step ready|ERROR" "$log" | head -16
+    tail -n 16 "$out/load-$tag.log"
     kill $pid; wait $pid 2>/dev/null
+  done
   done
   ;;
 esac

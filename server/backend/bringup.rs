@@ -180,6 +180,7 @@ impl BringUp for GpuBringUp {
             abort: at.abort.clone(),
             nodes: at.roster.nodes(),
             rejoining: at.rejoining.map(<[u32]>::to_vec),
+            go_on: at.keep_files,
         })
     }
 }

@@ -64,6 +64,9 @@ pub struct Joining<'a> {
     /// rank comes back into a running group without these ranks; it warms up and captures with
     /// the others at the roster that has it live again (`Backend::regroup`).
     pub rejoining: Option<Vec<u32>>,
+    /// The group goes on without a lost rank (`--on-rank-loss`): what a regroup needs is made
+    /// ready at startup (`GpuRank::warm_shrunk`).
+    pub go_on: bool,
 }
 
 /// A group whose expert slots may move (redundant slots, a placement file, online EPLB): where

@@ -4,22 +4,26 @@
 use anyhow::bail;
 use tracing::info;
 
-use crate::config::{BackendKind, Ingress, OnRankLoss};
+use crate::backend::ep_settings::EpSettings;
+use crate::config::{Ingress, OnRankLoss};
 use crate::eplb::SlotMap;
 use crate::nodes::Roster;
 
 /// Why the group cannot go on without some rank, or None where it can.
 fn cannot(
-    backend: BackendKind,
     ingress: Ingress,
+    ep: Option<&EpSettings>,
     slots: &SlotMap,
     roster: &Roster,
 ) -> Option<String> {
-    match backend {
-        BackendKind::Cpu | BackendKind::Nccl => {}
-        BackendKind::NcclEp | BackendKind::Auto => {
-            return Some("the nccl-ep exchange is not yet rebuilt over the ranks left".into())
-        }
+    // A step in flight waits in NCCL EP's kernels for the lost rank: LL's give up on it after
+    // their timeout (the group's mask, `--step-timeout`); HT's have none in NCCL EP 0.2 (no
+    // mask: they trap the GPU, ~100 s on), so the ranks left could never end that step.
+    if ep.is_some_and(|e| e.ht) {
+        return Some(
+            "nccl-ep runs high-throughput kernels (buckets above --ep-ll-max-tokens), which cannot end a step whose peer is gone (NCCL EP 0.2 masks a lost rank in low-latency mode only); --ep-mode ll, or --max-tokens-per-step within --ep-ll-max-tokens, lets the group go on"
+                .into(),
+        );
     }
     if ingress == Ingress::All {
         return Some("under --ingress all a lost rank's clients are not yet moved".into());
@@ -39,12 +43,12 @@ fn cannot(
 /// Whether the group goes on without a lost rank; Err where `continue` was asked and cannot be.
 pub fn decide(
     asked: OnRankLoss,
-    backend: BackendKind,
     ingress: Ingress,
+    ep: Option<&EpSettings>,
     slots: &SlotMap,
     roster: &Roster,
 ) -> anyhow::Result<bool> {
-    let why_not = cannot(backend, ingress, slots, roster);
+    let why_not = cannot(ingress, ep, slots, roster);
     let go_on = match (asked, why_not) {
         (OnRankLoss::Exit, _) => {
             info!("on rank loss: exit (--on-rank-loss exit)");
@@ -64,4 +68,44 @@ pub fn decide(
         }
     };
     Ok(go_on)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nodes::RankNode;
+
+    fn roster(world: usize) -> Roster {
+        let seat = |_| RankNode {
+            node: "n0".into(),
+            data: String::new(),
+            pid: 0,
+        };
+        Roster((0..world).map(seat).collect())
+    }
+
+    /// nccl-ep goes on where every bucket runs LL (its kernels mask a lost peer), and not where
+    /// one runs HT, saying why; room for the experts is still asked for.
+    #[test]
+    fn nccl_ep_goes_on_only_where_no_bucket_runs_high_throughput() {
+        let room = SlotMap::contiguous(16, 2, 16, 2).unwrap();
+        let ep = |ll_max, ht| EpSettings {
+            ll_max,
+            ht,
+            zero_copy: true,
+        };
+        let two = roster(2);
+        assert_eq!(
+            cannot(Ingress::Leader, Some(&ep(64, false)), &room, &two),
+            None
+        );
+        let ht = cannot(Ingress::Leader, Some(&ep(64, true)), &room, &two).unwrap();
+        assert!(
+            ht.contains("high-throughput") && ht.contains("--ep-mode ll"),
+            "{ht}"
+        );
+        let tight = SlotMap::contiguous(16, 2, 0, 2).unwrap();
+        let why = cannot(Ingress::Leader, Some(&ep(64, false)), &tight, &two).unwrap();
+        assert!(why.starts_with("without rank 1"), "{why}");
+    }
 }

@@ -40,7 +40,7 @@ pub struct Prepared {
     /// (0 until loaded).
     pub expert_bytes: u64,
     /// nccl-ep: the exchange's settings.
-    ep: Option<EpSettings>,
+    pub ep: Option<EpSettings>,
 }
 
 /// `--expert-dtype` for this model (`ExpertDtype::resolve`), saying why where auto falls back.

@@ -19,6 +19,9 @@ use tonic::transport::Channel;
 
 pub const CLIENTS: u64 = 32;
 pub const SEED: u64 = 55;
+/// The test checkpoint's hidden size; NCCL EP's low-latency kernels need a multiple of 512.
+pub const HIDDEN: usize = 256;
+pub const HIDDEN_LL: usize = 2048;
 
 /// One group under load at a time: on a 2-core machine, two would measure each other.
 pub static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -129,14 +132,18 @@ pub async fn model_info(c: &mut MoeServiceClient<Channel>) -> epserve::proto::Mo
 
 /// A DeepSeek-V3-shaped FP8 checkpoint (16 experts, 3 layers) and its f64 reference.
 pub fn checkpoint(tag: &str) -> (TempDir, MoeSpec, Vec<RefLayer>) {
-    checkpoint_for(tag, true)
+    checkpoint_for(tag, true, HIDDEN)
 }
 
 /// The same, with the reference of experts served in FP8 (DeepSeek-V3's recipe: the shared
-/// expert quantized too) or, `fp8` false, in bf16 (the checkpoint's values as they are).
-pub fn checkpoint_for(tag: &str, fp8: bool) -> (TempDir, MoeSpec, Vec<RefLayer>) {
+/// expert quantized too) or, `fp8` false, in bf16 (the checkpoint's values as they are); rows
+/// of `hidden`.
+pub fn checkpoint_for(tag: &str, fp8: bool, hidden: usize) -> (TempDir, MoeSpec, Vec<RefLayer>) {
     let dir = TempDir::new(tag);
-    let a = Arch::deepseek_fp8_128(3);
+    let a = Arch {
+        hidden,
+        ..Arch::deepseek_fp8_128(3)
+    };
     let (spec, mut refs) = write_model(&dir.0, &a, SEED);
     if fp8 {
         fp8_reference(&mut refs, &a);
@@ -159,9 +166,14 @@ pub struct Loaded {
 
 impl Loaded {
     /// `world` ranks started with `flags` (every one live, going on without a lost rank),
-    /// each token of the load checked within `tol` of the (`fp8`) reference.
-    pub async fn start(tag: &str, world: usize, flags: &[&str], (tol, fp8): (f64, bool)) -> Self {
-        let (dir, spec, refs) = checkpoint_for(tag, fp8);
+    /// each token of the load checked within `tol` of the (`fp8`) reference, rows of `hidden`.
+    pub async fn start(
+        tag: &str,
+        world: usize,
+        flags: &[&str],
+        (tol, fp8, hidden): (f64, bool, usize),
+    ) -> Self {
+        let (dir, spec, refs) = checkpoint_for(tag, fp8, hidden);
         let group = Group::launch(world, &dir.0.display().to_string(), flags);
         let metrics = group.metrics_addrs(world);
         let mut c = group.client().await;
@@ -199,6 +211,8 @@ pub struct Drill<'a> {
     pub tol: f64,
     /// The experts run in FP8 (the reference follows DeepSeek-V3's recipe), else bf16 or f32.
     pub fp8: bool,
+    /// The checkpoint's hidden size.
+    pub hidden: usize,
 }
 
 /// Loses `d.ranks` by `d.sig` under load: no request fails or is off, the answers' longest
@@ -216,7 +230,7 @@ pub async fn lose_under_load(d: &Drill<'_>) -> String {
         stop,
         tally,
         clients,
-    } = Loaded::start(d.tag, world, d.flags, (d.tol, d.fp8)).await;
+    } = Loaded::start(d.tag, world, d.flags, (d.tol, d.fp8, d.hidden)).await;
 
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let before = tally.answers.load(Ordering::Relaxed);
@@ -339,7 +353,7 @@ pub async fn lose_and_rejoin(
     tag: &str,
     (world, rank): (usize, usize),
     flags: &[&str],
-    (tol, fp8): (f64, bool),
+    (tol, fp8, hidden): (f64, bool, usize),
 ) -> String {
     let _alone = ONE_AT_A_TIME.lock().await;
     let Loaded {
@@ -351,7 +365,7 @@ pub async fn lose_and_rejoin(
         tally,
         clients,
         ..
-    } = Loaded::start(tag, world, flags, (tol, fp8)).await;
+    } = Loaded::start(tag, world, flags, (tol, fp8, hidden)).await;
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let pid = group.proc.rank_pid(rank);
     let args = command_line(pid);

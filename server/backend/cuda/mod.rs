@@ -66,6 +66,12 @@ pub enum GpuError {
     Halted(String),
 }
 
+impl From<String> for GpuError {
+    fn from(why: String) -> Self {
+        GpuError::Config(why)
+    }
+}
+
 /// The only way the GPU backend allocates device memory: counted (`epserve_device_allocations_total`,
 /// all at startup), and zero-filled.
 pub struct Alloc {

@@ -11,9 +11,9 @@ use crate::backend::cuda::placement::{Mover, SlotTable};
 use crate::backend::cuda::rank::GpuRank;
 use crate::backend::cuda::shape::{EpShape, StepShape};
 use crate::backend::cuda::step::{DeviceLayer, GpuStep};
-use crate::backend::cuda::sys::nccl::{loaded, new_id, Comm};
-use crate::backend::cuda::Alloc;
+use crate::backend::cuda::sys::nccl::{init_apart, loaded, new_id};
 use crate::backend::cuda::Gpu;
+use crate::backend::cuda::{Alloc, GpuError};
 use crate::backend::device::{check_gpu_limits, GpuDevice, Joining, Moving, Seat};
 use crate::eplb::SlotMap;
 use crate::model::{ExpertDtype, ModelSource, MoeSpec, RankWeights};
@@ -187,20 +187,11 @@ impl Device {
             .try_into()
             .map_err(|_| anyhow!("the leader sent no NCCL unique id"))?;
         let id = ncclUniqueId::from_bytes(id);
-        let nccl = loaded().map_err(|e| anyhow!(e))?;
         let (world, rank) = (self.shape.world, self.shape.rank);
         let ctx = self.g.ctx.clone();
-        let out = out.to_vec();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::Builder::new()
-            .name("nccl-init".into())
-            .spawn(move || {
-                let r = ctx
-                    .bind_to_thread()
-                    .map_err(anyhow::Error::from)
-                    .and_then(|_| Ok(Comm::init(nccl, &id, (world, rank), &out)?));
-                let _ = tx.send(r);
-            })?;
+        let rx = init_apart(ctx, id, (world, rank), out.to_vec(), |_, c| {
+            Ok::<_, GpuError>(c)
+        })?;
         let wait = deadline.saturating_duration_since(Instant::now());
         let comm = rx
             .recv_timeout(wait)
@@ -269,7 +260,12 @@ impl GpuDevice for Device {
         };
         let (spec, dtype) = (self.spec.clone(), self.shape.expert_dtype);
         let out = at.rejoining.clone().unwrap_or_default();
-        let (core, alloc) = self.connect(at.nccl_id, at.deadline, near, &out)?;
+        let mut me = self;
+        // A step whose peer is lost ends (LL masks it) when the group goes on without it.
+        if let Some(e) = me.shape.ep.as_mut().filter(|_| at.go_on) {
+            e.mask_after = Some(at.step_timeout);
+        }
+        let (core, alloc) = me.connect(at.nccl_id, at.deadline, near, &out)?;
         let mover = moving
             .map(|m| Mover::new(m, spec, dtype, core.g.ctx.clone(), rank))
             .transpose()?;
@@ -285,6 +281,9 @@ impl GpuDevice for Device {
         // Every rank at once; a rank coming back captures with the others at its roster.
         if at.rejoining.is_none() {
             rank_.prime()?;
+            if at.go_on {
+                rank_.warm_shrunk()?;
+            }
         }
         tracing::info!(
             gpu = ordinal,

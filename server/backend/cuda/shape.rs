@@ -39,6 +39,9 @@ pub struct EpShape {
     /// Buckets up to this many home tokens per rank run low-latency (0: none).
     pub ll_max: usize,
     pub zero_copy: bool,
+    /// LL kernels waiting this long for a peer mask it and end (NCCL EP's `enable_mask`): a
+    /// group that goes on without a lost rank sets it (to `--step-timeout`); None: no mask.
+    pub mask_after: Option<std::time::Duration>,
 }
 
 impl EpShape {
@@ -49,6 +52,7 @@ impl EpShape {
             align: hopper::ALIGN,
             ll_max,
             zero_copy,
+            mask_after: None,
         }
     }
 }
@@ -104,9 +108,15 @@ impl StepShape {
     /// a row's scales fill whole 16-byte units as its forward recipe asks (a hidden size that is
     /// a multiple of 512: DeepSeek-V3's 7,168, Qwen3-MoE's 2,048); narrower rows move as bf16
     /// and are quantized after the exchange.
+    ///
+    /// Not where NCCL EP masks a lost peer (`EpShape::mask_after`): its LL kernels forwarding
+    /// FP8 did not end a step whose peer was killed (the DeepSeek-V3 layer on 2x H100: stuck
+    /// 30 s, where bf16 rows' step ended at once; docs/benchmarks.md "Losing a rank"), so a
+    /// group that goes on moves bf16 rows (twice the bytes) and quantizes them on arrival.
     pub fn fp8_dispatch(&self) -> bool {
         let scales_aligned = (self.hidden / fp8::BLOCK * 4) % 16 == 0;
-        self.expert_dtype == ExpertDtype::Fp8 && (self.ep.is_none() || scales_aligned)
+        let masked = self.ep.is_some_and(|e| e.mask_after.is_some());
+        self.expert_dtype == ExpertDtype::Fp8 && (self.ep.is_none() || scales_aligned && !masked)
     }
 
     /// Whether the slot exchange moves rows as FP8 (its codes, then its scales): FP8 experts on

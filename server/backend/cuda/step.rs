@@ -219,6 +219,19 @@ macro_rules! home {
     };
 }
 
+/// The exchange `shape` names over `comm`'s members: NCCL EP's groups are collective, every
+/// member makes them together.
+pub fn exchange(
+    comm: &Comm,
+    shape: &StepShape,
+    a: &mut Alloc,
+) -> Result<Box<dyn Exchange>, GpuError> {
+    Ok(match shape.ep {
+        Some(_) => Box::new(EpExchange::new(comm, shape, a)?),
+        None => Box::new(SlotExchange::new(shape, a)?),
+    })
+}
+
 /// One rank's step machinery: the GPU, its exchange and communicator, weights and buffers.
 pub struct GpuStep {
     pub g: Gpu,
@@ -255,10 +268,7 @@ impl GpuStep {
         a: &mut Alloc,
     ) -> Result<Self, GpuError> {
         shape.check().map_err(GpuError::Config)?;
-        let ex: Box<dyn Exchange> = match shape.ep {
-            Some(_) => Box::new(EpExchange::new(&comm, &shape, a)?),
-            None => Box::new(SlotExchange::new(&shape, a)?),
-        };
+        let ex = exchange(&comm, &shape, a)?;
         let b = Buffers::new(a, &shape)?;
         let event = || {
             g.ctx

@@ -58,6 +58,24 @@ impl Gpu {
         unsafe { b.launch(Self::cfg(((n_cap * k).div_ceil(256) as u32, 1), 256, 0)) }.map(drop)
     }
 
+    /// `out[j] = map[ids[j]]` for the first `count` entries (-1 stays -1): slots to NCCL EP's
+    /// expert numbers in a group of fewer ranks.
+    pub fn renumber(
+        &self,
+        ids: &CudaSlice<i32>,
+        map: &CudaSlice<i32>,
+        count: usize,
+        out: &mut CudaSlice<i32>,
+    ) -> Result<(), DriverError> {
+        assert!(ids.len() >= count && out.len() >= count, "renumber");
+        let c = count as i32;
+        let mut b = self.stream.launch_builder(&self.k.renumber);
+        b.arg(ids).arg(map).arg(out).arg(&c);
+        // SAFETY: ids and out hold `count` entries (asserted); every entry is -1 or a slot below
+        // map's length (the slot table's values).
+        unsafe { b.launch(Self::rows_cfg(count)) }.map(drop)
+    }
+
     /// `out[r] = x[entry_of[r] / k]` for r < *rows, up to `rows_cap` rows of `h` (h % 8 == 0).
     #[allow(clippy::too_many_arguments)]
     pub fn gather_rows(

@@ -46,6 +46,7 @@ kernel_table! {
     exclusive_scan,
     assign_positions,
     to_slots,
+    renumber,
     // layout.cuh (`layout`; the slot exchange's by `slots`)
     gather_rows,
     combine,

@@ -4,26 +4,35 @@
 //! docs/benchmarks.md "Losing a rank"), and it captures its graphs again on the new one. A rank
 //! coming back: every rank joins a new communicator with it (`grow`, on a thread, while steps
 //! go on over the old one), and at the roster that has it live they all take it and capture
-//! their graphs again, the newcomer its first.
+//! their graphs again, the newcomer its first. NCCL EP's groups are made anew over each new
+//! communicator (a rank coming back: on the same thread, after its init, as the newcomer makes
+//! them in its setup), numbering the members' slots among them; the old ones go with the old
+//! communicator, off the step path.
 
-use std::sync::mpsc::{channel, Receiver};
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use nccl_sys::ncclUniqueId;
 
 use super::{wait_event, GpuRank};
-use crate::backend::cuda::sys::nccl::{loaded, Comm};
-use crate::backend::cuda::GpuError;
+use crate::backend::cuda::exchange::Exchange;
+use crate::backend::cuda::step::exchange;
+use crate::backend::cuda::step::{HomeDtype, Variant};
+use crate::backend::cuda::sys::nccl::{init_apart, Comm};
+use crate::backend::cuda::{Alloc, GpuError};
 
 /// How long the roster waits for a communicator with a rank coming back. Every rank began
 /// joining it before the newcomer joined (its bring-up, which ended before the roster), so NCCL
 /// init has completed everywhere or is about to.
 const GROWN_WITHIN: Duration = Duration::from_secs(30);
 
+/// A communicator joined with a rank coming back, and NCCL EP's groups over it (if any).
+type Grown = (Comm, Option<Box<dyn Exchange>>);
+
 /// A communicator being joined with a rank coming back.
 pub(super) struct Growing {
     rank: usize,
-    comm: Receiver<Result<Comm, GpuError>>,
+    comm: Receiver<Result<Grown, GpuError>>,
     started: Instant,
 }
 
@@ -33,32 +42,31 @@ impl GpuRank {
     pub(super) fn grow(&mut self, rank: usize, nccl_id: Option<&[u8]>) -> Result<(), GpuError> {
         let c =
             (self.core.as_ref()).ok_or_else(|| GpuError::Config("the GPU rank failed".into()))?;
-        if c.shape.ep.is_some() {
-            return Err(GpuError::Config(
-                "the nccl-ep exchange cannot take a rank back".into(),
-            ));
-        }
         let id: &[u8; 128] = (nccl_id.and_then(|b| b.try_into().ok())).ok_or_else(|| {
             GpuError::Config(format!("no NCCL unique id to take rank {rank} back with"))
         })?;
         let id = ncclUniqueId::from_bytes(id);
-        let (world, me) = (c.shape.world, c.shape.rank);
+        let (world, me, shape) = (c.shape.world, c.shape.rank, c.shape);
         let members = c.comm.members();
         let out: Vec<u32> = (0..world)
             .filter(|r| *r != rank && !members.contains(r))
             .map(|r| r as u32)
             .collect();
-        let nccl = loaded().map_err(GpuError::Config)?;
-        let ctx = c.g.ctx.clone();
-        let (tx, rx) = channel();
-        std::thread::Builder::new()
-            .name("nccl-grow".into())
-            .spawn(move || {
-                let r = (ctx.bind_to_thread().map_err(GpuError::from))
-                    .and_then(|()| Ok(Comm::init(nccl, &id, (world, me), &out)?));
-                let _ = tx.send(r);
-            })
-            .map_err(|e| GpuError::Config(format!("a thread for NCCL init: {e}")))?;
+        let rx = init_apart(c.g.ctx.clone(), id, (world, me), out, move |ctx, comm| {
+            // With the newcomer's, in its setup: on a stream of this thread's own, idle once
+            // they are made.
+            let ex = match shape.ep {
+                Some(_) => {
+                    let stream = ctx.new_stream()?;
+                    let ex = exchange(&comm, &shape, &mut Alloc::new(stream.clone()))?;
+                    stream.synchronize()?;
+                    Some(ex)
+                }
+                None => None,
+            };
+            Ok::<_, GpuError>((comm, ex))
+        })
+        .map_err(|e| GpuError::Config(format!("a thread for NCCL init: {e}")))?;
         // A rank that came back before and failed to rejoin left its init here: dropped, its
         // thread ends once that init does.
         self.growing = Some(Growing {
@@ -86,17 +94,10 @@ impl GpuRank {
         let back: Vec<usize> = (0..c.shape.world)
             .filter(|r| !lost.contains(&(*r as u32)) && !members.contains(r))
             .collect();
-        if !gone.is_empty() || !back.is_empty() {
-            if c.shape.ep.is_some() {
-                return Err(GpuError::Config(
-                    "the nccl-ep exchange cannot change its group".into(),
-                ));
-            }
-            if !self.flight.is_empty() {
-                return Err(GpuError::Config(
-                    "steps in flight while the group regroups".into(),
-                ));
-            }
+        if (!gone.is_empty() || !back.is_empty()) && !self.flight.is_empty() {
+            return Err(GpuError::Config(
+                "steps in flight while the group regroups".into(),
+            ));
         }
         if !gone.is_empty() {
             return self.shrink_now(lost, &gone);
@@ -117,6 +118,53 @@ impl GpuRank {
         Ok(())
     }
 
+    /// NCCL EP compiles its kernels for a group size at their first use (nvcc: a first regroup
+    /// from 2 ranks to 1 spent 14.6 s capturing its graphs, 2x H100). A group that goes on
+    /// without a lost rank compiles those of one rank fewer at startup instead: the ranks but
+    /// the last make that group once (a communicator shrunk without it, NCCL EP's groups over
+    /// it) and run each bucket's step through it, uncaptured; NCCL EP's JIT cache then has them
+    /// when a rank is lost. The last rank takes no part. Its output is never read.
+    pub(in crate::backend::cuda) fn warm_shrunk(&mut self) -> Result<(), GpuError> {
+        let c =
+            (self.core.as_mut()).ok_or_else(|| GpuError::Config("the GPU rank failed".into()))?;
+        let (world, rank) = (c.shape.world, c.shape.rank);
+        if c.shape.ep.is_none() || world < 2 || rank == world - 1 {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let sub = c.comm.shrink(&[world - 1], false)?;
+        let ex = exchange(&sub, &c.shape, &mut Alloc::new(c.g.stream.clone()))?;
+        let made = t0.elapsed();
+        let comm = std::mem::replace(&mut c.comm, sub);
+        let ex = std::mem::replace(&mut c.ex, ex);
+        // The last rank's counts never come: none.
+        c.g.stream.memset_zeros(&mut c.b.m)?;
+        let mut ran = Ok(());
+        for bucket in self.buckets.clone() {
+            ran = self.eager(0, 0, bucket, Variant::new(HomeDtype::Bf16, false));
+            ran = ran.and_then(|()| self.finish(Instant::now(), Duration::from_secs(120)));
+            if ran.is_err() {
+                break;
+            }
+        }
+        let c = self.core.as_mut().expect("checked above");
+        let sub = std::mem::replace(&mut c.comm, comm);
+        let sub_ex = std::mem::replace(&mut c.ex, ex);
+        // Collective over the members, in the same order on each: the groups, then the
+        // communicator.
+        drop(sub_ex);
+        drop(sub);
+        c.g.stream.memset_zeros(&mut c.b.m)?;
+        ran?;
+        tracing::info!(
+            world = world - 1,
+            groups_ms = made.as_millis() as u64,
+            ms = t0.elapsed().as_millis() as u64,
+            "NCCL EP's kernels for a group of one rank fewer compiled"
+        );
+        Ok(())
+    }
+
     /// The steps a halt ended run out (on whatever a lost peer left: their output is never
     /// read).
     fn drain_stuck(&mut self) -> Result<(), GpuError> {
@@ -126,17 +174,27 @@ impl GpuRank {
         Ok(())
     }
 
-    /// `next` replaces the communicator, the streams idle; the old one is torn down off the
-    /// step path, and the graphs captured on it go.
-    fn swap_comm(&mut self, next: Comm) -> Result<(), GpuError> {
+    /// `next` replaces the communicator (and `ex` the exchange, NCCL EP's groups over it), the
+    /// streams idle; the old ones are torn down off the step path, the exchange first (its
+    /// windows are the communicator's), and the graphs captured on them go.
+    fn swap_comm(&mut self, next: Comm, ex: Option<Box<dyn Exchange>>) -> Result<(), GpuError> {
         self.finish(Instant::now(), self.step_timeout)?;
         self.graphs.clear();
         let c = self.core.as_mut().expect("checked by the caller");
         let mut old = std::mem::replace(&mut c.comm, next);
+        let old_ex = ex.map(|ex| std::mem::replace(&mut c.ex, ex));
+        let ctx = c.g.ctx.clone();
         let _ = std::thread::Builder::new()
             .name("nccl-old".into())
             .spawn(move || {
                 let t = Instant::now();
+                if old_ex.is_some() && ctx.bind_to_thread().is_ok() {
+                    drop(old_ex);
+                    tracing::info!(
+                        ms = t.elapsed().as_millis() as u64,
+                        "the old NCCL EP groups destroyed"
+                    );
+                }
                 old.abort();
                 tracing::debug!(
                     ms = t.elapsed().as_millis() as u64,
@@ -149,21 +207,34 @@ impl GpuRank {
     fn shrink_now(&mut self, lost: &[u32], gone: &[usize]) -> Result<(), GpuError> {
         let t0 = Instant::now();
         let c = self.core.as_mut().expect("checked by the caller");
-        let next = c.comm.shrink(gone)?;
+        let next = c.comm.shrink(gone, true)?;
         let shrunk = t0.elapsed();
         // Released: the steps the halt ended run out, and the streams are idle.
         self.drain_stuck()?;
-        self.swap_comm(next)?;
+        let drained = t0.elapsed();
+        // NCCL EP's groups over the members left (every one makes them here, at once).
+        let c = self.core.as_mut().expect("checked by the caller");
+        let ex = match c.shape.ep {
+            Some(_) => Some(exchange(
+                &next,
+                &c.shape,
+                &mut Alloc::new(c.g.stream.clone()),
+            )?),
+            None => None,
+        };
+        let remade = t0.elapsed();
+        self.swap_comm(next, ex)?;
         let c = self.core.as_mut().expect("checked by the caller");
         // Nothing writes a lost rank's counts any more: none.
         c.g.stream.memset_zeros(&mut c.b.m)?;
-        let drained = t0.elapsed();
+        let swapped = t0.elapsed();
         self.prime()?;
         tracing::info!(
             ?lost,
             shrink_ms = shrunk.as_millis() as u64,
             drain_ms = (drained - shrunk).as_millis() as u64,
-            graphs_ms = (t0.elapsed() - drained).as_millis() as u64,
+            exchange_ms = (remade - drained).as_millis() as u64,
+            graphs_ms = (t0.elapsed() - swapped).as_millis() as u64,
             graphs = self.graphs.len(),
             "the GPU rank goes on over a shrunk communicator"
         );
@@ -179,7 +250,7 @@ impl GpuRank {
                     "ranks {back:?} are back without a communicator joined with them"
                 ))
             })?;
-        let next = (g.comm.recv_timeout(GROWN_WITHIN)).map_err(|_| {
+        let (next, ex) = (g.comm.recv_timeout(GROWN_WITHIN)).map_err(|_| {
             GpuError::Config(format!(
                 "the communicator with rank {} was not joined within {GROWN_WITHIN:?}",
                 g.rank
@@ -187,7 +258,7 @@ impl GpuRank {
         })??;
         let joined = t0.elapsed();
         self.drain_stuck()?;
-        self.swap_comm(next)?;
+        self.swap_comm(next, ex)?;
         let swapped = t0.elapsed();
         self.prime()?;
         tracing::info!(

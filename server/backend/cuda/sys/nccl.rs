@@ -3,9 +3,13 @@
 
 use std::ffi::{c_int, c_void, CStr};
 use std::mem::ManuallyDrop;
+use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DriverError,
+    ValidAsZeroBits,
+};
 use half::bf16;
 use nccl_sys::{ncclComm_t, ncclDataType_t, ncclResult_t, ncclUniqueId, ncclWindow_t, Nccl};
 
@@ -21,6 +25,35 @@ pub fn loaded() -> Result<Arc<Nccl>, String> {
 pub fn new_id() -> Result<Vec<u8>, String> {
     let id = Comm::unique_id(&*loaded()?).map_err(|e| e.to_string())?;
     Ok(id.as_bytes().to_vec())
+}
+
+/// `Comm::init` (with NCCL loaded) on a thread of its own bound to `ctx`, since NCCL init blocks
+/// until every member has joined; then `then` with the communicator, on that thread. The
+/// receiver has the outcome; the caller bounds its wait (an init whose peer never comes holds
+/// its thread, not the caller).
+pub fn init_apart<T, E>(
+    ctx: Arc<CudaContext>,
+    id: ncclUniqueId,
+    (world, rank): (usize, usize),
+    lost: Vec<u32>,
+    then: impl FnOnce(&Arc<CudaContext>, Comm) -> Result<T, E> + Send + 'static,
+) -> std::io::Result<Receiver<Result<T, E>>>
+where
+    T: Send + 'static,
+    E: From<NcclError> + From<DriverError> + From<String> + Send + 'static,
+{
+    let (tx, rx) = channel();
+    std::thread::Builder::new()
+        .name("nccl-init".into())
+        .spawn(move || {
+            let r = ctx.bind_to_thread().map_err(E::from).and_then(|()| {
+                let nccl = loaded().map_err(E::from)?;
+                let comm = Comm::init(nccl, &id, (world, rank), &lost)?;
+                then(&ctx, comm)
+            });
+            let _ = tx.send(r);
+        })?;
+    Ok(rx)
 }
 
 /// `NCCL_WIN_COLL_SYMMETRIC`: every rank registers a buffer of the same size.
@@ -318,11 +351,12 @@ impl Comm {
     }
 
     /// The communicator of the members but `gone` (group ranks), made by every member left at
-    /// once: `ncclCommShrink` with NCCL_SHRINK_ABORT, so the operations in flight here that wait
-    /// for a gone peer end first (measured: 46 ms on 2x H100, a captured step's kernel released,
-    /// where `ncclCommAbort` never returned; docs/benchmarks.md "Losing a rank"). This one is
-    /// left to be aborted.
-    pub fn shrink(&self, gone: &[usize]) -> Result<Comm, NcclError> {
+    /// once (`gone` do not call it): `ncclCommShrink`, with `lost` NCCL_SHRINK_ABORT, so the
+    /// operations in flight here that wait for a gone peer end first (measured: 46 ms on 2x
+    /// H100, a captured step's kernel released, where `ncclCommAbort` never returned;
+    /// docs/benchmarks.md "Losing a rank"); this one is then left to be aborted. Without
+    /// `lost`, this one stays in use beside the new one.
+    pub fn shrink(&self, gone: &[usize], lost: bool) -> Result<Comm, NcclError> {
         let f = self.nccl.comm_shrink.ok_or_else(|| NcclError {
             op: "ncclCommShrink",
             result: ncclResult_t::INVALID_USAGE,
@@ -345,7 +379,10 @@ impl Comm {
                 exclude.len() as c_int,
                 &mut comm,
                 std::ptr::null_mut(),
-                nccl_sys::NCCL_SHRINK_ABORT,
+                match lost {
+                    true => nccl_sys::NCCL_SHRINK_ABORT,
+                    false => nccl_sys::NCCL_SHRINK_DEFAULT,
+                },
             )
         };
         self.check("ncclCommShrink", r)?;

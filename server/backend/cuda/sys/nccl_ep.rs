@@ -3,6 +3,7 @@
 //! point at and borrow their buffer for as long as a call can see them, their extents checked
 //! against the buffer (their dtype is the element type's). Every `unsafe` of the `nccl-ep` exchange is here.
 
+use std::ffi::c_int;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -122,6 +123,17 @@ impl Group {
         })
     }
 
+    /// Whether a kernel of this group masked a peer that did not answer within the group's
+    /// timeout (`enable_mask` groups only; a pinned host flag, no GPU sync).
+    pub fn masked_a_peer(&self) -> Result<bool, NcclError> {
+        let mut flag: c_int = 0;
+        // SAFETY: a live group, a valid out-pointer.
+        check("ncclEpGetAsyncError", unsafe {
+            (self.ep.get_async_error)(self.raw, &mut flag)
+        })?;
+        Ok(flag != 0)
+    }
+
     /// Device bytes a handle of this group needs.
     pub fn handle_bytes(
         &self,
@@ -200,6 +212,10 @@ pub struct Dispatch<'t, 'a> {
 }
 
 impl Handle {
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+
     /// Collective with LL's automatic buffer size (the library may allocate): every rank is here.
     pub fn init(
         group: Group,

@@ -2,8 +2,6 @@
 //! expert rows), prepare, dispatch and combine as tensor descriptions of the step's buffers.
 //! No raw call here: `sys::nccl_ep` holds them.
 
-use std::sync::Arc;
-
 use cudarc::driver::{result, CudaSlice, CudaStream};
 use half::bf16;
 use nccl_sys::ep::*;
@@ -77,6 +75,8 @@ pub struct EpPath {
     fp8: Option<Fp8Recv>,
     /// HT: receive capacity in rows; LL: rows per local expert (world x tokens).
     pub cap: usize,
+    /// Its group masks a peer that leaves a kernel waiting past its timeout (LL).
+    masks: bool,
     /// Tokens per rank the group was sized for.
     pub tokens: usize,
     pub footprint: Footprint,
@@ -125,7 +125,15 @@ impl EpPath {
         };
         match low_latency {
             // LL sizes its receive side itself.
-            true => cfg.algorithm = ncclEpAlgorithm_t::LOW_LATENCY,
+            true => {
+                cfg.algorithm = ncclEpAlgorithm_t::LOW_LATENCY;
+                // A lost peer masked after this wait, so the step ends (`verify` then refuses
+                // its output); HT has no mask in NCCL EP 0.2.
+                if let Some(t) = s.ep.and_then(|e| e.mask_after) {
+                    cfg.enable_mask = 1;
+                    cfg.timeout_ns = t.as_nanos().min(u128::from(u64::MAX)) as u64;
+                }
+            }
             false => {
                 cfg.algorithm = ncclEpAlgorithm_t::HIGH_THROUGHPUT;
                 cfg.max_recv_tokens_per_rank = cap as u32;
@@ -166,6 +174,7 @@ impl EpPath {
             false => vec![cap, s.hidden],
         };
         Ok(Self {
+            masks: cfg.enable_mask != 0,
             handle,
             rows,
             fp8,
@@ -178,6 +187,15 @@ impl EpPath {
 
     pub fn rows(&self) -> &CudaSlice<bf16> {
         self.rows.slice()
+    }
+
+    /// Why a step's output cannot stand: its group masked a peer (the rows to and from it
+    /// were skipped).
+    fn masked(&self) -> Option<String> {
+        let masked = self.masks && self.handle.group().masked_a_peer().unwrap_or(true);
+        masked.then(|| {
+            "NCCL EP masked a rank that left its kernels waiting past --step-timeout: the rows to and from it were skipped".into()
+        })
     }
     pub fn rows_mut(&mut self) -> &mut CudaSlice<bf16> {
         self.rows.slice_mut()
@@ -233,9 +251,49 @@ impl EpPath {
 /// One rank's NCCL EP state: a path per mode in use (LL for buckets up to `ll_max`, HT above);
 /// `GpuStep` holds it (as its exchange) before the communicator, so it is torn down first.
 pub struct EpExchange {
+    /// The shape NCCL EP's groups were made for: the communicator's members (`on_members`).
     shape: StepShape,
+    /// This rank and the group's ranks: the gathered counts' rows, by group rank.
+    group: (usize, usize),
     paths: Paths,
     b: Bufs,
+    /// Where the communicator lacks lost ranks: slots to NCCL EP's expert numbers.
+    renumber: Option<Renumber>,
+}
+
+/// A group of fewer ranks than the slots were placed on: NCCL EP numbers the experts of its
+/// members only, so the step's slots are renumbered before its handle takes them.
+struct Renumber {
+    /// `[group experts]`: each live slot's expert number among the members (-1: a lost rank's).
+    map: CudaSlice<i32>,
+    /// The bucket's entries renumbered `[max_home, k]`.
+    ids: CudaSlice<i32>,
+}
+
+/// The shape of `s`'s group over the communicator's `members` (group ranks, ascending; this rank
+/// among them): each keeps its slots, NCCL EP numbers them by the member's place.
+pub fn on_members(s: &StepShape, members: &[usize]) -> Result<StepShape, GpuError> {
+    let me = (members.iter().position(|&r| r == s.rank))
+        .ok_or_else(|| GpuError::Config(format!("rank {} is not in its communicator", s.rank)))?;
+    let n = members.len();
+    Ok(StepShape {
+        world: n,
+        rank: me,
+        experts: n * s.local(),
+        ..*s
+    })
+}
+
+/// Each of the group's slots as NCCL EP numbers it over `members`: member i's slot j is
+/// i x local + j; a lost rank's slots are -1 (the table routes nothing to them).
+fn slot_numbers(s: &StepShape, members: &[usize]) -> Vec<i32> {
+    let l = s.local();
+    (0..s.experts)
+        .map(|slot| match members.binary_search(&(slot / l)) {
+            Ok(i) => (i * l + slot % l) as i32,
+            Err(_) => -1,
+        })
+        .collect()
 }
 
 /// A path per mode in use: LL for buckets up to its token count, HT above.
@@ -293,11 +351,15 @@ struct Bufs {
 }
 
 impl EpExchange {
-    /// Creates the groups (collective: LL first, then HT) and their handles; every rank calls
-    /// this together.
-    pub fn new(comm: &Comm, s: &StepShape, a: &mut Alloc) -> Result<Self, GpuError> {
-        let e =
-            s.ep.ok_or_else(|| GpuError::Config("no NCCL EP settings".into()))?;
+    /// Creates the groups (collective: LL first, then HT) and their handles over `comm`'s
+    /// members (the group's ranks, or those left of it); every member calls this together.
+    pub fn new(comm: &Comm, full: &StepShape, a: &mut Alloc) -> Result<Self, GpuError> {
+        let e = full
+            .ep
+            .ok_or_else(|| GpuError::Config("no NCCL EP settings".into()))?;
+        let members = comm.members();
+        let shape = on_members(full, members)?;
+        let s = &shape;
         validate(s, e.align).map_err(GpuError::Config)?;
         let ll = match e.ll_max {
             0 => None,
@@ -345,10 +407,19 @@ impl EpExchange {
                 false => None,
             },
         };
+        let renumber = match comm.whole() {
+            true => None,
+            false => Some(Renumber {
+                map: a.upload(&slot_numbers(full, members))?,
+                ids: a.zeros(s.max_home * s.top_k)?,
+            }),
+        };
         Ok(Self {
-            shape: *s,
+            shape,
+            group: (full.rank, full.world),
             paths: Paths { ll, ht },
             b,
+            renumber,
         })
     }
 
@@ -379,12 +450,19 @@ impl EpExchange {
     /// padded total in `total` and `local_off[L]` (the grouped GEMM's block bounds).
     fn update_handle(
         &mut self,
+        g: &Gpu,
         ids: &CudaSlice<i32>,
         bucket: usize,
-        stream: &Arc<CudaStream>,
     ) -> Result<(), GpuError> {
-        let (k, local) = (self.shape.top_k, self.b.counters.len());
+        let (k, local, stream) = (self.shape.top_k, self.b.counters.len(), &g.stream);
         let ll = self.is_ll(bucket);
+        let ids = match self.renumber.as_mut() {
+            Some(r) => {
+                g.renumber(ids, &r.map, bucket * k, &mut r.ids)?;
+                &r.ids
+            }
+            None => ids,
+        };
         let mut t_ids = Tensor::of(ids, &[bucket, k], stream);
         let (p, b) = (self.paths.get_mut(bucket), &mut self.b);
         if ll {
@@ -431,10 +509,10 @@ impl Exchange for EpExchange {
     /// HT: the blocks' ends are counted from the routing here (`Gpu::routed_ends`: NCCL EP's
     /// counts are padded to the alignment, and the expert kernels would run the padding).
     fn prepare(&mut self, g: &Gpu, home: &Home, bucket: usize) -> Result<(), GpuError> {
-        self.update_handle(home.ids, bucket, &g.stream)?;
+        self.update_handle(g, home.ids, bucket)?;
         if !self.is_ll(bucket) {
-            let (s, b) = (self.shape, &mut self.b);
-            g.routed_ends(home.gathered, (s.rank, s.world), &b.local_off, &mut b.sizes)?;
+            let b = &mut self.b;
+            g.routed_ends(home.gathered, self.group, &b.local_off, &mut b.sizes)?;
         }
         Ok(())
     }
@@ -598,6 +676,9 @@ impl Exchange for EpExchange {
         counts: &[i32],
         total: i32,
     ) -> Result<(), String> {
+        if let Some(why) = self.path(bucket).masked() {
+            return Err(why);
+        }
         let cap = self.path(bucket).cap as i64;
         let (mode, rows, expected, overflow) = match self.is_ll(bucket) {
             true => (
@@ -644,5 +725,43 @@ impl Exchange for EpExchange {
             handle_bytes: sum(|f| f.handle_bytes),
             expert_rows_bytes: sum(|f| f.rows_bytes),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(world: usize, rank: usize, experts: usize) -> StepShape {
+        StepShape {
+            world,
+            rank,
+            experts,
+            model_experts: experts,
+            top_k: 2,
+            hidden: 512,
+            inter: 64,
+            shared_inter: 0,
+            max_home: 8,
+            ep: None,
+            expert_dtype: crate::model::ExpertDtype::Bf16,
+            overlap: 0,
+        }
+    }
+
+    /// Ranks 0, 2 and 3 of 4 (2 slots each) left: NCCL EP numbers their slots 0..6 by the
+    /// members' places, rank 1's are out; this rank's shape is that of the members.
+    #[test]
+    fn a_lost_ranks_slots_leave_the_numbering_and_the_rest_close_up() {
+        let s = shape(4, 2, 8);
+        assert_eq!(slot_numbers(&s, &[0, 2, 3]), vec![0, 1, -1, -1, 2, 3, 4, 5]);
+        let m = on_members(&s, &[0, 2, 3]).unwrap();
+        assert_eq!((m.world, m.rank, m.experts, m.local()), (3, 1, 6, 2));
+        // The whole group numbers slots as they are.
+        assert_eq!(
+            slot_numbers(&s, &[0, 1, 2, 3]),
+            (0..8).collect::<Vec<i32>>()
+        );
+        assert!(on_members(&s, &[0, 1]).is_err());
     }
 }
