@@ -188,8 +188,13 @@ impl GpuRank {
             .name("nccl-old".into())
             .spawn(move || {
                 let t = Instant::now();
-                if old_ex.is_some() && ctx.bind_to_thread().is_ok() {
-                    drop(old_ex);
+                // NCCL EP's groups go first (their windows are the communicator's), on the
+                // device bound here.
+                if let Some(ex) = old_ex {
+                    if let Err(e) = ctx.bind_to_thread() {
+                        tracing::warn!("the old NCCL EP groups' device: {e}");
+                    }
+                    drop(ex);
                     tracing::info!(
                         ms = t.elapsed().as_millis() as u64,
                         "the old NCCL EP groups destroyed"
