@@ -197,6 +197,7 @@ impl EpPath {
             "NCCL EP masked a rank that left its kernels waiting past --step-timeout: the rows to and from it were skipped".into()
         })
     }
+
     pub fn rows_mut(&mut self) -> &mut CudaSlice<bf16> {
         self.rows.slice_mut()
     }
@@ -272,7 +273,7 @@ struct Renumber {
 
 /// The shape of `s`'s group over the communicator's `members` (group ranks, ascending; this rank
 /// among them): each keeps its slots, NCCL EP numbers them by the member's place.
-pub fn on_members(s: &StepShape, members: &[usize]) -> Result<StepShape, GpuError> {
+fn on_members(s: &StepShape, members: &[usize]) -> Result<StepShape, GpuError> {
     let me = (members.iter().position(|&r| r == s.rank))
         .ok_or_else(|| GpuError::Config(format!("rank {} is not in its communicator", s.rank)))?;
     let n = members.len();
