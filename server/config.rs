@@ -142,8 +142,7 @@ pub struct LaunchArgs {
     #[arg(help_heading = "Group", long, env = "EPSERVE_NODE_INDEX")]
     pub node_index: Option<usize>,
     /// A rank the group went on without is started again (it rejoins), at most this many times
-    /// a rank; 0: never. One node only (`--nodes 1`), on a backend that takes a rank back (not
-    /// `nccl-ep` yet).
+    /// a rank; 0: never. One node only (`--nodes 1`).
     #[arg(
         help_heading = "Group",
         long,

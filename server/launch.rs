@@ -22,7 +22,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 use tracing::{error, info};
 
-use crate::config::{BackendKind, Ingress, LaunchArgs, OnRankLoss};
+use crate::config::{Ingress, LaunchArgs, OnRankLoss};
 
 /// A rank lost from a group that goes on is started again after this, at most
 /// `--rank-restarts` times (it rejoins the group; one that keeps failing is left out).
@@ -395,8 +395,7 @@ pub fn launch(args: LaunchArgs) -> anyhow::Result<()> {
                         restarts[local] += 1;
                         // A rank rejoins a group on one node only, for now (the leader refuses
                         // it otherwise); where the group cannot go on, the leader exits.
-                        // One node, and a backend that takes a rank back (not nccl-ep yet).
-                        let back = args.nodes == 1 && args.serve.backend != BackendKind::NcclEp;
+                        let back = args.nodes == 1;
                         let most = if back { args.rank_restarts } else { 0 };
                         match restarts[local] <= most && !stopping {
                             true => {

@@ -6,10 +6,12 @@
 #        the f64-checked load of tests/gpu_rank_loss.rs, FP8 and bf16).
 # serve: `epserve launch` (each of BACKENDS, default nccl; nccl-ep needs NCCL 2.30's env sourced
 #        first: ../shared/tools/device-nccl230.sh) of the DeepSeek-V3 layer (synthetic, 256 experts, every
-#        rank holding all of them: --redundant-experts 256) under epserve-loadtest; rank 1 is
-#        killed (kill -9) 8 s into a 60 s run, and `launch` starts it again (--rank-restarts 1):
-#        it rejoins under the load. The load's statuses and latencies, the leader's recovery and
-#        rejoin lines and each phase of the GPU's, per expert dtype (DTYPES, default fp8 bf16).
+#        rank holding all of them on 2 GPUs: --redundant-experts 256) on RANKS GPUs (default 2)
+#        under epserve-loadtest; rank 1 is killed (kill -9) 10 s into a run of DURATION
+#        (default 90 s: a restarted rank loads the layer's weights again, 35-45 s), and `launch`
+#        starts it again (--rank-restarts 1): it rejoins under the load. The load's statuses
+#        and latencies, the leader's recovery and rejoin lines and each phase of the GPU's, per
+#        expert dtype (DTYPES, default fp8 bf16).
 RUN_LINES='^test |test result|skipped|GPUs, |lost by|panicked|error'
 source scripts/bench/device-env.sh
 B=.device/bin/epserve
@@ -23,13 +25,13 @@ serve)
   for backend in ${BACKENDS:-nccl}; do
   for dtype in ${DTYPES:-fp8 bf16}; do
     shm=$(mktemp -d -p /dev/shm)
-    tag=$backend-$dtype
+    tag=$backend-$dtype-${RANKS:-2}
     log="$out/serve-$tag.log"
     # nccl-ep goes on with every bucket low-latency (its kernels mask a lost peer after
     # --step-timeout; HT's cannot end a step whose peer is gone).
     extra="--step-timeout 5s"; [ "$backend" = nccl-ep ] && extra="--ep-mode ll --step-timeout 2s"
     # shellcheck disable=SC2086
-    RUST_LOG=info $B launch --ranks 2 --backend "$backend" $extra --model synthetic:deepseek-v3 --layers 1 \
+    RUST_LOG=info $B launch --ranks "${RANKS:-2}" --backend "$backend" $extra --model synthetic:deepseek-v3 --layers 1 \
       --expert-dtype "$dtype" --redundant-experts 256 --rank-restarts 1 \
       --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 \
       --shm-dir "$shm" >"$log" 2>&1 &
@@ -43,7 +45,7 @@ serve)
     grep -E "on rank loss|GPU step ready" "$log" | head -4
     if [ -z "$addr" ]; then tail -20 "$log"; kill $pid; wait $pid; continue; fi
     .device/bin/epserve-loadtest --target "$addr" --layer 3 --concurrency 16 --tokens 128 \
-      --warmup 2s --duration 60s --timeout 30s --json "$out/load-$tag.json" \
+      --warmup 2s --duration "${DURATION:-90s}" --timeout 30s --json "$out/load-$tag.json" \
       >"$out/load-$tag.log" 2>&1 &
     lt=$!
     sleep 10
@@ -53,7 +55,7 @@ serve)
     wait $lt
     m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$log" | head -1)
     curl -s "$m0" | grep -E "^epserve_group_ranks|^epserve_group_epoch|^epserve_rank_losses_total|^epserve_recovery_seconds_(sum|count)|^epserve_requests_total.*Forward"
-    grep -E "halting the group|the group goes on|communicator|NCCL EP groups|cannot go on|started again|rejoin|back in the group|GPU step ready|ERROR" "$log" | head -16
+    grep -E "halting the group|the group goes on|communicator|NCCL EP groups|cannot go on|started again|rejoin|back in the group|GPU step ready|ERROR" "$log" | head -24
     tail -n 16 "$out/load-$tag.log"
     kill $pid; wait $pid 2>/dev/null
   done

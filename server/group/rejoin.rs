@@ -46,8 +46,6 @@ pub struct Door {
     pub roster: Roster,
     /// The leader's host: a rank of the leader's node runs there.
     pub host: String,
-    /// Why this group takes no rank back (its backend cannot yet), if it does not.
-    pub closed: Option<String>,
 }
 
 /// Reads hellos on `listener` for the life of the process; `lost(rank)` says whether the group
@@ -105,8 +103,6 @@ fn admit(
     };
     let why = if !crate::flags::same_secret(&token, &door.token) {
         Some("wrong or missing group token (--group-token)".to_string())
-    } else if let Some(why) = &door.closed {
-        Some(why.clone())
     } else if world != door.world || rank == 0 || rank >= door.world {
         Some(format!(
             "rank {rank} of {world} is no seat of this group of {}",
@@ -185,7 +181,6 @@ mod tests {
             token: String::new(),
             roster: Roster(vec![seat(), seat()]),
             host: "h".into(),
-            closed: None,
         };
         let (comer, heard) = knock(&door, false);
         assert!(comer.is_none());
@@ -198,16 +193,5 @@ mod tests {
         let (comer, heard) = knock(&door, true);
         assert_eq!(comer.map(|c| c.rank), Some(1));
         assert!(heard.is_none(), "{heard:?}");
-        // A group whose backend takes no rank back says why, to a lost rank too.
-        let closed = Door {
-            closed: Some("the backend takes no rank back".into()),
-            ..door
-        };
-        let (comer, heard) = knock(&closed, true);
-        assert!(comer.is_none());
-        assert!(
-            matches!(&heard, Some(Bringup::Reject { reason }) if reason.contains("takes no rank back")),
-            "{heard:?}"
-        );
     }
 }

@@ -16,8 +16,8 @@ use super::grpc::{set_ready, watch_liveness, Front};
 use super::prepare::Prepared;
 use super::stop::{wait_for_stop, Stop};
 use crate::backend::bringup::{BringUp, Site};
+use crate::config::Ingress;
 use crate::config::ServeArgs;
-use crate::config::{BackendKind, Ingress};
 use crate::eplb::{Balance, EplbConfig};
 use crate::group::{self, ControlLink, IngressOrder, Order};
 use crate::infer::Phase;
@@ -31,10 +31,6 @@ use crate::sched::{
 use crate::step::ring::Ring;
 use crate::step::{Backend, Driver};
 use crate::watchdog::{self, AbortOnPanic, Progress, STUCK_GRACE};
-
-/// Why a `nccl-ep` group takes no lost rank back: the newcomer's bring-up stalled in its NCCL
-/// EP setup (over 30 s, the DeepSeek-V3 layer on 2x H100, twice), holding the group meanwhile.
-const NCCL_EP_NO_REJOIN: &str = "an nccl-ep group does not take a lost rank back yet (a newcomer's NCCL EP setup stalled past 30 s in testing, holding the group); it goes on without it";
 
 /// How long a broken leader waits for its step executor before exiting without it.
 const BROKEN_JOIN: Duration = Duration::from_secs(2);
@@ -585,7 +581,6 @@ fn form_group(
             token: args.group_token.clone().unwrap_or_default(),
             roster: roster.clone(),
             host: group::host_id(),
-            closed: (p.backend == BackendKind::NcclEp).then(|| NCCL_EP_NO_REJOIN.to_string()),
         };
         exec.open_door(listener, door, &group_id)?;
     }

@@ -153,10 +153,6 @@ impl<B: Backend> Executor<B> {
         let epoch = loss.epoch;
         let live = loss.roster.world() - lost.len();
         loss.set_cap(live * self.ring.shape.home_stride());
-        loss.publish();
-        metrics::gauge!(metric_names::GROUP_RANKS, "state" => "live").set(live as f64);
-        metrics::gauge!(metric_names::GROUP_RANKS, "state" => "lost").set(lost.len() as f64);
-        metrics::gauge!(metric_names::GROUP_EPOCH).set(f64::from(epoch));
         self.link
             .broadcast(&Order::Roster {
                 epoch,
@@ -171,6 +167,11 @@ impl<B: Backend> Executor<B> {
             self.abort.trigger(why.clone());
             return Err(ExecutorError::Broken(why));
         }
+        // Whole again once every rank runs over it (GetModelInfo, the metrics).
+        self.loss.as_ref().expect("checked").publish();
+        metrics::gauge!(metric_names::GROUP_RANKS, "state" => "live").set(live as f64);
+        metrics::gauge!(metric_names::GROUP_RANKS, "state" => "lost").set(lost.len() as f64);
+        metrics::gauge!(metric_names::GROUP_EPOCH).set(f64::from(epoch));
         tracing::warn!(
             rank,
             epoch,

@@ -122,6 +122,12 @@ pub trait Exchange: Send {
         Ok(())
     }
 
+    /// Its communicator lost a member: whatever cannot be torn down without that member is
+    /// left allocated when the exchange goes (NCCL EP's LL groups). Returns the bytes left.
+    fn abandon(&mut self) -> u64 {
+        0
+    }
+
     /// NCCL EP's groups and handles on the device (GetModelInfo); None for other exchanges.
     fn footprint(&self) -> Option<EpFootprint> {
         None

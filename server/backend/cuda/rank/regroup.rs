@@ -7,7 +7,8 @@
 //! their graphs again, the newcomer its first. NCCL EP's groups are made anew over each new
 //! communicator (a rank coming back: on the same thread, after its init, as the newcomer makes
 //! them in its setup), numbering the members' slots among them; the old ones go with the old
-//! communicator, off the step path.
+//! communicator, off the step path (LL groups over a lost rank left allocated: their destroy is
+//! a barrier it never joins, which held a rank coming back, docs/benchmarks.md "Losing a rank").
 
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
@@ -176,8 +177,16 @@ impl GpuRank {
 
     /// `next` replaces the communicator (and `ex` the exchange, NCCL EP's groups over it), the
     /// streams idle; the old ones are torn down off the step path, the exchange first (its
-    /// windows are the communicator's), and the graphs captured on them go.
-    fn swap_comm(&mut self, next: Comm, ex: Option<Box<dyn Exchange>>) -> Result<(), GpuError> {
+    /// windows are the communicator's), and the graphs captured on them go. Where the old
+    /// communicator `lost` a member, what cannot be torn down without it stays allocated
+    /// (`Exchange::abandon`: NCCL EP's LL groups, whose destroy waited for the lost rank
+    /// forever and then held the next group's setup on the device: a rank coming back stalled).
+    fn swap_comm(
+        &mut self,
+        next: Comm,
+        ex: Option<Box<dyn Exchange>>,
+        lost: bool,
+    ) -> Result<(), GpuError> {
         self.finish(Instant::now(), self.step_timeout)?;
         self.graphs.clear();
         let c = self.core.as_mut().expect("checked by the caller");
@@ -190,14 +199,16 @@ impl GpuRank {
                 let t = Instant::now();
                 // NCCL EP's groups go first (their windows are the communicator's), on the
                 // device bound here.
-                if let Some(ex) = old_ex {
+                if let Some(mut ex) = old_ex {
                     if let Err(e) = ctx.bind_to_thread() {
                         tracing::warn!("the old NCCL EP groups' device: {e}");
                     }
+                    let left = if lost { ex.abandon() } else { 0 };
                     drop(ex);
                     tracing::info!(
                         ms = t.elapsed().as_millis() as u64,
-                        "the old NCCL EP groups destroyed"
+                        left_mib = left >> 20,
+                        "the old NCCL EP groups gone (those over a lost rank left allocated)"
                     );
                 }
                 old.abort();
@@ -228,7 +239,7 @@ impl GpuRank {
             None => None,
         };
         let remade = t0.elapsed();
-        self.swap_comm(next, ex)?;
+        self.swap_comm(next, ex, true)?;
         let c = self.core.as_mut().expect("checked by the caller");
         // Nothing writes a lost rank's counts any more: none.
         c.g.stream.memset_zeros(&mut c.b.m)?;
@@ -263,7 +274,7 @@ impl GpuRank {
         })??;
         let joined = t0.elapsed();
         self.drain_stuck()?;
-        self.swap_comm(next, ex)?;
+        self.swap_comm(next, ex, false)?;
         let swapped = t0.elapsed();
         self.prime()?;
         tracing::info!(

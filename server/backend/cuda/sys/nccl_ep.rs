@@ -103,6 +103,8 @@ impl<'a> Tensor<'a> {
 pub struct Group {
     ep: Arc<NcclEp>,
     raw: ncclEpGroup_t,
+    /// Left undestroyed when it goes (`abandon`).
+    abandoned: bool,
 }
 
 impl Group {
@@ -120,7 +122,16 @@ impl Group {
         Ok(Self {
             ep: ep.clone(),
             raw,
+            abandoned: false,
         })
+    }
+
+    /// Leaves the group undestroyed when it goes, its device memory allocated: NCCL EP destroys
+    /// a low-latency group with a barrier over its communicator (`ncclEpGroupDestroy`: an
+    /// all-reduce, then `cudaDeviceSynchronize`), which never ends once a member is gone, and
+    /// its stuck kernel then holds every later legacy-stream copy on the device.
+    pub fn abandon(&mut self) {
+        self.abandoned = true;
     }
 
     /// Whether a kernel of this group masked a peer that did not answer within the group's
@@ -157,6 +168,9 @@ impl Group {
 
 impl Drop for Group {
     fn drop(&mut self) {
+        if self.abandoned {
+            return;
+        }
         // SAFETY: created by ncclEpCreateGroup, destroyed once, after its handle (`Handle` owns
         // its group and drops it after destroying itself).
         let r = unsafe { (self.ep.group_destroy)(self.raw) };
@@ -214,6 +228,11 @@ pub struct Dispatch<'t, 'a> {
 impl Handle {
     pub fn group(&self) -> &Group {
         &self.group
+    }
+
+    /// The handle goes as usual (local), its group stays (`Group::abandon`).
+    pub fn abandon_group(&mut self) {
+        self.group.abandon();
     }
 
     /// Collective with LL's automatic buffer size (the library may allocate): every rank is here.

@@ -77,6 +77,7 @@ pub struct EpPath {
     pub cap: usize,
     /// Its group masks a peer that leaves a kernel waiting past its timeout (LL).
     masks: bool,
+    low_latency: bool,
     /// Tokens per rank the group was sized for.
     pub tokens: usize,
     pub footprint: Footprint,
@@ -141,7 +142,6 @@ impl EpPath {
         }
         let before = free_bytes();
         let group = Group::create(&ep, comm, &cfg)?;
-        let group_bytes = before.saturating_sub(free_bytes());
         let mut hcfg = ncclEpHandleConfig_t::new();
         if !low_latency {
             hcfg.dispatch_output_per_expert_alignment = align;
@@ -149,6 +149,8 @@ impl EpPath {
         let mem = group.handle_bytes(&hcfg, s.top_k)?;
         let handle_mem = a.zeros::<u8>(mem)?;
         let handle = Handle::init(group, &hcfg, s.top_k, handle_mem, &stream)?;
+        // The group's own memory, LL's buffer included (made at the handle's init).
+        let group_bytes = (before.saturating_sub(free_bytes())).saturating_sub(mem as u64);
         let rows = match zero_copy {
             true => RowBuffer::Window(comm.sym_alloc::<bf16>(rows_len * s.hidden, &stream)?),
             false => RowBuffer::Plain(a.zeros::<bf16>(rows_len * s.hidden)?),
@@ -175,6 +177,7 @@ impl EpPath {
         };
         Ok(Self {
             masks: cfg.enable_mask != 0,
+            low_latency,
             handle,
             rows,
             fp8,
@@ -187,6 +190,19 @@ impl EpPath {
 
     pub fn rows(&self) -> &CudaSlice<bf16> {
         self.rows.slice()
+    }
+
+    /// A low-latency group over a communicator that lost a member is left allocated when the
+    /// path goes (its destroy is a barrier over the communicator: `Group::abandon`); HT's
+    /// destroy ended with a peer gone (56 ms, 2x H100). Returns the bytes left.
+    fn abandon(&mut self) -> u64 {
+        match self.low_latency {
+            true => {
+                self.handle.abandon_group();
+                self.footprint.group_bytes
+            }
+            false => 0,
+        }
     }
 
     /// Why a step's output cannot stand: its group masked a peer (the rows to and from it
@@ -710,6 +726,13 @@ impl Exchange for EpExchange {
             ));
         }
         Ok(())
+    }
+
+    fn abandon(&mut self) -> u64 {
+        let p = &mut self.paths;
+        (p.ll.iter_mut().chain(p.ht.iter_mut()))
+            .map(EpPath::abandon)
+            .sum()
     }
 
     fn footprint(&self) -> Option<crate::step::EpFootprint> {
