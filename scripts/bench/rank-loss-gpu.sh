@@ -55,11 +55,15 @@ serve)
     wait $lt
     m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$log" | head -1)
     curl -s "$m0" | grep -E "^epserve_group_ranks|^epserve_group_epoch|^epserve_rank_losses_total|^epserve_recovery_seconds_(sum|count)|^epserve_requests_total.*Forward"
-    grep -E "halting the group|the group goes on|communicator|NCCL EP groups|cannot go on|started again|rejoin|back in the group|GPU step ready|ERROR" "$log" | head -24
+    # The leader's lines (the other ranks say the same).
+    grep -E "halting the group|the group goes on|communicator|NCCL EP groups|cannot go on|started again|rejoin|back in the group|GPU step ready|ERROR" "$log" |
+      grep -v "^rank=[1-9]" | head -24
     tail -n 16 "$out/load-$tag.log"
     kill $pid; wait $pid 2>/dev/null
   done
   done
+  # The device tool returns eight files a call: the serve logs go back as one.
+  (cd "$out" && tar cJf serve-logs.tar.xz ./serve-*.log && rm -f ./serve-*.log)
   ;;
 esac
 done
