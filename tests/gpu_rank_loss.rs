@@ -139,7 +139,8 @@ async fn a_stopped_gpu_rank_is_fenced_and_no_request_fails() {
 
 /// Rank 1 killed under load and started again with its command line: every rank joins a
 /// communicator with it and captures its graphs again (it its first), the group is whole again
-/// and no request fails. FP8 and bf16 experts, on 2 GPUs (4 where there are).
+/// and no request fails. `nccl` with FP8 and bf16 experts, `nccl-ep` (where it loads) with bf16,
+/// on 2 GPUs (4 where there are).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs 2+ GPUs and NCCL"]
 async fn a_killed_gpu_rank_restarted_rejoins_and_no_request_fails() {
