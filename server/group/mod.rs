@@ -101,6 +101,8 @@ fn remaining(deadline: Instant) -> Duration {
 
 /// How long a new rendezvous connection has to say hello before it is dropped.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long past its rendezvous deadline a rank waits for the leader's word on it.
+const VERDICT_GRACE: Duration = Duration::from_secs(1);
 /// Connections whose hello is still awaited; more are closed at once (a flood cannot exhaust
 /// threads).
 const MAX_PENDING_HELLOS: usize = 64;
@@ -594,7 +596,9 @@ pub fn join(
         },
     )
     .map_err(io("sending hello"))?;
-    match expect(&mut stream, "welcome", deadline)? {
+    // The leader's own deadline began before this one; its verdict names who is missing, so it
+    // gets a moment past ours to arrive (a busy machine once had this rank time out first).
+    match expect(&mut stream, "welcome", deadline + VERDICT_GRACE)? {
         Bringup::Welcome { group, .. } if !valid_group_id(&group) => Err(GroupError::Protocol(
             format!("the leader sent group id {group:?}, which is not hex"),
         )),
