@@ -177,19 +177,16 @@ impl GpuRank {
 
     /// `next` replaces the communicator (and `ex` the exchange, NCCL EP's groups over it), the
     /// streams idle; the old ones are torn down off the step path, the exchange first (its
-    /// windows are the communicator's), and the graphs captured on them go. Where the old
-    /// communicator `lost` a member, what cannot be torn down without it stays allocated
-    /// (`Exchange::abandon`: NCCL EP's LL groups, whose destroy waited for the lost rank
-    /// forever and then held the next group's setup on the device: a rank coming back stalled).
-    fn swap_comm(
-        &mut self,
-        next: Comm,
-        ex: Option<Box<dyn Exchange>>,
-        lost: bool,
-    ) -> Result<(), GpuError> {
+    /// windows are the communicator's), and the graphs captured on them go. Where a member of
+    /// the old communicator is not in `next` (lost), what cannot be torn down without it stays
+    /// allocated (`Exchange::abandon`: NCCL EP's LL groups, whose destroy waited for the lost
+    /// rank forever and then held the next group's setup on the device: a rank coming back
+    /// stalled).
+    fn swap_comm(&mut self, next: Comm, ex: Option<Box<dyn Exchange>>) -> Result<(), GpuError> {
         self.finish(Instant::now(), self.step_timeout)?;
         self.graphs.clear();
         let c = self.core.as_mut().expect("checked by the caller");
+        let lost = (c.comm.members().iter()).any(|m| !next.members().contains(m));
         let mut old = std::mem::replace(&mut c.comm, next);
         let old_ex = ex.map(|ex| std::mem::replace(&mut c.ex, ex));
         let ctx = c.g.ctx.clone();
@@ -239,7 +236,7 @@ impl GpuRank {
             None => None,
         };
         let remade = t0.elapsed();
-        self.swap_comm(next, ex, true)?;
+        self.swap_comm(next, ex)?;
         let c = self.core.as_mut().expect("checked by the caller");
         // Nothing writes a lost rank's counts any more: none.
         c.g.stream.memset_zeros(&mut c.b.m)?;
@@ -274,7 +271,7 @@ impl GpuRank {
         })??;
         let joined = t0.elapsed();
         self.drain_stuck()?;
-        self.swap_comm(next, ex, false)?;
+        self.swap_comm(next, ex)?;
         let swapped = t0.elapsed();
         self.prime()?;
         tracing::info!(
