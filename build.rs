@@ -85,24 +85,27 @@ struct HopperTile {
     /// N and K fixed at compile time, as DeepGEMM's JIT builds every instance; 0: given at
     /// launch.
     shape: [u32; 2],
+    /// Persistent CTAs (`kNumSMs`): `HOPPER_CTAS`, or `SHARE_CTAS` for an instance that runs
+    /// beside the exchange's kernels.
+    ctas: u32,
 }
 
 /// Most local experts per launch (`kNumGroups`) and persistent CTAs (`kNumSMs`, one per
 /// H100/H200 SM), the same for every instance.
 const HOPPER_GROUPS: u32 = 256;
 const HOPPER_CTAS: u32 = 132;
+/// Two-batch overlap (`GpuStep::split`) runs one micro-batch's experts while the other's rows
+/// move: NCCL EP's HT kernels take 16 SMs (`HYBRIDEP_MAX_NUM_SMS_PER_RANK`), so the psum GEMMs
+/// that run beside them have instances of 116 persistent CTAs (DeepGEMM schedules its tiles
+/// statically over `kNumSMs`: a CTA that waits for a busy SM finishes that much later).
+const SHARE_CTAS: u32 = 116;
 
-const HOPPER_TILES: [HopperTile; 2] = [
+const HOPPER_TILES: [HopperTile; 3] = [
+    HOPPER_BF16_PSUM,
     HopperTile {
-        name: "PSUM",
-        gemm_type: 5,
-        block_m: 128,
-        block_n: 256,
-        stages: 3,
-        math_threads: 256,
-        multicast: 1,
-        groups: HOPPER_GROUPS,
-        shape: [0, 0],
+        name: "PSUM_SHARE",
+        ctas: SHARE_CTAS,
+        ..HOPPER_BF16_PSUM
     },
     // Masked, for experts of many rows (a 64-row tile reads each weight tile once per 64 rows);
     // decode's experts of a few rows run on kernels/decode_gemm.cuh.
@@ -116,8 +119,22 @@ const HOPPER_TILES: [HopperTile; 2] = [
         multicast: 1,
         groups: HOPPER_GROUPS,
         shape: [0, 0],
+        ctas: HOPPER_CTAS,
     },
 ];
+
+const HOPPER_BF16_PSUM: HopperTile = HopperTile {
+    name: "PSUM",
+    gemm_type: 5,
+    block_m: 128,
+    block_n: 256,
+    stages: 3,
+    math_threads: 256,
+    multicast: 1,
+    groups: HOPPER_GROUPS,
+    shape: [0, 0],
+    ctas: HOPPER_CTAS,
+};
 
 impl HopperTile {
     /// The Itanium-mangled name of `deep_gemm::sm90_bf16_gemm_impl<K, K, 0, N, K, groups, M, N,
@@ -125,8 +142,8 @@ impl HopperTile {
     /// (the first N and K: `shape`).
     fn symbol(&self) -> String {
         format!(
-            "_ZN9deep_gemm19sm90_bf16_gemm_implILN4cute4UMMA5MajorE0ELS3_0ELj0ELj{}ELj{}ELj{}ELj{}ELj{}ELj64ELj128ELj128ELj128ELj{}ELj128ELj{}ELj{}ELb0ELj{HOPPER_CTAS}ELNS_8GemmTypeE{}ELb0EN7cutlass10bfloat16_tEEEvPijjj14CUtensorMap_stS8_S8_",
-            self.shape[0], self.shape[1], self.groups, self.block_m, self.block_n, self.stages, self.math_threads, self.multicast, self.gemm_type
+            "_ZN9deep_gemm19sm90_bf16_gemm_implILN4cute4UMMA5MajorE0ELS3_0ELj0ELj{}ELj{}ELj{}ELj{}ELj{}ELj64ELj128ELj128ELj128ELj{}ELj128ELj{}ELj{}ELb0ELj{}ELNS_8GemmTypeE{}ELb0EN7cutlass10bfloat16_tEEEvPijjj14CUtensorMap_stS8_S8_",
+            self.shape[0], self.shape[1], self.groups, self.block_m, self.block_n, self.stages, self.math_threads, self.multicast, self.ctas, self.gemm_type
         )
     }
 }
@@ -144,8 +161,13 @@ impl HopperTile {
 /// their own, N and K fixed and at most 64 experts (a rank of EP4 or wider): prefill-rank's
 /// ragged GEMMs 5.5% faster alone, its experts phase 2-3%, on one H100 (docs/benchmarks.md,
 /// "Fixed-shape instances").
-const HOPPER_FP8_TILES: [HopperTile; 4] = [
+const HOPPER_FP8_TILES: [HopperTile; 5] = [
     HOPPER_FP8_PSUM,
+    HopperTile {
+        name: "PSUM_SHARE",
+        ctas: SHARE_CTAS,
+        ..HOPPER_FP8_PSUM
+    },
     HopperTile {
         name: "MASKED",
         gemm_type: 2,
@@ -156,6 +178,7 @@ const HOPPER_FP8_TILES: [HopperTile; 4] = [
         multicast: 1,
         groups: HOPPER_GROUPS,
         shape: [0, 0],
+        ctas: HOPPER_CTAS,
     },
     HopperTile {
         name: "V3_GATE_UP",
@@ -182,6 +205,7 @@ const HOPPER_FP8_PSUM: HopperTile = HopperTile {
     multicast: 2,
     groups: HOPPER_GROUPS,
     shape: [0, 0],
+    ctas: HOPPER_CTAS,
 };
 
 impl HopperTile {
@@ -190,8 +214,8 @@ impl HopperTile {
     /// 128>` (the first N and K: `shape`).
     fn fp8_symbol(&self) -> String {
         format!(
-            "_ZN9deep_gemm23sm90_fp8_gemm_1d2d_implILN4cute4UMMA5MajorE0ELj0ELj{}ELj{}ELj{}ELj{}ELj{}ELj128ELj128ELj128ELj128ELj{}ELj128ELj{}ELj{}ELb0ELj{HOPPER_CTAS}ELNS_8GemmTypeE{}EN7cutlass10bfloat16_tELj128EEEvPfPijjj14CUtensorMap_stS9_S9_S9_",
-            self.shape[0], self.shape[1], self.groups, self.block_m, self.block_n, self.stages, self.math_threads, self.multicast, self.gemm_type
+            "_ZN9deep_gemm23sm90_fp8_gemm_1d2d_implILN4cute4UMMA5MajorE0ELj0ELj{}ELj{}ELj{}ELj{}ELj{}ELj128ELj128ELj128ELj128ELj{}ELj128ELj{}ELj{}ELb0ELj{}ELNS_8GemmTypeE{}EN7cutlass10bfloat16_tELj128EEEvPfPijjj14CUtensorMap_stS9_S9_S9_",
+            self.shape[0], self.shape[1], self.groups, self.block_m, self.block_n, self.stages, self.math_threads, self.multicast, self.ctas, self.gemm_type
         )
     }
 }
@@ -265,35 +289,31 @@ fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
         )
         .into());
     }
-    let table = |ctas: &str, instance: &str, tiles: &[HopperTile]| -> String {
-        std::iter::once(format!("#define {ctas} {HOPPER_CTAS}\n"))
-            .chain(tiles.iter().map(|t| {
-                format!(
-                    "{instance}({}, {}, {}, {}, {}, {}, {}, {}, {})\n",
-                    t.gemm_type,
-                    t.block_m,
-                    t.block_n,
-                    t.stages,
-                    t.math_threads,
-                    t.multicast,
-                    t.groups,
-                    t.shape[0],
-                    t.shape[1]
-                )
-            }))
-            .collect()
+    let table = |instance: &str, tiles: &[HopperTile]| -> String {
+        (tiles.iter().map(|t| {
+            format!(
+                "{instance}({}, {}, {}, {}, {}, {}, {}, {}, {}, {})\n",
+                t.gemm_type,
+                t.block_m,
+                t.block_n,
+                t.stages,
+                t.math_threads,
+                t.multicast,
+                t.groups,
+                t.shape[0],
+                t.shape[1],
+                t.ctas
+            )
+        }))
+        .collect()
     };
     std::fs::write(
         out.join("hopper_instances.inc"),
-        table("EPSERVE_CTAS", "EPSERVE_INSTANCE", &HOPPER_TILES),
+        table("EPSERVE_INSTANCE", &HOPPER_TILES),
     )?;
     std::fs::write(
         out.join("hopper_fp8_instances.inc"),
-        table(
-            "EPSERVE_FP8_CTAS",
-            "EPSERVE_FP8_INSTANCE",
-            &HOPPER_FP8_TILES,
-        ),
+        table("EPSERVE_FP8_INSTANCE", &HOPPER_FP8_TILES),
     )?;
     let deep_gemm_cmd = |source: &str, fatbin: &Path| {
         let mut cmd = nvcc_cmd("-std=c++20");
@@ -317,17 +337,15 @@ fn kernels(out: &Path) -> Result<(), Box<dyn std::error::Error>> {
      -> Result<String, Box<dyn std::error::Error>> {
         run(deep_gemm_cmd(source, fatbin), source)?;
         let bin = std::fs::read(fatbin)?;
-        let mut consts = format!(
-            "pub const GROUPS: usize = {HOPPER_GROUPS};\npub const CTAS: u32 = {HOPPER_CTAS};\n"
-        );
+        let mut consts = format!("pub const GROUPS: usize = {HOPPER_GROUPS};\n");
         for t in tiles {
             let sym = symbol(t);
             if !bin.windows(sym.len()).any(|w| w == sym.as_bytes()) {
                 return Err(format!("{source} did not produce {sym}: the DeepGEMM headers or nvcc mangle it differently; update HopperTile's symbols").into());
             }
             consts.push_str(&format!(
-                "pub const {}: Tile = Tile {{ name: \"{}\", symbol: \"{sym}\", block_m: {}, block_n: {}, stages: {}, math_threads: {}, multicast: {}, groups: {}, shape: [{}, {}] }};\n",
-                t.name, t.name, t.block_m, t.block_n, t.stages, t.math_threads, t.multicast, t.groups, t.shape[0], t.shape[1]
+                "pub const {}: Tile = Tile {{ name: \"{}\", symbol: \"{sym}\", block_m: {}, block_n: {}, stages: {}, math_threads: {}, multicast: {}, groups: {}, shape: [{}, {}], ctas: {} }};\n",
+                t.name, t.name, t.block_m, t.block_n, t.stages, t.math_threads, t.multicast, t.groups, t.shape[0], t.shape[1], t.ctas
             ));
         }
         Ok(consts)

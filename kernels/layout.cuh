@@ -196,4 +196,12 @@ __global__ void routed_ends(const int* M, int rank, int W, int L, const int* off
   }
 }
 
+// Two-batch overlap's micro-batch counts: of a step's n home tokens, the first `half` rows
+// are micro-batch A's and the rest B's.
+__global__ void split_count(const int* n, int half, int* na, int* nb) {
+  const int all = n[0];
+  na[0] = all < half ? all : half;
+  nb[0] = all > half ? (all - half < half ? all - half : half) : 0;
+}
+
 }  // extern "C"

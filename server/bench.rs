@@ -30,6 +30,10 @@ pub fn config(name: &str) -> anyhow::Result<BenchConfig> {
         // A large decode batch: experts of 32 rows on average on 2 ranks, 64 on 4.
         "decode-512" => c(512, 7168, 2048, 256),
         "prefill" => c(4096, 7168, 2048, 256),
+        // Half and twice prefill's tokens: a two-batch micro-batch of it, and a step whose
+        // micro-batches are prefill's size (#57's two-batch overlap).
+        "prefill-2k" => c(2048, 7168, 2048, 256),
+        "prefill-8k" => c(8192, 7168, 2048, 256),
         "prefill-shared" => BenchConfig {
             shared_inter: 2048,
             ..c(4096, 7168, 2048, 256)
@@ -42,7 +46,7 @@ pub fn config(name: &str) -> anyhow::Result<BenchConfig> {
         "small" => c(1024, 2048, 768, 128),
         other => {
             anyhow::bail!(
-                "unknown bench config '{other}' (decode, decode-shared, decode-512, prefill, prefill-shared, decode-rank, prefill-rank, small)"
+                "unknown bench config '{other}' (decode, decode-shared, decode-512, prefill, prefill-2k, prefill-8k, prefill-shared, decode-rank, prefill-rank, small)"
             )
         }
     })
@@ -93,6 +97,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         ep_modes: args.ep_modes.clone(),
         zero_copy: args.zero_copy.iter().map(|&z| z == OnOff::On).collect(),
         overlap: args.overlap.iter().map(|&z| z == OnOff::On).collect(),
+        two_batch: args.two_batch.iter().map(|&z| z == OnOff::On).collect(),
         ep_ll_max_tokens: args.ep_ll_max_tokens,
         ranks: args.ranks,
         iters: args.iters,

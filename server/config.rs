@@ -87,6 +87,11 @@ pub struct BenchArgs {
     /// meaning); each backend runs once per setting.
     #[arg(long, value_delimiter = ',', default_value = "off")]
     pub overlap: Vec<OnOff>,
+    /// Two-batch overlap, comma-separated: off, on (steps of at least 512 tokens a rank run
+    /// as two micro-batches, one's rows moving while the other's experts compute); each
+    /// backend runs once per setting.
+    #[arg(long, value_delimiter = ',', default_value = "off")]
+    pub two_batch: Vec<OnOff>,
     /// LL only for configs of at most this many tokens per rank (LL's buffers grow with the
     /// tokens times the experts: prefill's would not fit).
     #[arg(long, default_value_t = 1024)]
@@ -406,6 +411,19 @@ pub struct ServeArgs {
         default_value = "auto"
     )]
     pub overlap: Overlap,
+    /// Two-batch overlap: `on` runs each step of at least 512 tokens a rank as two
+    /// micro-batches, one's rows moving (on a stream of their own) while the other's experts
+    /// compute; NCCL EP's groups are made twice. Slower on 2 and 4 GPUs of one host (each
+    /// micro-batch reads every local expert's weights; docs/benchmarks.md "Two-batch
+    /// overlap"): for wider groups and groups over nodes, where the exchange outweighs that.
+    #[arg(
+        help_heading = "Backend and GPU",
+        long,
+        env = "EPSERVE_TWO_BATCH",
+        value_enum,
+        default_value = "off"
+    )]
+    pub two_batch: OnOff,
     /// This rank (else RANK, then LWS_WORKER_INDEX, else 0).
     #[arg(help_heading = "Group", long)]
     pub rank: Option<usize>,
@@ -787,6 +805,7 @@ mod tests {
                 "cuda-graphs",
                 "http2-adaptive-window",
                 "metrics-per-expert",
+                "two-batch",
                 "zero-copy"
             ],
             "the on/off settings this test knows"

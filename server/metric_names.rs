@@ -151,6 +151,8 @@ table! {
         "how long each finished startup stage took";
     GROUP_INFO: Gauge "epserve_group_info", "1", ["backend", "world_size", "rank", "ranks_joined"], any,
         "the EP group this rank belongs to";
+    TWO_BATCH_STEPS_TOTAL: Counter "epserve_two_batch_steps_total", "steps", [], gpu,
+        "GPU ranks: steps run as two micro-batches (--two-batch on)";
     CROSS_NODE_BYTES_TOTAL: Counter "epserve_cross_node_bytes_total", "bytes", ["rank"], any,
         "bytes this rank sent to ranks of other nodes (rows, exchange writes, flags; absent on one node)";
     BUILD_INFO: Gauge "epserve_build_info", "1", ["version"], any,
@@ -160,7 +162,7 @@ table! {
     DEVICE_MEMORY_USED_BYTES: Gauge "epserve_device_memory_used_bytes", "bytes", [], gpu,
         "GPU ranks: memory in use on the rank's GPU after the last step";
     EP_STEPS_TOTAL: Counter "epserve_ep_steps_total", "steps", ["mode"], gpu,
-        "nccl-ep: steps by mode (ll, ht)";
+        "nccl-ep: steps by mode (ll, ht; a two-batch step counts once per micro-batch)";
     EP_RECV_ROWS: Gauge "epserve_ep_recv_rows", "rows", ["mode"], gpu,
         "nccl-ep: rows this rank's experts received in the last step";
     EP_RECV_OVERFLOW_TOTAL: Counter "epserve_ep_recv_overflow_total", "steps", ["mode"], gpu,

@@ -389,6 +389,78 @@ fn the_shared_expert_under_the_exchange_changes_no_bit() {
     }
 }
 
+/// `--two-batch on` (#57 item 1: steps of at least 512 tokens a rank run as two
+/// micro-batches, one's rows moving while the other's experts compute) answers bit for bit as
+/// `off`, graphs on and off: `nccl` and `nccl-ep` HT with FP8 experts (a DeepSeek layer with
+/// a shared expert), `nccl-ep` HT with bf16 ones (the test model); every token within its
+/// bound of the f64 reference; the ranks counted split steps with `on` and none with `off`
+/// (else the comparison would prove nothing). One request at a time, as the shared expert's
+/// test: the same bucket on both groups.
+#[test]
+#[ignore = "needs GPUs and NCCL (nccl-ep: NCCL >= 2.30.4 and libnccl_ep)"]
+fn two_batch_steps_change_no_bit() {
+    const SMALL: &str = "synthetic:small-deepseek";
+    let ranks = *gpu_counts().last().unwrap();
+    let (small, _) = reference_layers_of(SMALL);
+    let (spec, bf16_layers) = reference_layers();
+    let fp8_layers = fp8_reference(&small);
+    let (small_reqs, reqs) = (mixed_requests(&small, 59), mixed_requests(&spec, 61));
+    let mut runs = vec![("nccl", "fp8")];
+    if nccl_ep_runs(ranks) {
+        runs.extend([("nccl-ep", "fp8"), ("nccl-ep", "bf16")]);
+    }
+    for (backend, dtype) in runs {
+        let (model, spec, layers, reqs, tol) = match dtype {
+            "fp8" => (SMALL, &small, &fp8_layers, &small_reqs, 6e-2),
+            _ => (MODEL, &spec, &bf16_layers, &reqs, TOKEN_TOL),
+        };
+        for graphs in ["on", "off"] {
+            let run = |two_batch: &str| {
+                let args = [
+                    "--layers",
+                    "2",
+                    "--backend",
+                    backend,
+                    "--ep-mode",
+                    "ht",
+                    "--cuda-graphs",
+                    graphs,
+                    "--expert-dtype",
+                    dtype,
+                    "--max-tokens-per-step",
+                    "2048",
+                    "--two-batch",
+                    two_batch,
+                ];
+                let g = Group::launch(ranks, model, &args);
+                let out = run_all(&g, reqs, 1);
+                let split: f64 = (g.metrics_addrs(ranks).iter())
+                    .map(|a| sum(&scrape(a), "epserve_two_batch_steps_total", &[]))
+                    .sum();
+                (out, split)
+            };
+            let ((off, none), (on, split)) = (run("off"), run("on"));
+            let what = format!(
+                "{model} {dtype}, {backend}, --two-batch on, {ranks} GPU(s), graphs {graphs}"
+            );
+            assert!(
+                none == 0.0 && split > 0.0,
+                "{what}: split steps {none} off, {split} on"
+            );
+            for (i, (a, b)) in off.iter().zip(&on).enumerate() {
+                let same =
+                    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{what}: request {i} differs from --two-batch off");
+            }
+            check_f64(&what, spec, layers, reqs, &on, tol);
+            eprintln!(
+                "{what}: {} requests bitwise equal to --two-batch off ({split} split steps over the ranks)",
+                reqs.len()
+            );
+        }
+    }
+}
+
 fn mixed_steps(
     model: &str,
     spec: &MoeSpec,

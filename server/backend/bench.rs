@@ -17,6 +17,8 @@ pub struct Plan {
     pub zero_copy: Vec<bool>,
     /// `--overlap` settings, each backend run once per setting.
     pub overlap: Vec<bool>,
+    /// `--two-batch` settings, each backend run once per setting.
+    pub two_batch: Vec<bool>,
     pub ep_ll_max_tokens: usize,
     pub ranks: Option<usize>,
     pub iters: usize,
@@ -139,6 +141,9 @@ pub struct ConfigResult {
     pub backend: String,
     /// The FP8 shared expert under the exchange (`--overlap`).
     pub overlap: bool,
+    /// Two micro-batches a step, one's rows moving while the other's experts compute
+    /// (`--two-batch`).
+    pub two_batch: bool,
     pub world: usize,
     pub iters: usize,
     pub ranks: Vec<RankResult>,

@@ -33,6 +33,11 @@ pub fn check_gpu_limits(spec: &MoeSpec) -> Result<(), String> {
     Ok(())
 }
 
+/// The smallest step (home tokens a rank) that two-batch overlap splits (`--two-batch on`):
+/// micro-batches of at least 256 tokens, below which the exchange is short and the experts
+/// phase reads weights, with nothing under it to gain.
+pub const SPLIT_FROM: usize = 512;
+
 /// Where one GPU rank sits: its device, the group, the most home tokens a step gives it, and
 /// NCCL EP's settings (None: the `nccl` exchange). The service and `epserve bench` open their
 /// devices from it.
@@ -44,6 +49,8 @@ pub struct Seat {
     pub ep: Option<super::ep_settings::EpSettings>,
     /// `--overlap`, resolved: the largest bucket (home tokens) whose steps overlap; 0: none.
     pub overlap: usize,
+    /// Two-batch overlap: the smallest bucket (home tokens) that splits; usize::MAX: none.
+    pub split: usize,
 }
 
 /// What a GPU rank needs to join the group.

@@ -1,7 +1,7 @@
 //! The GPU backend's entry points, or, in a build without `--features cuda`, refusals that say
 //! so.
 
-pub use super::device::{GpuDevice, Joining, Moving, Seat};
+pub use super::device::{GpuDevice, Joining, Moving, Seat, SPLIT_FROM};
 
 #[cfg(feature = "cuda")]
 pub use super::cuda::bench::run as bench;

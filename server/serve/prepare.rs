@@ -281,6 +281,10 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringU
                 max_home: p.segment.max_home,
                 ep: p.ep,
                 overlap: args.overlap.resolve(),
+                split: match args.two_batch {
+                    OnOff::On => gpu::SPLIT_FROM,
+                    OnOff::Off => usize::MAX,
+                },
             };
             // Slots that may move are addressed through a table gating reads on the device;
             // a group whose slots never move keeps expert e in slot e, and no table.

@@ -18,6 +18,7 @@ use crate::backend::cuda::setup::{self, Device};
 use crate::backend::cuda::step::{GpuStep, HomeDtype, Variant};
 use crate::backend::cuda::{device_count, GpuError};
 use crate::backend::device::Seat;
+use crate::backend::device::SPLIT_FROM;
 use crate::backend::ep_settings::{EpMode, EpSettings, EP_LL_MAX_TOKENS};
 
 /// Each backend of `--backends` as run: `nccl`, and `nccl-ep` once per mode and zero-copy
@@ -86,12 +87,19 @@ pub fn run(args: &Plan, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigRes
     }
     let mut out = Vec::new();
     let runs = runs.into_iter().flat_map(|(c, (label, ep))| {
-        (args.overlap.iter()).map(move |&o| {
-            let label = format!("{label}{}", if o { ", overlap" } else { "" });
-            (c, (label, ep), o)
+        (args.overlap.iter()).flat_map(move |&o| {
+            let label = label.clone();
+            (args.two_batch.iter()).map(move |&t| {
+                let label = format!(
+                    "{label}{}{}",
+                    if o { ", overlap" } else { "" },
+                    if t { ", two-batch" } else { "" }
+                );
+                (c, (label, ep), (o, t))
+            })
         })
     });
-    for (c, (backend, ep), overlap) in runs {
+    for (c, (backend, ep), (overlap, two_batch)) in runs {
         let slots = c.experts + c.eplb.unwrap_or(0);
         if slots % world != 0 {
             anyhow::bail!("{}: {slots} expert slots over {world} ranks", c.name);
@@ -100,7 +108,9 @@ pub fn run(args: &Plan, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigRes
         let threads: Vec<_> = (0..world)
             .map(|rank| {
                 let (id, c, a) = (id.clone(), c.clone(), args.clone());
-                std::thread::spawn(move || rank_main(&id, world, rank, &c, &a, (ep, overlap)))
+                std::thread::spawn(move || {
+                    rank_main(&id, world, rank, &c, &a, (ep, overlap, two_batch))
+                })
             })
             .collect();
         let mut ranks = Vec::new();
@@ -116,6 +126,7 @@ pub fn run(args: &Plan, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigRes
             config: c.clone(),
             backend,
             overlap,
+            two_batch,
             world,
             iters: args.iters,
             ranks,
@@ -141,7 +152,7 @@ fn rank_main(
     rank: usize,
     c: &BenchConfig,
     args: &Plan,
-    (ep, overlap): (Option<EpSettings>, bool),
+    (ep, overlap, two_batch): (Option<EpSettings>, bool, bool),
 ) -> anyhow::Result<RankResult> {
     let seat = Seat {
         ordinal: rank,
@@ -149,6 +160,7 @@ fn rank_main(
         max_home: c.tokens_per_rank,
         ep,
         overlap: if overlap { usize::MAX } else { 0 },
+        split: if two_batch { SPLIT_FROM } else { usize::MAX },
     };
     let slots = crate::backend::bench::eplb_slots(c, world).map_err(|e| anyhow::anyhow!(e))?;
     let dev = Device::random(seat, &c.spec(), c.expert_dtype, 7, slots.clone())?;

@@ -137,12 +137,14 @@ impl Device {
             max_home,
             ep,
             overlap,
+            split,
         } = seat;
         check_gpu_limits(spec).map_err(|e| anyhow!(e))?;
         let mut shape = StepShape::new(spec, world, rank, max_home);
         shape.ep = ep.map(|e| EpShape::new(e.ll_max, e.zero_copy));
         shape.expert_dtype = dtype;
         shape.overlap = overlap;
+        shape.split = split;
         if let Some(m) = &slots {
             shape.experts = m.slots();
         }

@@ -29,6 +29,10 @@ pub struct StepShape {
     /// Buckets of at most this many home tokens run the FP8 shared expert on a stream of its own
     /// from the gate on, under the exchange (`--overlap`; `GpuStep::shared_ahead`); 0: none.
     pub overlap: usize,
+    /// Buckets of at least this many home tokens run as two micro-batches, one's rows moving
+    /// while the other's experts compute (`--two-batch`; `GpuStep::run_split`); usize::MAX:
+    /// none.
+    pub split: usize,
 }
 
 /// How the NCCL EP exchange is laid out.
@@ -83,6 +87,7 @@ impl StepShape {
             ep: None,
             expert_dtype: ExpertDtype::Bf16,
             overlap: 0,
+            split: usize::MAX,
         }
     }
     pub fn local(&self) -> usize {
@@ -325,6 +330,7 @@ mod tests {
             ep: None,
             expert_dtype: ExpertDtype::Bf16,
             overlap: 0,
+            split: usize::MAX,
         };
         let (slots, rows, local) = (s.slot_space(s.max_home), s.recv_rows(s.max_home), s.local());
         assert_eq!(slots, 4 * 100 * 4);

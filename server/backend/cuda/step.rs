@@ -5,6 +5,8 @@
 //! says they are, and its combine. A bucket is a capacity of home tokens per rank; every rank of a
 //! step uses the same one, so the exchanges' fixed sizes match on both ends.
 
+pub mod split;
+
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -237,6 +239,9 @@ pub struct GpuStep {
     pub g: Gpu,
     /// Declared before `comm`: NCCL EP's group and handle are torn down before it.
     pub ex: Box<dyn Exchange>,
+    /// Two-batch overlap (`split`): the second micro-batch's exchange and rows; before `comm`
+    /// too. None: no bucket splits.
+    pub twin: Option<split::Twin>,
     pub comm: Comm,
     pub shape: StepShape,
     pub routing: Routing,
@@ -269,6 +274,10 @@ impl GpuStep {
     ) -> Result<Self, GpuError> {
         shape.check().map_err(GpuError::Config)?;
         let ex = exchange(&comm, &shape, a)?;
+        let twin = match shape.split {
+            usize::MAX => None,
+            _ => Some(split::Twin::new(&g, &comm, &shape, a)?),
+        };
         let b = Buffers::new(a, &shape)?;
         let event = || {
             g.ctx
@@ -282,6 +291,7 @@ impl GpuStep {
             ahead: false,
             g,
             ex,
+            twin,
             comm,
             shape,
             routing,
@@ -377,19 +387,17 @@ impl GpuStep {
     /// the kernels chosen for this bucket and row format (`experts::Routed`); the output
     /// overwrites them.
     pub fn experts(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
-        let (g, s) = (&self.g, &self.shape);
-        let b = &mut self.b;
-        let rows = self.ex.expert_rows(g, bucket)?;
-        let kernels = self.choices.routed(s, bucket, rows.format());
-        let scratch = Scratch {
-            gu: &mut b.gu,
-            act: &mut b.act,
-            tiles: &mut b.tiles,
-            n_tiles: &mut b.n_tiles,
-            fp8: b.fp8.as_mut(),
-        };
-        let w = &self.layers[layer].experts;
-        experts::routed(g, s, (kernels, bucket), w, rows, scratch)
+        let l = &self.layers[layer];
+        let (g, s, b) = (&self.g, &self.shape, &mut self.b);
+        routed(
+            g,
+            s,
+            &mut self.choices,
+            b,
+            l,
+            self.ex.as_mut(),
+            (bucket, bucket),
+        )
     }
 
     /// `--overlap`: the FP8 shared expert of `layer` launched on the side stream once the gate
@@ -421,27 +429,37 @@ impl GpuStep {
     /// exchange's combine: expert outputs back home, weighted and summed with the shared
     /// expert's rows.
     pub fn combine(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
-        let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
-        let t = self.table.is_some();
         if std::mem::take(&mut self.ahead) {
-            g.stream.wait(&self.join)?;
-        } else if let Some(w) = &l.shared {
-            let kernels = self.choices.shared(s, bucket);
-            let rows = SharedRows {
-                fp8: b.fp8.as_mut(),
-                xb: &b.xb,
-                n: &b.n,
-                zero: &b.sh_off,
-                ends: &mut b.sh_ends,
-                gu: &mut b.sgu,
-                act: &mut b.sact,
-                y: &mut b.sy,
-            };
-            experts::shared(g, w, rows, s, (kernels, bucket))?;
+            self.g.stream.wait(&self.join)?;
+        } else {
+            self.shared(layer, bucket)?;
         }
+        let (g, b, l) = (&self.g, &mut self.b, &self.layers[layer]);
+        let t = self.table.is_some();
         let shared = l.shared.as_ref().map(|_| &b.sy);
         self.ex
             .combine(g, &self.comm, &home!(b, t), bucket, shared, &mut b.out)
+    }
+
+    /// `layer`'s shared expert over the step's home rows into `sy`, on the step's stream (none
+    /// where the layer has none).
+    fn shared(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
+        let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
+        let Some(w) = &l.shared else {
+            return Ok(());
+        };
+        let kernels = self.choices.shared(s, bucket);
+        let rows = SharedRows {
+            fp8: b.fp8.as_mut(),
+            xb: &b.xb,
+            n: &b.n,
+            zero: &b.sh_off,
+            ends: &mut b.sh_ends,
+            gu: &mut b.sgu,
+            act: &mut b.sact,
+            y: &mut b.sy,
+        };
+        experts::shared(g, w, rows, s, (kernels, bucket))
     }
 
     /// `f`'s work on the stream, captured as an uploaded graph instead of run. The capture ends
@@ -460,8 +478,12 @@ impl GpuStep {
         Ok(g)
     }
 
-    /// The whole step after the inputs are on the device.
+    /// The whole step after the inputs are on the device: as two micro-batches where the
+    /// bucket splits (`split`).
     pub fn run(&mut self, layer: usize, bucket: usize, v: Variant) -> Result<(), GpuError> {
+        if self.splits(bucket) {
+            return self.run_split(layer, bucket, v);
+        }
         self.gate(layer, bucket, v)?;
         self.ahead = self.shared_ahead(layer, bucket)?;
         self.prepare(bucket)?;
@@ -469,6 +491,31 @@ impl GpuStep {
         self.experts(layer, bucket)?;
         self.combine(layer, bucket)
     }
+}
+
+/// Grouped SwiGLU FFN of every local expert of `l` over the rows where `ex` put them (a step
+/// of `bucket` home tokens), on the kernels chosen for `step`'s bucket (the whole step's, where
+/// it split: its micro-batches run what it would have) and row format; the output overwrites
+/// them.
+fn routed(
+    g: &Gpu,
+    s: &StepShape,
+    choices: &mut Choices,
+    b: &mut Buffers,
+    l: &DeviceLayer,
+    ex: &mut dyn Exchange,
+    (bucket, step): (usize, usize),
+) -> Result<(), GpuError> {
+    let rows = ex.expert_rows(g, bucket)?;
+    let kernels = choices.routed(s, step, rows.format());
+    let scratch = Scratch {
+        gu: &mut b.gu,
+        act: &mut b.act,
+        tiles: &mut b.tiles,
+        n_tiles: &mut b.n_tiles,
+        fp8: b.fp8.as_mut(),
+    };
+    experts::routed(g, s, (kernels, bucket), &l.experts, rows, scratch)
 }
 
 impl Land for GpuStep {

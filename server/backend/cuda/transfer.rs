@@ -74,22 +74,37 @@ pub(super) struct Staging {
     pub w: Pinned<f32>,
     /// `[n, 0, n]`: the home count and the shared expert's offsets.
     pub n: Pinned<i32>,
+    /// Per exchange the step ran (two where it split into micro-batches: `GpuStep::tallies`).
+    pub tallies: Vec<Tallied>,
+}
+
+/// One exchange's copies home after a step.
+pub(super) struct Tallied {
+    /// The all-gathered counts the rows were routed by.
     pub m: Pinned<i32>,
     /// NCCL EP's per-local-expert receive counts and HT padded total, for the overflow check.
     pub recv: Pinned<i32>,
     pub total: Pinned<i32>,
+    /// The step's rows a rank, as this exchange ran them; 0: unused by the last step.
+    pub bucket: usize,
 }
 
 impl Staging {
     pub(super) fn new(s: &StepShape) -> Result<Self, DriverError> {
         let (t, k) = (s.max_home, s.top_k);
+        let tally = || -> Result<Tallied, DriverError> {
+            Ok(Tallied {
+                m: Pinned::new(s.world * s.experts)?,
+                recv: Pinned::new(s.local())?,
+                total: Pinned::new(1)?,
+                bucket: 0,
+            })
+        };
         Ok(Self {
             ids: Pinned::new(t * k)?,
             w: Pinned::new(t * k)?,
             n: Pinned::new(1)?,
-            m: Pinned::new(s.world * s.experts)?,
-            recv: Pinned::new(s.local())?,
-            total: Pinned::new(1)?,
+            tallies: vec![tally()?, tally()?],
         })
     }
 
@@ -110,13 +125,22 @@ impl Staging {
         Ok(())
     }
 
-    /// The routing counts (and NCCL EP's receipts) back, before the next step can overwrite them.
-    pub(super) fn copy_out(&mut self, c: &GpuStep) -> Result<(), DriverError> {
+    /// The routing counts (and NCCL EP's receipts) back, before the next step can overwrite them:
+    /// each exchange's that a step of `bucket` runs.
+    pub(super) fn copy_out(&mut self, c: &GpuStep, bucket: usize) -> Result<(), DriverError> {
         let s = c.g.stream.clone();
-        dtoh(&c.b.m, c.b.m.len(), &mut self.m, &s)?;
-        if let Some((counts, total)) = c.ex.receipts() {
-            dtoh(counts, counts.len(), &mut self.recv, &s)?;
-            dtoh(total, 1, &mut self.total, &s)?;
+        let tallies = c.tallies(bucket);
+        for (i, st) in self.tallies.iter_mut().enumerate() {
+            let Some(t) = tallies.get(i) else {
+                st.bucket = 0;
+                continue;
+            };
+            st.bucket = t.bucket;
+            dtoh(t.m, t.m.len(), &mut st.m, &s)?;
+            if let Some((counts, total)) = t.ex.receipts() {
+                dtoh(counts, counts.len(), &mut st.recv, &s)?;
+                dtoh(total, 1, &mut st.total, &s)?;
+            }
         }
         Ok(())
     }

@@ -5,6 +5,7 @@
 //! The layouts are the bf16 kernels' (`hopper::Layout`): per-expert row counts stay on the
 //! device, so a captured step graph stays valid whatever the routing.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -22,7 +23,8 @@ use crate::model::fp8::BLOCK;
 
 mod tiles {
     use super::Tile;
-    // GROUPS, CTAS, then PSUM, MASKED, V3_GATE_UP and V3_DOWN: build.rs's HOPPER_FP8_TILES.
+    // GROUPS, then PSUM, PSUM_SHARE, MASKED, V3_GATE_UP and V3_DOWN: build.rs's
+    // HOPPER_FP8_TILES.
     include!(concat!(env!("OUT_DIR"), "/hopper_fp8_tiles.rs"));
 }
 
@@ -147,6 +149,11 @@ fn fp8_smem(t: &Tile) -> u32 {
 pub struct Fp8 {
     k: super::Fp8Kernels,
     psum: Instance,
+    /// psum on fewer CTAs, for experts that run beside the exchange (`Gpu::leave_sms`); it
+    /// stands in for the fixed-shape ones too.
+    psum_share: Instance,
+    /// Whether psum launches take `psum_share` now.
+    pub(in crate::backend::cuda) share: AtomicBool,
     /// `FIXED`'s, in its order.
     fixed: Vec<Instance>,
     masked: Instance,
@@ -177,12 +184,14 @@ impl Fp8 {
         let q = ctx.load_module(Ptx::from_binary(QUANTIZE.to_vec()))?;
         let m = ctx.load_module(Ptx::from_binary(GEMM.to_vec()))?;
         // The contiguous layout aligns each expert's block to the bf16 psum tile.
-        for t in FIXED.iter().chain([&tiles::PSUM]) {
+        for t in FIXED.iter().chain([&tiles::PSUM, &tiles::PSUM_SHARE]) {
             assert_eq!(t.block_m as usize, ALIGN, "FP8 psum tile");
         }
         Ok(Self {
             k: super::Fp8Kernels::load(&q)?,
             psum: Instance::load(&m, tiles::PSUM, fp8_smem(&tiles::PSUM))?,
+            psum_share: Instance::load(&m, tiles::PSUM_SHARE, fp8_smem(&tiles::PSUM_SHARE))?,
+            share: AtomicBool::new(false),
             fixed: FIXED
                 .iter()
                 .map(|t| Instance::load(&m, *t, fp8_smem(t)))
@@ -205,6 +214,9 @@ impl Fp8 {
 
     /// The psum instance `w` was given when it was made.
     fn psum_instance(&self, w: &Fp8Weights) -> &Instance {
+        if self.share.load(Ordering::Relaxed) {
+            return &self.psum_share;
+        }
         w.fixed.map_or(&self.psum, |i| &self.fixed[i])
     }
 
@@ -451,7 +463,7 @@ impl Fp8 {
         // (rows x k bytes, its scales), w (groups x n x k bytes) and y (rows x n), each checked
         // above; w.sf holds groups x n/128 x k/128 floats and `sizes` MAX_GROUPS ints, as the
         // instances read.
-        unsafe { inst.launch_clusters(stream, tiles::CTAS, &mut params) }
+        unsafe { inst.launch_clusters(stream, &mut params) }
     }
 }
 

@@ -10,6 +10,8 @@ use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
     DriverError, LaunchConfig, PushKernelArg,
 };
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 
@@ -29,6 +31,8 @@ pub(super) struct Tile {
     pub(super) groups: u32,
     /// N and K fixed at compile time; 0: given at launch.
     pub(super) shape: [u32; 2],
+    /// Persistent CTAs (`kNumSMs`): the launch's grid.
+    pub(super) ctas: u32,
 }
 
 impl Tile {
@@ -41,7 +45,7 @@ impl Tile {
 
 mod tiles {
     use super::Tile;
-    // GROUPS, CTAS, then PSUM and MASKED: build.rs's HOPPER_TILES.
+    // GROUPS, then PSUM, PSUM_SHARE and MASKED: build.rs's HOPPER_TILES.
     include!(concat!(env!("OUT_DIR"), "/hopper_tiles.rs"));
 }
 
@@ -80,6 +84,8 @@ pub(super) struct Instance {
     threads: u32,
     smem: u32,
     cluster: u32,
+    /// Its persistent CTAs: every launch's grid.
+    pub(super) ctas: u32,
 }
 
 impl Instance {
@@ -101,6 +107,7 @@ impl Instance {
             threads: 128 + t.math_threads,
             smem,
             cluster: t.multicast,
+            ctas: t.ctas,
         })
     }
 
@@ -108,14 +115,14 @@ impl Instance {
         &self.f
     }
 
-    /// One persistent CTA on each of `ctas` SMs, for a launch without clusters.
-    pub(super) fn config(&self, ctas: u32) -> LaunchConfig {
+    /// One persistent CTA on each of its `ctas` SMs, for a launch without clusters.
+    pub(super) fn config(&self) -> LaunchConfig {
         assert_eq!(
             self.cluster, 1,
             "an instance of clusters launches by `launch_clusters`"
         );
         LaunchConfig {
-            grid_dim: (ctas, 1, 1),
+            grid_dim: (self.ctas, 1, 1),
             block_dim: (self.threads, 1, 1),
             shared_mem_bytes: self.smem,
         }
@@ -123,9 +130,9 @@ impl Instance {
 }
 
 impl Instance {
-    /// Launches the instance on `ctas` persistent CTAs (a multiple of its cluster) in clusters of
-    /// its multicast width, which cudarc's launch cannot ask for; `params` point at each kernel
-    /// argument's value, in order.
+    /// Launches the instance on its `ctas` persistent CTAs (a multiple of its cluster) in
+    /// clusters of its multicast width, which cudarc's launch cannot ask for; `params` point at
+    /// each kernel argument's value, in order.
     ///
     /// # Safety
     /// `params` must match the kernel's parameters in number, order and type, and every buffer
@@ -133,9 +140,9 @@ impl Instance {
     pub(super) unsafe fn launch_clusters(
         &self,
         stream: &CudaStream,
-        ctas: u32,
         params: &mut [*mut std::ffi::c_void],
     ) -> Result<(), DriverError> {
+        let ctas = self.ctas;
         assert_eq!(
             ctas % self.cluster,
             0,
@@ -190,7 +197,11 @@ fn bf16_smem(t: &Tile) -> u32 {
 
 pub struct Hopper {
     psum: Instance,
+    /// psum on fewer CTAs, for experts that run beside the exchange (`Gpu::leave_sms`).
+    psum_share: Instance,
     masked: Instance,
+    /// Whether psum launches take `psum_share` now.
+    pub(in crate::backend::cuda) share: AtomicBool,
 }
 
 /// A CUDA tensor map, passed to the kernel by value.
@@ -290,7 +301,9 @@ impl Hopper {
         let m = ctx.load_module(Ptx::from_binary(FATBIN.to_vec()))?;
         Ok(Self {
             psum: Instance::load(&m, tiles::PSUM, bf16_smem(&tiles::PSUM))?,
+            psum_share: Instance::load(&m, tiles::PSUM_SHARE, bf16_smem(&tiles::PSUM_SHARE))?,
             masked: Instance::load(&m, tiles::MASKED, bf16_smem(&tiles::MASKED))?,
+            share: AtomicBool::new(false),
         })
     }
 
@@ -329,6 +342,7 @@ impl Hopper {
             "Hopper GEMM operands smaller than their shapes"
         );
         let (inst, shape_m) = match g.layout {
+            Layout::Psum if self.share.load(Ordering::Relaxed) => (&self.psum_share, 0),
             Layout::Psum => (&self.psum, 0),
             Layout::Masked { stride, .. } => {
                 assert!(stride * g.groups <= g.rows, "masked rows past the buffer");
@@ -349,7 +363,7 @@ impl Hopper {
             .arg(&d);
         // SAFETY: the tensor maps span x (rows x k), w (groups x n x k) and y (rows x n), each
         // checked above; `sizes` holds MAX_GROUPS ints, as the instances read.
-        unsafe { l.launch(inst.config(tiles::CTAS)) }.map(drop)
+        unsafe { l.launch(inst.config()) }.map(drop)
     }
 }
 

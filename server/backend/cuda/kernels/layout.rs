@@ -149,6 +149,28 @@ impl Gpu {
         unsafe { b.launch(Self::cfg((1, 1), 256, 0)) }.map(drop)
     }
 
+    /// Two-batch overlap's token counts: of the step's `n` (one int), micro-batch A takes the
+    /// first `half` rows (`na`: min(n, half)) and B the rest (`nb`: n - half, at most half,
+    /// at least 0).
+    pub fn split_count(
+        &self,
+        n: &CudaSlice<i32>,
+        half: usize,
+        na: &mut CudaSlice<i32>,
+        nb: &mut CudaSlice<i32>,
+    ) -> Result<(), DriverError> {
+        assert!(
+            !n.is_empty() && !na.is_empty() && !nb.is_empty(),
+            "split_count"
+        );
+        let h32 = half as i32;
+        let mut b = self.stream.launch_builder(&self.k.split_count);
+        b.arg(n).arg(&h32).arg(na).arg(nb);
+        // SAFETY: n, na and nb hold at least one int each (asserted); one thread reads n[0]
+        // and writes na[0] and nb[0].
+        unsafe { b.launch(Self::cfg((1, 1), 1, 0)) }.map(drop)
+    }
+
     /// The Hopper GEMM's psum layout (`hopper::MAX_GROUPS` ends) from expert-major
     /// `offsets [L]` and per-expert `counts [L]`. The offsets must be the `hopper::ALIGN`-aligned
     /// running sum of the counts (as NCCL EP's per-expert alignment writes them): the kernel

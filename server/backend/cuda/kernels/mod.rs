@@ -60,6 +60,7 @@ kernel_table! {
     ll_bounds,
     psum_ends,
     routed_ends,
+    split_count,
     // ffn.cuh (`ffn`)
     build_tiles,
     grouped_gemm,

@@ -229,7 +229,7 @@ impl GpuRank {
         let st = &mut self.st[set];
         st.copy_in(c, bucket, v)?;
         c.run(layer, bucket, v)?;
-        st.copy_out(c)?;
+        st.copy_out(c, bucket)?;
         Ok(())
     }
 
@@ -272,30 +272,40 @@ impl GpuRank {
     }
 
     /// What the exchange received against what the routing sent (this step's all-gathered
-    /// counts), for an exchange that can differ (NCCL EP): a step that fails the check is
-    /// counted by the exchange, and its output is not delivered.
+    /// counts), for an exchange that can differ (NCCL EP), each micro-batch's where the step
+    /// split: a step that fails the check is counted by the exchange, and its output is not
+    /// delivered.
     fn check_receive(&mut self, step: u64, bucket: usize, set: usize) -> Result<(), StepError> {
         let Some(c) = self.core.as_ref() else {
             return Ok(());
         };
-        if c.ex.receipts().is_none() {
-            return Ok(());
-        }
         let s = &c.shape;
         let (l, e) = (s.local(), s.experts);
-        // Rows each local expert was sent, over every source.
-        for (j, r) in self.routed_local.iter_mut().enumerate() {
-            *r = (0..s.world)
-                .map(|src| i64::from(self.routed[src * e + s.rank * l + j]))
-                .sum();
-        }
-        let st = &self.st[set];
-        let counts = &st.recv.as_slice()[..l];
-        c.ex.verify(bucket, &self.routed_local, counts, st.total.as_slice()[0])
+        let (tallies, st) = (c.tallies(bucket), &self.st[set]);
+        for (t, got) in tallies.iter().zip(&st.tallies) {
+            if t.ex.receipts().is_none() {
+                continue;
+            }
+            let m = got.m.as_slice();
+            // Rows each local expert was sent, over every source.
+            for (j, r) in self.routed_local.iter_mut().enumerate() {
+                *r = (0..s.world)
+                    .map(|src| i64::from(m[src * e + s.rank * l + j].max(0)))
+                    .sum();
+            }
+            let counts = &got.recv.as_slice()[..l];
+            (t.ex.verify(
+                t.bucket,
+                &self.routed_local,
+                counts,
+                got.total.as_slice()[0],
+            ))
             .map_err(|msg| {
                 tracing::error!(step, "{msg}");
                 StepError::Corrupt { step, msg }
-            })
+            })?;
+        }
+        Ok(())
     }
 
     /// The smallest bucket holding `most_home` rows (every rank's home fits it).
@@ -429,6 +439,9 @@ impl GpuRank {
         if let Some(m) = &mut self.mover {
             m.before(layer, &s)?;
         }
+        if self.core.as_ref().is_some_and(|c| c.splits(bucket)) {
+            metrics::counter!(metric_names::TWO_BATCH_STEPS_TOTAL).increment(1);
+        }
         match self.graphs.is_empty() {
             true => self.eager(set, layer, bucket, v)?,
             false => {
@@ -439,7 +452,7 @@ impl GpuRank {
                 let c = self.core.as_mut().expect("checked in stage");
                 st.copy_in(c, bucket, v)?;
                 graph.launch()?;
-                st.copy_out(c)?;
+                st.copy_out(c, bucket)?;
             }
         }
         if let Some(m) = &mut self.mover {
@@ -522,8 +535,11 @@ impl Backend for GpuRank {
         ) {
             return Err(self.unfinished(f, e));
         }
-        for (r, &m) in self.routed.iter_mut().zip(self.st[f.set].m.as_slice()) {
-            *r = m.max(0) as u32;
+        self.routed.fill(0);
+        for t in self.st[f.set].tallies.iter().filter(|t| t.bucket > 0) {
+            for (r, &m) in self.routed.iter_mut().zip(t.m.as_slice()) {
+                *r += m.max(0) as u32;
+            }
         }
         self.check_receive(f.step, f.bucket, f.set)?;
         if let Some(m) = &mut self.mover {

@@ -138,6 +138,8 @@ impl GpuRank {
         let made = t0.elapsed();
         let comm = std::mem::replace(&mut c.comm, sub);
         let ex = std::mem::replace(&mut c.ex, ex);
+        // Its steps run whole: the twin's exchange is over the full communicator.
+        let twin = c.twin.take();
         // The last rank's counts never come: none.
         c.g.stream.memset_zeros(&mut c.b.m)?;
         let mut ran = Ok(());
@@ -151,6 +153,7 @@ impl GpuRank {
         let c = self.core.as_mut().expect("checked above");
         let sub = std::mem::replace(&mut c.comm, comm);
         let sub_ex = std::mem::replace(&mut c.ex, ex);
+        c.twin = twin;
         // Collective over the members, in the same order on each: the groups, then the
         // communicator.
         drop(sub_ex);
@@ -188,7 +191,13 @@ impl GpuRank {
         let c = self.core.as_mut().expect("checked by the caller");
         let lost = (c.comm.members().iter()).any(|m| !next.members().contains(m));
         let mut old = std::mem::replace(&mut c.comm, next);
+        // Two-batch overlap's second exchange: NCCL EP's is over the old communicator and is
+        // not remade, so steps run whole from here (the slot exchange's holds no communicator).
+        let mut old_twin = ex.as_ref().and_then(|_| c.twin.take());
         let old_ex = ex.map(|ex| std::mem::replace(&mut c.ex, ex));
+        if old_twin.is_some() {
+            tracing::warn!("two-batch overlap off after the regroup");
+        }
         let ctx = c.g.ctx.clone();
         let _ = std::thread::Builder::new()
             .name("nccl-old".into())
@@ -200,7 +209,11 @@ impl GpuRank {
                     if let Err(e) = ctx.bind_to_thread() {
                         tracing::warn!("the old NCCL EP groups' device: {e}");
                     }
-                    let left = if lost { ex.abandon() } else { 0 };
+                    let mut left = if lost { ex.abandon() } else { 0 };
+                    if let Some(tw) = old_twin.as_mut().filter(|_| lost) {
+                        left += tw.abandon();
+                    }
+                    drop(old_twin);
                     drop(ex);
                     tracing::info!(
                         ms = t.elapsed().as_millis() as u64,

@@ -178,6 +178,7 @@ mod tests {
             ep: None,
             expert_dtype: crate::model::ExpertDtype::Bf16,
             overlap: 0,
+            split: usize::MAX,
         }
     }
 
