@@ -269,27 +269,28 @@ impl GpuStep {
         let t = table.is_some();
         let shared = layers[layer].shared.is_some();
         let [ha, hb] = &tw.halves;
-        let (ex, home, sy, out) = match i {
-            0 => {
-                let home = Home {
-                    x: &b.xb,
-                    ids: if t { &b.sids } else { &b.ids },
-                    w: &b.w,
-                    n: &ha.n,
-                    gathered: &ha.m,
-                };
-                (ex.as_mut(), home, &b.sy, &mut b.out)
-            }
-            _ => {
-                let home = Home {
-                    x: &tw.xb,
-                    ids: if t { &tw.sids } else { &tw.ids },
-                    w: &tw.w,
-                    n: &hb.n,
-                    gathered: &hb.m,
-                };
-                (tw.ex.as_mut(), home, &tw.sy, &mut tw.out)
-            }
+        let (ex, (x, ids, w), hf, sy, out) = match i {
+            0 => (
+                ex.as_mut(),
+                (&b.xb, if t { &b.sids } else { &b.ids }, &b.w),
+                ha,
+                &b.sy,
+                &mut b.out,
+            ),
+            _ => (
+                tw.ex.as_mut(),
+                (&tw.xb, if t { &tw.sids } else { &tw.ids }, &tw.w),
+                hb,
+                &tw.sy,
+                &mut tw.out,
+            ),
+        };
+        let home = Home {
+            x,
+            ids,
+            w,
+            n: &hf.n,
+            gathered: &hf.m,
         };
         ex.combine(g, comm, &home, half, shared.then_some(sy), out)?;
         if i == 1 {
