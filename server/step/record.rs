@@ -21,6 +21,9 @@ pub struct PhaseTimes {
     pub experts: Duration,
     pub combine: Duration,
     pub total: Duration,
+    /// A GPU step's time on its stream, from its first wait to its output (events around it:
+    /// no host queueing, no other step in flight); None on other backends.
+    pub device: Option<Duration>,
 }
 
 /// Per-step figures a rank records after each step.
@@ -54,7 +57,8 @@ pub fn record_step(r: &StepRecord) {
     // Every step's time, for a distribution the histogram's buckets are too coarse for
     // (RUST_LOG=epserve::step_times=trace; off by default).
     tracing::trace!(target: "epserve::step_times", layer = r.layer, tokens = r.tokens,
-        us = r.times.total.as_micros() as u64, "step");
+        us = r.times.total.as_micros() as u64,
+        device_us = r.times.device.map(|d| d.as_micros() as u64), "step");
     let phases = if r.times.phased { 5 } else { 0 };
     for (phase, d) in [
         ("gating", r.times.gating),

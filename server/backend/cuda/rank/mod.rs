@@ -9,6 +9,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{result, CudaEvent, CudaGraph, DevicePtr};
 
 use crate::backend::cuda::placement::Mover;
@@ -73,6 +74,10 @@ pub struct GpuRank {
     synced: CudaEvent,
     /// Each staging set's step has reached the ring (recorded on the copy-out stream).
     done: Vec<CudaEvent>,
+    /// Each staging set's step began and ended on the compute stream (timing events: its
+    /// device time, `PhaseTimes::device`).
+    began: Vec<CudaEvent>,
+    ended: Vec<CudaEvent>,
     /// Steps submitted and not yet completed, oldest first.
     flight: std::collections::VecDeque<Submitted>,
     /// Steps a halt ended (a peer is gone) whose work may still wait on the device for it:
@@ -140,6 +145,12 @@ impl GpuRank {
             .map(|_| core.g.ctx.new_event(None))
             .collect::<Result<Vec<_>, _>>()?;
         let synced = core.g.ctx.new_event(None)?;
+        let timing = || {
+            (0..DEPTH)
+                .map(|_| core.g.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)))
+                .collect::<Result<Vec<_>, _>>()
+        };
+        let (began, ended) = (timing()?, timing()?);
         let copies = Copies::new(&core)?;
         // The kernel refuses to pin a writable file mapping outside tmpfs (e.g. --shm-dir on
         // disk): then the driver stages the same copies through its own pinned buffers.
@@ -165,6 +176,8 @@ impl GpuRank {
             graphs: Vec::new(),
             synced,
             done,
+            began,
+            ended,
             flight: std::collections::VecDeque::with_capacity(DEPTH),
             stuck: Vec::new(),
             use_graphs: graphs,
@@ -436,6 +449,7 @@ impl GpuRank {
         s.wait(&cp.inbox_full)?;
         unpack_rows(c, n, desc.input)?;
         cp.inbox_free.record(&s)?;
+        self.began[set].record(&s)?;
         if let Some(m) = &mut self.mover {
             m.before(layer, &s)?;
         }
@@ -458,6 +472,7 @@ impl GpuRank {
         if let Some(m) = &mut self.mover {
             m.after(layer, &s)?;
         }
+        self.ended[set].record(&s)?;
         let cp = &self.copies;
         let c = self.core.as_mut().expect("checked in stage");
         s.wait(&cp.outbox_free)?;
@@ -554,9 +569,12 @@ impl Backend for GpuRank {
             .publish_output(&f.output)
             .map_err(|msg| StepError::DataLink { step: f.step, msg })?;
         let world = self.ring.shape.world;
+        let device = (self.began[f.set].elapsed_ms(&self.ended[f.set]).ok())
+            .map(|ms| Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3));
         Ok(PhaseTimes {
             total: f.started.elapsed(),
             padding: (f.bucket * world).saturating_sub(f.tokens),
+            device,
             ..PhaseTimes::default()
         })
     }
