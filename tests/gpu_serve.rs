@@ -602,8 +602,9 @@ fn graph_replays_are_bitwise_identical_and_steps_allocate_nothing() {
 /// Expert slots on the GPU (#54): a group started on a placement file with redundant slots
 /// matches the f64 reference per token; SIGHUP applies a new placement between graph replays
 /// (the slot table and the rewritten slots' weights copied in place, no graph captured again),
-/// and its outputs are bitwise those of a fresh group started on that placement. Each exchange
-/// (nccl-ep where it runs).
+/// and its outputs are bitwise those of a fresh group started on that placement; SIGHUP back to
+/// the first placement (staged into the slots the second staged) gives the first's outputs
+/// again, bit for bit. Each exchange (nccl-ep where it runs).
 #[test]
 #[ignore = "needs GPUs and NCCL"]
 fn a_placement_applied_between_graph_replays_equals_a_group_started_on_it() {
@@ -620,11 +621,18 @@ fn a_placement_applied_between_graph_replays_equals_a_group_started_on_it() {
     let f = file.display().to_string();
     let reqs = requests(31, F64_REQUESTS);
     // nccl with two replicas; nccl-ep rearranged only (its HT mode needs 2^n slots per rank).
-    let mut backends = vec![("nccl", vec![5u32, 77])];
+    // FP8 once: its staged slots are written over kept ones as bytes and scales.
+    let mut backends = vec![
+        ("nccl", vec![5u32, 77], "bf16"),
+        ("nccl", vec![5, 77], "fp8"),
+    ];
     if nccl_ep_runs(world) {
-        backends.push(("nccl-ep", vec![]));
+        backends.push(("nccl-ep", vec![], "bf16"));
     }
-    for (backend, extras) in backends {
+    let fp8_refs = fp8_reference(&spec);
+    for (backend, extras, dtype) in backends {
+        let on = ["--placement", f.as_str(), "--expert-dtype", dtype];
+        let refs = if dtype == "fp8" { &fp8_refs } else { &refs };
         let n = extras.len();
         let extra = |r: usize| extras[r * n / world..(r + 1) * n / world].to_vec();
         // A: each rank's block, then its share of the replicas. B: each rank the next rank's
@@ -640,7 +648,7 @@ fn a_placement_applied_between_graph_replays_equals_a_group_started_on_it() {
             })
             .collect();
         write(&a);
-        let g = launch_with(world, backend, "on", &["--placement", &f]);
+        let g = launch_with(world, backend, "on", &on);
         let info = model_info(&g);
         let slots = ((e + n) / world) as u32;
         assert_eq!(
@@ -650,9 +658,9 @@ fn a_placement_applied_between_graph_replays_equals_a_group_started_on_it() {
         assert_eq!(info.layer_placement[0].phy2log, a);
         let outs = run_all(&g, &reqs, 1);
         let before = check_f64(
-            &format!("{backend} on A"),
+            &format!("{backend} {dtype} on A"),
             &spec,
-            &refs,
+            refs,
             &reqs,
             &outs,
             TOKEN_TOL,
@@ -667,27 +675,89 @@ fn a_placement_applied_between_graph_replays_equals_a_group_started_on_it() {
         assert_eq!(model_info(&g).layer_placement[1].phy2log, b);
         let live = run_all(&g, &reqs, 1);
         let after = check_f64(
-            &format!("{backend} on B, live"),
+            &format!("{backend} {dtype} on B, live"),
             &spec,
-            &refs,
+            refs,
             &reqs,
             &live,
             TOKEN_TOL,
         );
+        if world > 1 {
+            landed_on_the_device(&g, world, per, &extras, world - 1);
+        }
+        // A again: its slots staged into those B's placement staged and landed (kept, not
+        // freed), so the outputs are A's, bit for bit, and block 0 is back on rank 0.
+        write(&a);
+        kill(g.proc.rank_pid(0), "HUP");
+        let end = Instant::now() + Duration::from_secs(120);
+        while model_info(&g).placement_epoch != 2 {
+            assert!(
+                Instant::now() < end,
+                "A again not applied\n{}",
+                g.proc.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let again = run_all(&g, &reqs, 1);
+        for (i, (x, y)) in again.iter().zip(&outs).enumerate() {
+            assert!(
+                x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "{backend} {dtype}: request {i} on A applied again differs from A's first outputs"
+            );
+        }
+        if world > 1 {
+            landed_on_the_device(&g, world, per, &extras, 0);
+        }
         drop(g);
-        let fresh = launch_with(world, backend, "on", &["--placement", &f]);
+        let fresh = launch_with(world, backend, "on", &on);
         let started = run_all(&fresh, &reqs, 1);
         for (i, (x, y)) in live.iter().zip(&started).enumerate() {
             assert!(
                 x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
-                "{backend}: request {i} on B applied live differs from a group started on B"
+                "{backend} {dtype}: request {i} on B applied live differs from a group started on B"
             );
         }
         eprintln!(
-            "{backend}, {world} GPUs, {n} redundant: A {before:?}, B live {after:?} (worst token, worst request, tokens, near-ties); B live = B started, bitwise, {} requests",
+            "{backend} {dtype}, {world} GPUs, {n} redundant: A {before:?}, B live {after:?} (worst token, worst request, tokens, near-ties); B live = B started, A again = A, bitwise, {} requests",
             reqs.len()
         );
     }
+}
+
+/// A placement landed on the device, not only in GetModelInfo (its layers land one under each
+/// later step): rows for eight of block 0's experts (none with a replica), on each layer, all
+/// reach `holder`, the rank that holds block 0 in it, and none reach another rank.
+fn landed_on_the_device(g: &Group, world: usize, per: usize, replicated: &[u32], holder: usize) {
+    let (n, m) = (16usize, g.metrics_addrs(world));
+    let rows = |r: usize| sum(&scrape(&m[r]), "epserve_rank_received_tokens_sum", &[]);
+    let ids: Vec<i32> = (0..per as i32)
+        .filter(|e| !replicated.contains(&(*e as u32)))
+        .take(TOP_K)
+        .collect();
+    assert_eq!(
+        ids.len(),
+        TOP_K,
+        "block 0 has {TOP_K} experts without a replica"
+    );
+    let probes: Vec<ForwardRequest> = (0..2u32)
+        .map(|layer| {
+            let x: Vec<f32> = (0..n * HIDDEN)
+                .map(|i| (i % 7) as f32 * 0.1 - 0.3)
+                .collect();
+            let mut req = request(&format!("probe{layer}"), layer, f32_tensor(&x, [n, HIDDEN]));
+            req.topk_ids = Some(i32_tensor(&ids.repeat(n), [n, TOP_K]));
+            req.topk_weights = Some(f32_tensor(&vec![0.125; n * TOP_K], [n, TOP_K]));
+            req
+        })
+        .collect();
+    let before: Vec<f64> = (0..world).map(rows).collect();
+    run_all(g, &probes, 1);
+    let got: Vec<f64> = (0..world).map(|r| rows(r) - before[r]).collect();
+    let want = (2 * n * TOP_K) as f64;
+    assert!(
+        (0..world).all(|r| got[r] == if r == holder { want } else { 0.0 }),
+        "rows received per rank for block 0's experts: {got:?}, want {want} on rank {holder} and none elsewhere"
+    );
 }
 
 /// Two steps in flight (`--steps-ahead 1`, the `nccl` default): the leader sends a step while the

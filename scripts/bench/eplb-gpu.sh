@@ -3,10 +3,10 @@
 # serving load, as run for docs/benchmarks.md ("Load balance"). On the GPU machine, from the
 # repository root, with .device/bin.tar.xz (scripts/gpu-check.sh and epserve-loadtest, packed)
 # and .device/nccl230.tar.xz carried:
-#   bash scripts/bench/eplb-gpu.sh test test-ep prefill prefill2 decode serve regress
+#   bash scripts/bench/eplb-gpu.sh test test-ep prefill prefill2 decode serve moves regress
 source scripts/bench/device-env.sh
 mkdir -p /tmp/nccl230 && { [ -f /tmp/nccl230/env.sh ] || tar xJf .device/nccl230.tar.xz -C /tmp/nccl230; }
-B=.device/bin/epserve
+B=${EPSERVE:-.device/bin/epserve}  # EPSERVE: another build to compare
 bench() { # name limit args...
   local name=$1 lim=$2; shift 2
   (source /tmp/nccl230/env.sh && export NCCL_DEBUG=WARN &&
@@ -59,6 +59,44 @@ serve) # a rebalance under serving load: 4 layers, 4 skewed loads, every step's 
     python3 scripts/bench/eplb-steps.py "$out/serve-$mode.log"
   done
   (cd "$out" && tar cJf serve-logs.tar.xz serve-*.log load-* && rm -f serve-*.log load-*)
+  ;;
+moves) # placements applied under serving load, one every MOVE_EVERY s (default 6), alternating
+  # two files in which every slot but the replicas changes expert (SIGHUP re-reads --placement)
+  shm=$(mktemp -d -p /dev/shm); pl=$(mktemp -p /dev/shm placement.XXXX.json)
+  place() { python3 -c "import json,sys; b=sys.argv[1]=='b'
+A=[list(range(64,128))[::-1]+[5], list(range(0,64))[::-1]+[77]] if b else [list(range(0,64))+[5], list(range(64,128))+[77]]
+print(json.dumps({'phy2log': [A[0]+A[1]]*4}))" $1 > "$pl"; }
+  place a
+  RUST_LOG=info,epserve::step_times=trace $B launch --ranks 2 --backend ${MOVES_BACKEND:-nccl} \
+    --model synthetic:qwen3-30b-a3b --layers 4 --max-tokens-per-step 8192 --placement "$pl" \
+    --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --shm-dir "$shm" \
+    >"$out/serve-moves.log" 2>&1 &
+  pid=$!; addr=""
+  for _ in $(seq 1 600); do
+    addr=$(sed -n 's/.*serving gRPC on \([0-9.:]*\).*/\1/p' "$out/serve-moves.log" | head -1)
+    [ -n "$addr" ] && break; sleep 0.2
+  done
+  r0=""; for c in $(pgrep -P $pid); do tr '\0' ' ' </proc/$c/cmdline | grep -qE -- "--rank 0( |$)" && r0=$c; done
+  echo "== serve moves at '$addr' (rank 0 pid '$r0') after $((SECONDS - t0))s"
+  loads=()
+  for l in 0 1 2 3; do
+    .device/bin/epserve-loadtest --target "$addr" --layer $l --concurrency 4 --tokens 2048 \
+      --client-routing --warmup 2s --duration 40s --timeout 20s --json "$out/load-moves-$l.json" \
+      >"$out/load-moves-$l.log" 2>&1 & loads+=($!)
+  done
+  sleep 4; n=0
+  while kill -0 ${loads[0]} 2>/dev/null; do
+    n=$((n + 1)); [ $((n % 2)) = 1 ] && place b || place a
+    kill -HUP $r0; sleep ${MOVE_EVERY:-6}
+  done
+  wait "${loads[@]}"
+  m0=$(sed -n 's/.* 0 metrics on \(http:[^ ]*\).*/\1/p' "$out/serve-moves.log" | head -1)
+  curl -s "$m0" | grep -E "^epserve_requests_total.method=.Forward|^epserve_eplb_rebalances_total" | grep -v " 0$"
+  sleep 1; kill $pid; wait $pid 2>/dev/null
+  tail -n 12 "$out"/load-moves-*.log
+  grep -E "placement|copies" "$out/serve-moves.log" | grep -v step_times | grep "rank=0" | tail -30
+  python3 scripts/bench/eplb-steps.py "$out/serve-moves.log"
+  (cd "$out" && tar cJf moves-logs.tar.xz serve-moves.log load-moves-* && rm -f serve-moves.log load-moves-*)
   ;;
 prefill) # nccl with a replica per rank; nccl-ep HT needs 2^n slots per rank: rearranged only
   bench prefill-nccl 240 --configs prefill --backends nccl --expert-dtype bf16,fp8 \

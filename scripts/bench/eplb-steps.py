@@ -1,9 +1,15 @@
-# Every step's time from an `epserve launch` log (RUST_LOG=info,epserve::step_times=trace), rank 0:
-# each step over the median of steps of its layer and size, overall and in the 2 s before and
-# after each "placement applied"; for the time from submit to completion on the host (`us`, two
-# steps in flight) and, where the log has it, the step's own time on the GPU (`device_us`).
+# Every step's time from an `epserve launch` log (RUST_LOG=info,epserve::step_times=trace): each
+# step over the median of steps of its layer and size, overall and in the 2 s before and after
+# each "placement applied" (rank 0's), for
+# - host: rank 0's time from submit to completion (two steps in flight);
+# - device: rank 0's step on its GPU (`device_us`: from its first wait to its output), which
+#   includes its wait in the exchange for a rank whose host started the step later;
+# - group: the least device time of any rank for the step (joined by `step=`): the step timed
+#   from the rank that started it last, so without that wait; what a slower step on any rank
+#   (a rebalance's copies, say) makes longer, as every rank waits for it in combine.
 # usage: python3 scripts/bench/eplb-steps.py LOG...
 import re, sys, statistics
+from collections import defaultdict
 
 def stamp(m):
     return int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
@@ -11,29 +17,54 @@ def stamp(m):
 def pct(r, q):
     return r[min(len(r) - 1, int(q * len(r)))]
 
+LINE = re.compile(r"rank=(\d+) .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*step_times: step (?:step=(\d+) )?"
+                  r"layer=(\d+) tokens=(\d+) us=(\d+)(?: device_us=(\d+))?")
+APPLIED = re.compile(r"rank=0 .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*placement applied")
+
 for f in sys.argv[1:]:
-    steps, applied = [], []
+    rank0, applied, dev_by_step = [], [], defaultdict(dict)
     for line in open(f):
-        if "rank=0 " not in line: continue
-        m = re.search(r"(\d\d):(\d\d):(\d\d\.\d+)Z .*step_times: step layer=(\d+) tokens=(\d+) us=(\d+)(?: device_us=(\d+))?", line)
+        m = LINE.search(line)
         if m:
-            dev = int(m.group(7)) if m.group(7) else None
-            steps.append((stamp(m), int(m.group(4)), int(m.group(5)), int(m.group(6)), dev))
-        a = re.search(r"(\d\d):(\d\d):(\d\d\.\d+)Z .*placement applied", line)
+            rank = int(m.group(1))
+            t = int(m.group(2)) * 3600 + int(m.group(3)) * 60 + float(m.group(4))
+            step = int(m.group(5)) if m.group(5) else None
+            layer, tokens, us = int(m.group(6)), int(m.group(7)), int(m.group(8))
+            dev = int(m.group(9)) if m.group(9) else None
+            if rank == 0:
+                rank0.append([t, layer, tokens, us, dev, step])
+            if step is not None and dev is not None:
+                dev_by_step[step][rank] = dev
+        a = APPLIED.search(line)
         if a: applied.append(stamp(a))
-    for col, what in [(3, "host, submit to completion"), (4, "device, the step's own stream time")]:
-        timed = [s for s in steps if s[col] is not None]
+    ranks = max((len(v) for v in dev_by_step.values()), default=0)
+    for s in rank0:
+        d = dev_by_step.get(s[5], {})
+        s.append(min(d.values()) if ranks > 1 and len(d) == ranks else None)
+    for col, what in [(3, "host, rank 0 submit to completion"), (4, "device, rank 0's stream time"),
+                      (6, "group, least device time over the %d ranks" % ranks)]:
+        timed = [s for s in rank0 if s[col] is not None]
         if not timed: continue
         med = {}
-        for n in sorted(set(s[1:3] for s in timed)):
-            us = [s[col] for s in timed if s[1:3] == n]
+        for n in sorted(set(tuple(s[1:3]) for s in timed)):
+            us = [s[col] for s in timed if tuple(s[1:3]) == n]
             if len(us) > 20: med[n] = statistics.median(us)
-        ratio = lambda s: s[col] / med[s[1:3]]
+        ratio = lambda s: s[col] / med[tuple(s[1:3])]
         print(f, what, "steps", len(timed), "medians by (layer, tokens)", med)
-        allr = sorted(ratio(s) for s in timed if s[1:3] in med)
+        allr = sorted(ratio(s) for s in timed if tuple(s[1:3]) in med)
         print("  all steps / their (layer, size)'s median: p50 %.2f p90 %.2f p99 %.2f p99.9 %.2f max %.2f; over 1.1x: %d of %d" % (pct(allr, .5), pct(allr, .9), pct(allr, .99), pct(allr, .999), allr[-1], sum(r > 1.1 for r in allr), len(allr)))
-        for a in applied:
-            for label, lo, hi in [("the 2 s after the placement at %.3f" % a, a, a + 2.0), ("the 2 s before it", a - 2.0, a)]:
-                r = sorted(ratio(s) for s in timed if lo <= s[0] < hi and s[1:3] in med)
+        if len(applied) > 1:
+            near = lambda s: any(a <= s[0] < a + 2.0 for a in applied)
+            for label, sel in [("the 2 s after any of the %d placements" % len(applied), True), ("every other step", False)]:
+                r = sorted(ratio(s) for s in timed if tuple(s[1:3]) in med and near(s) == sel)
                 if r:
                     print("  %s: %d steps, p50 %.2f p90 %.2f p99 %.2f max %.2f; over 1.1x: %d" % (label, len(r), pct(r, .5), pct(r, .9), pct(r, .99), r[-1], sum(x > 1.1 for x in r)))
+        for a in applied:
+            for label, lo, hi in [("the 2 s after the placement at %.3f" % a, a, a + 2.0), ("the 2 s before it", a - 2.0, a)]:
+                sel = [s for s in timed if lo <= s[0] < hi and tuple(s[1:3]) in med]
+                r = sorted(ratio(s) for s in sel)
+                if r:
+                    print("  %s: %d steps, p50 %.2f p90 %.2f p99 %.2f max %.2f; over 1.1x: %d" % (label, len(r), pct(r, .5), pct(r, .9), pct(r, .99), r[-1], sum(x > 1.1 for x in r)))
+                    if lo == a:
+                        top = sorted(sel, key=ratio)[-3:]
+                        print("    the slowest: " + ", ".join("step %s layer %d at +%.1f ms %.2fx" % (s[5], s[1], (s[0] - a) * 1e3, ratio(s)) for s in top))

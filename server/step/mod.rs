@@ -397,6 +397,7 @@ impl<B: Backend> Driver<B> {
         times.total = now - at.max(self.last_done);
         self.last_done = now;
         record::record_step(&record::StepRecord {
+            step: desc.step,
             layer: self
                 .layer_ids
                 .get(desc.layer as usize)

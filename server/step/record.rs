@@ -28,6 +28,8 @@ pub struct PhaseTimes {
 
 /// Per-step figures a rank records after each step.
 pub struct StepRecord<'a> {
+    /// The step's number, the same on every rank (joins the ranks' traces).
+    pub step: u64,
     pub layer: u32,
     pub tokens: usize,
     pub heartbeat: bool,
@@ -56,7 +58,7 @@ pub fn record_step(r: &StepRecord) {
     crate::stats_log::step(r.times.total);
     // Every step's time, for a distribution the histogram's buckets are too coarse for
     // (RUST_LOG=epserve::step_times=trace; off by default).
-    tracing::trace!(target: "epserve::step_times", layer = r.layer, tokens = r.tokens,
+    tracing::trace!(target: "epserve::step_times", step = r.step, layer = r.layer, tokens = r.tokens,
         us = r.times.total.as_micros() as u64,
         device_us = r.times.device.map(|d| d.as_micros() as u64), "step");
     let phases = if r.times.phased { 5 } else { 0 };

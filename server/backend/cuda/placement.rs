@@ -113,6 +113,12 @@ impl Gpu {
     }
 }
 
+/// Staged slots whose placement landed, kept for the next placement's staging: freeing a
+/// placement's 256 slots (4.8 GB) stalled every thread's driver calls, and with them the
+/// steps, for 150-275 ms (2x H100, docs/benchmarks.md "Load balance"), freed at once or
+/// paced; kept, a group holds what its largest placement staged, as the pool did.
+pub type Spare = Arc<std::sync::Mutex<Vec<DeviceFfn>>>;
+
 /// A placement's rewritten slots, on the device beside the ones in use.
 pub struct Staged {
     pub epoch: u32,
@@ -140,18 +146,26 @@ impl Staged {
     }
 
     /// `ffns` uploaded on a stream of their own and waited for (on a staging thread, never the
-    /// step's).
+    /// step's), into `spare` slots where it has them.
     pub fn upload(
         stream: Arc<CudaStream>,
         (epoch, map): (u32, Arc<SlotMap>),
         at: Vec<(usize, usize)>,
         ffns: &[Ffn],
         (hidden, inter, dtype): (usize, usize, ExpertDtype),
+        spare: &Spare,
     ) -> Result<Self, GpuError> {
         let mut a = Alloc::new(stream.clone());
         let mut slots = Vec::with_capacity(at.len());
         for ((l, i), f) in at.into_iter().zip(ffns) {
-            let w = DeviceFfn::upload(&mut a, std::iter::once(f), (hidden, inter), dtype)?;
+            let kept = spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            let w = match kept {
+                Some(mut w) => {
+                    w.upload_into(f, (hidden, inter), &stream)?;
+                    w
+                }
+                None => DeviceFfn::upload(&mut a, std::iter::once(f), (hidden, inter), dtype)?,
+            };
             slots.push((l, i, w));
         }
         stream.synchronize()?;
@@ -168,6 +182,13 @@ impl Drop for Mover {
     /// A placement's copies may still read its staged buffers: they go once the copies are done,
     /// or are leaked when the device does not finish them in a few seconds (a failed rank).
     fn drop(&mut self) {
+        if let Some(l) = self.landing.take() {
+            // Some of its layers' copies may be enqueued: it goes once they are done.
+            match self.stream.record_event(None) {
+                Ok(ev) => self.retired.push((ev, l.staged, None)),
+                Err(_) => std::mem::forget(l.staged),
+            }
+        }
         for (ev, staged, started) in std::mem::take(&mut self.retired) {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
             let mut polls = 0u32;
@@ -201,11 +222,21 @@ pub trait Land {
 /// Events that time the copies of a placement on the device.
 const TIMED: CUevent_flags = CUevent_flags::CU_EVENT_DEFAULT;
 
+/// Steps a layer runs on its old slots, when it is the only one left to land, before it lands
+/// in front of its own step (which then waits for the copies).
+const ALONE: usize = 8;
+
 /// A moving group's slots on this rank: the placement steps run on, and a new one's weights,
-/// read from the model on a thread of their own and uploaded on a stream of their own until a
-/// step applies them. Applied, each layer's copies and table rows go on the move stream behind
-/// that layer's last step (`used`), so they run under the other layers' steps; the layer's next
-/// step waits for them (`landed`), and no other step does.
+/// read from the model on a thread of their own and uploaded on a stream of their own (into
+/// `Spare` slots where it has them) until a step applies them. Applied, its layers land one
+/// before each later step (`land_beside`): a layer's copies and table rows go on the move stream
+/// behind that layer's last step (`used`) and run beside another layer's step; the layer's next
+/// step waits for them (`landed`), and no other step does. Until a layer's copies are enqueued
+/// its steps run on its old slots, untouched; every rank runs the same steps, so every rank
+/// lands a layer at the same step. One layer at a time, not in front of its own step: a whole
+/// placement enqueued at once held the step thread 3-4 ms (256 slots), and a layer landed in
+/// front of its own step made that step wait for its copies (1.4-2.4x its median; 2x H100,
+/// docs/benchmarks.md "Load balance").
 pub struct Mover {
     pub map: Arc<SlotMap>,
     source: ModelSource,
@@ -221,9 +252,25 @@ pub struct Mover {
     used: Vec<CudaEvent>,
     landed: Vec<CudaEvent>,
     waiting: Vec<bool>,
+    /// Landed placements' staged slots, for the next one's (`Spare`).
+    spare: Spare,
+    /// The applied placement whose layers are still landing, and the layer of the last step.
+    landing: Option<Landing>,
+    last: Option<usize>,
     /// Applied placements' staged weights, freed once the copies that read them are done (the
     /// event then the one before them, to log how long the copies took on the device).
     retired: Vec<(CudaEvent, Staged, Option<CudaEvent>)>,
+}
+
+/// An applied placement's staged weights and the layers whose copies are not enqueued yet.
+struct Landing {
+    staged: Staged,
+    left: Vec<bool>,
+    /// Steps run since only their own layer was left to land.
+    alone: usize,
+    /// Recorded on the move stream when it was applied: the copies' device time is from here.
+    started: CudaEvent,
+    applied: std::time::Instant,
 }
 
 impl Mover {
@@ -255,6 +302,9 @@ impl Mover {
             ctx,
             rank,
             staged: Stager::default(),
+            spare: Spare::default(),
+            landing: None,
+            last: None,
             retired: Vec::new(),
         })
     }
@@ -264,60 +314,90 @@ impl Mover {
         let (at, wanted): (Vec<_>, Vec<_>) =
             rewritten(&self.map, &next, self.rank).into_iter().unzip();
         let (source, spec, dtype) = (self.source.clone(), self.spec.clone(), self.dtype);
-        let (ctx, map) = (self.ctx.clone(), next.clone());
+        let (ctx, map, spare) = (self.ctx.clone(), next.clone(), self.spare.clone());
         let load = move || {
+            let t0 = std::time::Instant::now();
             let ffns = (source.load_experts(&spec, &wanted, dtype)).map_err(|e| e.to_string())?;
+            let loaded = t0.elapsed();
             let bytes = ffns.iter().map(Ffn::bytes).sum::<usize>() as u64;
             let sizes = (spec.hidden, spec.intermediate, dtype);
             let s = (ctx.bind_to_thread().and_then(|_| ctx.new_stream()))
                 .map_err(|e| format!("a staging stream: {e}"))?;
-            let st = Staged::upload(s, (epoch, map), at, &ffns, sizes)
+            let st = Staged::upload(s, (epoch, map), at, &ffns, sizes, &spare)
                 .map_err(|e| format!("uploading the staged slots: {e}"))?;
+            let uploaded = t0.elapsed();
+            drop(ffns);
+            tracing::info!(
+                epoch,
+                bytes,
+                load_ms = loaded.as_secs_f64() * 1e3,
+                upload_ms = (uploaded - loaded).as_secs_f64() * 1e3,
+                host_free_ms = (t0.elapsed() - uploaded).as_secs_f64() * 1e3,
+                "placement staged"
+            );
             Ok((st, bytes))
         };
         self.staged.stage(epoch, next, load, done);
     }
 
-    /// Makes what `stage` made for `epoch` the placement steps run on: every layer's copies and
-    /// table rows enqueued on the move stream behind that layer's last step.
+    /// Makes what `stage` made for `epoch` the placement steps run on: its table's rows ready,
+    /// its layers to land one per step (`after`), or before their own next step (`before`).
     pub fn apply(&mut self, epoch: u32, step: &mut impl Land) -> Result<(), String> {
         self.reap();
+        // A placement still landing lands whole first: the table's rows are rewritten next.
+        let flushed = self.land_all(step);
         let staged = self.staged.take(epoch, self.rank)?.weights;
         let s = self.stream.clone();
-        let t0 = std::time::Instant::now();
-        let enqueued = (|| -> Result<(CudaEvent, CudaEvent), GpuError> {
+        let begun = (|| -> Result<CudaEvent, GpuError> {
+            flushed?;
             self.ctx.bind_to_thread()?;
             // The table's page-locked rows are rewritten next: an older placement's copies of
-            // them are long done, waited for all the same.
+            // them are enqueued (above) and waited for.
             for (ev, _, _) in &self.retired {
                 ev.synchronize()?;
             }
-            let started = s.record_event(Some(TIMED))?;
             step.table_from(&staged.map)?;
-            for l in 0..self.used.len() {
-                s.wait(&self.used[l])?;
-                step.land(&staged, l, &s)?;
-                self.landed[l].record(&s)?;
-                self.waiting[l] = true;
-            }
-            Ok((started, s.record_event(Some(TIMED))?))
+            Ok(s.record_event(Some(TIMED))?)
         })();
-        // Some copies may be enqueued already: the map is the new one either way, and a
-        // failure here is a device failure the next step meets.
+        // No layer's copies are enqueued yet: a failure leaves the old placement in use.
+        let started = begun.map_err(|e| format!("placement epoch {epoch}: {e}"))?;
         self.map = staged.map.clone();
-        let (started, copied) = enqueued.map_err(|e| format!("placement epoch {epoch}: {e}"))?;
-        tracing::info!(
-            epoch,
-            slots = staged.slots.len(),
-            host_ms = t0.elapsed().as_secs_f64() * 1e3,
-            "placement's copies enqueued"
-        );
-        self.retired.push((copied, staged, Some(started)));
+        self.landing = Some(Landing {
+            left: vec![true; self.used.len()],
+            alone: 0,
+            staged,
+            started,
+            applied: std::time::Instant::now(),
+        });
         Ok(())
     }
 
-    /// Layer `layer`'s step is enqueued on `stream` after this: it waits for the layer's copies
-    /// of an applied placement, if any.
+    /// A step of layer `layer` is about to be enqueued: one other layer of a placement landing
+    /// lands now, its copies beside that step (the one run last first: its next step is the
+    /// furthest off); this layer itself only when no other is left and it has run `ALONE`
+    /// steps since (one busy layer must wait once). Called before the step's first enqueue, so
+    /// the copies' enqueueing (1-2 ms of host a layer) runs while the steps in flight do.
+    pub fn land_beside(&mut self, layer: usize, step: &mut impl Land) -> Result<(), GpuError> {
+        let last = self.last;
+        let pick = self.landing.as_mut().and_then(|l| {
+            let other = |x: usize| x != layer && l.left[x];
+            match last.filter(|&x| other(x)) {
+                Some(x) => Some(x),
+                None => (0..l.left.len()).find(|&x| other(x)).or_else(|| {
+                    l.alone += 1;
+                    (l.left[layer] && l.alone > ALONE).then_some(layer)
+                }),
+            }
+        });
+        match pick {
+            Some(x) => self.land(x, step),
+            None => Ok(()),
+        }
+    }
+
+    /// Layer `layer`'s step is enqueued on `stream` after this. It runs on the placement its
+    /// layer has: a layer still to land keeps its old slots and table, whole, until its copies
+    /// are enqueued; a layer landed waits for its copies here.
     pub fn before(&mut self, layer: usize, stream: &CudaStream) -> Result<(), DriverError> {
         if std::mem::take(&mut self.waiting[layer]) {
             stream.wait(&self.landed[layer])?;
@@ -327,14 +407,47 @@ impl Mover {
 
     /// Layer `layer`'s step was enqueued on `stream`: a later placement's copies wait for it.
     pub fn after(&mut self, layer: usize, stream: &CudaStream) -> Result<(), DriverError> {
+        self.last = Some(layer);
         self.used[layer].record(stream)
     }
 
-    /// Frees applied placements' staged buffers once their copies are done, on a thread of
-    /// their own: freeing a placement's hundreds of buffers is slow (2x H100, 126 slots of a
-    /// 4-layer move: the step whose completion freed them took 69-83 ms, 23x its size's
-    /// median, while the copies took 1.7 ms on the device). Their memory stays in the device's
-    /// pool (`keep_freed`) for the next placement's staging.
+    /// Enqueues layer `layer`'s copies and table rows behind its last step; the placement is
+    /// retired once its last layer's are.
+    fn land(&mut self, layer: usize, step: &mut impl Land) -> Result<(), GpuError> {
+        let s = self.stream.clone();
+        let l = self.landing.as_mut().expect("a placement is landing");
+        l.left[layer] = false;
+        s.wait(&self.used[layer])?;
+        step.land(&l.staged, layer, &s)?;
+        self.landed[layer].record(&s)?;
+        self.waiting[layer] = true;
+        if l.left.iter().any(|&x| x) {
+            return Ok(());
+        }
+        let l = self.landing.take().expect("checked above");
+        tracing::info!(
+            epoch = l.staged.epoch,
+            slots = l.staged.slots.len(),
+            after_ms = l.applied.elapsed().as_secs_f64() * 1e3,
+            "placement's copies enqueued, a layer under each step"
+        );
+        self.retired
+            .push((s.record_event(Some(TIMED))?, l.staged, Some(l.started)));
+        Ok(())
+    }
+
+    /// Every layer still to land, now.
+    fn land_all(&mut self, step: &mut impl Land) -> Result<(), GpuError> {
+        while let Some(l) = (self.landing.as_ref()).and_then(|l| l.left.iter().position(|&x| x)) {
+            self.land(l, step)?;
+        }
+        Ok(())
+    }
+
+    /// Keeps applied placements' staged slots once their copies are done, for the next
+    /// placement's staging (`Spare`): neither freed nor allocated again. Freeing them stalled
+    /// steps (2x H100: 69-83 ms on the step thread; 150-275 ms for a 256-slot placement on a
+    /// thread of its own, paced or not).
     pub fn reap(&mut self) {
         let (done, left): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retired)
             .into_iter()
@@ -342,23 +455,17 @@ impl Mover {
         self.retired = left;
         for (ev, staged, started) in done {
             if let Some(ms) = started.as_ref().and_then(|s| s.elapsed_ms(&ev).ok()) {
+                // From the apply to the last layer's copies: its layers' steps between them.
                 tracing::info!(
                     epoch = staged.epoch,
-                    device_ms = ms,
+                    span_ms = ms,
                     "placement's copies done"
                 );
             }
-            let ctx = self.ctx.clone();
-            let freed = std::thread::Builder::new()
-                .name("eplb-free".into())
-                .spawn(move || {
-                    let _ = ctx.bind_to_thread();
-                    drop((staged, started, ev));
-                });
-            if let Err(e) = freed {
-                // The closure, and the buffers with it, were dropped here.
-                tracing::warn!("could not free a placement's staged buffers off the step: {e}");
-            }
+            let mut staged = staged;
+            let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+            spare.extend(staged.slots.drain(..).map(|(_, _, w)| w));
+            drop((staged, started, ev));
         }
     }
 }

@@ -129,9 +129,8 @@ impl Staging {
     /// each exchange's that a step of `bucket` runs.
     pub(super) fn copy_out(&mut self, c: &GpuStep, bucket: usize) -> Result<(), DriverError> {
         let s = c.g.stream.clone();
-        let tallies = c.tallies(bucket);
-        for (i, st) in self.tallies.iter_mut().enumerate() {
-            let Some(t) = tallies.get(i) else {
+        for (st, t) in self.tallies.iter_mut().zip(c.tallies(bucket)) {
+            let Some(t) = t else {
                 st.bucket = 0;
                 continue;
             };

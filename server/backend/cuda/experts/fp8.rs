@@ -53,6 +53,29 @@ pub fn upload<'a>(
     ))
 }
 
+/// One FFN's FP8 weights and scales written over `w`'s (one group each), on `stream`.
+pub fn upload_into(
+    w: (&mut Fp8Weights, &mut Fp8Weights),
+    f: &Ffn,
+    hidden: usize,
+    inter: usize,
+    stream: &std::sync::Arc<CudaStream>,
+) -> Result<(), DriverError> {
+    for (w, m, n, k) in [
+        (w.0, &f.gate_up, 2 * inter, hidden),
+        (w.1, &f.down, hidden, inter),
+    ] {
+        let b = blocks(m, n, k);
+        assert!(
+            w.groups == 1 && w.q.len() == b.q.len() && w.sf.len() == b.scales.len(),
+            "an FFN of another shape than the slot it is written over"
+        );
+        stream.memcpy_htod(&b.q, &mut w.q)?;
+        stream.memcpy_htod(&b.scales, &mut w.sf)?;
+    }
+    Ok(())
+}
+
 /// Random FP8 weights made on the GPU (for `epserve bench`: timing, not numerics).
 pub fn random(
     g: &Gpu,

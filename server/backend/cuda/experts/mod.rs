@@ -64,6 +64,29 @@ impl DeviceFfn {
         })
     }
 
+    /// One FFN written over this one-group FFN (a staged slot kept from an earlier placement),
+    /// on `stream`.
+    pub fn upload_into(
+        &mut self,
+        f: &Ffn,
+        (hidden, inter): (usize, usize),
+        stream: &Arc<CudaStream>,
+    ) -> Result<(), DriverError> {
+        match self {
+            DeviceFfn::Bf16 { gate_up, down } => {
+                for (w, m) in [(gate_up, &f.gate_up), (down, &f.down)] {
+                    let host = to_bf16(std::iter::once(m));
+                    assert_eq!(host.len(), w.len(), "an FFN of another shape than its slot");
+                    stream.memcpy_htod(&host, w)?;
+                }
+                Ok(())
+            }
+            DeviceFfn::Fp8 { gate_up, down } => {
+                fp8::upload_into((gate_up, down), f, hidden, inter, stream)
+            }
+        }
+    }
+
     /// Overwrites group `j` with `from`'s one group, on `stream` (a slot a new placement
     /// rewrites: the step's graphs read it where it is).
     pub fn write_group(

@@ -295,7 +295,7 @@ impl GpuRank {
         let s = &c.shape;
         let (l, e) = (s.local(), s.experts);
         let (tallies, st) = (c.tallies(bucket), &self.st[set]);
-        for (t, got) in tallies.iter().zip(&st.tallies) {
+        for (t, got) in tallies.iter().flatten().zip(&st.tallies) {
             if t.ex.receipts().is_none() {
                 continue;
             }
@@ -422,6 +422,9 @@ impl GpuRank {
             _ => HomeDtype::F32,
         };
         let v = Variant::new(rows, desc.client_routing);
+        if let (Some(m), Some(c)) = (&mut self.mover, &mut self.core) {
+            m.land_beside(layer, c)?;
+        }
         let ring = self.ring.clone();
         let cp = &self.copies;
         let c = self.core.as_mut().expect("checked in stage");

@@ -309,27 +309,31 @@ pub struct Tally<'a> {
 }
 
 impl GpuStep {
-    /// A step of `bucket`'s tallies: one, or one per micro-batch where it split.
-    pub fn tallies(&self, bucket: usize) -> Vec<Tally<'_>> {
+    /// A step of `bucket`'s tallies: one, or one per micro-batch where it split (no allocation:
+    /// read on every step).
+    pub fn tallies(&self, bucket: usize) -> [Option<Tally<'_>>; 2] {
         match self.twin.as_ref().filter(|_| self.splits(bucket)) {
-            None => vec![Tally {
-                m: &self.b.m,
-                ex: self.ex.as_ref(),
-                bucket,
-            }],
+            None => [
+                Some(Tally {
+                    m: &self.b.m,
+                    ex: self.ex.as_ref(),
+                    bucket,
+                }),
+                None,
+            ],
             Some(tw) => {
                 let half = bucket / 2;
-                vec![
-                    Tally {
+                [
+                    Some(Tally {
                         m: &tw.halves[0].m,
                         ex: self.ex.as_ref(),
                         bucket: half,
-                    },
-                    Tally {
+                    }),
+                    Some(Tally {
                         m: &tw.halves[1].m,
                         ex: tw.ex.as_ref(),
                         bucket: half,
-                    },
+                    }),
                 ]
             }
         }
