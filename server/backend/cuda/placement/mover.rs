@@ -1,223 +1,18 @@
-//! Expert slots on the device: the table gating reads to send each (token, expert) entry to one
-//! of the expert's replicas (`to_slots`, inside the captured graphs), and a new placement's
-//! weights staged beside the ones in use, then copied over the slots it rewrites, layer by layer,
-//! on a stream of their own between that layer's steps (`Mover`). The graphs read the table and
-//! the weights where they are, so a placement is rewritten in place and no graph is captured
-//! again. From the gate on, the exchanges and the experts address
-//! slots (`StepShape::experts`), the router logical experts (`StepShape::model_experts`).
+//! Applying a placement on a GPU rank: its slots staged off the step path, then landed layer
+//! by layer on a stream of their own between steps (`Mover`).
 
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DriverError, PushKernelArg};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
 
-use crate::backend::cuda::experts::DeviceFfn;
-use crate::backend::cuda::sys::memory::{htod, Pinned};
-use crate::backend::cuda::{Alloc, Gpu, GpuError};
+use super::{Land, Spare, Staged};
+use crate::backend::cuda::GpuError;
 use crate::backend::device::Moving;
 use crate::eplb::stage::{rewritten, Stager};
 use crate::eplb::SlotMap;
 use crate::model::{ExpertDtype, Ffn, ModelSource, MoeSpec};
 use crate::step::StageDone;
-
-/// Per layer, per logical expert, the slots this rank's tokens may use (`[experts][r]`, by
-/// `SlotMap::replica_table`) and how many (`[experts]`); one device buffer per layer, each
-/// written from a page-locked copy of its own, so a layer's new rows go in without a host wait.
-pub struct SlotTable {
-    rep: Vec<CudaSlice<i32>>,
-    cnt: Vec<CudaSlice<i32>>,
-    host: Vec<(Pinned<i32>, Pinned<i32>)>,
-    experts: usize,
-    r: usize,
-    rank: usize,
-    /// Whether each rank shares this rank's node: its replicas are preferred where it has any.
-    near: Vec<bool>,
-}
-
-impl SlotTable {
-    /// `map`'s table for `rank`, whose node holds the ranks `near` marks.
-    pub fn new(
-        a: &mut Alloc,
-        map: &SlotMap,
-        rank: usize,
-        near: Vec<bool>,
-    ) -> Result<Self, DriverError> {
-        // An expert has at most one slot plus every redundant one.
-        let r = 1 + map.redundant();
-        let (mut rep, mut cnt, mut host) = (Vec::new(), Vec::new(), Vec::new());
-        for (t, c) in map.replica_table(&near, r) {
-            rep.push(a.upload(&t)?);
-            cnt.push(a.upload(&c)?);
-            host.push((Pinned::new(t.len())?, Pinned::new(c.len())?));
-        }
-        Ok(Self {
-            rep,
-            cnt,
-            host,
-            experts: map.experts,
-            r,
-            rank,
-            near,
-        })
-    }
-
-    /// Makes `map` the source `write` copies each layer's rows from. The copies of the last
-    /// `set` must be done (the caller waits for them).
-    pub fn set(&mut self, map: &SlotMap) {
-        for ((t, c), (pt, pc)) in map
-            .replica_table(&self.near, self.r)
-            .into_iter()
-            .zip(&mut self.host)
-        {
-            pt.as_mut_slice().copy_from_slice(&t);
-            pc.as_mut_slice().copy_from_slice(&c);
-        }
-    }
-
-    /// Copies layer `layer`'s rows of the table `set` made on `stream` (page-locked: the host
-    /// does not wait): work enqueued after it on `stream` (or waiting for it) reads them.
-    pub fn write(&mut self, layer: usize, stream: &Arc<CudaStream>) -> Result<(), DriverError> {
-        let (pt, pc) = &self.host[layer];
-        htod(pt, 0..pt.as_slice().len(), &mut self.rep[layer], stream)?;
-        htod(pc, 0..pc.as_slice().len(), &mut self.cnt[layer], stream)
-    }
-}
-
-impl Gpu {
-    /// Layer `layer`'s routed entries (`ids [bucket, k]`, logical experts) as slots, into `out`
-    /// (the step's own copy: a replayed graph maps the same entries again).
-    pub fn to_slots(
-        &self,
-        t: &SlotTable,
-        layer: usize,
-        (ids, out): (&CudaSlice<i32>, &mut CudaSlice<i32>),
-        n: &CudaSlice<i32>,
-        (bucket, k): (usize, usize),
-    ) -> Result<(), GpuError> {
-        assert!(
-            ids.len() >= bucket * k && out.len() >= bucket * k,
-            "ids smaller than the bucket"
-        );
-        let (rep, cnt) = (&t.rep[layer], &t.cnt[layer]);
-        assert!(rep.len() == t.experts * t.r && cnt.len() == t.experts);
-        let (k_, b_, r_, rank) = (k as i32, bucket as i32, t.r as i32, t.rank as i32);
-        let mut l = self.stream.launch_builder(&self.k.to_slots);
-        l.arg(ids).arg(out).arg(n).arg(&k_).arg(&b_);
-        l.arg(rep).arg(cnt).arg(&r_).arg(&rank);
-        // SAFETY: `ids` and `out` hold the bucket's bucket * k entries (checked above), those of
-        // the step's tokens -1 or a logical expert below `e` (the top-k kernels' and the checked
-        // client routing's); `rep` and `cnt` are this layer's e * r and e ints, every count in
-        // 1..=r.
-        unsafe { l.launch(Self::rows_cfg(bucket * k)) }?;
-        Ok(())
-    }
-}
-
-/// Staged slots whose placement landed, kept for the next placement's staging: freeing a
-/// placement's 256 slots (4.8 GB) stalled every thread's driver calls, and with them the
-/// steps, for 150-275 ms (2x H100, docs/benchmarks.md "Load balance"), freed at once or
-/// paced; kept, a group holds what its largest placement staged, as the pool did.
-pub type Spare = Arc<std::sync::Mutex<Vec<DeviceFfn>>>;
-
-/// A placement's rewritten slots, on the device beside the ones in use.
-pub struct Staged {
-    pub epoch: u32,
-    pub map: Arc<SlotMap>,
-    /// (layer, slot index on this rank, its weights as one group).
-    pub slots: Vec<(usize, usize, DeviceFfn)>,
-    /// The stream they were uploaded on (their memory is freed on it).
-    _stream: Arc<CudaStream>,
-}
-
-impl Staged {
-    /// Slots already on the device (`epserve bench`'s random ones), freed on `stream`.
-    pub fn new(
-        epoch: u32,
-        map: Arc<SlotMap>,
-        slots: Vec<(usize, usize, DeviceFfn)>,
-        stream: Arc<CudaStream>,
-    ) -> Self {
-        Self {
-            epoch,
-            map,
-            slots,
-            _stream: stream,
-        }
-    }
-
-    /// `ffns` uploaded on a stream of their own and waited for (on a staging thread, never the
-    /// step's), into `spare` slots where it has them.
-    pub fn upload(
-        stream: Arc<CudaStream>,
-        (epoch, map): (u32, Arc<SlotMap>),
-        at: Vec<(usize, usize)>,
-        ffns: &[Ffn],
-        (hidden, inter, dtype): (usize, usize, ExpertDtype),
-        spare: &Spare,
-    ) -> Result<Self, GpuError> {
-        let mut a = Alloc::new(stream.clone());
-        let mut slots = Vec::with_capacity(at.len());
-        for ((l, i), f) in at.into_iter().zip(ffns) {
-            let kept = spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
-            let w = match kept {
-                Some(mut w) => {
-                    w.upload_into(f, (hidden, inter), &stream)?;
-                    w
-                }
-                None => DeviceFfn::upload(&mut a, std::iter::once(f), (hidden, inter), dtype)?,
-            };
-            slots.push((l, i, w));
-        }
-        stream.synchronize()?;
-        Ok(Self {
-            epoch,
-            map,
-            slots,
-            _stream: stream,
-        })
-    }
-}
-
-impl Drop for Mover {
-    /// A placement's copies may still read its staged buffers: they go once the copies are done,
-    /// or are leaked when the device does not finish them in a few seconds (a failed rank).
-    fn drop(&mut self) {
-        if let Some(l) = self.landing.take() {
-            // Some of its layers' copies may be enqueued: it goes once they are done.
-            match self.stream.record_event(None) {
-                Ok(ev) => self.retired.push((ev, l.staged, None)),
-                Err(_) => std::mem::forget(l.staged),
-            }
-        }
-        for (ev, staged, started) in std::mem::take(&mut self.retired) {
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-            let mut polls = 0u32;
-            while !ev.try_is_complete().unwrap_or(true) && std::time::Instant::now() < deadline {
-                crate::lifecycle::nap(&mut polls);
-            }
-            match ev.try_is_complete() {
-                Ok(true) => drop((staged, started)),
-                _ => std::mem::forget(staged),
-            }
-        }
-    }
-}
-
-/// What holds the slots' weights and the table the graphs read (the step): where an applied
-/// placement lands, layer by layer.
-pub trait Land {
-    /// Makes `map` the placement the table's rows are written from (`land`).
-    fn table_from(&mut self, map: &SlotMap) -> Result<(), GpuError>;
-    /// Layer `layer`'s share of `staged` on `stream`: its slots copied over the ones they
-    /// rewrite, and its rows of the table. No step of the layer may run meanwhile: the caller
-    /// orders `stream` after the layer's last step, and the next after the copies.
-    fn land(
-        &mut self,
-        staged: &Staged,
-        layer: usize,
-        stream: &Arc<CudaStream>,
-    ) -> Result<(), GpuError>;
-}
 
 /// Events that time the copies of a placement on the device.
 const TIMED: CUevent_flags = CUevent_flags::CU_EVENT_DEFAULT;
@@ -466,6 +261,31 @@ impl Mover {
             let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
             spare.extend(staged.slots.drain(..).map(|(_, _, w)| w));
             drop((staged, started, ev));
+        }
+    }
+}
+
+impl Drop for Mover {
+    /// A placement's copies may still read its staged buffers: they go once the copies are done,
+    /// or are leaked when the device does not finish them in a few seconds (a failed rank).
+    fn drop(&mut self) {
+        if let Some(l) = self.landing.take() {
+            // Some of its layers' copies may be enqueued: it goes once they are done.
+            match self.stream.record_event(None) {
+                Ok(ev) => self.retired.push((ev, l.staged, None)),
+                Err(_) => std::mem::forget(l.staged),
+            }
+        }
+        for (ev, staged, started) in std::mem::take(&mut self.retired) {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            let mut polls = 0u32;
+            while !ev.try_is_complete().unwrap_or(true) && std::time::Instant::now() < deadline {
+                crate::lifecycle::nap(&mut polls);
+            }
+            match ev.try_is_complete() {
+                Ok(true) => drop((staged, started)),
+                _ => std::mem::forget(staged),
+            }
         }
     }
 }
