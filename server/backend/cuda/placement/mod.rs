@@ -114,7 +114,7 @@ impl Gpu {
 
 /// Staged slots whose placement landed, kept for the next placement's staging: freeing a
 /// placement's 256 slots (4.8 GB) stalled every thread's driver calls, and with them the
-/// steps, for 150-275 ms (2x H100, docs/benchmarks.md "Load balance"), freed at once or
+/// steps, for 122-275 ms (2x H100, docs/benchmarks.md "Load balance"), freed at once or
 /// paced; kept, a group holds what its largest placement staged, as the pool did.
 pub type Spare = Arc<std::sync::Mutex<Vec<DeviceFfn>>>;
 

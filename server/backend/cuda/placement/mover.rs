@@ -241,7 +241,7 @@ impl Mover {
 
     /// Keeps applied placements' staged slots once their copies are done, for the next
     /// placement's staging (`Spare`): neither freed nor allocated again. Freeing them stalled
-    /// steps (2x H100: 69-83 ms on the step thread; 150-275 ms for a 256-slot placement on a
+    /// steps (2x H100: 69-83 ms on the step thread; 122-275 ms for a 256-slot placement on a
     /// thread of its own, paced or not).
     pub fn reap(&mut self) {
         let (done, left): (Vec<_>, Vec<_>) = std::mem::take(&mut self.retired)
