@@ -52,8 +52,8 @@ pub struct Mover {
     /// The applied placement whose layers are still landing, and the layer of the last step.
     landing: Option<Landing>,
     last: Option<usize>,
-    /// Applied placements' staged weights, freed once the copies that read them are done (the
-    /// event then the one before them, to log how long the copies took on the device).
+    /// Applied placements' staged weights, kept as `spare` once the copies that read them are
+    /// done (the event then the one before them, to log how long the copies took).
     retired: Vec<(CudaEvent, Staged, Option<CudaEvent>)>,
 }
 
@@ -76,8 +76,8 @@ impl Mover {
         ctx: Arc<CudaContext>,
         rank: usize,
     ) -> Result<Self, DriverError> {
-        // Staged slots are freed after each move: kept in the pool for the next one, not
-        // unmapped under a step's synchronize.
+        // Staged slots are kept (`Spare`); what a failed staging allocated is freed into the
+        // pool and kept there, not unmapped under a step's synchronize.
         crate::backend::cuda::sys::device::keep_freed(&ctx)?;
         let layers = m.slots.layers().len();
         let events = |n| {
@@ -136,7 +136,7 @@ impl Mover {
     }
 
     /// Makes what `stage` made for `epoch` the placement steps run on: its table's rows ready,
-    /// its layers to land one per step (`after`), or before their own next step (`before`).
+    /// its layers to land one before each later step (`land_beside`).
     pub fn apply(&mut self, epoch: u32, step: &mut impl Land) -> Result<(), String> {
         self.reap();
         // A placement still landing lands whole first: the table's rows are rewritten next.
@@ -248,7 +248,7 @@ impl Mover {
             .into_iter()
             .partition(|(ev, _, _)| ev.try_is_complete().unwrap_or(false));
         self.retired = left;
-        for (ev, staged, started) in done {
+        for (ev, mut staged, started) in done {
             if let Some(ms) = started.as_ref().and_then(|s| s.elapsed_ms(&ev).ok()) {
                 // From the apply to the last layer's copies: its layers' steps between them.
                 tracing::info!(
@@ -257,10 +257,8 @@ impl Mover {
                     "placement's copies done"
                 );
             }
-            let mut staged = staged;
             let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
             spare.extend(staged.slots.drain(..).map(|(_, _, w)| w));
-            drop((staged, started, ev));
         }
     }
 }
