@@ -1,6 +1,6 @@
 # Every step's time from an `epserve launch` log (RUST_LOG=info,epserve::step_times=trace): each
 # step over the median of steps of its layer and size, overall and in the 2 s before and after
-# each "placement applied" (rank 0's), for
+# each "placement applied" (rank 0's), and every gap of over 30 ms between rank 0's steps, for
 # - host: rank 0's time from submit to completion (two steps in flight);
 # - device: rank 0's step on its GPU (`device_us`: from its first wait to its output), which
 #   includes its wait in the exchange for a rank whose host started the step later;
@@ -37,6 +37,11 @@ for f in sys.argv[1:]:
                 dev_by_step[step][rank] = dev
         a = APPLIED.search(line)
         if a: applied.append(stamp(a))
+    # The pipeline stopping: no step completing on rank 0 for more than 30 ms.
+    done = sorted((s[0], s[5]) for s in rank0)
+    for (a, _), (b, step) in zip(done, done[1:]):
+        if b - a > 0.030:
+            print(f, "gap: no step completed on rank 0 for %.0f ms before step %s" % ((b - a) * 1e3, step))
     ranks = max((len(v) for v in dev_by_step.values()), default=0)
     for s in rank0:
         d = dev_by_step.get(s[5], {})

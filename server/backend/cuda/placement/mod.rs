@@ -144,36 +144,41 @@ impl Staged {
         }
     }
 
-    /// `ffns` uploaded on a stream of their own and waited for (on a staging thread, never the
-    /// step's), into `spare` slots where it has them.
-    pub fn upload(
-        stream: Arc<CudaStream>,
-        (epoch, map): (u32, Arc<SlotMap>),
-        at: Vec<(usize, usize)>,
+    /// None yet, for `epoch`'s `map`, uploaded on `stream` (a staging thread's, never the step's).
+    pub fn begin(stream: Arc<CudaStream>, (epoch, map): (u32, Arc<SlotMap>)) -> Self {
+        Self::new(epoch, map, Vec::new(), stream)
+    }
+
+    /// `ffns` (the slots `at`: layer, index on the rank) uploaded into `spare` slots where it
+    /// has them. Each copy has read its host buffer when it returns (pageable memory), so the
+    /// caller may drop `ffns` before `finish`.
+    pub fn add(
+        &mut self,
+        at: &[(usize, usize)],
         ffns: &[Ffn],
         (hidden, inter, dtype): (usize, usize, ExpertDtype),
         spare: &Spare,
-    ) -> Result<Self, GpuError> {
+    ) -> Result<(), GpuError> {
+        let stream = &self._stream;
         let mut a = Alloc::new(stream.clone());
-        let mut slots = Vec::with_capacity(at.len());
-        for ((l, i), f) in at.into_iter().zip(ffns) {
+        for (&(l, i), f) in at.iter().zip(ffns) {
             let kept = spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
             let w = match kept {
                 Some(mut w) => {
-                    w.upload_into(f, (hidden, inter), &stream)?;
+                    w.upload_into(f, (hidden, inter), stream)?;
                     w
                 }
                 None => DeviceFfn::upload(&mut a, std::iter::once(f), (hidden, inter), dtype)?,
             };
-            slots.push((l, i, w));
+            self.slots.push((l, i, w));
         }
-        stream.synchronize()?;
-        Ok(Self {
-            epoch,
-            map,
-            slots,
-            _stream: stream,
-        })
+        Ok(())
+    }
+
+    /// Waits for the uploads.
+    pub fn finish(self) -> Result<Self, GpuError> {
+        self._stream.synchronize()?;
+        Ok(self)
     }
 }
 
