@@ -60,7 +60,7 @@ serve) # a rebalance under serving load: 4 layers, 4 skewed loads, every step's 
   done
   (cd "$out" && tar cJf serve-logs.tar.xz serve-*.log load-* && rm -f serve-*.log load-*)
   ;;
-moves) # placements applied under serving load, one every MOVE_EVERY s (default 6), alternating
+moves) # placements applied under serving load, one every MOVE_EVERY s (default 6; 0: none), alternating
   # two files in which every slot but the replicas changes expert (SIGHUP re-reads --placement)
   shm=$(mktemp -d -p /dev/shm); pl=$(mktemp -p /dev/shm placement.XXXX.json)
   place() { python3 -c "import json,sys; b=sys.argv[1]=='b'
@@ -86,6 +86,8 @@ print(json.dumps({'phy2log': [A[0]+A[1]]*4}))" $1 > "$pl"; }
   done
   sleep 4; n=0
   while kill -0 ${loads[0]} 2>/dev/null; do
+    # MOVE_EVERY=0: the same load with no placement, for the steps' own spread.
+    [ "${MOVE_EVERY:-6}" = 0 ] && { sleep 1; continue; }
     n=$((n + 1)); [ $((n % 2)) = 1 ] && place b || place a
     kill -HUP $r0; sleep ${MOVE_EVERY:-6}
   done
