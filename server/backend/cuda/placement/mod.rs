@@ -125,7 +125,7 @@ pub struct Staged {
     /// (layer, slot index on this rank, its weights as one group).
     pub slots: Vec<(usize, usize, DeviceFfn)>,
     /// The stream they were uploaded on (their memory is freed on it).
-    _stream: Arc<CudaStream>,
+    stream: Arc<CudaStream>,
 }
 
 impl Staged {
@@ -140,11 +140,12 @@ impl Staged {
             epoch,
             map,
             slots,
-            _stream: stream,
+            stream,
         }
     }
 
-    /// None yet, for `epoch`'s `map`, uploaded on `stream` (a staging thread's, never the step's).
+    /// No slots yet of `epoch`'s `map`; `add` uploads them on `stream` (a staging thread's,
+    /// never the step's).
     pub fn begin(stream: Arc<CudaStream>, (epoch, map): (u32, Arc<SlotMap>)) -> Self {
         Self::new(epoch, map, Vec::new(), stream)
     }
@@ -159,7 +160,7 @@ impl Staged {
         (hidden, inter, dtype): (usize, usize, ExpertDtype),
         spare: &Spare,
     ) -> Result<(), GpuError> {
-        let stream = &self._stream;
+        let stream = &self.stream;
         let mut a = Alloc::new(stream.clone());
         for (&(l, i), f) in at.iter().zip(ffns) {
             let kept = spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
@@ -177,7 +178,7 @@ impl Staged {
 
     /// Waits for the uploads.
     pub fn finish(self) -> Result<Self, GpuError> {
-        self._stream.synchronize()?;
+        self.stream.synchronize()?;
         Ok(self)
     }
 }

@@ -139,9 +139,12 @@ impl Mover {
                 Ok::<_, String>(())
             });
             if let Err(e) = all {
-                // What was staged goes back to the spares, not freed under the steps.
-                let mut kept = spare.lock().unwrap_or_else(|e| e.into_inner());
-                kept.extend(st.slots.drain(..).map(|(_, _, w)| w));
+                // What was staged goes back to the spares, not freed under the steps, once its
+                // copies are done (the next staging writes over them on another stream).
+                if let Ok(mut st) = st.finish() {
+                    let mut kept = spare.lock().unwrap_or_else(|e| e.into_inner());
+                    kept.extend(st.slots.drain(..).map(|(_, _, w)| w));
+                }
                 return Err(e);
             }
             let st = st
