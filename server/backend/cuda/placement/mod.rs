@@ -1,10 +1,10 @@
 //! Expert slots on the device: the table gating reads to send each (token, expert) entry to one
 //! of the expert's replicas (`to_slots`, inside the captured graphs), and a new placement's
 //! weights staged beside the ones in use, then copied over the slots it rewrites, a layer at a
-//! time beside the other layers' steps, on a stream of their own (`Mover`). The graphs read the table and
-//! the weights where they are, so a placement is rewritten in place and no graph is captured
-//! again. From the gate on, the exchanges and the experts address
-//! slots (`StepShape::experts`), the router logical experts (`StepShape::model_experts`).
+//! time beside the other layers' steps, on a stream of their own (`Mover`). The graphs read the
+//! table and the weights where they are, so a placement is rewritten in place and no graph is
+//! captured again. From the gate on, the exchanges and the experts address slots
+//! (`StepShape::experts`), the router logical experts (`StepShape::model_experts`).
 
 use std::sync::Arc;
 
@@ -174,6 +174,12 @@ impl Staged {
             self.slots.push((l, i, w));
         }
         Ok(())
+    }
+
+    /// Its slots into `spare`, for a later staging to write over (no copy may still read them).
+    pub fn keep_in(self, spare: &Spare) {
+        let mut kept = spare.lock().unwrap_or_else(|e| e.into_inner());
+        kept.extend(self.slots.into_iter().map(|(_, _, w)| w));
     }
 
     /// Waits for the uploads.

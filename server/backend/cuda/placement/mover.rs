@@ -2,7 +2,7 @@
 //! by layer on a stream of their own between steps (`Mover`).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
@@ -69,7 +69,7 @@ struct Landing {
     alone: usize,
     /// Recorded on the move stream when it was applied: the copies' device time is from here.
     started: CudaEvent,
-    applied: std::time::Instant,
+    applied: Instant,
 }
 
 impl Mover {
@@ -115,51 +115,10 @@ impl Mover {
         let (source, spec, dtype) = (self.source.clone(), self.spec.clone(), self.dtype);
         let (ctx, map, spare) = (self.ctx.clone(), next.clone(), self.spare.clone());
         let load = move || {
-            let t0 = std::time::Instant::now();
-            let (mut loaded, mut freed) = (Duration::ZERO, Duration::ZERO);
-            let mut bytes = 0u64;
-            let sizes = (spec.hidden, spec.intermediate, dtype);
-            let s = (ctx.bind_to_thread().and_then(|_| ctx.new_stream()))
+            let stream = (ctx.bind_to_thread().and_then(|_| ctx.new_stream()))
                 .map_err(|e| format!("a staging stream: {e}"))?;
-            let mut st = Staged::begin(s, (epoch, map));
-            // A few experts at a time: the host holds one batch, not the placement (4.8 GB of
-            // f32 for 256 slots of a bf16 Qwen3-30B layer set), and frees it in small pieces.
-            let mut batches = at.chunks(STAGE_BATCH).zip(wanted.chunks(STAGE_BATCH));
-            let all = batches.try_for_each(|(at, wanted)| {
-                let t = std::time::Instant::now();
-                let ffns =
-                    (source.load_experts(&spec, wanted, dtype)).map_err(|e| e.to_string())?;
-                loaded += t.elapsed();
-                bytes += ffns.iter().map(Ffn::bytes).sum::<usize>() as u64;
-                st.add(at, &ffns, sizes, &spare)
-                    .map_err(|e| format!("uploading the staged slots: {e}"))?;
-                let t = std::time::Instant::now();
-                drop(ffns);
-                freed += t.elapsed();
-                Ok::<_, String>(())
-            });
-            if let Err(e) = all {
-                // What was staged goes back to the spares, not freed under the steps, once its
-                // copies are done (the next staging writes over them on another stream).
-                if let Ok(mut st) = st.finish() {
-                    let mut kept = spare.lock().unwrap_or_else(|e| e.into_inner());
-                    kept.extend(st.slots.drain(..).map(|(_, _, w)| w));
-                }
-                return Err(e);
-            }
-            let st = st
-                .finish()
-                .map_err(|e| format!("uploading the staged slots: {e}"))?;
-            let ms = |d: Duration| d.as_secs_f64() * 1e3;
-            tracing::info!(
-                epoch,
-                bytes,
-                load_ms = ms(loaded),
-                upload_ms = ms(t0.elapsed() - loaded - freed),
-                host_free_ms = ms(freed),
-                "placement staged"
-            );
-            Ok((st, bytes))
+            let st = Staged::begin(stream, (epoch, map));
+            in_batches(st, &at, &wanted, (&source, &spec, dtype), &spare)
         };
         self.staged.stage(epoch, next, load, done);
     }
@@ -191,7 +150,7 @@ impl Mover {
             alone: 0,
             staged,
             started,
-            applied: std::time::Instant::now(),
+            applied: Instant::now(),
         });
         Ok(())
     }
@@ -277,7 +236,7 @@ impl Mover {
             .into_iter()
             .partition(|(ev, _, _)| ev.try_is_complete().unwrap_or(false));
         self.retired = left;
-        for (ev, mut staged, started) in done {
+        for (ev, staged, started) in done {
             if let Some(ms) = started.as_ref().and_then(|s| s.elapsed_ms(&ev).ok()) {
                 // From the apply to the last layer's copies: its layers' steps between them.
                 tracing::info!(
@@ -286,10 +245,57 @@ impl Mover {
                     "placement's copies done"
                 );
             }
-            let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
-            spare.extend(staged.slots.drain(..).map(|(_, _, w)| w));
+            staged.keep_in(&self.spare);
         }
     }
+}
+
+/// `st` given the slots `at` with the weights of the experts `wanted`, a few at a time: the
+/// host holds one batch, not the placement (4.8 GB of f32 for 256 slots of a bf16 Qwen3-30B
+/// layer set), and frees it in small pieces. Returns it and the bytes read.
+fn in_batches(
+    mut st: Staged,
+    at: &[(usize, usize)],
+    wanted: &[(usize, usize)],
+    (source, spec, dtype): (&ModelSource, &MoeSpec, ExpertDtype),
+    spare: &Spare,
+) -> Result<(Staged, u64), String> {
+    let t0 = Instant::now();
+    let (mut loaded, mut freed) = (Duration::ZERO, Duration::ZERO);
+    let mut bytes = 0u64;
+    let sizes = (spec.hidden, spec.intermediate, dtype);
+    let mut batches = at.chunks(STAGE_BATCH).zip(wanted.chunks(STAGE_BATCH));
+    let all = batches.try_for_each(|(at, wanted)| {
+        let t = Instant::now();
+        let ffns = (source.load_experts(spec, wanted, dtype)).map_err(|e| e.to_string())?;
+        loaded += t.elapsed();
+        bytes += ffns.iter().map(Ffn::bytes).sum::<usize>() as u64;
+        st.add(at, &ffns, sizes, spare)
+            .map_err(|e| format!("uploading the staged slots: {e}"))?;
+        let t = Instant::now();
+        drop(ffns);
+        freed += t.elapsed();
+        Ok::<_, String>(())
+    });
+    if let Err(e) = all {
+        // What was staged goes back to the spares, not freed under the steps, once its copies
+        // are done (the next staging writes over them on another stream).
+        if let Ok(st) = st.finish() {
+            st.keep_in(spare);
+        }
+        return Err(e);
+    }
+    let st = (st.finish()).map_err(|e| format!("uploading the staged slots: {e}"))?;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    tracing::info!(
+        epoch = st.epoch,
+        bytes,
+        load_ms = ms(loaded),
+        upload_ms = ms(t0.elapsed() - loaded - freed),
+        host_free_ms = ms(freed),
+        "placement staged"
+    );
+    Ok((st, bytes))
 }
 
 impl Drop for Mover {
@@ -304,9 +310,9 @@ impl Drop for Mover {
             }
         }
         for (ev, staged, started) in std::mem::take(&mut self.retired) {
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            let deadline = Instant::now() + std::time::Duration::from_secs(5);
             let mut polls = 0u32;
-            while !ev.try_is_complete().unwrap_or(true) && std::time::Instant::now() < deadline {
+            while !ev.try_is_complete().unwrap_or(true) && Instant::now() < deadline {
                 crate::lifecycle::nap(&mut polls);
             }
             match ev.try_is_complete() {
