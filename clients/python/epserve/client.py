@@ -6,7 +6,9 @@
   requests, in flight together, its answer put back in order.
 - Deadlines: every call has one (`timeout`, the Client's by default); retries never pass it.
 - Retries: only UNAVAILABLE (the service not reachable, or restarting), with exponential backoff
-  and jitter, at most `retries` times. Forward is a pure function, so a retry is safe.
+  and jitter, at most `retries` times. Forward is a pure function, so a retry is safe. The
+  channel reconnects on the same schedule: grpcio's own (1 s growing to 120 s) would leave a
+  restarted service unreached for seconds after it is back, every retry failing meanwhile.
 - Shared memory (`shared_memory="system"`, `"cuda"` or `"auto"`): on the same host, the tensors go
   through POSIX shared memory, or for torch tensors on a GPU through CUDA memory, over KServe v2
   instead of the message (see `shm.py`)."""
@@ -57,6 +59,10 @@ class Client:
         self.target, self.timeout = target, timeout
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         self._options = list(channel_options)
+        given = {k for k, _ in self._options}
+        reconnect = {"grpc.initial_reconnect_backoff_ms": backoff,
+                     "grpc.max_reconnect_backoff_ms": max_backoff}
+        self._options += [(k, max(1, int(s * 1000))) for k, s in reconnect.items() if k not in given]
         # GetModelInfo is small: grpcio's defaults read it; the service's limits then size the channel.
         boot = grpc.insecure_channel(target, options=self._options)
         try:
