@@ -12,7 +12,7 @@ mod common;
 use common::gpu::gpu;
 use epserve::backend::cuda::kernels::decode_gemm::Spans;
 use epserve::backend::cuda::kernels::fp8::{Fp8, Fp8Rows, Fp8Weights, Live};
-use epserve::backend::cuda::kernels::hopper::{self, Layout};
+use epserve::backend::cuda::kernels::hopper::{self, Layout, Sms};
 use epserve::backend::cuda::kernels::slots::Pack;
 use epserve::backend::cuda::shape::Slots;
 use epserve::backend::cuda::{Alloc, Gpu};
@@ -570,10 +570,30 @@ fn blocks_case(seed: u64, (n, k): (usize, usize), counts: &[usize], decode: bool
             };
             g.decode.gemm_fp8(&xr, cap, &w, spans, &mut y)
         }
-        false => g.fp8.gemm(&xr, cap, &w, Layout::Psum, &ends, &mut y, s),
+        false => g
+            .fp8
+            .gemm(&xr, cap, &w, (Layout::Psum, Sms::All), &ends, &mut y, s),
     }
     .unwrap();
     let y = s.clone_dtoh(&y).unwrap();
+    if !decode {
+        // Two-batch overlap's instance of fewer CTAs (for every shape, fixed-shape ones
+        // included): the same bits, or split steps would answer otherwise.
+        let mut fewer = s.clone_htod(&vec![bf16::from_f32(7.0); cap * n]).unwrap();
+        let beside = (Layout::Psum, Sms::BesideExchange);
+        g.fp8
+            .gemm(&xr, cap, &w, beside, &ends, &mut fewer, s)
+            .unwrap();
+        let fewer = s.clone_dtoh(&fewer).unwrap();
+        let same = y
+            .iter()
+            .zip(&fewer)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "n {n} k {k}: the psum GEMM beside an exchange differs from the one on every SM"
+        );
+    }
     let (xq, xsf) = (s.clone_dtoh(&xr.q).unwrap(), s.clone_dtoh(&xr.sf).unwrap());
     let ld = cap.next_multiple_of(4);
     for ei in 0..e {
@@ -670,7 +690,9 @@ fn masked_case(seed: u64, stride: usize, n: usize, counts: &[i32], decode: bool,
             };
             g.decode.gemm_fp8(&xr, cap, &w, spans, &mut y)
         }
-        false => g.fp8.gemm(&xr, cap, &w, layout, &sizes, &mut y, s),
+        false => g
+            .fp8
+            .gemm(&xr, cap, &w, (layout, Sms::All), &sizes, &mut y, s),
     }
     .unwrap();
     let y = s.clone_dtoh(&y).unwrap();

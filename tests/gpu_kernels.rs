@@ -7,7 +7,7 @@ mod common;
 
 use common::gpu::gpu;
 use epserve::backend::cuda::kernels::decode_gemm::{DecodeGemm, Out};
-use epserve::backend::cuda::kernels::hopper::{self, Gemm, Layout};
+use epserve::backend::cuda::kernels::hopper::{self, Gemm, Layout, Sms};
 use epserve::backend::cuda::{
     max_tiles, sigmoid_group_in_regs, Blocks, Gpu, Logits, ROUTER_PIECES, TOPK_REGS_EXPERTS,
 };
@@ -434,7 +434,7 @@ fn hopper_gemm(
     g: &Gpu,
     (x, w): (&[bf16], &[bf16]),
     (rows, groups, n, kd): (usize, usize, usize, usize),
-    layout: Layout,
+    (layout, sms): (Layout, Sms),
     sizes: &cudarc::driver::CudaSlice<i32>,
 ) -> Vec<bf16> {
     let s = &g.stream;
@@ -448,6 +448,7 @@ fn hopper_gemm(
         n,
         k: kd,
         layout,
+        sms,
         sizes,
     };
     g.hopper.gemm(gemm, &mut y, s).unwrap();
@@ -482,7 +483,17 @@ fn hopper_psum_gemm_matches_f64_per_expert() {
         );
         let mut ends = s.alloc_zeros::<i32>(hopper::MAX_GROUPS).unwrap();
         g.psum_ends(&doff, &dcnt, &mut ends).unwrap();
-        let y = hopper_gemm(&g, (&x, &w), (rows, e, n, kd), Layout::Psum, &ends);
+        let shape = (rows, e, n, kd);
+        let y = hopper_gemm(&g, (&x, &w), shape, (Layout::Psum, Sms::All), &ends);
+        // Two-batch overlap's instance of fewer CTAs: the same tile, so the same bits.
+        let beside = (Layout::Psum, Sms::BesideExchange);
+        let fewer = hopper_gemm(&g, (&x, &w), shape, beside, &ends);
+        assert!(
+            y.iter()
+                .zip(&fewer)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "n {n} k {kd}: the psum GEMM beside an exchange differs from the one on every SM"
+        );
         let ends = s.clone_dtoh(&ends).unwrap();
         for ei in 0..e {
             assert_eq!(
@@ -529,7 +540,7 @@ fn masked_case(mean_rows: usize) {
     let MaskedCase { x, w, .. } = MaskedCase::new(13, &counts, stride, n, kd);
     let masked = MaskedCase::sizes(&g, &counts, stride);
     let layout = Layout::Masked { stride, mean_rows };
-    let y = hopper_gemm(&g, (&x, &w), (rows, e, n, kd), layout, &masked);
+    let y = hopper_gemm(&g, (&x, &w), (rows, e, n, kd), (layout, Sms::All), &masked);
     let masked = s.clone_dtoh(&masked).unwrap();
     for (ei, &c) in counts.iter().enumerate() {
         let valid = (c as usize).min(stride);
@@ -614,6 +625,7 @@ impl MaskedCase {
             n,
             k: kd,
             layout,
+            sms: Sms::All,
             sizes: &masked,
         };
         g.decode.gemm(gemm, out, &mut y).unwrap();

@@ -150,12 +150,4 @@ impl Gpu {
             _blas_workspace: workspace,
         })
     }
-
-    /// Whether the psum GEMMs launch on their instances of fewer CTAs, leaving SMs to an
-    /// exchange's kernels running beside them (two-batch overlap), or on every SM.
-    pub fn leave_sms(&self, on: bool) {
-        use std::sync::atomic::Ordering;
-        self.hopper.share.store(on, Ordering::Relaxed);
-        self.fp8.share.store(on, Ordering::Relaxed);
-    }
 }

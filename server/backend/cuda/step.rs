@@ -18,7 +18,7 @@ use crate::backend::cuda::exchange::slots::SlotExchange;
 use crate::backend::cuda::exchange::{Exchange, Home};
 use crate::backend::cuda::experts::fp8::Fp8Bufs;
 use crate::backend::cuda::experts::{self, Choices, DeviceFfn, Scratch, SharedRows};
-use crate::backend::cuda::kernels::hopper;
+use crate::backend::cuda::kernels::hopper::{self, Sms};
 use crate::backend::cuda::placement::{Land, SlotTable, Staged};
 use crate::backend::cuda::shape::StepShape;
 use crate::backend::cuda::sys::nccl::Comm;
@@ -396,7 +396,7 @@ impl GpuStep {
             b,
             l,
             self.ex.as_mut(),
-            (bucket, bucket),
+            (bucket, bucket, Sms::All),
         )
     }
 
@@ -420,7 +420,8 @@ impl GpuStep {
         self.side.wait(&self.fork)?;
         let (w, rows) = ((gate_up, down), (&b.xb, &b.n));
         let (gu, y) = (&mut b.sgu, &mut b.sy);
-        experts::fp8::shared(g, &self.side, w, bucket, rows, &b.sh_ends, f, gu, y)?;
+        let at = (bucket, Sms::All);
+        experts::fp8::shared(g, &self.side, w, at, rows, &b.sh_ends, f, gu, y)?;
         self.join.record(&self.side)?;
         Ok(true)
     }
@@ -432,7 +433,7 @@ impl GpuStep {
         if std::mem::take(&mut self.ahead) {
             self.g.stream.wait(&self.join)?;
         } else {
-            self.shared(layer, bucket)?;
+            self.shared(layer, bucket, Sms::All)?;
         }
         let (g, b, l) = (&self.g, &mut self.b, &self.layers[layer]);
         let t = self.table.is_some();
@@ -441,9 +442,9 @@ impl GpuStep {
             .combine(g, &self.comm, &home!(b, t), bucket, shared, &mut b.out)
     }
 
-    /// `layer`'s shared expert over the step's home rows into `sy`, on the step's stream (none
-    /// where the layer has none).
-    fn shared(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
+    /// `layer`'s shared expert over the step's home rows into `sy`, on the step's stream and
+    /// `sms` (none where the layer has none).
+    fn shared(&mut self, layer: usize, bucket: usize, sms: Sms) -> Result<(), GpuError> {
         let (g, b, s, l) = (&self.g, &mut self.b, &self.shape, &self.layers[layer]);
         let Some(w) = &l.shared else {
             return Ok(());
@@ -459,7 +460,7 @@ impl GpuStep {
             act: &mut b.sact,
             y: &mut b.sy,
         };
-        experts::shared(g, w, rows, s, (kernels, bucket))
+        experts::shared(g, w, rows, s, (kernels, bucket, sms))
     }
 
     /// `f`'s work on the stream, captured as an uploaded graph instead of run. The capture ends
@@ -495,8 +496,8 @@ impl GpuStep {
 
 /// Grouped SwiGLU FFN of every local expert of `l` over the rows where `ex` put them (a step
 /// of `bucket` home tokens), on the kernels chosen for `step`'s bucket (the whole step's, where
-/// it split: its micro-batches run what it would have) and row format; the output overwrites
-/// them.
+/// it split: its micro-batches run what it would have) and row format, on `sms`; the output
+/// overwrites them.
 fn routed(
     g: &Gpu,
     s: &StepShape,
@@ -504,7 +505,7 @@ fn routed(
     b: &mut Buffers,
     l: &DeviceLayer,
     ex: &mut dyn Exchange,
-    (bucket, step): (usize, usize),
+    (bucket, step, sms): (usize, usize, Sms),
 ) -> Result<(), GpuError> {
     let rows = ex.expert_rows(g, bucket)?;
     let kernels = choices.routed(s, step, rows.format());
@@ -515,7 +516,7 @@ fn routed(
         n_tiles: &mut b.n_tiles,
         fp8: b.fp8.as_mut(),
     };
-    experts::routed(g, s, (kernels, bucket), &l.experts, rows, scratch)
+    experts::routed(g, s, (kernels, bucket, sms), &l.experts, rows, scratch)
 }
 
 impl Land for GpuStep {

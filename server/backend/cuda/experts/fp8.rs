@@ -12,7 +12,7 @@ use half::bf16;
 
 use crate::backend::cuda::kernels::decode_gemm::Spans;
 use crate::backend::cuda::kernels::fp8::{Fp8Rows, Fp8Weights, Live};
-use crate::backend::cuda::kernels::hopper::Layout;
+use crate::backend::cuda::kernels::hopper::{Layout, Sms};
 use crate::backend::cuda::shape::StepShape;
 use crate::backend::cuda::{Alloc, Gpu, GpuError};
 use crate::model::fp8::{Blocks, BLOCK};
@@ -140,7 +140,7 @@ fn quantize<'b>(
 fn ffn(
     g: &Gpu,
     (gate_up, down): (&Fp8Weights, &Fp8Weights),
-    (layout, live, sizes): (Layout, Live, &CudaSlice<i32>),
+    (at, live, sizes): ((Layout, Sms), Live, &CudaSlice<i32>),
     decode: Option<Spans>,
     rows: usize,
     weights: Option<&CudaSlice<f32>>,
@@ -151,7 +151,7 @@ fn ffn(
     let s = &g.stream;
     let gemm = |xq: &Fp8Rows, w: &Fp8Weights, y: &mut CudaSlice<bf16>| match decode {
         Some(spans) => g.decode.gemm_fp8(xq, rows, w, spans, y),
-        None => g.fp8.gemm(xq, rows, w, layout, sizes, y, s),
+        None => g.fp8.gemm(xq, rows, w, at, sizes, y, s),
     };
     gemm(xq, gate_up, gu)?;
     g.fp8.swiglu_quantize(gu, rows, live, weights, aq, s)?;
@@ -159,8 +159,8 @@ fn ffn(
 }
 
 /// The routed experts over contiguous expert-major blocks (`ExpertRows::Blocks`): DeepGEMM's
-/// psum layout (or decode's own GEMM, `decode`), over the `cap` rows quantized here, or as the
-/// exchange quantized them (`pre`); a row's routing weight scales its activation (the down
+/// psum layout on `sms` (or decode's own GEMM, `decode`), over the `cap` rows quantized here, or
+/// as the exchange quantized them (`pre`); a row's routing weight scales its activation (the down
 /// projection is linear). The quantization passes skip each block's padding rows.
 #[allow(clippy::too_many_arguments)]
 pub fn contiguous(
@@ -168,7 +168,7 @@ pub fn contiguous(
     w: (&Fp8Weights, &Fp8Weights),
     (cap, pre): (usize, Option<&Fp8Rows>),
     (offsets, ends): (&CudaSlice<i32>, &CudaSlice<i32>),
-    decode: bool,
+    (decode, sms): (bool, Sms),
     weights: Option<&CudaSlice<f32>>,
     b: &mut Fp8Bufs,
     gu: &mut CudaSlice<bf16>,
@@ -183,7 +183,7 @@ pub fn contiguous(
         Some(q) => q,
         None => quantize(g, x, cap, live, &mut b.x)?,
     };
-    let at = (Layout::Psum, live, ends);
+    let at = ((Layout::Psum, sms), live, ends);
     ffn(g, w, at, decode, cap, weights, (xq, &mut b.act), gu, x)?;
     Ok(())
 }
@@ -209,19 +209,19 @@ pub fn strided(
         Some(q) => q,
         None => quantize(g, x, rows, live, &mut b.x)?,
     };
-    let at = (layout, live, counts);
+    let at = ((layout, Sms::All), live, counts);
     ffn(g, w, at, decode, rows, None, (xq, &mut b.act), gu, x)?;
     Ok(())
 }
 
-/// The shared expert over the bucket's `n` home rows (`xb`) into `y`, on `s`: one psum block
-/// from row 0 (`ends`, `Gpu::psum_ends` from a zero offset).
+/// The shared expert over the bucket's `n` home rows (`xb`) into `y`, on `s` and `sms`: one psum
+/// block from row 0 (`ends`, `Gpu::psum_ends` from a zero offset).
 #[allow(clippy::too_many_arguments)]
 pub fn shared(
     g: &Gpu,
     s: &CudaStream,
     w: (&Fp8Weights, &Fp8Weights),
-    bucket: usize,
+    (bucket, sms): (usize, Sms),
     (xb, n): (&CudaSlice<bf16>, &CudaSlice<i32>),
     ends: &CudaSlice<i32>,
     b: &mut Fp8Bufs,
@@ -231,8 +231,10 @@ pub fn shared(
     let (xq, aq) = (&mut b.shared_x, &mut b.shared_act);
     let live = Live::Upto(n);
     g.fp8.quantize(xb, bucket, live, xq, s)?;
-    g.fp8.gemm(xq, bucket, w.0, Layout::Psum, ends, gu, s)?;
+    g.fp8
+        .gemm(xq, bucket, w.0, (Layout::Psum, sms), ends, gu, s)?;
     g.fp8.swiglu_quantize(gu, bucket, live, None, aq, s)?;
-    g.fp8.gemm(aq, bucket, w.1, Layout::Psum, ends, y, s)?;
+    g.fp8
+        .gemm(aq, bucket, w.1, (Layout::Psum, sms), ends, y, s)?;
     Ok(())
 }

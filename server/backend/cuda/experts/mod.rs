@@ -18,7 +18,7 @@ use half::bf16;
 use crate::backend::cuda::exchange::ExpertRows;
 use crate::backend::cuda::kernels::decode_gemm::Out;
 use crate::backend::cuda::kernels::fp8::Fp8Weights;
-use crate::backend::cuda::kernels::hopper::{Gemm, Layout};
+use crate::backend::cuda::kernels::hopper::{Gemm, Layout, Sms};
 use crate::backend::cuda::shape::StepShape;
 use crate::backend::cuda::{max_tiles, Alloc, Blocks, Gpu, GpuError};
 use crate::model::{ExpertDtype, Ffn, Matrix};
@@ -189,11 +189,11 @@ pub struct Scratch<'a> {
     pub fp8: Option<&'a mut Fp8Bufs>,
 }
 
-/// The routed experts `w` over `rows`, on `kernels`; each row's output overwrites it.
+/// The routed experts `w` over `rows`, on `kernels` and `sms`; each row's output overwrites it.
 pub fn routed(
     g: &Gpu,
     s: &StepShape,
-    (kernels, bucket): (Routed, usize),
+    (kernels, bucket, sms): (Routed, usize, Sms),
     w: &DeviceFfn,
     rows: ExpertRows,
     sc: Scratch,
@@ -221,7 +221,7 @@ pub fn routed(
                     ..
                 } => {
                     let at = (offsets, ends);
-                    fp8::contiguous(g, w, (cap, fp8), at, decode, weights, b, gu, x)
+                    fp8::contiguous(g, w, (cap, fp8), at, (decode, sms), weights, b, gu, x)
                 }
                 ExpertRows::Strided {
                     x,
@@ -268,7 +268,7 @@ pub fn routed(
                 weights,
             };
             let hopper = kernels == Routed::Psum;
-            contiguous_ffn(g, w, blocks, (cap, hopper), s.hidden, scratch, x)
+            contiguous_ffn(g, w, blocks, (cap, hopper, sms), s.hidden, scratch, x)
         }
         (
             Routed::Decode | Routed::Masked | Routed::StrideTiles,
@@ -325,13 +325,13 @@ type Tiles<'a> = (
 );
 
 /// The FFN over contiguous blocks of at most `rows` rows, in place on `x`: gate/up, SwiGLU,
-/// down, on the Hopper GEMM (`hopper`) or the WMMA kernels. A row's weight scales its activation
-/// (the down projection is linear), or its output on the WMMA path.
+/// down, on the Hopper GEMM (`hopper`, on `sms`) or the WMMA kernels. A row's weight scales its
+/// activation (the down projection is linear), or its output on the WMMA path.
 fn contiguous_ffn(
     g: &Gpu,
     w: FfnWeights,
     b: Contiguous,
-    (rows, hopper): (usize, bool),
+    (rows, hopper, sms): (usize, bool, Sms),
     h: usize,
     (tiles, n_tiles, gu, act): Tiles,
     x: &mut CudaSlice<bf16>,
@@ -347,6 +347,7 @@ fn contiguous_ffn(
             n: 2 * i,
             k: h,
             layout: psum,
+            sms,
             sizes: b.ends,
         };
         g.hopper.gemm(up, gu, &g.stream)?;
@@ -359,6 +360,7 @@ fn contiguous_ffn(
             n: h,
             k: i,
             layout: psum,
+            sms,
             sizes: b.ends,
         };
         g.hopper.gemm(down, x, &g.stream)?;
@@ -424,6 +426,7 @@ fn strided_ffn(
             n: 2 * i,
             k: h,
             layout: masked,
+            sms: Sms::All,
             sizes: r.counts,
         };
         if decode {
@@ -440,6 +443,7 @@ fn strided_ffn(
             n: h,
             k: i,
             layout: masked,
+            sms: Sms::All,
             sizes: r.counts,
         };
         match decode {
@@ -481,20 +485,30 @@ pub struct SharedRows<'a> {
     pub y: &'a mut CudaSlice<bf16>,
 }
 
-/// The shared expert `w` over the bucket's home rows into `r.y`, on `kernels`.
+/// The shared expert `w` over the bucket's home rows into `r.y`, on `kernels` and `sms`.
 pub fn shared(
     g: &Gpu,
     w: &DeviceFfn,
     r: SharedRows,
     s: &StepShape,
-    (kernels, bucket): (Shared, usize),
+    (kernels, bucket, sms): (Shared, usize, Sms),
 ) -> Result<(), GpuError> {
     let (h, i) = (s.hidden, s.shared_inter);
     match (kernels, w, r.fp8) {
         (Shared::Fp8, DeviceFfn::Fp8 { gate_up, down }, Some(f)) => {
             g.psum_ends(r.zero, r.n, r.ends)?;
             let w = (gate_up, down);
-            fp8::shared(g, &g.stream, w, bucket, (r.xb, r.n), r.ends, f, r.gu, r.y)
+            fp8::shared(
+                g,
+                &g.stream,
+                w,
+                (bucket, sms),
+                (r.xb, r.n),
+                r.ends,
+                f,
+                r.gu,
+                r.y,
+            )
         }
         (Shared::Dense, DeviceFfn::Bf16 { gate_up, down }, _) => {
             g.gemm_bf16(gate_up, r.xb, (bucket, 2 * i, h), r.gu)?;
@@ -512,6 +526,7 @@ pub fn shared(
                 n,
                 k,
                 layout: Layout::Psum,
+                sms,
                 sizes: ends,
             };
             g.hopper

@@ -5,7 +5,6 @@
 //! The layouts are the bf16 kernels' (`hopper::Layout`): per-expert row counts stay on the
 //! device, so a captured step graph stays valid whatever the routing.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -16,7 +15,7 @@ use cudarc::nvrtc::Ptx;
 use half::bf16;
 
 use crate::backend::cuda::kernels::hopper::{
-    tensor_map, tensor_map_2d, Elem, Instance, Layout, Tile, ALIGN,
+    tensor_map, tensor_map_2d, Elem, Instance, Layout, Sms, Tile, ALIGN,
 };
 use crate::backend::cuda::Alloc;
 use crate::model::fp8::BLOCK;
@@ -149,11 +148,9 @@ fn fp8_smem(t: &Tile) -> u32 {
 pub struct Fp8 {
     k: super::Fp8Kernels,
     psum: Instance,
-    /// psum on fewer CTAs, for experts that run beside the exchange (`Gpu::leave_sms`); it
-    /// stands in for the fixed-shape ones too.
+    /// psum on fewer CTAs, for experts that run beside the exchange (`Sms::BesideExchange`);
+    /// it stands in for the fixed-shape ones too.
     psum_share: Instance,
-    /// Whether psum launches take `psum_share` now.
-    pub(in crate::backend::cuda) share: AtomicBool,
     /// `FIXED`'s, in its order.
     fixed: Vec<Instance>,
     masked: Instance,
@@ -191,7 +188,6 @@ impl Fp8 {
             k: super::Fp8Kernels::load(&q)?,
             psum: Instance::load(&m, tiles::PSUM, fp8_smem(&tiles::PSUM))?,
             psum_share: Instance::load(&m, tiles::PSUM_SHARE, fp8_smem(&tiles::PSUM_SHARE))?,
-            share: AtomicBool::new(false),
             fixed: FIXED
                 .iter()
                 .map(|t| Instance::load(&m, *t, fp8_smem(t)))
@@ -212,12 +208,13 @@ impl Fp8 {
         Self::fixed_for(groups, n, k).map_or(tiles::PSUM.name, |i| FIXED[i].name)
     }
 
-    /// The psum instance `w` was given when it was made.
-    fn psum_instance(&self, w: &Fp8Weights) -> &Instance {
-        if self.share.load(Ordering::Relaxed) {
-            return &self.psum_share;
+    /// The psum instance that takes `w` on `sms`: the one of fewer CTAs beside an exchange,
+    /// else the one `w` was given when it was made.
+    fn psum_instance(&self, w: &Fp8Weights, sms: Sms) -> &Instance {
+        match sms {
+            Sms::BesideExchange => &self.psum_share,
+            Sms::All => w.fixed.map_or(&self.psum, |i| &self.fixed[i]),
         }
-        w.fixed.map_or(&self.psum, |i| &self.fixed[i])
     }
 
     /// Whether the FP8 GEMM takes this shape and layout.
@@ -386,15 +383,15 @@ impl Fp8 {
 
     /// `y[rows of e] = dequant(x[rows of e]) . dequant(w_e)^T` for every expert e over the
     /// first `rows` rows, `y [rows, w.n]` bf16; `sizes` (`MAX_GROUPS` ints) are `ends` (psum)
-    /// or `counts` (masked). Rows of an expert's last tile past its count are written too,
-    /// never another expert's rows.
+    /// or `counts` (masked); `sms`: the SMs a psum launch takes. Rows of an expert's last tile
+    /// past its count are written too, never another expert's rows.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm(
         &self,
         x: &Fp8Rows,
         rows: usize,
         w: &Fp8Weights,
-        layout: Layout,
+        (layout, sms): (Layout, Sms),
         sizes: &CudaSlice<i32>,
         y: &mut CudaSlice<bf16>,
         stream: &CudaStream,
@@ -413,7 +410,7 @@ impl Fp8 {
             "FP8 GEMM operands smaller than their shapes"
         );
         let (inst, shape_m, sf_dims) = match layout {
-            Layout::Psum => (self.psum_instance(w), 0, [x.ld(), k / BLOCK]),
+            Layout::Psum => (self.psum_instance(w, sms), 0, [x.ld(), k / BLOCK]),
             Layout::Masked { stride, .. } => {
                 assert!(stride * groups <= rows, "masked rows past the buffer");
                 (&self.masked, stride as u32, [stride, groups * (k / BLOCK)])

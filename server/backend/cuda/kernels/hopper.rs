@@ -10,8 +10,6 @@ use cudarc::driver::{
     sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
     DriverError, LaunchConfig, PushKernelArg,
 };
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 
@@ -72,6 +70,15 @@ pub enum Layout {
     /// are 0. `stride` is a multiple of the masked instance's row tile. `mean_rows`, the rows an
     /// expert gets on average, says whether decode's own GEMM takes it (`DecodeGemm::takes`).
     Masked { stride: usize, mean_rows: usize },
+}
+
+/// The SMs a psum GEMM launch takes: every one, or the fewer of its instance that leaves the
+/// rest to an exchange's kernels running beside it (two-batch overlap, `step/split.rs`).
+/// Masked launches take every SM either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sms {
+    All,
+    BesideExchange,
 }
 
 /// A compiled DeepGEMM instance ready to launch: its function (shared memory attribute set),
@@ -197,11 +204,9 @@ fn bf16_smem(t: &Tile) -> u32 {
 
 pub struct Hopper {
     psum: Instance,
-    /// psum on fewer CTAs, for experts that run beside the exchange (`Gpu::leave_sms`).
+    /// psum on fewer CTAs, for experts that run beside the exchange (`Sms::BesideExchange`).
     psum_share: Instance,
     masked: Instance,
-    /// Whether psum launches take `psum_share` now.
-    pub(in crate::backend::cuda) share: AtomicBool,
 }
 
 /// A CUDA tensor map, passed to the kernel by value.
@@ -292,6 +297,7 @@ pub struct Gemm<'a> {
     pub n: usize,
     pub k: usize,
     pub layout: Layout,
+    pub sms: Sms,
     /// `MAX_GROUPS` ints: `ends` (psum) or `counts` (masked).
     pub sizes: &'a CudaSlice<i32>,
 }
@@ -303,7 +309,6 @@ impl Hopper {
             psum: Instance::load(&m, tiles::PSUM, bf16_smem(&tiles::PSUM))?,
             psum_share: Instance::load(&m, tiles::PSUM_SHARE, bf16_smem(&tiles::PSUM_SHARE))?,
             masked: Instance::load(&m, tiles::MASKED, bf16_smem(&tiles::MASKED))?,
-            share: AtomicBool::new(false),
         })
     }
 
@@ -342,7 +347,7 @@ impl Hopper {
             "Hopper GEMM operands smaller than their shapes"
         );
         let (inst, shape_m) = match g.layout {
-            Layout::Psum if self.share.load(Ordering::Relaxed) => (&self.psum_share, 0),
+            Layout::Psum if g.sms == Sms::BesideExchange => (&self.psum_share, 0),
             Layout::Psum => (&self.psum, 0),
             Layout::Masked { stride, .. } => {
                 assert!(stride * g.groups <= g.rows, "masked rows past the buffer");

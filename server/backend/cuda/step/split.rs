@@ -8,9 +8,9 @@
 //! ```
 //!
 //! Every call that communicates goes on the exchange stream, in one order on every rank; the
-//! experts' psum GEMMs run on their instances of fewer CTAs (`Gpu::leave_sms`), leaving the
-//! exchange's kernels their SMs (DeepGEMM's tiles are scheduled statically: a CTA that waits
-//! for a busy SM ends that much later). Each row meets the same kernels as without the split,
+//! experts' psum GEMMs run on their instances of fewer CTAs (`Sms::BesideExchange`, passed down
+//! from here), leaving the exchange's kernels their SMs (DeepGEMM's tiles are scheduled
+//! statically: a CTA that waits for a busy SM ends that much later). Each row meets the same kernels as without the split,
 //! and no kernel's result for a row depends on the other rows, so outputs do not change.
 
 use std::sync::Arc;
@@ -21,6 +21,7 @@ use half::bf16;
 
 use super::{exchange, routed, GpuStep, Variant};
 use crate::backend::cuda::exchange::{Exchange, Home};
+use crate::backend::cuda::kernels::hopper::Sms;
 use crate::backend::cuda::shape::StepShape;
 use crate::backend::cuda::sys::nccl::Comm;
 use crate::backend::cuda::{Alloc, Gpu, GpuError};
@@ -151,10 +152,7 @@ impl GpuStep {
             tw.stream.wait(&tw.gated)?;
         }
         self.on_exchange(|c| (0..2).try_for_each(|i| c.send(i, half)))?;
-        self.g.leave_sms(true);
-        let ran = self.computed(layer, bucket);
-        self.g.leave_sms(false);
-        ran?;
+        self.computed(layer, bucket)?;
         self.on_exchange(|c| (0..2).try_for_each(|i| c.bring(i, layer, half)))?;
         let GpuStep { g, b, twin, .. } = self;
         let tw = twin.as_mut().expect("split steps have a twin");
@@ -169,7 +167,7 @@ impl GpuStep {
     /// rows of it copied to the twin), then each micro-batch's experts.
     fn computed(&mut self, layer: usize, bucket: usize) -> Result<(), GpuError> {
         let (half, h) = (bucket / 2, self.shape.hidden);
-        self.shared(layer, bucket)?;
+        self.shared(layer, bucket, Sms::BesideExchange)?;
         if self.layers[layer].shared.is_some() {
             let GpuStep { g, b, twin, .. } = self;
             let tw = twin.as_mut().expect("split steps have a twin");
@@ -245,7 +243,8 @@ impl GpuStep {
             0 => ex.as_mut(),
             _ => tw.ex.as_mut(),
         };
-        routed(g, shape, choices, b, &layers[layer], ex, (half, 2 * half))?;
+        let at = (half, 2 * half, Sms::BesideExchange);
+        routed(g, shape, choices, b, &layers[layer], ex, at)?;
         tw.done[i].record(&g.stream)?;
         Ok(())
     }
