@@ -67,7 +67,8 @@ moves) # placements applied under serving load, one every MOVE_EVERY s (default 
 A=[list(range(64,128))[::-1]+[5], list(range(0,64))[::-1]+[77]] if b else [list(range(0,64))+[5], list(range(64,128))+[77]]
 print(json.dumps({'phy2log': [A[0]+A[1]]*4}))" $1 > "$pl"; }
   place a
-  RUST_LOG=info,epserve::step_times=trace $B launch --ranks 2 --backend ${MOVES_BACKEND:-nccl} \
+  RUST_LOG=info,epserve::step_times=trace,epserve::staging=trace \
+    $B launch --ranks 2 --backend ${MOVES_BACKEND:-nccl} \
     --model synthetic:qwen3-30b-a3b --layers 4 --max-tokens-per-step 8192 --placement "$pl" \
     --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --shm-dir "$shm" \
     >"$out/serve-moves.log" 2>&1 &

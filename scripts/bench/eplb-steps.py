@@ -7,6 +7,8 @@
 # - group: the least device time of any rank for the step (joined by `step=`): the step timed
 #   from the rank that started it last, so without that wait; what a slower step on any rank
 #   (a rebalance's copies, say) makes longer, as every rank waits for it in combine.
+# With RUST_LOG=...,epserve::staging=trace, each gap also names the staging phases of rank 0's
+# batches (load, upload, free: each batch's line ends its free) that overlap it, and by how much.
 # usage: python3 scripts/bench/eplb-steps.py LOG...
 import re, sys, statistics
 from collections import defaultdict
@@ -20,9 +22,26 @@ def pct(r, q):
 LINE = re.compile(r"rank=(\d+) .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*step_times: step (?:step=(\d+) )?"
                   r"layer=(\d+) tokens=(\d+) us=(\d+)(?: device_us=(\d+))?")
 APPLIED = re.compile(r"rank=0 .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*placement applied")
+BATCH = re.compile(r"rank=0 .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*batch staged .*load_ms=([\d.]+) "
+                   r"upload_ms=([\d.]+) free_ms=([\d.]+)")
+
+def phases(m):
+    """A batch line's three phases as (name, start, end) in seconds: they end at its stamp."""
+    end = stamp(m)
+    load, upload, free = (float(m.group(i)) / 1e3 for i in (4, 5, 6))
+    t0 = end - free - upload - load
+    return [("load", t0, t0 + load), ("upload", t0 + load, end - free), ("free", end - free, end)]
+
+def beside(a, b, staged):
+    """What of the staging overlaps the interval (a, b): 'load 12 ms, upload 30 ms', or none."""
+    over = defaultdict(float)
+    for name, lo, hi in staged:
+        over[name] += max(0.0, min(b, hi) - max(a, lo))
+    said = ", ".join("%s %.0f ms" % (n, v * 1e3) for n, v in over.items() if v > 0)
+    return said or "no staging"
 
 for f in sys.argv[1:]:
-    rank0, applied, dev_by_step = [], [], defaultdict(dict)
+    rank0, applied, dev_by_step, staged = [], [], defaultdict(dict), []
     for line in open(f):
         m = LINE.search(line)
         if m:
@@ -37,11 +56,14 @@ for f in sys.argv[1:]:
                 dev_by_step[step][rank] = dev
         a = APPLIED.search(line)
         if a: applied.append(stamp(a))
+        m = BATCH.search(line)
+        if m: staged += phases(m)
     # The pipeline stopping: no step completing on rank 0 for more than 30 ms.
     done = sorted((s[0], s[5]) for s in rank0)
     for (a, _), (b, step) in zip(done, done[1:]):
         if b - a > 0.030:
-            print(f, "gap: no step completed on rank 0 for %.0f ms before step %s" % ((b - a) * 1e3, step))
+            what = "; beside it: " + beside(a, b, staged) if staged else ""
+            print(f, "gap: no step completed on rank 0 for %.0f ms before step %s%s" % ((b - a) * 1e3, step, what))
     ranks = max((len(v) for v in dev_by_step.values()), default=0)
     for s in rank0:
         d = dev_by_step.get(s[5], {})

@@ -265,16 +265,22 @@ fn in_batches(
     let mut bytes = 0u64;
     let sizes = (spec.hidden, spec.intermediate, dtype);
     let mut batches = at.chunks(STAGE_BATCH).zip(wanted.chunks(STAGE_BATCH));
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let all = batches.try_for_each(|(at, wanted)| {
         let t = Instant::now();
         let ffns = (source.load_experts(spec, wanted, dtype)).map_err(|e| e.to_string())?;
-        loaded += t.elapsed();
+        let load = t.elapsed();
         bytes += ffns.iter().map(Ffn::bytes).sum::<usize>() as u64;
         st.add(at, &ffns, sizes, spare)
             .map_err(|e| format!("uploading the staged slots: {e}"))?;
-        let t = Instant::now();
+        let upload = t.elapsed() - load;
         drop(ffns);
-        freed += t.elapsed();
+        let free = t.elapsed() - load - upload;
+        (loaded, freed) = (loaded + load, freed + free);
+        // Each batch's phases, ending now, for `eplb-steps.py` to set beside the steps' gaps
+        // (RUST_LOG=epserve::staging=trace; off by default).
+        tracing::trace!(target: "epserve::staging", epoch = st.epoch, slots = at.len(),
+            load_ms = ms(load), upload_ms = ms(upload), free_ms = ms(free), "batch staged");
         Ok::<_, String>(())
     });
     if let Err(e) = all {
@@ -286,7 +292,6 @@ fn in_batches(
         return Err(e);
     }
     let st = (st.finish()).map_err(|e| format!("uploading the staged slots: {e}"))?;
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     tracing::info!(
         epoch = st.epoch,
         bytes,
