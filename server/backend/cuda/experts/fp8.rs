@@ -229,12 +229,10 @@ pub fn shared(
     y: &mut CudaSlice<bf16>,
 ) -> Result<(), GpuError> {
     let (xq, aq) = (&mut b.shared_x, &mut b.shared_act);
-    let live = Live::Upto(n);
+    let (live, psum) = (Live::Upto(n), (Layout::Psum, sms));
     g.fp8.quantize(xb, bucket, live, xq, s)?;
-    g.fp8
-        .gemm(xq, bucket, w.0, (Layout::Psum, sms), ends, gu, s)?;
+    g.fp8.gemm(xq, bucket, w.0, psum, ends, gu, s)?;
     g.fp8.swiglu_quantize(gu, bucket, live, None, aq, s)?;
-    g.fp8
-        .gemm(aq, bucket, w.1, (Layout::Psum, sms), ends, y, s)?;
+    g.fp8.gemm(aq, bucket, w.1, psum, ends, y, s)?;
     Ok(())
 }

@@ -497,18 +497,8 @@ pub fn shared(
     match (kernels, w, r.fp8) {
         (Shared::Fp8, DeviceFfn::Fp8 { gate_up, down }, Some(f)) => {
             g.psum_ends(r.zero, r.n, r.ends)?;
-            let w = (gate_up, down);
-            fp8::shared(
-                g,
-                &g.stream,
-                w,
-                (bucket, sms),
-                (r.xb, r.n),
-                r.ends,
-                f,
-                r.gu,
-                r.y,
-            )
+            let (w, at) = ((gate_up, down), (bucket, sms));
+            fp8::shared(g, &g.stream, w, at, (r.xb, r.n), r.ends, f, r.gu, r.y)
         }
         (Shared::Dense, DeviceFfn::Bf16 { gate_up, down }, _) => {
             g.gemm_bf16(gate_up, r.xb, (bucket, 2 * i, h), r.gu)?;
