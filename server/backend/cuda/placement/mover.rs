@@ -315,7 +315,7 @@ impl Drop for Mover {
             }
         }
         for (ev, staged, started) in std::mem::take(&mut self.retired) {
-            let deadline = Instant::now() + std::time::Duration::from_secs(5);
+            let deadline = Instant::now() + Duration::from_secs(5);
             let mut polls = 0u32;
             while !ev.try_is_complete().unwrap_or(true) && Instant::now() < deadline {
                 crate::lifecycle::nap(&mut polls);
