@@ -1,9 +1,14 @@
 //! A new placement staged on one rank, whatever holds its weights: which of the rank's slots it
 //! rewrites, their weights loaded on a thread of their own (off the step path), and handed to the
 //! step that applies it. A newer placement asked for supersedes a slower load of an older one.
+//!
+//! The load runs at a lower CPU priority, on its thread and on the load pool (`background`): at
+//! the serving threads' priority, two ranks staging on one 32-core host stopped the pipeline for
+//! 31-80 ms about 20 times a run (2x H100, `eplb-gpu.sh moves`, docs/benchmarks.md "Load
+//! balance"), each gap beside a batch's load or upload.
 
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Once};
 
 use super::SlotMap;
 
@@ -65,6 +70,7 @@ impl<T: Send + 'static> Stager<T> {
         let spawned = std::thread::Builder::new()
             .name("eplb-stage".into())
             .spawn(move || {
+                background();
                 let (weights, bytes) = match load() {
                     Ok(v) => v,
                     Err(e) => return done(Err(e)),
@@ -98,6 +104,25 @@ impl<T: Send + 'static> Stager<T> {
             )),
         }
     }
+}
+
+/// How many nice steps below the serving threads staging runs.
+const STAGE_NICE: i32 = 10;
+
+/// The calling thread, and once per process the load pool's threads (rayon's global pool, on
+/// which loading and converting run in parallel; after startup only staging uses it), lowered
+/// to staging's priority. A warning where the OS refuses.
+fn background() {
+    let lower = || {
+        if let Err(e) = crate::sys::lower_thread_priority(STAGE_NICE) {
+            tracing::warn!("staging runs at the serving threads' priority: {e}");
+        }
+    };
+    static POOL: Once = Once::new();
+    POOL.call_once(|| {
+        rayon::broadcast(|_| lower());
+    });
+    lower();
 }
 
 #[cfg(test)]
@@ -139,6 +164,33 @@ mod tests {
         s.stage(4, m, || Ok((40, 4)), move |r| tx.send((4, r)).unwrap());
         assert_eq!(rx.recv().unwrap(), (4, Ok(4)));
         assert_eq!(s.take(4, 1).unwrap().weights, 40);
+    }
+
+    #[test]
+    fn a_placement_loads_below_the_serving_threads_priority() {
+        use rayon::prelude::*;
+        let m = Arc::new(SlotMap::contiguous(8, 2, 2, 1).unwrap());
+        let s: Stager<Vec<i32>> = Stager::default();
+        let (tx, rx) = channel();
+        let serving = crate::sys::thread_nice().unwrap();
+        // The staging thread's own nice value, then each of its parallel work's threads'.
+        let load = || {
+            let mut nice = vec![crate::sys::thread_nice().unwrap()];
+            let work: Vec<i32> = (0..64)
+                .into_par_iter()
+                .map(|_| crate::sys::thread_nice().unwrap())
+                .collect();
+            nice.extend(work);
+            Ok((nice, 1))
+        };
+        s.stage(1, m, load, move |r| tx.send(r).unwrap());
+        assert_eq!(rx.recv().unwrap(), Ok(1));
+        let seen = s.take(1, 0).unwrap().weights;
+        let want = (serving + STAGE_NICE).min(19);
+        assert!(
+            seen.iter().all(|&n| n == want),
+            "staging's threads at nice {seen:?}, not {want}"
+        );
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! The host's raw calls, each behind a safe function or type: shared memory mapped by every rank
-//! of a host (`shm`), read-only file maps (a checkpoint's tensors), ending the process without
+//! of a host (`shm`), read-only file maps (a checkpoint's tensors), a background thread's priority, ending the process without
 //! teardown, and a launched rank's tie to its launcher. With the GPU floor's `backend::cuda::sys`, its kernel launchers and the FFI crate
 //! (`nccl-sys`), the only places with `unsafe`.
 
@@ -12,6 +12,32 @@ pub fn map_file(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
     // loaded, the operator's to keep still); the map is owned by the returned value, which
     // outlives every slice read from it.
     unsafe { memmap2::Mmap::map(file) }
+}
+
+/// Lowers the calling thread's CPU priority by `by` nice steps (Linux keeps a nice value per
+/// thread; 19 at most), so that background work yields its core to the serving threads at once.
+/// Raising one's own nice value needs no privilege.
+pub fn lower_thread_priority(by: i32) -> std::io::Result<()> {
+    let nice = (thread_nice()? + by).min(19);
+    let tid = nix::unistd::gettid().as_raw() as libc::id_t;
+    // SAFETY: setpriority only reads its integer arguments; `tid` is this thread's own id.
+    let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// The calling thread's nice value, from /proc (field 19 of its stat line).
+pub fn thread_nice() -> std::io::Result<i32> {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat")?;
+    // The fields after the command name's closing parenthesis start at field 3.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    rest.split_whitespace()
+        .nth(16)
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("no nice value in {stat:?}")))
 }
 
 /// Ends the process at once with `code`: no destructors, no exit handlers.
@@ -43,4 +69,25 @@ pub fn tie_to_launcher() -> anyhow::Result<()> {
         let _ = kill(nix::unistd::getpid(), Signal::SIGTERM);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_thread_lowers_its_own_priority_only() {
+        let main = super::thread_nice().unwrap();
+        let (before, after) = std::thread::spawn(|| {
+            let before = super::thread_nice().unwrap();
+            super::lower_thread_priority(3).unwrap();
+            (before, super::thread_nice().unwrap())
+        })
+        .join()
+        .unwrap();
+        assert_eq!(after, (before + 3).min(19));
+        assert_eq!(
+            super::thread_nice().unwrap(),
+            main,
+            "the caller's priority is unchanged"
+        );
+    }
 }
