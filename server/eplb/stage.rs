@@ -2,10 +2,11 @@
 //! rewrites, their weights loaded on a thread of their own (off the step path), and handed to the
 //! step that applies it. A newer placement asked for supersedes a slower load of an older one.
 //!
-//! The load runs at a lower CPU priority, on its thread and on the load pool (`background`): at
-//! the serving threads' priority, two ranks staging on one 32-core host stopped the pipeline for
-//! 31-80 ms about 20 times a run (2x H100, `eplb-gpu.sh moves`, docs/benchmarks.md "Load
-//! balance"), each gap beside a batch's load or upload.
+//! The load runs at a lower CPU priority, on its thread and on the load pool (`background`):
+//! it is background work beside the serving threads. On one 2x H100 host, two ranks staging at
+//! the serving threads' priority stopped the pipeline for 30-80 ms 27-40 times a run, each gap
+//! beside a batch's load or upload (docs/benchmarks.md "Load balance", session 48); on the two
+//! hosts measured with it lowered, 1-2 gaps a run against 0-4 for the build before.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Once};
