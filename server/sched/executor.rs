@@ -68,10 +68,7 @@ impl Control {
     /// Sends `msg` to every rank in the group; whole frames, never interleaved with another
     /// sender's.
     pub fn broadcast(&self, msg: &Order) -> Result<(), GroupError> {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .broadcast(msg)
+        self.hold().broadcast(msg)
     }
 
     /// The link held: what is sent through the guard goes out before any other sender's
@@ -86,12 +83,12 @@ impl Control {
 
     /// `rank` is back on `stream` (`ControlLink::readmit`).
     pub fn readmit(&self, rank: usize, stream: TcpStream) -> Result<(), GroupError> {
-        (self.0.lock().unwrap_or_else(|e| e.into_inner())).readmit(rank, stream)
+        self.hold().readmit(rank, stream)
     }
 
     /// Takes `rank` out of the group (`ControlLink::lose`).
     pub fn lose(&self, rank: usize) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).lose(rank)
+        self.hold().lose(rank)
     }
 }
 
