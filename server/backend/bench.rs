@@ -286,6 +286,61 @@ mod tests {
         assert!(imbalance(&loads(&c, &contiguous, 2)) > 1.3);
     }
 
+    /// Rank 0's rows per slot, in slot order, for `scripts/probes/skew_gemm.cu`: the bench's
+    /// routing over 2 ranks at `skew` with `eplb`, each row on the replica the GPU's gating
+    /// picks (`SlotMap::replica_table`: token t of rank r takes `(t + r) % count`).
+    fn rank0_rows_per_slot(skew: f64, eplb: Option<usize>) -> Vec<usize> {
+        let (c, world) = (deepseek(skew, eplb), 2);
+        let map = match eplb_slots(&c, world).unwrap() {
+            Some(m) => m,
+            None => crate::eplb::SlotMap::contiguous(c.experts, world, 0, 1).unwrap(),
+        };
+        let (table, count) = &map.replica_table(&[true; 2], 8)[0];
+        let mut rows = vec![0; map.per_rank()];
+        for r in 0..world {
+            for (i, &g) in skewed_routing(&c, r).0.iter().enumerate() {
+                let (t, g) = (i / c.top_k, g as usize);
+                let slot = table[g * 8 + (t + r) % count[g] as usize] as usize;
+                if slot < rows.len() {
+                    rows[slot] += 1;
+                }
+            }
+        }
+        rows
+    }
+
+    /// The probe's input is what the bench runs: regenerate it with
+    /// `EPSERVE_WRITE_PROBE_COUNTS=1 cargo test --lib skew_probe` when the routing or the
+    /// policy changes.
+    #[test]
+    fn the_skew_probes_counts_are_the_benchs_rows_per_slot() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/scripts/probes/skew_counts.txt"
+        );
+        let mut want = String::new();
+        for (name, skew, eplb) in [
+            ("s0", 0.0, None),
+            ("s1_r2", 1.0, Some(2)),
+            ("s07_r0", 0.7, Some(0)),
+            ("s1_r0", 1.0, Some(0)),
+        ] {
+            let rows = rank0_rows_per_slot(skew, eplb);
+            let total: usize = rows.iter().sum();
+            assert!((30_000..36_000).contains(&total), "{name}: {total} rows");
+            let line: Vec<String> = rows.iter().map(usize::to_string).collect();
+            want += &format!("{name} {}\n", line.join(" "));
+        }
+        if std::env::var_os("EPSERVE_WRITE_PROBE_COUNTS").is_some() {
+            std::fs::write(path, &want).unwrap();
+        }
+        let got = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            got == want,
+            "{path} is not the bench's rows per slot: regenerate it"
+        );
+    }
+
     #[test]
     fn eplb_slots_balance_the_drawn_load() {
         let c = deepseek(1.0, Some(2));
