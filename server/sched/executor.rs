@@ -71,14 +71,25 @@ impl Control {
         self.hold().broadcast(msg)
     }
 
-    /// The link held: what is sent through the guard goes out before any other sender's
-    /// order. A step's placement is stamped and its descriptor sent under one hold (`start`):
-    /// the stamp that applies a placement lets the balancer offer the next one, whose order
-    /// must reach every rank after the step that applies this one, or a rank drops what it
-    /// staged for that step (2x H100, SIGHUP placements under load: the group broke twice in
-    /// 23 placements, "placement epoch 2 was never staged here").
+    /// The link held: what is sent through the guard goes out before any other sender's order.
     fn hold(&self) -> std::sync::MutexGuard<'_, ControlLink> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Makes a step's descriptor and sends it to every rank under one hold of the link, so no
+    /// order sent while `make` runs goes out before the step. `make` stamps the step's
+    /// placement, and the stamp that applies one lets the balancer offer the next: that order
+    /// must reach every rank after the step that applies this one, or a rank drops what it
+    /// staged for the step (2x H100, SIGHUP placements under load: the group broke twice in 23
+    /// placements, "placement epoch 2 was never staged here").
+    fn send_made(
+        &self,
+        make: impl FnOnce() -> Result<StepDesc, ExecutorError>,
+    ) -> Result<StepDesc, ExecutorError> {
+        let mut held = self.hold();
+        let desc = make()?;
+        held.broadcast(&Order::Step(desc.clone()))?;
+        Ok(desc)
     }
 
     /// `rank` is back on `stream` (`ControlLink::readmit`).
@@ -242,24 +253,24 @@ impl<B: Backend> Executor<B> {
         }
         self.seq += 1;
         let link = self.link.clone();
-        let mut held = link.hold();
-        let desc = StepDesc {
-            step: self.seq,
-            layer: f.step.layer as u32,
-            tokens: f.step.group_tokens() as u32,
-            cell: cell as u32,
-            client_routing: f.step.client_routing,
-            input: f.step.input,
-            output: f.step.output,
-            homes: f.step.homes.clone(),
-            placement: self.stamp(),
-            lost: f.lost.clone(),
-        };
-        self.ring
-            .publish_input(&desc)
-            .map_err(ExecutorError::Broken)?;
-        held.broadcast(&Order::Step(desc.clone()))?;
-        drop(held);
+        let desc = link.send_made(|| {
+            let desc = StepDesc {
+                step: self.seq,
+                layer: f.step.layer as u32,
+                tokens: f.step.group_tokens() as u32,
+                cell: cell as u32,
+                client_routing: f.step.client_routing,
+                input: f.step.input,
+                output: f.step.output,
+                homes: f.step.homes.clone(),
+                placement: self.stamp(),
+                lost: f.lost.clone(),
+            };
+            self.ring
+                .publish_input(&desc)
+                .map_err(ExecutorError::Broken)?;
+            Ok(desc)
+        })?;
         self.driver.submit(&desc)?;
         if formed {
             self.pace.submitted();
@@ -697,4 +708,100 @@ fn fail_step(step: &Step, abort: &Abort) {
         "broken",
         format!("EP group broken: {why}"),
     ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nodes::{RankNode, Roster};
+
+    fn desc(placement: u32) -> StepDesc {
+        StepDesc {
+            step: 7,
+            layer: 0,
+            tokens: 4,
+            cell: 0,
+            client_routing: false,
+            input: Dtype::F32,
+            output: Dtype::F32,
+            homes: vec![],
+            placement,
+            lost: vec![],
+        }
+    }
+
+    /// A leader's link to one other rank over loopback, and that rank's end.
+    fn link() -> (Control, TcpStream) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let rank1 = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (to_rank1, _) = listener.accept().unwrap();
+        let node = |_| RankNode {
+            node: "n0".into(),
+            data: String::new(),
+            pid: 0,
+        };
+        let link = ControlLink {
+            workers: vec![to_rank1],
+            roster: Roster((0..2).map(node).collect()),
+            out: vec![false; 2],
+            go_on: false,
+        };
+        rank1
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        (Control(Arc::new(Mutex::new(link))), rank1)
+    }
+
+    /// The balancer's next placement, offered once a step's stamp has applied this one (here:
+    /// while the step is made), reaches the rank after that step, however long the step takes
+    /// to make and send.
+    #[test]
+    fn an_order_sent_while_a_step_is_made_follows_the_step() {
+        let (control, mut rank1) = link();
+        let (stamped, offered) = std::sync::mpsc::channel();
+        let balancer = control.clone();
+        let next = std::thread::spawn(move || {
+            offered.recv().unwrap();
+            let order = Order::Placement {
+                epoch: 3,
+                phy2log: vec![],
+                lost: vec![],
+            };
+            balancer.broadcast(&order)
+        });
+        let sent = control
+            .send_made(|| {
+                stamped.send(()).unwrap();
+                // Publishing the input and everything else between the stamp and the send.
+                std::thread::sleep(Duration::from_millis(200));
+                Ok(desc(2))
+            })
+            .unwrap();
+        assert_eq!(sent, desc(2));
+        next.join().unwrap().unwrap();
+        let first: Order = crate::group::recv(&mut rank1).unwrap();
+        assert!(
+            matches!(&first, Order::Step(d) if d.placement == 2),
+            "{first:?}"
+        );
+        let second: Order = crate::group::recv(&mut rank1).unwrap();
+        assert!(
+            matches!(&second, Order::Placement { epoch: 3, .. }),
+            "{second:?}"
+        );
+    }
+
+    /// A step that cannot be made sends nothing, and the link is free for the next sender.
+    #[test]
+    fn a_step_that_fails_to_be_made_sends_nothing() {
+        let (control, mut rank1) = link();
+        let failed = control.send_made(|| Err(ExecutorError::Broken("no cell".into())));
+        assert!(matches!(failed, Err(ExecutorError::Broken(_))));
+        control.broadcast(&Order::Step(desc(5))).unwrap();
+        let first: Order = crate::group::recv(&mut rank1).unwrap();
+        assert!(
+            matches!(&first, Order::Step(d) if d.placement == 5),
+            "{first:?}"
+        );
+    }
 }
