@@ -53,6 +53,36 @@ __global__ void fill(__nv_bfloat16* x, size_t n, float scale, unsigned seed = 0)
   }
 }
 
+// Bytes that are E4M3 codes of no NaN (0x7F, 0xFF), a hash of the index (the same on every run).
+__global__ void fill_bytes(uint8_t* p, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    unsigned long long z = 0x9E3779B97F4A7C15ull * (i + 1);
+    z ^= z >> 31;
+    p[i] = (uint8_t)(z >> 40) & 0xB7;
+  }
+}
+__global__ void fill_f32(float* p, size_t n, float v) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
+}
+
+// A launch of `ctas` CTAs of `threads` in clusters of `cluster` (DeepGEMM's TMA multicast), on
+// `stream`: pass `&cfg` to cudaLaunchKernelEx(C). Not copied: `cfg` points at `at`.
+struct Clustered {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute at[1];
+  Clustered(int ctas, int threads, int smem, cudaStream_t stream, int cluster) {
+    cfg.gridDim = ctas;
+    cfg.blockDim = threads;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = cluster, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+  }
+  Clustered(const Clustered&) = delete;
+};
+
 // `outer` rows of `inner` elements of `bytes` each at `base`, in boxes of `box_inner` x
 // `box_outer`, 256-byte L2 promotion (as the service's maps).
 inline CUtensorMap map_rows(void* base, CUtensorMapDataType type, int bytes, uint64_t inner, uint64_t outer,

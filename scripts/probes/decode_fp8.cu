@@ -11,16 +11,6 @@
 using bf = __nv_bfloat16;
 const int L = 64, S = 32, ROWS = 16;
 
-__global__ void fill_bytes(uint8_t* p, size_t n) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    unsigned long long z = 0x9E3779B97F4A7C15ull * (i + 1);
-    z ^= z >> 31;
-    p[i] = (uint8_t)(z >> 40) & 0xB7;  // no NaN code (0x7F, 0xFF)
-  }
-}
-__global__ void fill_f32(float* p, size_t n, float v) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
-}
 
 int main() {
   int sms;

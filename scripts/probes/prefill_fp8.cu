@@ -31,16 +31,6 @@ using cute::UMMA::Major;
 #endif
 const int L = 64, ROWS = 512, H = 7168, I = 2048, GROUPS = PF_GR, CTAS = 132;
 
-__global__ void fill_bytes(uint8_t* p, size_t n) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    unsigned long long z = 0x9E3779B97F4A7C15ull * (i + 1);
-    z ^= z >> 31;
-    p[i] = (uint8_t)(z >> 40) & 0xB7;
-  }
-}
-__global__ void fill_f32(float* p, size_t n, float v) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
-}
 
 int main() {
   cudaStream_t st;
@@ -123,17 +113,8 @@ int main() {
       auto md = map_rows(d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, n, rows, PF_SWD / 2, 128,
                          PF_SWD == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
       auto ms = map_rows(sfa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, cap, k / 128, 128, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = CTAS;
-      cfg.blockDim = 128 + 256;
-      cfg.dynamicSmemBytes = smem(k);
-      cfg.stream = st;
-      cudaLaunchAttribute at[1];
-      at[0].id = cudaLaunchAttributeClusterDimension;
-      at[0].val.clusterDim.x = MC, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
-      cfg.attrs = at;
-      cfg.numAttrs = 1;
-      CK(cudaLaunchKernelEx(&cfg, f, sfb, ends, 0u, (uint32_t)n, (uint32_t)k, ma, mb, md, ms));
+      Clustered c(CTAS, 128 + 256, smem(k), st, MC);
+      CK(cudaLaunchKernelEx(&c.cfg, f, sfb, ends, 0u, (uint32_t)n, (uint32_t)k, ma, mb, md, ms));
     };
     float t1 = median_us([&] { launch(f_up, 2 * I, H, xq, xsf, wgu, sgu, gu); }, 50, st);
     float t2 = median_us([&] { launch(f_down, H, I, aq, asf, wdn, sdn, y); }, 50, st);

@@ -31,16 +31,6 @@ auto fp8_kernel() {
                                   cutlass::bfloat16_t, 128>;
 }
 
-__global__ void fill_bytes(uint8_t* p, size_t n) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    unsigned long long z = 0x9E3779B97F4A7C15ull * (i + 1);
-    z ^= z >> 31;
-    p[i] = (uint8_t)(z >> 40) & 0xB7;
-  }
-}
-__global__ void fill_f32(float* p, size_t n, float v) {
-  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) p[i] = v;
-}
 
 int bf16_smem() { return (128 * 256 * 2 + 1023) / 1024 * 1024 + 3 * (128 + 256) * 64 * 2 + 3 * 16; }
 int fp8_smem(int k) {
@@ -122,29 +112,16 @@ int main(int argc, char** argv) {
   int rows = 0;
   auto launch_bf16 = [&](auto f, int n, int k, __nv_bfloat16* a, __nv_bfloat16* b, __nv_bfloat16* d) {
     auto ma = map2d(a, k, rows, 128), mb = map2d(b, k, L * n, 256), md = map2d(d, n, rows, 128);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = CTAS;
-    cfg.blockDim = 128 + 256;
-    cfg.dynamicSmemBytes = bf16_smem();
-    cfg.stream = st;
-    CK(cudaLaunchKernelEx(&cfg, f, ends, 0u, (uint32_t)n, (uint32_t)k, ma, mb, md));
+    Clustered c(CTAS, 128 + 256, bf16_smem(), st, 1);
+    CK(cudaLaunchKernelEx(&c.cfg, f, ends, 0u, (uint32_t)n, (uint32_t)k, ma, mb, md));
   };
   auto launch_fp8 = [&](auto f, int n, int k, uint8_t* a, float* sfa, uint8_t* b, float* sfb, __nv_bfloat16* d) {
     auto ma = map_rows(a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, rows, 128, 128, CU_TENSOR_MAP_SWIZZLE_128B);
     auto mb = map_rows(b, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, L * n, 128, 192, CU_TENSOR_MAP_SWIZZLE_128B);
     auto md = map_rows(d, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, n, rows, 64, 128, CU_TENSOR_MAP_SWIZZLE_128B);
     auto ms = map_rows(sfa, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, cap, k / 128, 128, 1, CU_TENSOR_MAP_SWIZZLE_NONE);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = CTAS;
-    cfg.blockDim = 128 + 256;
-    cfg.dynamicSmemBytes = fp8_smem(k);
-    cfg.stream = st;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeClusterDimension;
-    at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, f, sfb, ends, 0u, (uint32_t)n, (uint32_t)k, ma, mb, md, ms));
+    Clustered c(CTAS, 128 + 256, fp8_smem(k), st, 2);
+    CK(cudaLaunchKernelEx(&c.cfg, f, sfb, ends, 0u, (uint32_t)n, (uint32_t)k, ma, mb, md, ms));
   };
 
   std::mt19937 rng(11);

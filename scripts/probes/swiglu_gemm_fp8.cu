@@ -73,17 +73,8 @@ float decode(uint8_t c) {
 }
 
 void launch_cluster(const void* f, int smem, cudaStream_t st, void** params) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = CTAS;
-  cfg.blockDim = 384;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = st;
-  cudaLaunchAttribute at[1];
-  at[0].id = cudaLaunchAttributeClusterDimension;
-  at[0].val.clusterDim.x = 2, at[0].val.clusterDim.y = 1, at[0].val.clusterDim.z = 1;
-  cfg.attrs = at;
-  cfg.numAttrs = 1;
-  CK(cudaLaunchKernelExC(&cfg, f, params));
+  Clustered c(CTAS, 384, smem, st, 2);
+  CK(cudaLaunchKernelExC(&c.cfg, f, params));
 }
 
 int main() {
