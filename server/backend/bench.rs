@@ -295,12 +295,14 @@ mod tests {
             Some(m) => m,
             None => crate::eplb::SlotMap::contiguous(c.experts, world, 0, 1).unwrap(),
         };
-        let (table, count) = &map.replica_table(&[true; 2], 8)[0];
+        // Room for every replica the bench places (2 of the hottest experts at most).
+        const WIDTH: usize = 8;
+        let (table, count) = &map.replica_table(&[true; 2], WIDTH)[0];
         let mut rows = vec![0; map.per_rank()];
         for r in 0..world {
             for (i, &g) in skewed_routing(&c, r).0.iter().enumerate() {
                 let (t, g) = (i / c.top_k, g as usize);
-                let slot = table[g * 8 + (t + r) % count[g] as usize] as usize;
+                let slot = table[g * WIDTH + (t + r) % count[g] as usize] as usize;
                 if slot < rows.len() {
                     rows[slot] += 1;
                 }
