@@ -592,7 +592,7 @@ impl MaskedCase {
         let dcnt = s.clone_htod(counts).unwrap();
         let mut bounds = s.alloc_zeros::<i32>(2 * counts.len()).unwrap();
         let mut masked = s.alloc_zeros::<i32>(hopper::MAX_GROUPS).unwrap();
-        g.ll_bounds(&dcnt, stride, &mut bounds, &mut masked)
+        g.ll_bounds(&dcnt, counts.len(), stride, &mut bounds, &mut masked)
             .unwrap();
         masked
     }

@@ -24,11 +24,7 @@ use crate::backend::ep_settings::{EpMode, EpSettings, EP_LL_MAX_TOKENS};
 /// Each backend of `--backends` as run: `nccl`, and `nccl-ep` once per mode and zero-copy
 /// setting, each resolved as the service resolves `--ep-mode` for one bucket of the config's
 /// tokens per rank (auto: the service's default threshold).
-fn variants(
-    args: &Plan,
-    c: &BenchConfig,
-    world: usize,
-) -> anyhow::Result<Vec<(String, Option<EpSettings>)>> {
+fn variants(args: &Plan, c: &BenchConfig) -> anyhow::Result<Vec<(String, Option<EpSettings>)>> {
     let mut v = Vec::new();
     for b in &args.backends {
         if b == "nccl" {
@@ -46,11 +42,6 @@ fn variants(
                     .map_err(|e| anyhow::anyhow!("{}: {e}", c.name))?;
                 if let Some(n) = note {
                     tracing::info!(config = %c.name, "{n}");
-                }
-                let per_rank = (c.experts + c.eplb.unwrap_or(0)) / world.max(1);
-                if t > e.ll_max && !per_rank.is_power_of_two() {
-                    tracing::info!(config = %c.name, "nccl-ep HT skipped: {per_rank} slots per rank is not a power of two");
-                    continue;
                 }
                 let ll = e.ll_max > 0;
                 // NCCL EP 0.2 has no zero-copy LL in the expert-major layout (LL stages).
@@ -83,7 +74,7 @@ pub fn run(args: &Plan, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigRes
     }
     let mut runs = Vec::new();
     for c in configs {
-        runs.extend(variants(args, c, world)?.into_iter().map(|v| (c, v)));
+        runs.extend(variants(args, c)?.into_iter().map(|v| (c, v)));
     }
     let mut out = Vec::new();
     let runs = runs.into_iter().flat_map(|(c, (label, ep))| {

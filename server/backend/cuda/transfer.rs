@@ -137,7 +137,9 @@ impl Staging {
             st.bucket = t.bucket;
             dtoh(t.m, t.m.len(), &mut st.m, &s)?;
             if let Some((counts, total)) = t.ex.receipts() {
-                dtoh(counts, counts.len(), &mut st.recv, &s)?;
+                // The rank's slots' (NCCL EP may number more experts a rank: `ep_local`).
+                let n = st.recv.as_slice().len();
+                dtoh(counts, n, &mut st.recv, &s)?;
                 dtoh(total, 1, &mut st.total, &s)?;
             }
         }

@@ -122,19 +122,19 @@ impl Gpu {
     }
 
     /// The grouped GEMM's blocks in NCCL EP's low-latency layout: local expert e's `counts[e]`
-    /// rows start at row e * `stride`; `bounds [2L]` gets the starts, then the ends, and
-    /// `masked` (`hopper::MAX_GROUPS`) the counts, clamped to `stride`, for the Hopper GEMM.
+    /// rows (e < `l`) start at row e * `stride`; `bounds [2l]` gets the starts, then the ends,
+    /// and `masked` (`hopper::MAX_GROUPS`) the counts, clamped to `stride`, for the Hopper GEMM.
     pub fn ll_bounds(
         &self,
         counts: &CudaSlice<i32>,
+        l: usize,
         stride: usize,
         bounds: &mut CudaSlice<i32>,
         masked: &mut CudaSlice<i32>,
     ) -> Result<(), DriverError> {
-        let l = counts.len();
         let groups = hopper::MAX_GROUPS;
         assert!(
-            bounds.len() >= 2 * l && masked.len() >= groups && l <= groups,
+            counts.len() >= l && bounds.len() >= 2 * l && masked.len() >= groups && l <= groups,
             "ll_bounds"
         );
         let (l32, s32, g32) = (l as i32, stride as i32, groups as i32);
@@ -145,7 +145,7 @@ impl Gpu {
             .arg(&g32)
             .arg(bounds)
             .arg(masked);
-        // SAFETY: counts holds l ints, bounds 2l, masked MAX_GROUPS (asserted).
+        // SAFETY: counts holds at least l ints, bounds 2l, masked MAX_GROUPS (asserted).
         unsafe { b.launch(Self::cfg((1, 1), 256, 0)) }.map(drop)
     }
 
@@ -199,21 +199,23 @@ impl Gpu {
         unsafe { b.launch(Self::cfg((1, 1), 256, 0)) }.map(drop)
     }
 
-    /// The psum ends (`hopper::MAX_GROUPS`) of NCCL EP's expert-major blocks at `offsets [L + 1]`
-    /// (the padded total last), each expert's rows counted from the all-gathered routing
-    /// (`gathered [world][world * L]`, this rank's experts from `rank * L`) instead of NCCL EP's
-    /// counts, which are padded to the alignment: what runs on the blocks skips the padding.
+    /// The psum ends (`hopper::MAX_GROUPS`) of NCCL EP's expert-major blocks of the rank's `l`
+    /// slots at `offsets [l + 1]` (the padded total last), each slot's rows counted from the
+    /// all-gathered routing (`gathered [world][world * l]`, this rank's slots from `rank * l`)
+    /// instead of NCCL EP's counts, which are padded to the alignment: what runs on the blocks
+    /// skips the padding.
     pub fn routed_ends(
         &self,
         gathered: &CudaSlice<i32>,
         (rank, world): (usize, usize),
+        l: usize,
         offsets: &CudaSlice<i32>,
         ends: &mut CudaSlice<i32>,
     ) -> Result<(), DriverError> {
-        let l = offsets.len() - 1;
         let groups = hopper::MAX_GROUPS;
         assert!(
             l > 0
+                && offsets.len() > l
                 && rank < world
                 && gathered.len() >= world * world * l
                 && ends.len() >= groups
@@ -229,7 +231,7 @@ impl Gpu {
             .arg(offsets)
             .arg(&g32)
             .arg(ends);
-        // SAFETY: gathered holds world x world x l ints, offsets l + 1, ends MAX_GROUPS
+        // SAFETY: gathered holds world x world x l ints, offsets at least l + 1, ends MAX_GROUPS
         // (asserted).
         unsafe { b.launch(Self::cfg((1, 1), 256, 0)) }.map(drop)
     }

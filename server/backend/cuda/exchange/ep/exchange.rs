@@ -6,7 +6,7 @@ use cudarc::driver::{result, CudaSlice, CudaStream};
 use half::bf16;
 use nccl_sys::ep::*;
 
-use crate::backend::cuda::exchange::ep::{library, validate};
+use crate::backend::cuda::exchange::ep::{ep_local, library, validate};
 use crate::backend::cuda::exchange::{Exchange, ExpertRows, Home};
 use crate::backend::cuda::kernels::fp8::{Fp8Rows, Live};
 use crate::backend::cuda::kernels::hopper;
@@ -83,6 +83,12 @@ pub struct EpPath {
     pub footprint: Footprint,
     /// The rows' extents as NCCL EP sees them: `[local][cap][hidden]` (LL) or `[cap][hidden]`.
     extents: Vec<usize>,
+    /// Experts a rank as this path's group numbers them (`ep_local`): the rank's slots, or
+    /// for HT the next power of two.
+    local: usize,
+    /// Where NCCL EP's numbers are not the slots (a group of fewer ranks, or HT's power of
+    /// two): slots to its expert numbers.
+    renumber: Option<Renumber>,
 }
 
 fn free_bytes() -> u64 {
@@ -105,6 +111,8 @@ impl EpPath {
         // NCCL EP 0.2 refuses zero-copy LL dispatch in the expert-major layout ("requires
         // NCCL_EP_LAYOUT_RANK_MAJOR"): LL goes through the library's staging.
         let zero_copy = zero_copy && !low_latency;
+        let local = ep_local(s.local(), low_latency);
+        // HT's capacity counts the rank's slots only: the slots past them receive nothing.
         let (cap, rows_len) = match low_latency {
             true => (s.world * tokens, s.ll_rows(tokens)),
             false => {
@@ -113,7 +121,7 @@ impl EpPath {
             }
         };
         let mut cfg = ncclEpGroupConfig_t::new();
-        cfg.num_experts = s.experts as u32;
+        cfg.num_experts = (s.world * local) as u32;
         cfg.max_dispatch_tokens_per_rank = tokens as u32;
         cfg.max_token_bytes = (s.hidden * 2) as u32;
         cfg.num_topk = s.top_k as u32;
@@ -172,7 +180,7 @@ impl EpPath {
             windowed: zero_copy,
         };
         let extents = match low_latency {
-            true => vec![s.local(), cap, s.hidden],
+            true => vec![local, cap, s.hidden],
             false => vec![cap, s.hidden],
         };
         Ok(Self {
@@ -185,6 +193,8 @@ impl EpPath {
             tokens,
             footprint,
             extents,
+            local,
+            renumber: None,
         })
     }
 
@@ -274,12 +284,11 @@ pub struct EpExchange {
     group: (usize, usize),
     paths: Paths,
     b: Bufs,
-    /// Where the communicator lacks lost ranks: slots to NCCL EP's expert numbers.
-    renumber: Option<Renumber>,
 }
 
-/// A group of fewer ranks than the slots were placed on: NCCL EP numbers the experts of its
-/// members only, so the step's slots are renumbered before its handle takes them.
+/// A group of fewer ranks than the slots were placed on (NCCL EP numbers the experts of its
+/// members only), or HT's power of two of experts a rank: the step's slots are renumbered before
+/// a path's handle takes them.
 struct Renumber {
     /// `[group experts]`: each live slot's expert number among the members (-1: a lost rank's).
     map: CudaSlice<i32>,
@@ -301,13 +310,14 @@ fn on_members(s: &StepShape, members: &[usize]) -> Result<StepShape, GpuError> {
     })
 }
 
-/// Each of the group's slots as NCCL EP numbers it over `members`: member i's slot j is
-/// i x local + j; a lost rank's slots are -1 (the table routes nothing to them).
-fn slot_numbers(s: &StepShape, members: &[usize]) -> Vec<i32> {
+/// Each of the group's slots as NCCL EP numbers it over `members` with `local` experts a rank
+/// (`ep_local`): member i's slot j is i x local + j; a lost rank's slots are -1 (the table
+/// routes nothing to them).
+fn slot_numbers(s: &StepShape, members: &[usize], local: usize) -> Vec<i32> {
     let l = s.local();
     (0..s.experts)
         .map(|slot| match members.binary_search(&(slot / l)) {
-            Ok(i) => (i * l + slot % l) as i32,
+            Ok(i) => (i * local + slot % l) as i32,
             Err(_) => -1,
         })
         .collect()
@@ -378,11 +388,11 @@ impl EpExchange {
         let shape = on_members(full, members)?;
         let s = &shape;
         validate(s, e.align).map_err(GpuError::Config)?;
-        let ll = match e.ll_max {
+        let mut ll = match e.ll_max {
             0 => None,
             t => Some(EpPath::new(comm, s, true, t, e.align, e.zero_copy, a)?),
         };
-        let ht = match s.max_home > e.ll_max {
+        let mut ht = match s.max_home > e.ll_max {
             true => Some(EpPath::new(
                 comm,
                 s,
@@ -408,10 +418,17 @@ impl EpExchange {
             }
         }
         let l = s.local();
+        // NCCL EP's per-expert outputs span the widest path's numbering.
+        let wide = [&ll, &ht]
+            .iter()
+            .flat_map(|p| p.as_ref())
+            .map(|p| p.local)
+            .max();
+        let wide = wide.unwrap_or(l);
         let b = Bufs {
             recv_w: a.zeros(ht.as_ref().map_or(0, |p| p.cap))?,
-            counters: a.zeros(l)?,
-            local_off: a.zeros(l + 1)?,
+            counters: a.zeros(wide)?,
+            local_off: a.zeros(wide + 1)?,
             total: a.zeros(1)?,
             sizes: a.zeros(hopper::MAX_GROUPS)?,
             bounds: a.zeros(2 * l)?,
@@ -424,19 +441,19 @@ impl EpExchange {
                 false => None,
             },
         };
-        let renumber = match comm.whole() {
-            true => None,
-            false => Some(Renumber {
-                map: a.upload(&slot_numbers(full, members))?,
-                ids: a.zeros(s.max_home * s.top_k)?,
-            }),
-        };
+        for p in [&mut ll, &mut ht].into_iter().flatten() {
+            if !comm.whole() || p.local != l {
+                p.renumber = Some(Renumber {
+                    map: a.upload(&slot_numbers(full, members, p.local))?,
+                    ids: a.zeros(s.max_home * s.top_k)?,
+                });
+            }
+        }
         Ok(Self {
             shape,
             group: (full.rank, full.world),
             paths: Paths { ll, ht },
             b,
-            renumber,
         })
     }
 
@@ -464,16 +481,19 @@ impl EpExchange {
 
     /// Prepare: routing of `bucket` rows (`ids` rows past the step's tokens are -1) into the
     /// bucket's handle. HT: each local expert's padded offset lands in `local_off[..L]` and the
-    /// padded total in `total` and `local_off[L]` (the grouped GEMM's block bounds).
+    /// padded total in `total` and `local_off[L]` (the grouped GEMM's block bounds; the experts
+    /// past the rank's L slots in NCCL EP's numbering receive nothing).
     fn update_handle(
         &mut self,
         g: &Gpu,
         ids: &CudaSlice<i32>,
         bucket: usize,
     ) -> Result<(), GpuError> {
-        let (k, local, stream) = (self.shape.top_k, self.b.counters.len(), &g.stream);
+        let (k, slots, stream) = (self.shape.top_k, self.shape.local(), &g.stream);
         let ll = self.is_ll(bucket);
-        let ids = match self.renumber.as_mut() {
+        let (p, b) = (self.paths.get_mut(bucket), &mut self.b);
+        let local = p.local;
+        let ids = match p.renumber.as_mut() {
             Some(r) => {
                 g.renumber(ids, &r.map, bucket * k, &mut r.ids)?;
                 &r.ids
@@ -481,7 +501,6 @@ impl EpExchange {
             None => ids,
         };
         let mut t_ids = Tensor::of(ids, &[bucket, k], stream);
-        let (p, b) = (self.paths.get_mut(bucket), &mut self.b);
         if ll {
             // LL takes no layout here.
             return Ok(p.handle.update(&mut t_ids, None, stream)?);
@@ -503,8 +522,8 @@ impl EpExchange {
             };
             p.handle.update(&mut t_ids, Some(layout), stream)?;
         }
-        // The padded total after the offsets: the grouped GEMM's last block bound.
-        stream.memcpy_dtod(total, &mut local_off.slice_mut(local..=local))?;
+        // The padded total after the rank's slots' offsets: the grouped GEMM's last block bound.
+        stream.memcpy_dtod(total, &mut local_off.slice_mut(slots..=slots))?;
         Ok(())
     }
 }
@@ -529,7 +548,8 @@ impl Exchange for EpExchange {
         self.update_handle(g, home.ids, bucket)?;
         if !self.is_ll(bucket) {
             let b = &mut self.b;
-            g.routed_ends(home.gathered, self.group, &b.local_off, &mut b.sizes)?;
+            let l = self.shape.local();
+            g.routed_ends(home.gathered, self.group, l, &b.local_off, &mut b.sizes)?;
         }
         Ok(())
     }
@@ -548,9 +568,8 @@ impl Exchange for EpExchange {
         let (x, w, stream) = (home.x, home.w, &g.stream);
         let (k, hidden) = (self.shape.top_k, self.shape.hidden);
         let ll = self.is_ll(bucket);
-        let local = self.b.counters.len();
         let (p, b) = (self.paths.get_mut(bucket), &mut self.b);
-        let cap = p.cap;
+        let (cap, local) = (p.cap, p.local);
         let Bufs {
             counters,
             recv_w,
@@ -625,7 +644,7 @@ impl Exchange for EpExchange {
         let (x, fp8) = p.expert_bufs();
         if ll {
             // LL rows: expert e's `counters[e]` rows start at e x (world x tokens).
-            g.ll_bounds(counters, stride, bounds, sizes)?;
+            g.ll_bounds(counters, s.local(), stride, bounds, sizes)?;
             return Ok(ExpertRows::Strided {
                 stride,
                 valid,
@@ -779,14 +798,30 @@ mod tests {
     #[test]
     fn a_lost_ranks_slots_leave_the_numbering_and_the_rest_close_up() {
         let s = shape(4, 2, 8);
-        assert_eq!(slot_numbers(&s, &[0, 2, 3]), vec![0, 1, -1, -1, 2, 3, 4, 5]);
+        assert_eq!(
+            slot_numbers(&s, &[0, 2, 3], 2),
+            vec![0, 1, -1, -1, 2, 3, 4, 5]
+        );
         let m = on_members(&s, &[0, 2, 3]).unwrap();
         assert_eq!((m.world, m.rank, m.experts, m.local()), (3, 1, 6, 2));
         // The whole group numbers slots as they are.
         assert_eq!(
-            slot_numbers(&s, &[0, 1, 2, 3]),
+            slot_numbers(&s, &[0, 1, 2, 3], 2),
             (0..8).collect::<Vec<i32>>()
         );
         assert!(on_members(&s, &[0, 1]).is_err());
+    }
+
+    /// HT's power of two: 3 slots a rank (2 ranks, 6 slots) are numbered as 4, each rank's
+    /// slots first in its block of 4 and the fourth never used; with rank 0 lost, rank 1's
+    /// close up to 0..3 of the one member's 4. LL keeps the slots' own numbers.
+    #[test]
+    fn ht_numbers_a_ranks_slots_in_a_power_of_two() {
+        let s = shape(2, 1, 6);
+        assert_eq!((ep_local(3, false), ep_local(3, true)), (4, 3));
+        assert_eq!((ep_local(4, false), ep_local(129, false)), (4, 256));
+        assert_eq!(slot_numbers(&s, &[0, 1], 4), vec![0, 1, 2, 4, 5, 6]);
+        assert_eq!(slot_numbers(&s, &[1], 4), vec![-1, -1, -1, 0, 1, 2]);
+        assert_eq!(slot_numbers(&s, &[0, 1], 3), (0..6).collect::<Vec<i32>>());
     }
 }
