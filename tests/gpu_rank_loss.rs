@@ -49,8 +49,8 @@ fn backends() -> Vec<&'static str> {
 /// The group's flags on `world` GPUs with `dtype` experts on `backend`.
 fn flags<'a>(world: usize, backend: &'a str, dtype: &'a str) -> Vec<&'a str> {
     // 16 experts: on 2 GPUs every rank holds all of them (16 slots each); on 4, each rank its
-    // block and more (the nccl slot exchange: the next block's first two; NCCL EP's HT kernels
-    // want a power of two of slots a rank: the next block whole).
+    // block and more (the nccl slot exchange: the next block's first two; nccl-ep the next
+    // block whole, a power of two of slots a rank as its HT kernels number them anyway).
     let redundant = match (world, backend) {
         (2, _) => "16",
         (_, "nccl-ep") => "16",

@@ -101,7 +101,13 @@ print(json.dumps({'phy2log': [A[0]+A[1]]*4}))" $1 > "$pl"; }
   python3 scripts/bench/eplb-steps.py "$out/serve-moves.log"
   (cd "$out" && tar cJf moves-logs.tar.xz serve-moves.log load-moves-* && rm -f serve-moves.log load-moves-*)
   ;;
-prefill) # nccl with a replica per rank; nccl-ep HT needs 2^n slots per rank: rearranged only
+ep-replicas) # nccl-ep HT with redundant slots (numbered as the next power of two), against none
+  bench ep-r0 180 --configs prefill --backends nccl-ep --ep-modes ht --expert-dtype bf16,fp8 \
+    --skew 0,0.7 --eplb off,on --redundant-experts 0
+  bench ep-r2 130 --configs prefill --backends nccl-ep --ep-modes ht --expert-dtype bf16,fp8 \
+    --skew 0,0.7 --eplb on --redundant-experts 2
+  ;;
+prefill) # nccl with a replica per rank; nccl-ep rearranged only (before ep-replicas)
   bench prefill-nccl 240 --configs prefill --backends nccl --expert-dtype bf16,fp8 \
     --skew 0,1 --eplb off,on --redundant-experts 2
   bench prefill-ep 240 --configs prefill --backends nccl-ep --ep-modes ht --expert-dtype bf16,fp8 \
