@@ -758,8 +758,9 @@ fn a_placement_applied_between_graph_replays_equals_a_group_started_on_it() {
 
 /// Sends requests one at a time until every rank has landed placement `epoch` (its "copies
 /// enqueued" line). A layer runs on its old slots until a later step lands it
-/// (`Mover::land_beside`), and NCCL EP's HT combine sums a token's rows in its rank's slot
-/// order: until then a step's bits may be the old placement's (both within the f64 bound).
+/// (`Mover::land_beside`), and on NCCL EP's HT path a step's bits depend on the placement (a
+/// token's rows are summed on the ranks that computed them, then combined): until then they
+/// may be the old placement's (both within the f64 bound).
 fn land(g: &Group, world: usize, epoch: u32, reqs: &[ForwardRequest]) {
     let needle = format!("epoch={epoch} ");
     let end = Instant::now() + Duration::from_secs(60);
@@ -784,8 +785,10 @@ fn land(g: &Group, world: usize, epoch: u32, reqs: &[ForwardRequest]) {
 /// Every request's outputs bit for bit those of `want`; else how many requests and values
 /// differ, and by how much.
 fn bitwise(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
+    assert_eq!(got.len(), want.len(), "{what}: request counts");
     let (mut reqs, mut values, mut worst, mut first) = (0, 0, 0f32, None);
     for (i, (x, y)) in got.iter().zip(want).enumerate() {
+        assert_eq!(x.len(), y.len(), "{what}: request {i}'s output lengths");
         let d = x.iter().zip(y).filter(|(p, q)| p.to_bits() != q.to_bits());
         let d: Vec<f32> = d.map(|(p, q)| (p - q).abs()).collect();
         if !d.is_empty() {
@@ -795,7 +798,6 @@ fn bitwise(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
             first.get_or_insert(i);
         }
     }
-    assert_eq!(got.len(), want.len(), "{what}: request counts");
     assert!(
         reqs == 0,
         "{what}: {reqs} of {} requests differ ({values} values, the first request {first:?}, largest difference {worst:e})",
