@@ -300,6 +300,30 @@ impl<B: Backend> Executor<B> {
         }
     }
 
+    /// This rank's own share of step `seq` failed. Where it timed out waiting on a peer, that
+    /// peer may be a healthy one waiting on a lost rank (a node-mate relaying a stopped node's
+    /// rows: "waiting for combined rows from rank 1" with ranks 2 and 3 stopped), so the other
+    /// ranks whose outputs are still missing are named too, as for a missing output.
+    fn own_failed(&self, e: StepError, seq: u64, cell: usize, lost: &[u32]) -> ExecutorError {
+        let rank = match &e {
+            StepError::Wait { rank, .. } => *rank,
+            StepError::Timeout { .. } => 0,
+            _ => return e.into(),
+        };
+        let missing: Vec<String> = (self.ring.missing_outputs(cell, (seq, lost)))
+            .filter(|&r| r != 0)
+            .map(|r| r.to_string())
+            .collect();
+        match missing.len() {
+            0 | 1 => e.into(),
+            _ => ExecutorError::Output {
+                step: seq,
+                rank,
+                reason: format!("{e} (ranks {} had not finished)", missing.join(", ")),
+            },
+        }
+    }
+
     /// Finishes the oldest step in flight once this rank's share and every other rank's output
     /// are done: waiting for them (bounded by the step's deadline) when `wait`, otherwise only
     /// looking (None: not yet).
@@ -318,7 +342,10 @@ impl<B: Backend> Executor<B> {
             if !wait && !self.driver.ready()? {
                 return Ok(None);
             }
-            let (desc, times) = self.driver.complete().expect("a step in flight")?;
+            let (desc, times) = match self.driver.complete().expect("a step in flight") {
+                Ok(done) => done,
+                Err(e) => return Err(self.own_failed(e, f.seq, f.cell, &lost)),
+            };
             let routed = self.driver.backend.routed();
             self.balance
                 .record(desc.layer as usize, desc.placement, routed);
