@@ -310,17 +310,14 @@ impl<B: Backend> Executor<B> {
             StepError::Timeout { .. } => 0,
             _ => return e.into(),
         };
-        let missing: Vec<String> = (self.ring.missing_outputs(cell, (seq, lost)))
-            .filter(|&r| r != 0)
-            .map(|r| r.to_string())
-            .collect();
-        match missing.len() {
-            0 | 1 => e.into(),
-            _ => ExecutorError::Output {
+        let missing = (self.ring.missing_outputs(cell, (seq, lost))).filter(|&r| r != 0);
+        match unfinished(&e, missing) {
+            Some(reason) => ExecutorError::Output {
                 step: seq,
                 rank,
-                reason: format!("{e} (ranks {} had not finished)", missing.join(", ")),
+                reason,
             },
+            None => e.into(),
         }
     }
 
@@ -354,15 +351,8 @@ impl<B: Backend> Executor<B> {
         // Every rank still missing, not only the first: a healthy rank waiting on a lost one
         // misses the deadline too, and may come first.
         let output = |rank, e: WaitError| {
-            let missing: Vec<String> = self
-                .ring
-                .missing_outputs(f.cell, seq)
-                .map(|r| r.to_string())
-                .collect();
-            let reason = match missing.len() {
-                0 | 1 => e.to_string(),
-                _ => format!("{e} (ranks {} had not finished)", missing.join(", ")),
-            };
+            let missing = self.ring.missing_outputs(f.cell, seq);
+            let reason = unfinished(&e, missing).unwrap_or_else(|| e.to_string());
             ExecutorError::Output {
                 step: f.seq,
                 rank,
@@ -735,6 +725,13 @@ fn fail_step(step: &Step, abort: &Abort) {
         "broken",
         format!("EP group broken: {why}"),
     ));
+}
+
+/// `why`, naming the ranks that had not finished a step where more than one had not: a healthy
+/// rank waiting on a lost one misses the deadline too, and may be the one waited on.
+fn unfinished(why: &dyn std::fmt::Display, missing: impl Iterator<Item = usize>) -> Option<String> {
+    let missing: Vec<String> = missing.map(|r| r.to_string()).collect();
+    (missing.len() > 1).then(|| format!("{why} (ranks {} had not finished)", missing.join(", ")))
 }
 
 #[cfg(test)]
