@@ -44,7 +44,7 @@ serve) # a rebalance under serving load: 4 layers, 4 skewed loads, every step's 
     done
     echo "== serve $mode at '$addr' after $((SECONDS - t0))s"
     for l in 0 1 2 3; do
-      .device/bin/epserve-loadtest --target "$addr" --layer $l --concurrency 4 --tokens 2048 \
+      .device/bin/epserve-loadtest --target "$addr" --layer $l --concurrency ${CONCURRENCY:-4} --tokens 2048 \
         --client-routing --skew 1 --warmup 2s --duration 40s --timeout 20s --json "$out/load-$mode-$l.json" \
         >"$out/load-$mode-$l.log" 2>&1 &
     done
@@ -81,7 +81,7 @@ print(json.dumps({'phy2log': [A[0]+A[1]]*4}))" $1 > "$pl"; }
   echo "== serve moves at '$addr' (rank 0 pid '$r0') after $((SECONDS - t0))s"
   loads=()
   for l in 0 1 2 3; do
-    .device/bin/epserve-loadtest --target "$addr" --layer $l --concurrency 4 --tokens 2048 \
+    .device/bin/epserve-loadtest --target "$addr" --layer $l --concurrency ${CONCURRENCY:-4} --tokens 2048 \
       --client-routing --warmup 2s --duration 40s --timeout 20s --json "$out/load-moves-$l.json" \
       >"$out/load-moves-$l.log" 2>&1 & loads+=($!)
   done

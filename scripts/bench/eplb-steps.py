@@ -6,7 +6,10 @@
 #   includes its wait in the exchange for a rank whose host started the step later;
 # - group: the least device time of any rank for the step (joined by `step=`): the step timed
 #   from the rank that started it last, so without that wait; what a slower step on any rank
-#   (a rebalance's copies, say) makes longer, as every rank waits for it in combine.
+#   (a rebalance's copies, say) makes longer, as every rank waits for it in combine;
+# - group, graph only: the same without each rank's wait before its graph (`wait_us`: its host
+#   still enqueueing the step, or a placement's copies); every step over 1.1x in the group
+#   measure is listed with each rank's wait and host enqueue time (`enqueue_us`).
 # With RUST_LOG=...,epserve::staging=trace, each gap also names the staging phases of rank 0's
 # batches (load, upload, free: each batch's line ends its free) that overlap it, and by how much.
 # usage: python3 scripts/bench/eplb-steps.py LOG...
@@ -20,7 +23,8 @@ def pct(r, q):
     return r[min(len(r) - 1, int(q * len(r)))]
 
 LINE = re.compile(r"rank=(\d+) .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*step_times: step (?:step=(\d+) )?"
-                  r"layer=(\d+) tokens=(\d+) us=(\d+)(?: device_us=(\d+))?")
+                  r"layer=(\d+) tokens=(\d+) us=(\d+)(?: device_us=(\d+))?(?: wait_us=(\d+))?"
+                  r"(?: enqueue_us=(\d+))?")
 APPLIED = re.compile(r"rank=0 .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*placement applied")
 BATCH = re.compile(r"rank=0 .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*batch staged .*load_ms=([\d.]+) "
                    r"upload_ms=([\d.]+) free_ms=([\d.]+)")
@@ -42,6 +46,7 @@ def beside(a, b, staged):
 
 for f in sys.argv[1:]:
     rank0, applied, dev_by_step, staged = [], [], defaultdict(dict), []
+    wait_by_step = defaultdict(dict)
     for line in open(f):
         m = LINE.search(line)
         if m:
@@ -54,6 +59,8 @@ for f in sys.argv[1:]:
                 rank0.append([t, layer, tokens, us, dev, step])
             if step is not None and dev is not None:
                 dev_by_step[step][rank] = dev
+                if m.group(10):
+                    wait_by_step[step][rank] = (int(m.group(10)), int(m.group(11) or 0))
         a = APPLIED.search(line)
         if a: applied.append(stamp(a))
         m = BATCH.search(line)
@@ -68,8 +75,11 @@ for f in sys.argv[1:]:
     for s in rank0:
         d = dev_by_step.get(s[5], {})
         s.append(min(d.values()) if ranks > 1 and len(d) == ranks else None)
+        w = wait_by_step.get(s[5], {})
+        s.append(min(d[r] - w[r][0] for r in d) if s[6] is not None and len(w) == ranks else None)
     for col, what in [(3, "host, rank 0 submit to completion"), (4, "device, rank 0's stream time"),
-                      (6, "group, least device time over the %d ranks" % ranks)]:
+                      (6, "group, least device time over the %d ranks" % ranks),
+                      (7, "group, graph only: least over the %d ranks of device time less its wait" % ranks)]:
         timed = [s for s in rank0 if s[col] is not None]
         if not timed: continue
         med = {}
@@ -80,6 +90,12 @@ for f in sys.argv[1:]:
         print(f, what, "steps", len(timed), "medians by (layer, tokens)", med)
         allr = sorted(ratio(s) for s in timed if tuple(s[1:3]) in med)
         print("  all steps / their (layer, size)'s median: p50 %.2f p90 %.2f p99 %.2f p99.9 %.2f max %.2f; over 1.1x: %d of %d" % (pct(allr, .5), pct(allr, .9), pct(allr, .99), pct(allr, .999), allr[-1], sum(r > 1.1 for r in allr), len(allr)))
+        if col == 6 and wait_by_step:
+            for s in timed:
+                if tuple(s[1:3]) in med and ratio(s) > 1.1:
+                    w = wait_by_step.get(s[5], {})
+                    print("    over: step %s layer %d tokens %d %.2fx (%d us); per rank wait / enqueue us: %s" % (
+                        s[5], s[1], s[2], ratio(s), s[col], ", ".join("%d / %d" % w[r] for r in sorted(w))))
         if len(applied) > 1:
             near = lambda s: any(a <= s[0] < a + 2.0 for a in applied)
             for label, sel in [("the 2 s after any of the %d placements" % len(applied), True), ("every other step", False)]:

@@ -24,6 +24,11 @@ pub struct PhaseTimes {
     /// A GPU step's time on its stream, from its first wait to its output (events around it:
     /// no host queueing, no other step in flight); None on other backends.
     pub device: Option<Duration>,
+    /// Of `device`, the time before the step's graph: the stream waiting for the host to
+    /// enqueue it, or for a placement's copies (`Mover::before`).
+    pub device_wait: Option<Duration>,
+    /// The host's time from enqueueing the step's start event to its graph launched.
+    pub enqueue: Option<Duration>,
 }
 
 /// Per-step figures a rank records after each step.
@@ -60,7 +65,9 @@ pub fn record_step(r: &StepRecord) {
     // (RUST_LOG=epserve::step_times=trace; off by default).
     tracing::trace!(target: "epserve::step_times", step = r.step, layer = r.layer, tokens = r.tokens,
         us = r.times.total.as_micros() as u64,
-        device_us = r.times.device.map(|d| d.as_micros() as u64), "step");
+        device_us = r.times.device.map(|d| d.as_micros() as u64),
+        wait_us = r.times.device_wait.map(|d| d.as_micros() as u64),
+        enqueue_us = r.times.enqueue.map(|d| d.as_micros() as u64), "step");
     let phases = if r.times.phased { 5 } else { 0 };
     for (phase, d) in [
         ("gating", r.times.gating),

@@ -74,9 +74,10 @@ pub struct GpuRank {
     synced: CudaEvent,
     /// Each staging set's step has reached the ring (recorded on the copy-out stream).
     done: Vec<CudaEvent>,
-    /// Each staging set's step began and ended on the compute stream (timing events: its
-    /// device time, `PhaseTimes::device`).
+    /// Each staging set's step began, reached its graph, and ended on the compute stream
+    /// (timing events: `PhaseTimes::device` and `device_wait`).
     began: Vec<CudaEvent>,
+    launched: Vec<CudaEvent>,
     ended: Vec<CudaEvent>,
     /// Steps submitted and not yet completed, oldest first.
     flight: std::collections::VecDeque<Submitted>,
@@ -111,6 +112,8 @@ struct Submitted {
     bucket: usize,
     set: usize,
     started: Instant,
+    /// The host's time from the step's start event to its graph launched.
+    enqueue: Duration,
     /// The client memory its copies read and write, held open until it completes.
     _direct: Vec<DirectRun>,
 }
@@ -150,7 +153,7 @@ impl GpuRank {
                 .map(|_| core.g.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)))
                 .collect::<Result<Vec<_>, _>>()
         };
-        let (began, ended) = (timing()?, timing()?);
+        let (began, launched, ended) = (timing()?, timing()?, timing()?);
         let copies = Copies::new(&core)?;
         // The kernel refuses to pin a writable file mapping outside tmpfs (e.g. --shm-dir on
         // disk): then the driver stages the same copies through its own pinned buffers.
@@ -177,6 +180,7 @@ impl GpuRank {
             synced,
             done,
             began,
+            launched,
             ended,
             flight: std::collections::VecDeque::with_capacity(DEPTH),
             stuck: Vec::new(),
@@ -407,14 +411,15 @@ impl GpuRank {
 
     /// Enqueues the whole step: its rows into the inbox on the copy-in stream (behind the step
     /// before's use of it), the step on the compute stream, its output through the outbox on the
-    /// copy-out stream; then `done[set]`.
+    /// copy-out stream; then `done[set]`. Also the host's time from the step's start event to
+    /// its graph launched.
     fn launch(
         &mut self,
         desc: &StepDesc,
         home: Range<usize>,
         bi: usize,
         set: usize,
-    ) -> Result<Vec<DirectRun>, GpuError> {
+    ) -> Result<(Vec<DirectRun>, Duration), GpuError> {
         let (cell, n, layer) = (desc.cell as usize, home.len(), desc.layer as usize);
         let bucket = self.buckets[bi];
         let rows = match desc.input {
@@ -452,6 +457,7 @@ impl GpuRank {
         s.wait(&cp.inbox_full)?;
         unpack_rows(c, n, desc.input)?;
         cp.inbox_free.record(&s)?;
+        let began = Instant::now();
         self.began[set].record(&s)?;
         if let Some(m) = &mut self.mover {
             m.before(layer, &s)?;
@@ -459,6 +465,7 @@ impl GpuRank {
         if self.core.as_ref().is_some_and(|c| c.splits(bucket)) {
             metrics::counter!(metric_names::TWO_BATCH_STEPS_TOTAL).increment(1);
         }
+        self.launched[set].record(&s)?;
         match self.graphs.is_empty() {
             true => self.eager(set, layer, bucket, v)?,
             false => {
@@ -472,6 +479,7 @@ impl GpuRank {
                 st.copy_out(c, bucket)?;
             }
         }
+        let enqueue = began.elapsed();
         if let Some(m) = &mut self.mover {
             m.after(layer, &s)?;
         }
@@ -496,7 +504,7 @@ impl GpuRank {
         }
         cp.outbox_free.record(&cp.d2h)?;
         self.done[set].record(&cp.d2h)?;
-        Ok(runs)
+        Ok((runs, enqueue))
     }
 }
 
@@ -506,8 +514,8 @@ impl Backend for GpuRank {
         let (bi, set) = self.stage(desc, &home)?;
         let rank = self.core.as_ref().map_or(0, |c| c.shape.rank);
         let output = Output::of(desc, rank, home.clone());
-        let direct = match self.launch(desc, home, bi, set) {
-            Ok(runs) => runs,
+        let (direct, enqueue) = match self.launch(desc, home, bi, set) {
+            Ok(launched) => launched,
             Err(e) => return Err(self.failed(desc.step, e)),
         };
         self.next_set = (set + 1) % DEPTH;
@@ -518,6 +526,7 @@ impl Backend for GpuRank {
             bucket: self.buckets[bi],
             set,
             started,
+            enqueue,
             _direct: direct,
         });
         Ok(())
@@ -572,12 +581,15 @@ impl Backend for GpuRank {
             .publish_output(&f.output)
             .map_err(|msg| StepError::DataLink { step: f.step, msg })?;
         let world = self.ring.shape.world;
-        let device = (self.began[f.set].elapsed_ms(&self.ended[f.set]).ok())
-            .map(|ms| Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3));
+        let between = |a: &CudaEvent, b: &CudaEvent| {
+            (a.elapsed_ms(b).ok()).map(|ms| Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
+        };
         Ok(PhaseTimes {
             total: f.started.elapsed(),
             padding: (f.bucket * world).saturating_sub(f.tokens),
-            device,
+            device: between(&self.began[f.set], &self.ended[f.set]),
+            device_wait: between(&self.began[f.set], &self.launched[f.set]),
+            enqueue: Some(f.enqueue),
             ..PhaseTimes::default()
         })
     }
