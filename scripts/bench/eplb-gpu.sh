@@ -7,6 +7,9 @@
 source scripts/bench/device-env.sh
 mkdir -p /tmp/nccl230 && { [ -f /tmp/nccl230/env.sh ] || tar xJf .device/nccl230.tar.xz -C /tmp/nccl230; }
 B=${EPSERVE:-.device/bin/epserve}  # EPSERVE: another build to compare
+# serve and moves: the load generators' API (API=kserve-shm: rows through system shared memory,
+# less host work a request) and clients a layer (CONCURRENCY).
+api=${API:-unary}; client_shm=(); [ "$api" = kserve-shm ] && client_shm=(--allow-client-shm)
 bench() { # name limit args...
   local name=$1 lim=$2; shift 2
   (source /tmp/nccl230/env.sh && export NCCL_DEBUG=WARN &&
@@ -35,7 +38,7 @@ serve) # a rebalance under serving load: 4 layers, 4 skewed loads, every step's 
     RUST_LOG=info,epserve::step_times=trace $B launch --ranks 2 --backend nccl \
       --model synthetic:qwen3-30b-a3b --layers 4 --max-tokens-per-step 8192 \
       --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --shm-dir "$shm" \
-      "${extra[@]}" >"$out/serve-$mode.log" 2>&1 &
+      "${extra[@]}" "${client_shm[@]}" >"$out/serve-$mode.log" 2>&1 &
     pid=$!
     addr=""
     for _ in $(seq 1 600); do
@@ -44,7 +47,7 @@ serve) # a rebalance under serving load: 4 layers, 4 skewed loads, every step's 
     done
     echo "== serve $mode at '$addr' after $((SECONDS - t0))s"
     for l in 0 1 2 3; do
-      .device/bin/epserve-loadtest --target "$addr" --layer $l --concurrency ${CONCURRENCY:-4} --tokens 2048 \
+      .device/bin/epserve-loadtest --target "$addr" --layer $l --api $api --concurrency ${CONCURRENCY:-4} --tokens 2048 \
         --client-routing --skew 1 --warmup 2s --duration 40s --timeout 20s --json "$out/load-$mode-$l.json" \
         >"$out/load-$mode-$l.log" 2>&1 &
     done
@@ -71,7 +74,7 @@ print(json.dumps({'phy2log': [A[0]+A[1]]*4}))" $1 > "$pl"; }
     $B launch --ranks 2 --backend ${MOVES_BACKEND:-nccl} \
     --model synthetic:qwen3-30b-a3b --layers 4 --max-tokens-per-step 8192 --placement "$pl" \
     --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --shm-dir "$shm" \
-    >"$out/serve-moves.log" 2>&1 &
+    "${client_shm[@]}" >"$out/serve-moves.log" 2>&1 &
   pid=$!; addr=""
   for _ in $(seq 1 600); do
     addr=$(sed -n 's/.*serving gRPC on \([0-9.:]*\).*/\1/p' "$out/serve-moves.log" | head -1)
@@ -81,7 +84,7 @@ print(json.dumps({'phy2log': [A[0]+A[1]]*4}))" $1 > "$pl"; }
   echo "== serve moves at '$addr' (rank 0 pid '$r0') after $((SECONDS - t0))s"
   loads=()
   for l in 0 1 2 3; do
-    .device/bin/epserve-loadtest --target "$addr" --layer $l --concurrency ${CONCURRENCY:-4} --tokens 2048 \
+    .device/bin/epserve-loadtest --target "$addr" --layer $l --api $api --concurrency ${CONCURRENCY:-4} --tokens 2048 \
       --client-routing --warmup 2s --duration 40s --timeout 20s --json "$out/load-moves-$l.json" \
       >"$out/load-moves-$l.log" 2>&1 & loads+=($!)
   done

@@ -90,6 +90,17 @@ for f in sys.argv[1:]:
         print(f, what, "steps", len(timed), "medians by (layer, tokens)", med)
         allr = sorted(ratio(s) for s in timed if tuple(s[1:3]) in med)
         print("  all steps / their (layer, size)'s median: p50 %.2f p90 %.2f p99 %.2f p99.9 %.2f max %.2f; over 1.1x: %d of %d" % (pct(allr, .5), pct(allr, .9), pct(allr, .99), pct(allr, .999), allr[-1], sum(r > 1.1 for r in allr), len(allr)))
+        if col == 6:
+            # Rank 0's GPU idle before each step (its completion less the one before, less its
+            # device time): steps after a longer idle run over 1.1x more often.
+            seq = sorted((s for s in timed if tuple(s[1:3]) in med), key=lambda s: s[0])
+            bins = [(0, 600), (600, 1500), (1500, 1e9)]
+            for lo, hi in bins:
+                r = [ratio(b) for a, b in zip(seq, seq[1:]) if lo <= (b[0] - a[0]) * 1e6 - b[4] < hi]
+                if r:
+                    print("  after %s us of idle on rank 0: %d steps, over 1.1x: %d (%.2f%%)" % (
+                        "%d-%s" % (lo, int(hi) if hi < 1e9 else ""), len(r), sum(x > 1.1 for x in r),
+                        100.0 * sum(x > 1.1 for x in r) / len(r)))
         if col == 6 and wait_by_step:
             for s in timed:
                 if tuple(s[1:3]) in med and ratio(s) > 1.1:
