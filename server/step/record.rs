@@ -27,7 +27,8 @@ pub struct PhaseTimes {
     /// Of `device`, the time before the step's graph: the stream waiting for the host to
     /// enqueue it, or for a placement's copies (`Mover::before`).
     pub device_wait: Option<Duration>,
-    /// The host's time from enqueueing the step's start event to its graph launched.
+    /// The host's time from enqueueing the step's start event to its graph launched and its
+    /// counts' copies enqueued behind it.
     pub enqueue: Option<Duration>,
 }
 

@@ -112,7 +112,8 @@ struct Submitted {
     bucket: usize,
     set: usize,
     started: Instant,
-    /// The host's time from the step's start event to its graph launched.
+    /// The host's time from the step's start event to its graph launched and the copies of its
+    /// counts behind it enqueued.
     enqueue: Duration,
     /// The client memory its copies read and write, held open until it completes.
     _direct: Vec<DirectRun>,
@@ -412,7 +413,7 @@ impl GpuRank {
     /// Enqueues the whole step: its rows into the inbox on the copy-in stream (behind the step
     /// before's use of it), the step on the compute stream, its output through the outbox on the
     /// copy-out stream; then `done[set]`. Also the host's time from the step's start event to
-    /// its graph launched.
+    /// its graph and its counts' copies enqueued.
     fn launch(
         &mut self,
         desc: &StepDesc,
