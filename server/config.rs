@@ -327,6 +327,17 @@ pub struct ServeArgs {
         default_value_t = 1.05
     )]
     pub eplb_threshold: f64,
+    /// How much of a new placement's weight copies a GPU rank starts beside one step: layer (a
+    /// whole layer's) or a size (e.g. 256MiB: a layer in parts of at most that, one a step,
+    /// each after the step before it has ended).
+    #[arg(
+        help_heading = "Load balance",
+        long,
+        env = "EPSERVE_EPLB_STEP_COPIES",
+        default_value = "layer",
+        value_parser = crate::eplb::pace::step_copies
+    )]
+    pub eplb_step_copies: crate::eplb::pace::StepCopies,
     /// Seed of synthetic weights.
     #[arg(
         help_heading = "Model",

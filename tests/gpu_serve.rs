@@ -632,7 +632,8 @@ fn a_placement_applied_between_graph_replays_equals_a_group_started_on_it() {
         backends.push(("nccl-ep", vec![5, 77], "fp8", "ht"));
     }
     // EPSERVE_PLACEMENT_CASES=nccl-ep/fp8/ht,...: those cases only (a device call's time
-    // limit); a case named with /0 runs without the replicas.
+    // limit); a case named with /0 runs without the replicas. The ranks inherit the
+    // environment: EPSERVE_EPLB_STEP_COPIES=1 lands each placement a slot a step.
     if let Ok(only) = std::env::var("EPSERVE_PLACEMENT_CASES") {
         let mut picked = vec![];
         for c in only.split(',') {

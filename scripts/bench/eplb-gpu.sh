@@ -9,6 +9,7 @@ mkdir -p /tmp/nccl230 && { [ -f /tmp/nccl230/env.sh ] || tar xJf .device/nccl230
 B=${EPSERVE:-.device/bin/epserve}  # EPSERVE: another build to compare
 # serve and moves: the load generators' API (API=kserve-shm: rows through system shared memory,
 # less host work a request) and clients a layer (CONCURRENCY).
+# A placement's copies in parts: EPSERVE_EPLB_STEP_COPIES=300MiB (the flag's env; default layer).
 api=${API:-unary}; client_shm=(); [ "$api" = kserve-shm ] && client_shm=(--allow-client-shm)
 bench() { # name limit args...
   local name=$1 lim=$2; shift 2

@@ -294,6 +294,7 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringU
             let moving = moves.then(|| gpu::Moving {
                 slots: p.slots.clone(),
                 source: p.source.clone(),
+                step_copies: args.eplb_step_copies,
             });
             let dev = gpu::open(seat, &p.spec, weights, moving)?;
             p.exchange_bytes = dev.buffer_bytes() as u64;

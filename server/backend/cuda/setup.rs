@@ -15,6 +15,7 @@ use crate::backend::cuda::sys::nccl::{init_apart, loaded, new_id};
 use crate::backend::cuda::Gpu;
 use crate::backend::cuda::{Alloc, GpuError};
 use crate::backend::device::{check_gpu_limits, GpuDevice, Joining, Moving, Seat};
+use crate::eplb::pace::StepCopies;
 use crate::eplb::SlotMap;
 use crate::model::{ExpertDtype, ModelSource, MoeSpec, RankWeights};
 use crate::place::Place;
@@ -70,8 +71,9 @@ pub struct Device {
     ordinal: usize,
     /// Where the slots start, when they may move (read through a slot table)...
     slots: Option<SlotMap>,
-    /// ...and where a moved slot's weights come from (None in `epserve bench`: they never move).
-    source: Option<ModelSource>,
+    /// ...and where a moved slot's weights come from (None in `epserve bench`: they never
+    /// move), and how many of a placement's copies go beside a step.
+    source: Option<(ModelSource, StepCopies)>,
 }
 
 impl Device {
@@ -82,7 +84,7 @@ impl Device {
         moving: Option<Moving>,
     ) -> anyhow::Result<Self> {
         let (slots, source) = match moving {
-            Some(m) => (Some(m.slots), Some(m.source)),
+            Some(m) => (Some(m.slots), Some((m.source, m.step_copies))),
             None => (None, None),
         };
         let mut d = Self::new(seat, spec, weights.dtype, slots, |g, alloc, shape| {
@@ -254,9 +256,10 @@ impl GpuDevice for Device {
         let rank = self.shape.rank;
         let near = near_ranks(&at.nodes, rank, self.shape.world);
         let moving = match (&self.slots, &self.source) {
-            (Some(slots), Some(source)) => Some(Moving {
+            (Some(slots), Some((source, step_copies))) => Some(Moving {
                 slots: slots.clone(),
                 source: source.clone(),
+                step_copies: *step_copies,
             }),
             _ => None,
         };

@@ -525,15 +525,24 @@ impl Land for GpuStep {
         Ok(())
     }
 
-    fn land(
+    fn steps(&self) -> &Arc<CudaStream> {
+        &self.g.stream
+    }
+
+    fn copy(
         &mut self,
         staged: &Staged,
-        layer: usize,
+        at: &[usize],
         stream: &Arc<CudaStream>,
     ) -> Result<(), GpuError> {
-        for (_, i, w) in staged.slots.iter().filter(|(l, _, _)| *l == layer) {
-            self.layers[layer].experts.write_group(*i, w, stream)?;
+        for &k in at {
+            let (l, i, w) = &staged.slots[k];
+            self.layers[*l].experts.write_group(*i, w, stream)?;
         }
+        Ok(())
+    }
+
+    fn rows(&mut self, layer: usize, stream: &Arc<CudaStream>) -> Result<(), GpuError> {
         self.table_mut()?.write(layer, stream)?;
         Ok(())
     }

@@ -192,15 +192,19 @@ impl Staged {
 /// What holds the slots' weights and the table the graphs read (the step): where an applied
 /// placement lands, layer by layer.
 pub trait Land {
-    /// Makes `map` the placement the table's rows are written from (`land`).
+    /// Makes `map` the placement the table's rows are written from (`rows`).
     fn table_from(&mut self, map: &SlotMap) -> Result<(), GpuError>;
-    /// Layer `layer`'s share of `staged` on `stream`: its slots copied over the ones they
-    /// rewrite, and its rows of the table. No step of the layer may run meanwhile: the caller
-    /// orders `stream` after the layer's last step, and the next after the copies.
-    fn land(
+    /// The stream the steps run on.
+    fn steps(&self) -> &Arc<CudaStream>;
+    /// `staged`'s slots `at` (indices in its list) copied over the ones they rewrite, on
+    /// `stream`. No step of their layers may run meanwhile: the caller orders `stream` after
+    /// the layers' last steps, and their next after the copies.
+    fn copy(
         &mut self,
         staged: &Staged,
-        layer: usize,
+        at: &[usize],
         stream: &Arc<CudaStream>,
     ) -> Result<(), GpuError>;
+    /// Layer `layer`'s rows of the table on `stream`, once its slots are copied.
+    fn rows(&mut self, layer: usize, stream: &Arc<CudaStream>) -> Result<(), GpuError>;
 }

@@ -10,6 +10,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
 use super::{Land, Spare, Staged};
 use crate::backend::cuda::GpuError;
 use crate::backend::device::Moving;
+use crate::eplb::pace::{Pace, Part, StepCopies};
 use crate::eplb::stage::{rewritten, Stager};
 use crate::eplb::SlotMap;
 use crate::model::{ExpertDtype, Ffn, ModelSource, MoeSpec};
@@ -21,10 +22,6 @@ const TIMED: CUevent_flags = CUevent_flags::CU_EVENT_DEFAULT;
 /// Experts a staging thread loads, uploads and frees at a time.
 const STAGE_BATCH: usize = 8;
 
-/// Steps a layer runs on its old slots, when it is the only one left to land, before it lands
-/// in front of its own step (which then waits for the copies).
-const ALONE: usize = 8;
-
 /// A moving group's slots on this rank: the placement steps run on, and a new one's weights,
 /// read from the model on a thread of their own and uploaded on a stream of their own (into
 /// `Spare` slots where it has them) until a step applies them. Applied, its layers land one
@@ -35,7 +32,9 @@ const ALONE: usize = 8;
 /// lands a layer at the same step. One layer at a time, not in front of its own step: a whole
 /// placement enqueued at once held the step thread 3-4 ms (256 slots), and a layer landed in
 /// front of its own step made that step wait for its copies (1.4-2.4x its median; 2x H100,
-/// docs/benchmarks.md "Load balance").
+/// docs/benchmarks.md "Load balance"). With `--eplb-step-copies SIZE` a layer lands in parts
+/// of that size, one beside each step, each part started when the step before it has ended
+/// (`Pace`).
 pub struct Mover {
     pub map: Arc<SlotMap>,
     source: ModelSource,
@@ -46,6 +45,10 @@ pub struct Mover {
     staged: Stager<Staged>,
     /// Where applied placements' copies run.
     stream: Arc<CudaStream>,
+    /// How much of them may start beside one step (`--eplb-step-copies`).
+    step_copies: StepCopies,
+    /// Recorded on the step stream before a part: the part starts once the steps before it end.
+    paced: CudaEvent,
     /// Per layer: its last step's end on the step stream; its copies' end on `stream`, and
     /// whether its next step must wait for them.
     used: Vec<CudaEvent>,
@@ -61,12 +64,10 @@ pub struct Mover {
     retired: Vec<(CudaEvent, Staged, Option<CudaEvent>)>,
 }
 
-/// An applied placement's staged weights and the layers whose copies are not enqueued yet.
+/// An applied placement's staged weights and the copies not enqueued yet.
 struct Landing {
     staged: Staged,
-    left: Vec<bool>,
-    /// Steps run since only their own layer was left to land.
-    alone: usize,
+    pace: Pace,
     /// Recorded on the move stream when it was applied: the copies' device time is from here.
     started: CudaEvent,
     applied: Instant,
@@ -94,6 +95,8 @@ impl Mover {
             landed: events(layers)?,
             waiting: vec![false; layers],
             stream: ctx.new_stream()?,
+            step_copies: m.step_copies,
+            paced: ctx.new_event(None)?,
             map: Arc::new(m.slots),
             source: m.source,
             spec,
@@ -145,9 +148,9 @@ impl Mover {
         // No layer's copies are enqueued yet: a failure leaves the old placement in use.
         let started = begun.map_err(|e| format!("placement epoch {epoch}: {e}"))?;
         self.map = staged.map.clone();
+        let slots = (staged.slots.iter()).map(|(l, _, w)| (*l, w.bytes() as u64));
         self.landing = Some(Landing {
-            left: vec![true; self.used.len()],
-            alone: 0,
+            pace: Pace::new(self.used.len(), slots, self.step_copies),
             staged,
             started,
             applied: Instant::now(),
@@ -155,25 +158,18 @@ impl Mover {
         Ok(())
     }
 
-    /// A step of layer `layer` is about to be enqueued: one other layer of a placement landing
-    /// lands now, its copies beside that step (the one run last first: its next step is the
-    /// furthest off); this layer itself only when no other is left and it has run `ALONE`
-    /// steps since (one busy layer must wait once). Called before the step's first enqueue, so
-    /// the copies' enqueueing (1-2 ms of host a layer) runs while the steps in flight do.
+    /// A step of layer `layer` is about to be enqueued: what `Pace` puts beside it (a layer
+    /// of a placement landing, or a part of one, the one run last first) lands now, its copies
+    /// beside that step. Called before the step's first enqueue, so the copies' enqueueing
+    /// (1-2 ms of host a layer) runs while the steps in flight do.
     pub fn land_beside(&mut self, layer: usize, step: &mut impl Land) -> Result<(), GpuError> {
         let last = self.last;
-        let pick = self.landing.as_mut().and_then(|l| {
-            let other = |x: usize| x != layer && l.left[x];
-            match last.filter(|&x| other(x)) {
-                Some(x) => Some(x),
-                None => (0..l.left.len()).find(|&x| other(x)).or_else(|| {
-                    l.alone += 1;
-                    (l.left[layer] && l.alone > ALONE).then_some(layer)
-                }),
-            }
-        });
-        match pick {
-            Some(x) => self.land(x, step),
+        match self
+            .landing
+            .as_mut()
+            .and_then(|l| l.pace.beside(layer, last))
+        {
+            Some(p) => self.land(p, step),
             None => Ok(()),
         }
     }
@@ -194,17 +190,25 @@ impl Mover {
         self.used[layer].record(stream)
     }
 
-    /// Enqueues layer `layer`'s copies and table rows behind its last step; the placement is
-    /// retired once its last layer's are.
-    fn land(&mut self, layer: usize, step: &mut impl Land) -> Result<(), GpuError> {
+    /// Enqueues part `p`'s copies behind its layer's last step (and, in parts, behind the
+    /// steps enqueued so far), then, with its layer's last part, the layer's table rows; the
+    /// placement is retired once every layer's are.
+    fn land(&mut self, p: Part, step: &mut impl Land) -> Result<(), GpuError> {
         let s = self.stream.clone();
         let l = self.landing.as_mut().expect("a placement is landing");
-        l.left[layer] = false;
-        s.wait(&self.used[layer])?;
-        step.land(&l.staged, layer, &s)?;
-        self.landed[layer].record(&s)?;
-        self.waiting[layer] = true;
-        if l.left.iter().any(|&x| x) {
+        s.wait(&self.used[p.layer])?;
+        if l.pace.parted() {
+            self.paced.record(step.steps())?;
+            s.wait(&self.paced)?;
+        }
+        step.copy(&l.staged, &p.slots, &s)?;
+        if !p.last {
+            return Ok(());
+        }
+        step.rows(p.layer, &s)?;
+        self.landed[p.layer].record(&s)?;
+        self.waiting[p.layer] = true;
+        if !l.pace.done() {
             return Ok(());
         }
         let l = self.landing.take().expect("checked above");
@@ -221,8 +225,8 @@ impl Mover {
 
     /// Every layer still to land, now.
     fn land_all(&mut self, step: &mut impl Land) -> Result<(), GpuError> {
-        while let Some(l) = (self.landing.as_ref()).and_then(|l| l.left.iter().position(|&x| x)) {
-            self.land(l, step)?;
+        while let Some(p) = self.landing.as_mut().and_then(|l| l.pace.next_whole()) {
+            self.land(p, step)?;
         }
         Ok(())
     }
