@@ -8,7 +8,7 @@ source scripts/bench/device-env.sh
 mkdir -p /tmp/nccl230 && { [ -f /tmp/nccl230/env.sh ] || tar xJf .device/nccl230.tar.xz -C /tmp/nccl230; }
 B=${EPSERVE:-.device/bin/epserve}  # EPSERVE: another build to compare
 # serve and moves: the load generators' API (API=kserve-shm: rows through system shared memory,
-# less host work a request) and clients a layer (CONCURRENCY).
+# less host work a request), clients a layer (CONCURRENCY) and seconds of load (DURATION, 40).
 # A placement's copies in parts: EPSERVE_EPLB_STEP_COPIES=300MiB (the flag's env; default layer).
 api=${API:-unary}; client_shm=(); [ "$api" = kserve-shm ] && client_shm=(--allow-client-shm)
 bench() { # name limit args...
@@ -49,7 +49,7 @@ serve) # a rebalance under serving load: 4 layers, 4 skewed loads, every step's 
     echo "== serve $mode at '$addr' after $((SECONDS - t0))s"
     for l in 0 1 2 3; do
       .device/bin/epserve-loadtest --target "$addr" --layer $l --api $api --concurrency ${CONCURRENCY:-4} --tokens 2048 \
-        --client-routing --skew 1 --warmup 2s --duration 40s --timeout 20s --json "$out/load-$mode-$l.json" \
+        --client-routing --skew 1 --warmup 2s --duration ${DURATION:-40}s --timeout 20s --json "$out/load-$mode-$l.json" \
         >"$out/load-$mode-$l.log" 2>&1 &
     done
     date +%T.%N
@@ -67,12 +67,14 @@ serve) # a rebalance under serving load: 4 layers, 4 skewed loads, every step's 
 moves) # placements applied under serving load, one every MOVE_EVERY s (default 6; 0: none), alternating
   # two files in which every slot but the replicas changes expert (SIGHUP re-reads --placement)
   shm=$(mktemp -d -p /dev/shm); pl=$(mktemp -p /dev/shm placement.XXXX.json)
-  place() { python3 -c "import json,sys; b=sys.argv[1]=='b'
-A=[list(range(64,128))[::-1]+[5], list(range(0,64))[::-1]+[77]] if b else [list(range(0,64))+[5], list(range(64,128))+[77]]
-print(json.dumps({'phy2log': [A[0]+A[1]]*4}))" $1 > "$pl"; }
+  # RANKS (default 2): 1 runs the same load and placements on one GPU.
+  w=${RANKS:-2}
+  place() { python3 -c "import json,sys; b=sys.argv[1]=='b'; W=int(sys.argv[2]); p=128//W; x=[5,77]
+blk=lambda r: list(range(((r+1)%W)*p,((r+1)%W+1)*p))[::-1] if b else list(range(r*p,(r+1)*p))
+print(json.dumps({'phy2log': [sum((blk(r)+x[r*2//W:(r+1)*2//W] for r in range(W)),[])]*4}))" $1 $w > "$pl"; }
   place a
   RUST_LOG=info,epserve::step_times=trace,epserve::staging=trace \
-    $B launch --ranks 2 --backend ${MOVES_BACKEND:-nccl} \
+    $B launch --ranks $w --backend ${MOVES_BACKEND:-nccl} \
     --model synthetic:qwen3-30b-a3b --layers 4 --max-tokens-per-step 8192 --placement "$pl" \
     --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --shm-dir "$shm" \
     "${client_shm[@]}" >"$out/serve-moves.log" 2>&1 &
@@ -86,7 +88,7 @@ print(json.dumps({'phy2log': [A[0]+A[1]]*4}))" $1 > "$pl"; }
   loads=()
   for l in 0 1 2 3; do
     .device/bin/epserve-loadtest --target "$addr" --layer $l --api $api --concurrency ${CONCURRENCY:-4} --tokens 2048 \
-      --client-routing --warmup 2s --duration 40s --timeout 20s --json "$out/load-moves-$l.json" \
+      --client-routing --warmup 2s --duration ${DURATION:-40}s --timeout 20s --json "$out/load-moves-$l.json" \
       >"$out/load-moves-$l.log" 2>&1 & loads+=($!)
   done
   sleep 4; n=0

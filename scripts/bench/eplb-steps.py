@@ -10,6 +10,8 @@
 # - group, graph only: the same without each rank's wait before its graph (`wait_us`: its host
 #   still enqueueing the step, or a placement's copies); every step over 1.1x in the group
 #   measure is listed with each rank's wait and host enqueue time (`enqueue_us`).
+# - beside the copies: per placement that moved weights, the group steps from the one after
+#   rank 0 applied it to two after its last copies were enqueued (two steps in flight).
 # With RUST_LOG=...,epserve::staging=trace, each gap also names the staging phases of rank 0's
 # batches (load, upload, free: each batch's line ends its free) that overlap it, and by how much.
 # usage: python3 scripts/bench/eplb-steps.py LOG...
@@ -26,6 +28,9 @@ LINE = re.compile(r"rank=(\d+) .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*step_times: step 
                   r"layer=(\d+) tokens=(\d+) us=(\d+)(?: device_us=(\d+))?(?: wait_us=(\d+))?"
                   r"(?: enqueue_us=(\d+))?")
 APPLIED = re.compile(r"rank=0 .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*placement applied")
+# The steps a placement's copies run beside: from its apply to its last copies enqueued.
+APPLIED_AT = re.compile(r"rank=0 .*step=(\d+) .*placement applied epoch=(\d+) moved_bytes=(\d+)")
+ENQUEUED_AT = re.compile(r"rank=0 .*step=(\d+) .*copies enqueued.* epoch=(\d+)")
 BATCH = re.compile(r"rank=0 .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*batch staged .*load_ms=([\d.]+) "
                    r"upload_ms=([\d.]+) free_ms=([\d.]+)")
 
@@ -47,7 +52,12 @@ def beside(a, b, staged):
 for f in sys.argv[1:]:
     rank0, applied, dev_by_step, staged = [], [], defaultdict(dict), []
     wait_by_step = defaultdict(dict)
+    moved, enqueued = [], {}
     for line in open(f):
+        a = APPLIED_AT.search(line)
+        if a and int(a.group(3)) > 0: moved.append((int(a.group(1)), int(a.group(2)), int(a.group(3))))
+        a = ENQUEUED_AT.search(line)
+        if a: enqueued[int(a.group(2))] = int(a.group(1))
         m = LINE.search(line)
         if m:
             rank = int(m.group(1))
@@ -74,7 +84,7 @@ for f in sys.argv[1:]:
     ranks = max((len(v) for v in dev_by_step.values()), default=0)
     for s in rank0:
         d = dev_by_step.get(s[5], {})
-        s.append(min(d.values()) if ranks > 1 and len(d) == ranks else None)
+        s.append(min(d.values()) if ranks > 0 and len(d) == ranks else None)
         w = wait_by_step.get(s[5], {})
         s.append(min(d[r] - w[r][0] for r in d) if s[6] is not None and len(w) == ranks else None)
     for col, what in [(3, "host, rank 0 submit to completion"), (4, "device, rank 0's stream time"),
@@ -101,6 +111,21 @@ for f in sys.argv[1:]:
                     print("  after %s us of idle on rank 0: %d steps, over 1.1x: %d (%.2f%%)" % (
                         "%d-%s" % (lo, int(hi) if hi < 1e9 else ""), len(r), sum(x > 1.1 for x in r),
                         100.0 * sum(x > 1.1 for x in r) / len(r)))
+        if col in (6, 7) and moved:
+            by_step = {s[5]: s for s in timed if tuple(s[1:3]) in med}
+            beside = []
+            for s0, epoch, nbytes in moved:
+                if epoch not in enqueued: continue
+                sel = [by_step[k] for k in range(s0 + 1, enqueued[epoch] + 3) if k in by_step]
+                if not sel: continue
+                beside += sel
+                print("  beside placement %d's copies (%.2f GB over the group, steps %d-%d): %s" % (
+                    epoch, nbytes / 1e9, s0 + 1, enqueued[epoch] + 2,
+                    ", ".join("%.2f" % ratio(s) for s in sel)))
+            if beside:
+                r = sorted(ratio(s) for s in beside)
+                print("  every step beside the copies of %d placements: %d steps, max %.2f; over 1.1x: %d" % (
+                    len(moved), len(r), r[-1], sum(x > 1.1 for x in r)))
         if col == 6 and wait_by_step:
             for s in timed:
                 if tuple(s[1:3]) in med and ratio(s) > 1.1:
