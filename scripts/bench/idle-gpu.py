@@ -1,7 +1,8 @@
 # Does a GPU run the same work slower after it has idled? #54's steps over 1.1x came after
 # 1.5 ms or more of GPU idle (docs/benchmarks.md "Load balance"); this times a fixed GEMM and a
 # fixed device copy (CUDA events) after host-made idle gaps, and again with one spinning thread
-# block (torch.cuda._sleep) keeping the GPU busy through each gap.
+# block (torch.cuda._sleep) keeping the GPU busy through each gap; and a captured graph of many
+# small kernels around the GEMM, as a step is.
 # usage (GPU machine): python3 scripts/bench/idle-gpu.py [REPS]
 import sys, time, statistics, torch
 
@@ -12,6 +13,21 @@ b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
 src = torch.empty(1 << 30, device=dev, dtype=torch.uint8)
 dst = torch.empty_like(src)
 work = {"gemm 4096x8192x8192 bf16": lambda: torch.mm(a, b), "copy 1 GiB": lambda: dst.copy_(src)}
+# A captured graph like a step's: many small kernels around the GEMM, replayed.
+x = torch.randn(1 << 20, device=dev)
+def small_then_gemm():
+    for _ in range(48): x.mul_(1.0001)
+    torch.mm(a, b, out=c)
+    for _ in range(48): x.add_(1e-4)
+c = torch.empty(4096, 8192, device=dev, dtype=torch.bfloat16)
+cap = torch.cuda.Stream()
+with torch.cuda.stream(cap):
+    for _ in range(3): small_then_gemm()
+torch.cuda.synchronize()
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    small_then_gemm()
+work["graph: 96 small kernels + the gemm"] = g.replay
 side = torch.cuda.Stream()
 try:
     hz = torch.cuda.clock_rate() * 1e6
@@ -41,6 +57,6 @@ for name, f in work.items():
             med = statistics.median(ts)
             base = base or med
             over = sum(t > 1.1 * base for t in ts)
-            print("%-26s %-11s gap %5.1f ms: median %7.1f us (%.3fx of gap 0), p90 %.3fx, max %.3fx, over 1.1x %d of %d" % (
+            print("%-34s %-11s gap %5.1f ms: median %7.1f us (%.3fx of gap 0), p90 %.3fx, max %.3fx, over 1.1x %d of %d" % (
                 name, "kept busy" if warm else "idle", gap_ms, med, med / base,
                 sorted(ts)[int(0.9 * reps)] / base, max(ts) / base, over, reps))
