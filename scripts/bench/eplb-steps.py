@@ -113,19 +113,19 @@ for f in sys.argv[1:]:
                         100.0 * sum(x > 1.1 for x in r) / len(r)))
         if col in (6, 7) and moved:
             by_step = {s[5]: s for s in timed if tuple(s[1:3]) in med}
-            beside = []
+            beside, listed = [], 0
             for s0, epoch, nbytes in moved:
                 if epoch not in enqueued: continue
                 sel = [by_step[k] for k in range(s0 + 1, enqueued[epoch] + 3) if k in by_step]
                 if not sel: continue
-                beside += sel
+                beside += sel; listed += 1
                 print("  beside placement %d's copies (%.2f GB over the group, steps %d-%d): %s" % (
                     epoch, nbytes / 1e9, s0 + 1, enqueued[epoch] + 2,
                     ", ".join("%.2f" % ratio(s) for s in sel)))
             if beside:
                 r = sorted(ratio(s) for s in beside)
                 print("  every step beside the copies of %d placements: %d steps, max %.2f; over 1.1x: %d" % (
-                    len(moved), len(r), r[-1], sum(x > 1.1 for x in r)))
+                    listed, len(r), r[-1], sum(x > 1.1 for x in r)))
         if col == 6 and wait_by_step:
             for s in timed:
                 if tuple(s[1:3]) in med and ratio(s) > 1.1:

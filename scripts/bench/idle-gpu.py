@@ -35,7 +35,7 @@ except Exception:
     hz = 1.98e9  # H200's boost clock: the spin's length only needs to cover the gap
 print(torch.cuda.get_device_name(), "reps", reps)
 
-def spin(s):  # host busy-wait: sleep() overshoots by ~60 us
+def spin(s):  # a host busy-wait: time.sleep may overshoot a sub-millisecond gap
     end = time.perf_counter() + s
     while time.perf_counter() < end: pass
 
