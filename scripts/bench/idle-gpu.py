@@ -2,11 +2,12 @@
 # 1.5 ms or more of GPU idle (docs/benchmarks.md "Load balance"); this times a fixed GEMM and a
 # fixed device copy (CUDA events) after host-made idle gaps, and again with one spinning thread
 # block (torch.cuda._sleep) keeping the GPU busy through each gap; and a captured graph of many
-# small kernels around the GEMM, as a step is.
-# usage (GPU machine): python3 scripts/bench/idle-gpu.py [REPS]
+# small kernels around the GEMM, as a step is, also between small page-locked copies in and out.
+# usage (GPU machine): python3 scripts/bench/idle-gpu.py [REPS [NAME]] (NAME: the work whose name has it)
 import sys, time, statistics, torch
 
 reps = int(sys.argv[1]) if len(sys.argv) > 1 else 150
+only = sys.argv[2] if len(sys.argv) > 2 else ""
 dev = torch.device("cuda")
 a = torch.randn(4096, 8192, device=dev, dtype=torch.bfloat16)
 b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
@@ -28,6 +29,15 @@ g = torch.cuda.CUDAGraph()
 with torch.cuda.graph(g):
     small_then_gemm()
 work["graph: 96 small kernels + the gemm"] = g.replay
+# As a step is timed: small copies in from page-locked memory, the graph, counts copied out
+# (`cuda/rank`: the span from `launched` to `ended`), so the copy engines too.
+h_in, d_in = torch.zeros(1024, pin_memory=True), torch.zeros(1024, device=dev)
+h_out, d_out = torch.zeros(4096, pin_memory=True), torch.zeros(4096, device=dev)
+def step_like():
+    d_in.copy_(h_in, non_blocking=True)
+    g.replay()
+    h_out.copy_(d_out, non_blocking=True)
+work["copy in, the graph, copy out"] = step_like
 side = torch.cuda.Stream()
 try:
     hz = torch.cuda.clock_rate() * 1e6
@@ -40,6 +50,7 @@ def spin(s):  # a host busy-wait: time.sleep may overshoot a sub-millisecond gap
     while time.perf_counter() < end: pass
 
 for name, f in work.items():
+    if only not in name: continue
     for _ in range(20): f()
     torch.cuda.synchronize()
     base = None
