@@ -335,9 +335,9 @@ pub struct ServeArgs {
         long,
         env = "EPSERVE_EPLB_STEP_COPIES",
         default_value = "layer",
-        value_parser = crate::eplb::pace::step_copies
+        value_parser = crate::eplb::copy_order::step_copies
     )]
-    pub eplb_step_copies: crate::eplb::pace::StepCopies,
+    pub eplb_step_copies: crate::eplb::copy_order::StepCopies,
     /// Seed of synthetic weights.
     #[arg(
         help_heading = "Model",

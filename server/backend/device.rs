@@ -82,7 +82,7 @@ pub struct Moving {
     pub slots: crate::eplb::SlotMap,
     pub source: crate::model::ModelSource,
     /// How much of a placement's copies may start beside one step (`--eplb-step-copies`).
-    pub step_copies: crate::eplb::pace::StepCopies,
+    pub step_copies: crate::eplb::copy_order::StepCopies,
 }
 
 /// A GPU with this rank's weights on it, not yet in the group (`gpu::open`).

@@ -6,7 +6,7 @@
 //! draws the skewed load the balancer is tested and measured under.
 
 pub mod balance;
-pub mod pace;
+pub mod copy_order;
 pub mod policy;
 pub mod skew;
 pub mod stage;

@@ -15,7 +15,7 @@ use crate::backend::cuda::sys::nccl::{init_apart, loaded, new_id};
 use crate::backend::cuda::Gpu;
 use crate::backend::cuda::{Alloc, GpuError};
 use crate::backend::device::{check_gpu_limits, GpuDevice, Joining, Moving, Seat};
-use crate::eplb::pace::StepCopies;
+use crate::eplb::copy_order::StepCopies;
 use crate::eplb::SlotMap;
 use crate::model::{ExpertDtype, ModelSource, MoeSpec, RankWeights};
 use crate::place::Place;

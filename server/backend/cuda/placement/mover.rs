@@ -10,7 +10,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
 use super::{Land, Spare, Staged};
 use crate::backend::cuda::GpuError;
 use crate::backend::device::Moving;
-use crate::eplb::pace::{Pace, Part, StepCopies};
+use crate::eplb::copy_order::{CopyOrder, Part, StepCopies};
 use crate::eplb::stage::{rewritten, Stager};
 use crate::eplb::SlotMap;
 use crate::model::{ExpertDtype, Ffn, ModelSource, MoeSpec};
@@ -34,7 +34,7 @@ const STAGE_BATCH: usize = 8;
 /// front of its own step made that step wait for its copies (1.4-2.4x its median; 2x H100,
 /// docs/benchmarks.md "Load balance"). With `--eplb-step-copies SIZE` a layer lands in parts
 /// of that size, one beside each step, each part started when the step before it has ended
-/// (`Pace`).
+/// (`CopyOrder`).
 pub struct Mover {
     pub map: Arc<SlotMap>,
     source: ModelSource,
@@ -67,7 +67,7 @@ pub struct Mover {
 /// An applied placement's staged weights and the copies not enqueued yet.
 struct Landing {
     staged: Staged,
-    pace: Pace,
+    order: CopyOrder,
     /// Recorded on the move stream when it was applied: the copies' device time is from here.
     started: CudaEvent,
     applied: Instant,
@@ -150,7 +150,7 @@ impl Mover {
         self.map = staged.map.clone();
         let slots = (staged.slots.iter()).map(|(l, _, w)| (*l, w.bytes() as u64));
         self.landing = Some(Landing {
-            pace: Pace::new(self.used.len(), slots, self.step_copies),
+            order: CopyOrder::new(self.used.len(), slots, self.step_copies),
             staged,
             started,
             applied: Instant::now(),
@@ -158,16 +158,16 @@ impl Mover {
         Ok(())
     }
 
-    /// A step of layer `layer` is about to be enqueued: what `Pace` puts beside it (a layer
-    /// of a placement landing, or a part of one, the one run last first) lands now, its copies
-    /// beside that step. Called before the step's first enqueue, so the copies' enqueueing
+    /// A step of layer `layer` is about to be enqueued: what `CopyOrder` puts beside it (a
+    /// layer of a placement landing, or a part of one, the one run last first) lands now, its
+    /// copies beside that step. Called before the step's first enqueue, so the copies' enqueueing
     /// (1-2 ms of host a layer) runs while the steps in flight do.
     pub fn land_beside(&mut self, layer: usize, step: &mut impl Land) -> Result<(), GpuError> {
         let last = self.last;
         match self
             .landing
             .as_mut()
-            .and_then(|l| l.pace.beside(layer, last))
+            .and_then(|l| l.order.beside(layer, last))
         {
             Some(p) => self.land(p, step),
             None => Ok(()),
@@ -197,7 +197,7 @@ impl Mover {
         let s = self.stream.clone();
         let l = self.landing.as_mut().expect("a placement is landing");
         s.wait(&self.used[p.layer])?;
-        if l.pace.parted() {
+        if l.order.parted() {
             self.paced.record(step.steps())?;
             s.wait(&self.paced)?;
         }
@@ -208,7 +208,7 @@ impl Mover {
         step.rows(p.layer, &s)?;
         self.landed[p.layer].record(&s)?;
         self.waiting[p.layer] = true;
-        if !l.pace.done() {
+        if !l.order.done() {
             return Ok(());
         }
         let l = self.landing.take().expect("checked above");
@@ -225,7 +225,7 @@ impl Mover {
 
     /// Every layer still to land, now.
     fn land_all(&mut self, step: &mut impl Land) -> Result<(), GpuError> {
-        while let Some(p) = self.landing.as_mut().and_then(|l| l.pace.next_whole()) {
+        while let Some(p) = self.landing.as_mut().and_then(|l| l.order.next_whole()) {
             self.land(p, step)?;
         }
         Ok(())

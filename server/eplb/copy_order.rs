@@ -1,8 +1,8 @@
-//! Which of an applied placement's copies a rank enqueues beside its next step (`Pace`), for a
-//! backend that lands a placement layer by layer while steps run (the GPU's `Mover`). A layer's
-//! copies go behind its last step and its next step waits for them, so they are put beside
-//! another layer's step, the layer run last first (its next step is the furthest off). By
-//! default a whole layer goes beside one step; `--eplb-step-copies SIZE` splits a layer into
+//! Which of an applied placement's copies a rank enqueues beside its next step (`CopyOrder`),
+//! for a backend that lands a placement layer by layer while steps run (the GPU's `Mover`). A
+//! layer's copies go behind its last step and its next step waits for them, so they are put
+//! beside another layer's step, the layer run last first (its next step is the furthest off).
+//! By default a whole layer goes beside one step; `--eplb-step-copies SIZE` splits a layer into
 //! parts of at most SIZE bytes, one part a step. On 2x H200 under load (256 slots a rank, 1.2
 //! GB a layer), 5 of 54 steps beside whole layers' copies were over 1.1x (max 1.24), and 5 of
 //! 69 beside 300 MiB parts (max 1.13); on one H200 a layer's step that came before its last
@@ -13,7 +13,7 @@ use std::collections::VecDeque;
 
 /// Steps a layer runs on its old slots, when it is the only one left to land, before it lands
 /// in front of its own step (which then waits for the copies).
-pub const ALONE: usize = 8;
+const ALONE: usize = 8;
 
 /// How much of a placement's copies may start beside one step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -40,7 +40,7 @@ pub struct Part {
 
 /// The copies of one applied placement still to enqueue on this rank. Every rank runs the same
 /// steps and so lands the same parts at the same steps.
-pub struct Pace {
+pub struct CopyOrder {
     /// Per layer: its staged slots not yet enqueued (index, bytes), in order; whether its table
     /// rows are (a layer may have no slot to copy and still new rows).
     todo: Vec<VecDeque<(usize, u64)>>,
@@ -52,7 +52,7 @@ pub struct Pace {
     alone: usize,
 }
 
-impl Pace {
+impl CopyOrder {
     /// `layers` layers to land; `slots` the staged slots' (layer, bytes) in staged order.
     pub fn new(
         layers: usize,
@@ -136,14 +136,14 @@ mod tests {
     use super::*;
 
     /// 3 layers of 4 slots of 10 bytes each, staged layer by layer.
-    fn pace(part: Option<u64>) -> Pace {
+    fn order(part: Option<u64>) -> CopyOrder {
         let slots = (0..3).flat_map(|l| (0..4).map(move |_| (l, 10)));
-        Pace::new(3, slots, StepCopies(part))
+        CopyOrder::new(3, slots, StepCopies(part))
     }
 
     #[test]
     fn a_whole_layer_goes_beside_another_layers_step_the_one_run_last_first() {
-        let mut p = pace(None);
+        let mut p = order(None);
         let a = p.beside(0, Some(2)).unwrap();
         assert_eq!((a.layer, a.slots, a.last), (2, vec![8, 9, 10, 11], true));
         // Layer 0's step is next: not beside it; the lowest other layer left instead.
@@ -161,7 +161,7 @@ mod tests {
 
     #[test]
     fn parts_hold_at_most_the_size_and_a_layer_goes_on_until_it_has_landed() {
-        let mut p = pace(Some(25));
+        let mut p = order(Some(25));
         assert!(p.parted());
         let a = p.beside(0, Some(1)).unwrap();
         assert_eq!((a.layer, a.slots, a.last), (1, vec![4, 5], false));
@@ -183,7 +183,7 @@ mod tests {
     #[test]
     fn a_part_smaller_than_a_slot_still_takes_one_and_a_layer_without_slots_still_lands_its_rows() {
         let slots = [(1, 10), (1, 10)];
-        let mut p = Pace::new(2, slots, StepCopies(Some(1)));
+        let mut p = CopyOrder::new(2, slots, StepCopies(Some(1)));
         let a = p.beside(0, Some(1)).unwrap();
         assert_eq!((a.layer, a.slots, a.last), (1, vec![0], false));
         let b = p.beside(0, None).unwrap();
