@@ -327,14 +327,14 @@ pub struct ServeArgs {
         default_value_t = 1.05
     )]
     pub eplb_threshold: f64,
-    /// How much of a new placement's weight copies a GPU rank starts beside one step: layer (a
-    /// whole layer's) or a size (e.g. 256MiB: a layer in parts of at most that, one a step,
-    /// each after the step before it has ended).
+    /// How much of a new placement's weight copies a GPU rank starts beside one step: a size
+    /// (a layer in parts of about that much a rank, one a step, each after the step before it
+    /// has ended, each with the table's rows for what has landed) or layer (a whole layer's).
     #[arg(
         help_heading = "Load balance",
         long,
         env = "EPSERVE_EPLB_STEP_COPIES",
-        default_value = "layer",
+        default_value = "32MiB",
         value_parser = crate::eplb::copy_order::step_copies
     )]
     pub eplb_step_copies: crate::eplb::copy_order::StepCopies,

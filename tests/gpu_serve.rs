@@ -633,7 +633,8 @@ fn a_placement_applied_between_graph_replays_equals_a_group_started_on_it() {
     }
     // EPSERVE_PLACEMENT_CASES=nccl-ep/fp8/ht,...: those cases only (a device call's time
     // limit); a case named with /0 runs without the replicas. The ranks inherit the
-    // environment: EPSERVE_EPLB_STEP_COPIES=1 lands each placement a slot a step.
+    // environment: EPSERVE_EPLB_STEP_COPIES=1 lands each placement a slot a rank a step (by
+    // default these test-size layers land whole).
     if let Ok(only) = std::env::var("EPSERVE_PLACEMENT_CASES") {
         let mut picked = vec![];
         for c in only.split(',') {

@@ -9,7 +9,7 @@ mkdir -p /tmp/nccl230 && { [ -f /tmp/nccl230/env.sh ] || tar xJf .device/nccl230
 B=${EPSERVE:-.device/bin/epserve}  # EPSERVE: another build to compare
 # serve and moves: the load generators' API (API=kserve-shm: rows through system shared memory,
 # less host work a request), clients a layer (CONCURRENCY) and seconds of load (DURATION, 40).
-# A placement's copies in parts: EPSERVE_EPLB_STEP_COPIES=300MiB (the flag's env; default layer).
+# A placement's copies whole: EPSERVE_EPLB_STEP_COPIES=layer (the flag's env; default 32MiB parts).
 api=${API:-unary}; client_shm=(); [ "$api" = kserve-shm ] && client_shm=(--allow-client-shm)
 bench() { # name limit args...
   local name=$1 lim=$2; shift 2

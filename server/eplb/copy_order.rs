@@ -1,13 +1,15 @@
 //! Which of an applied placement's copies a rank enqueues beside its next step (`CopyOrder`),
-//! for a backend that lands a placement layer by layer while steps run (the GPU's `Mover`). A
-//! layer's copies go behind its last step and its next step waits for them, so they are put
+//! for a backend that lands a placement while steps run (the GPU's `Mover`). A part's copies go
+//! behind its layer's last step and that layer's next step waits for them, so they are put
 //! beside another layer's step, the layer run last first (its next step is the furthest off).
-//! By default a whole layer goes beside one step; `--eplb-step-copies SIZE` splits a layer into
-//! parts of at most SIZE bytes, one part a step. On 2x H200 under load (256 slots a rank, 1.2
-//! GB a layer), 5 of 54 steps beside whole layers' copies were over 1.1x (max 1.24), and 5 of
-//! 69 beside 300 MiB parts (max 1.13); on one H200 a layer's step that came before its last
-//! part waited 1 ms for the rest (1.63x). Parts gained nothing over 1.1x and can make a step
-//! wait, so a whole layer stays the default (docs/benchmarks.md "Load balance", session 53).
+//! `--eplb-step-copies SIZE` (default 32 MiB) lands a layer in parts of about SIZE a rank
+//! (`parts::plan`), one part a step, each with the table's rows for what has landed; `layer`, a
+//! whole layer beside one step. On 2x H200 under load (256 slots a rank, 1.2 GB a layer), 0 of
+//! 389 steps beside 32 MiB parts were over 1.1x their median (max 1.09), against 2 of 27 beside
+//! whole layers (max 1.24) in the same call. Parts of 300 MiB that kept a layer's old rows until
+//! its last part (session 53) made a layer's step that came first wait for the rest (1.63x on
+//! one H200); with rows a part, a step waits for one part at most (docs/benchmarks.md "Load
+//! balance", session 54).
 
 use std::collections::VecDeque;
 
@@ -19,6 +21,13 @@ const ALONE: usize = 8;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StepCopies(pub Option<u64>);
 
+impl StepCopies {
+    /// A part's slots on one rank, at `slot` bytes a slot (at least one); None: a whole layer.
+    pub fn slots(self, slot: u64) -> Option<usize> {
+        self.0.map(|b| (b / slot.max(1)).max(1) as usize)
+    }
+}
+
 /// `layer` (a whole layer a step) or a size (`256MiB`).
 pub fn step_copies(s: &str) -> Result<StepCopies, String> {
     match s {
@@ -29,44 +38,39 @@ pub fn step_copies(s: &str) -> Result<StepCopies, String> {
     }
 }
 
-/// Copies to enqueue: slots of `layer` (indices in the staged list), then, where `last`, its
-/// table rows (its next step waits for them).
+/// Copies to enqueue: slots of `layer` (indices in the staged list), then its table rows as
+/// they stand once they land (`version`: the layer's parts landed so, `parts::midway`); its next
+/// step waits for them. `last`: the layer's last part.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Part {
     pub layer: usize,
     pub slots: Vec<usize>,
+    pub version: usize,
     pub last: bool,
 }
 
 /// The copies of one applied placement still to enqueue on this rank. Every rank runs the same
-/// steps and so lands the same parts at the same steps.
+/// steps and has the same parts (`parts::plan`), and so lands the same parts at the same steps.
 pub struct CopyOrder {
-    /// Per layer: its staged slots not yet enqueued (index, bytes), in order; whether its table
-    /// rows are (a layer may have no slot to copy and still new rows).
-    todo: Vec<VecDeque<(usize, u64)>>,
-    left: Vec<bool>,
-    part: Option<u64>,
-    /// The layer some of whose slots are enqueued and not all: its next step waits for all.
+    /// Per layer: its parts not yet enqueued (staged indices), in order; how many it has.
+    todo: Vec<VecDeque<Vec<usize>>>,
+    count: Vec<usize>,
+    parted: bool,
+    /// The layer some of whose parts are enqueued and not all: its parts go on first.
     partial: Option<usize>,
     /// Steps run while only their own layer was left.
     alone: usize,
 }
 
 impl CopyOrder {
-    /// `layers` layers to land; `slots` the staged slots' (layer, bytes) in staged order.
-    pub fn new(
-        layers: usize,
-        slots: impl IntoIterator<Item = (usize, u64)>,
-        StepCopies(part): StepCopies,
-    ) -> Self {
-        let mut todo = vec![VecDeque::new(); layers];
-        for (i, (l, bytes)) in slots.into_iter().enumerate() {
-            todo[l].push_back((i, bytes));
-        }
+    /// Per layer, its parts' staged indices (at least one part, maybe empty: its rows still
+    /// land); `parted`: a part a step (`--eplb-step-copies SIZE`), each after the step before.
+    pub fn new(parts: Vec<Vec<Vec<usize>>>, parted: bool) -> Self {
+        let count = parts.iter().map(Vec::len).collect();
         Self {
-            todo,
-            left: vec![true; layers],
-            part,
+            todo: parts.into_iter().map(VecDeque::from).collect(),
+            count,
+            parted,
             partial: None,
             alone: 0,
         }
@@ -74,60 +78,49 @@ impl CopyOrder {
 
     /// Whether every layer's copies and rows are enqueued.
     pub fn done(&self) -> bool {
-        !self.left.iter().any(|&x| x)
+        self.todo.iter().all(VecDeque::is_empty)
     }
 
     /// Whether copies are split into parts (and each part should wait for the step before).
     pub fn parted(&self) -> bool {
-        self.part.is_some()
+        self.parted
     }
 
-    /// What goes beside a step of `layer` about to be enqueued, after one of `last`. A layer
-    /// partly enqueued has its rest enqueued in front of its own step; else one part of another
-    /// layer (the partly enqueued one, then `last`, then the lowest); this layer itself only
-    /// when no other is left and it has run `ALONE` steps since.
+    /// What goes beside a step of `layer` about to be enqueued, after one of `last`: one part
+    /// of another layer (the partly landed one, then `last`, then the lowest); of this layer
+    /// itself only when no other is left and it has run `ALONE` steps since, then in front of
+    /// its own step (which waits for it).
     pub fn beside(&mut self, layer: usize, last: Option<usize>) -> Option<Part> {
-        if self.partial == Some(layer) {
-            return Some(self.take(layer, true));
-        }
-        let other = |x: usize| x != layer && self.left[x];
+        let other = |x: usize| x != layer && !self.todo[x].is_empty();
         let pick = (self.partial.filter(|&x| other(x)))
             .or(last.filter(|&x| other(x)))
-            .or_else(|| (0..self.left.len()).find(|&x| other(x)));
+            .or_else(|| (0..self.todo.len()).find(|&x| other(x)));
         match pick {
-            Some(x) => Some(self.take(x, false)),
-            None if self.left.get(layer) == Some(&true) => {
+            Some(x) => self.take(x),
+            None if self.todo.get(layer).is_some_and(|t| !t.is_empty()) => {
                 self.alone += 1;
-                (self.alone > ALONE).then(|| self.take(layer, true))
+                (self.alone > ALONE).then(|| self.take(layer)).flatten()
             }
             None => None,
         }
     }
 
-    /// The rest of the lowest layer left, whole (a placement landing all at once).
-    pub fn next_whole(&mut self) -> Option<Part> {
-        let l = self.left.iter().position(|&x| x)?;
-        Some(self.take(l, true))
+    /// The next part of the lowest layer left (a placement landing all at once).
+    pub fn next_part(&mut self) -> Option<Part> {
+        let l = self.todo.iter().position(|t| !t.is_empty())?;
+        self.take(l)
     }
 
-    /// `layer`'s next part (all of it where `whole` or no part size is set): at most `part`
-    /// bytes, at least one slot.
-    fn take(&mut self, layer: usize, whole: bool) -> Part {
-        let cap = self.part.filter(|_| !whole).unwrap_or(u64::MAX);
-        let q = &mut self.todo[layer];
-        let (mut slots, mut bytes) = (Vec::new(), 0u64);
-        while let Some(&(i, b)) = q.front() {
-            if !slots.is_empty() && bytes.saturating_add(b) > cap {
-                break;
-            }
-            bytes = bytes.saturating_add(b);
-            slots.push(i);
-            q.pop_front();
-        }
-        let last = q.is_empty();
-        self.left[layer] = !last;
-        self.partial = (!last).then_some(layer);
-        Part { layer, slots, last }
+    fn take(&mut self, layer: usize) -> Option<Part> {
+        let slots = self.todo[layer].pop_front()?;
+        let left = self.todo[layer].len();
+        self.partial = (left > 0).then_some(layer);
+        Some(Part {
+            layer,
+            slots,
+            version: self.count[layer] - left - 1,
+            last: left == 0,
+        })
     }
 }
 
@@ -135,17 +128,27 @@ impl CopyOrder {
 mod tests {
     use super::*;
 
-    /// 3 layers of 4 slots of 10 bytes each, staged layer by layer.
-    fn order(part: Option<u64>) -> CopyOrder {
-        let slots = (0..3).flat_map(|l| (0..4).map(move |_| (l, 10)));
-        CopyOrder::new(3, slots, StepCopies(part))
+    /// 3 layers of 4 slots, staged layer by layer: whole layers, or parts of two slots.
+    fn order(parted: bool) -> CopyOrder {
+        let parts = (0..3)
+            .map(|l| match parted {
+                false => vec![(4 * l..4 * l + 4).collect()],
+                true => vec![vec![4 * l, 4 * l + 1], vec![4 * l + 2, 4 * l + 3]],
+            })
+            .collect();
+        CopyOrder::new(parts, parted)
+    }
+
+    fn seen(p: Part) -> (usize, Vec<usize>, usize, bool) {
+        (p.layer, p.slots, p.version, p.last)
     }
 
     #[test]
     fn a_whole_layer_goes_beside_another_layers_step_the_one_run_last_first() {
-        let mut p = order(None);
+        let mut p = order(false);
+        assert!(!p.parted());
         let a = p.beside(0, Some(2)).unwrap();
-        assert_eq!((a.layer, a.slots, a.last), (2, vec![8, 9, 10, 11], true));
+        assert_eq!(seen(a), (2, vec![8, 9, 10, 11], 0, true));
         // Layer 0's step is next: not beside it; the lowest other layer left instead.
         let b = p.beside(0, Some(0)).unwrap();
         assert_eq!((b.layer, b.last), (1, true));
@@ -154,51 +157,57 @@ mod tests {
             assert_eq!(p.beside(0, Some(0)), None);
         }
         let c = p.beside(0, Some(0)).unwrap();
-        assert_eq!((c.layer, c.slots, c.last), (0, vec![0, 1, 2, 3], true));
+        assert_eq!(seen(c), (0, vec![0, 1, 2, 3], 0, true));
         assert!(p.done());
         assert_eq!(p.beside(1, Some(0)), None);
     }
 
     #[test]
-    fn parts_hold_at_most_the_size_and_a_layer_goes_on_until_it_has_landed() {
-        let mut p = order(Some(25));
+    fn parts_go_one_a_step_the_partly_landed_layer_first_never_in_front_of_its_own_step() {
+        let mut p = order(true);
         assert!(p.parted());
         let a = p.beside(0, Some(1)).unwrap();
-        assert_eq!((a.layer, a.slots, a.last), (1, vec![4, 5], false));
+        assert_eq!(seen(a), (1, vec![4, 5], 0, false));
         // The partly landed layer goes on first, whatever ran last.
         let b = p.beside(2, Some(2)).unwrap();
-        assert_eq!((b.layer, b.slots, b.last), (1, vec![6, 7], true));
+        assert_eq!(seen(b), (1, vec![6, 7], 1, true));
         let c = p.beside(0, Some(2)).unwrap();
-        assert_eq!((c.layer, c.slots, c.last), (2, vec![8, 9], false));
-        // A step of the partly landed layer: its rest in front of it, whole.
+        assert_eq!(seen(c), (2, vec![8, 9], 0, false));
+        // A step of the partly landed layer runs on what has landed; another layer's part
+        // goes beside it.
         let d = p.beside(2, Some(0)).unwrap();
-        assert_eq!((d.layer, d.slots, d.last), (2, vec![10, 11], true));
+        assert_eq!(seen(d), (0, vec![0, 1], 0, false));
         assert!(!p.done());
-        let e = p.next_whole().unwrap();
-        assert_eq!((e.layer, e.slots, e.last), (0, vec![0, 1, 2, 3], true));
+        // Landing all at once: the lowest layer's parts, one at a time, each its version.
+        let e = p.next_part().unwrap();
+        assert_eq!(seen(e), (0, vec![2, 3], 1, true));
+        let f = p.next_part().unwrap();
+        assert_eq!(seen(f), (2, vec![10, 11], 1, true));
         assert!(p.done());
-        assert_eq!(p.next_whole(), None);
+        assert_eq!(p.next_part(), None);
     }
 
     #[test]
-    fn a_part_smaller_than_a_slot_still_takes_one_and_a_layer_without_slots_still_lands_its_rows() {
-        let slots = [(1, 10), (1, 10)];
-        let mut p = CopyOrder::new(2, slots, StepCopies(Some(1)));
+    fn a_layer_without_slots_here_still_lands_its_rows() {
+        let mut p = CopyOrder::new(vec![vec![vec![]], vec![vec![0], vec![1]]], true);
         let a = p.beside(0, Some(1)).unwrap();
-        assert_eq!((a.layer, a.slots, a.last), (1, vec![0], false));
+        assert_eq!(seen(a), (1, vec![0], 0, false));
         let b = p.beside(0, None).unwrap();
-        assert_eq!((b.layer, b.slots, b.last), (1, vec![1], true));
+        assert_eq!(seen(b), (1, vec![1], 1, true));
         // Layer 0 moved no slot here; its rows still land, beside a step of layer 1.
         let c = p.beside(1, Some(0)).unwrap();
-        assert_eq!((c.layer, c.slots, c.last), (0, vec![], true));
+        assert_eq!(seen(c), (0, vec![], 0, true));
         assert!(p.done());
     }
 
     #[test]
-    fn the_flag_reads_layer_or_a_size() {
+    fn the_flag_reads_layer_or_a_size_and_a_part_holds_a_slot_at_least() {
         assert_eq!(step_copies("layer"), Ok(StepCopies(None)));
         assert_eq!(step_copies("256MiB"), Ok(StepCopies(Some(256 << 20))));
         assert!(step_copies("0").is_err());
         assert!(step_copies("lots").unwrap_err().contains("layer"));
+        assert_eq!(StepCopies(None).slots(10), None);
+        assert_eq!(StepCopies(Some(25)).slots(10), Some(2));
+        assert_eq!(StepCopies(Some(1)).slots(10), Some(1));
     }
 }

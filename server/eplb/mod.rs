@@ -7,6 +7,7 @@
 
 pub mod balance;
 pub mod copy_order;
+pub mod parts;
 pub mod policy;
 pub mod skew;
 pub mod stage;

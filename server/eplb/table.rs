@@ -17,7 +17,7 @@ pub struct LayerSlots {
 
 impl LayerSlots {
     /// `out(slot)`: the slot is on a rank out of the group, and takes no rows.
-    fn new(phy2log: Vec<u32>, experts: usize, out: impl Fn(usize) -> bool) -> Self {
+    pub(super) fn new(phy2log: Vec<u32>, experts: usize, out: impl Fn(usize) -> bool) -> Self {
         let mut log2phy = vec![Vec::new(); experts];
         for (s, &g) in phy2log.iter().enumerate().filter(|&(s, _)| !out(s)) {
             log2phy[g as usize].push(s as u32);
@@ -296,23 +296,29 @@ impl SlotMap {
     /// to `width` with the last (`[experts][width]`), and how many (`[experts]`). An entry's
     /// slot is `table[e][(token + rank) % count[e]]`: `pick` with the token's index as `nth`.
     pub fn replica_table(&self, near: &[bool], width: usize) -> Vec<(Vec<i32>, Vec<i32>)> {
-        let e = self.experts;
         (self.layers.iter())
-            .map(|l| {
-                let (mut rep, mut cnt) = (Vec::with_capacity(e * width), Vec::with_capacity(e));
-                for g in 0..e {
-                    let all = l.replicas(g);
-                    let close: Vec<u32> = (all.iter().copied())
-                        .filter(|&s| near[self.rank_of(s as usize)])
-                        .collect();
-                    let use_ = if close.is_empty() { all } else { &close[..] };
-                    assert!(use_.len() <= width, "more replicas than the table's width");
-                    cnt.push(use_.len() as i32);
-                    rep.extend((0..width).map(|i| use_[i.min(use_.len() - 1)] as i32));
-                }
-                (rep, cnt)
-            })
+            .map(|l| self.layer_table(l, near, width))
             .collect()
+    }
+
+    /// `replica_table`'s rows for one layer's slots `l` over this map's ranks: at most `width`
+    /// replicas an expert, the lowest (a placement landing in parts may hold more for a while:
+    /// an expert's old slots not yet rewritten beside its new ones; `parts::midway`).
+    pub fn layer_table(&self, l: &LayerSlots, near: &[bool], width: usize) -> (Vec<i32>, Vec<i32>) {
+        let e = self.experts;
+        let (mut rep, mut cnt) = (Vec::with_capacity(e * width), Vec::with_capacity(e));
+        for g in 0..e {
+            let all = l.replicas(g);
+            let close: Vec<u32> = (all.iter().copied())
+                .filter(|&s| near[self.rank_of(s as usize)])
+                .collect();
+            let use_ = if close.is_empty() { all } else { &close[..] };
+            assert!(!use_.is_empty(), "expert {g} without a slot");
+            let use_ = &use_[..use_.len().min(width)];
+            cnt.push(use_.len() as i32);
+            rep.extend((0..width).map(|i| use_[i.min(use_.len() - 1)] as i32));
+        }
+        (rep, cnt)
     }
 }
 

@@ -245,14 +245,14 @@ fn rank_main(
         }
         let bytes = rewritten.iter().map(|(_, _, w)| w.bytes()).sum();
         let staged = Staged::new(0, std::sync::Arc::new(m.clone()), rewritten, s.clone());
-        core.table_from(m)?;
+        core.table_from(&start, m, &crate::eplb::parts::plan(&start, m, None))?;
         let every: Vec<usize> = (0..staged.slots.len()).collect();
         let (mut copy, mut with) = (Vec::new(), Vec::new());
         for it in 0..args.warmup + args.iters {
             align(&core)?;
             ev[0].record(&s)?;
             core.copy(&staged, &every, &s)?;
-            core.rows(0, &s)?;
+            core.rows(0, 0, &s)?;
             ev[1].record(&s)?;
             step.launch()?;
             ev[2].record(&s)?;

@@ -24,6 +24,7 @@ use crate::backend::cuda::shape::StepShape;
 use crate::backend::cuda::sys::nccl::Comm;
 use crate::backend::cuda::{max_tiles, Gpu, Logits, ROUTER_PIECES};
 use crate::backend::cuda::{Alloc, GpuError};
+use crate::eplb::parts::Plan;
 use crate::eplb::SlotMap;
 use crate::model::{ExpertDtype, LayerWeights, Routing};
 
@@ -520,8 +521,8 @@ fn routed(
 }
 
 impl Land for GpuStep {
-    fn table_from(&mut self, map: &SlotMap) -> Result<(), GpuError> {
-        self.table_mut()?.set(map);
+    fn table_from(&mut self, cur: &SlotMap, next: &SlotMap, plan: &Plan) -> Result<(), GpuError> {
+        self.table_mut()?.set(cur, next, plan)?;
         Ok(())
     }
 
@@ -542,9 +543,14 @@ impl Land for GpuStep {
         Ok(())
     }
 
-    fn rows(&mut self, layer: usize, stream: &Arc<CudaStream>) -> Result<(), GpuError> {
-        self.table_mut()?.write(layer, stream)?;
+    fn rows(&mut self, layer: usize, k: usize, stream: &Arc<CudaStream>) -> Result<(), GpuError> {
+        self.table_mut()?.write(layer, k, stream)?;
         Ok(())
+    }
+
+    fn slot_bytes(&self) -> u64 {
+        let l = &self.layers[0].experts;
+        (l.bytes() / (self.shape.experts / self.shape.world).max(1)) as u64
     }
 }
 

@@ -1,7 +1,8 @@
 //! Expert slots on the device: the table gating reads to send each (token, expert) entry to one
 //! of the expert's replicas (`to_slots`, inside the captured graphs), and a new placement's
-//! weights staged beside the ones in use, then copied over the slots it rewrites, a layer at a
-//! time beside the other layers' steps, on a stream of their own (`Mover`). The graphs read the
+//! weights staged beside the ones in use, then copied over the slots it rewrites, a part at a
+//! time beside the other layers' steps, on a stream of their own, each part with the table's
+//! rows for what has landed (`Mover`, `eplb::parts`). The graphs read the
 //! table and the weights where they are, so a placement is rewritten in place and no graph is
 //! captured again. From the gate on, the exchanges and the experts address slots
 //! (`StepShape::experts`), the router logical experts (`StepShape::model_experts`).
@@ -13,6 +14,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DriverError, PushKernelArg};
 use crate::backend::cuda::experts::DeviceFfn;
 use crate::backend::cuda::sys::memory::{htod, Pinned};
 use crate::backend::cuda::{Alloc, Gpu, GpuError};
+use crate::eplb::parts::{midway, Plan};
 use crate::eplb::SlotMap;
 use crate::model::{ExpertDtype, Ffn};
 
@@ -21,10 +23,12 @@ pub use mover::Mover;
 
 /// Per layer, per logical expert, the slots this rank's tokens may use (`[experts][r]`, by
 /// `SlotMap::replica_table`) and how many (`[experts]`); one device buffer per layer, each
-/// written from a page-locked copy of its own, so a layer's new rows go in without a host wait.
+/// written from page-locked rows of its own, so a layer's new rows go in without a host wait.
+/// A placement landing in parts has a version of the rows for each part (`parts::midway`).
 pub struct SlotTable {
     rep: Vec<CudaSlice<i32>>,
     cnt: Vec<CudaSlice<i32>>,
+    /// Per layer, its rows' versions one after another; grown, never shrunk.
     host: Vec<(Pinned<i32>, Pinned<i32>)>,
     experts: usize,
     r: usize,
@@ -60,25 +64,43 @@ impl SlotTable {
         })
     }
 
-    /// Makes `map` the source `write` copies each layer's rows from. The copies of the last
-    /// `set` must be done (the caller waits for them).
-    pub fn set(&mut self, map: &SlotMap) {
-        for ((t, c), (pt, pc)) in map
-            .replica_table(&self.near, self.r)
-            .into_iter()
-            .zip(&mut self.host)
-        {
-            pt.as_mut_slice().copy_from_slice(&t);
-            pc.as_mut_slice().copy_from_slice(&c);
+    /// Makes the rows of `plan`'s parts from `cur` to `next` what `write` copies from: per
+    /// layer, version `k` with its parts up to `k` landed, the last `next`'s own. The copies of
+    /// the last `set` must be done (the caller waits for them).
+    pub fn set(&mut self, cur: &SlotMap, next: &SlotMap, plan: &Plan) -> Result<(), DriverError> {
+        let (er, e) = (self.experts * self.r, self.experts);
+        for (l, (pt, pc)) in self.host.iter_mut().enumerate() {
+            let versions = plan.layers[l].len().max(1);
+            if pt.as_slice().len() < versions * er {
+                // Page-locked memory is allocated only when a placement has more parts than any
+                // before it.
+                *pt = Pinned::new(versions * er)?;
+                *pc = Pinned::new(versions * e)?;
+            }
+            for k in 0..versions {
+                let (t, c) = match k + 1 == versions {
+                    true => next.layer_table(next.layer(l), &self.near, self.r),
+                    false => next.layer_table(&midway(cur, next, plan, l, k), &self.near, self.r),
+                };
+                pt.as_mut_slice()[k * er..(k + 1) * er].copy_from_slice(&t);
+                pc.as_mut_slice()[k * e..(k + 1) * e].copy_from_slice(&c);
+            }
         }
+        Ok(())
     }
 
-    /// Copies layer `layer`'s rows of the table `set` made on `stream` (page-locked: the host
+    /// Copies version `k` of layer `layer`'s rows (`set`) on `stream` (page-locked: the host
     /// does not wait): work enqueued after it on `stream` (or waiting for it) reads them.
-    pub fn write(&mut self, layer: usize, stream: &Arc<CudaStream>) -> Result<(), DriverError> {
+    pub fn write(
+        &mut self,
+        layer: usize,
+        k: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(), DriverError> {
+        let (er, e) = (self.experts * self.r, self.experts);
         let (pt, pc) = &self.host[layer];
-        htod(pt, 0..pt.as_slice().len(), &mut self.rep[layer], stream)?;
-        htod(pc, 0..pc.as_slice().len(), &mut self.cnt[layer], stream)
+        htod(pt, k * er..(k + 1) * er, &mut self.rep[layer], stream)?;
+        htod(pc, k * e..(k + 1) * e, &mut self.cnt[layer], stream)
     }
 }
 
@@ -190,21 +212,24 @@ impl Staged {
 }
 
 /// What holds the slots' weights and the table the graphs read (the step): where an applied
-/// placement lands, layer by layer.
+/// placement lands, part by part.
 pub trait Land {
-    /// Makes `map` the placement the table's rows are written from (`rows`).
-    fn table_from(&mut self, map: &SlotMap) -> Result<(), GpuError>;
+    /// Makes the rows of `plan`'s parts from `cur` to `next` the ones `rows` writes.
+    fn table_from(&mut self, cur: &SlotMap, next: &SlotMap, plan: &Plan) -> Result<(), GpuError>;
     /// The stream the steps run on.
     fn steps(&self) -> &Arc<CudaStream>;
     /// `staged`'s slots `at` (indices in its list) copied over the ones they rewrite, on
-    /// `stream`. No step of their layers may run meanwhile: the caller orders `stream` after
-    /// the layers' last steps, and their next after the copies.
+    /// `stream`. No step may read those slots meanwhile: the caller orders `stream` after
+    /// their layer's last step, and its next after the copies and the rows that route to them.
     fn copy(
         &mut self,
         staged: &Staged,
         at: &[usize],
         stream: &Arc<CudaStream>,
     ) -> Result<(), GpuError>;
-    /// Layer `layer`'s rows of the table on `stream`, once its slots are copied.
-    fn rows(&mut self, layer: usize, stream: &Arc<CudaStream>) -> Result<(), GpuError>;
+    /// Layer `layer`'s rows of the table with its parts up to `k` landed, on `stream`, once
+    /// their slots are copied.
+    fn rows(&mut self, layer: usize, k: usize, stream: &Arc<CudaStream>) -> Result<(), GpuError>;
+    /// Bytes of one slot's weights (the same on every rank).
+    fn slot_bytes(&self) -> u64;
 }

@@ -11,6 +11,7 @@ use super::{Land, Spare, Staged};
 use crate::backend::cuda::GpuError;
 use crate::backend::device::Moving;
 use crate::eplb::copy_order::{CopyOrder, Part, StepCopies};
+use crate::eplb::parts::plan;
 use crate::eplb::stage::{rewritten, Stager};
 use crate::eplb::SlotMap;
 use crate::model::{ExpertDtype, Ffn, ModelSource, MoeSpec};
@@ -33,8 +34,9 @@ const STAGE_BATCH: usize = 8;
 /// placement enqueued at once held the step thread 3-4 ms (256 slots), and a layer landed in
 /// front of its own step made that step wait for its copies (1.4-2.4x its median; 2x H100,
 /// docs/benchmarks.md "Load balance"). With `--eplb-step-copies SIZE` a layer lands in parts
-/// of that size, one beside each step, each part started when the step before it has ended
-/// (`CopyOrder`).
+/// of about that size a rank (`parts::plan`), one beside each step, each part started when the
+/// step before it has ended (`CopyOrder`), each with the table's rows for what has landed: a
+/// layer partly landed runs on it, and its next step waits for its last part only.
 pub struct Mover {
     pub map: Arc<SlotMap>,
     source: ModelSource,
@@ -134,6 +136,9 @@ impl Mover {
         let flushed = self.land_all(step);
         let staged = self.staged.take(epoch, self.rank)?.weights;
         let s = self.stream.clone();
+        // The same parts on every rank: the cap in slots comes from the slot's size.
+        let cap = self.step_copies.slots(step.slot_bytes());
+        let plan = plan(&self.map, &staged.map, cap);
         let begun = (|| -> Result<CudaEvent, GpuError> {
             flushed?;
             self.ctx.bind_to_thread()?;
@@ -142,19 +147,38 @@ impl Mover {
             for (ev, _, _) in &self.retired {
                 ev.synchronize()?;
             }
-            step.table_from(&staged.map)?;
+            step.table_from(&self.map, &staged.map, &plan)?;
             Ok(s.record_event(Some(TIMED))?)
         })();
         // No layer's copies are enqueued yet: a failure leaves the old placement in use.
         let started = begun.map_err(|e| format!("placement epoch {epoch}: {e}"))?;
+        // Each part's slots on this rank, as indices in the staged list.
+        let first = self.map.slots_of(self.rank).start;
+        let at: std::collections::HashMap<(usize, usize), usize> = (staged.slots.iter())
+            .enumerate()
+            .map(|(k, (l, i, _))| ((*l, first + *i), k))
+            .collect();
+        let parts = (plan.layers.iter().enumerate())
+            .map(|(l, parts)| {
+                (parts.iter())
+                    .map(|p| p.iter().filter_map(|s| at.get(&(l, *s)).copied()).collect())
+                    .collect()
+            })
+            .collect();
+        // A placement after a lost rank lands now, whole, in front of the next step: a layer
+        // left on its old table would route rows to the lost rank's slots.
+        let recovery = staged.map.lost() != self.map.lost();
         self.map = staged.map.clone();
-        let slots = (staged.slots.iter()).map(|(l, _, w)| (*l, w.bytes() as u64));
         self.landing = Some(Landing {
-            order: CopyOrder::new(self.used.len(), slots, self.step_copies),
+            order: CopyOrder::new(parts, self.step_copies.0.is_some()),
             staged,
             started,
             applied: Instant::now(),
         });
+        if recovery {
+            self.land_all(step)
+                .map_err(|e| format!("placement epoch {epoch}: {e}"))?;
+        }
         Ok(())
     }
 
@@ -175,8 +199,8 @@ impl Mover {
     }
 
     /// Layer `layer`'s step is enqueued on `stream` after this. It runs on the placement its
-    /// layer has: a layer still to land keeps its old slots and table, whole, until its copies
-    /// are enqueued; a layer landed waits for its copies here.
+    /// layer has: a layer still to land keeps its old slots and table until its first part is
+    /// enqueued; then each step waits here for the last part enqueued and the rows with it.
     pub fn before(&mut self, layer: usize, stream: &CudaStream) -> Result<(), DriverError> {
         if std::mem::take(&mut self.waiting[layer]) {
             stream.wait(&self.landed[layer])?;
@@ -191,8 +215,8 @@ impl Mover {
     }
 
     /// Enqueues part `p`'s copies behind its layer's last step (and, in parts, behind the
-    /// steps enqueued so far), then, with its layer's last part, the layer's table rows; the
-    /// placement is retired once every layer's are.
+    /// steps enqueued so far), then the layer's table rows with the part landed; the layer's
+    /// next step waits for them. The placement is retired once every part is enqueued.
     fn land(&mut self, p: Part, step: &mut impl Land) -> Result<(), GpuError> {
         let s = self.stream.clone();
         let l = self.landing.as_mut().expect("a placement is landing");
@@ -202,10 +226,7 @@ impl Mover {
             s.wait(&self.paced)?;
         }
         step.copy(&l.staged, &p.slots, &s)?;
-        if !p.last {
-            return Ok(());
-        }
-        step.rows(p.layer, &s)?;
+        step.rows(p.layer, p.version, &s)?;
         self.landed[p.layer].record(&s)?;
         self.waiting[p.layer] = true;
         if !l.order.done() {
@@ -216,7 +237,7 @@ impl Mover {
             epoch = l.staged.epoch,
             slots = l.staged.slots.len(),
             after_ms = l.applied.elapsed().as_secs_f64() * 1e3,
-            "placement's copies enqueued, a layer under each step"
+            "placement's copies enqueued, a part beside each step"
         );
         self.retired
             .push((s.record_event(Some(TIMED))?, l.staged, Some(l.started)));
@@ -225,7 +246,7 @@ impl Mover {
 
     /// Every layer still to land, now.
     fn land_all(&mut self, step: &mut impl Land) -> Result<(), GpuError> {
-        while let Some(p) = self.landing.as_mut().and_then(|l| l.order.next_whole()) {
+        while let Some(p) = self.landing.as_mut().and_then(|l| l.order.next_part()) {
             self.land(p, step)?;
         }
         Ok(())
