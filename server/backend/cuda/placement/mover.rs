@@ -152,19 +152,32 @@ impl Mover {
         })();
         // No layer's copies are enqueued yet: a failure leaves the old placement in use.
         let started = begun.map_err(|e| format!("placement epoch {epoch}: {e}"))?;
-        // Each part's slots on this rank, as indices in the staged list.
-        let first = self.map.slots_of(self.rank).start;
+        // Each part's slots on this rank, as indices in the staged list: every one staged.
+        let mine = self.map.slots_of(self.rank);
         let at: std::collections::HashMap<(usize, usize), usize> = (staged.slots.iter())
             .enumerate()
-            .map(|(k, (l, i, _))| ((*l, first + *i), k))
+            .map(|(k, (l, i, _))| ((*l, mine.start + *i), k))
             .collect();
-        let parts = (plan.layers.iter().enumerate())
+        let parts: Vec<Vec<Vec<usize>>> = (plan.layers.iter().enumerate())
             .map(|(l, parts)| {
                 (parts.iter())
                     .map(|p| p.iter().filter_map(|s| at.get(&(l, *s)).copied()).collect())
                     .collect()
             })
             .collect();
+        let planned = (plan.layers.iter().flatten().flatten())
+            .filter(|s| mine.contains(s))
+            .count();
+        if planned != at.len() || parts.iter().flatten().flatten().count() != at.len() {
+            let n = at.len();
+            // No copy reads them: kept for a later staging, not freed under the steps.
+            staged.keep_in(&self.spare);
+            return Err(format!(
+                "placement epoch {epoch}: {} slots staged on rank {}, {planned} to land from \
+                 the placement in use (staged against another)",
+                n, self.rank
+            ));
+        }
         // A placement after a lost rank lands now, whole, in front of the next step: a layer
         // left on its old table would route rows to the lost rank's slots.
         let recovery = staged.map.lost() != self.map.lost();
