@@ -4,7 +4,7 @@
 //! for its last part's copies only, not for the layer's. A part takes the slots whose old
 //! expert would otherwise be left with no slot (a swap of two experts' only slots lands in one
 //! part). Why parts: a layer's copies (604 MB a rank of Qwen3-30B-A3B) run at 340 GB/s on one
-//! H200's copy engines for 1.8 ms, and beside a step they share its memory bandwidth: a
+//! H200 (device copies) for 1.8 ms, and beside a step they share its memory bandwidth: a
 //! 2048-token step's experts ran 1.12x beside 302 MB of copies, 1.05x beside 75 MB and 1.03x
 //! beside 19 MB (`scripts/bench/copy-beside.py`, docs/benchmarks.md "Load balance").
 
