@@ -34,11 +34,11 @@ fn layer_parts(cur: &SlotMap, next: &SlotMap, l: usize, cap: Option<usize>) -> V
     let changed = |s: usize| live(s) && a[s] != b[s];
     // Seeds in turn over the ranks (index on the rank, then rank), so parts even out.
     let mut seeds: Vec<usize> = (0..b.len()).filter(|&s| changed(s)).collect();
-    if cap.is_none() || seeds.is_empty() {
+    let Some(cap) = cap.filter(|_| !seeds.is_empty()) else {
         return vec![seeds];
-    }
+    };
     seeds.sort_by_key(|&s| (s % per, s / per));
-    let cap = cap.unwrap_or(usize::MAX).max(1);
+    let cap = cap.max(1);
     // Live slots holding each expert now; a slot's content is `a` until it lands, then `b`.
     let mut holds = vec![0usize; next.experts];
     (0..a.len())

@@ -183,7 +183,7 @@ impl Mover {
         let recovery = staged.map.lost() != self.map.lost();
         self.map = staged.map.clone();
         self.landing = Some(Landing {
-            order: CopyOrder::new(parts, self.step_copies.0.is_some()),
+            order: CopyOrder::new(parts, cap.is_some()),
             staged,
             started,
             applied: Instant::now(),
