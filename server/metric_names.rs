@@ -106,7 +106,7 @@ table! {
     STEP_DURATION_SECONDS: Histogram "epserve_step_duration_seconds", "seconds", [], any,
         "a step on this rank, from its start (or the end of the step it queued behind): the sum is the rank's busy time";
     STEP_PHASE_SECONDS: Histogram "epserve_step_phase_seconds", "seconds", ["phase"], any,
-        "gating, prepare, dispatch, experts, combine (CPU backend; a GPU step is one graph, timed by `epserve bench`)";
+        "gating, prepare, dispatch, experts, combine (CPU backend; GPU backends with `--step-phase-times on`, from events inside each step's graph; else `epserve bench` times them)";
     STEP_PACK_SECONDS: Histogram "epserve_step_pack_seconds", "seconds", [], any,
         "a step's rows copied from its requests into the ring";
     STEP_DELIVER_SECONDS: Histogram "epserve_step_deliver_seconds", "seconds", [], any,

@@ -10,7 +10,7 @@
 //! host ring as they came and converted on the GPU, give the F32 rows' outputs, in every output
 //! dtype. Two steps in flight (`--steps-ahead 1`) and one at a time both match the f64 reference.
 //! Triton's CUDA shared memory: this process's device buffers, registered by IPC handle, give
-//! Forward's outputs per token.
+//! Forward's outputs per token. Timing each step's phases inside its graph changes no output.
 //! Needs GPUs and NCCL; ignored by default. On a GPU machine with a carried binary:
 //! `EPSERVE_BIN=.device/bin/epserve .device/bin/gpu_serve --ignored --test-threads 1`.
 #![cfg(feature = "cuda")]
@@ -597,6 +597,62 @@ fn graph_replays_are_bitwise_identical_and_steps_allocate_nothing() {
     );
     assert!(steps >= REQUESTS as f64, "only {steps} steps ran");
     assert_eq!(before, after, "device allocations changed across the steps");
+}
+
+/// `--step-phase-times on` (events inside each step's graph) leaves every output bitwise as
+/// it was and times each of the five phases of every step: the phases' sum within the ranks'
+/// busy time; without it no GPU step reports phases.
+#[test]
+#[ignore = "needs GPUs and NCCL"]
+fn step_phase_times_leave_outputs_bitwise_and_time_every_phase() {
+    let ranks = *gpu_counts().last().unwrap();
+    let reqs = requests(13, 200);
+    let phase_count = |s: &[common::prom::Sample], p: &str| {
+        sum(s, "epserve_step_phase_seconds_count", &[("phase", p)])
+    };
+    let phases = ["gating", "prepare", "dispatch", "experts", "combine"];
+    let plain = {
+        let g = launch(ranks, "nccl", "on");
+        let out = run_all(&g, &reqs, 1);
+        let s = scrape(&g.metrics_addrs(ranks)[0]);
+        for p in phases {
+            assert_eq!(
+                phase_count(&s, p),
+                0.0,
+                "{p} timed without --step-phase-times"
+            );
+        }
+        out
+    };
+    let g = launch_with(ranks, "nccl", "on", &["--step-phase-times", "on"]);
+    let timed = run_all(&g, &reqs, 1);
+    for (i, (a, b)) in timed.iter().zip(&plain).enumerate() {
+        assert!(
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "request {i}: outputs differ with the phases timed"
+        );
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    for (r, addr) in g.metrics_addrs(ranks).iter().enumerate() {
+        let s = scrape(addr);
+        let steps = sum(&s, "epserve_steps_total", &[("kind", "work")]);
+        let busy = sum(&s, "epserve_step_duration_seconds_sum", &[]);
+        let mut spent = 0.0;
+        for p in phases {
+            // One request in flight: no step waits behind another replay of its graph.
+            assert_eq!(
+                phase_count(&s, p),
+                steps,
+                "rank {r}: {p} timed in every step"
+            );
+            spent += sum(&s, "epserve_step_phase_seconds_sum", &[("phase", p)]);
+        }
+        eprintln!("rank {r}: {steps} steps, phases {spent:.4} s of {busy:.4} s busy");
+        assert!(
+            spent > 0.0 && spent <= busy,
+            "rank {r}: phases {spent} s, busy {busy} s"
+        );
+    }
 }
 
 /// Expert slots on the GPU (#54): a group started on a placement file with redundant slots

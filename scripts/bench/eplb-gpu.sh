@@ -11,6 +11,10 @@ B=${EPSERVE:-.device/bin/epserve}  # EPSERVE: another build to compare
 # less host work a request), clients a layer (CONCURRENCY) and seconds of load (DURATION, 40).
 # A placement's copies whole: EPSERVE_EPLB_STEP_COPIES=layer (the flag's env; default 32MiB parts).
 api=${API:-unary}; client_shm=(); [ "$api" = kserve-shm ] && client_shm=(--allow-client-shm)
+# SERVE_CPUS / LOAD_CPUS (taskset lists, e.g. 0-15 and 16-31): the server and the load generators
+# on cores of their own, as clients on other machines would be; default: shared.
+on_serve=(); [ -n "${SERVE_CPUS:-}" ] && on_serve=(taskset -c "$SERVE_CPUS")
+on_load=(); [ -n "${LOAD_CPUS:-}" ] && on_load=(taskset -c "$LOAD_CPUS")
 bench() { # name limit args...
   local name=$1 lim=$2; shift 2
   (source /tmp/nccl230/env.sh && export NCCL_DEBUG=WARN &&
@@ -36,7 +40,7 @@ serve) # a rebalance under serving load: 4 layers, 4 skewed loads, every step's 
   for mode in ${SERVE_MODES:-contiguous eplb}; do
     extra=(); [ $mode = eplb ] && extra=(--redundant-experts 2 --eplb-interval 10s --eplb-window 300)
     shm=$(mktemp -d -p /dev/shm)
-    RUST_LOG=info,epserve::step_times=trace $B launch --ranks 2 --backend nccl \
+    RUST_LOG=info,epserve::step_times=trace "${on_serve[@]}" $B launch --ranks 2 --backend nccl \
       --model synthetic:qwen3-30b-a3b --layers 4 --max-tokens-per-step 8192 \
       --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --shm-dir "$shm" \
       "${extra[@]}" "${client_shm[@]}" >"$out/serve-$mode.log" 2>&1 &
@@ -48,7 +52,7 @@ serve) # a rebalance under serving load: 4 layers, 4 skewed loads, every step's 
     done
     echo "== serve $mode at '$addr' after $((SECONDS - t0))s"
     for l in 0 1 2 3; do
-      .device/bin/epserve-loadtest --target "$addr" --layer $l --api $api --concurrency ${CONCURRENCY:-4} --tokens 2048 \
+      "${on_load[@]}" .device/bin/epserve-loadtest --target "$addr" --layer $l --api $api --concurrency ${CONCURRENCY:-4} --tokens 2048 \
         --client-routing --skew 1 --warmup 2s --duration ${DURATION:-40}s --timeout 20s --json "$out/load-$mode-$l.json" \
         >"$out/load-$mode-$l.log" 2>&1 &
     done
@@ -74,7 +78,7 @@ blk=lambda r: list(range(((r+1)%W)*p,((r+1)%W+1)*p))[::-1] if b else list(range(
 print(json.dumps({'phy2log': [sum((blk(r)+x[r*2//W:(r+1)*2//W] for r in range(W)),[])]*4}))" $1 $w > "$pl"; }
   place a
   RUST_LOG=info,epserve::step_times=trace,epserve::staging=trace \
-    $B launch --ranks $w --backend ${MOVES_BACKEND:-nccl} \
+    "${on_serve[@]}" $B launch --ranks $w --backend ${MOVES_BACKEND:-nccl} \
     --model synthetic:qwen3-30b-a3b --layers 4 --max-tokens-per-step 8192 --placement "$pl" \
     --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --shm-dir "$shm" \
     "${client_shm[@]}" >"$out/serve-moves.log" 2>&1 &
@@ -87,7 +91,7 @@ print(json.dumps({'phy2log': [sum((blk(r)+x[r*2//W:(r+1)*2//W] for r in range(W)
   echo "== serve moves at '$addr' (rank 0 pid '$r0') after $((SECONDS - t0))s"
   loads=()
   for l in 0 1 2 3; do
-    .device/bin/epserve-loadtest --target "$addr" --layer $l --api $api --concurrency ${CONCURRENCY:-4} --tokens 2048 \
+    "${on_load[@]}" .device/bin/epserve-loadtest --target "$addr" --layer $l --api $api --concurrency ${CONCURRENCY:-4} --tokens 2048 \
       --client-routing --warmup 2s --duration ${DURATION:-40}s --timeout 20s --json "$out/load-moves-$l.json" \
       >"$out/load-moves-$l.log" 2>&1 & loads+=($!)
   done

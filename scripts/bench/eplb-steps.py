@@ -9,7 +9,14 @@
 #   (a rebalance's copies, say) makes longer, as every rank waits for it in combine;
 # - group, graph only: the same without each rank's wait before its graph (`wait_us`: its host
 #   still enqueueing the step, or a placement's copies); every step over 1.1x in the group
-#   measure is listed with each rank's wait and host enqueue time (`enqueue_us`).
+#   measure is listed with each rank's wait and host enqueue time (`enqueue_us`);
+# - group, graph alone: the same less also each rank's small copies in and out (`in_us`,
+#   `out_us`: the routing in ahead of the graph, the counts out behind it), where logged;
+# - causes: each group step over 1.1x put down to a host stall (a rank took over 250 us and 3x
+#   its median to enqueue it: the GPU ran out of work mid-step), else, with
+#   `--step-phase-times on`, to the phase that took the most over its median summed over the
+#   ranks (`phases_us`), else unattributed; `switches` (the host's voluntary/involuntary
+#   context switches while enqueueing) says whether a stalled host had lost its core.
 # - beside the copies: per placement that moved weights, the group steps from the one after
 #   rank 0 applied it to two after its last copies were enqueued (two steps in flight).
 # With RUST_LOG=...,epserve::staging=trace, each gap also names the staging phases of rank 0's
@@ -26,7 +33,9 @@ def pct(r, q):
 
 LINE = re.compile(r"rank=(\d+) .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*step_times: step (?:step=(\d+) )?"
                   r"layer=(\d+) tokens=(\d+) us=(\d+)(?: device_us=(\d+))?(?: wait_us=(\d+))?"
-                  r"(?: enqueue_us=(\d+))?")
+                  r"(?: enqueue_us=(\d+))?(?: switches=(\d+)/(\d+))?(?: in_us=(\d+))?(?: out_us=(\d+))?"
+                  r"(?: phases_us=([\d,]+))?")
+PHASES = ["gating", "prepare", "dispatch", "experts", "combine"]
 APPLIED = re.compile(r"rank=0 .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*placement applied")
 # The steps a placement's copies run beside: from its apply to its last copies enqueued.
 APPLIED_AT = re.compile(r"rank=0 .*step=(\d+) .*placement applied epoch=(\d+) moved_bytes=(\d+)")
@@ -51,7 +60,7 @@ def beside(a, b, staged):
 
 for f in sys.argv[1:]:
     rank0, applied, dev_by_step, staged = [], [], defaultdict(dict), []
-    wait_by_step = defaultdict(dict)
+    wait_by_step, info = defaultdict(dict), defaultdict(dict)
     moved, enqueued = [], {}
     for line in open(f):
         a = APPLIED_AT.search(line)
@@ -70,7 +79,9 @@ for f in sys.argv[1:]:
             if step is not None and dev is not None:
                 dev_by_step[step][rank] = dev
                 if m.group(10):
-                    wait_by_step[step][rank] = (int(m.group(10)), int(m.group(11) or 0))
+                    wait_by_step[step][rank] = tuple(int(m.group(i) or 0) for i in (10, 11, 14, 15))
+                    info[step][rank] = (layer, tokens, int(m.group(11) or 0), m.group(12) is not None and
+                                        int(m.group(13)) > 0, [int(x) for x in m.group(16).split(",")] if m.group(16) else None)
         a = APPLIED.search(line)
         if a: applied.append(stamp(a))
         m = BATCH.search(line)
@@ -87,9 +98,35 @@ for f in sys.argv[1:]:
         s.append(min(d.values()) if ranks > 0 and len(d) == ranks else None)
         w = wait_by_step.get(s[5], {})
         s.append(min(d[r] - w[r][0] for r in d) if s[6] is not None and len(w) == ranks else None)
+        s.append(min(d[r] - w[r][0] - w[r][2] - w[r][3] for r in d)
+                 if s[6] is not None and len(w) == ranks and any(w[r][2] for r in w) else None)
+    # Each rank's median enqueue, and each (layer, tokens, rank)'s median phases, for `cause`.
+    enq_med, ph_med = {}, {}
+    for r in range(ranks):
+        e = [v[r][2] for v in info.values() if r in v]
+        if e: enq_med[r] = statistics.median(e)
+    by = defaultdict(list)
+    for v in info.values():
+        for r, (l, n, _, _, ph) in v.items():
+            if ph: by[(l, n, r)].append(ph)
+    ph_med = {k: [statistics.median(p[i] for p in v) for i in range(5)] for k, v in by.items() if len(v) > 20}
+    def cause(step):
+        v = info.get(step, {})
+        if any(e > max(250, 3 * enq_med.get(r, 0)) for r, (_, _, e, _, _) in v.items()):
+            lost = any(x[3] for x in v.values())
+            return "host stall (a core lost)" if lost else "host stall"
+        if len(v) == ranks and all(x[4] and (x[0], x[1], r) in ph_med for r, x in v.items()):
+            over = [sum(max(0, x[4][i] - ph_med[(x[0], x[1], r)][i]) for r, x in v.items()) for i in range(5)]
+            return PHASES[over.index(max(over))] if max(over) > 0 else "unattributed"
+        return "unattributed"
+    def causes(steps):
+        c = defaultdict(int)
+        for st in steps: c[cause(st)] += 1
+        return ", ".join("%s %d" % kv for kv in sorted(c.items(), key=lambda kv: -kv[1])) or "none"
     for col, what in [(3, "host, rank 0 submit to completion"), (4, "device, rank 0's stream time"),
                       (6, "group, least device time over the %d ranks" % ranks),
-                      (7, "group, graph only: least over the %d ranks of device time less its wait" % ranks)]:
+                      (7, "group, graph only: least over the %d ranks of device time less its wait" % ranks),
+                      (8, "group, graph alone: least over the %d ranks of device time less its wait and small copies" % ranks)]:
         timed = [s for s in rank0 if s[col] is not None]
         if not timed: continue
         med = {}
@@ -100,6 +137,8 @@ for f in sys.argv[1:]:
         print(f, what, "steps", len(timed), "medians by (layer, tokens)", med)
         allr = sorted(ratio(s) for s in timed if tuple(s[1:3]) in med)
         print("  all steps / their (layer, size)'s median: p50 %.2f p90 %.2f p99 %.2f p99.9 %.2f max %.2f; over 1.1x: %d of %d" % (pct(allr, .5), pct(allr, .9), pct(allr, .99), pct(allr, .999), allr[-1], sum(r > 1.1 for r in allr), len(allr)))
+        if col == 6 and info:
+            print("  causes of the steps over 1.1x: " + causes(s[5] for s in timed if tuple(s[1:3]) in med and ratio(s) > 1.1))
         if col == 6:
             # Rank 0's GPU idle before each step (its completion less the one before, less its
             # device time): steps after a longer idle run over 1.1x more often.
@@ -126,12 +165,14 @@ for f in sys.argv[1:]:
                 r = sorted(ratio(s) for s in beside)
                 print("  every step beside the copies of %d placements: %d steps, max %.2f; over 1.1x: %d" % (
                     listed, len(r), r[-1], sum(x > 1.1 for x in r)))
+                if col == 6 and info:
+                    print("    their causes: " + causes(s[5] for s in beside if ratio(s) > 1.1))
         if col == 6 and wait_by_step:
             for s in timed:
                 if tuple(s[1:3]) in med and ratio(s) > 1.1:
                     w = wait_by_step.get(s[5], {})
-                    print("    over: step %s layer %d tokens %d %.2fx (%d us); per rank wait / enqueue us: %s" % (
-                        s[5], s[1], s[2], ratio(s), s[col], ", ".join("%d / %d" % w[r] for r in sorted(w))))
+                    print("    over: step %s layer %d tokens %d %.2fx (%d us); per rank wait / enqueue / in / out us: %s" % (
+                        s[5], s[1], s[2], ratio(s), s[col], ", ".join("%d / %d / %d / %d" % w[r] for r in sorted(w))))
         if len(applied) > 1:
             near = lambda s: any(a <= s[0] < a + 2.0 for a in applied)
             for label, sel in [("the 2 s after any of the %d placements" % len(applied), True), ("every other step", False)]:
@@ -144,6 +185,8 @@ for f in sys.argv[1:]:
                 r = sorted(ratio(s) for s in sel)
                 if r:
                     print("  %s: %d steps, p50 %.2f p90 %.2f p99 %.2f max %.2f; over 1.1x: %d" % (label, len(r), pct(r, .5), pct(r, .9), pct(r, .99), r[-1], sum(x > 1.1 for x in r)))
+                    if col == 6 and info:
+                        print("    causes: " + causes(s[5] for s in sel if ratio(s) > 1.1))
                     if lo == a:
                         top = sorted(sel, key=ratio)[-3:]
                         print("    the slowest: " + ", ".join("step %s layer %d at +%.1f ms %.2fx" % (s[5], s[1], (s[0] - a) * 1e3, ratio(s)) for s in top))

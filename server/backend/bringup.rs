@@ -141,6 +141,8 @@ pub struct GpuBringUp {
     /// Home-token buckets, ascending.
     pub buckets: Vec<usize>,
     pub graphs: bool,
+    /// Each graph times its phases (`--step-phase-times`).
+    pub phase_times: bool,
     pub step_timeout: Duration,
 }
 
@@ -175,6 +177,7 @@ impl BringUp for GpuBringUp {
             ring: (at.ring)()?,
             buckets: me.buckets,
             graphs: me.graphs,
+            phase_times: me.phase_times,
             step_timeout: me.step_timeout,
             deadline: at.deadline,
             abort: at.abort.clone(),

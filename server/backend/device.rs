@@ -61,6 +61,8 @@ pub struct Joining<'a> {
     /// Home-token buckets, ascending.
     pub buckets: Vec<usize>,
     pub graphs: bool,
+    /// Each graph times its phases (`--step-phase-times`).
+    pub phase_times: bool,
     pub step_timeout: Duration,
     /// Bounds NCCL init: a rank that never arrives would block it forever.
     pub deadline: Instant,

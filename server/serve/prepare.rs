@@ -303,6 +303,7 @@ pub fn load(args: &ServeArgs, p: &mut Prepared) -> anyhow::Result<Box<dyn BringU
                 device: dev,
                 buckets: p.buckets.clone(),
                 graphs: args.cuda_graphs == OnOff::On,
+                phase_times: args.step_phase_times == OnOff::On,
                 step_timeout: args.step_timeout,
             })
         }

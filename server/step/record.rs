@@ -8,13 +8,16 @@ use metrics::{counter, gauge, histogram};
 use crate::eplb::SlotMap;
 use crate::metric_names;
 
-/// Wall time of one step on this rank, and of each phase where the backend runs them one by one
-/// on the host (a GPU step is one graph: its phases are timed by `epserve bench`).
+/// Wall time of one step on this rank, and of each phase where the backend times them: the CPU
+/// backend runs them one by one on the host; a GPU step's graph records events between them
+/// with `--step-phase-times` (else `epserve bench` times them).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PhaseTimes {
     pub phased: bool,
     /// Rows the backend computed beyond the step's tokens (bucket padding).
     pub padding: usize,
+    /// A GPU step's gating counts from its small copies in: on an idle GPU it holds the
+    /// graph's launch too.
     pub gating: Duration,
     pub prepare: Duration,
     pub dispatch: Duration,
@@ -27,9 +30,15 @@ pub struct PhaseTimes {
     /// Of `device`, the time before the step's graph: the stream waiting for the host to
     /// enqueue it, or for a placement's copies (`Mover::before`).
     pub device_wait: Option<Duration>,
+    /// Of `device`, the step's small copies in (its routing, ahead of its graph) and out (its
+    /// counts, behind it); on an idle GPU also the host's time to enqueue them.
+    pub device_in: Option<Duration>,
+    pub device_out: Option<Duration>,
     /// The host's time from enqueueing the step's start event to its graph launched and its
     /// counts' copies enqueued behind it.
     pub enqueue: Option<Duration>,
+    /// The host's context switches while it enqueued the step (voluntary, involuntary).
+    pub enqueue_switches: Option<(u64, u64)>,
 }
 
 /// Per-step figures a rank records after each step.
@@ -50,6 +59,13 @@ pub struct StepRecord<'a> {
     pub per_expert: bool,
 }
 
+/// The five phases' times, µs, comma-separated (gating, prepare, dispatch, experts, combine).
+fn phase_list(t: &PhaseTimes) -> String {
+    [t.gating, t.prepare, t.dispatch, t.experts, t.combine]
+        .map(|d| d.as_micros().to_string())
+        .join(",")
+}
+
 pub fn record_step(r: &StepRecord) {
     let kind = if r.heartbeat { "heartbeat" } else { "work" };
     counter!(metric_names::STEPS_TOTAL, "kind" => kind).increment(1);
@@ -68,7 +84,11 @@ pub fn record_step(r: &StepRecord) {
         us = r.times.total.as_micros() as u64,
         device_us = r.times.device.map(|d| d.as_micros() as u64),
         wait_us = r.times.device_wait.map(|d| d.as_micros() as u64),
-        enqueue_us = r.times.enqueue.map(|d| d.as_micros() as u64), "step");
+        enqueue_us = r.times.enqueue.map(|d| d.as_micros() as u64),
+        switches = r.times.enqueue_switches.map(|(v, i)| tracing::field::display(format!("{v}/{i}"))),
+        in_us = r.times.device_in.map(|d| d.as_micros() as u64),
+        out_us = r.times.device_out.map(|d| d.as_micros() as u64),
+        phases_us = r.times.phased.then(|| tracing::field::display(phase_list(r.times))), "step");
     let phases = if r.times.phased { 5 } else { 0 };
     for (phase, d) in [
         ("gating", r.times.gating),

@@ -41,6 +41,18 @@ pub fn thread_nice() -> std::io::Result<i32> {
         .ok_or_else(|| std::io::Error::other(format!("no nice value in {stat:?}")))
 }
 
+/// The calling thread's context switches so far: (voluntary, involuntary). A voluntary one is a
+/// wait (a lock, a sleep), an involuntary one the scheduler giving its core to another thread.
+pub fn thread_switches() -> (u64, u64) {
+    use nix::sys::resource::{getrusage, UsageWho};
+    getrusage(UsageWho::RUSAGE_THREAD).map_or((0, 0), |u| {
+        (
+            u.voluntary_context_switches().max(0) as u64,
+            u.involuntary_context_switches().max(0) as u64,
+        )
+    })
+}
+
 /// Ends the process at once with `code`: no destructors, no exit handlers.
 pub fn exit_immediately(code: i32) -> ! {
     // SAFETY: _exit has no preconditions; it ends the process without touching Rust state.
@@ -74,6 +86,19 @@ pub fn tie_to_launcher() -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_thread_that_sleeps_counts_a_voluntary_switch() {
+        let (before, after) = std::thread::spawn(|| {
+            let before = super::thread_switches();
+            std::thread::sleep(std::time::Duration::from_millis(2));
+            (before, super::thread_switches())
+        })
+        .join()
+        .unwrap();
+        assert!(after.0 > before.0, "{before:?} then {after:?}");
+        assert!(after.1 >= before.1, "{before:?} then {after:?}");
+    }
+
     #[test]
     fn a_thread_lowers_its_own_priority_only() {
         let main = super::thread_nice().unwrap();

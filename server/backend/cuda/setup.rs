@@ -247,7 +247,7 @@ impl GpuDevice for Device {
     }
 
     fn join(self: Box<Self>, at: Joining) -> anyhow::Result<Box<dyn Backend + Send>> {
-        let graphs = at.graphs;
+        let (graphs, phase_times) = (at.graphs, at.phase_times);
         let (ordinal, graph_count) = (
             self.ordinal,
             at.buckets.len() * 2 * self.spec.moe_layers.len(),
@@ -278,7 +278,7 @@ impl GpuDevice for Device {
             core,
             at.ring,
             at.buckets,
-            graphs,
+            (graphs, phase_times),
             at.step_timeout,
             at.abort,
             mover,

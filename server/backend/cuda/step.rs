@@ -21,6 +21,7 @@ use crate::backend::cuda::experts::{self, Choices, DeviceFfn, Scratch, SharedRow
 use crate::backend::cuda::kernels::hopper::{self, Sms};
 use crate::backend::cuda::placement::{Land, SlotTable, Staged};
 use crate::backend::cuda::shape::StepShape;
+use crate::backend::cuda::sys::graph;
 use crate::backend::cuda::sys::nccl::Comm;
 use crate::backend::cuda::{max_tiles, Gpu, Logits, ROUTER_PIECES};
 use crate::backend::cuda::{Alloc, GpuError};
@@ -483,15 +484,35 @@ impl GpuStep {
     /// The whole step after the inputs are on the device: as two micro-batches where the
     /// bucket splits (`split`).
     pub fn run(&mut self, layer: usize, bucket: usize, v: Variant) -> Result<(), GpuError> {
+        self.run_marked(layer, bucket, v, None).map(|_| ())
+    }
+
+    /// `run`, recording `marks` on the stream after gating, prepare, dispatch and the experts;
+    /// false (and none recorded) where the step splits in two, whose phases interleave.
+    pub fn run_marked(
+        &mut self,
+        layer: usize,
+        bucket: usize,
+        v: Variant,
+        marks: Option<&[CudaEvent; 4]>,
+    ) -> Result<bool, GpuError> {
         if self.splits(bucket) {
-            return self.run_split(layer, bucket, v);
+            self.run_split(layer, bucket, v)?;
+            return Ok(false);
         }
+        let s = self.g.stream.clone();
+        let mark = |i: usize| marks.map_or(Ok(()), |m| graph::mark_in_capture(&m[i], &s));
         self.gate(layer, bucket, v)?;
+        mark(0)?;
         self.ahead = self.shared_ahead(layer, bucket)?;
         self.prepare(bucket)?;
+        mark(1)?;
         self.dispatch(bucket)?;
+        mark(2)?;
         self.experts(layer, bucket)?;
-        self.combine(layer, bucket)
+        mark(3)?;
+        self.combine(layer, bucket)?;
+        Ok(true)
     }
 }
 

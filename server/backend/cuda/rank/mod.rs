@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{result, CudaEvent, CudaGraph, DevicePtr};
+use cudarc::driver::{result, CudaEvent, DevicePtr, DriverError};
 
 use crate::backend::cuda::placement::Mover;
 use crate::backend::cuda::step::{GpuStep, HomeDtype, Variant};
@@ -74,11 +74,8 @@ pub struct GpuRank {
     synced: CudaEvent,
     /// Each staging set's step has reached the ring (recorded on the copy-out stream).
     done: Vec<CudaEvent>,
-    /// Each staging set's step began, reached its graph, and ended on the compute stream
-    /// (timing events: `PhaseTimes::device` and `device_wait`).
-    began: Vec<CudaEvent>,
-    launched: Vec<CudaEvent>,
-    ended: Vec<CudaEvent>,
+    /// Each staging set's step's timing events on the compute stream.
+    marks: Vec<Marks>,
     /// Steps submitted and not yet completed, oldest first.
     flight: std::collections::VecDeque<Submitted>,
     /// Steps a halt ended (a peer is gone) whose work may still wait on the device for it:
@@ -86,6 +83,8 @@ pub struct GpuRank {
     stuck: Vec<Submitted>,
     /// Whether steps are replayed from captured graphs (`regroup` captures them again).
     use_graphs: bool,
+    /// Whether each graph records events between its phases (`--step-phase-times`).
+    phase_times: bool,
     /// Whether this rank warmed up and captured its graphs (a rank coming back does so at the
     /// roster that has it live, with the others).
     primed: bool,
@@ -115,8 +114,46 @@ struct Submitted {
     /// The host's time from the step's start event to its graph launched and the copies of its
     /// counts behind it enqueued.
     enqueue: Duration,
+    /// The host's context switches while enqueueing it (voluntary, involuntary).
+    switches: (u64, u64),
+    /// The graph it replayed (`graphs`' index), None when launched eagerly.
+    graph: Option<usize>,
     /// The client memory its copies read and write, held open until it completes.
     _direct: Vec<DirectRun>,
+}
+
+/// What enqueueing a step gave: the client memory its copies use, the host's time and context
+/// switches (voluntary, involuntary) from its start event to its last copy enqueued, the graph
+/// it replayed.
+struct Launched {
+    runs: Vec<DirectRun>,
+    enqueue: Duration,
+    switches: (u64, u64),
+    graph: Option<usize>,
+}
+
+/// The timing events one staging set's step records on the compute stream: its start, its
+/// graph's turn (after a placement's copies), its small copies in done, its graph done, its end
+/// (`PhaseTimes::device` and its parts).
+struct Marks {
+    began: CudaEvent,
+    launched: CudaEvent,
+    copied: CudaEvent,
+    computed: CudaEvent,
+    ended: CudaEvent,
+}
+
+impl Marks {
+    fn new(core: &GpuStep) -> Result<Self, DriverError> {
+        let e = || core.g.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+        Ok(Self {
+            began: e()?,
+            launched: e()?,
+            copied: e()?,
+            computed: e()?,
+            ended: e()?,
+        })
+    }
 }
 
 impl GpuRank {
@@ -127,7 +164,7 @@ impl GpuRank {
         core: GpuStep,
         ring: Arc<Ring>,
         buckets: Vec<usize>,
-        graphs: bool,
+        (graphs, phase_times): (bool, bool),
         step_timeout: Duration,
         abort: Arc<Abort>,
         mover: Option<Mover>,
@@ -149,12 +186,9 @@ impl GpuRank {
             .map(|_| core.g.ctx.new_event(None))
             .collect::<Result<Vec<_>, _>>()?;
         let synced = core.g.ctx.new_event(None)?;
-        let timing = || {
-            (0..DEPTH)
-                .map(|_| core.g.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)))
-                .collect::<Result<Vec<_>, _>>()
-        };
-        let (began, launched, ended) = (timing()?, timing()?, timing()?);
+        let marks = (0..DEPTH)
+            .map(|_| Marks::new(&core))
+            .collect::<Result<Vec<_>, _>>()?;
         let copies = Copies::new(&core)?;
         // The kernel refuses to pin a writable file mapping outside tmpfs (e.g. --shm-dir on
         // disk): then the driver stages the same copies through its own pinned buffers.
@@ -180,12 +214,11 @@ impl GpuRank {
             graphs: Vec::new(),
             synced,
             done,
-            began,
-            launched,
-            ended,
+            marks,
             flight: std::collections::VecDeque::with_capacity(DEPTH),
             stuck: Vec::new(),
             use_graphs: graphs,
+            phase_times,
             primed: false,
             growing: None,
             next_set: 0,
@@ -222,7 +255,7 @@ impl GpuRank {
                 for bucket in self.buckets.clone() {
                     for v in Variant::ALL {
                         let g = self.capture(layer, bucket, v)?;
-                        self.graphs.push(Some(Graph::new(g)));
+                        self.graphs.push(Some(g));
                     }
                 }
             }
@@ -251,9 +284,30 @@ impl GpuRank {
         Ok(())
     }
 
-    fn capture(&mut self, layer: usize, bucket: usize, v: Variant) -> Result<CudaGraph, GpuError> {
+    /// One step's graph, with the events it records between its phases where they are timed
+    /// (`Graph::marks`).
+    fn capture(&mut self, layer: usize, bucket: usize, v: Variant) -> Result<Graph, GpuError> {
         let c = self.core.as_mut().expect("the GPU rank is poisoned");
-        c.capture(|c| c.run(layer, bucket, v))
+        let marks = match self.phase_times {
+            true => {
+                let e = || c.g.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+                Some([e()?, e()?, e()?, e()?])
+            }
+            false => None,
+        };
+        let mut phased = false;
+        let g = c.capture(|c| {
+            phased = c.run_marked(layer, bucket, v, marks.as_ref())?;
+            Ok(())
+        })?;
+        // Once, for the largest step: what its replay asks of the driver (a host node would
+        // stall the GPU until a driver thread runs it).
+        if layer == 0 && Some(&bucket) == self.buckets.last() && v.index() == 0 {
+            if let Ok(kinds) = crate::backend::cuda::sys::graph::node_kinds(&g) {
+                tracing::info!(bucket, ?kinds, "a step's graph nodes");
+            }
+        }
+        Ok(Graph::new(g, marks.filter(|_| phased)))
     }
 
     /// Waits for everything enqueued on the compute stream so far, until `bound` after `started`.
@@ -420,7 +474,7 @@ impl GpuRank {
         home: Range<usize>,
         bi: usize,
         set: usize,
-    ) -> Result<(Vec<DirectRun>, Duration), GpuError> {
+    ) -> Result<Launched, GpuError> {
         let (cell, n, layer) = (desc.cell as usize, home.len(), desc.layer as usize);
         let bucket = self.buckets[bi];
         let rows = match desc.input {
@@ -459,32 +513,44 @@ impl GpuRank {
         unpack_rows(c, n, desc.input)?;
         cp.inbox_free.record(&s)?;
         let began = Instant::now();
-        self.began[set].record(&s)?;
+        let switches = crate::sys::thread_switches();
+        let mk = &self.marks[set];
+        mk.began.record(&s)?;
         if let Some(m) = &mut self.mover {
             m.before(layer, &s)?;
         }
         if self.core.as_ref().is_some_and(|c| c.splits(bucket)) {
             metrics::counter!(metric_names::TWO_BATCH_STEPS_TOTAL).increment(1);
         }
-        self.launched[set].record(&s)?;
-        match self.graphs.is_empty() {
-            true => self.eager(set, layer, bucket, v)?,
+        mk.launched.record(&s)?;
+        let st = &mut self.st[set];
+        let c = self.core.as_mut().expect("checked in stage");
+        st.copy_in(c, bucket, v)?;
+        mk.copied.record(&s)?;
+        let graph = match self.graphs.is_empty() {
+            true => {
+                c.run(layer, bucket, v)?;
+                None
+            }
             false => {
                 let per_bucket = Variant::ALL.len();
                 let g = (layer * self.buckets.len() + bi) * per_bucket + v.index();
-                let graph = self.graphs[g].as_ref().expect("captured at startup");
-                let st = &mut self.st[set];
-                let c = self.core.as_mut().expect("checked in stage");
-                st.copy_in(c, bucket, v)?;
-                graph.launch()?;
-                st.copy_out(c, bucket)?;
+                self.graphs[g]
+                    .as_ref()
+                    .expect("captured at startup")
+                    .launch()?;
+                Some(g)
             }
-        }
+        };
+        mk.computed.record(&s)?;
+        st.copy_out(c, bucket)?;
         let enqueue = began.elapsed();
+        let now = crate::sys::thread_switches();
+        let switches = (now.0 - switches.0, now.1 - switches.1);
         if let Some(m) = &mut self.mover {
             m.after(layer, &s)?;
         }
-        self.ended[set].record(&s)?;
+        self.marks[set].ended.record(&s)?;
         let cp = &self.copies;
         let c = self.core.as_mut().expect("checked in stage");
         s.wait(&cp.outbox_free)?;
@@ -505,7 +571,12 @@ impl GpuRank {
         }
         cp.outbox_free.record(&cp.d2h)?;
         self.done[set].record(&cp.d2h)?;
-        Ok((runs, enqueue))
+        Ok(Launched {
+            runs,
+            enqueue,
+            switches,
+            graph,
+        })
     }
 }
 
@@ -515,7 +586,12 @@ impl Backend for GpuRank {
         let (bi, set) = self.stage(desc, &home)?;
         let rank = self.core.as_ref().map_or(0, |c| c.shape.rank);
         let output = Output::of(desc, rank, home.clone());
-        let (direct, enqueue) = match self.launch(desc, home, bi, set) {
+        let Launched {
+            runs: direct,
+            enqueue,
+            switches,
+            graph,
+        } = match self.launch(desc, home, bi, set) {
             Ok(launched) => launched,
             Err(e) => return Err(self.failed(desc.step, e)),
         };
@@ -528,6 +604,8 @@ impl Backend for GpuRank {
             set,
             started,
             enqueue,
+            switches,
+            graph,
             _direct: direct,
         });
         Ok(())
@@ -582,16 +660,40 @@ impl Backend for GpuRank {
             .publish_output(&f.output)
             .map_err(|msg| StepError::DataLink { step: f.step, msg })?;
         let world = self.ring.shape.world;
+        let mk = &self.marks[f.set];
         let between = |a: &CudaEvent, b: &CudaEvent| {
             (a.elapsed_ms(b).ok()).map(|ms| Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
         };
+        // A graph's marks hold its last replay's: unless a step still in flight replays it.
+        let marks = f
+            .graph
+            .filter(|&g| self.flight.iter().all(|n| n.graph != Some(g)))
+            .and_then(|g| self.graphs[g].as_ref()?.marks());
+        let phases = marks.and_then(|m| {
+            Some([
+                between(&mk.copied, &m[0])?,
+                between(&m[0], &m[1])?,
+                between(&m[1], &m[2])?,
+                between(&m[2], &m[3])?,
+                between(&m[3], &mk.computed)?,
+            ])
+        });
+        let [gating, prepare, dispatch, experts, combine] = phases.unwrap_or_default();
         Ok(PhaseTimes {
+            phased: phases.is_some(),
+            gating,
+            prepare,
+            dispatch,
+            experts,
+            combine,
             total: f.started.elapsed(),
             padding: (f.bucket * world).saturating_sub(f.tokens),
-            device: between(&self.began[f.set], &self.ended[f.set]),
-            device_wait: between(&self.began[f.set], &self.launched[f.set]),
+            device: between(&mk.began, &mk.ended),
+            device_wait: between(&mk.began, &mk.launched),
+            device_in: between(&mk.launched, &mk.copied),
+            device_out: between(&mk.computed, &mk.ended),
             enqueue: Some(f.enqueue),
-            ..PhaseTimes::default()
+            enqueue_switches: Some(f.switches),
         })
     }
 
