@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{result, CudaEvent, DevicePtr, DriverError};
+use cudarc::driver::{result, CudaEvent, DevicePtr};
 
 use crate::backend::cuda::placement::Mover;
 use crate::backend::cuda::step::{GpuStep, HomeDtype, Variant};
@@ -27,6 +27,9 @@ use crate::step::ring::{Output, Ring};
 use crate::step::{Backend, PhaseTimes, StageDone, StepDesc, StepError};
 
 mod regroup;
+mod timing;
+
+use timing::Marks;
 
 /// Waits for `ev` until `started + bound`, spinning briefly, then sleeping in short naps; a
 /// group that halts (a peer is gone) ends the wait at once where `abort` is given.
@@ -130,30 +133,6 @@ struct Launched {
     enqueue: Duration,
     switches: (u64, u64),
     graph: Option<usize>,
-}
-
-/// The timing events one staging set's step records on the compute stream: its start, its
-/// graph's turn (after a placement's copies), its small copies in done, its graph done, its end
-/// (`PhaseTimes::device` and its parts).
-struct Marks {
-    began: CudaEvent,
-    launched: CudaEvent,
-    copied: CudaEvent,
-    computed: CudaEvent,
-    ended: CudaEvent,
-}
-
-impl Marks {
-    fn new(core: &GpuStep) -> Result<Self, DriverError> {
-        let e = || core.g.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
-        Ok(Self {
-            began: e()?,
-            launched: e()?,
-            copied: e()?,
-            computed: e()?,
-            ended: e()?,
-        })
-    }
 }
 
 impl GpuRank {
@@ -660,40 +639,18 @@ impl Backend for GpuRank {
             .publish_output(&f.output)
             .map_err(|msg| StepError::DataLink { step: f.step, msg })?;
         let world = self.ring.shape.world;
-        let mk = &self.marks[f.set];
-        let between = |a: &CudaEvent, b: &CudaEvent| {
-            (a.elapsed_ms(b).ok()).map(|ms| Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
-        };
         // A graph's marks hold its last replay's: unless a step still in flight replays it.
-        let marks = f
+        let inside = f
             .graph
             .filter(|&g| self.flight.iter().all(|n| n.graph != Some(g)))
             .and_then(|g| self.graphs[g].as_ref()?.marks());
-        let phases = marks.and_then(|m| {
-            Some([
-                between(&mk.copied, &m[0])?,
-                between(&m[0], &m[1])?,
-                between(&m[1], &m[2])?,
-                between(&m[2], &m[3])?,
-                between(&m[3], &mk.computed)?,
-            ])
-        });
-        let [gating, prepare, dispatch, experts, combine] = phases.unwrap_or_default();
+        let t = self.marks[f.set].times(inside);
         Ok(PhaseTimes {
-            phased: phases.is_some(),
-            gating,
-            prepare,
-            dispatch,
-            experts,
-            combine,
             total: f.started.elapsed(),
             padding: (f.bucket * world).saturating_sub(f.tokens),
-            device: between(&mk.began, &mk.ended),
-            device_wait: between(&mk.began, &mk.launched),
-            device_in: between(&mk.launched, &mk.copied),
-            device_out: between(&mk.computed, &mk.ended),
             enqueue: Some(f.enqueue),
             enqueue_switches: Some(f.switches),
+            ..t
         })
     }
 
