@@ -391,7 +391,8 @@ pub struct ServeArgs {
     pub cuda_graphs: OnOff,
     /// GPU backends with graphs: each step's graph also records events between its phases
     /// (gating, prepare, dispatch, experts, combine), for `epserve_step_phase_seconds` and the
-    /// step trace. Off by default: it cost 12 µs a step (1.3% of a 2,048-token step, 2x H200).
+    /// step trace. Off by default: it cost 13-16 µs a step (1.5% of a 2,048-token step, 2x
+    /// H200; docs/benchmarks.md "Load balance", session 55).
     #[arg(
         help_heading = "Backend and GPU",
         long,

@@ -112,9 +112,9 @@ for f in sys.argv[1:]:
     ph_med = {k: [statistics.median(p[i] for p in v) for i in range(5)] for k, v in by.items() if len(v) > 20}
     def cause(step):
         v = info.get(step, {})
-        if any(e > max(250, 3 * enq_med.get(r, 0)) for r, (_, _, e, _, _) in v.items()):
-            lost = any(x[3] for x in v.values())
-            return "host stall (a core lost)" if lost else "host stall"
+        stalled = [r for r, x in v.items() if x[2] > max(250, 3 * enq_med.get(r, 0))]
+        if stalled:
+            return "host stall (a core lost)" if any(v[r][3] for r in stalled) else "host stall"
         if len(v) == ranks and all(x[4] and (x[0], x[1], r) in ph_med for r, x in v.items()):
             over = [sum(max(0, x[4][i] - ph_med[(x[0], x[1], r)][i]) for r, x in v.items()) for i in range(5)]
             return PHASES[over.index(max(over))] if max(over) > 0 else "unattributed"

@@ -1,6 +1,7 @@
 //! The host's raw calls, each behind a safe function or type: shared memory mapped by every rank
 //! of a host (`shm`), read-only file maps (a checkpoint's tensors), a background thread's
-//! priority, ending the process without teardown, and a launched rank's tie to its launcher.
+//! priority, a thread's context switches, ending the process without teardown, and a launched
+//! rank's tie to its launcher.
 //! With the GPU floor's `backend::cuda::sys`, its kernel launchers and the FFI crate
 //! (`nccl-sys`), the only places with `unsafe`.
 
