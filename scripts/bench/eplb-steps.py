@@ -23,7 +23,7 @@
 # batches (load, upload, free: each batch's line ends its free) that overlap it, and by how much.
 # usage: python3 scripts/bench/eplb-steps.py LOG...
 import re, sys, statistics
-from collections import defaultdict
+from collections import defaultdict, namedtuple
 
 def stamp(m):
     return int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
@@ -36,6 +36,8 @@ LINE = re.compile(r"rank=(\d+) .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*step_times: step 
                   r"(?: enqueue_us=(\d+))?(?: switches=(\d+)/(\d+))?(?: in_us=(\d+))?(?: out_us=(\d+))?"
                   r"(?: phases_us=([\d,]+))?")
 PHASES = ["gating", "prepare", "dispatch", "experts", "combine"]
+# One rank's figures for one step, from its trace line (0 where the line has no such field).
+Rank = namedtuple("Rank", "layer tokens wait enq inn out lost ph")
 APPLIED = re.compile(r"rank=0 .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*placement applied")
 # The steps a placement's copies run beside: from its apply to its last copies enqueued.
 APPLIED_AT = re.compile(r"rank=0 .*step=(\d+) .*placement applied epoch=(\d+) moved_bytes=(\d+)")
@@ -60,7 +62,7 @@ def beside(a, b, staged):
 
 for f in sys.argv[1:]:
     rank0, applied, dev_by_step, staged = [], [], defaultdict(dict), []
-    wait_by_step, info = defaultdict(dict), defaultdict(dict)
+    per_rank = defaultdict(dict)
     moved, enqueued = [], {}
     for line in open(f):
         a = APPLIED_AT.search(line)
@@ -79,9 +81,10 @@ for f in sys.argv[1:]:
             if step is not None and dev is not None:
                 dev_by_step[step][rank] = dev
                 if m.group(10):
-                    wait_by_step[step][rank] = tuple(int(m.group(i) or 0) for i in (10, 11, 14, 15))
-                    info[step][rank] = (layer, tokens, int(m.group(11) or 0), m.group(12) is not None and
-                                        int(m.group(13)) > 0, [int(x) for x in m.group(16).split(",")] if m.group(16) else None)
+                    wait, enq, inn, out = (int(m.group(i) or 0) for i in (10, 11, 14, 15))
+                    lost = m.group(13) is not None and int(m.group(13)) > 0
+                    ph = [int(x) for x in m.group(16).split(",")] if m.group(16) else None
+                    per_rank[step][rank] = Rank(layer, tokens, wait, enq, inn, out, lost, ph)
         a = APPLIED.search(line)
         if a: applied.append(stamp(a))
         m = BATCH.search(line)
@@ -96,27 +99,27 @@ for f in sys.argv[1:]:
     for s in rank0:
         d = dev_by_step.get(s[5], {})
         s.append(min(d.values()) if ranks > 0 and len(d) == ranks else None)
-        w = wait_by_step.get(s[5], {})
-        s.append(min(d[r] - w[r][0] for r in d) if s[6] is not None and len(w) == ranks else None)
-        s.append(min(d[r] - w[r][0] - w[r][2] - w[r][3] for r in d)
-                 if s[6] is not None and len(w) == ranks and any(w[r][2] for r in w) else None)
+        w = per_rank.get(s[5], {})
+        s.append(min(d[r] - w[r].wait for r in d) if s[6] is not None and len(w) == ranks else None)
+        s.append(min(d[r] - w[r].wait - w[r].inn - w[r].out for r in d)
+                 if s[6] is not None and len(w) == ranks and any(w[r].inn for r in w) else None)
     # Each rank's median enqueue, and each (layer, tokens, rank)'s median phases, for `cause`.
     enq_med, ph_med = {}, {}
     for r in range(ranks):
-        e = [v[r][2] for v in info.values() if r in v]
+        e = [v[r].enq for v in per_rank.values() if r in v]
         if e: enq_med[r] = statistics.median(e)
     by = defaultdict(list)
-    for v in info.values():
-        for r, (l, n, _, _, ph) in v.items():
-            if ph: by[(l, n, r)].append(ph)
+    for v in per_rank.values():
+        for r, x in v.items():
+            if x.ph: by[(x.layer, x.tokens, r)].append(x.ph)
     ph_med = {k: [statistics.median(p[i] for p in v) for i in range(5)] for k, v in by.items() if len(v) > 20}
     def cause(step):
-        v = info.get(step, {})
-        stalled = [r for r, x in v.items() if x[2] > max(250, 3 * enq_med.get(r, 0))]
+        v = per_rank.get(step, {})
+        stalled = [r for r, x in v.items() if x.enq > max(250, 3 * enq_med.get(r, 0))]
         if stalled:
-            return "host stall (a core lost)" if any(v[r][3] for r in stalled) else "host stall"
-        if len(v) == ranks and all(x[4] and (x[0], x[1], r) in ph_med for r, x in v.items()):
-            over = [sum(max(0, x[4][i] - ph_med[(x[0], x[1], r)][i]) for r, x in v.items()) for i in range(5)]
+            return "host stall (a core lost)" if any(v[r].lost for r in stalled) else "host stall"
+        if len(v) == ranks and all(x.ph and (x.layer, x.tokens, r) in ph_med for r, x in v.items()):
+            over = [sum(max(0, x.ph[i] - ph_med[(x.layer, x.tokens, r)][i]) for r, x in v.items()) for i in range(5)]
             return PHASES[over.index(max(over))] if max(over) > 0 else "unattributed"
         return "unattributed"
     def causes(steps):
@@ -137,7 +140,7 @@ for f in sys.argv[1:]:
         print(f, what, "steps", len(timed), "medians by (layer, tokens)", med)
         allr = sorted(ratio(s) for s in timed if tuple(s[1:3]) in med)
         print("  all steps / their (layer, size)'s median: p50 %.2f p90 %.2f p99 %.2f p99.9 %.2f max %.2f; over 1.1x: %d of %d" % (pct(allr, .5), pct(allr, .9), pct(allr, .99), pct(allr, .999), allr[-1], sum(r > 1.1 for r in allr), len(allr)))
-        if col == 6 and info:
+        if col == 6 and per_rank:
             print("  causes of the steps over 1.1x: " + causes(s[5] for s in timed if tuple(s[1:3]) in med and ratio(s) > 1.1))
         if col == 6:
             # Rank 0's GPU idle before each step (its completion less the one before, less its
@@ -165,14 +168,14 @@ for f in sys.argv[1:]:
                 r = sorted(ratio(s) for s in beside)
                 print("  every step beside the copies of %d placements: %d steps, max %.2f; over 1.1x: %d" % (
                     listed, len(r), r[-1], sum(x > 1.1 for x in r)))
-                if col == 6 and info:
+                if col == 6 and per_rank:
                     print("    their causes: " + causes(s[5] for s in beside if ratio(s) > 1.1))
-        if col == 6 and wait_by_step:
+        if col == 6 and per_rank:
             for s in timed:
                 if tuple(s[1:3]) in med and ratio(s) > 1.1:
-                    w = wait_by_step.get(s[5], {})
+                    w = per_rank.get(s[5], {})
                     print("    over: step %s layer %d tokens %d %.2fx (%d us); per rank wait / enqueue / in / out us: %s" % (
-                        s[5], s[1], s[2], ratio(s), s[col], ", ".join("%d / %d / %d / %d" % w[r] for r in sorted(w))))
+                        s[5], s[1], s[2], ratio(s), s[col], ", ".join("%d / %d / %d / %d" % (w[r].wait, w[r].enq, w[r].inn, w[r].out) for r in sorted(w))))
         if len(applied) > 1:
             near = lambda s: any(a <= s[0] < a + 2.0 for a in applied)
             for label, sel in [("the 2 s after any of the %d placements" % len(applied), True), ("every other step", False)]:
@@ -185,7 +188,7 @@ for f in sys.argv[1:]:
                 r = sorted(ratio(s) for s in sel)
                 if r:
                     print("  %s: %d steps, p50 %.2f p90 %.2f p99 %.2f max %.2f; over 1.1x: %d" % (label, len(r), pct(r, .5), pct(r, .9), pct(r, .99), r[-1], sum(x > 1.1 for x in r)))
-                    if col == 6 and info:
+                    if col == 6 and per_rank:
                         print("    causes: " + causes(s[5] for s in sel if ratio(s) > 1.1))
                     if lo == a:
                         top = sorted(sel, key=ratio)[-3:]
