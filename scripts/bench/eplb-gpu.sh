@@ -77,8 +77,10 @@ moves) # placements applied under serving load, one every MOVE_EVERY s (default 
 blk=lambda r: list(range(((r+1)%W)*p,((r+1)%W+1)*p))[::-1] if b else list(range(r*p,(r+1)*p))
 print(json.dumps({'phy2log': [sum((blk(r)+x[r*2//W:(r+1)*2//W] for r in range(W)),[])]*4}))" $1 $w > "$pl"; }
   place a
+  # MOVES_BACKEND (default nccl; nccl-ep runs on the carried NCCL 2.30), MOVES_EXPERTS (bf16, fp8; default auto).
+  backend=${MOVES_BACKEND:-nccl}; [ "$backend" = nccl-ep ] && source /tmp/nccl230/env.sh
   RUST_LOG=info,epserve::step_times=trace,epserve::staging=trace \
-    "${on_serve[@]}" $B launch --ranks $w --backend ${MOVES_BACKEND:-nccl} \
+    "${on_serve[@]}" $B launch --ranks $w --backend $backend --expert-dtype ${MOVES_EXPERTS:-auto} \
     --model synthetic:qwen3-30b-a3b --layers 4 --max-tokens-per-step 8192 --placement "$pl" \
     --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --shm-dir "$shm" \
     "${client_shm[@]}" >"$out/serve-moves.log" 2>&1 &

@@ -16,7 +16,8 @@
 #   its median to enqueue it: the GPU ran out of work mid-step), else, with
 #   `--step-phase-times on`, to the phase that took the most over its median summed over the
 #   ranks (`phases_us`), else unattributed; `switches` (the host's voluntary/involuntary
-#   context switches while enqueueing) says whether a stalled host had lost its core.
+#   context switches while enqueueing) says whether a stalled host had lost its core, and
+#   `parts_us` (the enqueue's start, copies in, graph launch, copies out) which part it stalled in.
 # - beside the copies: per placement that moved weights, the group steps from the one after
 #   rank 0 applied it to two after its last copies were enqueued (two steps in flight).
 # With RUST_LOG=...,epserve::staging=trace, each gap also names the staging phases of rank 0's
@@ -33,11 +34,13 @@ def pct(r, q):
 
 LINE = re.compile(r"rank=(\d+) .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*step_times: step (?:step=(\d+) )?"
                   r"layer=(\d+) tokens=(\d+) us=(\d+)(?: device_us=(\d+))?(?: wait_us=(\d+))?"
-                  r"(?: enqueue_us=(\d+))?(?: switches=(\d+)/(\d+))?(?: in_us=(\d+))?(?: out_us=(\d+))?"
-                  r"(?: phases_us=([\d,]+))?")
+                  r"(?: enqueue_us=(\d+))?(?: switches=(\d+)/(\d+))?(?: parts_us=([\d,]+))?(?: in_us=(\d+))?"
+                  r"(?: out_us=(\d+))?(?: phases_us=([\d,]+))?")
 PHASES = ["gating", "prepare", "dispatch", "experts", "combine"]
+# The host's enqueue of a step in its parts (`parts_us`), where logged.
+PARTS = ["start", "copies in", "graph launch", "copies out"]
 # One rank's figures for one step, from its trace line (0 where the line has no such field).
-Rank = namedtuple("Rank", "layer tokens wait enq inn out lost ph")
+Rank = namedtuple("Rank", "layer tokens wait enq inn out lost ph parts")
 APPLIED = re.compile(r"rank=0 .*?(\d\d):(\d\d):(\d\d\.\d+)Z .*placement applied")
 # The steps a placement's copies run beside: from its apply to its last copies enqueued.
 APPLIED_AT = re.compile(r"rank=0 .*step=(\d+) .*placement applied epoch=(\d+) moved_bytes=(\d+)")
@@ -81,10 +84,11 @@ for f in sys.argv[1:]:
             if step is not None and dev is not None:
                 dev_by_step[step][rank] = dev
                 if m.group(10):
-                    wait, enq, inn, out = (int(m.group(i) or 0) for i in (10, 11, 14, 15))
+                    wait, enq, inn, out = (int(m.group(i) or 0) for i in (10, 11, 15, 16))
                     lost = m.group(13) is not None and int(m.group(13)) > 0
-                    ph = [int(x) for x in m.group(16).split(",")] if m.group(16) else None
-                    per_rank[step][rank] = Rank(layer, tokens, wait, enq, inn, out, lost, ph)
+                    ph = [int(x) for x in m.group(17).split(",")] if m.group(17) else None
+                    parts = [int(x) for x in m.group(14).split(",")] if m.group(14) else None
+                    per_rank[step][rank] = Rank(layer, tokens, wait, enq, inn, out, lost, ph, parts)
         a = APPLIED.search(line)
         if a: applied.append(stamp(a))
         m = BATCH.search(line)
@@ -113,11 +117,22 @@ for f in sys.argv[1:]:
         for r, x in v.items():
             if x.ph: by[(x.layer, x.tokens, r)].append(x.ph)
     ph_med = {k: [statistics.median(p[i] for p in v) for i in range(5)] for k, v in by.items() if len(v) > 20}
+    part_med = {}
+    for r in range(ranks):
+        p = [v[r].parts for v in per_rank.values() if r in v and v[r].parts]
+        if p: part_med[r] = [statistics.median(x[i] for x in p) for i in range(4)]
+    def stalled_in(v, stalled):
+        """The enqueue part that ran the most over its median on the stalled ranks, where logged."""
+        over = [0] * 4
+        for r in stalled:
+            if v[r].parts and r in part_med:
+                for i in range(4): over[i] += max(0, v[r].parts[i] - part_med[r][i])
+        return " in " + PARTS[over.index(max(over))] if max(over) > 0 else ""
     def cause(step):
         v = per_rank.get(step, {})
         stalled = [r for r, x in v.items() if x.enq > max(250, 3 * enq_med.get(r, 0))]
         if stalled:
-            return "host stall (a core lost)" if any(v[r].lost for r in stalled) else "host stall"
+            return ("host stall (a core lost)" if any(v[r].lost for r in stalled) else "host stall") + stalled_in(v, stalled)
         if len(v) == ranks and all(x.ph and (x.layer, x.tokens, r) in ph_med for r, x in v.items()):
             over = [sum(max(0, x.ph[i] - ph_med[(x.layer, x.tokens, r)][i]) for r, x in v.items()) for i in range(5)]
             return PHASES[over.index(max(over))] if max(over) > 0 else "unattributed"

@@ -10,7 +10,7 @@ mod record;
 pub mod ring;
 
 pub use desc::{home_range, max_home_tokens, StepDesc, StepError, StepKey};
-pub use record::PhaseTimes;
+pub use record::{EnqueueParts, PhaseTimes};
 
 use std::ops::Range;
 use std::sync::Arc;

@@ -39,6 +39,32 @@ pub struct PhaseTimes {
     pub enqueue: Option<Duration>,
     /// The host's context switches while it enqueued the step (voluntary, involuntary).
     pub enqueue_switches: Option<(u64, u64)>,
+    /// Of `enqueue`, the host's time in each of its parts: where a stalled host stalled.
+    pub enqueue_parts: Option<EnqueueParts>,
+}
+
+/// A GPU step's enqueue in its parts, host time each: its start event and a placement's wait
+/// (`before`), its small copies in, its graph's launch (or eager kernels), its copies out.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EnqueueParts {
+    pub before: Duration,
+    pub copy_in: Duration,
+    pub graph: Duration,
+    pub copy_out: Duration,
+}
+
+impl std::fmt::Display for EnqueueParts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let us = |d: Duration| d.as_micros();
+        write!(
+            f,
+            "{},{},{},{}",
+            us(self.before),
+            us(self.copy_in),
+            us(self.graph),
+            us(self.copy_out)
+        )
+    }
 }
 
 /// Per-step figures a rank records after each step.
@@ -86,6 +112,7 @@ pub fn record_step(r: &StepRecord) {
         wait_us = r.times.device_wait.map(|d| d.as_micros() as u64),
         enqueue_us = r.times.enqueue.map(|d| d.as_micros() as u64),
         switches = r.times.enqueue_switches.map(|(v, i)| tracing::field::display(format!("{v}/{i}"))),
+        parts_us = r.times.enqueue_parts.map(tracing::field::display),
         in_us = r.times.device_in.map(|d| d.as_micros() as u64),
         out_us = r.times.device_out.map(|d| d.as_micros() as u64),
         phases_us = r.times.phased.then(|| tracing::field::display(phase_list(r.times))), "step");
@@ -138,5 +165,23 @@ pub fn record_step(r: &StepRecord) {
             let e = phy2log[s];
             counter!(metric_names::EXPERT_TOKENS_TOTAL, "layer" => layer.clone(), "expert" => e.to_string()).increment(per_slot[s]);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `parts_us` is read by scripts/bench/eplb-steps.py in this order (its `PARTS`).
+    #[test]
+    fn enqueue_parts_print_in_the_order_the_trace_reader_names_them() {
+        let us = Duration::from_micros;
+        let p = EnqueueParts {
+            before: us(6),
+            copy_in: us(13),
+            graph: us(1_250),
+            copy_out: us(7),
+        };
+        assert_eq!(p.to_string(), "6,13,1250,7");
     }
 }

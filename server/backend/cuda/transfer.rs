@@ -42,7 +42,8 @@ pub(super) fn pack_rows(c: &mut GpuStep, n: usize, d: Dtype) -> Result<(), Drive
 pub(super) struct Copies {
     pub h2d: Arc<CudaStream>,
     pub d2h: Arc<CudaStream>,
-    /// The inbox holds the next step's rows / the step has taken them out.
+    /// The inbox holds the next step's rows / the step has taken them out and its small
+    /// copies in are done (the next rows must not hold a copy engine ahead of them).
     pub inbox_full: CudaEvent,
     pub inbox_free: CudaEvent,
     /// The outbox holds a step's output / it has reached the ring.

@@ -24,7 +24,7 @@ use crate::lifecycle::Abort;
 use crate::metric_names;
 use crate::step::direct::{pieces, DirectRun};
 use crate::step::ring::{Output, Ring};
-use crate::step::{Backend, PhaseTimes, StageDone, StepDesc, StepError};
+use crate::step::{Backend, EnqueueParts, PhaseTimes, StageDone, StepDesc, StepError};
 
 mod regroup;
 mod timing;
@@ -119,6 +119,8 @@ struct Submitted {
     enqueue: Duration,
     /// The host's context switches while enqueueing it (voluntary, involuntary).
     switches: (u64, u64),
+    /// Of `enqueue`, each part's host time (`EnqueueParts`).
+    parts: EnqueueParts,
     /// The graph it replayed (`graphs`' index), None when launched eagerly.
     graph: Option<usize>,
     /// The client memory its copies read and write, held open until it completes.
@@ -132,6 +134,7 @@ struct Launched {
     runs: Vec<DirectRun>,
     enqueue: Duration,
     switches: (u64, u64),
+    parts: EnqueueParts,
     graph: Option<usize>,
 }
 
@@ -490,7 +493,6 @@ impl GpuRank {
         cp.inbox_full.record(&cp.h2d)?;
         s.wait(&cp.inbox_full)?;
         unpack_rows(c, n, desc.input)?;
-        cp.inbox_free.record(&s)?;
         let began = Instant::now();
         let switches = crate::sys::thread_switches();
         let mk = &self.marks[set];
@@ -502,10 +504,15 @@ impl GpuRank {
             metrics::counter!(metric_names::TWO_BATCH_STEPS_TOTAL).increment(1);
         }
         mk.launched.record(&s)?;
+        let at_before = began.elapsed();
         let st = &mut self.st[set];
         let c = self.core.as_mut().expect("checked in stage");
         st.copy_in(c, bucket, v)?;
         mk.copied.record(&s)?;
+        // The next step's rows wait for these small copies too: on one copy engine they would
+        // queue behind its rows (docs/benchmarks.md "Load balance", session 56).
+        self.copies.inbox_free.record(&s)?;
+        let at_in = began.elapsed();
         let graph = match self.graphs.is_empty() {
             true => {
                 c.run(layer, bucket, v)?;
@@ -521,9 +528,16 @@ impl GpuRank {
                 Some(g)
             }
         };
+        let at_graph = began.elapsed();
         mk.computed.record(&s)?;
         st.copy_out(c, bucket)?;
         let enqueue = began.elapsed();
+        let parts = EnqueueParts {
+            before: at_before,
+            copy_in: at_in - at_before,
+            graph: at_graph - at_in,
+            copy_out: enqueue - at_graph,
+        };
         let now = crate::sys::thread_switches();
         let switches = (now.0 - switches.0, now.1 - switches.1);
         if let Some(m) = &mut self.mover {
@@ -554,6 +568,7 @@ impl GpuRank {
             runs,
             enqueue,
             switches,
+            parts,
             graph,
         })
     }
@@ -569,6 +584,7 @@ impl Backend for GpuRank {
             runs: direct,
             enqueue,
             switches,
+            parts,
             graph,
         } = match self.launch(desc, home, bi, set) {
             Ok(launched) => launched,
@@ -584,6 +600,7 @@ impl Backend for GpuRank {
             started,
             enqueue,
             switches,
+            parts,
             graph,
             _direct: direct,
         });
@@ -650,6 +667,7 @@ impl Backend for GpuRank {
             padding: (f.bucket * world).saturating_sub(f.tokens),
             enqueue: Some(f.enqueue),
             enqueue_switches: Some(f.switches),
+            enqueue_parts: Some(f.parts),
             ..t
         })
     }
