@@ -520,6 +520,21 @@ fn fp8_psum_gemm_of_deepseek_v3_shapes_matches_f64_per_expert() {
     assert_eq!(Fp8::psum_tile(4, 4096, 2048), "PSUM");
 }
 
+/// Qwen3-30B-A3B's expert shapes (hidden 2,048, intermediate 768) over a rank's 64 experts at
+/// a 2,048-token step's rows on 2 ranks (about 128 an expert, ragged): the general psum
+/// instance. Session 56 found FP8 steps of this model hanging at this size on `nccl` and
+/// `nccl-ep` alike, and running at half of it (docs/benchmarks.md, "Load balance"); this is the
+/// GEMM half of that step alone. Written then, not yet run.
+#[test]
+#[ignore = "needs a GPU"]
+fn fp8_psum_gemm_of_qwen3_shapes_at_prefill_counts_matches_f64_per_expert() {
+    let counts: Vec<usize> = (0..64).map(|i| 96 + (i * 37) % 65).collect();
+    for (n, k) in [(2 * 768, 2048), (2048, 768)] {
+        assert_eq!(Fp8::psum_tile(64, n, k), "PSUM");
+        blocks_case(19, (n, k), &counts, false);
+    }
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn fp8_decode_gemm_over_blocks_matches_f64_per_expert() {
