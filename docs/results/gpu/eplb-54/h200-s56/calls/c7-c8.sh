@@ -1,4 +1,7 @@
-# session 56 call 8: FP8 on qwen3 hangs the first HT step at --max-tokens-per-step 8192 (call 7): on nccl too? on nccl-ep at 1024?
+# session 56 calls 7 and 8 (each a fresh machine): which part of nccl-ep + FP8 + a placement file + client routing
+# hangs the first 2,048-token step of qwen3 (call 7), then on nccl too? on nccl-ep at 1024 (call 8)?
+# Call 7's try() had `--backend nccl-ep --max-tokens-per-step 8192` in its launch line; its three lines are
+# written here with those flags.
 source scripts/bench/device-env.sh
 O=$out
 mkdir -p /tmp/nccl230 && tar xJf .device/nccl230.tar.xz -C /tmp/nccl230; source /tmp/nccl230/env.sh
@@ -13,6 +16,12 @@ try() { # name loadflags -- launch flags
   grep -E "ERROR" $O/$name.log | head -1 | cut -c1-200
   kill $pid 2>/dev/null; sleep 1; pkill -f "epserve launch" ; pkill -f "epserve serve"; wait $pid 2>/dev/null; sleep 1
 }
+if [ "${CALL:-8}" = 7 ]; then
+try fp8-noplace --client-routing --backend nccl-ep --max-tokens-per-step 8192 --expert-dtype fp8
+try bf16-place --client-routing --backend nccl-ep --max-tokens-per-step 8192 --expert-dtype bf16 --placement /dev/shm/pl.json
+try fp8-place-gate "" --backend nccl-ep --max-tokens-per-step 8192 --expert-dtype fp8 --placement /dev/shm/pl.json
+else
 try nccl-fp8-8192 --client-routing --backend nccl --expert-dtype fp8 --max-tokens-per-step 8192
 TOK=1024 try ep-fp8-1024 --client-routing --backend nccl-ep --expert-dtype fp8 --max-tokens-per-step 1024
+fi
 cd $O && tar cJf /tmp/all.tar.xz . && rm -rf ./* && mv /tmp/all.tar.xz .
