@@ -8,8 +8,8 @@
 // [groups][N / 128][K / 128] (K-major, a checkpoint's `weight_scale_inv` as shipped); 128-deep
 // K stages; 128-byte swizzles; `groups` groups at most; `ctas` persistent
 // CTAs; TMA multicast of the weight tile (B) over a cluster of `multicast` CTAs, each pair of a
-// group's row tiles sharing it. Which layouts, tiles, stages and clusters: build.rs's
-// HOPPER_FP8_TILES.
+// group's row tiles sharing it (only for N of an even count of column tiles: hopper.rs's
+// `Tile::takes`). Which layouts, tiles, stages and clusters: build.rs's HOPPER_FP8_TILES.
 #include <deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh>
 
 using namespace deep_gemm;

@@ -22,8 +22,8 @@ use crate::model::fp8::BLOCK;
 
 mod tiles {
     use super::Tile;
-    // GROUPS, then PSUM, PSUM_SHARE, MASKED, V3_GATE_UP and V3_DOWN: build.rs's
-    // HOPPER_FP8_TILES.
+    // GROUPS, then PSUM, PSUM_SHARE, PSUM_SOLO, PSUM_SHARE_SOLO, MASKED, V3_GATE_UP and
+    // V3_DOWN: build.rs's HOPPER_FP8_TILES.
     include!(concat!(env!("OUT_DIR"), "/hopper_fp8_tiles.rs"));
 }
 
@@ -79,8 +79,29 @@ pub struct Fp8Weights {
     pub groups: usize,
     pub n: usize,
     pub k: usize,
-    /// The fixed-shape psum instance (its place in `FIXED`) that takes this shape, if one does.
-    fixed: Option<usize>,
+    /// Which psum instance runs them on every SM (beside an exchange: `Psum::Fixed`'s too take
+    /// the general one of CTA pairs).
+    psum: Psum,
+}
+
+/// The psum instances that take a shape: a fixed-shape one (its place in `FIXED`), else the
+/// general ones of CTA pairs, else those without clusters (`Tile::takes`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Psum {
+    Fixed(u8),
+    Pairs,
+    Solo,
+}
+
+impl Psum {
+    fn of(groups: usize, n: usize, k: usize) -> Self {
+        let pairs = [tiles::PSUM, tiles::PSUM_SHARE];
+        match FIXED.iter().position(|t| t.takes(groups, n, k)) {
+            Some(i) => Psum::Fixed(i as u8),
+            None if pairs.iter().all(|t| t.takes(groups, n, k)) => Psum::Pairs,
+            None => Psum::Solo,
+        }
+    }
 }
 
 impl Fp8Weights {
@@ -91,7 +112,7 @@ impl Fp8Weights {
             groups,
             n,
             k,
-            fixed: Fp8::fixed_for(groups, n, k),
+            psum: Psum::of(groups, n, k),
         }
     }
 
@@ -151,6 +172,9 @@ pub struct Fp8 {
     /// psum on fewer CTAs, for experts that run beside the exchange (`Sms::BesideExchange`);
     /// it stands in for the fixed-shape ones too.
     psum_share: Instance,
+    /// The two above without clusters, for N of an odd count of column tiles.
+    psum_solo: Instance,
+    psum_share_solo: Instance,
     /// `FIXED`'s, in its order.
     fixed: Vec<Instance>,
     masked: Instance,
@@ -181,39 +205,47 @@ impl Fp8 {
         let q = ctx.load_module(Ptx::from_binary(QUANTIZE.to_vec()))?;
         let m = ctx.load_module(Ptx::from_binary(GEMM.to_vec()))?;
         // The contiguous layout aligns each expert's block to the bf16 psum tile.
-        for t in FIXED.iter().chain([&tiles::PSUM, &tiles::PSUM_SHARE]) {
+        let general = [
+            &tiles::PSUM,
+            &tiles::PSUM_SHARE,
+            &tiles::PSUM_SOLO,
+            &tiles::PSUM_SHARE_SOLO,
+        ];
+        for t in FIXED.iter().chain(general) {
             assert_eq!(t.block_m as usize, ALIGN, "FP8 psum tile");
         }
+        let load = |t: &Tile| Instance::load(&m, *t, fp8_smem(t));
         Ok(Self {
             k: super::Fp8Kernels::load(&q)?,
-            psum: Instance::load(&m, tiles::PSUM, fp8_smem(&tiles::PSUM))?,
-            psum_share: Instance::load(&m, tiles::PSUM_SHARE, fp8_smem(&tiles::PSUM_SHARE))?,
-            fixed: FIXED
-                .iter()
-                .map(|t| Instance::load(&m, *t, fp8_smem(t)))
-                .collect::<Result<_, _>>()?,
-            masked: Instance::load(&m, tiles::MASKED, fp8_smem(&tiles::MASKED))?,
+            psum: load(&tiles::PSUM)?,
+            psum_share: load(&tiles::PSUM_SHARE)?,
+            psum_solo: load(&tiles::PSUM_SOLO)?,
+            psum_share_solo: load(&tiles::PSUM_SHARE_SOLO)?,
+            fixed: FIXED.iter().map(load).collect::<Result<_, _>>()?,
+            masked: load(&tiles::MASKED)?,
         })
     }
 
-    /// The fixed-shape instance (its place in `FIXED`) that takes `groups` experts of `n x k`
-    /// weights, if one does.
-    fn fixed_for(groups: usize, n: usize, k: usize) -> Option<usize> {
-        FIXED.iter().position(|t| t.takes(groups, n, k))
-    }
-
-    /// Which psum instance runs `groups` experts of `n x k` weights: a fixed-shape one's name
-    /// where one takes them, else "PSUM".
+    /// Which psum instance runs `groups` experts of `n x k` weights on every SM: a fixed-shape
+    /// one's name where one takes them, else "PSUM", or "PSUM_SOLO" where CTA pairs do not
+    /// take N.
     pub fn psum_tile(groups: usize, n: usize, k: usize) -> &'static str {
-        Self::fixed_for(groups, n, k).map_or(tiles::PSUM.name, |i| FIXED[i].name)
+        match Psum::of(groups, n, k) {
+            Psum::Fixed(i) => FIXED[i as usize].name,
+            Psum::Pairs => tiles::PSUM.name,
+            Psum::Solo => tiles::PSUM_SOLO.name,
+        }
     }
 
     /// The psum instance that takes `w` on `sms`: the one of fewer CTAs beside an exchange,
     /// else the one `w` was given when it was made.
     fn psum_instance(&self, w: &Fp8Weights, sms: Sms) -> &Instance {
-        match sms {
-            Sms::BesideExchange => &self.psum_share,
-            Sms::All => w.fixed.map_or(&self.psum, |i| &self.fixed[i]),
+        match (sms, w.psum) {
+            (Sms::BesideExchange, Psum::Solo) => &self.psum_share_solo,
+            (Sms::BesideExchange, _) => &self.psum_share,
+            (Sms::All, Psum::Fixed(i)) => &self.fixed[i as usize],
+            (Sms::All, Psum::Pairs) => &self.psum,
+            (Sms::All, Psum::Solo) => &self.psum_solo,
         }
     }
 
@@ -501,4 +533,23 @@ fn live_rows(live: Live, cap: usize, stream: &CudaStream) -> LiveRows {
         }
     }
     l
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// CTA pairs take N only in an even count of 192-column tiles; the fixed-shape instances
+    /// keep DeepSeek-V3's shapes (22 and 38 tiles).
+    #[test]
+    fn an_odd_count_of_column_tiles_runs_without_clusters() {
+        assert_eq!(Psum::of(64, 2 * 768, 2048), Psum::Pairs); // Qwen3's gate/up: 8 tiles
+        assert_eq!(Psum::of(64, 2048, 768), Psum::Solo); // its down: 11
+        assert_eq!(Psum::of(128, 3 * 192, 1024), Psum::Solo);
+        assert_eq!(Psum::of(128, 4 * 192, 1024), Psum::Pairs);
+        assert_eq!(Psum::of(64, 4096, 7168), Psum::Fixed(0));
+        assert_eq!(Psum::of(64, 7168, 2048), Psum::Fixed(1));
+        assert_eq!(Psum::of(129, 4096, 7168), Psum::Pairs);
+        assert_eq!(Fp8::psum_tile(64, 2048, 768), "PSUM_SOLO");
+    }
 }

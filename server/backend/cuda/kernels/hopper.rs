@@ -34,10 +34,19 @@ pub(super) struct Tile {
 }
 
 impl Tile {
-    /// Whether a launch of `groups` experts of `n x k` weights may run this instance.
+    /// Whether a launch of `groups` experts of `n x k` weights may run this instance. A tile
+    /// whose weight tile multicasts over a cluster takes only N of whole clusters of column
+    /// tiles: DeepGEMM's grouped schedulers pair a cluster's CTAs by block index, so an expert
+    /// of an odd count of blocks pairs a CTA with the next expert's block or with none, and its
+    /// stages wait for that peer for ever (Qwen3-30B-A3B's down projection, N 2,048 in 11 tiles
+    /// of 192, hung FP8 steps of 2,048 tokens: docs/benchmarks.md, "Load balance", session 56).
     pub(super) fn takes(&self, groups: usize, n: usize, k: usize) -> bool {
         let fixed = |want: u32, got: usize| want == 0 || want as usize == got;
-        groups <= self.groups as usize && fixed(self.shape[0], n) && fixed(self.shape[1], k)
+        let clusters = n.div_ceil(self.block_n as usize) % self.multicast as usize == 0;
+        groups <= self.groups as usize
+            && fixed(self.shape[0], n)
+            && fixed(self.shape[1], k)
+            && clusters
     }
 }
 
