@@ -156,12 +156,12 @@ impl HopperTile {
 /// store's 64-column boxes rule out 160 and 224 (160 under a 64-byte D swizzle did not finish in
 /// the probe). psum's weight tiles multicast over CTA pairs: both
 /// GEMMs of prefill-rank 7% faster on one H200, with A multicast instead no better than none
-/// (scripts/probes/prefill_fp8.cu; docs/benchmarks.md, "FP8 on the wire"); N of an odd count of
-/// column tiles takes the instances without clusters (`PSUM_SOLO`, `PSUM_SHARE_SOLO`). DeepSeek-V3's
-/// expert shapes (its family's: gate/up 4096 x 7168, down 7168 x 2048) have psum instances of
-/// their own, N and K fixed and at most 64 experts (a rank of EP4 or wider): prefill-rank's
-/// ragged GEMMs 5.5% faster alone, its experts phase 2-3%, on one H100 (docs/benchmarks.md,
-/// "Fixed-shape instances").
+/// (scripts/probes/prefill_fp8.cu; docs/benchmarks.md, "FP8 on the wire"); N of an odd count
+/// of column tiles takes the instances without clusters (`PSUM_SOLO`, `PSUM_SHARE_SOLO`).
+/// DeepSeek-V3's expert shapes (its family's: gate/up 4096 x 7168, down 7168 x 2048) have psum
+/// instances of their own, N and K fixed and at most 64 experts (a rank of EP4 or wider):
+/// prefill-rank's ragged GEMMs 5.5% faster alone, its experts phase 2-3%, on one H100
+/// (docs/benchmarks.md, "Fixed-shape instances").
 const HOPPER_FP8_TILES: [HopperTile; 7] = [
     HOPPER_FP8_PSUM,
     HopperTile {
