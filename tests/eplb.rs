@@ -273,17 +273,24 @@ async fn placements_follow_skewed_load_and_outputs_stay_exact() {
 }
 
 /// A slot's weights read again for a move are the bytes the rank loaded at startup: FP8 bytes and
-/// scales as the checkpoint ships them, or bf16-held values.
+/// scales as the checkpoint ships them, or bf16-held values; a synthetic model's made again (and
+/// quantized for FP8) the same, in the order asked, though made in parallel.
 #[test]
 fn moved_weights_are_the_checkpoints_bytes() {
     let dir = TempDir::new("eplb-bytes");
     let (spec, _) = write_model(&dir.0, &Arch::deepseek_fp8_128(3), SEED);
-    let source = ModelSource::parse(&dir.0.display().to_string(), 0).unwrap();
-    for dtype in [ExpertDtype::Fp8, ExpertDtype::Bf16] {
-        let all: Vec<Vec<usize>> = vec![(0..16).collect(); spec.moe_layers.len()];
-        let loaded = source.load(&spec, &all, dtype, &mut |_| {}).unwrap();
+    let checkpoint = ModelSource::parse(&dir.0.display().to_string(), 0).unwrap();
+    let synthetic = ModelSource::parse("synthetic:small-deepseek", 0).unwrap();
+    let small = synthetic.spec().unwrap();
+    let sources = [(&checkpoint, &spec), (&synthetic, &small)];
+    for ((source, spec), dtype) in sources
+        .into_iter()
+        .flat_map(|s| [(s, ExpertDtype::Fp8), (s, ExpertDtype::Bf16)])
+    {
+        let all: Vec<Vec<usize>> = vec![(0..spec.num_experts).collect(); spec.moe_layers.len()];
+        let loaded = source.load(spec, &all, dtype, &mut |_| {}).unwrap();
         let wanted = [(0, 3), (1, 15), (1, 0), (0, 3)];
-        let moved = source.load_experts(&spec, &wanted, dtype).unwrap();
+        let moved = source.load_experts(spec, &wanted, dtype).unwrap();
         for (&(l, e), m) in wanted.iter().zip(&moved) {
             let at = &loaded.layers[l].experts[e];
             assert_eq!(

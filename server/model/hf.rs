@@ -796,7 +796,7 @@ pub fn load_experts(
     let ckpt = Checkpoint::open(dir, fp8)?;
     let arch = spec.architecture.as_str();
     wanted
-        .iter()
+        .par_iter()
         .map(|&(i, e)| {
             let l = spec.moe_layers[i];
             let names = [Part::Gate, Part::Up, Part::Down].map(|p| expert_name(arch, l, e, p));
