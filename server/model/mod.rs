@@ -105,7 +105,8 @@ impl ModelSource {
     /// placement change moves into a slot), made or read in parallel on the load pool, as `load`
     /// makes them: one thread quantized a batch of 8 synthetic FP8 Qwen3 experts in 1.3 s (one
     /// H200 host), and a placement of every slot on one rank took 88 s to stage. A staging pool
-    /// of 4 threads cost the steps beside it no less than the 16 of the load pool (session 57).
+    /// of 4 threads cost the serving beside it no fewer tokens/s than the load pool's 16 did,
+    /// and landed fewer placements (docs/benchmarks.md, session 57).
     pub fn load_experts(
         &self,
         spec: &MoeSpec,
