@@ -2,11 +2,14 @@
 //! rewrites, their weights loaded on a thread of their own (off the step path), and handed to the
 //! step that applies it. A newer placement asked for supersedes a slower load of an older one.
 //!
-//! The load runs at a lower CPU priority, on its thread and on the load pool (`background`):
-//! it is background work beside the serving threads. On one 2x H100 host, two ranks staging at
-//! the serving threads' priority stopped the pipeline for 30-80 ms 27-40 times a run, each gap
-//! beside a batch's load or upload (docs/benchmarks.md "Load balance", session 48); on the two
-//! hosts measured with it lowered, 1-2 gaps a run against 0-4 for the build before.
+//! The load runs in Linux's SCHED_IDLE class, on its thread and on the load pool (`background`):
+//! background work beside the serving threads. On one 2x H100 host, two ranks staging at the
+//! serving threads' priority stopped the pipeline for 30-80 ms 27-40 times a run, each gap beside
+//! a batch's load or upload (docs/benchmarks.md "Load balance", session 48). Nice 10 cut that to
+//! 1-2 gaps a run, but on one H200 the step thread still lost its core 2.5x as often while a
+//! placement staged as without one (15-16 steps over 1.1x in 30 s against 6; session 57): a
+//! nice-10 thread still gets its turns on a busy core. SCHED_IDLE's share of a busy core is 36x
+//! smaller (weight 3 against 110), and a waking serving thread takes its core at once.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Once};
@@ -107,16 +110,20 @@ impl<T: Send + 'static> Stager<T> {
     }
 }
 
-/// How many nice steps below the serving threads staging runs.
+/// Nice steps below the serving threads where the OS refuses SCHED_IDLE.
 const STAGE_NICE: i32 = 10;
 
 /// The calling thread, and once per process the load pool's threads (rayon's global pool, on
-/// which loading and converting run in parallel; after startup only staging uses it), lowered
-/// to staging's priority. A warning where the OS refuses.
+/// which loading and converting run in parallel; after startup only staging uses it), moved to
+/// staging's class (`sys::idle_thread`), or lowered by `STAGE_NICE` where the OS refuses that.
+/// A warning where it refuses both.
 fn background() {
     let lower = || {
+        let Err(idle) = crate::sys::idle_thread() else {
+            return;
+        };
         if let Err(e) = crate::sys::lower_thread_priority(STAGE_NICE) {
-            tracing::warn!("staging runs at the serving threads' priority: {e}");
+            tracing::warn!("staging runs at the serving threads' priority: {idle}; {e}");
         }
     };
     static POOL: Once = Once::new();
@@ -171,26 +178,32 @@ mod tests {
     fn a_placement_loads_below_the_serving_threads_priority() {
         use rayon::prelude::*;
         let m = Arc::new(SlotMap::contiguous(8, 2, 2, 1).unwrap());
-        let s: Stager<Vec<i32>> = Stager::default();
+        let s: Stager<Vec<bool>> = Stager::default();
         let (tx, rx) = channel();
-        let serving = crate::sys::thread_nice().unwrap();
-        // The staging thread's own nice value, then each of its parallel work's threads'.
+        assert!(
+            !crate::sys::thread_is_idle().unwrap(),
+            "the test's own thread"
+        );
+        // The staging thread's class, then each of its parallel work's threads'.
         let load = || {
-            let mut nice = vec![crate::sys::thread_nice().unwrap()];
-            let work: Vec<i32> = (0..64)
+            let mut idle = vec![crate::sys::thread_is_idle().unwrap()];
+            let work: Vec<bool> = (0..64)
                 .into_par_iter()
-                .map(|_| crate::sys::thread_nice().unwrap())
+                .map(|_| crate::sys::thread_is_idle().unwrap())
                 .collect();
-            nice.extend(work);
-            Ok((nice, 1))
+            idle.extend(work);
+            Ok((idle, 1))
         };
         s.stage(1, m, load, move |r| tx.send(r).unwrap());
         assert_eq!(rx.recv().unwrap(), Ok(1));
         let seen = s.take(1, 0).unwrap().weights;
-        let want = (serving + STAGE_NICE).min(19);
         assert!(
-            seen.iter().all(|&n| n == want),
-            "staging's threads at nice {seen:?}, not {want}"
+            seen.iter().all(|&idle| idle),
+            "staging's threads in SCHED_IDLE: {seen:?}"
+        );
+        assert!(
+            !crate::sys::thread_is_idle().unwrap(),
+            "the test's own thread"
         );
     }
 

@@ -31,6 +31,32 @@ pub fn lower_thread_priority(by: i32) -> std::io::Result<()> {
     }
 }
 
+/// Moves the calling thread into Linux's SCHED_IDLE class: it runs on the cores the serving
+/// threads leave, a core running only such threads counts as free to a waking serving thread,
+/// and that thread takes it at once. Entering it needs no privilege.
+pub fn idle_thread() -> std::io::Result<()> {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sched_setscheduler only reads `param`, a local that outlives the call; pid 0 is
+    // the calling thread.
+    let r = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// Whether the calling thread is in the SCHED_IDLE class (`idle_thread`).
+pub fn thread_is_idle() -> std::io::Result<bool> {
+    // SAFETY: sched_getscheduler takes an integer and touches no memory; pid 0 is the calling
+    // thread.
+    let policy = unsafe { libc::sched_getscheduler(0) };
+    if policy < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(policy == libc::SCHED_IDLE)
+}
+
 /// The calling thread's nice value, from /proc (field 19 of its stat line).
 pub fn thread_nice() -> std::io::Result<i32> {
     let stat = std::fs::read_to_string("/proc/thread-self/stat")?;
