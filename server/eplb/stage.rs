@@ -6,10 +6,11 @@
 //! background work beside the serving threads. On one 2x H100 host, two ranks staging at the
 //! serving threads' priority stopped the pipeline for 30-80 ms 27-40 times a run, each gap beside
 //! a batch's load or upload (docs/benchmarks.md "Load balance", session 48). Nice 10 cut that to
-//! 1-2 gaps a run, but on one H200 the step thread still lost its core 2.5x as often while a
-//! placement staged as without one (15-16 steps over 1.1x in 30 s against 6; session 57): a
-//! nice-10 thread still gets its turns on a busy core. SCHED_IDLE's share of a busy core is 36x
-//! smaller (weight 3 against 110), and a waking serving thread takes its core at once.
+//! 1-2 gaps a run, but staging still cost the serving beside it 8.8% of its tokens/s on one H200
+//! (bf16 on nccl-ep): a nice-10 thread still gets its turns on a busy core. SCHED_IDLE's share of
+//! a busy core is 36x smaller (weight 3 against 110), and a waking serving thread takes its core
+//! at once: the loss fell to 4.6% in the same call, and a placement took 1.2-1.7x as long to
+//! stage ("Staging in SCHED_IDLE").
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Once};
