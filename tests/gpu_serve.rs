@@ -660,7 +660,9 @@ fn step_phase_times_leave_outputs_bitwise_and_time_every_phase() {
 /// (the slot table and the rewritten slots' weights copied in place, no graph captured again),
 /// and its outputs are bitwise those of a fresh group started on that placement; SIGHUP back to
 /// the first placement (staged into the slots the second staged) gives the first's outputs
-/// again, bit for bit. Each exchange (nccl-ep where it runs).
+/// again, bit for bit. Each exchange (nccl-ep where it runs). On one GPU every expert is on the
+/// rank: both placements are copied from its own slots, the swaps through the spare slot
+/// (`eplb::sources`); over two, every slot is staged from the model.
 #[test]
 #[ignore = "needs GPUs and NCCL"]
 fn a_placement_applied_between_graph_replays_equals_a_group_started_on_it() {

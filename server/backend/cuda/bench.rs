@@ -13,7 +13,7 @@ use half::bf16;
 
 use crate::backend::bench::{median, summarize, BenchConfig, ConfigResult, Plan, RankResult};
 use crate::backend::cuda::experts::DeviceFfn;
-use crate::backend::cuda::placement::{Land, Staged};
+use crate::backend::cuda::placement::{Land, Staged, Write};
 use crate::backend::cuda::setup::{self, Device};
 use crate::backend::cuda::step::{GpuStep, HomeDtype, Variant};
 use crate::backend::cuda::{device_count, GpuError};
@@ -244,14 +244,14 @@ fn rank_main(
             rewritten.push((0, slot - first, w));
         }
         let bytes = rewritten.iter().map(|(_, _, w)| w.bytes()).sum();
-        let staged = Staged::new(0, std::sync::Arc::new(m.clone()), rewritten, s.clone());
+        let mut staged = Staged::new(0, std::sync::Arc::new(m.clone()), rewritten, s.clone());
         core.table_from(&start, m, &crate::eplb::parts::plan(&start, m, None))?;
-        let every: Vec<usize> = (0..staged.slots.len()).collect();
+        let every: Vec<Write> = (0..staged.slots.len()).map(Write::Staged).collect();
         let (mut copy, mut with) = (Vec::new(), Vec::new());
         for it in 0..args.warmup + args.iters {
             align(&core)?;
             ev[0].record(&s)?;
-            core.copy(&staged, &every, &s)?;
+            core.copy(&mut staged, &every, &s)?;
             core.rows(0, 0, &s)?;
             ev[1].record(&s)?;
             step.launch()?;

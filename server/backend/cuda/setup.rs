@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::{anyhow, Context};
 use nccl_sys::ncclUniqueId;
 
-use crate::backend::cuda::placement::{Mover, SlotTable};
+use crate::backend::cuda::placement::{Land, Mover, SlotTable};
 use crate::backend::cuda::rank::GpuRank;
 use crate::backend::cuda::shape::{EpShape, StepShape};
 use crate::backend::cuda::step::{DeviceLayer, GpuStep};
@@ -272,7 +272,15 @@ impl GpuDevice for Device {
         }
         let (core, alloc) = me.connect(at.nccl_id, at.deadline, near, &out)?;
         let mover = moving
-            .map(|m| Mover::new(m, spec, dtype, core.g.ctx.clone(), rank))
+            .map(|m| {
+                Mover::new(
+                    m,
+                    spec,
+                    dtype,
+                    core.g.ctx.clone(),
+                    (rank, core.slot_bytes()),
+                )
+            })
             .transpose()?;
         let mut rank_ = GpuRank::new(
             core,

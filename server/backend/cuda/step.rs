@@ -19,7 +19,7 @@ use crate::backend::cuda::exchange::{Exchange, Home};
 use crate::backend::cuda::experts::fp8::Fp8Bufs;
 use crate::backend::cuda::experts::{self, Choices, DeviceFfn, Scratch, SharedRows};
 use crate::backend::cuda::kernels::hopper::{self, Sms};
-use crate::backend::cuda::placement::{Land, SlotTable, Staged};
+use crate::backend::cuda::placement::{Land, SlotTable, Staged, Write};
 use crate::backend::cuda::shape::StepShape;
 use crate::backend::cuda::sys::graph;
 use crate::backend::cuda::sys::nccl::Comm;
@@ -553,13 +553,30 @@ impl Land for GpuStep {
 
     fn copy(
         &mut self,
-        staged: &Staged,
-        at: &[usize],
+        staged: &mut Staged,
+        writes: &[Write],
         stream: &Arc<CudaStream>,
     ) -> Result<(), GpuError> {
-        for &k in at {
-            let (l, i, w) = &staged.slots[k];
-            self.layers[*l].experts.write_group(*i, w, stream)?;
+        let groups = self.shape.experts / self.shape.world;
+        let no_cycle = || GpuError::Config("a cycle of slot copies with no slot staged".into());
+        for &w in writes {
+            match w {
+                Write::Staged(k) => {
+                    let (l, i, w) = &staged.slots[k];
+                    self.layers[*l].experts.write_group(*i, w, stream)?;
+                }
+                Write::Copy { layer, from, to } => {
+                    (self.layers[layer].experts).copy_group((from, to), groups, stream)?
+                }
+                Write::Save { layer, from } => {
+                    let c = staged.cycle.as_mut().ok_or_else(no_cycle)?;
+                    self.layers[layer].experts.read_group(from, c, stream)?;
+                }
+                Write::Restore { layer, to } => {
+                    let c = staged.cycle.as_ref().ok_or_else(no_cycle)?;
+                    self.layers[layer].experts.write_group(to, c, stream)?;
+                }
+            }
         }
         Ok(())
     }

@@ -21,6 +21,7 @@ use crate::backend::cuda::kernels::fp8::Fp8Weights;
 use crate::backend::cuda::kernels::hopper::{Gemm, Layout, Sms};
 use crate::backend::cuda::shape::StepShape;
 use crate::backend::cuda::{max_tiles, Alloc, Blocks, Gpu, GpuError};
+use crate::model::fp8::BLOCK;
 use crate::model::{ExpertDtype, Ffn, Matrix};
 use fp8::Fp8Bufs;
 
@@ -130,6 +131,117 @@ impl DeviceFfn {
                 Ok(())
             }
             _ => panic!("a slot's weights in another dtype than the layer's"),
+        }
+    }
+
+    /// One group of zeros in `dtype`: the spare slot a cycle of slot copies goes through.
+    pub fn one_group(
+        a: &mut Alloc,
+        (hidden, inter): (usize, usize),
+        dtype: ExpertDtype,
+    ) -> Result<Self, DriverError> {
+        Ok(match dtype {
+            ExpertDtype::Bf16 => DeviceFfn::Bf16 {
+                gate_up: a.zeros::<bf16>(2 * inter * hidden)?,
+                down: a.zeros::<bf16>(hidden * inter)?,
+            },
+            ExpertDtype::Fp8 => {
+                let mut one = |n: usize, k: usize| -> Result<Fp8Weights, DriverError> {
+                    let q = a.zeros::<u8>(n * k)?;
+                    let sf = a.zeros::<f32>((n / BLOCK) * (k / BLOCK))?;
+                    Ok(Fp8Weights::new(q, sf, 1, n, k))
+                };
+                DeviceFfn::Fp8 {
+                    gate_up: one(2 * inter, hidden)?,
+                    down: one(hidden, inter)?,
+                }
+            }
+        })
+    }
+
+    /// Group `from`'s weights over group `to` of this `groups`-group FFN (a slot of a layer
+    /// taking another slot's expert), on `stream`.
+    pub fn copy_group(
+        &mut self,
+        (from, to): (usize, usize),
+        groups: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(), DriverError> {
+        fn within<T: DeviceRepr>(
+            w: &mut CudaSlice<T>,
+            (from, to): (usize, usize),
+            groups: usize,
+            s: &Arc<CudaStream>,
+        ) -> Result<(), DriverError> {
+            let n = w.len() / groups;
+            assert!(
+                from != to && from.max(to) < groups && n * groups == w.len(),
+                "groups {from} -> {to} of {groups}"
+            );
+            // Two views of one buffer: the later group's split from the earlier one's.
+            let (mut lo, mut hi) = w.split_at_mut(from.max(to) * n);
+            match from < to {
+                true => s.memcpy_dtod(&lo.slice(from * n..(from + 1) * n), &mut hi.slice_mut(..n)),
+                false => s.memcpy_dtod(&hi.slice(..n), &mut lo.slice_mut(to * n..(to + 1) * n)),
+            }
+        }
+        match self {
+            DeviceFfn::Bf16 { gate_up, down } => {
+                within(gate_up, (from, to), groups, stream)?;
+                within(down, (from, to), groups, stream)
+            }
+            DeviceFfn::Fp8 { gate_up, down } => {
+                for w in [gate_up, down] {
+                    within(&mut w.q, (from, to), groups, stream)?;
+                    within(&mut w.sf, (from, to), groups, stream)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Group `j`'s weights into `into` (one group), on `stream`.
+    pub fn read_group(
+        &self,
+        j: usize,
+        into: &mut DeviceFfn,
+        stream: &Arc<CudaStream>,
+    ) -> Result<(), DriverError> {
+        fn copy<T: DeviceRepr>(
+            src: &CudaSlice<T>,
+            j: usize,
+            dst: &mut CudaSlice<T>,
+            s: &Arc<CudaStream>,
+        ) -> Result<(), DriverError> {
+            let n = dst.len();
+            assert!((j + 1) * n <= src.len(), "group {j} outside the weights");
+            s.memcpy_dtod(&src.slice(j * n..(j + 1) * n), dst)
+        }
+        match (self, into) {
+            (
+                DeviceFfn::Bf16 { gate_up, down },
+                DeviceFfn::Bf16 {
+                    gate_up: g,
+                    down: d,
+                },
+            ) => {
+                copy(gate_up, j, g, stream)?;
+                copy(down, j, d, stream)
+            }
+            (
+                DeviceFfn::Fp8 { gate_up, down },
+                DeviceFfn::Fp8 {
+                    gate_up: g,
+                    down: d,
+                },
+            ) => {
+                for (w, f) in [(gate_up, g), (down, d)] {
+                    copy(&w.q, j, &mut f.q, stream)?;
+                    copy(&w.sf, j, &mut f.sf, stream)?;
+                }
+                Ok(())
+            }
+            _ => panic!("a spare slot in another dtype than the layer's"),
         }
     }
 

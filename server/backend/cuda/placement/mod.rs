@@ -1,10 +1,10 @@
 //! Expert slots on the device: the table gating reads to send each (token, expert) entry to one
 //! of the expert's replicas (`to_slots`, inside the captured graphs), and a new placement's
-//! weights staged beside the ones in use, then copied over the slots it rewrites, a part at a
-//! time beside the other layers' steps, on a stream of their own, each part with the table's
-//! rows for what has landed (`Mover`, `eplb::parts`). The graphs read the
-//! table and the weights where they are, so a placement is rewritten in place and no graph is
-//! captured again. From the gate on, the exchanges and the experts address slots
+//! weights, from slots of this rank that hold them or staged beside the ones in use, copied over
+//! the slots it rewrites, a part at a time beside the other layers' steps, on a stream of their
+//! own, each part with the table's rows for what has landed (`Mover`, `eplb::parts`,
+//! `eplb::sources`). The graphs read the table and the weights where they are, so a placement
+//! is rewritten in place and no graph is captured again. From the gate on, the exchanges and the experts address slots
 //! (`StepShape::experts`), the router logical experts (`StepShape::model_experts`).
 
 use std::sync::Arc;
@@ -146,8 +146,28 @@ pub struct Staged {
     pub map: Arc<SlotMap>,
     /// (layer, slot index on this rank, its weights as one group).
     pub slots: Vec<(usize, usize, DeviceFfn)>,
+    /// The slot a cycle of slot copies goes through (`Write::Save`), where the placement has one.
+    pub cycle: Option<DeviceFfn>,
     /// The stream they were uploaded on (their memory is freed on it).
     stream: Arc<CudaStream>,
+}
+
+/// One write of a slot a placement rewrites on this rank (`eplb::sources`), slots as indices
+/// on the rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Write {
+    /// The staged slot `Staged::slots[k]` over the slot it is for.
+    Staged(usize),
+    /// Slot `from` of `layer` over its slot `to`.
+    Copy {
+        layer: usize,
+        from: usize,
+        to: usize,
+    },
+    /// Slot `from` of `layer` into `Staged::cycle`.
+    Save { layer: usize, from: usize },
+    /// `Staged::cycle` over slot `to` of `layer`.
+    Restore { layer: usize, to: usize },
 }
 
 impl Staged {
@@ -162,6 +182,7 @@ impl Staged {
             epoch,
             map,
             slots,
+            cycle: None,
             stream,
         }
     }
@@ -198,10 +219,27 @@ impl Staged {
         Ok(())
     }
 
+    /// `cycle`, from `spare` where it has one: the slot cycles of copies go through.
+    pub fn add_cycle(
+        &mut self,
+        (hidden, inter, dtype): (usize, usize, ExpertDtype),
+        spare: &Spare,
+    ) -> Result<(), GpuError> {
+        let kept = spare.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        self.cycle = Some(match kept {
+            Some(w) => w,
+            None => {
+                DeviceFfn::one_group(&mut Alloc::new(self.stream.clone()), (hidden, inter), dtype)?
+            }
+        });
+        Ok(())
+    }
+
     /// Its slots into `spare`, for a later staging to write over (no copy may still read them).
     pub fn keep_in(self, spare: &Spare) {
         let mut kept = spare.lock().unwrap_or_else(|e| e.into_inner());
         kept.extend(self.slots.into_iter().map(|(_, _, w)| w));
+        kept.extend(self.cycle);
     }
 
     /// Waits for the uploads.
@@ -218,13 +256,13 @@ pub trait Land {
     fn table_from(&mut self, cur: &SlotMap, next: &SlotMap, plan: &Plan) -> Result<(), GpuError>;
     /// The stream the steps run on.
     fn steps(&self) -> &Arc<CudaStream>;
-    /// `staged`'s slots `at` (indices in its list) copied over the ones they rewrite, on
-    /// `stream`. No step may read those slots meanwhile: the caller orders `stream` after
-    /// their layer's last step, and its next after the copies and the rows that route to them.
+    /// `writes` in order, from `staged`'s slots or this rank's own, on `stream`. No step may
+    /// read the slots they write meanwhile: the caller orders `stream` after their layer's
+    /// last step, and its next after the copies and the rows that route to them.
     fn copy(
         &mut self,
-        staged: &Staged,
-        at: &[usize],
+        staged: &mut Staged,
+        writes: &[Write],
         stream: &Arc<CudaStream>,
     ) -> Result<(), GpuError>;
     /// Layer `layer`'s rows of the table with its parts up to `k` landed, on `stream`, once

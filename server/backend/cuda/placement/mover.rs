@@ -7,12 +7,13 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
 
-use super::{Land, Spare, Staged};
+use super::{Land, Spare, Staged, Write};
 use crate::backend::cuda::GpuError;
 use crate::backend::device::Moving;
 use crate::eplb::copy_order::{CopyOrder, Part, StepCopies};
-use crate::eplb::parts::plan;
-use crate::eplb::stage::{rewritten, Stager};
+use crate::eplb::parts::{plan, Plan};
+use crate::eplb::sources::{ops, Op};
+use crate::eplb::stage::Stager;
 use crate::eplb::SlotMap;
 use crate::model::{ExpertDtype, Ffn, ModelSource, MoeSpec};
 use crate::step::StageDone;
@@ -23,9 +24,11 @@ const TIMED: CUevent_flags = CUevent_flags::CU_EVENT_DEFAULT;
 /// Experts a staging thread loads, uploads and frees at a time.
 const STAGE_BATCH: usize = 8;
 
-/// A moving group's slots on this rank: the placement steps run on, and a new one's weights,
-/// read from the model on a thread of their own and uploaded on a stream of their own (into
-/// `Spare` slots where it has them) until a step applies them. Applied, its layers land one
+/// A moving group's slots on this rank: the placement steps run on, and a new one's weights.
+/// A rewritten slot whose expert a slot of this rank holds is copied from it as it lands
+/// (`eplb::sources`); the rest are read from the model on a thread of their own and uploaded
+/// on a stream of their own (into `Spare` slots where it has them) until a step applies them.
+/// Applied, its layers land one
 /// before each later step (`land_beside`): a layer's copies and table rows go on the move stream
 /// behind that layer's last step (`used`) and run beside another layer's step; the layer's next
 /// step waits for them (`landed`), and no other step does. Until a layer's copies are enqueued
@@ -44,7 +47,9 @@ pub struct Mover {
     dtype: ExpertDtype,
     ctx: Arc<CudaContext>,
     rank: usize,
-    staged: Stager<Staged>,
+    /// Bytes of one slot's weights: how many slots a part takes (`--eplb-step-copies`).
+    slot_bytes: u64,
+    staged: Stager<Ready>,
     /// Where applied placements' copies run.
     stream: Arc<CudaStream>,
     /// How much of them may start beside one step (`--eplb-step-copies`).
@@ -66,9 +71,21 @@ pub struct Mover {
     retired: Vec<(CudaEvent, Staged, Option<CudaEvent>)>,
 }
 
+/// A placement staged against `base` (the placement in use when it was asked for): its parts,
+/// this rank's writes (`eplb::sources`) and each part's indices in them, and the slots no
+/// slot here held, staged from the model source.
+struct Ready {
+    staged: Staged,
+    base: Arc<SlotMap>,
+    plan: Plan,
+    writes: Vec<Write>,
+    parts: Vec<Vec<Vec<usize>>>,
+}
+
 /// An applied placement's staged weights and the copies not enqueued yet.
 struct Landing {
     staged: Staged,
+    writes: Vec<Write>,
     order: CopyOrder,
     /// Recorded on the move stream when it was applied: the copies' device time is from here.
     started: CudaEvent,
@@ -81,7 +98,7 @@ impl Mover {
         spec: MoeSpec,
         dtype: ExpertDtype,
         ctx: Arc<CudaContext>,
-        rank: usize,
+        (rank, slot_bytes): (usize, u64),
     ) -> Result<Self, DriverError> {
         // Staged slots are kept (`Spare`); what a failed staging allocated is freed into the
         // pool and kept there, not unmapped under a step's synchronize.
@@ -105,6 +122,7 @@ impl Mover {
             dtype,
             ctx,
             rank,
+            slot_bytes,
             staged: Stager::default(),
             spare: Spare::default(),
             landing: None,
@@ -113,19 +131,98 @@ impl Mover {
         })
     }
 
-    /// Loads and uploads the slots `next` rewrites on this rank, off the step path.
+    /// Plans the slots `next` rewrites on this rank, and loads and uploads those that no slot
+    /// here holds, off the step path.
     pub fn stage(&mut self, epoch: u32, next: Arc<SlotMap>, done: StageDone) {
-        let (at, wanted): (Vec<_>, Vec<_>) =
-            rewritten(&self.map, &next, self.rank).into_iter().unzip();
+        // The same parts on every rank: the cap in slots comes from the slot's size.
+        let plan = plan(&self.map, &next, self.step_copies.slots(self.slot_bytes));
+        let (writes, parts, load) = self.writes(&next, &plan);
+        let (at, wanted): (Vec<_>, Vec<_>) = load.into_iter().unzip();
+        let cycles = writes.iter().filter(|w| matches!(w, Write::Save { .. }));
+        let cycle = cycles.count() > 0;
+        tracing::info!(
+            epoch,
+            staged = at.len(),
+            from_slots_here = (writes.iter())
+                .filter(|w| matches!(w, Write::Copy { .. } | Write::Restore { .. }))
+                .count(),
+            "placement's slots: staged from the model, or copied from slots of this rank"
+        );
         let (source, spec, dtype) = (self.source.clone(), self.spec.clone(), self.dtype);
         let (ctx, map, spare) = (self.ctx.clone(), next.clone(), self.spare.clone());
+        // What the slots take, staged or copied here (the leader's moved bytes).
+        let slots = writes
+            .iter()
+            .filter(|w| !matches!(w, Write::Save { .. }))
+            .count();
+        let moved = slots as u64 * self.slot_bytes;
+        let base = self.map.clone();
         let load = move || {
             let stream = (ctx.bind_to_thread().and_then(|_| ctx.new_stream()))
                 .map_err(|e| format!("a staging stream: {e}"))?;
-            let st = Staged::begin(stream, (epoch, map));
-            in_batches(st, &at, &wanted, (&source, &spec, dtype), &spare)
+            let mut st = Staged::begin(stream, (epoch, map));
+            let sizes = (spec.hidden, spec.intermediate, dtype);
+            if cycle {
+                st.add_cycle(sizes, &spare)
+                    .map_err(|e| format!("a slot for cycles of copies: {e}"))?;
+            }
+            let (staged, _read) = in_batches(st, &at, &wanted, (&source, &spec, dtype), &spare)?;
+            let ready = Ready {
+                staged,
+                base,
+                plan,
+                writes,
+                parts,
+            };
+            Ok((ready, moved))
         };
         self.staged.stage(epoch, next, load, done);
+    }
+
+    /// This rank's writes from the placement in use to `next` in `plan`'s parts, each part's
+    /// indices in them, and the slots to stage (index on the rank, with its layer) with the
+    /// (layer, logical expert) each takes.
+    #[allow(clippy::type_complexity)]
+    fn writes(
+        &self,
+        next: &SlotMap,
+        plan: &Plan,
+    ) -> (
+        Vec<Write>,
+        Vec<Vec<Vec<usize>>>,
+        Vec<((usize, usize), (usize, usize))>,
+    ) {
+        let first = self.map.slots_of(self.rank).start;
+        let (mut writes, mut load) = (Vec::new(), Vec::new());
+        let mut index = |w| {
+            writes.push(w);
+            writes.len() - 1
+        };
+        let parts = (ops(&self.map, next, plan, self.rank)
+            .into_iter()
+            .enumerate())
+        .map(|(layer, parts)| {
+            (parts.into_iter())
+                .map(|part| {
+                    (part.into_iter())
+                        .map(|op| {
+                            index(match op {
+                                Op::Load(i) => {
+                                    let g = next.layer(layer).phy2log()[first + i] as usize;
+                                    load.push(((layer, i), (layer, g)));
+                                    Write::Staged(load.len() - 1)
+                                }
+                                Op::Copy { from, to } => Write::Copy { layer, from, to },
+                                Op::Save(from) => Write::Save { layer, from },
+                                Op::Restore(to) => Write::Restore { layer, to },
+                            })
+                        })
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+        (writes, parts, load)
     }
 
     /// Makes what `stage` made for `epoch` the placement steps run on: its table's rows ready,
@@ -134,11 +231,18 @@ impl Mover {
         self.reap();
         // A placement still landing lands whole first: the table's rows are rewritten next.
         let flushed = self.land_all(step);
-        let staged = self.staged.take(epoch, self.rank)?.weights;
+        let ready = self.staged.take(epoch, self.rank)?.weights;
+        let (staged, plan) = (ready.staged, ready.plan);
+        if !Arc::ptr_eq(&ready.base, &self.map) {
+            // No copy reads them: kept for a later staging, not freed under the steps.
+            staged.keep_in(&self.spare);
+            return Err(format!(
+                "placement epoch {epoch}: staged on rank {} against another placement than the \
+                 one in use",
+                self.rank
+            ));
+        }
         let s = self.stream.clone();
-        // The same parts on every rank: the cap in slots comes from the slot's size.
-        let cap = self.step_copies.slots(step.slot_bytes());
-        let plan = plan(&self.map, &staged.map, cap);
         let begun = (|| -> Result<CudaEvent, GpuError> {
             flushed?;
             self.ctx.bind_to_thread()?;
@@ -152,38 +256,13 @@ impl Mover {
         })();
         // No layer's copies are enqueued yet: a failure leaves the old placement in use.
         let started = begun.map_err(|e| format!("placement epoch {epoch}: {e}"))?;
-        // Each part's slots on this rank, as indices in the staged list: every one staged.
-        let mine = self.map.slots_of(self.rank);
-        let at: std::collections::HashMap<(usize, usize), usize> = (staged.slots.iter())
-            .enumerate()
-            .map(|(k, (l, i, _))| ((*l, mine.start + *i), k))
-            .collect();
-        let parts: Vec<Vec<Vec<usize>>> = (plan.layers.iter().enumerate())
-            .map(|(l, parts)| {
-                (parts.iter())
-                    .map(|p| p.iter().filter_map(|s| at.get(&(l, *s)).copied()).collect())
-                    .collect()
-            })
-            .collect();
-        let planned = (plan.layers.iter().flatten().flatten())
-            .filter(|s| mine.contains(s))
-            .count();
-        if planned != at.len() || parts.iter().flatten().flatten().count() != at.len() {
-            let n = at.len();
-            // No copy reads them: kept for a later staging, not freed under the steps.
-            staged.keep_in(&self.spare);
-            return Err(format!(
-                "placement epoch {epoch}: {} slots staged on rank {}, {planned} to land from \
-                 the placement in use (staged against another)",
-                n, self.rank
-            ));
-        }
         // A placement after a lost rank lands now, whole, in front of the next step: a layer
         // left on its old table would route rows to the lost rank's slots.
         let recovery = staged.map.lost() != self.map.lost();
         self.map = staged.map.clone();
         self.landing = Some(Landing {
-            order: CopyOrder::new(parts, cap.is_some()),
+            order: CopyOrder::new(ready.parts, self.step_copies.0.is_some()),
+            writes: ready.writes,
             staged,
             started,
             applied: Instant::now(),
@@ -238,7 +317,8 @@ impl Mover {
             self.paced.record(step.steps())?;
             s.wait(&self.paced)?;
         }
-        step.copy(&l.staged, &p.slots, &s)?;
+        let writes: Vec<Write> = p.slots.iter().map(|&k| l.writes[k]).collect();
+        step.copy(&mut l.staged, &writes, &s)?;
         step.rows(p.layer, p.version, &s)?;
         self.landed[p.layer].record(&s)?;
         self.waiting[p.layer] = true;
@@ -248,7 +328,11 @@ impl Mover {
         let l = self.landing.take().expect("checked above");
         tracing::info!(
             epoch = l.staged.epoch,
-            slots = l.staged.slots.len(),
+            slots = l
+                .writes
+                .iter()
+                .filter(|w| !matches!(w, Write::Save { .. }))
+                .count(),
             after_ms = l.applied.elapsed().as_secs_f64() * 1e3,
             "placement's copies enqueued, a part beside each step"
         );
