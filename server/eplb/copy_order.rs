@@ -38,22 +38,22 @@ pub fn step_copies(s: &str) -> Result<StepCopies, String> {
     }
 }
 
-/// Copies to enqueue: slots of `layer` (indices in the staged list), then its table rows as
-/// they stand once they land (`version`: the layer's parts landed so, `parts::midway`); its next
-/// step waits for them. `last`: the layer's last part.
+/// Copies to enqueue: the writes of `layer`'s slots (`T`: the backend's, `sources::Op` as it
+/// runs them), then its table rows as they stand once they land (`version`: the layer's parts
+/// landed so, `parts::midway`); its next step waits for them. `last`: the layer's last part.
 #[derive(Debug, PartialEq, Eq)]
-pub struct Part {
+pub struct Part<T> {
     pub layer: usize,
-    pub slots: Vec<usize>,
+    pub slots: Vec<T>,
     pub version: usize,
     pub last: bool,
 }
 
 /// The copies of one applied placement still to enqueue on this rank. Every rank runs the same
 /// steps and has the same parts (`parts::plan`), and so lands the same parts at the same steps.
-pub struct CopyOrder {
-    /// Per layer: its parts not yet enqueued (staged indices), in order; how many it has.
-    todo: Vec<VecDeque<Vec<usize>>>,
+pub struct CopyOrder<T> {
+    /// Per layer: its parts not yet enqueued, in order; how many it has.
+    todo: Vec<VecDeque<Vec<T>>>,
     count: Vec<usize>,
     parted: bool,
     /// The layer some of whose parts are enqueued and not all: its parts go on first.
@@ -62,10 +62,10 @@ pub struct CopyOrder {
     alone: usize,
 }
 
-impl CopyOrder {
-    /// Per layer, its parts' staged indices (at least one part, maybe empty: its rows still
-    /// land); `parted`: a part a step (`--eplb-step-copies SIZE`), each after the step before.
-    pub fn new(parts: Vec<Vec<Vec<usize>>>, parted: bool) -> Self {
+impl<T> CopyOrder<T> {
+    /// Per layer, its parts' writes (at least one part, maybe empty: its rows still land);
+    /// `parted`: a part a step (`--eplb-step-copies SIZE`), each after the step before.
+    pub fn new(parts: Vec<Vec<Vec<T>>>, parted: bool) -> Self {
         let count = parts.iter().map(Vec::len).collect();
         Self {
             todo: parts.into_iter().map(VecDeque::from).collect(),
@@ -90,7 +90,7 @@ impl CopyOrder {
     /// of another layer (the partly landed one, then `last`, then the lowest); of this layer
     /// itself only when no other is left and it has run `ALONE` steps since, then in front of
     /// its own step (which waits for it).
-    pub fn beside(&mut self, layer: usize, last: Option<usize>) -> Option<Part> {
+    pub fn beside(&mut self, layer: usize, last: Option<usize>) -> Option<Part<T>> {
         let other = |x: usize| x != layer && !self.todo[x].is_empty();
         let pick = (self.partial.filter(|&x| other(x)))
             .or(last.filter(|&x| other(x)))
@@ -106,12 +106,12 @@ impl CopyOrder {
     }
 
     /// The next part of the lowest layer left (a placement landing all at once).
-    pub fn next_part(&mut self) -> Option<Part> {
+    pub fn next_part(&mut self) -> Option<Part<T>> {
         let l = self.todo.iter().position(|t| !t.is_empty())?;
         self.take(l)
     }
 
-    fn take(&mut self, layer: usize) -> Option<Part> {
+    fn take(&mut self, layer: usize) -> Option<Part<T>> {
         let slots = self.todo[layer].pop_front()?;
         let left = self.todo[layer].len();
         self.partial = (left > 0).then_some(layer);
@@ -129,7 +129,7 @@ mod tests {
     use super::*;
 
     /// 3 layers of 4 slots, staged layer by layer: whole layers, or parts of two slots.
-    fn order(parted: bool) -> CopyOrder {
+    fn order(parted: bool) -> CopyOrder<usize> {
         let parts = (0..3)
             .map(|l| match parted {
                 false => vec![(4 * l..4 * l + 4).collect()],
@@ -139,7 +139,7 @@ mod tests {
         CopyOrder::new(parts, parted)
     }
 
-    fn seen(p: Part) -> (usize, Vec<usize>, usize, bool) {
+    fn seen(p: Part<usize>) -> (usize, Vec<usize>, usize, bool) {
         (p.layer, p.slots, p.version, p.last)
     }
 

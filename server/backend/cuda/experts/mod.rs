@@ -96,42 +96,7 @@ impl DeviceFfn {
         from: &DeviceFfn,
         stream: &Arc<CudaStream>,
     ) -> Result<(), DriverError> {
-        fn copy<T: DeviceRepr>(
-            dst: &mut CudaSlice<T>,
-            j: usize,
-            src: &CudaSlice<T>,
-            s: &Arc<CudaStream>,
-        ) -> Result<(), DriverError> {
-            let n = src.len();
-            assert!((j + 1) * n <= dst.len(), "group {j} outside the weights");
-            s.memcpy_dtod(src, &mut dst.slice_mut(j * n..(j + 1) * n))
-        }
-        match (self, from) {
-            (
-                DeviceFfn::Bf16 { gate_up, down },
-                DeviceFfn::Bf16 {
-                    gate_up: g,
-                    down: d,
-                },
-            ) => {
-                copy(gate_up, j, g, stream)?;
-                copy(down, j, d, stream)
-            }
-            (
-                DeviceFfn::Fp8 { gate_up, down },
-                DeviceFfn::Fp8 {
-                    gate_up: g,
-                    down: d,
-                },
-            ) => {
-                for (w, f) in [(gate_up, g), (down, d)] {
-                    copy(&mut w.q, j, &f.q, stream)?;
-                    copy(&mut w.sf, j, &f.sf, stream)?;
-                }
-                Ok(())
-            }
-            _ => panic!("a slot's weights in another dtype than the layer's"),
-        }
+        one_group(from, 0, self, j, stream)
     }
 
     /// One group of zeros in `dtype`: the spare slot a cycle of slot copies goes through.
@@ -207,42 +172,7 @@ impl DeviceFfn {
         into: &mut DeviceFfn,
         stream: &Arc<CudaStream>,
     ) -> Result<(), DriverError> {
-        fn copy<T: DeviceRepr>(
-            src: &CudaSlice<T>,
-            j: usize,
-            dst: &mut CudaSlice<T>,
-            s: &Arc<CudaStream>,
-        ) -> Result<(), DriverError> {
-            let n = dst.len();
-            assert!((j + 1) * n <= src.len(), "group {j} outside the weights");
-            s.memcpy_dtod(&src.slice(j * n..(j + 1) * n), dst)
-        }
-        match (self, into) {
-            (
-                DeviceFfn::Bf16 { gate_up, down },
-                DeviceFfn::Bf16 {
-                    gate_up: g,
-                    down: d,
-                },
-            ) => {
-                copy(gate_up, j, g, stream)?;
-                copy(down, j, d, stream)
-            }
-            (
-                DeviceFfn::Fp8 { gate_up, down },
-                DeviceFfn::Fp8 {
-                    gate_up: g,
-                    down: d,
-                },
-            ) => {
-                for (w, f) in [(gate_up, g), (down, d)] {
-                    copy(&w.q, j, &mut f.q, stream)?;
-                    copy(&w.sf, j, &mut f.sf, stream)?;
-                }
-                Ok(())
-            }
-            _ => panic!("a spare slot in another dtype than the layer's"),
-        }
+        one_group(self, j, into, 0, stream)
     }
 
     /// Random weights made on the GPU (`epserve bench`: timing, not numerics).
@@ -266,6 +196,58 @@ impl DeviceFfn {
                 DeviceFfn::Fp8 { gate_up, down }
             }
         })
+    }
+}
+
+/// Group `sj` of `src` over group `dj` of `dst`, one of which holds one group (its size is the
+/// group's), on `stream`.
+fn one_group(
+    src: &DeviceFfn,
+    sj: usize,
+    dst: &mut DeviceFfn,
+    dj: usize,
+    stream: &Arc<CudaStream>,
+) -> Result<(), DriverError> {
+    fn copy<T: DeviceRepr>(
+        (src, sj): (&CudaSlice<T>, usize),
+        (dst, dj): (&mut CudaSlice<T>, usize),
+        s: &Arc<CudaStream>,
+    ) -> Result<(), DriverError> {
+        let n = src.len().min(dst.len());
+        assert!(
+            (sj + 1) * n <= src.len() && (dj + 1) * n <= dst.len(),
+            "group {sj} -> {dj} outside the weights"
+        );
+        s.memcpy_dtod(
+            &src.slice(sj * n..(sj + 1) * n),
+            &mut dst.slice_mut(dj * n..(dj + 1) * n),
+        )
+    }
+    match (src, dst) {
+        (
+            DeviceFfn::Bf16 { gate_up, down },
+            DeviceFfn::Bf16 {
+                gate_up: g,
+                down: d,
+            },
+        ) => {
+            copy((gate_up, sj), (g, dj), stream)?;
+            copy((down, sj), (d, dj), stream)
+        }
+        (
+            DeviceFfn::Fp8 { gate_up, down },
+            DeviceFfn::Fp8 {
+                gate_up: g,
+                down: d,
+            },
+        ) => {
+            for (w, f) in [(gate_up, g), (down, d)] {
+                copy((&w.q, sj), (&mut f.q, dj), stream)?;
+                copy((&w.sf, sj), (&mut f.sf, dj), stream)?;
+            }
+            Ok(())
+        }
+        _ => panic!("a slot's weights in another dtype than the layer's"),
     }
 }
 

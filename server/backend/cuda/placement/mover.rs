@@ -71,22 +71,28 @@ pub struct Mover {
     retired: Vec<(CudaEvent, Staged, Option<CudaEvent>)>,
 }
 
+/// Per layer, per part: this rank's writes, in order.
+type Writes = Vec<Vec<Vec<Write>>>;
+
+/// Per slot to stage, its (layer, index on the rank), or the (layer, logical expert) it takes.
+type Pairs = Vec<(usize, usize)>;
+
 /// A placement staged against `base` (the placement in use when it was asked for): its parts,
-/// this rank's writes (`eplb::sources`) and each part's indices in them, and the slots no
-/// slot here held, staged from the model source.
+/// this rank's writes in each (`eplb::sources`), and the slots no slot here held, staged from
+/// the model source.
 struct Ready {
     staged: Staged,
     base: Arc<SlotMap>,
     plan: Plan,
-    writes: Vec<Write>,
-    parts: Vec<Vec<Vec<usize>>>,
+    writes: Writes,
 }
 
 /// An applied placement's staged weights and the copies not enqueued yet.
 struct Landing {
     staged: Staged,
-    writes: Vec<Write>,
-    order: CopyOrder,
+    /// The slots it writes on this rank.
+    slots: usize,
+    order: CopyOrder<Write>,
     /// Recorded on the move stream when it was applied: the copies' device time is from here.
     started: CudaEvent,
     applied: Instant,
@@ -136,25 +142,18 @@ impl Mover {
     pub fn stage(&mut self, epoch: u32, next: Arc<SlotMap>, done: StageDone) {
         // The same parts on every rank: the cap in slots comes from the slot's size.
         let plan = plan(&self.map, &next, self.step_copies.slots(self.slot_bytes));
-        let (writes, parts, load) = self.writes(&next, &plan);
-        let (at, wanted): (Vec<_>, Vec<_>) = load.into_iter().unzip();
-        let cycles = writes.iter().filter(|w| matches!(w, Write::Save { .. }));
-        let cycle = cycles.count() > 0;
+        let (writes, at, wanted) = self.writes(&next, &plan);
+        let cycle = (writes.iter().flatten().flatten()).any(|w| matches!(w, Write::Save { .. }));
+        let slots = slots_written(&writes);
         tracing::info!(
             epoch,
             staged = at.len(),
-            from_slots_here = (writes.iter())
-                .filter(|w| matches!(w, Write::Copy { .. } | Write::Restore { .. }))
-                .count(),
+            from_slots_here = slots - at.len(),
             "placement's slots: staged from the model, or copied from slots of this rank"
         );
         let (source, spec, dtype) = (self.source.clone(), self.spec.clone(), self.dtype);
         let (ctx, map, spare) = (self.ctx.clone(), next.clone(), self.spare.clone());
         // What the slots take, staged or copied here (the leader's moved bytes).
-        let slots = writes
-            .iter()
-            .filter(|w| !matches!(w, Write::Save { .. }))
-            .count();
         let moved = slots as u64 * self.slot_bytes;
         let base = self.map.clone();
         let load = move || {
@@ -172,57 +171,41 @@ impl Mover {
                 base,
                 plan,
                 writes,
-                parts,
             };
             Ok((ready, moved))
         };
         self.staged.stage(epoch, next, load, done);
     }
 
-    /// This rank's writes from the placement in use to `next` in `plan`'s parts, each part's
-    /// indices in them, and the slots to stage (index on the rank, with its layer) with the
-    /// (layer, logical expert) each takes.
-    #[allow(clippy::type_complexity)]
-    fn writes(
-        &self,
-        next: &SlotMap,
-        plan: &Plan,
-    ) -> (
-        Vec<Write>,
-        Vec<Vec<Vec<usize>>>,
-        Vec<((usize, usize), (usize, usize))>,
-    ) {
+    /// This rank's writes from the placement in use to `next` in each of `plan`'s parts, and
+    /// the slots to stage, in the order of `Write::Staged`'s indices: each one's (layer, index
+    /// on the rank), and the (layer, logical expert) each takes.
+    fn writes(&self, next: &SlotMap, plan: &Plan) -> (Writes, Pairs, Pairs) {
         let first = self.map.slots_of(self.rank).start;
-        let (mut writes, mut load) = (Vec::new(), Vec::new());
-        let mut index = |w| {
-            writes.push(w);
-            writes.len() - 1
+        let (mut at, mut wanted) = (Vec::new(), Vec::new());
+        let mut write = |layer: usize, op| match op {
+            Op::Load(i) => {
+                at.push((layer, i));
+                wanted.push((layer, next.layer(layer).phy2log()[first + i] as usize));
+                Write::Staged(at.len() - 1)
+            }
+            Op::Copy { from, to } => Write::Copy { layer, from, to },
+            Op::Save(from) => Write::Save { layer, from },
+            Op::Restore(to) => Write::Restore { layer, to },
         };
-        let parts = (ops(&self.map, next, plan, self.rank)
+        let mut writes = Vec::new();
+        for (layer, parts) in ops(&self.map, next, plan, self.rank)
             .into_iter()
-            .enumerate())
-        .map(|(layer, parts)| {
-            (parts.into_iter())
-                .map(|part| {
-                    (part.into_iter())
-                        .map(|op| {
-                            index(match op {
-                                Op::Load(i) => {
-                                    let g = next.layer(layer).phy2log()[first + i] as usize;
-                                    load.push(((layer, i), (layer, g)));
-                                    Write::Staged(load.len() - 1)
-                                }
-                                Op::Copy { from, to } => Write::Copy { layer, from, to },
-                                Op::Save(from) => Write::Save { layer, from },
-                                Op::Restore(to) => Write::Restore { layer, to },
-                            })
-                        })
-                        .collect()
-                })
-                .collect()
-        })
-        .collect();
-        (writes, parts, load)
+            .enumerate()
+        {
+            let parts = parts.into_iter();
+            writes.push(
+                parts
+                    .map(|p| p.into_iter().map(|op| write(layer, op)).collect())
+                    .collect(),
+            );
+        }
+        (writes, at, wanted)
     }
 
     /// Makes what `stage` made for `epoch` the placement steps run on: its table's rows ready,
@@ -261,8 +244,8 @@ impl Mover {
         let recovery = staged.map.lost() != self.map.lost();
         self.map = staged.map.clone();
         self.landing = Some(Landing {
-            order: CopyOrder::new(ready.parts, self.step_copies.0.is_some()),
-            writes: ready.writes,
+            slots: slots_written(&ready.writes),
+            order: CopyOrder::new(ready.writes, self.step_copies.0.is_some()),
             staged,
             started,
             applied: Instant::now(),
@@ -309,7 +292,7 @@ impl Mover {
     /// Enqueues part `p`'s copies behind its layer's last step (and, in parts, behind the
     /// steps enqueued so far), then the layer's table rows with the part landed; the layer's
     /// next step waits for them. The placement is retired once every part is enqueued.
-    fn land(&mut self, p: Part, step: &mut impl Land) -> Result<(), GpuError> {
+    fn land(&mut self, p: Part<Write>, step: &mut impl Land) -> Result<(), GpuError> {
         let s = self.stream.clone();
         let l = self.landing.as_mut().expect("a placement is landing");
         s.wait(&self.used[p.layer])?;
@@ -317,8 +300,7 @@ impl Mover {
             self.paced.record(step.steps())?;
             s.wait(&self.paced)?;
         }
-        let writes: Vec<Write> = p.slots.iter().map(|&k| l.writes[k]).collect();
-        step.copy(&mut l.staged, &writes, &s)?;
+        step.copy(&mut l.staged, &p.slots, &s)?;
         step.rows(p.layer, p.version, &s)?;
         self.landed[p.layer].record(&s)?;
         self.waiting[p.layer] = true;
@@ -328,11 +310,7 @@ impl Mover {
         let l = self.landing.take().expect("checked above");
         tracing::info!(
             epoch = l.staged.epoch,
-            slots = l
-                .writes
-                .iter()
-                .filter(|w| !matches!(w, Write::Save { .. }))
-                .count(),
+            slots = l.slots,
             after_ms = l.applied.elapsed().as_secs_f64() * 1e3,
             "placement's copies enqueued, a part beside each step"
         );
@@ -370,6 +348,12 @@ impl Mover {
             staged.keep_in(&self.spare);
         }
     }
+}
+
+/// The slots `writes` write (a `Save` writes the spare slot).
+fn slots_written(writes: &Writes) -> usize {
+    let all = writes.iter().flatten().flatten();
+    all.filter(|w| !matches!(w, Write::Save { .. })).count()
 }
 
 /// `st` given the slots `at` with the weights of the experts `wanted`, a few at a time: the
