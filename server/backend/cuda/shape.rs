@@ -215,6 +215,14 @@ impl StepShape {
                 "{} experts do not split over {} ranks",
                 self.experts, self.world
             ));
+        } else if self.local() > hopper::MAX_GROUPS {
+            // The grouped GEMM's layouts and the exchanges' maps hold a rank's slots as groups.
+            bad.push(format!(
+                "{} expert slots a rank (at most {}): spread them over more ranks, or use fewer \
+                 redundant experts",
+                self.local(),
+                hopper::MAX_GROUPS
+            ));
         }
         if self.expert_dtype == ExpertDtype::Fp8 {
             for (what, n) in [
@@ -344,6 +352,19 @@ mod tests {
         assert!(padded <= rows, "{padded} aligned rows in a space of {rows}");
         assert_eq!(rows, slots + local * (hopper::ALIGN - 1));
         assert_eq!(s.row_space(), rows);
+    }
+
+    #[test]
+    fn a_rank_with_more_slots_than_the_gemm_has_groups_is_refused() {
+        let mut s = StepShape::new(&crate::model::synthetic::preset("tiny").unwrap(), 1, 0, 64);
+        s.experts = hopper::MAX_GROUPS;
+        assert_eq!(s.check(), Ok(()));
+        // DeepSeek-V3's 256 experts and 2 redundant slots on one GPU.
+        s.experts = hopper::MAX_GROUPS + 2;
+        let e = s.check().unwrap_err();
+        assert!(e.contains("258 expert slots a rank (at most 256)"), "{e}");
+        s.world = 2;
+        assert_eq!(s.check(), Ok(()));
     }
 
     #[test]
