@@ -558,7 +558,8 @@ impl Land for GpuStep {
         stream: &Arc<CudaStream>,
     ) -> Result<(), GpuError> {
         let groups = self.shape.experts / self.shape.world;
-        let no_cycle = || GpuError::Config("a cycle of slot copies with no slot staged".into());
+        let no_cycle =
+            || GpuError::Config("a cycle of slot copies with no spare slot staged".into());
         for &w in writes {
             match w {
                 Write::Staged(k) => {

@@ -96,7 +96,7 @@ impl DeviceFfn {
         from: &DeviceFfn,
         stream: &Arc<CudaStream>,
     ) -> Result<(), DriverError> {
-        one_group(from, 0, self, j, stream)
+        group_between(from, 0, self, j, stream)
     }
 
     /// One group of zeros in `dtype`: the spare slot a cycle of slot copies goes through.
@@ -172,7 +172,7 @@ impl DeviceFfn {
         into: &mut DeviceFfn,
         stream: &Arc<CudaStream>,
     ) -> Result<(), DriverError> {
-        one_group(self, j, into, 0, stream)
+        group_between(self, j, into, 0, stream)
     }
 
     /// Random weights made on the GPU (`epserve bench`: timing, not numerics).
@@ -201,7 +201,7 @@ impl DeviceFfn {
 
 /// Group `sj` of `src` over group `dj` of `dst`, one of which holds one group (its size is the
 /// group's), on `stream`.
-fn one_group(
+fn group_between(
     src: &DeviceFfn,
     sj: usize,
     dst: &mut DeviceFfn,

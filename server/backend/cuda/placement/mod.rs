@@ -4,8 +4,9 @@
 //! the slots it rewrites, a part at a time beside the other layers' steps, on a stream of their
 //! own, each part with the table's rows for what has landed (`Mover`, `eplb::parts`,
 //! `eplb::sources`). The graphs read the table and the weights where they are, so a placement
-//! is rewritten in place and no graph is captured again. From the gate on, the exchanges and the experts address slots
-//! (`StepShape::experts`), the router logical experts (`StepShape::model_experts`).
+//! is rewritten in place and no graph is captured again. From the gate on, the exchanges and
+//! the experts address slots (`StepShape::experts`), the router logical experts
+//! (`StepShape::model_experts`).
 
 use std::sync::Arc;
 
