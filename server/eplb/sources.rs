@@ -4,7 +4,11 @@
 //! staged from the model source. A rank's slots take their parts in `parts::plan`'s order; in
 //! a part, a slot is read before it is written, and a cycle of slots that take each other's
 //! experts (a swap) goes through one spare slot. On one rank every expert is local, so a
-//! placement stages nothing; over ranks, only the experts a rank did not hold are staged.
+//! placement stages nothing; over ranks, only the experts a rank did not hold are staged. The
+//! balancer's placements keep an expert in its slot where its rank keeps it (`policy::keep`),
+//! so what they rewrite is mostly another rank's expert: this serves placement files that move
+//! experts within a rank, and second replicas (docs/benchmarks.md, "Slots copied from slots of
+//! the same rank").
 
 use super::parts::Plan;
 use super::SlotMap;
