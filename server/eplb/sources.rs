@@ -74,8 +74,8 @@ enum Src {
 
 /// The writes of the slots `w` (each once) from `held` to `want`: a slot the part does not
 /// write where one holds the expert, else one it writes (read before its own write), else
-/// the staged weights. The slots read before their write form chains (done first, the last
-/// read first) and cycles (through the spare slot).
+/// the staged weights. Slots read before their own write form chains (each written once the
+/// writes that read it are done) and cycles (through the spare slot).
 fn part_ops(held: &[u32], want: &[u32], w: &[usize]) -> Vec<Op> {
     let mut writing = vec![false; held.len()];
     w.iter().for_each(|&s| writing[s] = true);
