@@ -171,6 +171,13 @@ pub enum Write {
     Restore { layer: usize, to: usize },
 }
 
+impl Write {
+    /// Whether it writes the spare slot (`Staged::cycle`), not one of the layer's.
+    pub fn saves(&self) -> bool {
+        matches!(self, Write::Save { .. })
+    }
+}
+
 impl Staged {
     /// Slots already on the device (`epserve bench`'s random ones), freed on `stream`.
     pub fn new(

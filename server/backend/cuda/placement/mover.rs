@@ -138,25 +138,24 @@ impl Mover {
     }
 
     /// Plans the slots `next` rewrites on this rank, and loads and uploads those that no slot
-    /// here holds, off the step path.
+    /// here holds: all on a thread of its own, off the step path.
     pub fn stage(&mut self, epoch: u32, next: Arc<SlotMap>, done: StageDone) {
-        // The same parts on every rank: the cap in slots comes from the slot's size.
-        let plan = plan(&self.map, &next, self.step_copies.slots(self.slot_bytes));
-        let (writes, at, wanted) = self.writes(&next, &plan);
-        let cycle = (writes.iter().flatten().flatten()).any(|w| matches!(w, Write::Save { .. }));
-        let slots = slots_written(&writes);
-        tracing::info!(
-            epoch,
-            staged = at.len(),
-            from_slots_here = slots - at.len(),
-            "placement's slots: staged from the model, or copied from slots of this rank"
-        );
         let (source, spec, dtype) = (self.source.clone(), self.spec.clone(), self.dtype);
         let (ctx, map, spare) = (self.ctx.clone(), next.clone(), self.spare.clone());
-        // What the slots take, staged or copied here (the leader's moved bytes).
-        let moved = slots as u64 * self.slot_bytes;
-        let base = self.map.clone();
+        let (base, rank, slot_bytes) = (self.map.clone(), self.rank, self.slot_bytes);
+        // The same parts on every rank: the cap in slots comes from the slot's size.
+        let cap = self.step_copies.slots(slot_bytes);
         let load = move || {
+            let plan = plan(&base, &map, cap);
+            let (writes, at, wanted) = writes(&base, &map, &plan, rank);
+            let cycle = (writes.iter().flatten()).any(|p| p.iter().any(Write::saves));
+            let slots = slots_written(&writes);
+            tracing::info!(
+                epoch,
+                staged = at.len(),
+                from_slots_here = slots - at.len(),
+                "placement's slots: staged from the model, or copied from slots of this rank"
+            );
             let stream = (ctx.bind_to_thread().and_then(|_| ctx.new_stream()))
                 .map_err(|e| format!("a staging stream: {e}"))?;
             let mut st = Staged::begin(stream, (epoch, map));
@@ -165,47 +164,17 @@ impl Mover {
                 st.add_cycle(sizes, &spare)
                     .map_err(|e| format!("a slot for cycles of copies: {e}"))?;
             }
-            let (staged, _read) = in_batches(st, &at, &wanted, (&source, &spec, dtype), &spare)?;
+            let staged = in_batches(st, &at, &wanted, (&source, &spec, dtype), &spare)?;
             let ready = Ready {
                 staged,
                 base,
                 plan,
                 writes,
             };
-            Ok((ready, moved))
+            // What the slots take, staged or copied here (the leader's moved bytes).
+            Ok((ready, slots as u64 * slot_bytes))
         };
         self.staged.stage(epoch, next, load, done);
-    }
-
-    /// This rank's writes from the placement in use to `next` in each of `plan`'s parts, and
-    /// the slots to stage, in the order of `Write::Staged`'s indices: each one's (layer, index
-    /// on the rank), and the (layer, logical expert) each takes.
-    fn writes(&self, next: &SlotMap, plan: &Plan) -> (Writes, Pairs, Pairs) {
-        let first = self.map.slots_of(self.rank).start;
-        let (mut at, mut wanted) = (Vec::new(), Vec::new());
-        let mut write = |layer: usize, op| match op {
-            Op::Load(i) => {
-                at.push((layer, i));
-                wanted.push((layer, next.layer(layer).phy2log()[first + i] as usize));
-                Write::Staged(at.len() - 1)
-            }
-            Op::Copy { from, to } => Write::Copy { layer, from, to },
-            Op::Save(from) => Write::Save { layer, from },
-            Op::Restore(to) => Write::Restore { layer, to },
-        };
-        let mut writes = Vec::new();
-        for (layer, parts) in ops(&self.map, next, plan, self.rank)
-            .into_iter()
-            .enumerate()
-        {
-            let parts = parts.into_iter();
-            writes.push(
-                parts
-                    .map(|p| p.into_iter().map(|op| write(layer, op)).collect())
-                    .collect(),
-            );
-        }
-        (writes, at, wanted)
     }
 
     /// Makes what `stage` made for `epoch` the placement steps run on: its table's rows ready,
@@ -350,22 +319,50 @@ impl Mover {
     }
 }
 
+/// `rank`'s writes from `cur` to `next` in each of `plan`'s parts, and the slots to stage, in
+/// the order of `Write::Staged`'s indices: each one's (layer, index on the rank), and the
+/// (layer, logical expert) each takes.
+fn writes(cur: &SlotMap, next: &SlotMap, plan: &Plan, rank: usize) -> (Writes, Pairs, Pairs) {
+    let first = cur.slots_of(rank).start;
+    let (mut at, mut wanted) = (Vec::new(), Vec::new());
+    let mut write = |layer: usize, op| match op {
+        Op::Load(i) => {
+            at.push((layer, i));
+            wanted.push((layer, next.layer(layer).phy2log()[first + i] as usize));
+            Write::Staged(at.len() - 1)
+        }
+        Op::Copy { from, to } => Write::Copy { layer, from, to },
+        Op::Save(from) => Write::Save { layer, from },
+        Op::Restore(to) => Write::Restore { layer, to },
+    };
+    let mut writes = Vec::new();
+    for (layer, parts) in ops(cur, next, plan, rank).into_iter().enumerate() {
+        let parts = parts.into_iter();
+        writes.push(
+            parts
+                .map(|p| p.into_iter().map(|op| write(layer, op)).collect())
+                .collect(),
+        );
+    }
+    (writes, at, wanted)
+}
+
 /// The slots `writes` write (a `Save` writes the spare slot).
 fn slots_written(writes: &Writes) -> usize {
     let all = writes.iter().flatten().flatten();
-    all.filter(|w| !matches!(w, Write::Save { .. })).count()
+    all.filter(|w| !w.saves()).count()
 }
 
 /// `st` given the slots `at` with the weights of the experts `wanted`, a few at a time: the
 /// host holds one batch, not the placement (4.8 GB of f32 for 256 slots of a bf16 Qwen3-30B
-/// layer set), and frees it in small pieces. Returns it and the bytes read.
+/// layer set), and frees it in small pieces.
 fn in_batches(
     mut st: Staged,
     at: &[(usize, usize)],
     wanted: &[(usize, usize)],
     (source, spec, dtype): (&ModelSource, &MoeSpec, ExpertDtype),
     spare: &Spare,
-) -> Result<(Staged, u64), String> {
+) -> Result<Staged, String> {
     let t0 = Instant::now();
     let (mut loaded, mut freed) = (Duration::ZERO, Duration::ZERO);
     let mut bytes = 0u64;
@@ -406,7 +403,7 @@ fn in_batches(
         host_free_ms = ms(freed),
         "placement staged"
     );
-    Ok((st, bytes))
+    Ok(st)
 }
 
 impl Drop for Mover {
