@@ -148,7 +148,7 @@ impl Mover {
         let load = move || {
             let plan = plan(&base, &map, cap);
             let (writes, at, wanted) = writes(&base, &map, &plan, rank);
-            let cycle = (writes.iter().flatten()).any(|p| p.iter().any(Write::saves));
+            let cycle = writes.iter().flatten().flatten().any(Write::saves);
             let slots = slots_written(&writes);
             tracing::info!(
                 epoch,
