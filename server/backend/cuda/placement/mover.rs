@@ -53,7 +53,8 @@ pub struct Mover {
     /// Bytes of one slot's weights: how many slots a part takes (`--eplb-step-copies`).
     slot_bytes: u64,
     staged: Stager<Ready>,
-    /// Where applied placements' copies run.
+    /// Where applied placements' copies run (kernels, like the steps'). The steps' streams at
+    /// the greatest priority left as many steps beside them over 1.1x (2x H200, session 63).
     stream: Arc<CudaStream>,
     /// How much of them may start beside one step (`--eplb-step-copies`).
     step_copies: StepCopies,
