@@ -54,7 +54,8 @@ pub struct Mover {
     slot_bytes: u64,
     staged: Stager<Ready>,
     /// Where applied placements' copies run (kernels, like the steps'). The steps' streams at
-    /// the greatest priority left as many steps beside them over 1.1x (2x H200, session 63).
+    /// the greatest priority did not make fewer steps beside them run over 1.1x (2x H200,
+    /// docs/benchmarks.md "Load balance", session 63).
     stream: Arc<CudaStream>,
     /// How much of them may start beside one step (`--eplb-step-copies`).
     step_copies: StepCopies,
