@@ -85,6 +85,25 @@ pub fn table(results: &[ConfigResult]) -> String {
             m.experts_max_us
         );
     }
+    let gaps: Vec<_> = (results.iter())
+        .filter_map(|r| r.summary.after_gap.map(|g| (r, g)))
+        .collect();
+    if !gaps.is_empty() {
+        s += "\nAfter `--gap-us` (each step's least time over the ranks):\n\n| config | backend | experts | steps | median µs | p99 | max | over 1.1x the median |\n|---|---|---|---|---|---|---|---|\n";
+        for (r, g) in gaps {
+            s += &format!(
+                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {} |\n",
+                r.config.name,
+                r.backend,
+                r.config.expert_dtype.name(),
+                g.steps,
+                g.median_us,
+                g.p99_us,
+                g.max_us,
+                g.over_1_1
+            );
+        }
+    }
     s
 }
 
@@ -102,6 +121,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         ranks: args.ranks,
         iters: args.iters,
         warmup: args.warmup,
+        gap_us: args.gap_us,
     };
     let results = crate::backend::gpu::bench(&asked, &configs)?;
     println!("{}", table(&results));
@@ -175,7 +195,7 @@ fn plan(args: &BenchArgs) -> anyhow::Result<Vec<BenchConfig>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::bench::{median, summarize, RankResult};
+    use crate::backend::bench::{median, summarize, ConfigResult, RankResult};
 
     #[test]
     fn decode_shared_is_decode_with_deepseek_v3s_shared_expert() {
@@ -199,6 +219,53 @@ mod tests {
         assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(&mut [4.0, 1.0, 3.0, 2.0]), 2.5);
         assert!(median(&mut []).is_nan());
+    }
+
+    #[test]
+    fn gap_steps_reach_the_summary_and_the_table() {
+        use clap::Parser;
+        let parse =
+            |v: &str| crate::config::Cli::try_parse_from(["epserve", "bench", "--gap-us", v]);
+        assert!(parse("1000001").is_err(), "a gap over 1 s is refused");
+        let Ok(crate::config::Cli {
+            command: crate::config::Command::Bench(a),
+            ..
+        }) = parse("2000")
+        else {
+            panic!("--gap-us 2000 parses to bench's arguments");
+        };
+        assert_eq!(a.gap_us, Some(2000));
+        let c = config("small").unwrap();
+        let rank = |v: Vec<f64>| RankResult {
+            step_samples_us: v,
+            ..RankResult::default()
+        };
+        let result = |ranks: Vec<RankResult>| ConfigResult {
+            config: c.clone(),
+            backend: "nccl-ep LL".into(),
+            overlap: false,
+            two_batch: false,
+            world: ranks.len(),
+            iters: 4,
+            summary: summarize(&c, &ranks),
+            ranks,
+        };
+        let plain = result(vec![rank(vec![]), rank(vec![])]);
+        assert!(plain.summary.after_gap.is_none());
+        assert!(!table(&[plain]).contains("--gap-us"));
+        // Step 2 is slow on both ranks: 130 against a median of 100.
+        let gap = result(vec![
+            rank(vec![100.0, 180.0, 130.0, 99.0]),
+            rank(vec![150.0, 101.0, 140.0, 100.0]),
+        ]);
+        let g = gap.summary.after_gap.unwrap();
+        assert_eq!((g.steps, g.over_1_1, g.max_us), (4, 1, 130.0));
+        let t = table(&[gap]);
+        assert!(t.contains("After `--gap-us`"), "{t}");
+        assert!(
+            t.contains("| small | nccl-ep LL | bf16 | 4 | 100.5 | 130.0 | 130.0 | 1 |"),
+            "{t}"
+        );
     }
 
     #[test]

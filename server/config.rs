@@ -105,6 +105,12 @@ pub struct BenchArgs {
     /// Untimed iterations first.
     #[arg(long, default_value_t = 10)]
     pub warmup: usize,
+    /// Host idle before each timed step, in µs, and no all-gather to line the ranks up: steps
+    /// after the GPU has idled, as serving runs them. The JSON then keeps every step's time and
+    /// the summary the group's slow steps (each step's least time over the ranks).
+    /// At most 1 s.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    pub gap_us: Option<u64>,
     /// Skewed routing, comma-separated Zipf exponents (0: balanced): each token's experts are
     /// drawn on the host, the most popular in rank 0's block as contiguous placement has them,
     /// and each config runs once per exponent. Default: the router's top-k over random rows.

@@ -23,6 +23,8 @@ pub struct Plan {
     pub ranks: Option<usize>,
     pub iters: usize,
     pub warmup: usize,
+    /// `--gap-us`: host idle before each timed step, the ranks not lined up.
+    pub gap_us: Option<u64>,
 }
 
 /// A named benchmark shape.
@@ -132,6 +134,24 @@ pub struct RankResult {
     pub moved_bytes: usize,
     pub move_us: f64,
     pub step_with_move_us: f64,
+    /// With `--gap-us`: every timed step's time, in order (step i is the same exchange on
+    /// every rank).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub step_samples_us: Vec<f64>,
+    /// With `--gap-us`: each timed step's launch on the host, µs from one clock that every
+    /// rank reads (how late each rank came to the step).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub launch_at_us: Vec<f64>,
+    /// With `--gap-us`: each timed step's host time from its first event's record to its
+    /// launch's return (what of the step's time may be the GPU waiting for the host).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub enqueue_us: Vec<f64>,
+    /// With `--gap-us`: the phases timed apart (gating, prepare, dispatch, experts, combine),
+    /// every step's, and those steps' launches.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub phase_samples_us: Vec<Vec<f64>>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub phase_launch_at_us: Vec<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -177,6 +197,42 @@ pub struct Summary {
     pub moved_bytes: usize,
     pub move_us: f64,
     pub step_with_move_us: f64,
+    /// With `--gap-us`: the group's steps, each its least time over the ranks (a rank that
+    /// waited for a late peer is not the step's own time).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub after_gap: Option<GroupSteps>,
+}
+
+/// The group's steps after a host gap: their median, 99th percentile and worst, and how many
+/// of them ran over 1.1x the median (#54's serving line).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct GroupSteps {
+    pub steps: usize,
+    pub median_us: f64,
+    pub p99_us: f64,
+    pub max_us: f64,
+    pub over_1_1: usize,
+}
+
+impl GroupSteps {
+    /// Step i's least time over the ranks' samples (ranks of fewer samples bound the steps);
+    /// None without samples.
+    pub fn of(ranks: &[Vec<f64>]) -> Option<GroupSteps> {
+        let n = ranks.iter().map(Vec::len).min().filter(|&n| n > 0)?;
+        let mut least: Vec<f64> = (0..n)
+            .map(|i| ranks.iter().map(|r| r[i]).fold(f64::INFINITY, f64::min))
+            .collect();
+        let median_us = median(&mut least);
+        // `median` sorted them.
+        let p99_us = least[((n as f64 * 0.99).ceil() as usize).clamp(1, n) - 1];
+        Some(GroupSteps {
+            steps: n,
+            median_us,
+            p99_us,
+            max_us: least[n - 1],
+            over_1_1: least.iter().filter(|&&t| t > 1.1 * median_us).count(),
+        })
+    }
 }
 
 pub fn median(v: &mut [f64]) -> f64 {
@@ -239,6 +295,12 @@ pub fn summarize(c: &BenchConfig, ranks: &[RankResult]) -> Summary {
             .iter()
             .map(|r| r.step_with_move_us)
             .fold(0.0, f64::max),
+        after_gap: GroupSteps::of(
+            &ranks
+                .iter()
+                .map(|r| r.step_samples_us.clone())
+                .collect::<Vec<_>>(),
+        ),
     }
 }
 
@@ -341,6 +403,25 @@ mod tests {
             got == want,
             "{path} is not the bench's rows per slot: regenerate it"
         );
+    }
+
+    #[test]
+    fn group_steps_take_each_steps_least_time_over_the_ranks() {
+        assert_eq!(GroupSteps::of(&[]), None);
+        assert_eq!(GroupSteps::of(&[vec![], vec![1.0]]), None);
+        // Step 1: rank 0 waited for rank 1 (300), rank 1's own time is 100. Step 3 is slow on
+        // both ranks (150 and 160). The ranks' extra samples past the shorter are not steps.
+        let r0 = vec![100.0, 300.0, 104.0, 150.0, 98.0, 101.0];
+        let r1 = vec![102.0, 100.0, 99.0, 160.0, 97.0, 100.0, 500.0];
+        let g = GroupSteps::of(&[r0, r1]).unwrap();
+        // Least: 100, 100, 99, 150, 97, 100.
+        assert_eq!(g.steps, 6);
+        assert_eq!(g.median_us, 100.0);
+        assert_eq!(g.max_us, 150.0);
+        assert_eq!(g.p99_us, 150.0);
+        assert_eq!(g.over_1_1, 1);
+        let even = GroupSteps::of(&[vec![10.0; 200]]).unwrap();
+        assert_eq!((even.over_1_1, even.p99_us), (0, 10.0));
     }
 
     #[test]

@@ -127,6 +127,9 @@ pub fn run(args: &Plan, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigRes
     Ok(out)
 }
 
+/// The host clock every rank thread's launch times count from (`--gap-us`).
+static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+
 type Phase = fn(&mut GpuStep, usize, Variant) -> Result<(), GpuError>;
 
 /// The step a bf16 client's request runs (as the load generator sends them): rows in bf16,
@@ -206,18 +209,44 @@ fn rank_main(
     let one = s.clone_htod(&[rank as i32])?;
     let mut all = s.alloc_zeros::<i32>(world)?;
     let mut align = |core: &GpuStep| core.comm.all_gather(&one, &mut all, 1, &s);
+    // With a gap, no all-gather: the step is the first work after the idle on every rank, and
+    // a rank that waits for a late peer's host is left out by the group's least time. Each
+    // launch's host time (one clock for every rank thread) says how late each rank came.
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    let (mut launch_at_us, mut phase_launch_at_us) = (Vec::new(), Vec::new());
+    let mut start = |core: &GpuStep, at: &mut Vec<f64>| -> anyhow::Result<()> {
+        match args.gap_us {
+            Some(g) => {
+                std::thread::sleep(Duration::from_micros(g));
+                at.push(epoch.elapsed().as_secs_f64() * 1e6);
+            }
+            None => align(core)?,
+        }
+        Ok(())
+    };
     let mut steps = Vec::with_capacity(args.iters);
+    // The host's time from the first event's record to the launch's return: the most the
+    // timed span can hold of the GPU waiting for the host to enqueue the step.
+    let mut enqueue_us = Vec::new();
     for _ in 0..args.iters {
-        align(&core)?;
+        start(&core, &mut launch_at_us)?;
+        let t = Instant::now();
         ev[0].record(&s)?;
         step.launch()?;
+        if args.gap_us.is_some() {
+            enqueue_us.push(t.elapsed().as_secs_f64() * 1e6);
+        }
         ev[1].record(&s)?;
         s.synchronize()?;
         steps.push(us(&ev[0], &ev[1])?);
     }
+    let step_samples_us = match args.gap_us {
+        Some(_) => steps.clone(),
+        None => Vec::new(),
+    };
     let mut per_phase: Vec<Vec<f64>> = (0..5).map(|_| Vec::with_capacity(args.iters)).collect();
     for _ in 0..args.iters {
-        align(&core)?;
+        start(&core, &mut phase_launch_at_us)?;
         ev[0].record(&s)?;
         for (i, g) in graphs.iter().enumerate() {
             g.launch()?;
@@ -317,6 +346,10 @@ fn rank_main(
         }
     }
     drop((step, graphs));
+    let phase_samples_us = match args.gap_us {
+        Some(_) => per_phase.clone(),
+        None => Vec::new(),
+    };
     let mut p = per_phase.into_iter().map(|mut v| median(&mut v));
     let mut next = || p.next().unwrap_or(f64::NAN);
     Ok(RankResult {
@@ -337,5 +370,10 @@ fn rank_main(
         moved_bytes: moved.1,
         move_us: moved.2,
         step_with_move_us: moved.3,
+        step_samples_us,
+        launch_at_us,
+        enqueue_us,
+        phase_samples_us,
+        phase_launch_at_us,
     })
 }
