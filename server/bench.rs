@@ -56,13 +56,16 @@ pub fn table(results: &[ConfigResult]) -> String {
     let mut s = String::from(
         "| config | backend | experts | ranks | tokens/rank | step µs | gating | prepare | dispatch | experts | combine | dispatch GB/s (payload / wire) | combine GB/s | expert TFLOP/s | expert weights GB/s | dense bf16 cuBLAS TFLOP/s | tokens/s/GPU | rank load max/mean | slowest experts µs |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
+    // A row's first cells: which config, exchange and experts.
+    let head = |r: &ConfigResult| {
+        let c = &r.config;
+        format!("| {} | {} | {} |", c.name, r.backend, c.expert_dtype.name())
+    };
     for r in results {
         let m = &r.summary;
         s += &format!(
-            "| {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} / {} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} | {:.2} | {:.1} |\n",
-            r.config.name,
-            r.backend,
-            r.config.expert_dtype.name(),
+            "{} {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} / {} | {:.1} | {:.1} | {:.0} | {:.1} | {:.0} | {:.2} | {:.1} |\n",
+            head(r),
             r.world,
             r.config.tokens_per_rank,
             m.step_us,
@@ -92,10 +95,8 @@ pub fn table(results: &[ConfigResult]) -> String {
         s += "\nAfter `--gap-us` (each step's least time over the ranks):\n\n| config | backend | experts | steps | median µs | p99 | max | over 1.1x the median |\n|---|---|---|---|---|---|---|---|\n";
         for (r, g) in gaps {
             s += &format!(
-                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {} |\n",
-                r.config.name,
-                r.backend,
-                r.config.expert_dtype.name(),
+                "{} {} | {:.1} | {:.1} | {:.1} | {} |\n",
+                head(r),
                 g.steps,
                 g.median_us,
                 g.p99_us,
