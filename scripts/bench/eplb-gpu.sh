@@ -81,7 +81,7 @@ print(json.dumps({'phy2log': [sum((blk(r)+x[r*2//W:(r+1)*2//W] for r in range(W)
   backend=${MOVES_BACKEND:-nccl}; [ "$backend" = nccl-ep ] && source /tmp/nccl230/env.sh
   RUST_LOG=info,epserve::step_times=trace,epserve::staging=trace \
     "${on_serve[@]}" $B launch --ranks $w --backend $backend --expert-dtype ${MOVES_EXPERTS:-auto} \
-    --model synthetic:qwen3-30b-a3b --layers ${MOVES_LAYERS:-4} --max-tokens-per-step 8192 --placement "$pl" \
+    --model synthetic:qwen3-30b-a3b --layers ${MOVES_LAYERS:-4} --max-tokens-per-step ${MOVES_MAX_TOKENS:-8192} --placement "$pl" \
     --listen 127.0.0.1:0 --metrics-listen 127.0.0.1:0 --http-listen 127.0.0.1:0 --shm-dir "$shm" \
     "${client_shm[@]}" >"$out/serve-moves.log" 2>&1 &
   pid=$!; addr=""
@@ -92,7 +92,8 @@ print(json.dumps({'phy2log': [sum((blk(r)+x[r*2//W:(r+1)*2//W] for r in range(W)
   r0=""; for c in $(pgrep -P $pid); do tr '\0' ' ' </proc/$c/cmdline | grep -qE -- "--rank 0( |$)" && r0=$c; done
   echo "== serve moves at '$addr' (rank 0 pid '$r0') after $((SECONDS - t0))s"
   loads=()
-  # MOVES_LAYERS (default 4): the model's layers, one load generator each.
+  # MOVES_LAYERS (default 4): the model's layers, one load generator each. MOVES_MAX_TOKENS
+  # (default 8192): the serving steps' largest bucket.
   for l in $(seq 0 $((${MOVES_LAYERS:-4} - 1))); do
     "${on_load[@]}" .device/bin/epserve-loadtest --target "$addr" --layer $l --api $api --concurrency ${CONCURRENCY:-4} --tokens 2048 \
       --client-routing --warmup 2s --duration ${DURATION:-40}s --timeout 20s --json "$out/load-moves-$l.json" \
