@@ -106,9 +106,9 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 10)]
     pub warmup: usize,
     /// Host idle before each timed step, in µs, and no all-gather to line the ranks up: steps
-    /// after the GPU has idled, as serving runs them. The JSON then keeps every step's time and
-    /// the summary the group's slow steps (each step's least time over the ranks).
-    /// At most 1 s.
+    /// after the GPU has idled, as serving runs them. The JSON then keeps every step's time, its
+    /// launch and host enqueue time and its phases, and the summary the group's slow steps (each
+    /// step's least time over the ranks). At most 1 s.
     #[arg(long, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
     pub gap_us: Option<u64>,
     /// Skewed routing, comma-separated Zipf exponents (0: balanced): each token's experts are
