@@ -217,8 +217,8 @@ pub struct GroupSteps {
 impl GroupSteps {
     /// Step i's least time over the ranks' samples (ranks of fewer samples bound the steps);
     /// None without samples.
-    pub fn of(ranks: &[Vec<f64>]) -> Option<GroupSteps> {
-        let n = ranks.iter().map(Vec::len).min().filter(|&n| n > 0)?;
+    pub fn of(ranks: &[&[f64]]) -> Option<GroupSteps> {
+        let n = ranks.iter().map(|r| r.len()).min().filter(|&n| n > 0)?;
         let mut least: Vec<f64> = (0..n)
             .map(|i| ranks.iter().map(|r| r[i]).fold(f64::INFINITY, f64::min))
             .collect();
@@ -298,7 +298,7 @@ pub fn summarize(c: &BenchConfig, ranks: &[RankResult]) -> Summary {
         after_gap: GroupSteps::of(
             &ranks
                 .iter()
-                .map(|r| r.step_samples_us.clone())
+                .map(|r| r.step_samples_us.as_slice())
                 .collect::<Vec<_>>(),
         ),
     }
@@ -408,19 +408,19 @@ mod tests {
     #[test]
     fn group_steps_take_each_steps_least_time_over_the_ranks() {
         assert_eq!(GroupSteps::of(&[]), None);
-        assert_eq!(GroupSteps::of(&[vec![], vec![1.0]]), None);
+        assert_eq!(GroupSteps::of(&[&[], &[1.0]]), None);
         // Step 1: rank 0 waited for rank 1 (300), rank 1's own time is 100. Step 3 is slow on
         // both ranks (150 and 160). The ranks' extra samples past the shorter are not steps.
-        let r0 = vec![100.0, 300.0, 104.0, 150.0, 98.0, 101.0];
-        let r1 = vec![102.0, 100.0, 99.0, 160.0, 97.0, 100.0, 500.0];
-        let g = GroupSteps::of(&[r0, r1]).unwrap();
+        let r0 = [100.0, 300.0, 104.0, 150.0, 98.0, 101.0];
+        let r1 = [102.0, 100.0, 99.0, 160.0, 97.0, 100.0, 500.0];
+        let g = GroupSteps::of(&[&r0, &r1]).unwrap();
         // Least: 100, 100, 99, 150, 97, 100.
         assert_eq!(g.steps, 6);
         assert_eq!(g.median_us, 100.0);
         assert_eq!(g.max_us, 150.0);
         assert_eq!(g.p99_us, 150.0);
         assert_eq!(g.over_1_1, 1);
-        let even = GroupSteps::of(&[vec![10.0; 200]]).unwrap();
+        let even = GroupSteps::of(&[&[10.0; 200]]).unwrap();
         assert_eq!((even.over_1_1, even.p99_us), (0, 10.0));
     }
 
