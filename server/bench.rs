@@ -2,7 +2,7 @@
 //! the machine (one thread and NCCL rank per GPU), graphs on, for named configs; plus dense cuBLAS
 //! GEMMs of the same shapes in the same run, so the grouped GEMM has a yardstick.
 
-use crate::backend::bench::{BenchConfig, ConfigResult, Plan};
+use crate::backend::bench::{BenchConfig, Child, ConfigResult, Plan};
 use crate::config::BenchArgs;
 use crate::flags::OnOff;
 
@@ -123,8 +123,20 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         iters: args.iters,
         warmup: args.warmup,
         gap_us: args.gap_us,
+        gap_spread_us: args.gap_spread_us,
+        gap_copies: args.gap_copies,
+        gap_poll: args.gap_poll,
+        processes: args.rank_processes,
+        child: (args.bench_child.as_deref())
+            .map(Child::parse)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!(e))?,
     };
     let results = crate::backend::gpu::bench(&asked, &configs)?;
+    if asked.child.is_some() {
+        // A rank's process: its result went to its file, the report is the parent's.
+        return Ok(());
+    }
     println!("{}", table(&results));
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
@@ -235,7 +247,46 @@ mod tests {
         else {
             panic!("--gap-us 2000 parses to bench's arguments");
         };
-        assert_eq!(a.gap_us, Some(2000));
+        assert_eq!((a.gap_us, a.gap_spread_us), (Some(2000), 0));
+        let flags = |v: &[&str]| {
+            crate::config::Cli::try_parse_from([&["epserve", "bench"], v].concat())
+                .ok()
+                .map(|c| match c.command {
+                    crate::config::Command::Bench(a) => (
+                        a.gap_us,
+                        a.gap_spread_us,
+                        a.gap_copies,
+                        a.gap_poll,
+                        a.rank_processes,
+                    ),
+                    _ => panic!("bench parses to bench's arguments"),
+                })
+        };
+        assert!(
+            flags(&["--gap-spread-us", "100"]).is_none(),
+            "a spread needs a gap"
+        );
+        assert!(
+            flags(&["--gap-copies"]).is_none(),
+            "the copies are timed after a gap"
+        );
+        assert_eq!(
+            flags(&["--gap-us", "0", "--gap-copies"]),
+            Some((Some(0), 0, true, false, false))
+        );
+        assert!(
+            flags(&["--gap-poll"]).is_none(),
+            "polling is timed after a gap"
+        );
+        assert_eq!(
+            flags(&["--gap-us", "0", "--gap-poll", "--rank-processes"]),
+            Some((Some(0), 0, false, true, true))
+        );
+        assert!(flags(&["--gap-us", "0", "--gap-spread-us", "1000001"]).is_none());
+        assert_eq!(
+            flags(&["--gap-us", "500", "--gap-spread-us", "100"]),
+            Some((Some(500), 100, false, false, false))
+        );
         let c = config("small").unwrap();
         let rank = |v: Vec<f64>| RankResult {
             step_samples_us: v,

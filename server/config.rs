@@ -111,6 +111,30 @@ pub struct BenchArgs {
     /// step's least time over the ranks). At most 1 s.
     #[arg(long, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
     pub gap_us: Option<u64>,
+    /// With --gap-us: each rank idles a further draw of its own, 0 to this many µs (uniform,
+    /// fresh each step), so the ranks start their steps apart, as serving's do (the leader's
+    /// step reaches the other ranks later). At most 1 s.
+    #[arg(long, requires = "gap_us", default_value_t = 0,
+        value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    pub gap_spread_us: u64,
+    /// With --gap-us: each timed step also moves its rows and small values as a serving rank
+    /// does: rows in from page-locked host memory before it, its count (and a client's routing)
+    /// in and its counts out inside its time, its rows out after it.
+    #[arg(long, requires = "gap_us")]
+    pub gap_copies: bool,
+    /// With --gap-us: the host waits for each timed step as a serving rank does, polling its
+    /// end event in a spin and then between naps (default: in cuStreamSynchronize).
+    #[arg(long, requires = "gap_us")]
+    pub gap_poll: bool,
+    /// Each rank in a process of its own, as `epserve launch` runs them (default: a thread of
+    /// this process each).
+    #[arg(long)]
+    pub rank_processes: bool,
+    /// Set by --rank-processes on each process it starts: RUN:RANK:ID:CLOCK:FILE (the run's
+    /// index, the rank, the NCCL id in hex, the launch clock's zero in µs since the Unix
+    /// epoch, where its result goes).
+    #[arg(long, hide = true)]
+    pub bench_child: Option<String>,
     /// Skewed routing, comma-separated Zipf exponents (0: balanced): each token's experts are
     /// drawn on the host, the most popular in rank 0's block as contiguous placement has them,
     /// and each config runs once per exponent. Default: the router's top-k over random rows.

@@ -160,7 +160,7 @@ table! {
     DEVICE_ALLOCATIONS_TOTAL: Counter "epserve_device_allocations_total", "allocations", [], gpu,
         "GPU ranks: device allocations (all made at startup)";
     DEVICE_MEMORY_USED_BYTES: Gauge "epserve_device_memory_used_bytes", "bytes", [], gpu,
-        "GPU ranks: memory in use on the rank's GPU after the last step";
+        "GPU ranks: memory in use on the rank's GPU, read after a step at most once a second";
     EP_STEPS_TOTAL: Counter "epserve_ep_steps_total", "steps", ["mode"], gpu,
         "nccl-ep: steps by mode (ll, ht; a two-batch step counts once per micro-batch)";
     EP_RECV_ROWS: Gauge "epserve_ep_recv_rows", "rows", ["mode"], gpu,

@@ -3,7 +3,7 @@
 //! itself (named configs, the table, JSON) is `crate::bench`; the GPU timing is
 //! `backend::cuda::bench`.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::ep_settings::EpMode;
 
@@ -25,6 +25,63 @@ pub struct Plan {
     pub warmup: usize,
     /// `--gap-us`: host idle before each timed step, the ranks not lined up.
     pub gap_us: Option<u64>,
+    /// `--gap-spread-us`: each rank's further idle, drawn from 0 to this, µs.
+    pub gap_spread_us: u64,
+    /// `--gap-copies`: the rows and small values moved around each timed step as serving does.
+    pub gap_copies: bool,
+    /// `--gap-poll`: each timed step waited for as a serving rank waits.
+    pub gap_poll: bool,
+    /// `--rank-processes`: each rank a process of its own.
+    pub processes: bool,
+    /// Set in such a process: the one rank of the one run it measures.
+    pub child: Option<Child>,
+}
+
+/// One rank of one run, measured by a process of its own (`--rank-processes`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Child {
+    /// The run's index among the bench's runs (configs, backends and settings, in order).
+    pub run: usize,
+    pub rank: usize,
+    /// The group's NCCL id.
+    pub id: Vec<u8>,
+    /// The launch clock's zero, µs since the Unix epoch: one clock for every rank's process.
+    pub clock_us: u64,
+    /// Where the rank's result goes, as JSON.
+    pub file: std::path::PathBuf,
+}
+
+impl Child {
+    /// `RUN:RANK:ID:CLOCK:FILE` (the id in hex), as `spec` writes it.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let bad = || format!("--bench-child {s:?}: not RUN:RANK:ID:CLOCK:FILE");
+        let [run, rank, hex, clock, file] = s.splitn(5, ':').collect::<Vec<_>>()[..] else {
+            return Err(bad());
+        };
+        let id = (hex.len() % 2 == 0)
+            .then(|| {
+                (0..hex.len())
+                    .step_by(2)
+                    .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+                    .collect::<Option<Vec<u8>>>()
+            })
+            .flatten()
+            .filter(|v| !v.is_empty())
+            .ok_or_else(bad)?;
+        Ok(Self {
+            run: run.parse().map_err(|_| bad())?,
+            rank: rank.parse().map_err(|_| bad())?,
+            id,
+            clock_us: clock.parse().map_err(|_| bad())?,
+            file: Some(file).filter(|f| !f.is_empty()).ok_or_else(bad)?.into(),
+        })
+    }
+
+    pub fn spec(&self) -> String {
+        let hex: String = self.id.iter().map(|b| format!("{b:02x}")).collect();
+        let (run, rank, clock) = (self.run, self.rank, self.clock_us);
+        format!("{run}:{rank}:{hex}:{clock}:{}", self.file.display())
+    }
 }
 
 /// A named benchmark shape.
@@ -107,15 +164,28 @@ pub fn eplb_slots(c: &BenchConfig, world: usize) -> Result<Option<crate::eplb::S
     SlotMap::from_tables(c.experts, world, vec![table]).map(Some)
 }
 
+/// JSON has no NaN (serde_json writes null): a rank's process sends what it did not measure
+/// as null, and the parent reads NaN back.
+fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Option::<f64>::deserialize(d).map(|v| v.unwrap_or(f64::NAN))
+}
+
 /// One rank's medians for one config (microseconds, bytes, rows).
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct RankResult {
     pub rank: usize,
+    #[serde(deserialize_with = "nan_if_null")]
     pub step_us: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub gating_us: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub prepare_us: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub dispatch_us: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub experts_us: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub combine_us: f64,
     /// Rows this rank's experts received from other ranks, and from itself.
     pub recv_rows_remote: usize,
@@ -125,6 +195,7 @@ pub struct RankResult {
     /// Bytes the fixed-slot exchange moves to or from other ranks, each way (0: not known, as
     /// for NCCL EP).
     pub wire_bytes: usize,
+    #[serde(deserialize_with = "nan_if_null")]
     pub dense_us: f64,
     pub dense_rows: usize,
     /// With `eplb`: this rank's slots the placement rewrites against contiguous blocks (the
@@ -132,7 +203,9 @@ pub struct RankResult {
     /// step's stream, and a step with that copy before it.
     pub moved_slots: usize,
     pub moved_bytes: usize,
+    #[serde(deserialize_with = "nan_if_null")]
     pub move_us: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub step_with_move_us: f64,
     /// With `--gap-us`: every timed step's time, in order (step i is the same exchange on
     /// every rank).
@@ -314,6 +387,45 @@ mod tests {
             skew: Some(skew),
             eplb,
             ..crate::bench::config("prefill").unwrap()
+        }
+    }
+
+    #[test]
+    fn a_rank_process_reads_back_the_spec_it_was_given() {
+        let c = Child {
+            run: 3,
+            rank: 1,
+            id: vec![0, 0xab, 0x7f, 0xff],
+            clock_us: 1_764_000_000_123_456,
+            file: "/tmp/a:b/r1.json".into(),
+        };
+        assert_eq!(c.spec(), "3:1:00ab7fff:1764000000123456:/tmp/a:b/r1.json");
+        assert_eq!(Child::parse(&c.spec()), Ok(c));
+        // What it sends back: NaN (not measured) travels as null and returns as NaN.
+        let r = RankResult {
+            rank: 1,
+            step_us: 671.5,
+            move_us: f64::NAN,
+            step_samples_us: vec![670.0, 702.5],
+            ..RankResult::default()
+        };
+        let back: RankResult = serde_json::from_slice(&serde_json::to_vec(&r).unwrap()).unwrap();
+        assert_eq!((back.rank, back.step_us), (1, 671.5));
+        assert!(back.move_us.is_nan() && back.step_with_move_us == 0.0);
+        assert_eq!(back.step_samples_us, r.step_samples_us);
+        assert!(back.launch_at_us.is_empty());
+        for bad in [
+            "",
+            "3:1:00ab:5",
+            "3:1:00ab:5:",
+            "x:1:00ab:5:/f",
+            "3:1:0ab:5:/f",
+            "3:1:zz:5:/f",
+            "3:1::5:/f",
+            "3:1:00:-5:/f",
+        ] {
+            let e = Child::parse(bad).unwrap_err();
+            assert!(e.contains("RUN:RANK:ID:CLOCK:FILE"), "{bad:?}: {e}");
         }
     }
 

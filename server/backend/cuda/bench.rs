@@ -1,8 +1,12 @@
-//! `epserve bench` on the GPUs: one thread per GPU, each rank brought up as the service brings
-//! its ranks up (`setup::Device`, random weights), every phase captured as a graph and timed with
-//! CUDA events from a start the ranks share on the device; then dense cuBLAS over the same rows.
+//! `epserve bench` on the GPUs: one thread per GPU (or one process, `processes`), each rank
+//! brought up as the service brings its ranks up (`setup::Device`, random weights), every phase
+//! captured as a graph and timed with CUDA events from a start the ranks share on the device;
+//! then dense cuBLAS over the same rows.
 //! The configs and the summary are `backend::bench`'s (plain numbers, tested without a GPU),
 //! the table `crate::bench`'s.
+
+mod around;
+mod processes;
 
 use std::time::{Duration, Instant};
 
@@ -90,27 +94,30 @@ pub fn run(args: &Plan, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigRes
             })
         })
     });
-    for (c, (backend, ep), (overlap, two_batch)) in runs {
+    let clock_us = match &args.child {
+        Some(ch) => ch.clock_us,
+        None => unix_us(),
+    };
+    for (run, (c, (backend, ep), (overlap, two_batch))) in runs.enumerate() {
         let slots = c.experts + c.eplb.unwrap_or(0);
         if slots % world != 0 {
             anyhow::bail!("{}: {slots} expert slots over {world} ranks", c.name);
         }
-        let id = setup::new_unique_id()?;
-        let threads: Vec<_> = (0..world)
-            .map(|rank| {
-                let (id, c, a) = (id.clone(), c.clone(), args.clone());
-                std::thread::spawn(move || {
-                    rank_main(&id, world, rank, &c, &a, (ep, overlap, two_batch))
-                })
-            })
-            .collect();
-        let mut ranks = Vec::new();
-        for t in threads {
-            let r = t
-                .join()
-                .map_err(|_| anyhow::anyhow!("a bench rank panicked"))?;
-            ranks.push(r.with_context(|| format!("config {}", c.name))?);
+        let how = (ep, overlap, two_batch);
+        if let Some(ch) = args.child.as_ref().filter(|ch| ch.run == run) {
+            let r = rank_main(&ch.id, world, ch.rank, c, args, how, clock_us)?;
+            std::fs::write(&ch.file, serde_json::to_vec(&r)?)
+                .with_context(|| format!("writing {}", ch.file.display()))?;
         }
+        if args.child.is_some() {
+            continue;
+        }
+        let id = setup::new_unique_id()?;
+        let ranks = match args.processes {
+            true => processes::run(run, &id, world, clock_us),
+            false => threads(&id, world, c, args, how, clock_us),
+        }
+        .with_context(|| format!("config {}", c.name))?;
         let summary = summarize(c, &ranks);
         tracing::info!(config = %c.name, %backend, ?summary, "measured");
         out.push(ConfigResult {
@@ -127,9 +134,6 @@ pub fn run(args: &Plan, configs: &[BenchConfig]) -> anyhow::Result<Vec<ConfigRes
     Ok(out)
 }
 
-/// The host clock every rank thread's launch times count from (`--gap-us`).
-static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-
 type Phase = fn(&mut GpuStep, usize, Variant) -> Result<(), GpuError>;
 
 /// The step a bf16 client's request runs (as the load generator sends them): rows in bf16,
@@ -137,6 +141,48 @@ type Phase = fn(&mut GpuStep, usize, Variant) -> Result<(), GpuError>;
 const BF16_ROWS: Variant = Variant::new(HomeDtype::Bf16, false);
 /// `--skew`'s step: bf16 rows with the drawn routing, as a client that routes its own sends.
 const SKEWED: Variant = Variant::new(HomeDtype::Bf16, true);
+
+/// Each rank a thread of this process.
+fn threads(
+    id: &[u8],
+    world: usize,
+    c: &BenchConfig,
+    args: &Plan,
+    how: (Option<EpSettings>, bool, bool),
+    clock_us: u64,
+) -> anyhow::Result<Vec<RankResult>> {
+    let threads: Vec<_> = (0..world)
+        .map(|rank| {
+            let (id, c, a) = (id.to_vec(), c.clone(), args.clone());
+            std::thread::spawn(move || rank_main(&id, world, rank, &c, &a, how, clock_us))
+        })
+        .collect();
+    let mut ranks = Vec::new();
+    for t in threads {
+        let r = t
+            .join()
+            .map_err(|_| anyhow::anyhow!("a bench rank panicked"))?;
+        ranks.push(r?);
+    }
+    Ok(ranks)
+}
+
+/// `--gap-poll`: waits for `ev` as a serving rank waits for its step (`rank::wait_event`):
+/// `cuEventQuery` in a spin, then between naps; at most 10 s.
+fn poll(ev: &CudaEvent) -> anyhow::Result<()> {
+    let (deadline, mut polls) = (Instant::now() + Duration::from_secs(10), 0);
+    while !ev.try_is_complete()? {
+        anyhow::ensure!(Instant::now() < deadline, "a step took over 10 s");
+        crate::lifecycle::nap(&mut polls);
+    }
+    Ok(())
+}
+
+/// µs since the Unix epoch: one clock for the ranks' launch times, threads or processes.
+fn unix_us() -> u64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    since.map_or(0, |d| d.as_micros() as u64)
+}
 
 /// One rank, brought up as the service brings its ranks up (`setup::Device`), with random
 /// weights: GPU `rank`, one bucket of the config's tokens per rank.
@@ -147,6 +193,7 @@ fn rank_main(
     c: &BenchConfig,
     args: &Plan,
     (ep, overlap, two_batch): (Option<EpSettings>, bool, bool),
+    clock_us: u64,
 ) -> anyhow::Result<RankResult> {
     let seat = Seat {
         ordinal: rank,
@@ -168,14 +215,23 @@ fn rank_main(
     // token's experts drawn on the host and sent as a client's routing.
     core.g
         .fill_uniform_bf16(&mut core.b.xb, 1000 + rank as u64, 1.0)?;
-    let v = match c.skew {
-        Some(_) => {
-            let (ids, w) = crate::backend::bench::skewed_routing(c, rank);
-            s.memcpy_htod(&ids, &mut core.b.ids)?;
-            s.memcpy_htod(&w, &mut core.b.w)?;
+    let routing = c
+        .skew
+        .map(|_| crate::backend::bench::skewed_routing(c, rank));
+    let v = match &routing {
+        Some((ids, w)) => {
+            s.memcpy_htod(ids, &mut core.b.ids)?;
+            s.memcpy_htod(w, &mut core.b.w)?;
             SKEWED
         }
         None => BF16_ROWS,
+    };
+    let mut around = match args.gap_copies {
+        true => {
+            let client = routing.as_ref().map(|(i, w)| (&i[..], &w[..]));
+            Some(around::Around::new(&mut core, t, v, client)?)
+        }
+        false => None,
     };
     for _ in 0..args.warmup.max(1) {
         core.run(0, t, v)?;
@@ -211,14 +267,15 @@ fn rank_main(
     let mut align = |core: &GpuStep| core.comm.all_gather(&one, &mut all, 1, &s);
     // With a gap, no all-gather: the step is the first work after the idle on every rank, and
     // a rank that waits for a late peer's host is left out by the group's least time. Each
-    // launch's host time (one clock for every rank thread) says how late each rank came.
-    let epoch = *EPOCH.get_or_init(Instant::now);
+    // launch's host time (one clock for every rank, thread or process) says how late each rank came.
     let (mut launch_at_us, mut phase_launch_at_us) = (Vec::new(), Vec::new());
+    let mut spread = crate::model::synthetic::SplitMix(0x9a9 ^ rank as u64);
     let mut start = |core: &GpuStep, at: &mut Vec<f64>| -> anyhow::Result<()> {
         match args.gap_us {
             Some(g) => {
-                std::thread::sleep(Duration::from_micros(g));
-                at.push(epoch.elapsed().as_secs_f64() * 1e6);
+                let extra = (spread.unit() * (args.gap_spread_us + 1) as f64) as u64;
+                std::thread::sleep(Duration::from_micros(g + extra));
+                at.push(unix_us().saturating_sub(clock_us) as f64);
             }
             None => align(core)?,
         }
@@ -230,14 +287,29 @@ fn rank_main(
     let mut enqueue_us = Vec::new();
     for _ in 0..args.iters {
         start(&core, &mut launch_at_us)?;
+        if let Some(a) = &mut around {
+            a.rows_in(&mut core)?;
+        }
         let t = Instant::now();
         ev[0].record(&s)?;
-        step.launch()?;
+        match &mut around {
+            Some(a) => a.step(&mut core, || step.launch())?,
+            None => step.launch()?,
+        }
         if args.gap_us.is_some() {
             enqueue_us.push(t.elapsed().as_secs_f64() * 1e6);
         }
         ev[1].record(&s)?;
+        if let Some(a) = &mut around {
+            a.rows_out(&mut core)?;
+        }
+        if args.gap_poll {
+            poll(&ev[1])?;
+        }
         s.synchronize()?;
+        if let Some(a) = &around {
+            a.synchronize()?;
+        }
         steps.push(us(&ev[0], &ev[1])?);
     }
     let step_samples_us = match args.gap_us {
