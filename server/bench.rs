@@ -1,6 +1,7 @@
 //! `epserve bench`: the GPU step and each of its phases timed with CUDA events on every GPU of
-//! the machine (one thread and NCCL rank per GPU), graphs on, for named configs; plus dense cuBLAS
-//! GEMMs of the same shapes in the same run, so the grouped GEMM has a yardstick.
+//! the machine (one NCCL rank per GPU, a thread each or with `--rank-processes` a process each),
+//! graphs on, for named configs; plus dense cuBLAS GEMMs of the same shapes in the same run, so
+//! the grouped GEMM has a yardstick.
 
 use crate::backend::bench::{BenchConfig, Child, ConfigResult, Plan};
 use crate::config::BenchArgs;

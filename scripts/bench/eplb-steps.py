@@ -6,12 +6,12 @@
 #   includes its wait in the exchange for a rank whose host started the step later;
 # - group: the least device time of any rank for the step (joined by `step=`): the step timed
 #   from the rank that started it last, so without that wait; what a slower step on any rank
-#   (a rebalance's copies, say) makes longer, as every rank waits for it in combine;
+#   (a rebalance's copies, say) makes longer, as every rank waits for it in combine; its steps
+#   are split by rank 0's GPU idle before each, and by whether rank 0 submitted the next step
+#   (its rows then copying in) while each ran;
 # - group, graph only: the same without each rank's wait before its graph (`wait_us`: its host
 #   still enqueueing the step, or a placement's copies); every step over 1.1x in the group
-#   measure is listed with each rank's wait and host enqueue time (`enqueue_us`); the group
-#   steps are split by rank 0's GPU idle before each, and by whether rank 0 submitted the next
-#   step (its rows then copying in) while each ran;
+#   measure is listed with each rank's wait and host enqueue time (`enqueue_us`);
 # - group, graph alone: the same less also each rank's small copies in and out (`in_us`,
 #   `out_us`: the routing in ahead of the graph, the counts out behind it), where logged;
 # - causes: each group step over 1.1x put down to a host stall (a rank took over 250 us and 3x
@@ -175,7 +175,7 @@ for f in sys.argv[1:]:
             by_no = {s[5]: s for s in seq if s[5] is not None}
             during = lambda s: s[5] is not None and s[5] + 1 in by_no and \
                 by_no[s[5] + 1][0] - by_no[s[5] + 1][3] / 1e6 < s[0]
-            for what, sel in [("the next step submitted while it ran", True), ("no step submitted while it ran", False)]:
+            for what, sel in [("the next step submitted while it ran", True), ("the next step submitted after it", False)]:
                 r = [ratio(s) for s in seq if during(s) == sel]
                 if r:
                     print("  %s: %d steps, over 1.1x: %d (%.2f%%)" % (

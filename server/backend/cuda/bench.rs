@@ -267,7 +267,8 @@ fn rank_main(
     let mut align = |core: &GpuStep| core.comm.all_gather(&one, &mut all, 1, &s);
     // With a gap, no all-gather: the step is the first work after the idle on every rank, and
     // a rank that waits for a late peer's host is left out by the group's least time. Each
-    // launch's host time (one clock for every rank, thread or process) says how late each rank came.
+    // launch's host time (one clock for every rank, thread or process) says how late each rank
+    // came.
     let (mut launch_at_us, mut phase_launch_at_us) = (Vec::new(), Vec::new());
     let mut spread = crate::model::synthetic::SplitMix(0x9a9 ^ rank as u64);
     let mut start = |core: &GpuStep, at: &mut Vec<f64>| -> anyhow::Result<()> {
