@@ -6,9 +6,7 @@
 #   includes its wait in the exchange for a rank whose host started the step later;
 # - group: the least device time of any rank for the step (joined by `step=`): the step timed
 #   from the rank that started it last, so without that wait; what a slower step on any rank
-#   (a rebalance's copies, say) makes longer, as every rank waits for it in combine; its steps
-#   are split by rank 0's GPU idle before each, and by whether rank 0 submitted the next step
-#   (its rows then copying in) while each ran;
+#   (a rebalance's copies, say) makes longer, as every rank waits for it in combine;
 # - group, graph only: the same without each rank's wait before its graph (`wait_us`: its host
 #   still enqueueing the step, or a placement's copies); every step over 1.1x in the group
 #   measure is listed with each rank's wait and host enqueue time (`enqueue_us`);
@@ -170,16 +168,6 @@ for f in sys.argv[1:]:
                     print("  after %s us of idle on rank 0: %d steps, over 1.1x: %d (%.2f%%)" % (
                         "%d-%s" % (lo, int(hi) if hi < 1e9 else ""), len(r), sum(x > 1.1 for x in r),
                         100.0 * sum(x > 1.1 for x in r) / len(r)))
-            # Whether rank 0 submitted the next step (whose rows then copy in) while this one
-            # ran: submitted at its completion less its host time.
-            by_no = {s[5]: s for s in seq if s[5] is not None}
-            during = lambda s: s[5] is not None and s[5] + 1 in by_no and \
-                by_no[s[5] + 1][0] - by_no[s[5] + 1][3] / 1e6 < s[0]
-            for what, sel in [("the next step submitted while it ran", True), ("the next step submitted after it", False)]:
-                r = [ratio(s) for s in seq if during(s) == sel]
-                if r:
-                    print("  %s: %d steps, over 1.1x: %d (%.2f%%)" % (
-                        what, len(r), sum(x > 1.1 for x in r), 100.0 * sum(x > 1.1 for x in r) / len(r)))
         if col in (6, 7) and moved:
             by_step = {s[5]: s for s in timed if tuple(s[1:3]) in med}
             beside, listed = [], 0
