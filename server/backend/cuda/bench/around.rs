@@ -17,7 +17,8 @@ pub(super) struct Around {
     st: Staging,
     rows_in: Pinned<bf16>,
     rows_out: Pinned<bf16>,
-    rows: usize,
+    /// The step's tokens on this rank.
+    tokens: usize,
     variant: Variant,
 }
 
@@ -46,7 +47,7 @@ impl Around {
             st,
             rows_in,
             rows_out,
-            rows: t,
+            tokens: t,
             variant,
         })
     }
@@ -62,7 +63,7 @@ impl Around {
         )?;
         cp.inbox_full.record(&cp.h2d)?;
         s.wait(&cp.inbox_full)?;
-        unpack_rows(c, self.rows, Dtype::Bf16)
+        unpack_rows(c, self.tokens, Dtype::Bf16)
     }
 
     /// Inside the step's time: its count and routing in before `graph`, its counts out after.
@@ -71,15 +72,15 @@ impl Around {
         c: &mut GpuStep,
         graph: impl FnOnce() -> Result<(), DriverError>,
     ) -> Result<(), DriverError> {
-        self.st.copy_in(c, self.rows, self.variant)?;
+        self.st.copy_in(c, self.tokens, self.variant)?;
         graph()?;
-        self.st.copy_out(c, self.rows)
+        self.st.copy_out(c, self.tokens)
     }
 
     /// The rows out, on the copy-out stream behind the step.
     pub fn rows_out(&mut self, c: &mut GpuStep) -> Result<(), DriverError> {
         let (cp, s) = (&self.copies, c.g.stream.clone());
-        pack_rows(c, self.rows, Dtype::Bf16)?;
+        pack_rows(c, self.tokens, Dtype::Bf16)?;
         cp.outbox_full.record(&s)?;
         cp.d2h.wait(&cp.outbox_full)?;
         let n = self.rows_out.as_slice().len();
