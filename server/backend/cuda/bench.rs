@@ -167,17 +167,6 @@ fn threads(
     Ok(ranks)
 }
 
-/// `--gap-poll`: waits for `ev` as a serving rank waits for its step (`rank::wait_event`):
-/// `cuEventQuery` in a spin, then between naps; at most 10 s.
-fn poll(ev: &CudaEvent) -> anyhow::Result<()> {
-    let (deadline, mut polls) = (Instant::now() + Duration::from_secs(10), 0);
-    while !ev.try_is_complete()? {
-        anyhow::ensure!(Instant::now() < deadline, "a step took over 10 s");
-        crate::lifecycle::nap(&mut polls);
-    }
-    Ok(())
-}
-
 /// µs since the Unix epoch: one clock for the ranks' launch times, threads or processes.
 fn unix_us() -> u64 {
     let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
@@ -305,7 +294,9 @@ fn rank_main(
             a.rows_out(&mut core)?;
         }
         if args.gap_poll {
-            poll(&ev[1])?;
+            // As a serving rank waits for its step: `cuEventQuery` in a spin, then naps.
+            let bound = Duration::from_secs(10);
+            crate::backend::cuda::rank::wait_event(&ev[1], Instant::now(), bound, None)?;
         }
         s.synchronize()?;
         if let Some(a) = &around {

@@ -39,7 +39,7 @@ const MEMORY_EVERY: Duration = Duration::from_secs(1);
 
 /// Waits for `ev` until `started + bound`, spinning briefly, then sleeping in short naps; a
 /// group that halts (a peer is gone) ends the wait at once where `abort` is given.
-fn wait_event(
+pub(in crate::backend::cuda) fn wait_event(
     ev: &CudaEvent,
     started: Instant,
     bound: Duration,
